@@ -1,0 +1,1 @@
+"""attn_dispatch: per-runner attention kernel dispatch."""
