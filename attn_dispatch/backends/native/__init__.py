@@ -1,0 +1,55 @@
+"""The ``native`` backend: C++ CPU kernels from ``csrc/`` (capabilities only; the kernels are
+driven from ``backend.py``).
+
+Head dims: any ``head_dim`` and ``v_head_dim`` from 1 to 2048 (rows are zero-padded to the
+vector width in registers, so no multiple is required; the bound sizes the per-thread
+buffers). Dtypes: q float32 or bfloat16 with a float32 or bfloat16 cache, any of the four
+pairs; the output has q's dtype; accumulation is fp32. float16 is not served (no fp16
+conversion path is built). Any page size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from attn_dispatch._capabilities import Capabilities
+from attn_dispatch.backends.native._lib import unavailable_reason
+
+if TYPE_CHECKING:
+    from attn_dispatch._config import AttnConfig
+    from attn_dispatch._phase import Phase
+
+MAX_HEAD_DIM = 2048  # csrc/kernels.h kMaxHeadDim
+
+
+def _check_dims(config: AttnConfig, phase: Phase) -> Iterable[str]:
+    for field in ("head_dim", "v_head_dim"):
+        value = getattr(config, field)
+        if not 1 <= value <= MAX_HEAD_DIM:
+            yield (
+                f"{field} {value!r} is outside the native kernels' range [1, {MAX_HEAD_DIM}] "
+                "(per-thread buffers are sized from it)"
+            )
+
+
+def _availability() -> Iterable[str]:
+    reason = unavailable_reason()
+    return [] if reason is None else [reason]
+
+
+CAPABILITIES = Capabilities(
+    kinds={"mha", "mla"},
+    devices={"cpu"},
+    dtypes={"float32", "bfloat16"},
+    kv_dtypes={"float32", "bfloat16"},
+    custom_mask=True,
+    requires=("torch",),
+    checks=(_check_dims,),
+    availability=(_availability,),
+    forms={"mla"},
+    description=(
+        "C++ CPU kernels (csrc/): paged decode and prefix+causal/custom-mask extend, split-KV, "
+        "bf16 caches converted in registers, AVX2/AVX-512/AVX-512-BF16 chosen at run time"
+    ),
+)

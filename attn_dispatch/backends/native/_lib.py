@@ -1,0 +1,175 @@
+"""Finding and loading the compiled kernel library with ctypes (stdlib only, no torch).
+
+The library is a plain C ABI shared object built by ``setup.py`` next to this file
+(``_native_attn<EXT_SUFFIX>``). When the build failed, ``setup.py`` leaves the reason in
+``_native_attn.build-error.txt`` and the backend reports "not built: <why>".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.machinery
+import os
+import threading
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LIB_STEM = "_native_attn"
+BUILD_ERROR_FILE = HERE / f"{LIB_STEM}.build-error.txt"
+ABI_VERSION = 1
+# Points the loader at another library file (development, or tests of the "not built" path).
+ENV_LIBRARY = "ATTN_DISPATCH_NATIVE_LIB"
+
+
+class NaItem(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("req", "kv_head", "q0", "q1", "h0", "h1", "k0", "k1", "slot", "pad")]
+
+
+class NaMerge(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("req", "kv_head", "q0", "q1", "h0", "h1", "nsplit", "slot0")]
+
+
+class NaProblem(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("q_dtype", ctypes.c_int32),
+        ("kv_dtype", ctypes.c_int32),
+        ("kind", ctypes.c_int32),
+        ("num_q_heads", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("v_head_dim", ctypes.c_int32),
+        ("page_size", ctypes.c_int32),
+        ("sm_scale", ctypes.c_float),
+        ("causal", ctypes.c_int32),
+        ("qo_indptr", ctypes.c_void_p),
+        ("kv_indptr", ctypes.c_void_p),
+        ("kv_indices", ctypes.c_void_p),
+        ("kv_lens", ctypes.c_void_p),
+        ("mask", ctypes.c_void_p),
+        ("mask_indptr", ctypes.c_void_p),
+        ("items", ctypes.c_void_p),
+        ("num_items", ctypes.c_int32),
+        ("merges", ctypes.c_void_p),
+        ("num_merges", ctypes.c_int32),
+        ("scratch", ctypes.c_void_p),
+        ("scratch_rows", ctypes.c_int64),
+        ("num_threads", ctypes.c_int32),
+    ]
+
+
+ITEM_INTS = ctypes.sizeof(NaItem) // 4
+MERGE_INTS = ctypes.sizeof(NaMerge) // 4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NativeLibrary:
+    """The loaded library with typed entry points."""
+
+    path: Path
+    cdll: ctypes.CDLL
+
+    @property
+    def isa(self) -> str:
+        """The instruction-set path in use ("avx512bf16", "avx512", "avx2", "generic")."""
+        return bytes(self.cdll.na_isa()).decode()
+
+    @property
+    def isa_list(self) -> tuple[str, ...]:
+        """Every path this CPU and build can run, fastest first."""
+        return tuple(bytes(self.cdll.na_isa_list()).decode().split(","))
+
+    def set_isa(self, name: str) -> None:
+        """Pin an instruction-set path for the whole process (tests and comparisons)."""
+        if self.cdll.na_set_isa(name.encode()) != 0:
+            raise ValueError(
+                f"instruction-set path {name!r} is not available here "
+                f"(available: {', '.join(repr(n) for n in self.isa_list)})"
+            )
+
+
+def library_candidates(directory: Path = HERE) -> list[Path]:
+    """Library files this package may hold, the running interpreter's own suffix first."""
+    found = []
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = directory / f"{LIB_STEM}{suffix}"
+        if path.is_file():
+            found.append(path)
+    return found
+
+
+_lock = threading.Lock()
+_cache: dict[str, NativeLibrary | str] = {}
+
+
+def _declare(cdll: ctypes.CDLL) -> None:
+    c_i32, c_i64, vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    cdll.na_abi_version.restype = c_i32
+    cdll.na_abi_version.argtypes = []
+    cdll.na_isa.restype = ctypes.c_char_p
+    cdll.na_isa.argtypes = []
+    cdll.na_isa_list.restype = ctypes.c_char_p
+    cdll.na_isa_list.argtypes = []
+    cdll.na_set_isa.restype = ctypes.c_int
+    cdll.na_set_isa.argtypes = [ctypes.c_char_p]
+    cdll.na_run.restype = ctypes.c_int
+    cdll.na_run.argtypes = [ctypes.POINTER(NaProblem)]
+    cdll.na_plan.restype = ctypes.c_int
+    cdll.na_plan.argtypes = [
+        c_i32, vp, vp, c_i32, c_i32, c_i32, c_i32, c_i32,
+        vp, c_i64, vp, c_i64,
+        ctypes.POINTER(c_i64), ctypes.POINTER(c_i64), ctypes.POINTER(c_i64),
+    ]  # fmt: skip
+
+
+def _load(path: Path | None) -> NativeLibrary | str:
+    if path is None:
+        found = library_candidates()
+        if not found:
+            why = "no compiled library _native_attn*.so next to the package"
+            if BUILD_ERROR_FILE.is_file():
+                detail = BUILD_ERROR_FILE.read_text(errors="replace").strip().splitlines()
+                why = f"the build failed: {detail[0] if detail else 'unknown error'}"
+            return (
+                f"not built: {why} (reinstall with a C++17 compiler, or run "
+                "`python setup.py build_ext --inplace` in a source checkout)"
+            )
+        path = found[0]
+    if not path.is_file():
+        return f"not built: library file {str(path)!r} does not exist"
+    try:
+        cdll = ctypes.CDLL(str(path))
+        _declare(cdll)
+        version = int(cdll.na_abi_version())
+    except (OSError, AttributeError) as exc:
+        return f"not built: cannot load {str(path)!r}: {exc}"
+    if version != ABI_VERSION:
+        return (
+            f"not built: {str(path)!r} has ABI version {version}, this package needs "
+            f"{ABI_VERSION} (rebuild it)"
+        )
+    return NativeLibrary(path=path, cdll=cdll)
+
+
+def load(path: str | os.PathLike[str] | None = None) -> NativeLibrary | str:
+    """The library, or the reason it cannot be used ("not built: ..."); cached per path.
+
+    ``path`` (or the ``ATTN_DISPATCH_NATIVE_LIB`` environment variable) overrides the search.
+    """
+    if path is None and os.environ.get(ENV_LIBRARY):
+        path = os.environ[ENV_LIBRARY]
+    key = "" if path is None else str(path)
+    with _lock:
+        if key not in _cache:
+            _cache[key] = _load(None if path is None else Path(path))
+        return _cache[key]
+
+
+def unavailable_reason(path: str | os.PathLike[str] | None = None) -> str | None:
+    """None when the library loads, else the "not built: ..." reason."""
+    lib = load(path)
+    return lib if isinstance(lib, str) else None

@@ -1,0 +1,5 @@
+// The kernels compiled for the "generic" instruction set (flags chosen in setup.py).
+#define NA_NS na_generic
+#define NA_TABLE na_kernels_generic
+#define NA_ISA_NAME "generic"
+#include "kernels_impl.h"

@@ -1,0 +1,356 @@
+// Kernel bodies, compiled once per instruction set: each kern_<isa>.cpp defines NA_NS and
+// NA_TABLE and includes this file with its own -m flags. The code uses GCC/Clang vector
+// extensions (16 floats), which the compiler lowers to zmm, ymm pairs, xmm quads or NEON
+// depending on the flags of the including translation unit: one source, portable, with
+// the fast paths chosen at run time by native_attn.cpp.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <new>
+#include <vector>
+
+#include "kernels.h"
+
+namespace NA_NS {
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+constexpr int W = 16;
+constexpr int BK = na::kBlockKeys;
+static_assert(BK == 2 * W, "the softmax step handles a key block as two vectors");
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+
+static inline vf ld(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline void st(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+static inline vf splat(float x) { return vf{} + x; }
+static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+// bf16 -> fp32 is a 16-bit left shift of the bit pattern: done in registers.
+static inline vf ld_bf16(const uint16_t* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  vu w = __builtin_convertvector(h, vu) << 16;
+  vf f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
+}
+static inline float hsum(vf v) {
+  vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+static inline float hmax(vf v) {
+  vf8 a0 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  vf8 a1 = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vf8 a = a0 > a1 ? a0 : a1;
+  float m = a[0];
+  for (int i = 1; i < 8; ++i) m = a[i] > m ? a[i] : m;
+  return m;
+}
+// 2^x for x <= 0 (softmax weights): round-to-nearest range reduction, degree-7 Taylor
+// polynomial on [-0.5, 0.5] (error ~5e-9 relative), exponent added in the bits.
+// Inputs below -125 (including -inf of masked keys) give exactly 0.
+static inline vf vexp2(vf x) {
+  vi under = x < -125.0f;
+  x = x < -125.0f ? splat(-125.0f) : x;
+  x = x > 125.0f ? splat(125.0f) : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  vf t = x + magic;
+  vf fn = t - magic;
+  vi n;
+  std::memcpy(&n, &t, sizeof n);
+  n -= 0x4B400000;  // bit pattern of magic
+  vf f = x - fn;
+  vf p = splat(1.5252733804059840e-5f);
+  p = p * f + 1.5403530393381610e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  vi pb;
+  std::memcpy(&pb, &p, sizeof pb);
+  pb += n << 23;
+  std::memcpy(&p, &pb, sizeof p);
+  return under ? splat(0.0f) : p;
+}
+
+static inline float bf2f(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t f2bf(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+static inline int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+// Copy n elements as fp32 into dst and zero it up to np (a multiple of W).
+static inline void load_row(float* dst, const float* src, int n, int np) {
+  std::memcpy(dst, src, sizeof(float) * size_t(n));
+  for (int i = n; i < np; ++i) dst[i] = 0.0f;
+}
+static inline void load_row(float* dst, const uint16_t* src, int n, int np) {
+  int i = 0;
+  for (; i + W <= n; i += W) st(dst + i, ld_bf16(src + i));
+  for (; i < n; ++i) dst[i] = bf2f(src[i]);
+  for (; i < np; ++i) dst[i] = 0.0f;
+}
+static inline void store_row(float* dst, const float* src, float s, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = src[i] * s;
+}
+static inline void store_row(uint16_t* dst, const float* src, float s, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = f2bf(src[i] * s);
+}
+
+// Per-thread buffers, grown on demand and kept for the life of the thread.
+struct Buffers {
+  std::vector<float> q, k, v, s, acc, m, l;
+  void ensure(int rows, int dp, int dvp) {
+    auto grow = [](std::vector<float>& b, size_t n) {
+      if (b.size() < n) b.resize(n);
+    };
+    grow(q, size_t(rows) * dp);
+    grow(k, size_t(BK) * dp);
+    grow(v, size_t(BK) * dvp);
+    grow(s, size_t(rows) * BK);
+    grow(acc, size_t(rows) * dvp);
+    grow(m, size_t(rows));
+    grow(l, size_t(rows));
+  }
+};
+static thread_local Buffers tls_buffers;
+
+#ifdef NA_HAVE_BF16_PATH
+#include "bf16_path.h"
+#endif
+
+template <typename QT, typename KT>
+static int item_impl(const NaProblem& P, const NaItem& it) {
+  const int Hq = P.num_q_heads, Hkv = P.num_kv_heads, D = P.head_dim, Dv = P.v_head_dim;
+  const int ps = P.page_size;
+  const bool mla = P.kind == NA_MLA;
+  const int G = Hq / Hkv;
+  const int Dp = round_up(D, W), Dvp = round_up(Dv, W);
+  const int nh = it.h1 - it.h0, nq = it.q1 - it.q0, R = nh * nq;
+  const int req = it.req;
+  const int qs = P.qo_indptr[req];
+  const int q_len = P.qo_indptr[req + 1] - qs;
+  const int kv_len = P.kv_lens[req];
+  const int32_t* pages = P.kv_indices + P.kv_indptr[req];
+  Buffers& B = tls_buffers;
+  try {
+    B.ensure(R, Dp, Dvp);
+  } catch (const std::bad_alloc&) {
+    return -2;
+  }
+  float* qb = B.q.data();
+  float* kb = B.k.data();
+  float* vb = B.v.data();
+  float* S = B.s.data();
+  float* acc = B.acc.data();
+  float* m = B.m.data();
+  float* l = B.l.data();
+  int lim[na::kMaxRows];
+  const uint8_t* mrow[na::kMaxRows];
+  const float qscale = P.sm_scale * kLog2e;  // scores in log2 units: exp2 in the softmax
+  const QT* qbase = static_cast<const QT*>(P.q);
+  for (int jj = 0; jj < nq; ++jj) {
+    for (int hh = 0; hh < nh; ++hh) {
+      const int r = jj * nh + hh;
+      const int64_t token = qs + it.q0 + jj;
+      const int head = it.kv_head * G + it.h0 + hh;
+      float* qr = qb + size_t(r) * Dp;
+      load_row(qr, qbase + (token * Hq + head) * D, D, Dp);
+      for (int c = 0; c < Dp; ++c) qr[c] *= qscale;
+      lim[r] = kv_len - q_len + it.q0 + jj;
+      mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+      std::memset(acc + size_t(r) * Dvp, 0, sizeof(float) * size_t(Dvp));
+    }
+  }
+  const KT* kbase = static_cast<const KT*>(P.k);
+  const KT* vbase = static_cast<const KT*>(P.v);
+  for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
+    const int n = std::min(BK, it.k1 - k0);
+    // Gather and convert the block's rows once; every row of the tile reuses them.
+    for (int t = 0; t < n; ++t) {
+      const int pos = k0 + t;
+      const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+      if (mla) {
+        load_row(kb + size_t(t) * Dp, kbase + slot * D, D, Dp);
+      } else {
+        load_row(kb + size_t(t) * Dp, kbase + (slot * Hkv + it.kv_head) * D, D, Dp);
+        load_row(vb + size_t(t) * Dvp, vbase + (slot * Hkv + it.kv_head) * Dv, Dv, Dvp);
+      }
+    }
+    // MLA: V is the first Dv columns of the same converted latent rows (read once).
+    const float* V = mla ? kb : vb;
+    const int vstride = mla ? Dp : Dvp;
+    for (int r = 0; r < R; ++r) {
+      const float* qr = qb + size_t(r) * Dp;
+      float* sr = S + size_t(r) * BK;
+      int t = 0;
+      for (; t + 4 <= n; t += 4) {
+        const float* k0p = kb + size_t(t) * Dp;
+        vf a0 = splat(0.0f), a1 = a0, a2 = a0, a3 = a0;
+        for (int c = 0; c < Dp; c += W) {
+          const vf qv = ld(qr + c);
+          a0 += qv * ld(k0p + c);
+          a1 += qv * ld(k0p + Dp + c);
+          a2 += qv * ld(k0p + 2 * Dp + c);
+          a3 += qv * ld(k0p + 3 * Dp + c);
+        }
+        sr[t] = hsum(a0);
+        sr[t + 1] = hsum(a1);
+        sr[t + 2] = hsum(a2);
+        sr[t + 3] = hsum(a3);
+      }
+      for (; t < n; ++t) {
+        const float* kp = kb + size_t(t) * Dp;
+        vf a = splat(0.0f);
+        for (int c = 0; c < Dp; c += W) a += ld(qr + c) * ld(kp + c);
+        sr[t] = hsum(a);
+      }
+      for (t = n; t < BK; ++t) sr[t] = kNegInf;
+      if (P.causal) {
+        for (t = std::max(0, lim[r] + 1 - k0); t < n; ++t) sr[t] = kNegInf;
+      } else {
+        const uint8_t* mk = mrow[r] + k0;
+        for (t = 0; t < n; ++t)
+          if (!mk[t]) sr[t] = kNegInf;
+      }
+    }
+    // Online softmax: one max/rescale per row per block, then acc += p . V.
+    for (int r = 0; r < R; ++r) {
+      float* sr = S + size_t(r) * BK;
+      const vf s0 = ld(sr), s1 = ld(sr + W);
+      const float bm = hmax(vmax(s0, s1));
+      const float mn = std::max(m[r], bm);
+      if (mn == kNegInf) continue;  // every key so far masked for this row
+      const float alpha = std::exp2(m[r] - mn);
+      const vf p0 = vexp2(s0 - mn), p1 = vexp2(s1 - mn);
+      l[r] = l[r] * alpha + hsum(p0 + p1);
+      m[r] = mn;
+      st(sr, p0);
+      st(sr + W, p1);
+      float* ar = acc + size_t(r) * Dvp;
+      int c = 0;
+      for (; c + 2 * W <= Dvp; c += 2 * W) {
+        vf a0 = ld(ar + c) * alpha, a1 = ld(ar + c + W) * alpha;
+        for (int t = 0; t < n; ++t) {
+          const float* vp = V + size_t(t) * vstride + c;
+          a0 += sr[t] * ld(vp);
+          a1 += sr[t] * ld(vp + W);
+        }
+        st(ar + c, a0);
+        st(ar + c + W, a1);
+      }
+      for (; c < Dvp; c += W) {
+        vf a = ld(ar + c) * alpha;
+        for (int t = 0; t < n; ++t) a += sr[t] * ld(V + size_t(t) * vstride + c);
+        st(ar + c, a);
+      }
+    }
+  }
+  // Finish: normalise; rows that saw no key at all give zeros, never NaN.
+  for (int jj = 0; jj < nq; ++jj) {
+    for (int hh = 0; hh < nh; ++hh) {
+      const int r = jj * nh + hh;
+      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      const float* ar = acc + size_t(r) * Dvp;
+      if (it.slot < 0) {
+        const int64_t token = qs + it.q0 + jj;
+        const int head = it.kv_head * G + it.h0 + hh;
+        QT* o = static_cast<QT*>(P.out) + (token * Hq + head) * Dv;
+        store_row(o, ar, inv, Dv);
+      } else {
+        const int64_t row = int64_t(it.slot) + r;
+        store_row(P.scratch + row * Dv, ar, inv, Dv);
+        float* lse = P.scratch + P.scratch_rows * Dv;
+        lse[row] = l[r] > 0.0f ? m[r] + std::log2(l[r]) : kNegInf;
+      }
+    }
+  }
+  return 0;
+}
+
+template <typename QT>
+static int merge_impl(const NaProblem& P, const NaMerge& mg) {
+  const int Hq = P.num_q_heads, Hkv = P.num_kv_heads, Dv = P.v_head_dim;
+  const int G = Hq / Hkv;
+  const int nh = mg.h1 - mg.h0, nq = mg.q1 - mg.q0, R = nh * nq;
+  const float* lse = P.scratch + P.scratch_rows * Dv;
+  const int qs = P.qo_indptr[mg.req];
+  Buffers& B = tls_buffers;
+  try {
+    B.ensure(1, W, round_up(Dv, W));
+  } catch (const std::bad_alloc&) {
+    return -2;
+  }
+  float* tmp = B.acc.data();
+  for (int jj = 0; jj < nq; ++jj) {
+    for (int hh = 0; hh < nh; ++hh) {
+      const int r = jj * nh + hh;
+      float mx = kNegInf;
+      for (int s = 0; s < mg.nsplit; ++s) mx = std::max(mx, lse[int64_t(mg.slot0) + s * R + r]);
+      std::fill(tmp, tmp + Dv, 0.0f);
+      float wsum = 0.0f;
+      if (mx != kNegInf) {
+        for (int s = 0; s < mg.nsplit; ++s) {
+          const int64_t row = int64_t(mg.slot0) + int64_t(s) * R + r;
+          const float w = std::exp2(lse[row] - mx);  // 0 for a split that saw no key
+          if (w == 0.0f) continue;
+          wsum += w;
+          const float* o = P.scratch + row * Dv;
+          for (int c = 0; c < Dv; ++c) tmp[c] += w * o[c];
+        }
+      }
+      const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+      const int64_t token = qs + mg.q0 + jj;
+      const int head = mg.kv_head * G + mg.h0 + hh;
+      store_row(static_cast<QT*>(P.out) + (token * Hq + head) * Dv, tmp, inv, Dv);
+    }
+  }
+  return 0;
+}
+
+static int item(const NaProblem* p, const NaItem* it) {
+  const bool qbf = p->q_dtype == NA_BF16, kbf = p->kv_dtype == NA_BF16;
+#ifdef NA_HAVE_BF16_PATH
+  if (qbf && kbf && bf16_path_applies(*p, *it)) return bf16_item(*p, *it);
+#endif
+  if (qbf) {
+    return kbf ? item_impl<uint16_t, uint16_t>(*p, *it) : item_impl<uint16_t, float>(*p, *it);
+  }
+  return kbf ? item_impl<float, uint16_t>(*p, *it) : item_impl<float, float>(*p, *it);
+}
+
+static int merge(const NaProblem* p, const NaMerge* m) {
+  return p->q_dtype == NA_BF16 ? merge_impl<uint16_t>(*p, *m) : merge_impl<float>(*p, *m);
+}
+
+}  // namespace NA_NS
+
+extern "C" {
+extern const na::Kernels NA_TABLE;
+const na::Kernels NA_TABLE = {NA_ISA_NAME, NA_NS::item, NA_NS::merge};
+}

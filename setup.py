@@ -1,0 +1,125 @@
+"""Build of the native CPU kernels (csrc/) for the ``native`` backend.
+
+The metadata lives in pyproject.toml; this file only adds the C++ library. It is a plain C ABI
+shared object loaded with ctypes, so the build needs a C++17 compiler and nothing else: no
+torch headers, no download. Each ``csrc/kern_<isa>.cpp`` is compiled with its own
+instruction-set flags and the library picks the fastest at run time, so one build runs on any
+x86-64 (and builds on aarch64 with the portable path only).
+
+A missing or failing compiler does not fail the install: the error is printed as a warning and
+saved to ``_native_attn.build-error.txt``, and the backend then reports "not built: <why>".
+
+    pip install .                       # or pip install -e .
+    python setup.py build_ext --inplace # development build next to the sources
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import traceback
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+CSRC = "csrc"
+PACKAGE_DIR = Path("attn_dispatch", "backends", "native")
+ERROR_FILE = "_native_attn.build-error.txt"
+
+COMMON_FLAGS = [
+    "-std=c++17",
+    "-O3",
+    "-fPIC",
+    "-fvisibility=hidden",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-Wall",
+    "-Wno-psabi",  # vector-extension types in static inline helpers; no ABI crosses files
+]
+AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
+
+
+def _sources() -> list[tuple[str, list[str]]]:
+    """(source, extra flags) per translation unit for this machine's architecture."""
+    units = [(f"{CSRC}/native_attn.cpp", []), (f"{CSRC}/kern_generic.cpp", [])]
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        units += [
+            (f"{CSRC}/kern_avx2.cpp", AVX2),
+            (f"{CSRC}/kern_avx512.cpp", AVX512),
+            (f"{CSRC}/kern_avx512bf16.cpp", [*AVX512, "-mavx512bf16"]),
+        ]
+    return units
+
+
+class BuildNative(build_ext):
+    """Compiles each unit with its own flags; turns every build failure into a warning."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # compiler missing, unusable toolchain, ...
+            self._record_failure(exc)
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            self._build_native(ext)
+        except Exception as exc:
+            self._record_failure(exc, ext)
+        else:
+            error_file = Path(self.get_ext_fullpath(ext.name)).parent / ERROR_FILE
+            if error_file.exists():
+                error_file.unlink()
+
+    def _build_native(self, ext: Extension) -> None:
+        if os.environ.get("ATTN_DISPATCH_SKIP_NATIVE"):
+            raise RuntimeError("ATTN_DISPATCH_SKIP_NATIVE is set")
+        if sys.platform == "win32":
+            raise RuntimeError("the native kernels build with GCC or Clang only")
+        output = Path(self.get_ext_fullpath(ext.name))
+        output.parent.mkdir(parents=True, exist_ok=True)
+        objects: list[str] = []
+        for source, flags in _sources():
+            objects += self.compiler.compile(
+                [source],
+                output_dir=self.build_temp,
+                include_dirs=[CSRC],
+                extra_postargs=[*COMMON_FLAGS, *flags],
+                depends=[str(p) for p in Path(CSRC).glob("*.h")],
+            )
+        self.compiler.link_shared_object(
+            objects,
+            str(output),
+            extra_postargs=["-pthread"],
+            target_lang="c++",
+        )
+
+    def _record_failure(self, exc: BaseException, ext: Extension | None = None) -> None:
+        reason = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
+        self.warn(
+            "attn_dispatch: the native CPU kernels were not built; the 'native' backend will "
+            f"report 'not built'. Reason: {reason}"
+        )
+        if ext is not None:
+            target = Path(self.get_ext_fullpath(ext.name)).parent
+        else:
+            target = Path(self.build_lib if not self.inplace else ".") / PACKAGE_DIR
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            (target / ERROR_FILE).write_text(reason + "\n\n" + traceback.format_exc())
+        except OSError:
+            pass
+
+
+setup(
+    ext_modules=[
+        # Not a Python module: a shared library with a C ABI, named like an extension so
+        # build_ext places it in the package (and --inplace next to the sources).
+        Extension("attn_dispatch.backends.native._native_attn", sources=[], language="c++")
+    ],
+    cmdclass={"build_ext": BuildNative},
+)

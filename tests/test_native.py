@@ -1,0 +1,424 @@
+"""The native C++ backend against a naive per-request, per-head dense reference.
+
+Also: thread-count independence, very long page tables, every validation error path, and the
+"not built" report when the library is missing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attn_dispatch import AttnBatch, AttnConfig, InvalidBatchError, Phase  # noqa: E402
+from attn_dispatch._errors import AttnDispatchError, BackendUnavailableError  # noqa: E402
+from attn_dispatch.backends.native import CAPABILITIES  # noqa: E402
+from attn_dispatch.backends.native._lib import load, unavailable_reason  # noqa: E402
+
+LIB = load()
+needs_lib = pytest.mark.skipif(isinstance(LIB, str), reason=f"native library: {LIB}")
+ISAS = () if isinstance(LIB, str) else LIB.isa_list
+
+if not isinstance(LIB, str):
+    from attn_dispatch.backends.native.backend import NativeBackend
+
+
+# -- problem builder and naive reference --------------------------------------------------------
+
+
+def make_case(
+    kind: str,
+    phase: Phase,
+    *,
+    q_lens: list[int],
+    kv_lens: list[int],
+    page_size: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    dv: int,
+    dtype: Any = torch.float32,
+    kv_dtype: Any = torch.float32,
+    tree: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Random paged cache with shuffled page tables (pages of different requests interleave)."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    need = [(k + page_size - 1) // page_size for k in kv_lens]
+    num_pages = sum(need) + 3  # spare pages that no request uses
+    perm = list(range(num_pages))
+    rnd.shuffle(perm)
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n])
+        at += n
+    masks = None
+    if tree:
+        masks = []
+        for q, k in zip(q_lens, kv_lens, strict=True):
+            m = torch.rand(q, k, generator=gen) < 0.6
+            prefix = k - q
+            m[:, :prefix] |= torch.rand(q, prefix, generator=gen) < 0.3
+            m[torch.arange(q), prefix + torch.arange(q)] = True  # each query sees itself
+            masks.append(m)
+    batch = AttnBatch.build(
+        phase, q_lens=q_lens, kv_lens=kv_lens, page_tables=tables, page_size=page_size,
+        num_pages=num_pages, masks=masks,
+    )  # fmt: skip
+    t = sum(q_lens)
+    q = torch.randn(t, hq, d, generator=gen).to(dtype)
+    if kind == "mla":
+        k_cache = torch.randn(num_pages, page_size, d, generator=gen).to(kv_dtype)
+        v_cache = None
+    else:
+        k_cache = torch.randn(num_pages, page_size, hkv, d, generator=gen).to(kv_dtype)
+        v_cache = torch.randn(num_pages, page_size, hkv, dv, generator=gen).to(kv_dtype)
+    config = AttnConfig(
+        kind, hq, hkv, d, dv, dtype=str(dtype).removeprefix("torch."),
+        kv_dtype=str(kv_dtype).removeprefix("torch."), page_size=page_size, device="cpu",
+        tree_verify=tree,
+    )  # fmt: skip
+    return dict(
+        config=config, batch=batch, q=q, k_cache=k_cache, v_cache=v_cache, tables=tables,
+        masks=masks, q_lens=q_lens, kv_lens=kv_lens, scale=1.0 / math.sqrt(d),
+    )  # fmt: skip
+
+
+def naive(case: dict[str, Any]) -> torch.Tensor:
+    """Dense fp64 attention, one request and one head at a time."""
+    cfg = case["config"]
+    ps = cfg.page_size
+    q = case["q"].double()
+    outs = []
+    row = 0
+    for i, (ql, kl) in enumerate(zip(case["q_lens"], case["kv_lens"], strict=True)):
+        pages = torch.tensor(case["tables"][i], dtype=torch.long)
+        pos = torch.arange(kl)
+        page_of, slot_of = pages[pos // ps], pos % ps
+        k = case["k_cache"][page_of, slot_of].double()
+        if cfg.kind == "mla":
+            v = k[..., : cfg.v_head_dim]
+        else:
+            v = case["v_cache"][page_of, slot_of].double()
+        if case["masks"] is not None:
+            allowed = case["masks"][i]
+        else:
+            qpos = kl - ql + torch.arange(ql)
+            allowed = pos[None, :] <= qpos[:, None]
+        out = torch.zeros(ql, cfg.num_q_heads, cfg.v_head_dim, dtype=torch.float64)
+        group = cfg.num_q_heads // cfg.num_kv_heads
+        for h in range(cfg.num_q_heads):
+            kh = k if cfg.kind == "mla" else k[:, h // group]
+            vh = v if cfg.kind == "mla" else v[:, h // group]
+            s = q[row : row + ql, h] @ kh.T * case["scale"]
+            s = s.masked_fill(~allowed, -math.inf)
+            out[:, h] = torch.softmax(s, dim=-1) @ vh
+        outs.append(out)
+        row += ql
+    return torch.cat(outs)
+
+
+def run_native(case: dict[str, Any], **options: Any) -> torch.Tensor:
+    backend = NativeBackend(case["config"], **options)
+    plan = backend.plan(case["batch"])
+    handler = backend.handler(case["batch"].phase)
+    return handler(case["q"], case["k_cache"], case["v_cache"], plan, case["scale"])
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    # fp32 output: fp32 accumulation over <= a few thousand keys; bf16 output: one rounding
+    # of the result (2^-8 relative) dominates.
+    if out.dtype == torch.bfloat16:
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    else:
+        torch.testing.assert_close(out.double(), ref, atol=5e-5, rtol=1e-4)
+
+
+# -- correctness ---------------------------------------------------------------------------------
+
+SHAPES = {
+    # kind, hq, hkv, d, dv
+    "gqa": ("mha", 8, 2, 64, 64),
+    "mha-odd": ("mha", 3, 3, 40, 24),  # dims that are not multiples of the vector width
+    "mla": ("mla", 16, 1, 144, 128),  # small stand-in for 576/512: latent + rope
+}
+PHASES = {
+    "decode": (Phase.DECODE, [1, 1, 1], [37, 300, 5], False),
+    "prefill": (Phase.PREFILL, [7, 1, 40], [7, 90, 70], False),
+    "verify-tree": (Phase.VERIFY, [4, 6], [50, 200], True),
+}
+
+
+@needs_lib
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize(
+    "dtypes",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+    ids=["f32", "bf16", "f32q-bf16kv"],
+)
+def test_matches_naive_reference(shape: str, phase: str, dtypes: tuple[Any, Any]) -> None:
+    kind, hq, hkv, d, dv = SHAPES[shape]
+    ph, q_lens, kv_lens, tree = PHASES[phase]
+    case = make_case(
+        kind, ph, q_lens=q_lens, kv_lens=kv_lens, page_size=16, hq=hq, hkv=hkv, d=d, dv=dv,
+        dtype=dtypes[0], kv_dtype=dtypes[1], tree=tree,
+    )  # fmt: skip
+    out = run_native(case, num_threads=2)
+    assert out.dtype == dtypes[0] and out.shape == (sum(q_lens), hq, dv)
+    assert_close(out, naive(case))
+
+
+@needs_lib
+def test_bf16_query_with_fp32_cache() -> None:
+    case = make_case(
+        "mha", Phase.PREFILL, q_lens=[3, 5], kv_lens=[20, 5], page_size=4, hq=4, hkv=2, d=32,
+        dv=32, dtype=torch.bfloat16, kv_dtype=torch.float32,
+    )  # fmt: skip
+    assert_close(run_native(case), naive(case))
+
+
+@needs_lib
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_every_instruction_set_path(isa: str, kind: str) -> None:
+    """Each compiled path (the fastest is the default) gives the reference's numbers."""
+    assert not isinstance(LIB, str)
+    shape = ("mla", 16, 1, 80, 64) if kind == "mla" else ("mha", 4, 2, 48, 48)
+    before = LIB.isa
+    LIB.set_isa(isa)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for ph, q_lens, kv_lens, tree in PHASES.values():
+                case = make_case(
+                    shape[0], ph, q_lens=q_lens, kv_lens=kv_lens, page_size=8, hq=shape[1],
+                    hkv=shape[2], d=shape[3], dv=shape[4], dtype=dtype, kv_dtype=dtype, tree=tree,
+                )  # fmt: skip
+                assert_close(run_native(case, num_threads=2), naive(case))
+    finally:
+        LIB.set_isa(before)
+    with pytest.raises(ValueError, match="not available"):
+        LIB.set_isa("sse9")
+
+
+@needs_lib
+@pytest.mark.parametrize("page_size", [1, 3, 64])
+def test_page_sizes(page_size: int) -> None:
+    case = make_case(
+        "mla", Phase.DECODE, q_lens=[1, 1], kv_lens=[130, 7], page_size=page_size, hq=4, hkv=1,
+        d=48, dv=32,
+    )  # fmt: skip
+    assert_close(run_native(case), naive(case))
+
+
+@needs_lib
+def test_context_spanning_thousands_of_pages() -> None:
+    """6000 one-token pages, shuffled: split-KV plus a long gather, still exact."""
+    case = make_case(
+        "mla", Phase.DECODE, q_lens=[1, 1], kv_lens=[6000, 2500], page_size=1, hq=4, hkv=1,
+        d=32, dv=16, seed=3,
+    )  # fmt: skip
+    assert len(case["tables"][0]) == 6000
+    assert_close(run_native(case, num_threads=2), naive(case))
+    verify = make_case(
+        "mha", Phase.VERIFY, q_lens=[5], kv_lens=[4100], page_size=2, hq=2, hkv=1, d=16, dv=16,
+        tree=True, seed=4,
+    )  # fmt: skip
+    assert_close(run_native(verify, num_threads=2), naive(verify))
+
+
+@needs_lib
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_results_do_not_depend_on_thread_count(kind: str) -> None:
+    """Bitwise: the plan (tiles and KV splits) does not depend on 1..8 threads, and each work
+    item is computed the same way whichever thread runs it; merges run in split order."""
+    shape = ("mla", 16, 1, 80, 64) if kind == "mla" else ("mha", 8, 2, 64, 64)
+    for ph, q_lens, kv_lens, tree in PHASES.values():
+        case = make_case(
+            shape[0], ph, q_lens=q_lens, kv_lens=[k * 4 for k in kv_lens], page_size=16,
+            hq=shape[1], hkv=shape[2], d=shape[3], dv=shape[4], dtype=torch.bfloat16,
+            kv_dtype=torch.bfloat16, tree=tree,
+        )  # fmt: skip
+        one = run_native(case, num_threads=1)
+        two = run_native(case, num_threads=2)
+        four = run_native(case, num_threads=4)
+        assert torch.equal(one, two) and torch.equal(one, four)
+        assert_close(one, naive(case))
+
+
+@needs_lib
+def test_default_threads_follow_torch() -> None:
+    case = make_case("mha", Phase.DECODE, q_lens=[1], kv_lens=[9], page_size=4, hq=2, hkv=1,
+                     d=16, dv=16)  # fmt: skip
+    backend = NativeBackend(case["config"])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert backend.threads() == 1
+        assert NativeBackend(case["config"], num_threads=3).threads() == 3
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="num_threads"):
+        NativeBackend(case["config"], num_threads=0)
+
+
+@needs_lib
+def test_fully_masked_rows_give_zeros() -> None:
+    """A tree row may see nothing in some KV split: the merge must not produce NaN."""
+    case = make_case(
+        "mha", Phase.VERIFY, q_lens=[2], kv_lens=[1200], page_size=16, hq=2, hkv=1, d=16, dv=16,
+        tree=True,
+    )  # fmt: skip
+    out = run_native(case, num_threads=2)
+    assert torch.isfinite(out).all()
+    assert_close(out, naive(case))
+
+
+@needs_lib
+def test_forked_child_can_run() -> None:
+    """The thread pool is rebuilt in a forked child (the parent's workers do not exist there)."""
+    case = make_case("mha", Phase.DECODE, q_lens=[1, 1], kv_lens=[900, 40], page_size=8, hq=4,
+                     hkv=1, d=32, dv=32)  # fmt: skip
+    expect = run_native(case, num_threads=2)  # starts the pool's workers in the parent
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        code = 0
+        try:
+            code = 0 if torch.equal(run_native(case, num_threads=2), expect) else 3
+        except BaseException:
+            code = 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+# -- validation: bad pointers impossible from Python -------------------------------------------
+
+
+def _small(kind: str = "mha", **kw: Any) -> dict[str, Any]:
+    shape = dict(hq=4, hkv=1, d=48, dv=32) if kind == "mla" else dict(hq=4, hkv=2, d=16, dv=16)
+    phase = kw.pop("phase", Phase.DECODE)
+    args: dict[str, Any] = dict(q_lens=[1, 1], kv_lens=[9, 20], page_size=4, **shape)
+    args.update(kw)
+    return make_case(kind, phase, **args)
+
+
+def _expect(field: str, case: dict[str, Any], **override: Any) -> None:
+    values = {k: case[k] for k in ("q", "k_cache", "v_cache")}
+    plan_of = override.pop("plan", None)
+    values.update(override)
+    backend = NativeBackend(case["config"])
+    plan = plan_of if plan_of is not None else backend.plan(case["batch"])
+    with pytest.raises(InvalidBatchError) as info:
+        backend.handler(case["batch"].phase)(
+            values["q"], values["k_cache"], values["v_cache"], plan, case["scale"]
+        )
+    assert isinstance(info.value, AttnDispatchError) and isinstance(info.value, ValueError)
+    assert info.value.field == field and field in str(info.value)
+
+
+@needs_lib
+def test_tensor_checks_name_the_field() -> None:
+    case = _small()
+    q, k, v = case["q"], case["k_cache"], case["v_cache"]
+    _expect("q", case, q=q.to(torch.bfloat16))
+    _expect("q", case, q=q[:1])
+    _expect("q", case, q=q.transpose(0, 1).contiguous().transpose(0, 1))
+    _expect("q", case, q=q.tolist())
+    _expect("k_cache", case, k_cache=k[:, :2])
+    _expect("k_cache", case, k_cache=k.transpose(0, 1).contiguous().transpose(0, 1))
+    _expect("k_cache", case, k_cache=k.to(torch.bfloat16))
+    _expect("v_cache", case, v_cache=v[..., :8])
+    _expect("v_cache", case, v_cache=None)
+    _expect("kv_indices", case, k_cache=k[:2].contiguous())  # pages beyond the cache
+    _expect("plan", case, plan=object())
+    mla = _small("mla")
+    _expect("v_cache", mla, v_cache=mla["k_cache"])
+    _expect("k_cache", mla, k_cache=mla["k_cache"][..., :40].contiguous())
+    with pytest.raises(InvalidBatchError, match="sm_scale"):
+        backend = NativeBackend(case["config"])
+        backend.handler(Phase.DECODE)(q, k, v, backend.plan(case["batch"]), math.nan)
+
+
+def _forge(batch: AttnBatch, **fields: Any) -> AttnBatch:
+    """A batch with fields changed behind AttnBatch's own checks (as a buggy caller might)."""
+    forged = AttnBatch.__new__(AttnBatch)
+    for name in AttnBatch.__dataclass_fields__:
+        object.__setattr__(forged, name, fields.get(name, getattr(batch, name)))
+    return forged
+
+
+@needs_lib
+def test_batch_checks_name_the_field() -> None:
+    case = _small()
+    b = case["batch"]
+    backend = NativeBackend(case["config"])
+    i32 = torch.int32
+    bad = {
+        "kv_indices": _forge(b, kv_indices=torch.full_like(b.kv_indices, -1)),
+        "kv_lens": _forge(b, kv_lens_host=torch.tensor([9, 2000], dtype=i32)),
+        "kv_indptr": _forge(b, kv_indptr_host=torch.tensor([0, 3, 99], dtype=i32)),
+        "qo_indptr": _forge(b, qo_indptr_host=torch.tensor([0, 2, 1], dtype=i32)),
+        "page_size": _forge(b, page_size=8),
+    }
+    for field, batch in bad.items():
+        with pytest.raises(InvalidBatchError) as info:
+            backend.plan(batch)
+        assert info.value.field == field, (field, str(info.value))
+    with pytest.raises(InvalidBatchError) as info:
+        backend.plan(_forge(b, kv_lens_host=torch.tensor([9.0, 20.0])))
+    assert info.value.field == "kv_lens"
+    tree = _small(phase=Phase.VERIFY, q_lens=[2, 3], tree=True)
+    tb = tree["batch"]
+    with pytest.raises(InvalidBatchError) as info:
+        NativeBackend(tree["config"]).plan(_forge(tb, custom_mask=tb.custom_mask[:-1]))
+    assert info.value.field == "custom_mask"
+    with pytest.raises(InvalidBatchError) as info:
+        NativeBackend(tree["config"]).plan(_forge(tb, mask_indptr=tb.mask_indptr + 1))
+    assert info.value.field == "mask_indptr"
+    # A plan for one phase cannot be run by another phase's handler.
+    plan = NativeBackend(tree["config"]).plan(tb)
+    with pytest.raises(InvalidBatchError, match="phase"):
+        NativeBackend(tree["config"]).handler(Phase.PREFILL)(
+            tree["q"], tree["k_cache"], tree["v_cache"], plan, 1.0
+        )
+
+
+# -- capabilities and the "not built" report ---------------------------------------------------
+
+
+def test_capabilities_reasons() -> None:
+    mla = AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16", page_size=64, device="cpu")
+    if isinstance(LIB, str):
+        assert any(r.startswith("not built") for r in CAPABILITIES.reasons(mla, Phase.DECODE))
+        return
+    for phase in Phase:
+        assert CAPABILITIES.reasons(mla, phase) == []
+    fp16 = AttnConfig("mha", 8, 8, 128, 128, dtype="float16", page_size=16, device="cpu")
+    assert any("float16" in r for r in CAPABILITIES.reasons(fp16, Phase.DECODE))
+    wide = AttnConfig("mha", 2, 2, 4096, 128, dtype="float32", page_size=16, device="cpu")
+    assert any("head_dim 4096" in r for r in CAPABILITIES.reasons(wide, Phase.PREFILL))
+
+
+def test_missing_library_reports_not_built(tmp_path: Any, monkeypatch: Any) -> None:
+    missing = tmp_path / "nowhere" / "_native_attn.so"
+    reason = unavailable_reason(missing)
+    assert reason is not None and reason.startswith("not built") and str(missing) in reason
+    junk = tmp_path / "junk.so"
+    junk.write_bytes(b"not an ELF file")
+    reason = unavailable_reason(junk)
+    assert reason is not None and reason.startswith("not built: cannot load")
+    # The capability check reads the same override from the environment.
+    monkeypatch.setenv("ATTN_DISPATCH_NATIVE_LIB", str(missing))
+    config = AttnConfig("mha", 2, 2, 16, 16, dtype="float32", page_size=4, device="cpu")
+    reasons = CAPABILITIES.reasons(config, Phase.DECODE)
+    assert any(r.startswith("not built") for r in reasons), reasons
+    if not isinstance(LIB, str):
+        with pytest.raises(BackendUnavailableError, match="not built"):
+            NativeBackend(config, library=str(missing))
