@@ -15,15 +15,20 @@
 
 namespace NA_NS {
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef float vf8 __attribute__((vector_size(32)));
+// Vector width in floats: 16 for AVX-512, 8 for AVX2, 4 for the portable build (SSE2 on
+// x86-64, NEON on aarch64). Wider-than-native vectors would be split by the compiler into
+// slow sequences, so each translation unit uses its own native width.
+#ifndef NA_W
+#define NA_W 16
+#endif
+constexpr int W = NA_W;
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
 typedef float vf4 __attribute__((vector_size(16)));
-constexpr int W = 16;
 constexpr int BK = na::kBlockKeys;
-static_assert(BK == 2 * W, "the softmax step handles a key block as two vectors");
+static_assert(BK % W == 0, "a key block is a whole number of vectors");
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -45,17 +50,21 @@ static inline vf ld_bf16(const uint16_t* p) {
   return f;
 }
 static inline float hsum(vf v) {
+#if NA_W == 16
+  typedef float vf8 __attribute__((vector_size(32)));
   vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#elif NA_W == 8
+  vf4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#else
+  vf4 b = v;
+#endif
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 static inline float hmax(vf v) {
-  vf8 a0 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  vf8 a1 = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  vf8 a = a0 > a1 ? a0 : a1;
-  float m = a[0];
-  for (int i = 1; i < 8; ++i) m = a[i] > m ? a[i] : m;
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
 // 2^x for x <= 0 (softmax weights): round-to-nearest range reduction, degree-7 Taylor
@@ -242,16 +251,19 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
     // Online softmax: one max/rescale per row per block, then acc += p . V.
     for (int r = 0; r < R; ++r) {
       float* sr = S + size_t(r) * BK;
-      const vf s0 = ld(sr), s1 = ld(sr + W);
-      const float bm = hmax(vmax(s0, s1));
-      const float mn = std::max(m[r], bm);
+      vf mv = ld(sr);
+      for (int t = W; t < BK; t += W) mv = vmax(mv, ld(sr + t));
+      const float mn = std::max(m[r], hmax(mv));
       if (mn == kNegInf) continue;  // every key so far masked for this row
       const float alpha = std::exp2(m[r] - mn);
-      const vf p0 = vexp2(s0 - mn), p1 = vexp2(s1 - mn);
-      l[r] = l[r] * alpha + hsum(p0 + p1);
+      vf ps = splat(0.0f);
+      for (int t = 0; t < BK; t += W) {
+        const vf p = vexp2(ld(sr + t) - mn);
+        ps += p;
+        st(sr + t, p);
+      }
+      l[r] = l[r] * alpha + hsum(ps);
       m[r] = mn;
-      st(sr, p0);
-      st(sr + W, p1);
       float* ar = acc + size_t(r) * Dvp;
       int c = 0;
       for (; c + 2 * W <= Dvp; c += 2 * W) {

@@ -1,0 +1,247 @@
+// AVX-512-BF16 path (included inside the kernels' namespace by kern_avx512bf16.cpp only):
+// bf16 q with a bf16 cache, head dims multiples of 32. K and V rows are used straight from
+// the paged cache (no conversion pass): scores with vdpbf16ps on 4 rows x 4 keys tiles
+// reduced 16 at a time, p . V with vdpbf16ps on pairs of keys (p rounded to bf16, as the
+// output will be). On Zen 4 this halves the instruction count of the fp32 path, which is
+// what bounds MLA decode (16 heads share every latent row).
+#include <immintrin.h>
+
+static inline bool bf16_path_applies(const NaProblem& P, const NaItem&) {
+  return P.head_dim % 32 == 0 && P.v_head_dim % 32 == 0;
+}
+
+struct Reduce16Index {
+  __m512i a[4], b[4];
+  Reduce16Index() {
+    // Level i merges vectors holding 16/w groups of w lanes into ones holding 32/w groups
+    // of w/2 lanes: lane j takes (first half + second half) of its source group.
+    for (int level = 0, w = 16; level < 4; ++level, w /= 2) {
+      alignas(64) int32_t ia[16], ib[16];
+      const int k = 16 / w, half = w / 2;
+      for (int j = 0; j < 16; ++j) {
+        const int g = j / half, within = j % half;
+        const int src = g < k ? 0 : 16;
+        ia[j] = src + (g % k) * w + within;
+        ib[j] = ia[j] + half;
+      }
+      a[level] = _mm512_load_si512(ia);
+      b[level] = _mm512_load_si512(ib);
+    }
+  }
+};
+
+// Lane i of the result is the sum of the lanes of v[i].
+static inline __m512 reduce16(__m512* v) {
+  static const Reduce16Index idx;
+  int n = 16;
+  for (int level = 0; level < 4; ++level, n /= 2) {
+    for (int i = 0; i < n / 2; ++i) {
+      const __m512 x = v[2 * i], y = v[2 * i + 1];
+      v[i] = _mm512_add_ps(_mm512_permutex2var_ps(x, idx.a[level], y),
+                           _mm512_permutex2var_ps(x, idx.b[level], y));
+    }
+  }
+  return v[0];
+}
+
+static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+// acc[r] (NR rows, permuted lane order, see bf16_item) += p[r] . V over npairs key pairs.
+template <int NR>
+static inline void pv_rows(float* acc, int Dv, const uint32_t* pb, const float* alpha,
+                           const uint16_t* const* vp, int npairs) {
+  for (int c = 0; c < Dv; c += 32) {
+    __m512 lo[NR], hi[NR];
+    for (int i = 0; i < NR; ++i) {
+      const __m512 a = _mm512_set1_ps(alpha[i]);
+      lo[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + size_t(i) * Dv + c), a);
+      hi[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + size_t(i) * Dv + c + 16), a);
+    }
+    for (int tp = 0; tp < npairs; ++tp) {
+      const __m512i va = _mm512_loadu_si512(vp[2 * tp] + c);
+      const __m512i vb = _mm512_loadu_si512(vp[2 * tp + 1] + c);
+      const __m512bh vlo = as_bh(_mm512_unpacklo_epi16(va, vb));
+      const __m512bh vhi = as_bh(_mm512_unpackhi_epi16(va, vb));
+      for (int i = 0; i < NR; ++i) {
+        const __m512bh pp = as_bh(_mm512_set1_epi32(int(pb[size_t(i) * (BK / 2) + tp])));
+        lo[i] = _mm512_dpbf16_ps(lo[i], pp, vlo);
+        hi[i] = _mm512_dpbf16_ps(hi[i], pp, vhi);
+      }
+    }
+    for (int i = 0; i < NR; ++i) {
+      _mm512_storeu_ps(acc + size_t(i) * Dv + c, lo[i]);
+      _mm512_storeu_ps(acc + size_t(i) * Dv + c + 16, hi[i]);
+    }
+  }
+}
+
+static inline void pv_dispatch(int nr, float* acc, int Dv, const uint32_t* pb,
+                               const float* alpha, const uint16_t* const* vp, int npairs) {
+  switch (nr) {
+    case 8: pv_rows<8>(acc, Dv, pb, alpha, vp, npairs); break;
+    case 7: pv_rows<7>(acc, Dv, pb, alpha, vp, npairs); break;
+    case 6: pv_rows<6>(acc, Dv, pb, alpha, vp, npairs); break;
+    case 5: pv_rows<5>(acc, Dv, pb, alpha, vp, npairs); break;
+    case 4: pv_rows<4>(acc, Dv, pb, alpha, vp, npairs); break;
+    case 3: pv_rows<3>(acc, Dv, pb, alpha, vp, npairs); break;
+    case 2: pv_rows<2>(acc, Dv, pb, alpha, vp, npairs); break;
+    default: pv_rows<1>(acc, Dv, pb, alpha, vp, npairs); break;
+  }
+}
+
+static int bf16_item(const NaProblem& P, const NaItem& it) {
+  const int Hq = P.num_q_heads, Hkv = P.num_kv_heads, D = P.head_dim, Dv = P.v_head_dim;
+  const int ps = P.page_size;
+  const bool mla = P.kind == NA_MLA;
+  const int G = Hq / Hkv;
+  const int nh = it.h1 - it.h0, nq = it.q1 - it.q0, R = nh * nq;
+  const int Rp = (R + 3) / 4 * 4;  // score tiles are 4 rows high; padded rows have q = 0
+  const int req = it.req;
+  const int qs = P.qo_indptr[req];
+  const int q_len = P.qo_indptr[req + 1] - qs;
+  const int kv_len = P.kv_lens[req];
+  const int32_t* pages = P.kv_indices + P.kv_indptr[req];
+  Buffers& B = tls_buffers;
+  try {
+    // q as bf16 (Rp x D / 2 floats of room), scores, bf16 weights (R x BK / 2 floats).
+    B.ensure(Rp, D / 2 + W, Dv);
+    if (B.v.size() < size_t(R) * (BK / 2) + W) B.v.resize(size_t(R) * (BK / 2) + W);
+    if (B.k.size() < size_t(Dv)) B.k.resize(size_t(Dv));
+  } catch (const std::bad_alloc&) {
+    return -2;
+  }
+  uint16_t* qb = reinterpret_cast<uint16_t*>(B.q.data());
+  float* S = B.s.data();
+  float* acc = B.acc.data();
+  float* m = B.m.data();
+  float* l = B.l.data();
+  uint32_t* pb = reinterpret_cast<uint32_t*>(B.v.data());
+  float alpha[na::kMaxRows];
+  int lim[na::kMaxRows];
+  const uint8_t* mrow[na::kMaxRows];
+  const float qscale = P.sm_scale * kLog2e;
+  const uint16_t* qbase = static_cast<const uint16_t*>(P.q);
+  for (int r = 0; r < Rp; ++r) {
+    uint16_t* qr = qb + size_t(r) * D;
+    if (r >= R) {
+      std::memset(qr, 0, sizeof(uint16_t) * size_t(D));
+      continue;
+    }
+    const int jj = r / nh, hh = r % nh;
+    const int64_t token = qs + it.q0 + jj;
+    const int head = it.kv_head * G + it.h0 + hh;
+    std::memcpy(qr, qbase + (token * Hq + head) * D, sizeof(uint16_t) * size_t(D));
+    lim[r] = kv_len - q_len + it.q0 + jj;
+    mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+    std::memset(acc + size_t(r) * Dv, 0, sizeof(float) * size_t(Dv));
+  }
+  const uint16_t* kbase = static_cast<const uint16_t*>(P.k);
+  const uint16_t* vbase = static_cast<const uint16_t*>(mla ? P.k : P.v);
+  const int64_t kstride = mla ? D : int64_t(Hkv) * D;  // elements between tokens' rows
+  const int64_t vstride = mla ? D : int64_t(Hkv) * Dv;
+  const int64_t koff = mla ? 0 : int64_t(it.kv_head) * D;
+  const int64_t voff = mla ? 0 : int64_t(it.kv_head) * Dv;
+  const uint16_t* kp[BK];
+  const uint16_t* vp[BK];
+  for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
+    const int n = std::min(BK, it.k1 - k0);
+    for (int t = 0; t < BK; ++t) {
+      // Keys past the block's end reuse the first key's row (valid memory); their scores
+      // are masked below, so their weights are exactly 0.
+      const int pos = k0 + (t < n ? t : 0);
+      const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+      kp[t] = kbase + slot * kstride + koff;
+      vp[t] = vbase + slot * vstride + voff;
+    }
+    const int nt = (n + 3) / 4 * 4;
+    for (int r0 = 0; r0 < Rp; r0 += 4) {
+      for (int t0 = 0; t0 < nt; t0 += 4) {
+        __m512 a[16];
+        for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+        for (int c = 0; c < D; c += 32) {
+          const __m512bh k0v = as_bh(_mm512_loadu_si512(kp[t0] + c));
+          const __m512bh k1v = as_bh(_mm512_loadu_si512(kp[t0 + 1] + c));
+          const __m512bh k2v = as_bh(_mm512_loadu_si512(kp[t0 + 2] + c));
+          const __m512bh k3v = as_bh(_mm512_loadu_si512(kp[t0 + 3] + c));
+          for (int i = 0; i < 4; ++i) {
+            const __m512bh qv = as_bh(_mm512_loadu_si512(qb + size_t(r0 + i) * D + c));
+            a[4 * i] = _mm512_dpbf16_ps(a[4 * i], qv, k0v);
+            a[4 * i + 1] = _mm512_dpbf16_ps(a[4 * i + 1], qv, k1v);
+            a[4 * i + 2] = _mm512_dpbf16_ps(a[4 * i + 2], qv, k2v);
+            a[4 * i + 3] = _mm512_dpbf16_ps(a[4 * i + 3], qv, k3v);
+          }
+        }
+        alignas(64) float s16[16];
+        _mm512_store_ps(s16, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(qscale)));
+        for (int i = 0; i < 4 && r0 + i < R; ++i) {
+          std::memcpy(S + size_t(r0 + i) * BK + t0, s16 + 4 * i, 4 * sizeof(float));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float* sr = S + size_t(r) * BK;
+      for (int t = n; t < BK; ++t) sr[t] = kNegInf;
+      if (P.causal) {
+        for (int t = std::max(0, lim[r] + 1 - k0); t < n; ++t) sr[t] = kNegInf;
+      } else {
+        const uint8_t* mk = mrow[r] + k0;
+        for (int t = 0; t < n; ++t)
+          if (!mk[t]) sr[t] = kNegInf;
+      }
+      const __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
+      const float bm = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      const float mn = std::max(m[r], bm);
+      uint32_t* pr = pb + size_t(r) * (BK / 2);
+      if (mn == kNegInf) {  // every key so far masked for this row
+        std::memset(pr, 0, sizeof(uint32_t) * (BK / 2));
+        alpha[r] = 1.0f;
+        continue;
+      }
+      alpha[r] = std::exp2(m[r] - mn);
+      const __m512 p0 = vexp2(s0 - mn), p1 = vexp2(s1 - mn);
+      const __m512i pbh = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+      _mm512_storeu_si512(pr, pbh);
+      // The normaliser sums the rounded weights that the accumulation uses.
+      const __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+          _mm512_castsi512_si256(pbh)), 16));
+      const __m512 r1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+          _mm512_extracti64x4_epi64(pbh, 1)), 16));
+      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(r0, r1));
+      m[r] = mn;
+    }
+    const int npairs = (n + 1) / 2;
+    for (int r0 = 0; r0 < R; r0 += 8) {
+      const int nr = std::min(8, R - r0);
+      pv_dispatch(nr, acc + size_t(r0) * Dv, Dv, pb + size_t(r0) * (BK / 2), alpha + r0, vp,
+                  npairs);
+    }
+  }
+  // Undo the lane order of the pair accumulation: in each 32-column chunk, lane j of the
+  // first 16 holds column (j / 4) * 8 + j % 4 and lane j of the second 16 that plus 4.
+  float* row = B.k.data();  // >= Dv floats (see the ensure above)
+  for (int r = 0; r < R; ++r) {
+    const float* ar = acc + size_t(r) * Dv;
+    for (int c = 0; c < Dv; c += 32) {
+      for (int j = 0; j < 16; ++j) {
+        const int d = c + (j / 4) * 8 + j % 4;
+        row[d] = ar[c + j];
+        row[d + 4] = ar[c + 16 + j];
+      }
+    }
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const int jj = r / nh, hh = r % nh;
+    if (it.slot < 0) {
+      const int64_t token = qs + it.q0 + jj;
+      const int head = it.kv_head * G + it.h0 + hh;
+      store_row(static_cast<uint16_t*>(P.out) + (token * Hq + head) * Dv, row, inv, Dv);
+    } else {
+      const int64_t srow = int64_t(it.slot) + r;
+      store_row(P.scratch + srow * Dv, row, inv, Dv);
+      float* lse = P.scratch + P.scratch_rows * Dv;
+      lse[srow] = l[r] > 0.0f ? m[r] + std::log2(l[r]) : kNegInf;
+    }
+  }
+  return 0;
+}
