@@ -9,38 +9,42 @@ The core imports no torch: importing this package is cheap. ``AttnBatch`` needs 
 when it is constructed.
 """
 
-from attn_dispatch._batch import AttnBatch, tree_mask
-from attn_dispatch._binding import Binding, bind
+from attn_dispatch._batch import AttnBatch
+from attn_dispatch._batch import tree_mask
+from attn_dispatch._binding import Binding
+from attn_dispatch._binding import bind
 from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import (
-    AttnDispatchError,
-    BackendUnavailableError,
-    DuplicateBackendError,
-    IncompatibleBackendError,
-    InvalidBatchError,
-    InvalidSpecError,
-    NoActiveScopeError,
-    ScopeError,
-    UnknownBackendError,
-)
+from attn_dispatch._errors import AttnDispatchError
+from attn_dispatch._errors import BackendUnavailableError
+from attn_dispatch._errors import DuplicateBackendError
+from attn_dispatch._errors import IncompatibleBackendError
+from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._errors import NoActiveScopeError
+from attn_dispatch._errors import ScopeError
+from attn_dispatch._errors import UnknownBackendError
 from attn_dispatch._forms import AttnForm
-from attn_dispatch._phase import Phase, UnknownPhaseError, phase_of
-from attn_dispatch._protocol import AttentionBackend, Handler, Runner
-from attn_dispatch._registry import list_backends, register_backend, unregister_backend
-from attn_dispatch._scope import (
-    DispatchEvent,
-    DispatchRecorder,
-    attention,
-    attention_form,
-    attn_scope,
-    carry_scope,
-    current_batch,
-    current_binding,
-    record_dispatch,
-    resolve,
-    run_in_thread,
-)
+from attn_dispatch._phase import Phase
+from attn_dispatch._phase import UnknownPhaseError
+from attn_dispatch._phase import phase_of
+from attn_dispatch._protocol import AttentionBackend
+from attn_dispatch._protocol import Handler
+from attn_dispatch._protocol import Runner
+from attn_dispatch._registry import list_backends
+from attn_dispatch._registry import register_backend
+from attn_dispatch._registry import unregister_backend
+from attn_dispatch._scope import DispatchEvent
+from attn_dispatch._scope import DispatchRecorder
+from attn_dispatch._scope import attention
+from attn_dispatch._scope import attention_form
+from attn_dispatch._scope import attn_scope
+from attn_dispatch._scope import carry_scope
+from attn_dispatch._scope import current_batch
+from attn_dispatch._scope import current_binding
+from attn_dispatch._scope import record_dispatch
+from attn_dispatch._scope import resolve
+from attn_dispatch._scope import run_in_thread
 from attn_dispatch._spec import BackendSpec
 
 __version__ = "0.1.0"

@@ -8,14 +8,13 @@ from typing import Any
 
 from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import (
-    AttnDispatchError,
-    BackendUnavailableError,
-    IncompatibleBackendError,
-    InvalidSpecError,
-)
+from attn_dispatch._errors import AttnDispatchError
+from attn_dispatch._errors import BackendUnavailableError
+from attn_dispatch._errors import IncompatibleBackendError
+from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
-from attn_dispatch._protocol import AttentionBackend, Handler
+from attn_dispatch._protocol import AttentionBackend
+from attn_dispatch._protocol import Handler
 from attn_dispatch._registry import get_backend
 from attn_dispatch._spec import BackendSpec
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from attn_dispatch._dtypes import dtype_name

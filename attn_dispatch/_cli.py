@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from attn_dispatch._binding import bind
 from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import AttnDispatchError, IncompatibleBackendError
+from attn_dispatch._errors import AttnDispatchError
+from attn_dispatch._errors import IncompatibleBackendError
 from attn_dispatch._registry import list_backends
 from attn_dispatch._scope import format_table
 from attn_dispatch._spec import BackendSpec

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any
+from typing import Literal
 
-from attn_dispatch._dtypes import device_type, dtype_name
+from attn_dispatch._dtypes import device_type
+from attn_dispatch._dtypes import dtype_name
 from attn_dispatch._errors import InvalidSpecError
 
 Kind = Literal["mha", "mla"]

@@ -7,16 +7,16 @@ import importlib
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar, overload
+from typing import Any
+from typing import TypeVar
+from typing import overload
 
 from attn_dispatch._capabilities import Capabilities
-from attn_dispatch._errors import (
-    AttnDispatchError,
-    BackendUnavailableError,
-    DuplicateBackendError,
-    InvalidSpecError,
-    UnknownBackendError,
-)
+from attn_dispatch._errors import AttnDispatchError
+from attn_dispatch._errors import BackendUnavailableError
+from attn_dispatch._errors import DuplicateBackendError
+from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._errors import UnknownBackendError
 
 ENTRY_POINT_GROUP = "attn_dispatch.backends"
 

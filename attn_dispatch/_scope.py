@@ -17,17 +17,19 @@ import dataclasses
 import functools
 import inspect
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
+from typing import ParamSpec
+from typing import TypeVar
 
 from attn_dispatch._binding import Binding
-from attn_dispatch._errors import (
-    InvalidBatchError,
-    InvalidSpecError,
-    NoActiveScopeError,
-    ScopeError,
-)
-from attn_dispatch._phase import Phase, UnknownPhaseError
+from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._errors import NoActiveScopeError
+from attn_dispatch._errors import ScopeError
+from attn_dispatch._phase import Phase
+from attn_dispatch._phase import UnknownPhaseError
 from attn_dispatch._protocol import Handler
 
 P = ParamSpec("P")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
+from typing import Literal
 
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
