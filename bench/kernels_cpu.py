@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
+from attn_dispatch import Binding
 from attn_dispatch import Phase
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
