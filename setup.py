@@ -21,7 +21,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension
+from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent

@@ -11,15 +11,19 @@ torch summing a 1 GiB fp32 tensor. Ratios only; nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 from collections.abc import Callable
 
 import torch
 
-from attn_dispatch import AttnBatch, AttnConfig, Phase
+from attn_dispatch import AttnBatch
+from attn_dispatch import AttnConfig
+from attn_dispatch import Phase
 from attn_dispatch.backends.native._lib import load
 from attn_dispatch.backends.native.backend import NativeBackend
+from attn_dispatch.backends.reference.backend import TorchBackend
 
 
 def best_of(fn: Callable[[], object], repeat: int, warmup: int = 2) -> float:
@@ -89,6 +93,42 @@ def case(kind: str, layers: int):  # type: ignore[no-untyped-def]
     return cfg, batch, q, caches, b * ctx * bytes_per_token
 
 
+def measure(kind: str, threads: int, layers: int, repeat: int) -> None:
+    cfg, batch, q, caches, kv_bytes = case(kind, layers)
+    scale = cfg.head_dim**-0.5
+    bw = read_bandwidth(threads)
+    torch.set_num_threads(threads)
+    be = NativeBackend(cfg, num_threads=threads)
+    plan = be.plan(batch)
+    h = be.handler(Phase.DECODE)
+    k0, v0 = caches[0]
+    out = h(q, k0, v0, plan, scale)
+    ref = naive_torch(q, k0, v0, batch, cfg, scale)
+    err = (out.float() - ref.float()).abs().max().item()
+    counter = [0]
+
+    def cold() -> None:
+        k, v = caches[counter[0] % len(caches)]
+        counter[0] += 1
+        h(q, k, v, plan, scale)
+
+    t_cold = best_of(cold, repeat * len(caches))
+    t_hot = best_of(functools.partial(h, q, k0, v0, plan, scale), repeat)
+    t_naive = best_of(functools.partial(naive_torch, q, k0, v0, batch, cfg, scale), 3, 1)
+    rb = TorchBackend(cfg)
+    t_ref = best_of(
+        functools.partial(rb.handler(Phase.DECODE), q, k0, v0, rb.plan(batch), scale), 3, 1
+    )
+    for mode, t in (("cold", t_cold), ("hot", t_hot)):
+        gbs = kv_bytes / t / 1e9
+        print(
+            f"{kind:<6}{threads:>4}{bw:>10.1f}{mode:>6}{t * 1e3:>10.3f}{gbs:>9.1f}"
+            f"{100 * gbs / bw:>7.0f}%{t_naive * 1e3:>9.2f}{t_naive / t:>8.1f}"
+            f"{t_ref * 1e3:>12.2f}{t_ref / t:>11.1f}"
+        )
+    print(f"{'':<6}max |native - naive| = {err:.2e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -98,50 +138,13 @@ def main() -> None:
     lib = load()
     assert not isinstance(lib, str), lib
     print(f"native ISA path: {lib.isa} (available: {', '.join(lib.isa_list)})")
-    ref_backend = None
-    try:
-        from attn_dispatch.backends.reference.backend import TorchBackend
-
-        ref_backend = TorchBackend
-    except ImportError:
-        pass
-    hdr = (f"{'case':<10}{'thr':>4}{'read GB/s':>10}{'mode':>6}{'native ms':>10}{'KV GB/s':>9}"
-           f"{'% read':>8}{'naive ms':>9}{'x naive':>8}{'torch-be ms':>12}{'x torch-be':>11}")
-    print(hdr)
+    print(
+        f"{'case':<6}{'thr':>4}{'read GB/s':>10}{'mode':>6}{'native ms':>10}{'KV GB/s':>9}"
+        f"{'% read':>8}{'naive ms':>9}{'x naive':>8}{'torch-be ms':>12}{'x torch-be':>11}"
+    )
     for kind in ("mla", "gqa"):
-        cfg, batch, q, caches, kv_bytes = case(kind, args.layers)
-        scale = cfg.head_dim**-0.5
         for threads in args.threads:
-            bw = read_bandwidth(threads)
-            torch.set_num_threads(threads)
-            be = NativeBackend(cfg, num_threads=threads)
-            plan = be.plan(batch)
-            h = be.handler(Phase.DECODE)
-            out = h(q, caches[0][0], caches[0][1], plan, scale)
-            ref = naive_torch(q, caches[0][0], caches[0][1], batch, cfg, scale)
-            err = (out.float() - ref.float()).abs().max().item()
-            counter = [0]
-
-            def cold() -> None:
-                k, v = caches[counter[0] % len(caches)]
-                counter[0] += 1
-                h(q, k, v, plan, scale)
-
-            t_cold = best_of(cold, args.repeat * len(caches)) 
-            t_hot = best_of(lambda: h(q, caches[0][0], caches[0][1], plan, scale), args.repeat)
-            t_naive = best_of(lambda: naive_torch(q, caches[0][0], caches[0][1], batch, cfg, scale), 3, 1)
-            t_ref = math.nan
-            if ref_backend is not None:
-                rb = ref_backend(cfg)
-                rplan = rb.plan(batch)
-                rh = rb.handler(Phase.DECODE)
-                t_ref = best_of(lambda: rh(q, caches[0][0], caches[0][1], rplan, scale), 3, 1)
-            for mode, t in (("cold", t_cold), ("hot", t_hot)):
-                gbs = kv_bytes / t / 1e9
-                print(f"{kind:<10}{threads:>4}{bw:>10.1f}{mode:>6}{t * 1e3:>10.3f}{gbs:>9.1f}"
-                      f"{100 * gbs / bw:>7.0f}%{t_naive * 1e3:>9.2f}{t_naive / t:>8.1f}"
-                      f"{t_ref * 1e3:>12.2f}{t_ref / t:>11.1f}")
-            print(f"{'':<10}max |native - naive| = {err:.2e}")
+            measure(kind, threads, args.layers, args.repeat)
 
 
 if __name__ == "__main__":

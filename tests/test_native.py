@@ -15,10 +15,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attn_dispatch import AttnBatch, AttnConfig, InvalidBatchError, Phase  # noqa: E402
-from attn_dispatch._errors import AttnDispatchError, BackendUnavailableError  # noqa: E402
+from attn_dispatch import AttnBatch  # noqa: E402
+from attn_dispatch import AttnConfig  # noqa: E402
+from attn_dispatch import InvalidBatchError  # noqa: E402
+from attn_dispatch import Phase  # noqa: E402
+from attn_dispatch._errors import AttnDispatchError  # noqa: E402
+from attn_dispatch._errors import BackendUnavailableError  # noqa: E402
 from attn_dispatch.backends.native import CAPABILITIES  # noqa: E402
-from attn_dispatch.backends.native._lib import load, unavailable_reason  # noqa: E402
+from attn_dispatch.backends.native._lib import load  # noqa: E402
+from attn_dispatch.backends.native._lib import unavailable_reason  # noqa: E402
 
 LIB = load()
 needs_lib = pytest.mark.skipif(isinstance(LIB, str), reason=f"native library: {LIB}")
@@ -160,7 +165,11 @@ PHASES = {
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize(
     "dtypes",
-    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)],
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
     ids=["f32", "bf16", "f32q-bf16kv"],
 )
 def test_matches_naive_reference(shape: str, phase: str, dtypes: tuple[Any, Any]) -> None:

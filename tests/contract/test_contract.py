@@ -32,8 +32,8 @@ from tests.strategies import KernelCase
 from tests.strategies import Limits
 from tests.strategies import kernel_cases
 
-BACKENDS = ["torch"]
-LIMITS: dict[str, Limits] = {"torch": DEFAULT_LIMITS}
+BACKENDS = ["torch", "native"]
+LIMITS: dict[str, Limits] = {"torch": DEFAULT_LIMITS, "native": DEFAULT_LIMITS}
 CUDA_ONLY = {"flashinfer"}
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"

@@ -23,11 +23,16 @@ ENV_LIBRARY = "ATTN_DISPATCH_NATIVE_LIB"
 
 
 class NaItem(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int32) for n in ("req", "kv_head", "q0", "q1", "h0", "h1", "k0", "k1", "slot", "pad")]
+    _fields_ = [
+        (n, ctypes.c_int32)
+        for n in ("req", "kv_head", "q0", "q1", "h0", "h1", "k0", "k1", "slot", "pad")
+    ]
 
 
 class NaMerge(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int32) for n in ("req", "kv_head", "q0", "q1", "h0", "h1", "nsplit", "slot0")]
+    _fields_ = [
+        (n, ctypes.c_int32) for n in ("req", "kv_head", "q0", "q1", "h0", "h1", "nsplit", "slot0")
+    ]
 
 
 class NaProblem(ctypes.Structure):

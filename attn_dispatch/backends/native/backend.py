@@ -16,17 +16,16 @@ import torch
 
 from attn_dispatch._batch import AttnBatch
 from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import BackendUnavailableError, InvalidBatchError
+from attn_dispatch._errors import BackendUnavailableError
+from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
 from attn_dispatch.backends.native import MAX_HEAD_DIM
-from attn_dispatch.backends.native._lib import (
-    ITEM_INTS,
-    MERGE_INTS,
-    NaProblem,
-    NativeLibrary,
-    load,
-)
+from attn_dispatch.backends.native._lib import ITEM_INTS
+from attn_dispatch.backends.native._lib import MERGE_INTS
+from attn_dispatch.backends.native._lib import NaProblem
+from attn_dispatch.backends.native._lib import NativeLibrary
+from attn_dispatch.backends.native._lib import load
 
 _NA_F32, _NA_BF16 = 0, 1
 _NA_MHA, _NA_MLA = 0, 1
@@ -90,11 +89,19 @@ class NativeBackend:
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
         if config.device_type != "cpu":
-            raise ValueError(f"the native backend runs on the CPU, config.device is {config.device!r}")
+            raise ValueError(
+                f"the native backend runs on the CPU, config.device is {config.device!r}"
+            )
         for field in ("head_dim", "v_head_dim"):
             if not 1 <= getattr(config, field) <= MAX_HEAD_DIM:
-                raise ValueError(f"{field} must be in [1, {MAX_HEAD_DIM}], got {getattr(config, field)!r}")
+                raise ValueError(
+                    f"{field} must be in [1, {MAX_HEAD_DIM}], got {getattr(config, field)!r}"
+                )
         self.config = config
+        # AttnConfig fills v_head_dim in on construction (head_dim when not given).
+        self.v_head_dim: int = (
+            config.v_head_dim if config.v_head_dim is not None else config.head_dim
+        )
         self.library: NativeLibrary = lib
         self.num_threads = num_threads
         self.q_dtype: torch.dtype = getattr(torch, config.dtype)
@@ -161,7 +168,14 @@ class NativeBackend:
         if kv_indices.numel():
             lo = int(kv_indices.min())
             if lo < 0:
-                req = int(torch.searchsorted(kv_indptr, int((kv_indices < 0).int().argmax()), right=True)) - 1
+                req = (
+                    int(
+                        torch.searchsorted(
+                            kv_indptr, int((kv_indices < 0).int().argmax()), right=True
+                        )
+                    )
+                    - 1
+                )
                 raise InvalidBatchError(
                     "kv_indices", f"page index {lo} is negative", request=max(req, 0)
                 )
@@ -199,7 +213,7 @@ class NativeBackend:
         items, merges, rows = self._make_plan(qo, kv_lens, causal=mask is None)
         scratch = None
         if rows:
-            scratch = torch.empty(rows * cfg.v_head_dim + rows, dtype=torch.float32)
+            scratch = torch.empty(rows * self.v_head_dim + rows, dtype=torch.float32)
         t = NaProblem()
         t.q_dtype = _DTYPE_CODES[self.q_dtype]
         t.kv_dtype = _DTYPE_CODES[self.kv_dtype]
@@ -207,7 +221,7 @@ class NativeBackend:
         t.num_q_heads = cfg.num_q_heads
         t.num_kv_heads = cfg.num_kv_heads
         t.head_dim = cfg.head_dim
-        t.v_head_dim = cfg.v_head_dim
+        t.v_head_dim = self.v_head_dim
         t.page_size = ps
         t.causal = 1 if mask is None else 0
         t.qo_indptr = qo.data_ptr()
@@ -242,14 +256,16 @@ class NativeBackend:
         merges = torch.empty(0, MERGE_INTS, dtype=torch.int32)
         for _ in range(2):  # first pass counts, second fills
             rc = self.library.cdll.na_plan(
-                kv_lens.numel(), qo.data_ptr(), kv_lens.data_ptr(), _NA_MLA if self.mla else _NA_MHA,
+                kv_lens.numel(), qo.data_ptr(), kv_lens.data_ptr(), int(self.mla),
                 cfg.num_q_heads, cfg.num_kv_heads, 1 if causal else 0, target,
                 items.data_ptr() if items.numel() else None, items.shape[0],
                 merges.data_ptr() if merges.numel() else None, merges.shape[0],
                 *(ctypes.byref(c) for c in counts),
             )  # fmt: skip
             if rc != 0:
-                raise InvalidBatchError("kv_lens", "the native planner rejected the batch (too large)")
+                raise InvalidBatchError(
+                    "kv_lens", "the native planner rejected the batch (too large)"
+                )
             n_items, n_merges, rows = (c.value for c in counts)
             if n_items <= items.shape[0] and n_merges <= merges.shape[0]:
                 break
@@ -293,14 +309,16 @@ class NativeBackend:
         cfg = self.config
         if not isinstance(plan, NativePlan):
             raise InvalidBatchError(
-                "plan", f"expected the NativePlan from NativeBackend.plan, got {type(plan).__name__}"
+                "plan",
+                f"expected the NativePlan from NativeBackend.plan, got {type(plan).__name__}",
             )
         if plan.batch.phase is not phase:
             raise InvalidBatchError(
-                "phase", f"the plan is for {plan.batch.phase.name}, this handler serves {phase.name}"
+                "phase",
+                f"the plan is for {plan.batch.phase.name}, this handler serves {phase.name}",
             )
         hq, hkv, d, dv, ps = (
-            cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.v_head_dim, cfg.page_size,
+            cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, self.v_head_dim, cfg.page_size,
         )  # fmt: skip
         q = self._check_tensor("q", q, self.q_dtype, (plan.num_tokens, hq, d))
         if self.mla:
