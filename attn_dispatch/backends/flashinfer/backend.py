@@ -413,6 +413,14 @@ def _check_config(config: AttnConfig) -> None:
         raise BackendUnavailableError(f"flashinfer cannot run {config!r}: " + "; ".join(common))
 
 
+def _check_phase(config: AttnConfig, phase: Phase) -> None:
+    reasons = CAPABILITIES.reasons(config, phase)
+    if reasons:
+        raise IncompatibleBackendError(
+            f"flashinfer cannot serve {phase.name} for {config!r}: " + "; ".join(reasons)
+        )
+
+
 def _device_for(config: AttnConfig) -> torch.device:
     return torch.device(config.device)
 
@@ -548,11 +556,7 @@ class FlashInferBackend:
 
     def handler(self, phase: Phase) -> Handler:
         """The per-layer callable for ``phase``; builds its route now (bind time)."""
-        reasons = CAPABILITIES.reasons(self.config, phase)
-        if reasons:
-            raise IncompatibleBackendError(
-                f"flashinfer cannot serve {phase.name}: " + "; ".join(reasons)
-            )
+        _check_phase(self.config, phase)
         self._route(phase)
         return self._run
 
@@ -572,7 +576,7 @@ class FlashInferBackend:
     def _replan(self, plan: FlashInferPlan, sm_scale: float) -> FlashInferPlan:
         # Rare: the caller's scale differs from the planned one (first forward without
         # the sm_scale option). Re-plan once and keep the scale for later forwards.
-        if torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise InvalidBatchError(
                 f"flashinfer: sm_scale={sm_scale!r} differs from the planned "
                 f"{plan.sm_scale!r} during CUDA-graph capture, where FlashInfer cannot "
