@@ -15,7 +15,7 @@ import inspect
 import math
 import subprocess
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -186,10 +186,10 @@ def _signature_names(owner: Any, method: str) -> set[str]:
 
 @needs_flashinfer
 def test_import_flashinfer_and_every_keyword_exists() -> None:
-    import flashinfer  # noqa: PLC0415
-    from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata  # noqa: PLC0415
+    import flashinfer
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
-    from attn_dispatch.backends.flashinfer.backend import WRAPPER_KEYWORDS  # noqa: PLC0415
+    from attn_dispatch.backends.flashinfer.backend import WRAPPER_KEYWORDS
 
     owners = {
         "BatchPrefillWithPagedKVCacheWrapper": flashinfer.BatchPrefillWithPagedKVCacheWrapper,
@@ -206,9 +206,9 @@ def test_import_flashinfer_and_every_keyword_exists() -> None:
 
 @needs_flashinfer
 def test_mla_plan_uses_the_metadata_form_not_the_deprecated_flat_one() -> None:
-    from flashinfer.mla import BatchMLAPagedAttentionWrapper  # noqa: PLC0415
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
-    from attn_dispatch.backends.flashinfer.backend import WRAPPER_KEYWORDS  # noqa: PLC0415
+    from attn_dispatch.backends.flashinfer.backend import WRAPPER_KEYWORDS
 
     plan_kw = WRAPPER_KEYWORDS[("BatchMLAPagedAttentionWrapper", "plan")]
     assert "metadata" in plan_kw
@@ -252,7 +252,7 @@ class _FakeWrapper:
     per-request [q_len, kv_len] custom mask)."""
 
     kind = ""
-    made: list[_FakeWrapper] = []
+    made: ClassVar[list[_FakeWrapper]] = []
 
     def __init__(self, **kwargs: Any) -> None:
         _check_call(self.kind, "__init__", kwargs)
@@ -263,7 +263,8 @@ class _FakeWrapper:
     def plan(self, **kwargs: Any) -> None:
         _check_call(self.kind, "plan", kwargs)
         for name, value in kwargs.items():
-            if isinstance(value, torch.Tensor) and name not in ("indices", "paged_kv_indices", "custom_mask"):
+            device_side = ("indices", "paged_kv_indices", "custom_mask")
+            if isinstance(value, torch.Tensor) and name not in device_side:
                 # host metadata only: FlashInfer would otherwise copy it device -> host
                 assert value.device.type == "cpu", name
         self.plans.append(kwargs)
@@ -320,7 +321,8 @@ class _FakeDecode(_FakeWrapper):
             pages = p["indices"][indptr[i]: indptr[i + 1]]
             k = k_cache[pages].flatten(0, 1)[:kv_len]
             v = v_cache[pages].flatten(0, 1)[:kv_len]
-            out.append(_attend(q[i: i + 1], k, v, torch.ones(1, kv_len, dtype=torch.bool), p["sm_scale"]))
+            every_key = torch.ones(1, kv_len, dtype=torch.bool)
+            out.append(_attend(q[i: i + 1], k, v, every_key, p["sm_scale"]))
         return torch.cat(out).to(q.dtype)
 
 
@@ -351,7 +353,9 @@ class _FakeMLA(_FakeWrapper):
         return torch.cat(out).to(q.dtype)
 
 
-def _reference(cfg: AttnConfig, batch: Any, q: Any, k_cache: Any, v_cache: Any, scale: float) -> Any:
+def _reference(
+    cfg: AttnConfig, batch: Any, q: Any, k_cache: Any, v_cache: Any, scale: float
+) -> Any:
     """Our contract, read directly (independent of the adapter's page-table code)."""
     ps = cfg.page_size
     qo = batch.qo_indptr_host.tolist()
@@ -378,7 +382,7 @@ def _reference(cfg: AttnConfig, batch: Any, q: Any, k_cache: Any, v_cache: Any, 
 def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Any:
     if not HAS_FLASHINFER:
         pytest.skip("flashinfer-python not installed")
-    from attn_dispatch.backends.flashinfer import backend as fb  # noqa: PLC0415
+    from attn_dispatch.backends.flashinfer import backend as fb
 
     _REAL.update(
         BatchPrefillWithPagedKVCacheWrapper=fb.flashinfer.BatchPrefillWithPagedKVCacheWrapper,
@@ -410,7 +414,7 @@ def _batch(phase: Phase, q_lens: list[int], kv_lens: list[int], page_size: int,
 
 def _make_batch(phase: Phase, q_lens: list[int], kv_lens: list[int], counts: list[int],
                 indices: Any, mask: Any) -> Any:
-    from attn_dispatch import AttnBatch  # noqa: PLC0415
+    from attn_dispatch import AttnBatch
 
     def indptr(xs: list[int]) -> Any:
         return torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32)
@@ -426,8 +430,9 @@ def _caches(cfg: AttnConfig, num_pages: int, gen: Any) -> tuple[Any, Any]:
     dt = torch.float32  # the stand-ins compute in fp32; dtype plumbing is checked apart
     if cfg.kind == "mla":
         return torch.randn(num_pages, cfg.page_size, cfg.head_dim, generator=gen, dtype=dt), None
-    k = torch.randn(num_pages, cfg.page_size, cfg.num_kv_heads, cfg.head_dim, generator=gen, dtype=dt)
-    v = torch.randn(num_pages, cfg.page_size, cfg.num_kv_heads, cfg.v_head_dim, generator=gen, dtype=dt)
+    shape = (num_pages, cfg.page_size, cfg.num_kv_heads)
+    k = torch.randn(*shape, cfg.head_dim, generator=gen, dtype=dt)
+    v = torch.randn(*shape, cfg.v_head_dim, generator=gen, dtype=dt)
     return k, v
 
 
@@ -500,7 +505,7 @@ def test_tree_verify_mask_passes_through(fake_flashinfer: Any) -> None:
 
 
 def test_mla_refuses_a_masked_verify_batch(fake_flashinfer: Any) -> None:
-    from attn_dispatch import InvalidBatchError  # noqa: PLC0415
+    from attn_dispatch import InvalidBatchError
 
     cfg = mla(num_q_heads=2, head_dim=192, v_head_dim=128, page_size=4)
     backend = fake_flashinfer.FlashInferBackend(cfg)
@@ -541,7 +546,7 @@ def test_decode_tensor_cores_follow_the_group_size(fake_flashinfer: Any) -> None
 
 
 def test_cuda_graph_mode_keeps_persistent_buffers_per_batch_size(fake_flashinfer: Any) -> None:
-    from attn_dispatch import IncompatibleBackendError, InvalidBatchError  # noqa: PLC0415
+    from attn_dispatch import IncompatibleBackendError, InvalidBatchError
 
     cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
     with pytest.raises(IncompatibleBackendError, match="max_num_pages"):
@@ -562,7 +567,7 @@ def test_cuda_graph_mode_keeps_persistent_buffers_per_batch_size(fake_flashinfer
 
 
 def test_too_few_pages_is_an_invalid_batch(fake_flashinfer: Any) -> None:
-    from attn_dispatch import InvalidBatchError  # noqa: PLC0415
+    from attn_dispatch import InvalidBatchError
 
     cfg = mha(num_q_heads=2, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
     backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import re
-import sys
 from collections.abc import Iterable
 
 from attn_dispatch import AttnConfig, Capabilities, Phase
@@ -116,9 +115,7 @@ def _cuda_state() -> tuple[bool, str]:
     or the availability of the backend is queried, never at module import."""
     if importlib.util.find_spec("torch") is None:
         return False, "torch is not installed"
-    torch = sys.modules.get("torch")
-    if torch is None:
-        import torch  # noqa: PLC0415 - lazy on purpose: the light module stays torch-free
+    import torch  # lazy on purpose: the light module stays torch-free at import
     try:
         if torch.cuda.is_available():
             return True, ""
@@ -211,7 +208,7 @@ def _check_mla_phase(config: AttnConfig, phase: Phase) -> Iterable[str]:
         # BatchMLAPagedAttentionWrapper.plan has no custom-mask argument at all.
         yield (
             "FlashInfer MLA has no custom mask, so tree verify (tree_verify=True) cannot "
-            f"run on it; use verify='triton' or verify='torch', or verify a causal chain"
+            "run on it; use verify='triton' or verify='torch', or verify a causal chain"
         )
     if phase in (Phase.PREFILL, Phase.VERIFY) and MLA_CAUSAL_ROW_TILE % config.num_q_heads:
         yield (
@@ -235,7 +232,7 @@ def _check_cuda_device(config: AttnConfig, phase: Phase) -> Iterable[str]:
     ok, _ = _cuda_state()
     if not ok:
         return
-    import torch  # noqa: PLC0415 - present (checked above); lazy on purpose
+    import torch  # present (checked above); lazy on purpose
 
     index = _device_index(config)
     if index is not None and index >= torch.cuda.device_count():

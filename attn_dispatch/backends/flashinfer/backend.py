@@ -30,10 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import flashinfer
 import torch
-from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
+import flashinfer
 from attn_dispatch import (
     AttnBatch,
     AttnConfig,
@@ -43,8 +42,9 @@ from attn_dispatch import (
     Phase,
 )
 from attn_dispatch.backends.flashinfer import CAPABILITIES, SUPPORTED_VERSIONS
+from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
 
-__all__ = ["FlashInferBackend", "FlashInferPlan", "WRAPPER_KEYWORDS"]
+__all__ = ["WRAPPER_KEYWORDS", "FlashInferBackend", "FlashInferPlan"]
 
 Handler = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", object, float], torch.Tensor]
 
@@ -185,6 +185,11 @@ def _page_table(batch: AttnBatch, page_size: int) -> _PageTable:
     )
 
 
+def _i32(n: int, device: torch.device) -> torch.Tensor:
+    """A persistent int32 metadata buffer for a graph-mode wrapper."""
+    return torch.zeros(n, dtype=torch.int32, device=device)
+
+
 class _Route:
     """One FlashInfer wrapper family serving one or more phases. Eager mode keeps one
     wrapper; CUDA-graph mode keeps one per batch size (FlashInfer fixes the batch size
@@ -242,16 +247,12 @@ class _PrefillRoute(_Route):
             kwargs = _kw(
                 self.name, "__init__",
                 float_workspace_buffer=be.workspace, kv_layout="NHD", use_cuda_graph=True,
-                qo_indptr_buf=torch.empty(graph_batch + 1, dtype=torch.int32, device=dev),
-                paged_kv_indptr_buf=torch.empty(graph_batch + 1, dtype=torch.int32, device=dev),
+                qo_indptr_buf=_i32(graph_batch + 1, dev),
+                paged_kv_indptr_buf=_i32(graph_batch + 1, dev),
                 paged_kv_indices_buf=be.graph_indices,
-                paged_kv_last_page_len_buf=torch.empty(graph_batch, dtype=torch.int32, device=dev),
+                paged_kv_last_page_len_buf=_i32(graph_batch, dev),
                 custom_mask_buf=be.graph_mask if self.config.tree_verify else None,
-                mask_indptr_buf=(
-                    torch.empty(graph_batch + 1, dtype=torch.int32, device=dev)
-                    if self.config.tree_verify
-                    else None
-                ),
+                mask_indptr_buf=_i32(graph_batch + 1, dev) if self.config.tree_verify else None,
                 backend=be.prefill_backend,
             )
         return flashinfer.BatchPrefillWithPagedKVCacheWrapper(**kwargs)
@@ -316,9 +317,9 @@ class _DecodeRoute(_Route):
                 self.name, "__init__",
                 float_workspace_buffer=be.workspace, kv_layout="NHD", use_cuda_graph=True,
                 use_tensor_cores=self.use_tensor_cores,
-                paged_kv_indptr_buffer=torch.empty(graph_batch + 1, dtype=torch.int32, device=dev),
+                paged_kv_indptr_buffer=_i32(graph_batch + 1, dev),
                 paged_kv_indices_buffer=be.graph_indices,
-                paged_kv_last_page_len_buffer=torch.empty(graph_batch, dtype=torch.int32, device=dev),
+                paged_kv_last_page_len_buffer=_i32(graph_batch, dev),
                 backend=be.decode_backend,
             )
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(**kwargs)
@@ -364,10 +365,10 @@ class _MLARoute(_Route):
             kwargs = _kw(
                 self.name, "__init__",
                 float_workspace_buffer=be.workspace, use_cuda_graph=True,
-                qo_indptr=torch.empty(graph_batch + 1, dtype=torch.int32, device=dev),
-                kv_indptr=torch.empty(graph_batch + 1, dtype=torch.int32, device=dev),
+                qo_indptr=_i32(graph_batch + 1, dev),
+                kv_indptr=_i32(graph_batch + 1, dev),
                 kv_indices=be.graph_indices,
-                kv_len_arr=torch.empty(graph_batch, dtype=torch.int32, device=dev),
+                kv_len_arr=_i32(graph_batch, dev),
                 backend=be.mla_backend,
             )
         return BatchMLAPagedAttentionWrapper(**kwargs)
@@ -508,13 +509,14 @@ class FlashInferBackend:
         cfg = self.config
         if cfg.kind == "mla":
             # Prefill and verify share one causal wrapper (one plan per forward anyway).
-            for other, r in self._routes.items():
-                if other is not Phase.DECODE and phase is not Phase.DECODE:
-                    return r
+            if phase is not Phase.DECODE:
+                for other, r in self._routes.items():
+                    if other is not Phase.DECODE:
+                        return r
             return _MLARoute(self, causal=phase is not Phase.DECODE)
         if phase is Phase.DECODE and cfg.head_dim == cfg.v_head_dim:
             return _DecodeRoute(self)
-        for other, r in self._routes.items():
+        for r in self._routes.values():
             if isinstance(r, _PrefillRoute):
                 return r
         return _PrefillRoute(self)
