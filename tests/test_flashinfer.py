@@ -15,11 +15,13 @@ import inspect
 import math
 import subprocess
 import sys
-from typing import Any, ClassVar
+from typing import Any
+from typing import ClassVar
 
 import pytest
 
-from attn_dispatch import AttnConfig, Phase
+from attn_dispatch import AttnConfig
+from attn_dispatch import Phase
 from attn_dispatch.backends import flashinfer as fi_caps
 
 torch = pytest.importorskip("torch")
@@ -115,6 +117,65 @@ def test_cpu_reasons_all_at_once() -> None:
     assert any("head_dim=352" in r for r in decode)
 
 
+_SEED = (
+    "import sys\n"
+    "from attn_dispatch import AttnConfig, BackendSpec, IncompatibleBackendError, bind\n"
+    "cfg = AttnConfig(kind='mla', num_q_heads=16, num_kv_heads=1, head_dim=352,\n"
+    "                 v_head_dim=320, dtype='bfloat16', page_size=64, device='cuda')\n"
+    "try:\n"
+    "    bind(BackendSpec.parse('prefill=torch,decode=flashinfer'), cfg, label='target')\n"
+    "except IncompatibleBackendError as exc:\n"
+    "    for phase, (name, why) in sorted(exc.reasons.items()):\n"
+    "        print(phase.name, name, *why, sep=' | ')\n"
+    "print('flashinfer imported:', 'flashinfer' in sys.modules)\n"
+)
+
+
+def test_seed_scenario_refused_at_bind_before_flashinfer_is_imported() -> None:
+    # SGLang 28528: FlashInfer's MLA path chosen for dims it cannot serve died on an
+    # assertion inside a kernel. Here bind refuses it, naming the dims, and FlashInfer
+    # is never imported.
+    out = subprocess.run(
+        [sys.executable, "-c", _SEED], capture_output=True, text=True, check=True
+    ).stdout
+    decode = [line for line in out.splitlines() if line.startswith("DECODE | flashinfer")]
+    assert decode and "head_dim=352" in decode[0] and "v_head_dim=320" in decode[0], out
+    if not torch.cuda.is_available():
+        assert "needs CUDA" in decode[0], out  # every reason at once
+    torch_lines = [ln for ln in out.splitlines() if ln.split(" | ")[1:2] == ["torch"]]
+    assert not any("head_dim=352" in ln for ln in torch_lines), out
+    assert "flashinfer imported: False" in out, out
+
+
+def test_mla_tree_verify_on_flashinfer_is_refused_naming_the_alternatives() -> None:
+    from attn_dispatch import BackendSpec
+    from attn_dispatch import IncompatibleBackendError
+    from attn_dispatch import bind
+
+    spec = BackendSpec.parse("prefill=torch,decode=flashinfer,verify=flashinfer")
+    with pytest.raises(IncompatibleBackendError) as err:
+        bind(spec, mla(tree_verify=True))
+    name, reasons = err.value.reasons[Phase.VERIFY]
+    assert name == "flashinfer"
+    tree = [r for r in reasons if "tree verify" in r]
+    assert tree and "'triton'" in tree[0] and "'torch'" in tree[0]
+    # decode is refused only for machine reasons (no CUDA here), never for the tree
+    if Phase.DECODE in err.value.reasons:
+        assert not any("tree" in r for r in err.value.reasons[Phase.DECODE][1])
+
+
+def test_cli_explain_shows_the_reasons() -> None:
+    cmd = [
+        sys.executable, "-m", "attn_dispatch", "explain", "--spec",
+        "prefill=torch,decode=flashinfer", "--kind", "mla", "--heads", "16",
+        "--head-dim", "352", "--v-head-dim", "320", "--page-size", "64", "--device", "cuda",
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "flashinfer" in run.stdout
+    assert "rope width 32" in run.stdout and "v_head_dim=320" in run.stdout, run.stdout
+
+
 @pytest.mark.parametrize(
     ("cfg", "phase", "fragment"),
     [
@@ -187,7 +248,8 @@ def _signature_names(owner: Any, method: str) -> set[str]:
 @needs_flashinfer
 def test_import_flashinfer_and_every_keyword_exists() -> None:
     import flashinfer
-    from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+    from flashinfer.mla import MLAPlanMetadata
 
     from attn_dispatch.backends.flashinfer.backend import WRAPPER_KEYWORDS
 
@@ -546,10 +608,11 @@ def test_decode_tensor_cores_follow_the_group_size(fake_flashinfer: Any) -> None
 
 
 def test_cuda_graph_mode_keeps_persistent_buffers_per_batch_size(fake_flashinfer: Any) -> None:
-    from attn_dispatch import IncompatibleBackendError, InvalidBatchError
+    from attn_dispatch import InvalidBatchError
+    from attn_dispatch import InvalidSpecError
 
     cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
-    with pytest.raises(IncompatibleBackendError, match="max_num_pages"):
+    with pytest.raises(InvalidSpecError, match="max_num_pages"):
         fake_flashinfer.FlashInferBackend(cfg, use_cuda_graph=True)
     backend = fake_flashinfer.FlashInferBackend(
         cfg, use_cuda_graph=True, max_num_pages=64, max_batch_size=4, sm_scale=0.125

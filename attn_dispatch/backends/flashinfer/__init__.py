@@ -24,7 +24,9 @@ import importlib.util
 import re
 from collections.abc import Iterable
 
-from attn_dispatch import AttnConfig, Capabilities, Phase
+from attn_dispatch import AttnConfig
+from attn_dispatch import Capabilities
+from attn_dispatch import Phase
 
 __all__ = [
     "CAPABILITIES",
@@ -68,9 +70,6 @@ MLA_CAUSAL_ROW_TILE = 128
 # fa2 MLA needs this much shared memory per SM (_fa_common.py: _generated_fa_shared_bytes).
 FA2_MLA_MIN_SMEM_PER_SM = 92672
 
-_CUDA_ONLY_PHASES = (Phase.PREFILL, Phase.DECODE, Phase.VERIFY)
-
-
 # ---------------------------------------------------------------------------------
 # Version
 # ---------------------------------------------------------------------------------
@@ -110,26 +109,15 @@ def version_supported(version: str) -> bool:
 # ---------------------------------------------------------------------------------
 
 
-def _cuda_state() -> tuple[bool, str]:
-    """(CUDA usable, why not). Imports torch lazily: only when a config asks for CUDA
-    or the availability of the backend is queried, never at module import."""
-    if importlib.util.find_spec("torch") is None:
-        return False, "torch is not installed"
-    import torch  # lazy on purpose: the light module stays torch-free at import
-    try:
-        if torch.cuda.is_available():
-            return True, ""
-    except Exception as exc:  # a broken driver is a reason, not a crash
-        return False, f"torch.cuda.is_available() failed: {exc!r}"
-    return False, "torch.cuda.is_available() is False on this machine"
-
-
-def _available_cuda() -> Iterable[str]:
-    ok, why = _cuda_state()
-    if not ok:
+def _check_device_type(config: AttnConfig, phase: Phase) -> Iterable[str]:
+    # The core reports the device mismatch tersely; this says why and what runs instead.
+    # (A CUDA config on a machine without CUDA, and the sm80+ minimum, are reported by the
+    # core from ``devices`` and ``min_compute_capability``.)
+    if config.device_type != "cuda":
         yield (
-            f"needs CUDA: FlashInfer kernels run only on NVIDIA GPUs (sm80+), and {why}; "
-            "on CPU choose 'torch', 'native' or 'triton' (with TRITON_INTERPRET=1)"
+            f"needs CUDA: FlashInfer kernels run only on NVIDIA GPUs (sm80+), and "
+            f"device={config.device!r}; on CPU choose 'torch', 'native' or 'triton' "
+            "(with TRITON_INTERPRET=1)"
         )
 
 
@@ -161,6 +149,12 @@ def _available_installed() -> Iterable[str]:
 # ---------------------------------------------------------------------------------
 
 
+def _v_head_dim(config: AttnConfig) -> int:
+    # AttnConfig fills v_head_dim in __post_init__ (MHA: = head_dim; MLA: required).
+    assert config.v_head_dim is not None
+    return config.v_head_dim
+
+
 def _check_kv_dtype(config: AttnConfig, phase: Phase) -> Iterable[str]:
     # fa2/fa3 take a non-fp8 KV cache only in the query's dtype
     # (_fa_common.py: "non-FP8 KV dtype must match query dtype"; the MHA templates are
@@ -190,8 +184,8 @@ def _check_mha_dims(config: AttnConfig, phase: Phase) -> Iterable[str]:
 def _check_mla_dims(config: AttnConfig, phase: Phase) -> Iterable[str]:
     if config.kind != "mla":
         return
-    ckv = config.v_head_dim
-    kpe = config.head_dim - config.v_head_dim
+    ckv = _v_head_dim(config)
+    kpe = config.head_dim - ckv
     if ckv % MLA_CKV_MULTIPLE or kpe % MLA_KPE_MULTIPLE:
         yield (
             "FlashInfer MLA (BatchMLAPagedAttentionWrapper, fa2/fa3) needs v_head_dim "
@@ -219,58 +213,43 @@ def _check_mla_phase(config: AttnConfig, phase: Phase) -> Iterable[str]:
         )
 
 
-def _device_index(config: AttnConfig) -> int | None:
-    _, _, index = config.device.partition(":")
-    return int(index) if index.isdigit() else None
-
-
-def _check_cuda_device(config: AttnConfig, phase: Phase) -> Iterable[str]:
-    """Limits of the GPU itself, checked only when the config is on CUDA and CUDA is
-    present (otherwise the "needs CUDA" reasons already say it all)."""
-    if config.device_type != "cuda":
+def _check_mla_shared_memory(config: AttnConfig, phase: Phase) -> Iterable[str]:
+    """fa2 MLA keeps a 64-row query tile and a KV tile of the full latent+rope width in
+    shared memory; check it fits this GPU. Only for an MLA config on CUDA with CUDA present
+    (otherwise the "needs CUDA" reasons already say it all)."""
+    if config.kind != "mla" or config.device_type != "cuda":
         return
-    ok, _ = _cuda_state()
-    if not ok:
+    if importlib.util.find_spec("torch") is None:
         return
-    import torch  # present (checked above); lazy on purpose
+    import torch  # lazy on purpose: the light module stays torch-free at import
 
-    index = _device_index(config)
-    if index is not None and index >= torch.cuda.device_count():
+    if not torch.cuda.is_available():
+        return
+    try:
+        props = torch.cuda.get_device_properties(torch.device(config.device))
+    except Exception:
+        return  # an unknown device index is reported by the core's CUDA check
+    if props.major < 8:
+        return  # below sm80: the core's compute-capability reason covers it
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", None)
+    per_block = getattr(props, "shared_memory_per_block_optin", None)
+    if per_sm is None or per_block is None:
+        return
+    need = _fa2_mla_shared_bytes(config, int(per_sm))
+    if need is None or need > int(per_block):
+        amount = f"{need} bytes" if need is not None else f"more than the {per_sm} bytes per SM"
         yield (
-            f"device {config.device!r} does not exist: {torch.cuda.device_count()} CUDA "
-            "device(s) visible"
+            f"FlashInfer MLA (fa2) needs {amount} of shared memory per block for "
+            f"head_dim={config.head_dim}, v_head_dim={config.v_head_dim}; {config.device!r} "
+            f"allows {per_block} per block ({_ALTERNATIVES})"
         )
-        return
-    dev = torch.device("cuda", index if index is not None else torch.cuda.current_device())
-    major, minor = torch.cuda.get_device_capability(dev)
-    if (major, minor) < (8, 0):
-        # fa2 (prefill, decode, MLA) needs sm80+ (_fa_common.py: "fa2 MLA requires SM80
-        # or newer"); the bf16 and cp.async paths the kernels use start at sm80.
-        yield (
-            f"FlashInfer needs compute capability sm80 or newer; {config.device!r} is "
-            f"sm{major}{minor} ({_ALTERNATIVES})"
-        )
-        return
-    if config.kind == "mla":
-        props = torch.cuda.get_device_properties(dev)
-        per_sm = getattr(props, "shared_memory_per_multiprocessor", None)
-        per_block = getattr(props, "shared_memory_per_block_optin", None)
-        if per_sm is not None and per_block is not None:
-            need = _fa2_mla_shared_bytes(config, int(per_sm))
-            if need is None or need > int(per_block):
-                yield (
-                    f"FlashInfer MLA (fa2) needs {need or 'more than ' + str(per_sm)} bytes of "
-                    f"shared memory per block for head_dim={config.head_dim}, "
-                    f"v_head_dim={config.v_head_dim}; {config.device!r} allows {per_block} "
-                    f"({_ALTERNATIVES})"
-                )
 
 
 def _fa2_mla_shared_bytes(config: AttnConfig, smem_per_sm: int) -> int | None:
     """Shared memory one fa2 MLA block uses for these dims (16-bit cache), following
     _fa_common.py: _generated_fa_shared_bytes; None when the SM is too small."""
-    ckv = config.v_head_dim
-    kpe = config.head_dim - config.v_head_dim
+    ckv = _v_head_dim(config)
+    kpe = config.head_dim - ckv
     if smem_per_sm >= 221696:
         stages, tile_kv = 2, 64
     elif smem_per_sm >= 147968:
@@ -285,23 +264,27 @@ def _fa2_mla_shared_bytes(config: AttnConfig, smem_per_sm: int) -> int | None:
 
 
 CAPABILITIES = Capabilities(
-    kinds=("mha", "mla"),
-    phases=_CUDA_ONLY_PHASES,
-    devices=("cuda",),
-    dtypes=("float16", "bfloat16"),
-    kv_dtypes=("float16", "bfloat16"),
+    kinds=frozenset({"mha", "mla"}),
+    phases=frozenset(Phase),
+    devices=frozenset({"cuda"}),
+    dtypes=frozenset({"float16", "bfloat16"}),
+    kv_dtypes=frozenset({"float16", "bfloat16"}),
     head_dims=None,  # dims are checked in pairs below (MHA) or as latent/rope (MLA)
     v_head_dims=None,
     page_sizes=None,  # fa2/fa3 paged kernels take any positive page size at run time
     custom_mask=True,  # MHA verify trees via the prefill wrapper; MLA refused in a check
-    requires=(),  # installation and version are reported by _available_installed
+    requires=(),  # installation and version: _available_installed (pip name differs)
     min_compute_capability=(8, 0),
     checks=(
+        _check_device_type,
         _check_kv_dtype,
         _check_mha_dims,
         _check_mla_dims,
         _check_mla_phase,
-        _check_cuda_device,
+        _check_mla_shared_memory,
     ),
-    availability=(_available_cuda, _available_installed),
+    availability=(_available_installed,),
+    description=(
+        f"FlashInfer {SUPPORTED_VERSIONS} paged prefill/decode and MLA wrappers (CUDA sm80+)"
+    ),
 )

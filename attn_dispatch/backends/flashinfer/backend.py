@@ -30,19 +30,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 import flashinfer
-from attn_dispatch import (
-    AttnBatch,
-    AttnConfig,
-    BackendUnavailableError,
-    IncompatibleBackendError,
-    InvalidBatchError,
-    Phase,
-)
-from attn_dispatch.backends.flashinfer import CAPABILITIES, SUPPORTED_VERSIONS
-from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+import torch
+from flashinfer.mla import BatchMLAPagedAttentionWrapper
+from flashinfer.mla import MLAPlanMetadata
+
+from attn_dispatch import AttnBatch
+from attn_dispatch import AttnConfig
+from attn_dispatch import BackendUnavailableError
+from attn_dispatch import IncompatibleBackendError
+from attn_dispatch import InvalidBatchError
+from attn_dispatch import InvalidSpecError
+from attn_dispatch import Phase
+from attn_dispatch.backends.flashinfer import CAPABILITIES
+from attn_dispatch.backends.flashinfer import SUPPORTED_VERSIONS
 
 __all__ = ["WRAPPER_KEYWORDS", "FlashInferBackend", "FlashInferPlan"]
 
@@ -156,9 +157,10 @@ def _page_table(batch: AttnBatch, page_size: int) -> _PageTable:
     if short.numel():
         i = int(short[0, 0])
         raise InvalidBatchError(
-            f"flashinfer: request {i} has kv_lens={int(kv_lens[i])} tokens but only "
-            f"{int(have[i])} page(s) of {page_size} in kv_indptr; give it at least "
-            f"{int(need[i])} pages"
+            "kv_indptr",
+            f"flashinfer: kv_len {int(kv_lens[i])} needs {int(need[i])} page(s) of "
+            f"{page_size}, kv_indptr gives {int(have[i])}",
+            request=i,
         )
     indices = batch.kv_indices
     if torch.equal(have, need):
@@ -211,9 +213,10 @@ class _Route:
         b = batch.num_requests
         if b > self.backend.max_batch_size:
             raise InvalidBatchError(
-                f"flashinfer: batch of {b} requests exceeds max_batch_size="
-                f"{self.backend.max_batch_size} given for CUDA-graph mode; bind with a "
-                "larger max_batch_size option"
+                "num_requests",
+                f"flashinfer: {b} requests exceed max_batch_size="
+                f"{self.backend.max_batch_size} of CUDA-graph mode; bind with a larger "
+                "max_batch_size option",
             )
         if b not in self._graph:
             self._graph[b] = self._make(b)
@@ -297,10 +300,12 @@ class _DecodeRoute(_Route):
             chosen if chosen is not None else (group >= 4 or group not in _CUDA_CORE_GROUP_SIZES)
         )
         if not self.use_tensor_cores and group not in _CUDA_CORE_GROUP_SIZES:
-            raise IncompatibleBackendError(
-                f"flashinfer decode: GQA group size {group} needs tensor cores (its CUDA-core "
-                f"kernel is built for groups {sorted(_CUDA_CORE_GROUP_SIZES)}); drop "
-                "decode_tensor_cores=False or choose another backend"
+            raise InvalidSpecError(
+                "decode_tensor_cores",
+                chosen,
+                f"flashinfer's CUDA-core decode kernel is built for GQA groups "
+                f"{sorted(_CUDA_CORE_GROUP_SIZES)}, this config has {group}; leave the "
+                "option unset (tensor cores are chosen) or choose another backend",
             )
 
     def _make(self, graph_batch: int | None) -> Any:
@@ -352,6 +357,8 @@ class _MLARoute(_Route):
     def __init__(self, backend: FlashInferBackend, *, causal: bool) -> None:
         super().__init__(backend)
         self.causal = causal
+        assert self.config.v_head_dim is not None  # filled by AttnConfig
+        self.ckv = self.config.v_head_dim
 
     def _make(self, graph_batch: int | None) -> Any:
         be = self.backend
@@ -385,8 +392,8 @@ class _MLARoute(_Route):
         wrapper.plan(
             **_kw(
                 self.name, "plan",
-                metadata=metadata, num_heads=cfg.num_q_heads, head_dim_ckv=cfg.v_head_dim,
-                head_dim_kpe=cfg.head_dim - cfg.v_head_dim, page_size=cfg.page_size,
+                metadata=metadata, num_heads=cfg.num_q_heads, head_dim_ckv=self.ckv,
+                head_dim_kpe=cfg.head_dim - self.ckv, page_size=cfg.page_size,
                 # A single query token sees every key: planning it non-causal keeps it
                 # clear of the causal tile-boundary rule (see the light module).
                 causal=self.causal and batch.max_q_len > 1, sm_scale=sm_scale,
@@ -411,15 +418,13 @@ def _check_config(config: AttnConfig) -> None:
     per_phase = [CAPABILITIES.reasons(config, p) for p in Phase]
     common = [r for r in per_phase[0] if all(r in other for other in per_phase[1:])]
     if common:
-        raise BackendUnavailableError(f"flashinfer cannot run {config!r}: " + "; ".join(common))
+        raise BackendUnavailableError("flashinfer", f"cannot run {config!r}: " + "; ".join(common))
 
 
 def _check_phase(config: AttnConfig, phase: Phase) -> None:
     reasons = CAPABILITIES.reasons(config, phase)
     if reasons:
-        raise IncompatibleBackendError(
-            f"flashinfer cannot serve {phase.name} for {config!r}: " + "; ".join(reasons)
-        )
+        raise IncompatibleBackendError(None, {phase: ("flashinfer", reasons)}, config=config)
 
 
 def _device_for(config: AttnConfig) -> torch.device:
@@ -470,7 +475,7 @@ class FlashInferBackend:
         self.config = config
         self.device = _device_for(config)
         self.q_dtype = _DTYPES[config.dtype]
-        self.kv_dtype = _DTYPES[config.kv_dtype]
+        self.kv_dtype = _DTYPES[config.kv_dtype or config.dtype]
         self.use_cuda_graph = use_cuda_graph
         self.max_batch_size = max_batch_size
         self.prefill_backend = prefill_backend
@@ -483,9 +488,11 @@ class FlashInferBackend:
         self.graph_mask: torch.Tensor | None = None
         if use_cuda_graph:
             if max_num_pages is None:
-                raise IncompatibleBackendError(
-                    "flashinfer: use_cuda_graph=True needs max_num_pages (the capacity of "
-                    "the persistent kv_indices buffer), e.g. the KV pool's page count"
+                raise InvalidSpecError(
+                    "max_num_pages",
+                    None,
+                    "flashinfer with use_cuda_graph=True needs the capacity of its persistent "
+                    "kv_indices buffer, e.g. the KV pool's page count",
                 )
             # One index buffer shared by every graph-mode wrapper of this runner: only
             # one forward plans at a time, and each captured graph reads the buffer its
@@ -537,8 +544,9 @@ class FlashInferBackend:
         if batch.phase is Phase.VERIFY and batch.custom_mask is not None:
             if self.config.kind == "mla":
                 raise InvalidBatchError(
-                    "flashinfer: MLA has no custom mask; this VERIFY batch carries "
-                    "custom_mask (bind verify to 'triton' or 'torch' for tree verify)"
+                    "custom_mask",
+                    "flashinfer MLA has no custom mask (bind verify to 'triton' or 'torch' "
+                    "for tree verify)",
                 )
         route = self._route(batch.phase)
         wrapper = route.wrapper_for(batch)
@@ -550,9 +558,10 @@ class FlashInferBackend:
             if isinstance(exc, InvalidBatchError):
                 raise
             raise InvalidBatchError(
+                "batch",
                 f"flashinfer {route.name}.plan refused this {batch.phase.name} batch "
                 f"({batch.num_requests} requests, {batch.num_tokens} tokens, max kv "
-                f"{batch.max_kv_len}): {exc}"
+                f"{batch.max_kv_len}): {exc}",
             ) from exc
         return FlashInferPlan(batch=batch, route=route, wrapper=wrapper, sm_scale=scale)
 
@@ -580,9 +589,10 @@ class FlashInferBackend:
         # the sm_scale option). Re-plan once and keep the scale for later forwards.
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise InvalidBatchError(
-                f"flashinfer: sm_scale={sm_scale!r} differs from the planned "
-                f"{plan.sm_scale!r} during CUDA-graph capture, where FlashInfer cannot "
-                "re-plan; pass sm_scale= as a backend option or warm up before capture"
+                "sm_scale",
+                f"flashinfer: {sm_scale!r} differs from the planned {plan.sm_scale!r} during "
+                "CUDA-graph capture, where FlashInfer cannot re-plan; pass sm_scale= as a "
+                "backend option or run one eager forward before capture",
             )
         self._scale = float(sm_scale)
         table = _page_table(plan.batch, self.config.page_size)
