@@ -539,6 +539,9 @@ def test_adapter_matches_contract(
     if cfg.kind == "mla":
         # a single query token is planned non-causal (clear of the causal tile rule)
         assert wrapper.plans[0]["causal"] is (max(q_lens) > 1)
+        assert backend.choose_form(batch) == "mla"
+    else:
+        assert backend.choose_form(batch) is None
 
 
 def test_tree_verify_mask_passes_through(fake_flashinfer: Any) -> None:

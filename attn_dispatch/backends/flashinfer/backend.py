@@ -37,6 +37,7 @@ from flashinfer.mla import MLAPlanMetadata
 
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
+from attn_dispatch import AttnForm
 from attn_dispatch import BackendUnavailableError
 from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import InvalidBatchError
@@ -564,6 +565,10 @@ class FlashInferBackend:
                 f"{batch.max_kv_len}): {exc}",
             ) from exc
         return FlashInferPlan(batch=batch, route=route, wrapper=wrapper, sm_scale=scale)
+
+    def choose_form(self, batch: AttnBatch) -> AttnForm | None:
+        """MLA configs always run the absorbed form here (FlashInfer's MLA wrapper)."""
+        return AttnForm.MLA if self.config.kind == "mla" else None
 
     def handler(self, phase: Phase) -> Handler:
         """The per-layer callable for ``phase``; builds its route now (bind time)."""
