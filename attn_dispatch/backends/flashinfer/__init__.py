@@ -47,11 +47,13 @@ DISTRIBUTIONS = ("flashinfer-python", "flashinfer")
 
 _ALTERNATIVES = "choices: 'triton' or 'torch'"
 
-# MHA head dims. FlashInfer's kernels are instantiated for head_dim 64/128/256/512
-# (DISPATCH_HEAD_DIM in data/include/flashinfer/utils.cuh; the decode kernel's
-# static_assert(bdx <= 32) in attention/decode.cuh), with q/k and v of the same width.
-# The one unequal pair the prefill kernels are built for is (192, 128)
-# (utils.py: is_fa3_prefill_head_dim_supported; fa2 serves it too).
+# MHA head dims: the widths FlashInfer dispatches and ships kernels for, 64/128/256/512
+# (DISPATCH_HEAD_DIM in data/include/flashinfer/utils.cuh), q/k and v equal; the one
+# unequal pair its prefill kernels are built for is (192, 128) (utils.py:
+# is_fa3_prefill_head_dim_supported; fa2 serves it too). Its JIT may compile other
+# widths, but nothing guarantees them (the decode kernel static_asserts on the vector
+# layout, attention/decode.cuh), so they are not claimed: under-claiming costs a reason
+# at bind, over-claiming costs a crash inside a kernel.
 MHA_HEAD_DIMS = (64, 128, 256, 512)
 MHA_UNEQUAL_HEAD_DIMS = ((192, 128),)
 
