@@ -43,6 +43,7 @@ from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import InvalidBatchError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
+from attn_dispatch._forms import FormPolicy
 from attn_dispatch.backends.flashinfer import CAPABILITIES
 from attn_dispatch.backends.flashinfer import SUPPORTED_VERSIONS
 
@@ -471,8 +472,16 @@ class FlashInferBackend:
         decode_backend: str = "auto",
         mla_backend: str = "auto",
         decode_tensor_cores: bool | None = None,
+        form_policy: FormPolicy | None = None,
     ) -> None:
         _check_config(config)
+        # MLA prefill without a cached prefix runs decompressed (ragged MHA through the
+        # prefill wrapper); with a prefix, decode and verify stay absorbed (MLA wrapper).
+        self.form_policy = (
+            FormPolicy(short_prefix=AttnForm.MLA, long_prefix=AttnForm.MLA)
+            if form_policy is None
+            else form_policy
+        )
         self.config = config
         self.device = _device_for(config)
         self.q_dtype = _DTYPES[config.dtype]
@@ -565,10 +574,6 @@ class FlashInferBackend:
                 f"{batch.max_kv_len}): {exc}",
             ) from exc
         return FlashInferPlan(batch=batch, route=route, wrapper=wrapper, sm_scale=scale)
-
-    def choose_form(self, batch: AttnBatch) -> AttnForm | None:
-        """MLA configs always run the absorbed form here (FlashInfer's MLA wrapper)."""
-        return AttnForm.MLA if self.config.kind == "mla" else None
 
     def handler(self, phase: Phase) -> Handler:
         """The per-layer callable for ``phase``; builds its route now (bind time)."""
