@@ -151,7 +151,8 @@ SHAPES = {
     # kind, hq, hkv, d, dv
     "gqa": ("mha", 8, 2, 64, 64),
     "mha-odd": ("mha", 3, 3, 40, 24),  # dims that are not multiples of the vector width
-    "mla": ("mla", 16, 1, 144, 128),  # small stand-in for 576/512: latent + rope
+    "gqa3": ("mha", 6, 2, 64, 32),  # 3 rows per kv head: tiles padded to 4 rows
+    "mla": ("mla", 16, 1, 160, 128),  # small stand-in for 576/512: latent + rope
 }
 PHASES = {
     "decode": (Phase.DECODE, [1, 1, 1], [37, 300, 5], False),
@@ -199,7 +200,7 @@ def test_bf16_query_with_fp32_cache() -> None:
 def test_every_instruction_set_path(isa: str, kind: str) -> None:
     """Each compiled path (the fastest is the default) gives the reference's numbers."""
     assert not isinstance(LIB, str)
-    shape = ("mla", 16, 1, 80, 64) if kind == "mla" else ("mha", 4, 2, 48, 48)
+    shape = ("mla", 16, 1, 96, 64) if kind == "mla" else ("mha", 4, 2, 64, 64)
     before = LIB.isa
     LIB.set_isa(isa)
     try:
@@ -247,7 +248,7 @@ def test_context_spanning_thousands_of_pages() -> None:
 def test_results_do_not_depend_on_thread_count(kind: str) -> None:
     """Bitwise: the plan (tiles and KV splits) does not depend on 1..8 threads, and each work
     item is computed the same way whichever thread runs it; merges run in split order."""
-    shape = ("mla", 16, 1, 80, 64) if kind == "mla" else ("mha", 8, 2, 64, 64)
+    shape = ("mla", 16, 1, 96, 64) if kind == "mla" else ("mha", 8, 2, 64, 64)
     for ph, q_lens, kv_lens, tree in PHASES.values():
         case = make_case(
             shape[0], ph, q_lens=q_lens, kv_lens=[k * 4 for k in kv_lens], page_size=16,
