@@ -18,6 +18,7 @@ from attn_dispatch._batch import AttnBatch
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
 from attn_dispatch.backends.native import MAX_HEAD_DIM
@@ -75,13 +76,20 @@ class NativeBackend:
     >>> plan = backend.plan(batch)
     >>> out = backend.handler(Phase.DECODE)(q, k_cache, None, plan, 576 ** -0.5)
 
-    ``num_threads`` defaults to ``torch.get_num_threads()``, read at every call.
+    ``num_threads`` defaults to ``torch.get_num_threads()``, read at every call. MLA runs in
+    the absorbed form only (``form_policy`` defaults to ``FormPolicy.absorbed_only()``).
+    ``library`` loads the kernels from another file (development).
     """
 
     name = "native"
 
     def __init__(
-        self, config: AttnConfig, *, num_threads: int | None = None, library: str | None = None
+        self,
+        config: AttnConfig,
+        *,
+        num_threads: int | None = None,
+        form_policy: FormPolicy | None = None,
+        library: str | None = None,
     ) -> None:
         lib = load(library)
         if isinstance(lib, str):
@@ -98,6 +106,7 @@ class NativeBackend:
                     f"{field} must be in [1, {MAX_HEAD_DIM}], got {getattr(config, field)!r}"
                 )
         self.config = config
+        self.form_policy = FormPolicy.absorbed_only() if form_policy is None else form_policy
         # AttnConfig fills v_head_dim in on construction (head_dim when not given).
         self.v_head_dim: int = (
             config.v_head_dim if config.v_head_dim is not None else config.head_dim
