@@ -291,6 +291,27 @@ def test_fully_masked_rows_give_zeros() -> None:
 
 
 @needs_lib
+def test_concurrent_callers_and_torch_threads() -> None:
+    """Python threads may call in at once (ctypes drops the GIL; the pool serialises them),
+    interleaved with torch's own intra-op threads (our pool is not OpenMP)."""
+    import concurrent.futures
+
+    case = make_case("mla", Phase.DECODE, q_lens=[1, 1, 1], kv_lens=[700, 33, 300],
+                     page_size=16, hq=8, hkv=1, d=64, dv=32, dtype=torch.bfloat16,
+                     kv_dtype=torch.bfloat16)  # fmt: skip
+    expect = run_native(case, num_threads=2)
+    big = torch.randn(512, 512)
+
+    def work(i: int) -> bool:
+        same = torch.equal(run_native(case, num_threads=2), expect)
+        (big @ big).sum()  # torch's OpenMP pool between our calls
+        return same
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(16)))
+
+
+@needs_lib
 def test_forked_child_can_run() -> None:
     """The thread pool is rebuilt in a forked child (the parent's workers do not exist there)."""
     case = make_case("mha", Phase.DECODE, q_lens=[1, 1], kv_lens=[900, 40], page_size=8, hq=4,
