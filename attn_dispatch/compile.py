@@ -46,8 +46,17 @@ _TAGS: tuple[Any, ...] = tuple(
     t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None
 )
 
+# Registered with torch.library.Library rather than the @custom_op decorator: the decorator's
+# Python wrapper costs about three times as much per eager call (bench/compile_overhead.py),
+# and this op has no autograd to offer. The Library object must stay alive with the module.
+_LIB = torch.library.Library("attn_dispatch", "DEF")
+_LIB.define(
+    "attention(Tensor q, Tensor k_cache, Tensor? v_cache, float sm_scale, int v_head_dim) "
+    "-> Tensor",
+    tags=_TAGS,
+)
 
-@torch.library.custom_op(OP_NAME, mutates_args=(), tags=_TAGS)  # type: ignore[misc]
+
 def _attention_impl(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -57,26 +66,33 @@ def _attention_impl(
 ) -> torch.Tensor:
     # Resolved here, at run time, in the caller's context: never at trace time.
     out = _scope_attention(q, k_cache, v_cache, sm_scale=sm_scale)
-    want = (q.shape[0], q.shape[1], v_head_dim)
-    if tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device:
+    if (
+        out.dim() != 3
+        or out.shape[0] != q.shape[0]
+        or out.shape[1] != q.shape[1]
+        or out.shape[2] != v_head_dim
+        or out.dtype != q.dtype
+        or out.device != q.device
+    ):
         # The compiled graph was built from the fake shape; a different real one would be
         # silently misread by the code after the op.
+        want = (q.shape[0], q.shape[1], v_head_dim)
         raise InvalidBatchError(
             "v_head_dim",
             f"the active backend returned {tuple(out.shape)} {out.dtype} on {out.device}, but "
             f"the compiled graph expects {want} {q.dtype} on {q.device} (v_head_dim="
             f"{v_head_dim!r}); pass the bound config's v_head_dim",
         )
-    # A custom op's output must not alias its inputs; a backend may return a view.
-    if out._base is not None and any(
-        t is not None and out._base is (t._base if t._base is not None else t)
+    # An operator's output must not alias its inputs; a backend may return a view.
+    base = out._base
+    if base is not None and any(
+        t is not None and base is (t._base if t._base is not None else t)
         for t in (q, k_cache, v_cache)
     ):
         out = out.clone()
     return out
 
 
-@_attention_impl.register_fake  # type: ignore[misc]
 def _attention_fake(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -85,6 +101,11 @@ def _attention_fake(
     v_head_dim: int,
 ) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1], v_head_dim))
+
+
+# One implementation for every device: the backend the scope chose does the device work.
+_LIB.impl("attention", _attention_impl, "CompositeExplicitAutograd")
+torch.library.register_fake(OP_NAME, _attention_fake, lib=_LIB)
 
 
 def _value_width(k_cache: Any, v_cache: Any, v_head_dim: int | None) -> int:
@@ -120,7 +141,10 @@ def attention_op(
     Eagerly it costs one trip through the torch dispatcher more than ``attention``.
     """
     dv = _value_width(k_cache, v_cache, v_head_dim)
-    return torch.ops.attn_dispatch.attention(q, k_cache, v_cache, float(sm_scale), dv)  # type: ignore[no-any-return]
+    return _OP(q, k_cache, v_cache, float(sm_scale), dv)  # type: ignore[no-any-return]
+
+
+_OP = torch.ops.attn_dispatch.attention.default
 
 
 def _attention_in_graph(
