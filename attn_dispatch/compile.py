@@ -49,8 +49,8 @@ _TAGS: tuple[Any, ...] = tuple(
 # Registered with torch.library.Library rather than the @custom_op decorator: the decorator's
 # Python wrapper costs about three times as much per eager call (bench/compile_overhead.py),
 # and this op has no autograd to offer. The Library object must stay alive with the module.
-_LIB = torch.library.Library("attn_dispatch", "DEF")
-_LIB.define(
+_LIB = torch.library.Library("attn_dispatch", "DEF")  # type: ignore[no-untyped-call]
+_LIB.define(  # type: ignore[no-untyped-call]
     "attention(Tensor q, Tensor k_cache, Tensor? v_cache, float sm_scale, int v_head_dim) "
     "-> Tensor",
     tags=_TAGS,
@@ -65,7 +65,7 @@ def _attention_impl(
     v_head_dim: int,
 ) -> torch.Tensor:
     # Resolved here, at run time, in the caller's context: never at trace time.
-    out = _scope_attention(q, k_cache, v_cache, sm_scale=sm_scale)
+    out: torch.Tensor = _scope_attention(q, k_cache, v_cache, sm_scale=sm_scale)
     if (
         out.dim() != 3
         or out.shape[0] != q.shape[0]
@@ -104,7 +104,7 @@ def _attention_fake(
 
 
 # One implementation for every device: the backend the scope chose does the device work.
-_LIB.impl("attention", _attention_impl, "CompositeExplicitAutograd")
+_LIB.impl("attention", _attention_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 torch.library.register_fake(OP_NAME, _attention_fake, lib=_LIB)
 
 
@@ -155,6 +155,4 @@ def _attention_in_graph(
 
 
 # skip_signature_check: the stand-in also takes v_head_dim, for a core `attention` that grows it.
-torch.compiler.substitute_in_graph(_scope_attention, skip_signature_check=True)(
-    _attention_in_graph
-)
+torch.compiler.substitute_in_graph(_scope_attention, skip_signature_check=True)(_attention_in_graph)

@@ -239,7 +239,7 @@ class GraphedForward:
 
     def _capture(self, warmup: int, pool: Any) -> None:
         # Warm up on a side stream (lazy inits, autotuning) as torch.cuda.graph requires.
-        stream = torch.cuda.Stream()
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), self._scope:
             for _ in range(max(warmup, 0)):

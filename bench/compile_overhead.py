@@ -65,14 +65,21 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=100_000)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cfg = AttnConfig(kind="mha", num_q_heads=4, num_kv_heads=2, head_dim=8, dtype="float32",
-                     page_size=4)
-    register_backend("bench-null", capabilities=Capabilities(kinds={"mha"}), factory=NullBackend,
-                     replace=True)
+    cfg = AttnConfig(
+        kind="mha", num_q_heads=4, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4
+    )
+    register_backend(
+        "bench-null", capabilities=Capabilities(kinds={"mha"}), factory=NullBackend, replace=True
+    )
     null = bind("bench-null", cfg, label="null")
     ref = bind("torch", cfg, label="torch")
-    batch = AttnBatch.build(Phase.DECODE, q_lens=[1] * 4, kv_lens=[3, 7, 5, 8],
-                            page_tables=[[0], [1, 2], [3, 4], [5, 6]], page_size=4)
+    batch = AttnBatch.build(
+        Phase.DECODE,
+        q_lens=[1] * 4,
+        kv_lens=[3, 7, 5, 8],
+        page_tables=[[0], [1, 2], [3, 4], [5, 6]],
+        page_size=4,
+    )
     q = torch.randn(4, 4, 8)
     k = torch.randn(8, 4, 2, 8)
     v = torch.randn(8, 4, 2, 8)
@@ -83,7 +90,7 @@ def main() -> None:
             return adc.attention_op(q, k, v, sm_scale=0.3)
         return attention(q, k, v, sm_scale=0.3)
 
-    def layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
         return attention(q, k, v, sm_scale=0.3)
 
     def no_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -99,19 +106,27 @@ def main() -> None:
         rows.append(("attention (eager)", per_call_ns(lambda: attention(q, k, v, sm_scale=0.3), n)))
         rows.append(("attention + is_compiling() check", per_call_ns(routed, n)))
         rows.append(
-            ("attention_op (eager, torch dispatcher)",
-             per_call_ns(lambda: adc.attention_op(q, k, v, sm_scale=0.3), n // 4))
+            (
+                "attention_op (eager, torch dispatcher)",
+                per_call_ns(lambda: adc.attention_op(q, k, v, sm_scale=0.3), n // 4),
+            )
         )
         rows.append(("layer() eager", per_call_ns(lambda: layer(q, k, v), n)))
-        rows.append(("layer() compiled, fullgraph", per_call_ns(lambda: compiled(q, k, v), n // 10)))
         rows.append(
-            ("compiled q*1 (compiled-call floor, no op)",
-             per_call_ns(lambda: compiled_empty(q, k, v), n // 10))
+            ("layer() compiled, fullgraph", per_call_ns(lambda: compiled(q, k, v), n // 10))
+        )
+        rows.append(
+            (
+                "compiled q*1 (compiled-call floor, no op)",
+                per_call_ns(lambda: compiled_empty(q, k, v), n // 10),
+            )
         )
     with attn_scope(ref, batch):
         rows.append(
-            ("torch reference decode (B=4, for scale)",
-             per_call_ns(lambda: attention(q, k, v, sm_scale=0.3), max(n // 100, 100)))
+            (
+                "torch reference decode (B=4, for scale)",
+                per_call_ns(lambda: attention(q, k, v, sm_scale=0.3), max(n // 100, 100)),
+            )
         )
     base = rows[0][1]
     body = [(name, f"{ns:,.0f}", f"{ns / base:.2f}x") for name, ns in rows]

@@ -36,16 +36,46 @@ def configs(device: str, small: bool) -> list[AttnConfig]:
     dt = "bfloat16" if device == "cuda" else "float32"
     if small:
         return [
-            AttnConfig(kind="mha", num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=dt,
-                       page_size=4, device=device),
-            AttnConfig(kind="mla", num_q_heads=2, num_kv_heads=1, head_dim=24, v_head_dim=16,
-                       dtype=dt, page_size=4, device=device),
+            AttnConfig(
+                kind="mha",
+                num_q_heads=4,
+                num_kv_heads=2,
+                head_dim=16,
+                dtype=dt,
+                page_size=4,
+                device=device,
+            ),
+            AttnConfig(
+                kind="mla",
+                num_q_heads=2,
+                num_kv_heads=1,
+                head_dim=24,
+                v_head_dim=16,
+                dtype=dt,
+                page_size=4,
+                device=device,
+            ),
         ]
     return [
-        AttnConfig(kind="mha", num_q_heads=32, num_kv_heads=8, head_dim=128, dtype=dt,
-                   page_size=16, device=device),
-        AttnConfig(kind="mla", num_q_heads=16, num_kv_heads=1, head_dim=576, v_head_dim=512,
-                   dtype=dt, page_size=64, device=device),
+        AttnConfig(
+            kind="mha",
+            num_q_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            dtype=dt,
+            page_size=16,
+            device=device,
+        ),
+        AttnConfig(
+            kind="mla",
+            num_q_heads=16,
+            num_kv_heads=1,
+            head_dim=576,
+            v_head_dim=512,
+            dtype=dt,
+            page_size=64,
+            device=device,
+        ),
     ]
 
 
@@ -76,9 +106,15 @@ def batches(
         # Same page count per request every step; the length moves inside the last page.
         lens = [ctx - int(torch.randint(0, ps, (1,), generator=g)) for _ in range(requests)]
         lens = [max(n_, (pages_each - 1) * ps + 1) for n_ in lens]
-        batch = AttnBatch.build(Phase.DECODE, q_lens=[1] * requests, kv_lens=lens,
-                                page_tables=tables, page_size=ps, num_pages=num_pages,
-                                device=device)
+        batch = AttnBatch.build(
+            Phase.DECODE,
+            q_lens=[1] * requests,
+            kv_lens=lens,
+            page_tables=tables,
+            page_size=ps,
+            num_pages=num_pages,
+            device=device,
+        )
         q = torch.randn(requests, cfg.num_q_heads, cfg.head_dim, generator=g)
         out.append((batch, q.to(device, getattr(torch, cfg.dtype))))
     return out
@@ -125,8 +161,16 @@ def run_one(name: str, cfg: AttnConfig, args: argparse.Namespace) -> tuple[str, 
     except Exception as exc:
         if args.verbose:
             traceback.print_exc()
-        return (name, kind, "FAIL", f"capture: {type(exc).__name__}: {_one_line(exc)}",
-                "-", "-", "-", "-")
+        return (
+            name,
+            kind,
+            "FAIL",
+            f"capture: {type(exc).__name__}: {_one_line(exc)}",
+            "-",
+            "-",
+            "-",
+            "-",
+        )
     worst = 0.0
     for batch, q in steps[1:]:
         got = graphed.replay(batch, q).float().clone()
@@ -143,9 +187,16 @@ def run_one(name: str, cfg: AttnConfig, args: argparse.Namespace) -> tuple[str, 
     eager_ms = timed(eager_step, args.iters, dev)
     replay_ms = timed(lambda: graphed.replay(batch, q), args.iters, dev)
     update_ms = timed(lambda: graphed.update(batch), args.iters, dev)
-    return (name, kind, "ok" if ok else "MISMATCH", f"max|diff| {worst:.2e}",
-            f"{eager_ms:.3f}", f"{replay_ms:.3f}", f"{update_ms:.3f}",
-            f"{eager_ms / replay_ms:.2f}x")
+    return (
+        name,
+        kind,
+        "ok" if ok else "MISMATCH",
+        f"max|diff| {worst:.2e}",
+        f"{eager_ms:.3f}",
+        f"{replay_ms:.3f}",
+        f"{update_ms:.3f}",
+        f"{eager_ms / replay_ms:.2f}x",
+    )
 
 
 def main() -> int:
@@ -165,10 +216,20 @@ def main() -> int:
     for cfg in configs(args.device, args.small):
         for name in args.backends.split(","):
             rows.append(run_one(name.strip(), cfg, args))
-    header = ("backend", "config", "status", "check", "eager ms", "replay ms", "update ms",
-              "speedup")
-    print(f"decode step of {args.layers} layers, {args.requests} requests x {args.ctx} tokens, "
-          f"device {args.device}" + (" (no graph off CUDA)" if args.device != "cuda" else ""))
+    header = (
+        "backend",
+        "config",
+        "status",
+        "check",
+        "eager ms",
+        "replay ms",
+        "update ms",
+        "speedup",
+    )
+    print(
+        f"decode step of {args.layers} layers, {args.requests} requests x {args.ctx} tokens, "
+        f"device {args.device}" + (" (no graph off CUDA)" if args.device != "cuda" else "")
+    )
     print(format_table(header, rows))
     for r in rows:
         timing = f"; eager {r[4]} ms, replay {r[5]} ms ({r[7]})" if r[4] != "-" else ""

@@ -44,13 +44,13 @@ def scaled() -> Iterator[str]:
     yield from register_scaled("test-compile-x3", 3.0)
 
 
-def layer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def layer(q: torch.Tensor, k: Any, v: Any, scale: float) -> torch.Tensor:
     # Work on both sides of the op, so a break would split the graph visibly.
-    out = attention(q * 1.5, k, v, sm_scale=scale)
+    out: torch.Tensor = attention(q * 1.5, k, v, sm_scale=scale)
     return torch.tanh(out) + out.sum()
 
 
-def eager_layer(binding: Any, p: Any) -> torch.Tensor:
+def eager_layer(binding: Any, p: Any) -> Any:
     with attn_scope(binding, p.batch):
         return layer(p.q, p.k_cache, p.v_cache, p.sm_scale)
 
@@ -105,7 +105,7 @@ def test_two_runners_share_one_compiled_function(scaled: str) -> None:
     compiled = torch.compile(layer, fullgraph=True, backend=counter)
     p = paged(cfg, Phase.DECODE, [1, 1], [6, 3])
 
-    def attn_only(runner: Any) -> torch.Tensor:
+    def attn_only(runner: Any) -> Any:
         with attn_scope(runner, p.batch):
             return attention(p.q, p.k_cache, p.v_cache, sm_scale=p.sm_scale)
 

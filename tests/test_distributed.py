@@ -29,9 +29,7 @@ pytestmark = pytest.mark.skipif(
 
 def run_example(*args: str) -> tuple[int, dict[str, object] | None, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), "--timeout", "50", *args],
         env=env,
@@ -79,7 +77,7 @@ def test_two_gloo_ranks_gather_the_single_process_result() -> None:
 def test_the_demo_plugin_is_found_through_the_entry_point_group() -> None:
     sys.path.insert(0, str(ROOT / "examples"))
     try:
-        import distributed_tp
+        import distributed_tp  # type: ignore[import-not-found]
 
         before = list(sys.path)
         root = distributed_tp.install_demo_plugin()
