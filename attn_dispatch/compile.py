@@ -46,10 +46,12 @@ _TAGS: tuple[Any, ...] = tuple(
     t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None
 )
 
-# Registered with torch.library.Library rather than the @custom_op decorator: the decorator's
-# Python wrapper costs about three times as much per eager call (bench/compile_overhead.py),
-# and this op has no autograd to offer. The Library object must stay alive with the module.
-_LIB = torch.library.Library("attn_dispatch", "DEF")  # type: ignore[no-untyped-call]
+# Registered with torch.library.Library rather than the @custom_op decorator: in a side-by-side
+# probe the decorator's Python wrapper cost about three times as much per eager call (~23 vs
+# ~8 us on this machine), and this op has no autograd to offer. FRAGMENT leaves the namespace
+# open to other ops (a C++ TORCH_LIBRARY_FRAGMENT, say). The Library object must stay alive with
+# the module.
+_LIB = torch.library.Library("attn_dispatch", "FRAGMENT")  # type: ignore[no-untyped-call]
 _LIB.define(  # type: ignore[no-untyped-call]
     "attention(Tensor q, Tensor k_cache, Tensor? v_cache, float sm_scale, int v_head_dim) "
     "-> Tensor",
@@ -147,10 +149,22 @@ def attention_op(
 _OP = torch.ops.attn_dispatch.attention.default
 
 
+_MLA_WIDTH = (
+    "attn_dispatch.attention(q, k_cache, None, ...) (MLA) cannot be traced: the output width "
+    "is not in the tensor shapes; call attn_dispatch.compile.attention_op(q, k_cache, None, "
+    "sm_scale=..., v_head_dim=<config.v_head_dim>) in compiled code"
+)
+# Without fullgraph this is a graph break that runs the plain eager call; with fullgraph it is
+# an error that carries the reason above.
+_attention_outside_graph = torch.compiler.disable(_scope_attention, reason=_MLA_WIDTH)  # type: ignore[no-untyped-call]
+
+
 def _attention_in_graph(
     q: Any, k_cache: Any, v_cache: Any = None, *, sm_scale: float, v_head_dim: int | None = None
 ) -> Any:
     # What Dynamo traces in place of attn_dispatch.attention (eager calls never come here).
+    if v_cache is None and v_head_dim is None:
+        return _attention_outside_graph(q, k_cache, v_cache, sm_scale=sm_scale)
     return attention_op(q, k_cache, v_cache, sm_scale=sm_scale, v_head_dim=v_head_dim)
 
 

@@ -186,3 +186,21 @@ def test_op_is_kept_out_of_inductor_cuda_graphs() -> None:
     if tag is None:
         pytest.skip("this torch has no cudagraph_unsafe tag")
     assert tag in torch.ops.attn_dispatch.attention.default.tags
+
+
+def test_mla_attention_without_width_names_the_fix_or_falls_back() -> None:
+    cfg = mla_config()
+    p = paged(cfg, Phase.DECODE, [1, 1], [3, 6])
+    binding = bind("torch", cfg)
+
+    def mla(q: torch.Tensor, k: torch.Tensor) -> Any:
+        return attention(q, k, None, sm_scale=p.sm_scale)
+
+    with attn_scope(binding, p.batch):
+        want = mla(p.q, p.k_cache)
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=r"v_head_dim=<config\.v_head_dim>"):
+            torch.compile(mla, fullgraph=True, backend="eager")(p.q, p.k_cache)
+        torch._dynamo.reset()
+        # Without fullgraph it is one graph break around the plain eager call.
+        got = torch.compile(mla, backend="eager")(p.q, p.k_cache)
+    torch.testing.assert_close(got, want)
