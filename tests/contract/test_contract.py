@@ -32,8 +32,15 @@ from tests.strategies import KernelCase
 from tests.strategies import Limits
 from tests.strategies import kernel_cases
 
-BACKENDS = ["torch"]
-LIMITS: dict[str, Limits] = {"torch": DEFAULT_LIMITS}
+BACKENDS = ["torch", "flashinfer"]
+LIMITS: dict[str, Limits] = {
+    "torch": DEFAULT_LIMITS,
+    # FlashInfer: 16-bit only; MLA latent % 128 and rope % 64 (576/512, 192/128).
+    "flashinfer": Limits(
+        mla_dims=((576, 512), (192, 128)),
+        dtypes=("bfloat16", "float16"),
+    ),
+}
 CUDA_ONLY = {"flashinfer"}
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
