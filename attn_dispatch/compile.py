@@ -149,22 +149,29 @@ def attention_op(
 _OP = torch.ops.attn_dispatch.attention.default
 
 
-_MLA_WIDTH = (
-    "attn_dispatch.attention(q, k_cache, None, ...) (MLA) cannot be traced: the output width "
-    "is not in the tensor shapes; call attn_dispatch.compile.attention_op(q, k_cache, None, "
-    "sm_scale=..., v_head_dim=<config.v_head_dim>) in compiled code"
+_NOT_TRACEABLE = (
+    "attn_dispatch.attention cannot be traced with v_cache=None and no v_head_dim (MLA: the "
+    "output width is not in the tensor shapes) nor with prefix chunks (an iterator); in "
+    "compiled code call attn_dispatch.compile.attention_op(q, k_cache, None, sm_scale=..., "
+    "v_head_dim=<config.v_head_dim>), and run the mha_chunked form outside the compiled region"
 )
 # Without fullgraph this is a graph break that runs the plain eager call; with fullgraph it is
 # an error that carries the reason above.
-_attention_outside_graph = torch.compiler.disable(_scope_attention, reason=_MLA_WIDTH)  # type: ignore[no-untyped-call]
+_attention_outside_graph = torch.compiler.disable(_scope_attention, reason=_NOT_TRACEABLE)  # type: ignore[no-untyped-call]
 
 
 def _attention_in_graph(
-    q: Any, k_cache: Any, v_cache: Any = None, *, sm_scale: float, v_head_dim: int | None = None
+    q: Any,
+    k_cache: Any,
+    v_cache: Any = None,
+    *,
+    sm_scale: float,
+    prefix: Any = None,
+    v_head_dim: int | None = None,
 ) -> Any:
     # What Dynamo traces in place of attn_dispatch.attention (eager calls never come here).
-    if v_cache is None and v_head_dim is None:
-        return _attention_outside_graph(q, k_cache, v_cache, sm_scale=sm_scale)
+    if prefix is not None or (v_cache is None and v_head_dim is None):
+        return _attention_outside_graph(q, k_cache, v_cache, sm_scale=sm_scale, prefix=prefix)
     return attention_op(q, k_cache, v_cache, sm_scale=sm_scale, v_head_dim=v_head_dim)
 
 

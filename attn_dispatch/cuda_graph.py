@@ -78,14 +78,14 @@ class _PlannedScope:
 
     __slots__ = ("_frame", "_token")
 
-    def __init__(self, binding: Binding, batch: AttnBatch, plan: Any, form: Any) -> None:
+    def __init__(self, binding: Binding, batch: AttnBatch, plan: Any, run: Any, form: Any) -> None:
         # The same frame attn_scope builds, with our persistent plan in it.
         frame: list[Any] = [None] * 9
         frame[0:3] = binding._handlers
         frame[_scope._BINDING] = binding
         frame[_scope._BATCH] = batch
         frame[_scope._PLAN] = plan
-        frame[_scope._RUN] = binding._handlers[batch.phase]
+        frame[_scope._RUN] = run
         frame[_scope._FORM] = form
         self._frame = frame
         self._token: Any = None
@@ -218,14 +218,15 @@ class GraphedForward:
         self.capture = batch.device.type == "cuda" if capture is None else capture
         if self.capture and batch.device.type != "cuda":
             raise CaptureError(f"capture=True needs a CUDA batch, got one on {batch.device}")
-        backend = self.binding.backend(self.phase)
-        self.backend = backend
-        # Rule 1: resolve and plan here, before any capture.
+        # Rule 1: resolve and plan here, before any capture (what attn_scope does on entry).
         self.batch = _persistent_batch(batch)
-        self.plan = backend.plan(self.batch)
-        chooser = getattr(backend, "choose_form", None)
-        self.form = chooser(self.batch) if chooser is not None else None
-        self._scope = _PlannedScope(self.binding, self.batch, self.plan, self.form)
+        self.plan, self.run, self.form = self.binding.prepare(self.batch)
+        # A backend's own in-place re-plan applies to the phase backend's plan only (the MLA
+        # forms that plan on another backend are copied field by field).
+        self.backend = self.binding.backend(self.phase)
+        plain = self.run is self.binding.handler(self.phase)
+        self._update_plan = getattr(self.backend, "update_plan", None) if plain else None
+        self._scope = _PlannedScope(self.binding, self.batch, self.plan, self.run, self.form)
         self.graph: Any = None
         self.output: Any = None
         with record_dispatch() as rec:
@@ -269,8 +270,17 @@ class GraphedForward:
             raise InvalidBatchError(
                 "phase", f"{got!r} != captured {self.phase!r}: capture one graph per phase"
             )
-        update_plan = getattr(self.backend, "update_plan", None)
-        plan = None if update_plan is not None else self.backend.plan(batch)
+        update_plan = self._update_plan
+        plan = None
+        if update_plan is None:
+            plan, run, form = self.binding.prepare(batch)
+            if form is not self.form or run is not self.run:
+                raise InvalidBatchError(
+                    "form",
+                    f"the backend chose form {getattr(form, 'value', form)!r} for this batch, "
+                    f"the graph was captured with {getattr(self.form, 'value', self.form)!r}: "
+                    "capture one graph per form",
+                )
         # Check everything first, then write: a refused batch leaves the buffers intact.
         for write in (False, True):
             seen: set[int] = set()

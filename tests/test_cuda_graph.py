@@ -25,6 +25,7 @@ from attn_dispatch import InvalidBatchError
 from attn_dispatch import Phase
 from attn_dispatch import UnknownBackendError
 from attn_dispatch import attention
+from attn_dispatch import attention_form
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
 from attn_dispatch import record_dispatch
@@ -37,6 +38,7 @@ from attn_dispatch.cuda_graph import capture_decode
 from tests.scale_helpers import make_batch
 from tests.scale_helpers import make_cache
 from tests.scale_helpers import mha_config
+from tests.scale_helpers import mla_config
 from tests.scale_helpers import register_scaled
 
 NUM_PAGES = 16
@@ -186,6 +188,25 @@ def test_another_runners_scope_inside_the_captured_region_is_refused(scaled: str
     with pytest.raises(CaptureError, match="one GraphedForward per runner") as e:
         GraphedForward(target, batch0, mixed, q0)
     assert isinstance(e.value, RuntimeError)
+
+
+def test_mla_decode_replays_the_form_chosen_at_capture() -> None:
+    cfg = mla_config()
+    binding = bind("torch", cfg, label="mla")
+    k, _ = make_cache(cfg, NUM_PAGES, seed=5)
+    steps = [
+        make_batch(cfg, Phase.DECODE, [1, 1], [6 - s, 3 + s], num_pages=NUM_PAGES, seed=s)
+        for s in range(3)
+    ]
+
+    def step(q: torch.Tensor) -> Any:
+        return attention(q, k, None, sm_scale=0.2)
+
+    graphed = capture_decode(binding, steps[0][0], step, steps[0][1].clone())
+    with attn_scope(binding, steps[0][0]):
+        assert graphed.form is attention_form()
+    for batch, q in steps[1:]:
+        torch.testing.assert_close(graphed.replay(batch, q), eager(binding, batch, step, q))
 
 
 # -- a backend with a value baked into its plan, and one that re-plans in place ----------------
