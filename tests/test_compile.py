@@ -9,7 +9,11 @@ and functionalization, as Inductor would.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -204,3 +208,31 @@ def test_mla_attention_without_width_names_the_fix_or_falls_back() -> None:
         # Without fullgraph it is one graph break around the plain eager call.
         got = torch.compile(mla, backend="eager")(p.q, p.k_cache)
     torch.testing.assert_close(got, want)
+
+
+def test_bind_registers_the_compile_path_without_an_explicit_import() -> None:
+    # A fresh interpreter: only `import torch`, `import attn_dispatch`, bind, then compile.
+    code = """
+import sys, torch, attn_dispatch
+from attn_dispatch import AttnBatch, AttnConfig, Phase, attention, attn_scope, bind
+assert "attn_dispatch.compile" not in sys.modules
+cfg = AttnConfig(kind="mha", num_q_heads=2, num_kv_heads=1, head_dim=4, dtype="float32")
+b = bind("torch", cfg)
+assert "attn_dispatch.compile" in sys.modules
+batch = AttnBatch.build(Phase.DECODE, q_lens=[1], kv_lens=[2], page_tables=[[0, 1]], page_size=1)
+q, k = torch.randn(1, 2, 4), torch.randn(2, 1, 1, 4)
+f = torch.compile(lambda q, k: attention(q, k, k, sm_scale=0.5), fullgraph=True, backend="eager")
+with attn_scope(b, batch):
+    torch.testing.assert_close(f(q, k), attention(q, k, k, sm_scale=0.5))
+print("OK")
+"""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-2000:]
