@@ -21,10 +21,14 @@ this module enforces:
 >>> for batch, q in steps:                  # same number of requests and pages each step
 ...     out = graphed.replay(batch, q)      # host plan + copies, then one graph launch
 
-A backend can re-plan into the captured plan itself by defining
-``update_plan(plan, batch) -> None`` (what FlashInfer's ``use_cuda_graph`` wrappers do);
-otherwise the plan must be built of dataclasses, tuples, lists, dicts, tensors and plain
-values, which are copied or compared field by field.
+How a new batch reaches the captured buffers, per backend:
+
+- ``update_plan(plan, batch) -> None`` on the backend: it re-plans into the captured plan;
+- ``plans_in_place = True`` on the backend: its ``plan(batch)`` refills persistent buffers
+  that every plan shares (FlashInfer's ``use_cuda_graph`` wrappers), so planning is enough;
+- otherwise the plan must be built of dataclasses, tuples, lists, dicts, tensors and plain
+  values, which are copied or compared field by field; a plan holding any other object (a
+  wrapper whose buffers may move) is refused at capture with ``CaptureError``.
 
 On CPU there is no graph: ``GraphedForward`` runs ``fn`` again on each replay, under the
 captured plan and buffers, so the plan/run split and buffer reuse can be tested anywhere.
@@ -33,6 +37,7 @@ captured plan and buffers, so the plan/run split and buffer reuse can be tested 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
@@ -167,6 +172,30 @@ def _copy_into(dst: Any, src: Any, path: str, seen: set[int], write: bool = True
         )
 
 
+_PLAIN = (int, float, bool, str, bytes, type(None), enum.Enum, torch.dtype, torch.device)
+
+
+def _opaque_paths(obj: Any, path: str, seen: set[int]) -> Iterator[str]:
+    """Paths of plan members that ``_copy_into`` cannot copy or compare by value (a kernel
+    library's wrapper object, say): their buffers may move on the next plan."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (torch.Tensor, *_PLAIN)):
+        return
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _opaque_paths(getattr(obj, f.name), f"{path}.{f.name}", seen)
+    elif isinstance(obj, (tuple, list)):
+        for i, item in enumerate(obj):
+            yield from _opaque_paths(item, f"{path}[{i}]", seen)
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            yield from _opaque_paths(item, f"{path}[{key!r}]", seen)
+    else:
+        yield f"{path} ({type(obj).__name__})"
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -226,6 +255,18 @@ class GraphedForward:
         self.backend = self.binding.backend(self.phase)
         plain = self.run is self.binding.handler(self.phase)
         self._update_plan = getattr(self.backend, "update_plan", None) if plain else None
+        if self._update_plan is None and not getattr(self.backend, "plans_in_place", False):
+            opaque = list(_opaque_paths(self.plan, "plan", set()))
+            if opaque:
+                raise CaptureError(
+                    f"backend {self.binding.backend_name(self.phase)!r} cannot be captured as "
+                    f"bound: its plan holds objects attn_dispatch cannot copy into the "
+                    f"captured buffers ({', '.join(opaque[:4])}), so a replay could read "
+                    "stale metadata. A backend whose plan() refills persistent buffers in "
+                    "place declares plans_in_place = True (flashinfer: bind it with "
+                    "options={'flashinfer': {'use_cuda_graph': True, 'max_num_pages': N}}); "
+                    "or it defines update_plan(plan, batch)"
+                )
         self._scope = _PlannedScope(self.binding, self.batch, self.plan, self.run, self.form)
         self.graph: Any = None
         self.output: Any = None

@@ -139,13 +139,18 @@ def _one_line(exc: BaseException, width: int = 110) -> str:
 
 def run_one(name: str, cfg: AttnConfig, args: argparse.Namespace) -> tuple[str, ...]:
     kind = f"{cfg.kind} h{cfg.num_q_heads}/{cfg.num_kv_heads} d{cfg.head_dim}"
+    num_pages = args.requests * (-(-args.ctx // cfg.page_size)) + 8
+    options: dict[str, Any] = {}
+    if name == "flashinfer":
+        # FlashInfer is capturable in its graph mode only (persistent wrapper buffers).
+        fi = {"use_cuda_graph": True, "max_num_pages": num_pages, "sm_scale": cfg.head_dim**-0.5}
+        options = {name: fi}
     try:
-        binding = bind(name, cfg, label=f"{name}-graph")
+        binding = bind(name, cfg, label=f"{name}-graph", options=options or None)
     except Exception as exc:
         return (name, kind, "skip", f"cannot bind: {_one_line(exc)}", "-", "-", "-", "-")
     dev = args.device
     g = torch.Generator().manual_seed(0)
-    num_pages = args.requests * (-(-args.ctx // cfg.page_size)) + 8
     dt = getattr(torch, cfg.dtype)
     if cfg.kind == "mla":
         k = torch.randn(num_pages, cfg.page_size, cfg.head_dim, generator=g).to(dev, dt)

@@ -295,6 +295,68 @@ def test_backend_update_plan_replans_in_place(lens_backend: str) -> None:
     torch.testing.assert_close(out[:, 0, 0], torch.tensor([3 + 4.0, 3 + 1.0]))
 
 
+class _Buffers:
+    """Stands in for a kernel library's wrapper: plain object, persistent buffer inside."""
+
+    def __init__(self) -> None:
+        self.lens = torch.zeros(2)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpaquePlan:
+    buffers: _Buffers
+
+
+class OpaqueBackend:
+    name = "test-opaque"
+
+    def __init__(self, config: AttnConfig, *, in_place: bool = False) -> None:
+        self.buffers = _Buffers()
+        self.plans_in_place = in_place
+
+    def plan(self, batch: AttnBatch) -> OpaquePlan:
+        self.buffers.lens.copy_(batch.kv_lens)  # refills the same buffer on every plan
+        return OpaquePlan(self.buffers)
+
+    def handler(self, phase: Phase) -> Callable[..., Any]:
+        return lambda q, k, v, plan, scale: q * 0 + plan.buffers.lens[:, None, None]
+
+
+@pytest.fixture
+def opaque_backend() -> Iterator[str]:
+    register_backend(
+        "test-opaque",
+        capabilities=Capabilities(kinds={"mha"}),
+        factory=OpaqueBackend,
+        replace=True,
+    )
+    yield "test-opaque"
+    unregister_backend("test-opaque")
+
+
+def test_a_plan_holding_opaque_objects_needs_plans_in_place(opaque_backend: str) -> None:
+    cfg = mha_config()
+    q = torch.ones(2, cfg.num_q_heads, cfg.head_dim)
+    b0, b1 = (
+        AttnBatch.build(
+            Phase.DECODE, q_lens=[1, 1], kv_lens=lens, page_tables=[[0], [1]], page_size=4
+        )
+        for lens in ([2, 3], [4, 1])
+    )
+
+    def fwd(x: torch.Tensor) -> Any:
+        return attention(x, None, None, sm_scale=1.0)
+
+    with pytest.raises(CaptureError, match=r"plan\.buffers \(_Buffers\)") as e:
+        capture_decode(bind(opaque_backend, cfg), b0, fwd, q)
+    assert "plans_in_place" in str(e.value)
+    binding = bind(opaque_backend, cfg, options={opaque_backend: {"in_place": True}})
+    graphed = capture_decode(binding, b0, fwd, q)
+    ptr = graphed.plan.buffers.lens.data_ptr()
+    torch.testing.assert_close(graphed.replay(b1)[:, 0, 0], torch.tensor([4.0, 1.0]))
+    assert graphed.plan.buffers.lens.data_ptr() == ptr
+
+
 def test_assert_not_capturing_is_quiet_outside_capture() -> None:
     assert_not_capturing()
     batch, _ = same_shape_batches(mha_config(), 1)[0]
@@ -310,9 +372,17 @@ needs_cuda = pytest.mark.skipif(
 GPU_BACKENDS = ["torch", "triton", "flashinfer"]
 
 
-def bind_or_skip(name: str, cfg: AttnConfig, label: str) -> Any:
+def graph_options(name: str, num_pages: int, scale: float) -> dict[str, dict[str, Any]]:
+    """Bind options a backend needs to be captured (FlashInfer: its graph-mode wrappers)."""
+    if name == "flashinfer":
+        opts = {"use_cuda_graph": True, "max_num_pages": num_pages, "sm_scale": scale}
+        return {name: opts}
+    return {}
+
+
+def bind_or_skip(name: str, cfg: AttnConfig, label: str, **options: Any) -> Any:
     try:
-        return bind(name, cfg, label=label)
+        return bind(name, cfg, label=label, options=options or None)
     except (UnknownBackendError, IncompatibleBackendError, BackendUnavailableError) as exc:
         pytest.skip(f"backend {name!r} cannot serve this config here: {exc}")
 
@@ -331,7 +401,7 @@ def test_cuda_capture_and_replay_matches_eager_per_runner(name: str, dtype: str)
         page_size=16,
         device="cuda",
     )
-    target = bind_or_skip(name, cfg, "target")
+    target = bind_or_skip(name, cfg, "target", **graph_options(name, 64, cfg.head_dim**-0.5))
     draft = bind_or_skip("torch", cfg, "draft")
     k, v = make_cache(cfg, 64, seed=0, device="cuda")
     lens = [100, 37, 250, 16]
