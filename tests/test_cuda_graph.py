@@ -389,7 +389,7 @@ def bind_or_skip(name: str, cfg: AttnConfig, label: str, **options: Any) -> Any:
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["bfloat16"])  # one dtype: FlashInfer JIT-builds per dtype
 @pytest.mark.parametrize("name", GPU_BACKENDS)
 def test_cuda_capture_and_replay_matches_eager_per_runner(name: str, dtype: str) -> None:
     cfg = AttnConfig(
