@@ -107,6 +107,9 @@ class Capabilities:
         ]
         for fn in self.availability:
             reasons.extend(_safe(fn))
+        if device is None and self.devices == {"cuda"}:
+            # Asked without a config (e.g. `list`): a CUDA-only backend needs CUDA here.
+            reasons.extend(_cuda_reasons("cuda", self.min_compute_capability))
         return reasons
 
     def reasons(self, config: AttnConfig, phase: Phase) -> list[str]:

@@ -21,6 +21,7 @@ from typing import ClassVar
 import pytest
 
 from attn_dispatch import AttnConfig
+from attn_dispatch import AttnForm
 from attn_dispatch import Phase
 from attn_dispatch.backends import flashinfer as fi_caps
 
@@ -32,8 +33,14 @@ needs_flashinfer = pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer-pyt
 
 def mla(**kw: Any) -> AttnConfig:
     base: dict[str, Any] = dict(
-        kind="mla", num_q_heads=16, num_kv_heads=1, head_dim=576, v_head_dim=512,
-        dtype="bfloat16", page_size=64, device="cuda",
+        kind="mla",
+        num_q_heads=16,
+        num_kv_heads=1,
+        head_dim=576,
+        v_head_dim=512,
+        dtype="bfloat16",
+        page_size=64,
+        device="cuda",
     )
     base.update(kw)
     return AttnConfig(**base)
@@ -41,8 +48,14 @@ def mla(**kw: Any) -> AttnConfig:
 
 def mha(**kw: Any) -> AttnConfig:
     base: dict[str, Any] = dict(
-        kind="mha", num_q_heads=32, num_kv_heads=8, head_dim=128, v_head_dim=128,
-        dtype="bfloat16", page_size=16, device="cuda",
+        kind="mha",
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        v_head_dim=128,
+        dtype="bfloat16",
+        page_size=16,
+        device="cuda",
     )
     base.update(kw)
     return AttnConfig(**base)
@@ -68,8 +81,15 @@ def test_light_module_imports_neither_torch_nor_flashinfer() -> None:
 
 @pytest.mark.parametrize(
     ("version", "ok"),
-    [("0.7.0", True), ("0.7.4", True), ("0.7.10.post1", True), ("0.8.0", False),
-     ("0.6.9", False), ("1.0.0rc1", False), ("garbage", False)],
+    [
+        ("0.7.0", True),
+        ("0.7.4", True),
+        ("0.7.10.post1", True),
+        ("0.8.0", False),
+        ("0.6.9", False),
+        ("1.0.0rc1", False),
+        ("garbage", False),
+    ],
 )
 def test_version_range(version: str, ok: bool) -> None:
     assert fi_caps.version_supported(version) is ok
@@ -102,8 +122,15 @@ def test_missing_flashinfer_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 def test_cpu_reasons_all_at_once() -> None:
-    cfg = mla(head_dim=352, v_head_dim=320, dtype="float32", kv_dtype="float32",
-              device="cpu", tree_verify=True, num_q_heads=48)
+    cfg = mla(
+        head_dim=352,
+        v_head_dim=320,
+        dtype="float32",
+        kv_dtype="float32",
+        device="cpu",
+        tree_verify=True,
+        num_q_heads=48,
+    )
     reasons = fi_caps.CAPABILITIES.reasons(cfg, Phase.VERIFY)
     text = "\n".join(reasons)
     assert any(r.startswith("needs CUDA") for r in reasons), text
@@ -166,9 +193,24 @@ def test_mla_tree_verify_on_flashinfer_is_refused_naming_the_alternatives() -> N
 
 def test_cli_explain_shows_the_reasons() -> None:
     cmd = [
-        sys.executable, "-m", "attn_dispatch", "explain", "--spec",
-        "prefill=torch,decode=flashinfer", "--kind", "mla", "--heads", "16",
-        "--head-dim", "352", "--v-head-dim", "320", "--page-size", "64", "--device", "cuda",
+        sys.executable,
+        "-m",
+        "attn_dispatch",
+        "explain",
+        "--spec",
+        "prefill=torch,decode=flashinfer",
+        "--kind",
+        "mla",
+        "--heads",
+        "16",
+        "--head-dim",
+        "352",
+        "--v-head-dim",
+        "320",
+        "--page-size",
+        "64",
+        "--device",
+        "cuda",
     ]
     run = subprocess.run(cmd, capture_output=True, text=True)
     assert run.returncode == 1, run.stdout + run.stderr
@@ -209,9 +251,7 @@ def test_config_rules_refuse(cfg: AttnConfig, phase: Phase, fragment: str) -> No
 )
 def test_config_rules_accept(cfg: AttnConfig, phase: Phase) -> None:
     # Only machine reasons (no CUDA here) may remain; nothing about the config itself.
-    config_reasons = [
-        r for c in fi_caps.CAPABILITIES.checks for r in c(cfg, phase)
-    ]
+    config_reasons = [r for c in fi_caps.CAPABILITIES.checks for r in c(cfg, phase)]
     assert config_reasons == []
 
 
@@ -353,18 +393,18 @@ class _FakePrefill(_FakeWrapper):
         mask = p["custom_mask"]
         out, moff = [], 0
         for i, kv_len in enumerate(lens):
-            pages = p["paged_kv_indices"][indptr[i]: indptr[i + 1]]
+            pages = p["paged_kv_indices"][indptr[i] : indptr[i + 1]]
             k = k_cache[pages].flatten(0, 1)[:kv_len]
             v = v_cache[pages].flatten(0, 1)[:kv_len]
             n = qo[i + 1] - qo[i]
             if mask is not None:
-                allowed = mask[moff: moff + n * kv_len].view(n, kv_len)
+                allowed = mask[moff : moff + n * kv_len].view(n, kv_len)
                 moff += n * kv_len
             elif p["causal"]:
                 allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
             else:
                 allowed = torch.ones(n, kv_len, dtype=torch.bool)
-            out.append(_attend(q[qo[i]: qo[i + 1]], k, v, allowed, p["sm_scale"]))
+            out.append(_attend(q[qo[i] : qo[i + 1]], k, v, allowed, p["sm_scale"]))
         return torch.cat(out).to(q.dtype)
 
 
@@ -380,11 +420,11 @@ class _FakeDecode(_FakeWrapper):
         indptr = p["indptr"].tolist()
         out = []
         for i, kv_len in enumerate(lens):
-            pages = p["indices"][indptr[i]: indptr[i + 1]]
+            pages = p["indices"][indptr[i] : indptr[i + 1]]
             k = k_cache[pages].flatten(0, 1)[:kv_len]
             v = v_cache[pages].flatten(0, 1)[:kv_len]
             every_key = torch.ones(1, kv_len, dtype=torch.bool)
-            out.append(_attend(q[i: i + 1], k, v, every_key, p["sm_scale"]))
+            out.append(_attend(q[i : i + 1], k, v, every_key, p["sm_scale"]))
         return torch.cat(out).to(q.dtype)
 
 
@@ -404,14 +444,14 @@ class _FakeMLA(_FakeWrapper):
         qo, indptr = md.qo_indptr.tolist(), md.kv_indptr.tolist()
         out = []
         for i, kv_len in enumerate(md.kv_len_arr.tolist()):
-            pages = md.kv_indices[indptr[i]: indptr[i + 1]]
+            pages = md.kv_indices[indptr[i] : indptr[i + 1]]
             k = cache[pages].flatten(0, 1)[:kv_len].unsqueeze(1)
             n = qo[i + 1] - qo[i]
             if p["causal"]:
                 allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
             else:
                 allowed = torch.ones(n, kv_len, dtype=torch.bool)
-            out.append(_attend(q[qo[i]: qo[i + 1]], k, k[..., :ckv], allowed, p["sm_scale"]))
+            out.append(_attend(q[qo[i] : qo[i + 1]], k, k[..., :ckv], allowed, p["sm_scale"]))
         return torch.cat(out).to(q.dtype)
 
 
@@ -432,11 +472,11 @@ def _reference(
             k, v = k.unsqueeze(1), v.unsqueeze(1)
         n = qo[i + 1] - qo[i]
         if batch.custom_mask is not None:
-            allowed = batch.custom_mask[pos: pos + n * kv_len].view(n, kv_len)
+            allowed = batch.custom_mask[pos : pos + n * kv_len].view(n, kv_len)
             pos += n * kv_len
         else:
             allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
-        out.append(_attend(q[qo[i]: qo[i + 1]], k, v, allowed, scale))
+        out.append(_attend(q[qo[i] : qo[i + 1]], k, v, allowed, scale))
     return torch.cat(out)
 
 
@@ -462,8 +502,14 @@ def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Any:
     return fb
 
 
-def _batch(phase: Phase, q_lens: list[int], kv_lens: list[int], page_size: int,
-           spare: list[int] | None = None, mask: Any = None) -> Any:
+def _batch(
+    phase: Phase,
+    q_lens: list[int],
+    kv_lens: list[int],
+    page_size: int,
+    spare: list[int] | None = None,
+    mask: Any = None,
+) -> Any:
     """A batch whose pages are scattered, with ``spare[i]`` unused pages after request
     i's needed ones (a pool that reserves ahead)."""
     spare = spare or [0] * len(kv_lens)
@@ -474,16 +520,20 @@ def _batch(phase: Phase, q_lens: list[int], kv_lens: list[int], page_size: int,
     return _make_batch(phase, q_lens, kv_lens, counts, perm, mask)
 
 
-def _make_batch(phase: Phase, q_lens: list[int], kv_lens: list[int], counts: list[int],
-                indices: Any, mask: Any) -> Any:
+def _make_batch(
+    phase: Phase, q_lens: list[int], kv_lens: list[int], counts: list[int], indices: Any, mask: Any
+) -> Any:
     from attn_dispatch import AttnBatch
 
     def indptr(xs: list[int]) -> Any:
         return torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32)
 
     return AttnBatch(
-        phase=phase, qo_indptr=indptr(q_lens), kv_indptr=indptr(counts),
-        kv_indices=indices, kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        phase=phase,
+        qo_indptr=indptr(q_lens),
+        kv_indptr=indptr(counts),
+        kv_indices=indices,
+        kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
         custom_mask=mask,
     )
 
@@ -501,25 +551,72 @@ def _caches(cfg: AttnConfig, num_pages: int, gen: Any) -> tuple[Any, Any]:
 @pytest.mark.parametrize(
     ("cfg", "phase", "q_lens", "kv_lens", "spare", "route"),
     [
-        (mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4),
-         Phase.PREFILL, [3, 5], [7, 5], [0, 2], "BatchPrefillWithPagedKVCacheWrapper"),
-        (mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4),
-         Phase.DECODE, [1, 1, 1], [9, 1, 4], [1, 0, 0], "BatchDecodeWithPagedKVCacheWrapper"),
-        (mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4),
-         Phase.VERIFY, [3, 3], [8, 6], [0, 0], "BatchPrefillWithPagedKVCacheWrapper"),
-        (mha(num_q_heads=2, num_kv_heads=1, head_dim=192, v_head_dim=128, page_size=2),
-         Phase.DECODE, [1, 1], [3, 4], [0, 1], "BatchPrefillWithPagedKVCacheWrapper"),
-        (mla(num_q_heads=2, head_dim=192, v_head_dim=128, page_size=4),
-         Phase.DECODE, [1, 1], [5, 8], [2, 0], "BatchMLAPagedAttentionWrapper"),
-        (mla(num_q_heads=2, head_dim=192, v_head_dim=128, page_size=4),
-         Phase.VERIFY, [2, 3], [5, 8], [0, 1], "BatchMLAPagedAttentionWrapper"),
-        (mla(num_q_heads=2, head_dim=192, v_head_dim=128, page_size=4),
-         Phase.PREFILL, [5, 2], [5, 9], [0, 0], "BatchMLAPagedAttentionWrapper"),
+        (
+            mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4),
+            Phase.PREFILL,
+            [3, 5],
+            [7, 5],
+            [0, 2],
+            "BatchPrefillWithPagedKVCacheWrapper",
+        ),
+        (
+            mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4),
+            Phase.DECODE,
+            [1, 1, 1],
+            [9, 1, 4],
+            [1, 0, 0],
+            "BatchDecodeWithPagedKVCacheWrapper",
+        ),
+        (
+            mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4),
+            Phase.VERIFY,
+            [3, 3],
+            [8, 6],
+            [0, 0],
+            "BatchPrefillWithPagedKVCacheWrapper",
+        ),
+        (
+            mha(num_q_heads=2, num_kv_heads=1, head_dim=192, v_head_dim=128, page_size=2),
+            Phase.DECODE,
+            [1, 1],
+            [3, 4],
+            [0, 1],
+            "BatchPrefillWithPagedKVCacheWrapper",
+        ),
+        (
+            mla(num_q_heads=2, head_dim=192, v_head_dim=128, page_size=4),
+            Phase.DECODE,
+            [1, 1],
+            [5, 8],
+            [2, 0],
+            "BatchMLAPagedAttentionWrapper",
+        ),
+        (
+            mla(num_q_heads=2, head_dim=192, v_head_dim=128, page_size=4),
+            Phase.VERIFY,
+            [2, 3],
+            [5, 8],
+            [0, 1],
+            "BatchMLAPagedAttentionWrapper",
+        ),
+        (
+            mla(num_q_heads=2, head_dim=192, v_head_dim=128, page_size=4),
+            Phase.PREFILL,
+            [5, 2],
+            [5, 9],
+            [0, 0],
+            "BatchMLAPagedAttentionWrapper",
+        ),
     ],
 )
 def test_adapter_matches_contract(
-    fake_flashinfer: Any, cfg: AttnConfig, phase: Phase, q_lens: list[int],
-    kv_lens: list[int], spare: list[int], route: str,
+    fake_flashinfer: Any,
+    cfg: AttnConfig,
+    phase: Phase,
+    q_lens: list[int],
+    kv_lens: list[int],
+    spare: list[int],
+    route: str,
 ) -> None:
     batch = _batch(phase, q_lens, kv_lens, cfg.page_size, spare)
     gen = torch.Generator().manual_seed(1)
@@ -539,21 +636,24 @@ def test_adapter_matches_contract(
     if cfg.kind == "mla":
         # a single query token is planned non-causal (clear of the causal tile rule)
         assert wrapper.plans[0]["causal"] is (max(q_lens) > 1)
-        assert backend.choose_form(batch) == "mla"
-    else:
-        assert backend.choose_form(batch) is None
+        # its default policy: decompressed only for prefill without a cached prefix
+        prefix = int(batch.kv_lens_host.sum()) - batch.num_tokens
+        no_prefix_prefill = batch.phase is Phase.PREFILL and prefix == 0
+        want = AttnForm.MHA if no_prefix_prefill else AttnForm.MLA
+        assert backend.form_policy.choose(batch) is want
 
 
 def test_tree_verify_mask_passes_through(fake_flashinfer: Any) -> None:
-    cfg = mha(num_q_heads=2, num_kv_heads=1, head_dim=64, v_head_dim=64, page_size=2,
-              tree_verify=True)
+    cfg = mha(
+        num_q_heads=2, num_kv_heads=1, head_dim=64, v_head_dim=64, page_size=2, tree_verify=True
+    )
     q_lens, kv_lens = [3, 2], [6, 4]
     gen = torch.Generator().manual_seed(3)
     blocks = []
     for n, m in zip(q_lens, kv_lens, strict=True):
         block = torch.ones(n, m, dtype=torch.bool)
         tree = torch.rand(n, n, generator=gen) < 0.5
-        block[:, m - n:] = tree | torch.eye(n, dtype=torch.bool)
+        block[:, m - n :] = tree | torch.eye(n, dtype=torch.bool)
         blocks.append(block.reshape(-1))
     mask = torch.cat(blocks)
     batch = _batch(Phase.VERIFY, q_lens, kv_lens, cfg.page_size, [1, 0], mask=mask)

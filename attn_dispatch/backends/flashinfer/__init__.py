@@ -286,6 +286,8 @@ CAPABILITIES = Capabilities(
         _check_mla_shared_memory,
     ),
     availability=(_available_installed,),
+    # Absorbed everywhere; prefill (and verify) may run decompressed through the prefill wrapper.
+    forms={Phase.PREFILL: {"mla", "mha"}, Phase.DECODE: {"mla"}, Phase.VERIFY: {"mla", "mha"}},
     description=(
         f"FlashInfer {SUPPORTED_VERSIONS} paged prefill/decode and MLA wrappers (CUDA sm80+)"
     ),
