@@ -421,6 +421,21 @@ def test_batch_checks_name_the_field() -> None:
         )
 
 
+@needs_lib
+def test_plan_owns_its_metadata() -> None:
+    """Editing the batch's index tensors in place after planning cannot reach the kernels."""
+    case = _small(kv_lens=[30, 20])
+    expect = run_native(case)
+    backend = NativeBackend(case["config"])
+    plan = backend.plan(case["batch"])
+    case["batch"].kv_indices.fill_(10**6)
+    case["batch"].kv_lens_host.fill_(10**6)
+    out = backend.handler(Phase.DECODE)(
+        case["q"], case["k_cache"], case["v_cache"], plan, case["scale"]
+    )
+    assert torch.equal(out, expect)
+
+
 # -- capabilities and the "not built" report ---------------------------------------------------
 
 

@@ -61,7 +61,9 @@ def _host_int(batch: AttnBatch, name: str, tensor: Any, dtype: torch.dtype) -> t
         raise InvalidBatchError(
             name, f"must be a 1-D {dtype} tensor, got {tensor.dtype} of shape {tuple(tensor.shape)}"
         )
-    return tensor.contiguous()
+    # A private copy: the kernels read it for the whole forward, and a caller editing the
+    # batch's tensors in place after planning must not move reads outside the checked ranges.
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def _first(flags: torch.Tensor) -> int | None:
@@ -206,7 +208,7 @@ class NativeBackend:
                 raise InvalidBatchError(
                     "custom_mask", f"must be on the CPU, got device {str(mask.device)!r}"
                 )
-            mask = mask.contiguous()
+            mask = mask.clone(memory_format=torch.contiguous_format)
             mask_indptr = torch.zeros(b + 1, dtype=torch.int64)
             torch.cumsum(q_lens * lens, 0, out=mask_indptr[1:])
             if int(mask_indptr[-1]) != mask.numel():
