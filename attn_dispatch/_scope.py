@@ -102,22 +102,28 @@ class attn_scope:
         token, frame = self._token, self._frame
         if token is None:
             raise ScopeError("attn_scope exited without being entered")
-        self._token = self._frame = None
         current = _CURRENT.get()
         if current is frame:
-            _CURRENT.reset(token)
+            try:
+                _CURRENT.reset(token)
+            except ValueError:
+                # A copy of the entering context (carry_scope, a task): the token belongs to
+                # the original one, which must close it.
+                raise ScopeError(_not_open(frame)) from None
+            self._token = self._frame = None
             return
         node = current
         while node is not None and node is not frame:
             node = node[_PARENT]
         if node is None:
-            # Resetting here could rebind a stale runner: leave the context as it is.
-            raise ScopeError(
-                f"attn_scope({_label(frame)}) is not open in this context: it was already closed "
-                "by an out-of-order exit of an enclosing scope, or it is being exited in another "
-                "thread or task than the one that entered it"
-            )
-        _CURRENT.reset(token)
+            # Resetting here could rebind a stale runner: leave the context as it is, and keep
+            # the token so the context that entered this scope can still close it.
+            raise ScopeError(_not_open(frame))
+        try:
+            _CURRENT.reset(token)
+        except ValueError:
+            raise ScopeError(_not_open(frame)) from None
+        self._token = self._frame = None
         raise ScopeError(
             f"attn_scope({_label(frame)}) exited while an inner scope "
             f"({_label(current)}) was still open; scopes must exit in reverse order. Both are "
@@ -147,6 +153,14 @@ class attn_scope:
                 return fn(*args, **kwargs)
 
         return run
+
+
+def _not_open(frame: Frame) -> str:
+    return (
+        f"attn_scope({_label(frame)}) is not open in this context: it was already closed "
+        "by an out-of-order exit of an enclosing scope, or it is being exited in another "
+        "thread or task than the one that entered it"
+    )
 
 
 def _label(frame: Frame | None) -> str:
