@@ -340,10 +340,12 @@ class record_dispatch:
     def __exit__(self, *exc_info: object) -> None:
         global _recording
         token, self._token = self._token, None
+        if token is None:
+            # Decrementing here would leave the process-wide count wrong for good.
+            raise ScopeError("record_dispatch exited without being entered")
         with _recording_lock:
             _recording -= 1
-        if token is not None:
-            _RECORDERS.reset(token)
+        _RECORDERS.reset(token)
 
 
 # ---------------------------------------------------------------------------------------------
