@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from strategies import MHA_ONLY_CAPS
-from strategies import Capabilities
 from strategies import EchoHandler
 from strategies import FakeBatch
 from strategies import mha_config
@@ -21,6 +20,7 @@ from strategies import mla_config
 from strategies import register_echo
 
 from attn_dispatch import BackendSpec
+from attn_dispatch import Capabilities
 from attn_dispatch import Binding
 from attn_dispatch import DispatchEvent
 from attn_dispatch import IncompatibleBackendError
@@ -49,10 +49,14 @@ class ModelRunner:
             return [attention(None, None, sm_scale=1.0) for _ in range(layers)]
 
 
+def _register_kernels() -> None:
+    register_echo("mla_kernel", MLA_CAPS, replace=True)  # stands in for FlashMLA / cutlass MLA
+    register_echo("mla_prefill", MLA_CAPS, replace=True)
+    register_echo("mha_only", MHA_ONLY_CAPS, replace=True)  # FlashInfer's MHA path, say
+
+
 def _start_target_then_draft() -> tuple[ModelRunner, ModelRunner, dict[Phase, EchoHandler]]:
-    register_echo("mla_kernel", MLA_CAPS)  # stands in for FlashMLA / cutlass MLA
-    register_echo("mla_prefill", MLA_CAPS)
-    register_echo("mha_only", MHA_ONLY_CAPS)  # stands in for FlashInfer's MHA path
+    _register_kernels()
     target = ModelRunner(
         "target", BackendSpec.parse("prefill=mla_prefill,decode=mla_kernel"), mla_config()
     )
@@ -104,8 +108,7 @@ def test_target_mla_on_mha_only_backend_refused_at_bind() -> None:
 def test_global_setting_read_at_forward_time_leaks() -> None:
     """SGLang's old pattern: start-up writes the backend name into process-global settings,
     and the forward reads it back. The draft's start-up overwrites the target's choice."""
-    register_echo("mla_kernel", MLA_CAPS)
-    register_echo("mha_only", MHA_ONLY_CAPS)
+    _register_kernels()
     global_settings: dict[str, str] = {}
     kernels = {name: bind(name, cfg).handler(Phase.DECODE)
                for name, cfg in (("mla_kernel", mla_config()), ("mha_only", mha_config()))}
@@ -124,18 +127,9 @@ def test_global_setting_read_at_forward_time_leaks() -> None:
     assert target.forward()[0] == "mha_only"  # leaked: the target now runs the MHA-only kernel
 
     # The same two runners with attn_dispatch: the draft's start-up cannot reach the target.
-    t, d, _ = _start_target_then_draft_replace()
+    t, d, _ = _start_target_then_draft()
     assert {o[0] for o in t.forward(Phase.DECODE)} == {"mla_kernel"}
     assert {o[0] for o in d.forward(Phase.DECODE)} == {"mha_only"}
-
-
-def _start_target_then_draft_replace() -> tuple[ModelRunner, ModelRunner, dict[Phase, EchoHandler]]:
-    register_echo("mla_prefill", MLA_CAPS)
-    target = ModelRunner(
-        "target", BackendSpec.parse("prefill=mla_prefill,decode=mla_kernel"), mla_config()
-    )
-    draft = ModelRunner("draft", BackendSpec.uniform("mha_only"), mha_config(dtype="bfloat16"))
-    return target, draft, {p: target.attn_binding.handler(p) for p in Phase}
 
 
 def test_real_mla_numbers_unchanged_by_draft() -> None:
@@ -144,7 +138,7 @@ def test_real_mla_numbers_unchanged_by_draft() -> None:
     torch = pytest.importorskip("torch")
     from attn_dispatch import AttnBatch
 
-    register_echo("mha_only", MHA_ONLY_CAPS)
+    _register_kernels()
     cfg = mla_config(page_size=4, dtype="float32")
     target = bind("torch", cfg, label="target")
     gen = torch.Generator().manual_seed(0)
