@@ -14,34 +14,13 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck
 from hypothesis import settings
-
-from attn_dispatch import _registry
+from strategies import RegistrySnapshot
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", max_examples=200, stateful_step_count=25, **_COMMON)
 settings.register_profile("thorough", max_examples=5000, stateful_step_count=40, **_COMMON)
 settings.register_profile("dev", max_examples=20, stateful_step_count=15, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-
-class RegistrySnapshot:
-    """Saves the registry's internals and puts them back (see the ``registry_snapshot`` fixture)."""
-
-    def __init__(self) -> None:
-        _registry._ensure_loaded()
-        with _registry._lock:
-            self.entries = dict(_registry._entries)
-            self.plugin_errors = dict(_registry.plugin_errors)
-            self.loaded = _registry._loaded
-
-    def restore(self) -> None:
-        with _registry._lock:
-            _registry._entries.clear()
-            _registry._entries.update(self.entries)
-            _registry.plugin_errors.clear()
-            _registry.plugin_errors.update(self.plugin_errors)
-            _registry._loaded = self.loaded
-            _registry._loading = False
 
 
 @pytest.fixture

@@ -19,9 +19,31 @@ from attn_dispatch import AttnConfig
 from attn_dispatch import BackendSpec
 from attn_dispatch import Capabilities
 from attn_dispatch import Phase
+from attn_dispatch import _registry
 from attn_dispatch import register_backend
 
 _ids = itertools.count()
+
+
+class RegistrySnapshot:
+    """Saves the registry's internals and puts them back (the ``registry_snapshot`` fixture of
+    tests/conftest.py uses it; so do state machines, which cannot use function fixtures)."""
+
+    def __init__(self) -> None:
+        _registry._ensure_loaded()
+        with _registry._lock:
+            self.entries = dict(_registry._entries)
+            self.plugin_errors = dict(_registry.plugin_errors)
+            self.loaded = _registry._loaded
+
+    def restore(self) -> None:
+        with _registry._lock:
+            _registry._entries.clear()
+            _registry._entries.update(self.entries)
+            _registry.plugin_errors.clear()
+            _registry.plugin_errors.update(self.plugin_errors)
+            _registry._loaded = self.loaded
+            _registry._loading = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

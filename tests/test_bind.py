@@ -183,7 +183,11 @@ def test_factory_own_error_passes_through() -> None:
 
 @pytest.mark.parametrize(
     ("spec", "config", "field"),
-    [(42, mha_config(), "spec"), ("torch", {"kind": "mha"}, "config"), ("a,b", mha_config(), "spec")],
+    [
+        (42, mha_config(), "spec"),
+        ("torch", {"kind": "mha"}, "config"),
+        ("a,b", mha_config(), "spec"),
+    ],
 )
 def test_bind_argument_errors(spec: Any, config: Any, field: str) -> None:
     with pytest.raises(InvalidSpecError) as info:

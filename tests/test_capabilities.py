@@ -43,28 +43,72 @@ def test_normalises_fields() -> None:
 @pytest.mark.parametrize(
     ("caps", "config", "phase", "reason"),
     [
-        (Capabilities(phases={Phase.PREFILL, Phase.DECODE}), mha_config(), Phase.VERIFY,
-         "phase 'verify' is not implemented (implemented: 'decode', 'prefill')"),
-        (Capabilities(kinds={"mha"}), mla_config(), Phase.DECODE,
-         "kind 'mla' is not supported (supported: 'mha')"),
-        (Capabilities(devices={"cuda"}), mha_config(), Phase.DECODE,
-         "device 'cpu' is not supported (supported: 'cuda')"),
-        (Capabilities(dtypes={"float16"}, kv_dtypes={"float32"}), mha_config(), Phase.DECODE,
-         "dtype 'float32' is not supported (supported: 'float16')"),
-        (Capabilities(kv_dtypes={"float8_e4m3fn"}), mha_config(), Phase.DECODE,
-         "kv_dtype 'float32' is not supported (supported: 'float8_e4m3fn')"),
-        (Capabilities(), mha_config(kv_dtype="fp8"), Phase.DECODE,
-         "kv_dtype 'float8_e4m3fn' is not supported"),
-        (Capabilities(head_dims={128, 256}), mha_config(), Phase.PREFILL,
-         "head_dim 64 is not supported (supported: 128, 256)"),
-        (Capabilities(v_head_dims={128}), mla_config(), Phase.DECODE,
-         "v_head_dim 512 is not supported (supported: 128)"),
-        (Capabilities(page_sizes={16, 64}), mha_config(page_size=1), Phase.DECODE,
-         "page_size 1 is not supported (supported: 16, 64)"),
-        (Capabilities(custom_mask=False), mha_config(tree_verify=True), Phase.VERIFY,
-         "tree verify needs a custom attention mask"),
-        (Capabilities(requires=("no_such_module_xyz",)), mha_config(), Phase.DECODE,
-         "module 'no_such_module_xyz' is not installed (pip install no-such-module-xyz)"),
+        (
+            Capabilities(phases={Phase.PREFILL, Phase.DECODE}),
+            mha_config(),
+            Phase.VERIFY,
+            "phase 'verify' is not implemented (implemented: 'decode', 'prefill')",
+        ),
+        (
+            Capabilities(kinds={"mha"}),
+            mla_config(),
+            Phase.DECODE,
+            "kind 'mla' is not supported (supported: 'mha')",
+        ),
+        (
+            Capabilities(devices={"cuda"}),
+            mha_config(),
+            Phase.DECODE,
+            "device 'cpu' is not supported (supported: 'cuda')",
+        ),
+        (
+            Capabilities(dtypes={"float16"}, kv_dtypes={"float32"}),
+            mha_config(),
+            Phase.DECODE,
+            "dtype 'float32' is not supported (supported: 'float16')",
+        ),
+        (
+            Capabilities(kv_dtypes={"float8_e4m3fn"}),
+            mha_config(),
+            Phase.DECODE,
+            "kv_dtype 'float32' is not supported (supported: 'float8_e4m3fn')",
+        ),
+        (
+            Capabilities(),
+            mha_config(kv_dtype="fp8"),
+            Phase.DECODE,
+            "kv_dtype 'float8_e4m3fn' is not supported",
+        ),
+        (
+            Capabilities(head_dims={128, 256}),
+            mha_config(),
+            Phase.PREFILL,
+            "head_dim 64 is not supported (supported: 128, 256)",
+        ),
+        (
+            Capabilities(v_head_dims={128}),
+            mla_config(),
+            Phase.DECODE,
+            "v_head_dim 512 is not supported (supported: 128)",
+        ),
+        (
+            Capabilities(page_sizes={16, 64}),
+            mha_config(page_size=1),
+            Phase.DECODE,
+            "page_size 1 is not supported (supported: 16, 64)",
+        ),
+        (
+            Capabilities(custom_mask=False),
+            mha_config(tree_verify=True),
+            Phase.VERIFY,
+            "tree verify needs a custom attention mask",
+        ),
+        (
+            Capabilities(requires=("no_such_module_xyz",)),
+            mha_config(),
+            Phase.DECODE,
+            "module 'no_such_module_xyz' is not installed (pip install no-such-module-xyz)",
+        ),
     ],
 )
 def test_each_field_gives_its_reason(
@@ -84,12 +128,27 @@ def test_custom_mask_matters_only_for_tree_verify() -> None:
 
 def test_every_reason_together() -> None:
     caps = Capabilities(
-        kinds={"mha"}, phases={Phase.DECODE}, devices={"cuda"}, dtypes={"float16"},
-        head_dims={128}, v_head_dims={128}, page_sizes={64}, requires=("no_such_mod_q",),
+        kinds={"mha"},
+        phases={Phase.DECODE},
+        devices={"cuda"},
+        dtypes={"float16"},
+        head_dims={128},
+        v_head_dims={128},
+        page_sizes={64},
+        requires=("no_such_mod_q",),
     )
     reasons = caps.reasons(mla_config(), Phase.PREFILL)
-    for word in ("phase", "kind", "device", "dtype 'bfloat16'", "kv_dtype", "head_dim 576",
-                 "v_head_dim 512", "page_size", "no_such_mod_q"):
+    for word in (
+        "phase",
+        "kind",
+        "device",
+        "dtype 'bfloat16'",
+        "kv_dtype",
+        "head_dim 576",
+        "v_head_dim 512",
+        "page_size",
+        "no_such_mod_q",
+    ):
         assert any(word in r for r in reasons), (word, reasons)
     assert len(reasons) == 9
 

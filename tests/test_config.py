@@ -35,8 +35,15 @@ def test_mla_deepseek() -> None:
 
 @pytest.mark.parametrize(
     ("alias", "name"),
-    [("bf16", "bfloat16"), ("fp16", "float16"), ("half", "float16"), ("fp32", "float32"),
-     ("torch.bfloat16", "bfloat16"), ("FLOAT32", "float32"), ("fp8", "float8_e4m3fn")],
+    [
+        ("bf16", "bfloat16"),
+        ("fp16", "float16"),
+        ("half", "float16"),
+        ("fp32", "float32"),
+        ("torch.bfloat16", "bfloat16"),
+        ("FLOAT32", "float32"),
+        ("fp8", "float8_e4m3fn"),
+    ],
 )
 def test_dtype_aliases(alias: str, name: str) -> None:
     c = mha_config(dtype=alias)

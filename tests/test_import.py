@@ -30,8 +30,12 @@ print(json.dumps({"import_ms": (t1 - t0) * 1e3, "registry_ms": (t2 - t1) * 1e3,
 def _probe() -> dict[str, object]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True,
-        env=env, check=True, timeout=120,
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        timeout=120,
     )
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
@@ -43,13 +47,17 @@ def test_import_pulls_no_heavy_module() -> None:
     leaked = sorted(m for m in modules if m.split(".")[0] in HEAVY)
     assert leaked == [], f"import attn_dispatch (and list_backends) imported {leaked}"
     # No backend's heavy implementation module is imported before bind.
-    assert not [m for m in modules if m.startswith("attn_dispatch.backends.") and m.endswith(".backend")]
+    assert not [
+        m for m in modules if m.startswith("attn_dispatch.backends.") and m.endswith(".backend")
+    ]
 
 
 def test_import_time_is_reported() -> None:
     runs = [_probe() for _ in range(3)]
     imp = sorted(float(r["import_ms"]) for r in runs)  # type: ignore[arg-type]
     reg = sorted(float(r["registry_ms"]) for r in runs)  # type: ignore[arg-type]
-    print(f"\nimport attn_dispatch: median {imp[1]:.1f} ms (min {imp[0]:.1f}); "
-          f"first list_backends(): median {reg[1]:.1f} ms")
+    print(
+        f"\nimport attn_dispatch: median {imp[1]:.1f} ms (min {imp[0]:.1f}); "
+        f"first list_backends(): median {reg[1]:.1f} ms"
+    )
     assert all(t > 0 for t in imp)

@@ -39,7 +39,7 @@ def test_phase_of_sglang_names(mode: str, phase: Phase) -> None:
 
 def test_phase_of_enum_members_by_name() -> None:
     # SGLang passes its own ForwardMode enum; values differ from ours, names are what count.
-    ForwardMode = enum.IntEnum("ForwardMode", list(SGLANG_MODES))  # noqa: N806
+    ForwardMode = enum.IntEnum("ForwardMode", list(SGLANG_MODES))
     for member in ForwardMode:
         assert phase_of(member) is SGLANG_MODES[member.name]
 

@@ -15,13 +15,13 @@ from attn_dispatch import Binding
 from attn_dispatch import DispatchEvent
 from attn_dispatch import Phase
 from attn_dispatch import ScopeError
+from attn_dispatch import _scope
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
 from attn_dispatch import carry_scope
 from attn_dispatch import record_dispatch
 from attn_dispatch import resolve
-from attn_dispatch import _scope
 
 
 @pytest.fixture
@@ -56,8 +56,12 @@ def test_records_label_phase_backend(pair: tuple[Binding, Binding]) -> None:
         DispatchEvent("target", Phase.DECODE, "rb"),
     ]
     assert rec.counts() == Counter(
-        {("target", "prefill", "ra"): 2, ("draft", "decode", "rb"): 3,
-         ("target", "verify", "ra"): 1, ("target", "decode", "rb"): 1}
+        {
+            ("target", "prefill", "ra"): 2,
+            ("draft", "decode", "rb"): 3,
+            ("target", "verify", "ra"): 1,
+            ("target", "decode", "rb"): 1,
+        }
     )
     table = rec.summary().splitlines()
     assert table[0].split() == ["runner", "phase", "backend", "form", "calls"]
@@ -115,7 +119,9 @@ def test_per_context_isolation(pair: tuple[Binding, Binding]) -> None:
         t.start()
         t.join()
     assert [(e.label, e.phase) for e in mine.events] == [
-        ("target", Phase.PREFILL), ("target", Phase.VERIFY), ("draft", Phase.DECODE)
+        ("target", Phase.PREFILL),
+        ("target", Phase.VERIFY),
+        ("draft", Phase.DECODE),
     ]
     assert other_events == [[DispatchEvent("draft", Phase.DECODE, "rb")] * 4]
 
@@ -152,7 +158,9 @@ def test_recorder_misuse(pair: tuple[Binding, Binding]) -> None:
 def test_recorder_closed_after_exception(pair: tuple[Binding, Binding]) -> None:
     target, _ = pair
     with pytest.raises(KeyboardInterrupt):
-        with record_dispatch():
+        with record_dispatch() as rec:
+            forward(target, Phase.DECODE, layers=1)
             raise KeyboardInterrupt
+    assert rec.events == [DispatchEvent("target", Phase.DECODE, "rb")]
     assert _scope._recording == 0
     assert _scope._RECORDERS.get() == ()

@@ -29,11 +29,11 @@ from attn_dispatch import DuplicateBackendError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
 from attn_dispatch import UnknownBackendError
+from attn_dispatch import _registry
 from attn_dispatch import bind
 from attn_dispatch import list_backends
 from attn_dispatch import register_backend
 from attn_dispatch import unregister_backend
-from attn_dispatch import _registry
 
 pytestmark = pytest.mark.usefixtures("registry_snapshot")
 
@@ -83,9 +83,16 @@ def test_duplicate_raises_unless_replace() -> None:
         (dict(name="", capabilities=ANY_CAPS, factory=echo_factory("x")), "name", "non-empty"),
         (dict(name="a,b", capabilities=ANY_CAPS, factory=echo_factory("x")), "name", "','"),
         (dict(name="a b", capabilities=ANY_CAPS, factory=echo_factory("x")), "name", "word"),
-        (dict(name="x", capabilities={"kinds": {"mha"}}, factory=echo_factory("x")),
-         "capabilities", "Capabilities instance"),
-        (dict(name="x", capabilities=ANY_CAPS, factory="pkg.module.attr"), "factory", "module:attr"),
+        (
+            dict(name="x", capabilities={"kinds": {"mha"}}, factory=echo_factory("x")),
+            "capabilities",
+            "Capabilities instance",
+        ),
+        (
+            dict(name="x", capabilities=ANY_CAPS, factory="pkg.module.attr"),
+            "factory",
+            "module:attr",
+        ),
         (dict(name="x", capabilities=ANY_CAPS, factory=42), "factory", "callable"),
     ],
 )
@@ -129,7 +136,9 @@ def _write_module(tmp_path: Path, name: str, log: Path, body: str = "") -> None:
     )
 
 
-def test_dotted_factory_imported_only_at_bind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dotted_factory_imported_only_at_bind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     log = tmp_path / "imports.log"
     mod = "attn_dispatch_test_lazy_factory"
     _write_module(tmp_path, mod, log)
@@ -186,7 +195,9 @@ def test_registry_change_never_alters_a_binding() -> None:
     backends = dict(binding.backends)
     caps = binding.capabilities("snap")
 
-    register_backend("snap", capabilities=MHA_ONLY_CAPS, factory=echo_factory("other"), replace=True)
+    register_backend(
+        "snap", capabilities=MHA_ONLY_CAPS, factory=echo_factory("other"), replace=True
+    )
     unregister_backend("torch")
     register_echo("torch", replace=False)  # a different "torch" now
 

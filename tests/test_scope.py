@@ -12,7 +12,6 @@ import pytest
 from strategies import ANY_CAPS
 from strategies import EchoBackend
 from strategies import FakeBatch
-from strategies import echo_factory
 from strategies import mha_config
 from strategies import register_echo
 

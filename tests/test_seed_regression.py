@@ -20,8 +20,8 @@ from strategies import mla_config
 from strategies import register_echo
 
 from attn_dispatch import BackendSpec
-from attn_dispatch import Capabilities
 from attn_dispatch import Binding
+from attn_dispatch import Capabilities
 from attn_dispatch import DispatchEvent
 from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import Phase
@@ -33,8 +33,9 @@ from attn_dispatch import resolve
 
 pytestmark = pytest.mark.usefixtures("registry_snapshot")
 
-MLA_CAPS = Capabilities(kinds={"mla"}, devices={"cpu"}, head_dims={576}, v_head_dims={512},
-                        dtypes={"bfloat16"})
+MLA_CAPS = Capabilities(
+    kinds={"mla"}, devices={"cpu"}, head_dims={576}, v_head_dims={512}, dtypes={"bfloat16"}
+)
 
 
 class ModelRunner:
@@ -67,8 +68,11 @@ def _start_target_then_draft() -> tuple[ModelRunner, ModelRunner, dict[Phase, Ec
 
 def test_target_dispatch_unchanged_by_draft() -> None:
     target, draft, before = _start_target_then_draft()
-    expected = {Phase.PREFILL: "mla_prefill", Phase.DECODE: "mla_kernel",
-                Phase.VERIFY: "mla_prefill"}  # verify follows verify_mode="prefill"
+    expected = {
+        Phase.PREFILL: "mla_prefill",
+        Phase.DECODE: "mla_kernel",
+        Phase.VERIFY: "mla_prefill",
+    }  # verify follows verify_mode="prefill"
     assert {p: target.attn_binding.handler(p) for p in Phase} == before
     for p in Phase:
         with attn_scope(target):
@@ -110,8 +114,10 @@ def test_global_setting_read_at_forward_time_leaks() -> None:
     and the forward reads it back. The draft's start-up overwrites the target's choice."""
     _register_kernels()
     global_settings: dict[str, str] = {}
-    kernels = {name: bind(name, cfg).handler(Phase.DECODE)
-               for name, cfg in (("mla_kernel", mla_config()), ("mha_only", mha_config()))}
+    kernels = {
+        name: bind(name, cfg).handler(Phase.DECODE)
+        for name, cfg in (("mla_kernel", mla_config()), ("mha_only", mha_config()))
+    }
 
     class GlobalRunner:
         def __init__(self, backend: str) -> None:
@@ -144,12 +150,13 @@ def test_real_mla_numbers_unchanged_by_draft() -> None:
     gen = torch.Generator().manual_seed(0)
     k_cache = torch.randn(4, 4, 576, generator=gen)
     q = torch.randn(1, 16, 576, generator=gen)
-    batch = AttnBatch.build(Phase.DECODE, q_lens=[1], kv_lens=[7], page_tables=[[2, 0]],
-                            page_size=4)
+    batch = AttnBatch.build(
+        Phase.DECODE, q_lens=[1], kv_lens=[7], page_tables=[[2, 0]], page_size=4
+    )
 
     def run() -> Any:
         with attn_scope(target, batch):
-            return attention(q, k_cache, None, sm_scale=576 ** -0.5)
+            return attention(q, k_cache, None, sm_scale=576**-0.5)
 
     first = run()
     assert first.shape == (1, 16, 512)
@@ -160,5 +167,5 @@ def test_real_mla_numbers_unchanged_by_draft() -> None:
     assert torch.equal(first, second) and torch.equal(first, run())
     # And the numbers are MLA's: softmax(q k^T) v over the 7 tokens, v = k[..., :512].
     keys = torch.cat([k_cache[2], k_cache[0]])[:7]
-    p = torch.softmax((q[0] @ keys.T) * 576 ** -0.5, dim=-1)
+    p = torch.softmax((q[0] @ keys.T) * 576**-0.5, dim=-1)
     torch.testing.assert_close(first[0], p @ keys[:, :512], rtol=1e-5, atol=1e-5)

@@ -44,9 +44,13 @@ def test_backend_for(spec: BackendSpec, verify: str) -> None:
 
 
 def test_parse_forms() -> None:
-    assert BackendSpec.parse("prefill=triton,decode=flashinfer") == BackendSpec("triton", "flashinfer")
+    assert BackendSpec.parse("prefill=triton,decode=flashinfer") == BackendSpec(
+        "triton", "flashinfer"
+    )
     assert BackendSpec.parse("triton,decode=flashinfer") == BackendSpec("triton", "flashinfer")
-    assert BackendSpec.parse(" decode = b , prefill = a , verify = c ") == BackendSpec("a", "b", "c")
+    assert BackendSpec.parse(" decode = b , prefill = a , verify = c ") == BackendSpec(
+        "a", "b", "c"
+    )
     assert BackendSpec.parse("a,verify_mode=decode") == BackendSpec("a", "a", verify_mode="decode")
 
 
@@ -149,7 +153,8 @@ def test_from_dict_errors() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "words"), [("{", "not JSON"), ("[1]", "expected a JSON object"), ('"a"', "JSON object")]
+    ("text", "words"),
+    [("{", "not JSON"), ("[1]", "expected a JSON object"), ('"a"', "JSON object")],
 )
 def test_from_json_errors(text: str, words: str) -> None:
     with pytest.raises(InvalidSpecError) as info:
