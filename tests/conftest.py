@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck
 from hypothesis import settings
-from strategies import RegistrySnapshot
+
+from tests.strategies import RegistrySnapshot
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", max_examples=200, stateful_step_count=25, **_COMMON)

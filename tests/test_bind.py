@@ -6,13 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from strategies import ANY_CAPS
-from strategies import MHA_ONLY_CAPS
-from strategies import EchoBackend
-from strategies import echo_factory
-from strategies import mha_config
-from strategies import mla_config
-from strategies import register_echo
 
 from attn_dispatch import AttnConfig
 from attn_dispatch import AttnDispatchError
@@ -27,6 +20,13 @@ from attn_dispatch import Runner
 from attn_dispatch import UnknownBackendError
 from attn_dispatch import bind
 from attn_dispatch import register_backend
+from tests.strategies import ANY_CAPS
+from tests.strategies import MHA_ONLY_CAPS
+from tests.strategies import EchoBackend
+from tests.strategies import echo_factory
+from tests.strategies import mha_config
+from tests.strategies import mla_config
+from tests.strategies import register_echo
 
 pytestmark = pytest.mark.usefixtures("registry_snapshot")
 
@@ -130,19 +130,19 @@ def test_incompatible_without_label() -> None:
 
 
 def test_unknown_backend_suggests_and_lists() -> None:
-    register_echo("flashinfer_mla")
-    register_echo("flashinfer")
+    register_echo("kernelbox_mla")
+    register_echo("kernelbox")
     with pytest.raises(UnknownBackendError) as info:
-        bind("prefill=torch,decode=flashinfr", mha_config(), label="draft")
+        bind("prefill=torch,decode=kernelbx", mha_config(), label="draft")
     err = info.value
     assert isinstance(err, KeyError) and isinstance(err, AttnDispatchError)
-    assert err.name == "flashinfr"
-    assert err.suggestions[0] == "flashinfer" and "flashinfer_mla" in err.suggestions
-    assert {"torch", "flashinfer", "flashinfer_mla"} <= set(err.registered)
+    assert err.name == "kernelbx"
+    assert err.suggestions[0] == "kernelbox" and "kernelbox_mla" in err.suggestions
+    assert {"torch", "kernelbox", "kernelbox_mla"} <= set(err.registered)
     assert list(err.registered) == sorted(err.registered)
     msg = str(err)
-    assert msg.startswith("runner 'draft', phase 'decode': unknown attention backend 'flashinfr'.")
-    assert "Did you mean 'flashinfer'" in msg
+    assert msg.startswith("runner 'draft', phase 'decode': unknown attention backend 'kernelbx'.")
+    assert "Did you mean 'kernelbox'" in msg
     assert "Registered backends: " in msg and "'torch'" in msg
     assert "register_backend" in msg
 

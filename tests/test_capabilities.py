@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import pytest
-from strategies import mha_config
-from strategies import mla_config
 
 from attn_dispatch import AttnConfig
 from attn_dispatch import Capabilities
 from attn_dispatch import Phase
+from tests.strategies import mha_config
+from tests.strategies import mla_config
 
 
 def test_everything_fits() -> None:

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from strategies import MHA_ONLY_CAPS
-from strategies import register_echo
 
 from attn_dispatch._cli import main
+from tests.strategies import MHA_ONLY_CAPS
+from tests.strategies import register_echo
 
 pytestmark = pytest.mark.usefixtures("registry_snapshot")
 

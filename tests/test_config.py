@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 from hypothesis import given
-from strategies import attn_configs
-from strategies import mha_config
-from strategies import mla_config
 
 from attn_dispatch import AttnConfig
 from attn_dispatch import AttnDispatchError
 from attn_dispatch import InvalidSpecError
+from tests.strategies import attn_configs
+from tests.strategies import mha_config
+from tests.strategies import mla_config
 
 
 def test_mha_defaults() -> None:

@@ -30,12 +30,6 @@ from hypothesis.stateful import initialize
 from hypothesis.stateful import invariant
 from hypothesis.stateful import precondition
 from hypothesis.stateful import rule
-from strategies import ANY_CAPS
-from strategies import EchoHandler
-from strategies import RegistrySnapshot
-from strategies import echo_factory
-from strategies import mha_config
-from strategies import mla_config
 
 from attn_dispatch import BackendSpec
 from attn_dispatch import Binding
@@ -48,6 +42,12 @@ from attn_dispatch import carry_scope
 from attn_dispatch import current_binding
 from attn_dispatch import register_backend
 from attn_dispatch import resolve
+from tests.strategies import ANY_CAPS
+from tests.strategies import EchoHandler
+from tests.strategies import RegistrySnapshot
+from tests.strategies import echo_factory
+from tests.strategies import mha_config
+from tests.strategies import mla_config
 
 EXCEPTIONS = (ValueError, RuntimeError, KeyboardInterrupt, SystemExit, GeneratorExit)
 picks = st.integers(min_value=0, max_value=10_000)

@@ -7,9 +7,6 @@ import threading
 from collections import Counter
 
 import pytest
-from strategies import FakeBatch
-from strategies import mha_config
-from strategies import register_echo
 
 from attn_dispatch import Binding
 from attn_dispatch import DispatchEvent
@@ -22,6 +19,9 @@ from attn_dispatch import bind
 from attn_dispatch import carry_scope
 from attn_dispatch import record_dispatch
 from attn_dispatch import resolve
+from tests.strategies import FakeBatch
+from tests.strategies import mha_config
+from tests.strategies import register_echo
 
 
 @pytest.fixture

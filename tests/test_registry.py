@@ -12,13 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from strategies import ANY_CAPS
-from strategies import MHA_ONLY_CAPS
-from strategies import EchoBackend
-from strategies import EchoHandler
-from strategies import echo_factory
-from strategies import mha_config
-from strategies import register_echo
 
 from attn_dispatch import AttnConfig
 from attn_dispatch import AttnDispatchError
@@ -34,6 +27,13 @@ from attn_dispatch import bind
 from attn_dispatch import list_backends
 from attn_dispatch import register_backend
 from attn_dispatch import unregister_backend
+from tests.strategies import ANY_CAPS
+from tests.strategies import MHA_ONLY_CAPS
+from tests.strategies import EchoBackend
+from tests.strategies import EchoHandler
+from tests.strategies import echo_factory
+from tests.strategies import mha_config
+from tests.strategies import register_echo
 
 pytestmark = pytest.mark.usefixtures("registry_snapshot")
 
@@ -126,7 +126,7 @@ def _write_module(tmp_path: Path, name: str, log: Path, body: str = "") -> None:
             from pathlib import Path
             Path({str(log)!r}).open("a").write(__name__ + "\\n")  # records each import
 
-            from strategies import EchoBackend
+            from tests.strategies import EchoBackend
 
             def make(config, **options):
                 return EchoBackend(config, name="lazy", **options)
@@ -252,7 +252,7 @@ def test_thread_safe_registration() -> None:
 
 GOOD_PLUGIN = """
 from attn_dispatch import register_backend
-from strategies import ANY_CAPS, echo_factory
+from tests.strategies import ANY_CAPS, echo_factory
 
 def register():
     register_backend("plugged", capabilities=ANY_CAPS, factory=echo_factory("plugged"))
@@ -260,7 +260,7 @@ def register():
 
 ENTRY_PLUGIN = """
 from attn_dispatch._registry import BackendEntry
-from strategies import ANY_CAPS, echo_factory
+from tests.strategies import ANY_CAPS, echo_factory
 
 ENTRY = BackendEntry("entry_plugged", ANY_CAPS, echo_factory("entry_plugged"))
 """

@@ -9,11 +9,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from strategies import ANY_CAPS
-from strategies import EchoBackend
-from strategies import FakeBatch
-from strategies import mha_config
-from strategies import register_echo
 
 from attn_dispatch import AttnDispatchError
 from attn_dispatch import Binding
@@ -33,6 +28,11 @@ from attn_dispatch import register_backend
 from attn_dispatch import resolve
 from attn_dispatch import run_in_thread
 from attn_dispatch._scope import iter_scopes
+from tests.strategies import ANY_CAPS
+from tests.strategies import EchoBackend
+from tests.strategies import FakeBatch
+from tests.strategies import mha_config
+from tests.strategies import register_echo
 
 
 class Runner:

@@ -12,12 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from strategies import MHA_ONLY_CAPS
-from strategies import EchoHandler
-from strategies import FakeBatch
-from strategies import mha_config
-from strategies import mla_config
-from strategies import register_echo
 
 from attn_dispatch import BackendSpec
 from attn_dispatch import Binding
@@ -30,6 +24,12 @@ from attn_dispatch import attn_scope
 from attn_dispatch import bind
 from attn_dispatch import record_dispatch
 from attn_dispatch import resolve
+from tests.strategies import MHA_ONLY_CAPS
+from tests.strategies import EchoHandler
+from tests.strategies import FakeBatch
+from tests.strategies import mha_config
+from tests.strategies import mla_config
+from tests.strategies import register_echo
 
 pytestmark = pytest.mark.usefixtures("registry_snapshot")
 
@@ -90,7 +90,7 @@ def test_target_dispatch_unchanged_by_draft() -> None:
             assert {o[0] for o in out_d} == {"mha_only"}
     want = []
     for p in Phase:
-        want += [DispatchEvent("target", p, expected[p])] * 3
+        want += [DispatchEvent("target", p, expected[p], form="mla")] * 3  # absorbed MLA
         want += [DispatchEvent("draft", p, "mha_only")] * 2
     assert rec.events == want
     assert not any(e.label == "target" and e.backend == "mha_only" for e in rec.events)

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import backend_names
-from strategies import backend_specs
 
 from attn_dispatch import AttnDispatchError
 from attn_dispatch import BackendSpec
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
+from tests.strategies import backend_names
+from tests.strategies import backend_specs
 
 
 def test_uniform() -> None:
