@@ -154,7 +154,7 @@ class attn_scope:
         return run
 
 
-def _not_open(frame: Frame) -> str:
+def _not_open(frame: Frame | None) -> str:
     return (
         f"attn_scope({_label(frame)}) is not open in this context: it was already closed "
         "by an out-of-order exit of an enclosing scope, or it is being exited in another "
