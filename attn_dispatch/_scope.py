@@ -72,7 +72,8 @@ class attn_scope:
     __slots__ = ("_batch", "_binding", "_frame", "_token")
 
     def __init__(self, runner: object, batch: Any = None) -> None:
-        self._binding = _binding_of(runner)
+        # A Binding is the common case: skip the attn_binding property and the isinstance.
+        self._binding = runner if type(runner) is Binding else _binding_of(runner)
         self._batch = batch
         self._token: contextvars.Token[Frame | None] | None = None
         self._frame: Frame | None = None
@@ -88,11 +89,12 @@ class attn_scope:
         batch = self._batch
         parent = _CURRENT.get()
         frame: Frame
+        h = b._handlers  # explicit items: a starred tuple display builds a list first
         if batch is None:
-            frame = (*b._handlers, b, None, None, None, parent, None)
+            frame = (h[0], h[1], h[2], b, None, None, None, parent, None)
         else:
             plan, run, form = b.prepare(batch)
-            frame = (*b._handlers, b, batch, plan, run, parent, form)
+            frame = (h[0], h[1], h[2], b, batch, plan, run, parent, form)
         self._frame = frame
         self._token = _CURRENT.set(frame)
         return b
@@ -175,12 +177,13 @@ def resolve(phase: Phase) -> Handler:
     >>> with attn_scope(runner):
     ...     handler = resolve(Phase.DECODE)
     """
-    frame = _CURRENT.get()
-    if frame is None:
-        raise NoActiveScopeError("resolve")
+    # The happy path is exactly one ContextVar.get and one index: no scope (None) and a bad
+    # phase both land in the except clause, which costs nothing until it runs.
     try:
-        return frame[phase]  # type: ignore[no-any-return]
+        return _CURRENT.get()[phase]  # type: ignore[index,no-any-return]
     except (TypeError, IndexError):
+        if _CURRENT.get() is None:
+            raise NoActiveScopeError("resolve") from None
         raise UnknownPhaseError(repr(phase), tuple(p.name for p in Phase)) from None
 
 
