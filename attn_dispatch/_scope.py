@@ -139,6 +139,13 @@ class attn_scope:
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
         binding, batch = self._binding, self._batch
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            # Wrapping the call would close the scope before the body runs; holding it across
+            # yields would leak it into the caller between them. Neither is what anyone means.
+            raise ScopeError(
+                f"attn_scope cannot decorate the generator function {fn.__qualname__!r}; "
+                "open the scope inside it instead: `with attn_scope(...):`"
+            )
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
