@@ -349,3 +349,16 @@ def test_capabilities_object_is_kept() -> None:
     caps = Capabilities(kinds={"mha"}, description="mine")
     register_backend("keep", capabilities=caps, factory=echo_factory("keep"))
     assert list_backends()["keep"] is caps
+
+
+def test_cli_list_shows_failed_plugins(
+    fake_plugins: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attn_dispatch._cli import main
+
+    with pytest.warns(RuntimeWarning):
+        assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (row,) = [line for line in lines if line.startswith("fancy ")]
+    assert "no: plugin failed to load: ImportError: needs libfoo.so" in row
+    assert any(line.startswith("plugged ") and line.endswith("yes") for line in lines)

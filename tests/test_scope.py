@@ -531,3 +531,20 @@ def test_context_copy_is_independent(a: Binding, b: Binding) -> None:
     ctx.run(enter_b)
     assert ctx.run(current_binding) is b
     assert no_scope()
+
+
+def test_decorator_refuses_generator_functions(a: Binding) -> None:
+    # The scope would close before the generator body runs (or, held across yields, leak into
+    # the caller between them): refuse at decoration instead of silently not applying.
+    def gen() -> Iterator[Binding]:
+        yield current_binding()
+
+    async def agen() -> Any:
+        yield current_binding()
+
+    for fn in (gen, agen):
+        with pytest.raises(ScopeError) as info:
+            attn_scope(a)(fn)
+        assert isinstance(info.value, RuntimeError)
+        assert f"cannot decorate the generator function {fn.__qualname__!r}" in str(info.value)
+        assert "with attn_scope(...)" in str(info.value)
