@@ -112,9 +112,15 @@ def test_frozen_hashable_slotted() -> None:
         s.prefill = "c"  # type: ignore[misc]
     assert not hasattr(s, "__dict__")
     assert {s: 1}[BackendSpec("a", "b")] == 1
-    assert hash(BackendSpec("a", "b", verify_mode="decode")) != hash(s) or (
-        BackendSpec("a", "b", verify_mode="decode") != s
-    )
+    # Equal specs hash alike; any field makes a spec different (verify_mode included).
+    assert hash(BackendSpec(" a", "b ")) == hash(s)
+    others = [
+        BackendSpec("a", "b", verify_mode="decode"),
+        BackendSpec("a", "b", verify="a"),
+        BackendSpec("b", "a"),
+    ]
+    assert all(o != s for o in others)
+    assert len({s, *others}) == 4
 
 
 @given(backend_specs())
