@@ -144,7 +144,7 @@ class TargetModel:
             num_kv_heads=1,
             head_dim=s.cache_width,
             v_head_dim=s.kv_lora_rank,
-            dtype=self.dtype,
+            dtype=str(self.dtype).removeprefix("torch."),
             page_size=page_size,
             device=device,
             tree_verify=True,
@@ -187,7 +187,7 @@ class TargetModel:
             o = torch.einsum("thl,hlv->thv", o_latent, layer["wuv"]).reshape(t, -1)
             x = x + o @ layer["wo"]
             x = x + _mlp(x, layer["up"], layer["down"])
-        return _rms(x) @ self.shared.lm_head  # type: ignore[no-any-return]
+        return _rms(x) @ self.shared.lm_head
 
 
 class DraftModel:
@@ -227,7 +227,7 @@ class DraftModel:
             num_q_heads=s.heads,
             num_kv_heads=s.kv_heads,
             head_dim=s.head_dim,
-            dtype=self.dtype,
+            dtype=str(self.dtype).removeprefix("torch."),
             page_size=page_size,
             device=device,
         )
@@ -267,7 +267,7 @@ class DraftModel:
             o = attend(q.contiguous(), k_cache, v_cache, sm_scale=self.sm_scale)
             x = x + o.reshape(t, -1) @ layer["wo"]
             x = x + _mlp(x, layer["up"], layer["down"])
-        return _rms(x) @ self.shared.lm_head  # type: ignore[no-any-return]
+        return _rms(x) @ self.shared.lm_head
 
 
 class PageAllocator:
@@ -391,7 +391,7 @@ def greedy(logits: torch.Tensor) -> list[int]:
     best = logits.max(dim=-1, keepdim=True).values
     ids = torch.arange(logits.shape[-1], device=logits.device).expand_as(logits)
     masked = torch.where(logits == best, ids, logits.shape[-1])
-    return masked.min(dim=-1).values.tolist()  # type: ignore[no-any-return]
+    return masked.min(dim=-1).values.tolist()
 
 
 def top_k(logits: torch.Tensor, k: int) -> list[list[int]]:

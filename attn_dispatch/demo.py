@@ -203,9 +203,7 @@ def speculative(
                 for b in range(branch):
                     bpages[i][b].extend(draft.allocator.alloc(1))
                     pos = seq.length + s - 1
-                    reqs.append(
-                        Request(seq.pages + bpages[i][b], pos, [chains[i][b][-1]], [pos])
-                    )
+                    reqs.append(Request(seq.pages + bpages[i][b], pos, [chains[i][b][-1]], [pos]))
             logits, _ = step(draft, Phase.DECODE, reqs)
             nxt = iter(greedy(logits))
             for i in active:
@@ -568,12 +566,11 @@ def _run_models(
             outputs, stats = speculative(target, draft, prompts, opts, out)
     say("\ndispatch (record_dispatch: runner x phase x backend -> calls)")
     say(rec.summary())
+    runners = {"target": target, "draft": draft}
     leaks = [
         (label, phase, name)
         for (label, phase, name) in rec.counts()
-        if name != {"target": target, "draft": draft}[str(label)].attn_binding.backend_name(
-            Phase.parse(phase)
-        )
+        if name != runners[str(label)].attn_binding.backend_name(Phase.parse(phase))
     ]
     say(
         "each runner dispatched only to its own backends: "
@@ -671,7 +668,7 @@ def _run_legacy(
     except Exception as exc:
         failure = exc
     say("\nwhat the layers actually ran (runner x phase x backend -> calls)")
-    rows = [(*k[:3], k[3], str(v)) for k, v in sorted(legacy.log.items())]
+    rows: list[tuple[str, ...]] = [(*k, str(v)) for k, v in sorted(legacy.log.items())]
     say(format_table(("runner", "phase", "backend", "result", "calls"), rows))
     tname = target.attn_binding.backend_name(Phase.PREFILL)
     dname = draft.attn_binding.backend_name(Phase.DECODE)

@@ -1,0 +1,137 @@
+"""The speculative-decoding demo, end to end at a tiny size."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attn_dispatch import demo  # noqa: E402
+from attn_dispatch import record_dispatch  # noqa: E402
+from attn_dispatch import register_backend  # noqa: E402
+from attn_dispatch import unregister_backend  # noqa: E402
+from attn_dispatch._demo_models import DraftShape  # noqa: E402
+from attn_dispatch._demo_models import TargetShape  # noqa: E402
+from attn_dispatch._spec import BackendSpec  # noqa: E402
+from attn_dispatch.backends.reference import CAPABILITIES as TORCH_CAPS  # noqa: E402
+
+TINY = ["--max-new-tokens", "7", "--depth", "2", "--batch", "2", "--progress", "on"]
+
+
+@pytest.fixture
+def torch2() -> Iterator[str]:
+    """The reference kernels under a second name: a second backend to tell runners apart."""
+    register_backend(
+        "torch2",
+        capabilities=TORCH_CAPS,
+        factory="attn_dispatch.backends.reference.backend:TorchBackend",
+        replace=True,
+    )
+    yield "torch2"
+    unregister_backend("torch2")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_demo(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    rc = demo.main([*TINY, *argv], out=out)
+    return rc, out.getvalue()
+
+
+def test_demo_defaults_match_target_greedy() -> None:
+    rc, text = run_demo()
+    assert rc == 0, text
+    assert "identical to target greedy: yes" in text
+    assert "each runner dispatched only to its own backends: yes" in text
+    assert "round    1:" in text  # progress lines
+    assert "acceptance rate:" in text and "tokens/s:" in text
+
+
+def test_each_runner_dispatches_only_to_its_own_backend(torch2: str) -> None:
+    opts = demo.DemoOptions(max_new_tokens=9, depth=3, batch=3, page_size=2)
+    with torch.inference_mode():
+        target, draft = demo.build(
+            opts,
+            device="cpu",
+            dtype="float32",
+            target_spec=BackendSpec.uniform("torch"),
+            draft_spec=BackendSpec.uniform(torch2),
+        )
+        prompts = demo.prompts_for(opts, target.model.shape.vocab)
+        reference = demo.target_greedy(target, prompts, opts.max_new_tokens)
+        with record_dispatch() as rec:
+            outputs, stats = demo.speculative(target, draft, prompts, opts, io.StringIO())
+    assert outputs == reference
+    layers_t, layers_d = target.model.shape.layers, draft.model.shape.layers
+    counts = rec.counts()
+    assert set(counts) == {
+        ("target", "prefill", "torch"),
+        ("target", "verify", "torch"),
+        ("draft", "prefill", "torch2"),
+        ("draft", "decode", "torch2"),
+    }
+    # One VERIFY forward per round, one call per layer.
+    assert counts[("target", "verify", "torch")] == stats.rounds * layers_t
+    assert counts[("target", "prefill", "torch")] == layers_t
+    assert counts[("draft", "decode", "torch2")] % layers_d == 0
+    assert 0 < stats.accepted <= stats.drafted
+    # Rejected and finished requests gave every page back.
+    assert target.allocator.num_free == target.num_pages
+    assert draft.allocator.num_free == draft.num_pages
+
+
+def test_greedy_equality_holds_with_rejections_and_one_branch(torch2: str) -> None:
+    # A draft that agrees less (its own larger perturbation) forces rejections mid-chain, so the
+    # cache compaction and page freeing paths run.
+    opts = demo.DemoOptions(max_new_tokens=10, depth=3, branch=1, batch=2, page_size=3, seed=3)
+    with torch.inference_mode():
+        target, draft = demo.build(
+            opts,
+            device="cpu",
+            dtype="float32",
+            target_spec=BackendSpec.uniform(torch2),
+            draft_spec=BackendSpec.uniform("torch"),
+            target_shape=TargetShape(layers=1, out_scale=0.35, mlp_scale=0.2),
+            draft_shape=DraftShape(out_scale=0.3, mlp_scale=0.3),
+        )
+        prompts = demo.prompts_for(opts, target.model.shape.vocab)
+        reference = demo.target_greedy(target, prompts, opts.max_new_tokens)
+        outputs, stats = demo.speculative(target, draft, prompts, opts, io.StringIO())
+    assert outputs == reference
+    assert stats.accepted < stats.drafted  # some drafted tokens were rejected
+
+
+def test_cli_specs_are_used_as_given(torch2: str) -> None:
+    rc, text = run_demo("--target-spec", "torch", "--draft-spec", "prefill=torch,decode=torch2")
+    assert rc == 0, text
+    assert "target  torch    torch   torch" in text
+    assert "draft   torch    torch2  torch" in text
+    # The draft's prefill (prompt, catch-up) ran on torch, its DECODE steps on torch2.
+    assert "draft   decode   torch2" in text
+    assert "draft   prefill  torch " in text
+
+
+def test_cli_unknown_spec_is_an_error_not_a_fallback() -> None:
+    rc, text = run_demo("--draft-spec", "nosuchkernel")
+    assert rc == 2
+    assert "unknown attention backend 'nosuchkernel'" in text
+
+
+def test_legacy_global_shows_the_leak(torch2: str) -> None:
+    rc, text = run_demo("--legacy-global", "--target-spec", "torch", "--draft-spec", torch2)
+    assert rc == 1
+    assert "draft start-up: global attention_backend = 'torch2' (overwrites 'torch')" in text
+    # The target's MLA prefill ran the draft's backend and failed in the kernel.
+    assert "target  prefill  torch2   failed" in text
+    assert "identical to target greedy: no" in text
+    assert "28528" in text
