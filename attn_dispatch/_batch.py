@@ -263,7 +263,7 @@ class AttnBatch:
 
     def q_lens(self) -> list[int]:
         """Query tokens per request (host)."""
-        return (self.qo_indptr_host[1:] - self.qo_indptr_host[:-1]).tolist()  # type: ignore[no-any-return]
+        return (self.qo_indptr_host[1:] - self.qo_indptr_host[:-1]).tolist()
 
 
 def tree_mask(parents: Sequence[int], prefix_len: int) -> torch.Tensor:

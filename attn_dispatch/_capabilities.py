@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 from collections.abc import Callable
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 from attn_dispatch._dtypes import dtype_name
@@ -40,20 +41,20 @@ class Capabilities:
     ``AttnForm``) this backend serves for MLA configs.
     """
 
-    kinds: frozenset[str] = frozenset({"mha", "mla"})
-    phases: frozenset[Phase] = ALL_PHASES
-    devices: frozenset[str] = frozenset({"cpu"})
-    dtypes: frozenset[str] = frozenset({"float32", "float16", "bfloat16"})
-    kv_dtypes: frozenset[str] | None = None
-    head_dims: frozenset[int] | None = None
-    v_head_dims: frozenset[int] | None = None
-    page_sizes: frozenset[int] | None = None
+    kinds: AbstractSet[str] = frozenset({"mha", "mla"})
+    phases: AbstractSet[Phase] = ALL_PHASES
+    devices: AbstractSet[str] = frozenset({"cpu"})
+    dtypes: AbstractSet[str] = frozenset({"float32", "float16", "bfloat16"})
+    kv_dtypes: AbstractSet[str] | None = None
+    head_dims: AbstractSet[int] | None = None
+    v_head_dims: AbstractSet[int] | None = None
+    page_sizes: AbstractSet[int] | None = None
     custom_mask: bool = True
     requires: tuple[str, ...] = ()
     min_compute_capability: tuple[int, int] | None = None
     checks: tuple[CheckFn, ...] = ()
     availability: tuple[AvailabilityFn, ...] = ()
-    forms: frozenset[str] = frozenset({"mla"})
+    forms: AbstractSet[str] = frozenset({"mla"})
     description: str = ""
 
     def __post_init__(self) -> None:

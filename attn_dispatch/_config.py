@@ -58,7 +58,7 @@ class AttnConfig:
             raise InvalidSpecError(
                 "num_q_heads",
                 self.num_q_heads,
-                f"must be a multiple of num_kv_heads={self.num_kv_heads!r} (grouped-query attention)",
+                f"must be a multiple of num_kv_heads={self.num_kv_heads!r} (grouped-query)",
             )
         object.__setattr__(self, "dtype", dtype_name(self.dtype, field="dtype"))
         kv = self.dtype if self.kv_dtype is None else dtype_name(self.kv_dtype, field="kv_dtype")

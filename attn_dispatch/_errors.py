@@ -1,4 +1,4 @@
-"""Error types. Each also subclasses the builtin it refines, so ``except ValueError`` still works."""
+"""Error types. Each also subclasses the builtin it refines (``except ValueError`` works)."""
 
 from __future__ import annotations
 

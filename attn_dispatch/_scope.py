@@ -19,6 +19,7 @@ import inspect
 import threading
 from collections.abc import Callable
 from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import Any
 from typing import ParamSpec
 from typing import TypeVar
@@ -85,6 +86,7 @@ class attn_scope:
         b = self._binding
         batch = self._batch
         parent = _CURRENT.get()
+        frame: Frame
         if batch is None:
             frame = (*b._handlers, b, None, None, None, parent, None)
         else:
@@ -137,7 +139,7 @@ class attn_scope:
             @functools.wraps(fn)
             async def run_async(*args: P.args, **kwargs: P.kwargs) -> Any:
                 with attn_scope(binding, batch):
-                    return await fn(*args, **kwargs)  # type: ignore[misc]
+                    return await fn(*args, **kwargs)
 
             return run_async  # type: ignore[return-value]
 
@@ -383,7 +385,7 @@ def iter_scopes() -> Iterator[Binding]:
         frame = frame[_PARENT]
 
 
-def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Plain-text table with aligned columns."""
     widths = [len(h) for h in header]
     for row in rows:

@@ -135,7 +135,7 @@ class BackendSpec:
                 return args.get(name)
             return getattr(args, name, None)
 
-        mode = get("speculative_attention_mode") or "prefill"
+        mode: VerifyMode = get("speculative_attention_mode") or "prefill"
         draft = get("speculative_draft_attention_backend") if is_draft else None
         if draft:
             return cls(prefill=draft, decode=draft, verify_mode=mode)
