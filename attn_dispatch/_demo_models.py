@@ -147,9 +147,9 @@ class TargetModel:
             dtype=str(self.dtype).removeprefix("torch."),
             page_size=page_size,
             device=device,
+            # No decompressed form (mha_head_dim) is declared: every phase, prefill included,
+            # runs absorbed over the latent cache, so no backend may pick another form.
             tree_verify=True,
-            mha_head_dim=s.qk_nope + s.qk_rope,
-            mha_v_head_dim=s.v_head,
         )
 
     def make_caches(
