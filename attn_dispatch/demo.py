@@ -76,7 +76,7 @@ class DemoOptions:
     depth: int = 3
     branch: int = 2
     page_size: int = 4
-    num_pages: int = 256
+    num_pages: int | None = None  # None: enough for every request at its longest
     seed: int = 0
     steps: int | None = None
     progress: bool = False
@@ -414,10 +414,11 @@ def build(
     tcfg = tmodel.attn_config(page_size=opts.page_size, device=device)
     dcfg = dmodel.attn_config(page_size=1, device=device)
     tspec, dspec = default_specs(tcfg, dcfg, target_spec, draft_spec)
+    pages = opts.num_pages or _pages_needed(opts)
     tbind = bind(tspec, tcfg, label="target")
-    target = Runner("target", tmodel, tbind, num_pages=opts.num_pages)
+    target = Runner("target", tmodel, tbind, num_pages=pages)
     dbind = bind(dspec, dcfg, label="draft")
-    draft = Runner("draft", dmodel, dbind, num_pages=opts.num_pages * opts.page_size)
+    draft = Runner("draft", dmodel, dbind, num_pages=pages * opts.page_size)
     if legacy is not None:
         # Start-up order as in a server: the target first, then its draft.
         for runner in (target, draft):
@@ -425,6 +426,16 @@ def build(
             runner.attend = legacy.attend
             runner.scope = legacy.scope
     return target, draft
+
+
+def _pages_needed(opts: DemoOptions) -> int:
+    """Target pages for every request at its longest: prompt, output and one draft tree."""
+    longest = max(_prompt_lengths(opts)) + opts.max_new_tokens + 1 + opts.branch * opts.depth
+    return opts.batch * -(-longest // opts.page_size) + 1
+
+
+def _prompt_lengths(opts: DemoOptions) -> list[int]:
+    return [5 + 4 * i for i in range(opts.batch)]  # different lengths: ragged page tables
 
 
 def _sizes() -> dict[str, tuple[Any, Any]]:
@@ -456,8 +467,7 @@ def prompts_for(opts: DemoOptions, vocab: int) -> list[list[int]]:
     import torch
 
     gen = torch.Generator().manual_seed(opts.seed + 1)
-    lens = [5 + 4 * i for i in range(opts.batch)]  # different lengths: ragged pages
-    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in _prompt_lengths(opts)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,7 +490,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=3, help="draft tokens per branch")
     p.add_argument("--branch", type=int, default=2, help="branches at the tree's first level")
     p.add_argument("--page-size", type=int, default=4, help="target cache page size")
-    p.add_argument("--num-pages", type=int, default=256, help="target cache pages")
+    p.add_argument(
+        "--num-pages", type=int, default=None, help="target cache pages (default: enough)"
+    )
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--seed", type=int, default=0)
@@ -527,7 +539,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
 
     say = _say(out)
     for flag in ("max_new_tokens", "batch", "depth", "branch", "page_size", "num_pages"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             say(f"error: --{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)!r}")
             return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
