@@ -64,6 +64,9 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     max_accept: int = 0
+    request_rounds: int = 0
+    # Rounds whose accepted path went through branch k of the tree (only k > 0 needs a tree).
+    branch_hits: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
     seconds: float = 0.0
     target_forwards: int = 0
     draft_forwards: int = 0
@@ -249,6 +252,7 @@ def speculative(
                 path.append(hit[0])
             accepted = path[1:]
             stats.drafted += depth
+            stats.request_rounds += 1
             stats.accepted += len(accepted)
             stats.max_accept = max(stats.max_accept, len(accepted))
             round_acc.append(len(accepted))
@@ -266,6 +270,8 @@ def speculative(
             target.truncate(tseq, start + 1 + len(accepted))
             # Draft cache: keep the accepted branch's fed tokens, free every other branch slot.
             b_acc = (accepted[0] - 1) // depth if accepted else -1
+            if accepted:
+                stats.branch_hits[b_acc] += 1
             for b in range(branch):
                 keep = min(len(accepted), depth - 1) if b == b_acc else 0
                 dseqs[i].pages.extend(bpages[i][b][:keep])
@@ -679,9 +685,11 @@ def _report(
     )
     say(
         f"acceptance rate: {rate:.0%} ({stats.accepted} of {stats.drafted} drafted tokens on "
-        f"the best path; {1 + stats.accepted / max(1, stats.rounds * len(prompts)):.2f} "
+        f"the best path; {1 + stats.accepted / max(1, stats.request_rounds):.2f} "
         f"tokens per request per target forward)"
     )
+    hits = ", ".join(f"#{b + 1}: {n}" for b, n in sorted(stats.branch_hits.items()))
+    say(f"accepted paths by first-level branch: {hits or 'none'}")
     # Plain greedy needs one target forward per token (the prefill gives the first).
     greedy_forwards = max((len(o) for o in outputs), default=0)
     say(

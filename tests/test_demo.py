@@ -58,7 +58,7 @@ def test_demo_defaults_match_target_greedy() -> None:
 
 
 def test_each_runner_dispatches_only_to_its_own_backend(torch2: str) -> None:
-    opts = demo.DemoOptions(max_new_tokens=9, depth=3, batch=3, page_size=2)
+    opts = demo.DemoOptions(max_new_tokens=12, depth=3, batch=3, page_size=2)
     with torch.inference_mode():
         target, draft = demo.build(
             opts,
@@ -66,6 +66,8 @@ def test_each_runner_dispatches_only_to_its_own_backend(torch2: str) -> None:
             dtype="float32",
             target_spec=BackendSpec.uniform("torch"),
             draft_spec=BackendSpec.uniform(torch2),
+            # Attention matters more in this target: a wrong tree mask changes its tokens.
+            target_shape=TargetShape(out_scale=0.8, mlp_scale=0.05),
         )
         prompts = demo.prompts_for(opts, target.model.shape.vocab)
         reference = demo.target_greedy(target, prompts, opts.max_new_tokens)
@@ -84,7 +86,8 @@ def test_each_runner_dispatches_only_to_its_own_backend(torch2: str) -> None:
     assert counts[("target", "verify", "torch")] == stats.rounds * layers_t
     assert counts[("target", "prefill", "torch")] == layers_t
     assert counts[("draft", "decode", "torch2")] % layers_d == 0
-    assert 0 < stats.accepted <= stats.drafted
+    assert 0 < stats.accepted < stats.drafted
+    assert stats.branch_hits[1] > 0  # paths through the tree's second branch were accepted
     # Rejected and finished requests gave every page back.
     assert target.allocator.num_free == target.num_pages
     assert draft.allocator.num_free == draft.num_pages
@@ -135,3 +138,64 @@ def test_legacy_global_shows_the_leak(torch2: str) -> None:
     assert "target  prefill  torch2   failed" in text
     assert "identical to target greedy: no" in text
     assert "28528" in text
+
+
+def test_tree_verify_logits_equal_each_path_decoded_alone() -> None:
+    # Each node of a verified tree must see the prefix, its ancestors and itself only, at its
+    # depth's position: its logits equal a plain forward over prefix + its path.
+    from attn_dispatch import Phase
+    from attn_dispatch import tree_mask
+    from attn_dispatch._demo_models import SeqKV
+
+    opts = demo.DemoOptions(page_size=3)
+    with torch.inference_mode():
+        target, _ = demo.build(
+            opts,
+            device="cpu",
+            dtype="float32",
+            target_spec=BackendSpec.uniform("torch"),
+            draft_spec=BackendSpec.uniform("torch"),
+            target_shape=TargetShape(out_scale=1.0, mlp_scale=0.5),  # context matters a lot
+        )
+        prompt = [5, 17, 33, 2, 71, 9, 40]
+        nodes = [11, 12, 13, 14, 15, 16, 17]
+        parents = [-1, 0, 1, 0, 3, 4, 1]  # root; two chains and a fork under node 1
+        seq = SeqKV()
+        target.reserve(seq, len(prompt) + len(nodes))
+        demo.step(
+            target,
+            Phase.PREFILL,
+            [demo.Request(list(seq.pages), 0, prompt, list(range(len(prompt))))],
+        )
+        depth = []
+        for p in parents:
+            depth.append(0 if p < 0 else depth[p] + 1)
+        tree, _ = demo.step(
+            target,
+            Phase.VERIFY,
+            [
+                demo.Request(
+                    list(seq.pages),
+                    len(prompt),
+                    nodes,
+                    [len(prompt) + d for d in depth],
+                    tree_mask(parents, prefix_len=len(prompt)),
+                )
+            ],
+        )
+        for j in range(len(nodes)):
+            path = []
+            k = j
+            while k >= 0:
+                path.append(nodes[k])
+                k = parents[k]
+            tokens = prompt + path[::-1]
+            alone = SeqKV()
+            target.reserve(alone, len(tokens))
+            logits, _ = demo.step(
+                target,
+                Phase.PREFILL,
+                [demo.Request(list(alone.pages), 0, tokens, list(range(len(tokens))))],
+            )
+            target.release(alone)
+            torch.testing.assert_close(tree[j], logits[-1], rtol=1e-4, atol=1e-4)
