@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
 from typing import Literal
@@ -112,6 +111,8 @@ class BackendSpec:
 
     @classmethod
     def from_json(cls, text: str) -> BackendSpec:
+        import json
+
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -176,6 +177,8 @@ class BackendSpec:
         }
 
     def to_json(self) -> str:
+        import json
+
         return json.dumps(self.to_dict(), sort_keys=True)
 
     def __str__(self) -> str:

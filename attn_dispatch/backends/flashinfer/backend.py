@@ -64,51 +64,94 @@ _CUDA_CORE_GROUP_SIZES = frozenset({1, 2, 3, 4, 6, 8, 16})
 WRAPPER_KEYWORDS: dict[tuple[str, str], frozenset[str]] = {
     ("BatchPrefillWithPagedKVCacheWrapper", "__init__"): frozenset(
         {
-            "float_workspace_buffer", "kv_layout", "use_cuda_graph", "qo_indptr_buf",
-            "paged_kv_indptr_buf", "paged_kv_indices_buf", "paged_kv_last_page_len_buf",
-            "custom_mask_buf", "mask_indptr_buf", "backend",
+            "float_workspace_buffer",
+            "kv_layout",
+            "use_cuda_graph",
+            "qo_indptr_buf",
+            "paged_kv_indptr_buf",
+            "paged_kv_indices_buf",
+            "paged_kv_last_page_len_buf",
+            "custom_mask_buf",
+            "mask_indptr_buf",
+            "backend",
         }
     ),
     ("BatchPrefillWithPagedKVCacheWrapper", "plan"): frozenset(
         {
-            "qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len",
-            "num_qo_heads", "num_kv_heads", "head_dim_qk", "page_size", "head_dim_vo",
-            "custom_mask", "causal", "sm_scale", "q_data_type", "kv_data_type",
+            "qo_indptr",
+            "paged_kv_indptr",
+            "paged_kv_indices",
+            "paged_kv_last_page_len",
+            "num_qo_heads",
+            "num_kv_heads",
+            "head_dim_qk",
+            "page_size",
+            "head_dim_vo",
+            "custom_mask",
+            "causal",
+            "sm_scale",
+            "q_data_type",
+            "kv_data_type",
             "non_blocking",
         }
     ),
     ("BatchPrefillWithPagedKVCacheWrapper", "run"): frozenset({"q", "paged_kv_cache"}),
     ("BatchDecodeWithPagedKVCacheWrapper", "__init__"): frozenset(
         {
-            "float_workspace_buffer", "kv_layout", "use_cuda_graph", "use_tensor_cores",
-            "paged_kv_indptr_buffer", "paged_kv_indices_buffer",
-            "paged_kv_last_page_len_buffer", "backend",
+            "float_workspace_buffer",
+            "kv_layout",
+            "use_cuda_graph",
+            "use_tensor_cores",
+            "paged_kv_indptr_buffer",
+            "paged_kv_indices_buffer",
+            "paged_kv_last_page_len_buffer",
+            "backend",
         }
     ),
     ("BatchDecodeWithPagedKVCacheWrapper", "plan"): frozenset(
         {
-            "indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads",
-            "head_dim", "page_size", "q_data_type", "kv_data_type", "sm_scale",
+            "indptr",
+            "indices",
+            "last_page_len",
+            "num_qo_heads",
+            "num_kv_heads",
+            "head_dim",
+            "page_size",
+            "q_data_type",
+            "kv_data_type",
+            "sm_scale",
             "non_blocking",
         }
     ),
     ("BatchDecodeWithPagedKVCacheWrapper", "run"): frozenset({"q", "paged_kv_cache"}),
     ("BatchMLAPagedAttentionWrapper", "__init__"): frozenset(
         {
-            "float_workspace_buffer", "use_cuda_graph", "qo_indptr", "kv_indptr",
-            "kv_indices", "kv_len_arr", "backend",
+            "float_workspace_buffer",
+            "use_cuda_graph",
+            "qo_indptr",
+            "kv_indptr",
+            "kv_indices",
+            "kv_len_arr",
+            "backend",
         }
     ),
     ("BatchMLAPagedAttentionWrapper", "plan"): frozenset(
         {
-            "metadata", "num_heads", "head_dim_ckv", "head_dim_kpe", "page_size", "causal",
-            "sm_scale", "q_data_type", "kv_data_type", "query_layout", "kv_cache_layout",
+            "metadata",
+            "num_heads",
+            "head_dim_ckv",
+            "head_dim_kpe",
+            "page_size",
+            "causal",
+            "sm_scale",
+            "q_data_type",
+            "kv_data_type",
+            "query_layout",
+            "kv_cache_layout",
         }
     ),
     ("BatchMLAPagedAttentionWrapper", "run"): frozenset({"query", "kv_cache"}),
-    ("MLAPlanMetadata", "csr"): frozenset(
-        {"qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"}
-    ),
+    ("MLAPlanMetadata", "csr"): frozenset({"qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"}),
 }
 
 
@@ -243,15 +286,20 @@ class _PrefillRoute(_Route):
         be = self.backend
         if graph_batch is None:
             kwargs = _kw(
-                self.name, "__init__",
-                float_workspace_buffer=be.workspace, kv_layout="NHD",
+                self.name,
+                "__init__",
+                float_workspace_buffer=be.workspace,
+                kv_layout="NHD",
                 backend=be.prefill_backend,
             )
         else:
             dev = be.device
             kwargs = _kw(
-                self.name, "__init__",
-                float_workspace_buffer=be.workspace, kv_layout="NHD", use_cuda_graph=True,
+                self.name,
+                "__init__",
+                float_workspace_buffer=be.workspace,
+                kv_layout="NHD",
+                use_cuda_graph=True,
                 qo_indptr_buf=_i32(graph_batch + 1, dev),
                 paged_kv_indptr_buf=_i32(graph_batch + 1, dev),
                 paged_kv_indices_buf=be.graph_indices,
@@ -267,14 +315,22 @@ class _PrefillRoute(_Route):
         mask = batch.custom_mask
         wrapper.plan(
             **_kw(
-                self.name, "plan",
-                qo_indptr=table.qo_indptr, paged_kv_indptr=table.kv_indptr,
-                paged_kv_indices=table.kv_indices, paged_kv_last_page_len=table.last_page_len,
-                num_qo_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
-                head_dim_qk=cfg.head_dim, head_dim_vo=cfg.v_head_dim, page_size=cfg.page_size,
+                self.name,
+                "plan",
+                qo_indptr=table.qo_indptr,
+                paged_kv_indptr=table.kv_indptr,
+                paged_kv_indices=table.kv_indices,
+                paged_kv_last_page_len=table.last_page_len,
+                num_qo_heads=cfg.num_q_heads,
+                num_kv_heads=cfg.num_kv_heads,
+                head_dim_qk=cfg.head_dim,
+                head_dim_vo=cfg.v_head_dim,
+                page_size=cfg.page_size,
                 custom_mask=None if mask is None else mask.reshape(-1),
-                causal=mask is None, sm_scale=sm_scale,
-                q_data_type=self.backend.q_dtype, kv_data_type=self.backend.kv_dtype,
+                causal=mask is None,
+                sm_scale=sm_scale,
+                q_data_type=self.backend.q_dtype,
+                kv_data_type=self.backend.kv_dtype,
                 non_blocking=True,
             )
         )
@@ -314,15 +370,21 @@ class _DecodeRoute(_Route):
         be = self.backend
         if graph_batch is None:
             kwargs = _kw(
-                self.name, "__init__",
-                float_workspace_buffer=be.workspace, kv_layout="NHD",
-                use_tensor_cores=self.use_tensor_cores, backend=be.decode_backend,
+                self.name,
+                "__init__",
+                float_workspace_buffer=be.workspace,
+                kv_layout="NHD",
+                use_tensor_cores=self.use_tensor_cores,
+                backend=be.decode_backend,
             )
         else:
             dev = be.device
             kwargs = _kw(
-                self.name, "__init__",
-                float_workspace_buffer=be.workspace, kv_layout="NHD", use_cuda_graph=True,
+                self.name,
+                "__init__",
+                float_workspace_buffer=be.workspace,
+                kv_layout="NHD",
+                use_cuda_graph=True,
                 use_tensor_cores=self.use_tensor_cores,
                 paged_kv_indptr_buffer=_i32(graph_batch + 1, dev),
                 paged_kv_indices_buffer=be.graph_indices,
@@ -335,12 +397,19 @@ class _DecodeRoute(_Route):
         cfg = self.config
         wrapper.plan(
             **_kw(
-                self.name, "plan",
-                indptr=table.kv_indptr, indices=table.kv_indices,
-                last_page_len=table.last_page_len, num_qo_heads=cfg.num_q_heads,
-                num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
-                q_data_type=self.backend.q_dtype, kv_data_type=self.backend.kv_dtype,
-                sm_scale=sm_scale, non_blocking=True,
+                self.name,
+                "plan",
+                indptr=table.kv_indptr,
+                indices=table.kv_indices,
+                last_page_len=table.last_page_len,
+                num_qo_heads=cfg.num_q_heads,
+                num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim,
+                page_size=cfg.page_size,
+                q_data_type=self.backend.q_dtype,
+                kv_data_type=self.backend.kv_dtype,
+                sm_scale=sm_scale,
+                non_blocking=True,
             )
         )
 
@@ -366,14 +435,18 @@ class _MLARoute(_Route):
         be = self.backend
         if graph_batch is None:
             kwargs = _kw(
-                self.name, "__init__",
-                float_workspace_buffer=be.workspace, backend=be.mla_backend,
+                self.name,
+                "__init__",
+                float_workspace_buffer=be.workspace,
+                backend=be.mla_backend,
             )
         else:
             dev = be.device
             kwargs = _kw(
-                self.name, "__init__",
-                float_workspace_buffer=be.workspace, use_cuda_graph=True,
+                self.name,
+                "__init__",
+                float_workspace_buffer=be.workspace,
+                use_cuda_graph=True,
                 qo_indptr=_i32(graph_batch + 1, dev),
                 kv_indptr=_i32(graph_batch + 1, dev),
                 kv_indices=be.graph_indices,
@@ -386,21 +459,31 @@ class _MLARoute(_Route):
         cfg = self.config
         metadata = MLAPlanMetadata.csr(
             **_kw(
-                "MLAPlanMetadata", "csr",
-                qo_indptr=table.qo_indptr, kv_indptr=table.kv_indptr,
-                kv_indices=table.kv_indices, kv_len_arr=table.kv_lens,
+                "MLAPlanMetadata",
+                "csr",
+                qo_indptr=table.qo_indptr,
+                kv_indptr=table.kv_indptr,
+                kv_indices=table.kv_indices,
+                kv_len_arr=table.kv_lens,
             )
         )
         wrapper.plan(
             **_kw(
-                self.name, "plan",
-                metadata=metadata, num_heads=cfg.num_q_heads, head_dim_ckv=self.ckv,
-                head_dim_kpe=cfg.head_dim - self.ckv, page_size=cfg.page_size,
+                self.name,
+                "plan",
+                metadata=metadata,
+                num_heads=cfg.num_q_heads,
+                head_dim_ckv=self.ckv,
+                head_dim_kpe=cfg.head_dim - self.ckv,
+                page_size=cfg.page_size,
                 # A single query token sees every key: planning it non-causal keeps it
                 # clear of the causal tile-boundary rule (see the light module).
-                causal=self.causal and batch.max_q_len > 1, sm_scale=sm_scale,
-                q_data_type=self.backend.q_dtype, kv_data_type=self.backend.kv_dtype,
-                query_layout="packed", kv_cache_layout="packed",
+                causal=self.causal and batch.max_q_len > 1,
+                sm_scale=sm_scale,
+                q_data_type=self.backend.q_dtype,
+                kv_data_type=self.backend.kv_dtype,
+                query_layout="packed",
+                kv_cache_layout="packed",
             )
         )
 
