@@ -28,7 +28,10 @@ from attn_dispatch._batch import AttnBatch
 from attn_dispatch._binding import Binding
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import AttnDispatchError
+from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._forms import AttnForm
 from attn_dispatch._scope import attention
+from attn_dispatch._scope import attention_form
 from attn_dispatch._scope import attn_scope
 
 AttendFn = Callable[..., torch.Tensor]
@@ -147,9 +150,11 @@ class TargetModel:
             dtype=str(self.dtype).removeprefix("torch."),
             page_size=page_size,
             device=device,
-            # No decompressed form (mha_head_dim) is declared: every phase, prefill included,
-            # runs absorbed over the latent cache, so no backend may pick another form.
             tree_verify=True,
+            # The decompressed form of the same layers: each backend's form policy may pick it
+            # (e.g. for a prefill without cached prefix); the model follows attention_form().
+            mha_head_dim=s.qk_nope + s.qk_rope,
+            mha_v_head_dim=s.v_head,
         )
 
     def make_caches(
@@ -168,7 +173,12 @@ class TargetModel:
         rows: torch.Tensor,
         caches: Sequence[tuple[torch.Tensor, torch.Tensor | None]],
         attend: AttendFn,
+        form: AttnForm = AttnForm.MLA,
+        batch: AttnBatch | None = None,
     ) -> torch.Tensor:
+        """``form`` is what the runner's backend chose for this batch (``attention_form()``):
+        absorbed over the latent cache, or decompressed into per-head K/V (DeepSeek's choice
+        for prefill), the same numbers up to rounding."""
         s = self.shape
         t = tokens.numel()
         x = self.shared.embed[tokens]
@@ -181,13 +191,56 @@ class TargetModel:
             k_rope = _rope(kv[:, None, s.kv_lora_rank :], positions)[:, 0]
             # Write the new tokens' latent rows before attention (the data contract).
             k_cache.view(-1, s.cache_width)[rows] = torch.cat((c_kv, k_rope), dim=-1)
-            q_latent = torch.einsum("thn,hnl->thl", q_nope, layer["wuk"])
-            q_abs = torch.cat((q_latent, q_rope), dim=-1).contiguous()
-            o_latent = attend(q_abs, k_cache, None, sm_scale=self.sm_scale)
-            o = torch.einsum("thl,hlv->thv", o_latent, layer["wuv"]).reshape(t, -1)
-            x = x + o @ layer["wo"]
+            if form is AttnForm.MLA:
+                q_latent = torch.einsum("thn,hnl->thl", q_nope, layer["wuk"])
+                q_abs = torch.cat((q_latent, q_rope), dim=-1).contiguous()
+                o_latent = attend(q_abs, k_cache, None, sm_scale=self.sm_scale)
+                o = torch.einsum("thl,hlv->thv", o_latent, layer["wuv"])
+            else:
+                o = self._decompressed(
+                    layer, q_nope, q_rope, c_kv, k_rope, k_cache, attend, form, batch
+                )
+            x = x + o.reshape(t, -1) @ layer["wo"]
             x = x + _mlp(x, layer["up"], layer["down"])
         return _rms(x) @ self.shared.lm_head
+
+    def _up_proj(
+        self, layer: dict[str, torch.Tensor], latent_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows ``[N, latent + rope]`` -> K ``[N, H, nope + rope]``, V ``[N, H, v]``."""
+        s = self.shape
+        c, k_rope = latent_rows[:, : s.kv_lora_rank], latent_rows[:, s.kv_lora_rank :]
+        k_nope = torch.einsum("tl,hnl->thn", c, layer["wuk"])
+        k_rope = k_rope[:, None, :].expand(-1, s.heads, -1)
+        k = torch.cat((k_nope, k_rope), dim=-1).contiguous()
+        v = torch.einsum("tl,hlv->thv", c, layer["wuv"]).contiguous()
+        return k, v
+
+    def _decompressed(
+        self,
+        layer: dict[str, torch.Tensor],
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_rope: torch.Tensor,
+        k_cache: torch.Tensor,
+        attend: AttendFn,
+        form: AttnForm,
+        batch: AttnBatch | None,
+    ) -> torch.Tensor:
+        from attn_dispatch.mla import gather_latent
+        from attn_dispatch.mla import latent_prefix_chunks
+
+        if batch is None:
+            raise InvalidBatchError("batch", f"the {form.value!r} form needs the forward's batch")
+        q = torch.cat((q_nope, q_rope), dim=-1).contiguous()
+        if form is AttnForm.MHA:
+            # Whole sequences (prefix and new tokens), request after request.
+            k, v = self._up_proj(layer, gather_latent(k_cache, batch))
+            return attend(q, k, v, sm_scale=self.sm_scale)
+        k_new, v_new = self._up_proj(layer, torch.cat((c_kv, k_rope), dim=-1))
+        chunks = latent_prefix_chunks(k_cache, batch, lambda rows: self._up_proj(layer, rows))
+        return attend(q, k_new, v_new, sm_scale=self.sm_scale, prefix=chunks)
 
 
 class DraftModel:
@@ -382,7 +435,14 @@ class Runner:
         row = torch.tensor(rows, dtype=torch.long, device=dev)
         self.forwards += 1
         with self.scope(self, batch):
-            logits = self.model.forward(tok, pos, row, self.caches, self.attend)
+            if isinstance(self.model, TargetModel):
+                # The backend's choice for this batch; the legacy pattern has no scope to ask.
+                form = attention_form() if self.scope is attn_scope else AttnForm.MLA
+                logits = self.model.forward(
+                    tok, pos, row, self.caches, self.attend, form=form, batch=batch
+                )
+            else:
+                logits = self.model.forward(tok, pos, row, self.caches, self.attend)
         return logits.float()
 
 

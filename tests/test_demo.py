@@ -199,3 +199,70 @@ def test_tree_verify_logits_equal_each_path_decoded_alone() -> None:
             )
             target.release(alone)
             torch.testing.assert_close(tree[j], logits[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("policy", "forms"),
+    [
+        ("absorbed", {"mla"}),
+        ("default", {"mha"}),  # the reference's policy: decompressed prefill, one shot
+        ("chunked", {"mha_chunked"}),
+    ],
+)
+def test_target_forms_give_the_same_tokens(policy: str, forms: set[str]) -> None:
+    # The form is the runner's own backend's choice (its form_policy); the model follows
+    # attention_form(). A second PREFILL on a cached prefix exercises the prefix paths.
+    from attn_dispatch import AttnForm
+    from attn_dispatch import FormPolicy
+    from attn_dispatch import Phase
+    from attn_dispatch._demo_models import SeqKV
+    from attn_dispatch._demo_models import greedy
+    from attn_dispatch.backends.reference.backend import TorchBackend
+
+    chunked = AttnForm.MHA_CHUNKED
+    policies = {
+        "absorbed": FormPolicy.absorbed_only(),
+        "default": None,
+        "chunked": FormPolicy(no_prefix=chunked, short_prefix=chunked, long_prefix=chunked),
+    }
+
+    def factory(config: object, **options: object) -> TorchBackend:
+        return TorchBackend(config, form_policy=policies[policy])  # type: ignore[arg-type]
+
+    register_backend("torch_forms", capabilities=TORCH_CAPS, factory=factory, replace=True)
+    try:
+        opts = demo.DemoOptions(page_size=2)
+        results = {}
+        with torch.inference_mode():
+            for name in ("torch", "torch_forms"):
+                target, _ = demo.build(
+                    opts,
+                    device="cpu",
+                    dtype="float32",
+                    target_spec=BackendSpec.uniform(name),
+                    draft_spec=BackendSpec.uniform("torch"),
+                    target_shape=TargetShape(out_scale=0.8),
+                )
+                with record_dispatch() as rec:
+                    seqs = [SeqKV(), SeqKV()]
+                    parts = [([3, 1, 4, 1, 5], [9, 2, 6]), ([2, 7, 1], [8, 2, 8, 1])]
+                    logits = []
+                    for k in range(2):  # the prompt, then more tokens on its cache
+                        reqs = []
+                        for seq, part in zip(seqs, parts, strict=True):
+                            toks = part[k]
+                            target.reserve(seq, seq.length + len(toks))
+                            pos = list(range(seq.length, seq.length + len(toks)))
+                            reqs.append(demo.Request(list(seq.pages), seq.length, toks, pos))
+                            seq.length += len(toks)
+                        out, _ = demo.step(target, Phase.PREFILL, reqs)
+                        logits.append(out)
+                results[name] = (torch.cat(logits), {e.form for e in rec.events})
+        ref, ref_forms = results["torch"]
+        got, got_forms = results["torch_forms"]
+        assert got_forms == forms
+        assert ref_forms == {"mha"}
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        assert greedy(got) == greedy(ref)
+    finally:
+        unregister_backend("torch_forms")
