@@ -298,10 +298,11 @@ def attention_forward(
         )
     out = query.new_zeros(b * q, h, dv)
     if view.batch is not None:
-        # Pages of one token: [B, Hkv, S, D] -> [B * S, 1, Hkv, D].
-        k_cache = key.transpose(1, 2).reshape(b * s, 1, hkv, d)
-        v_cache = value.transpose(1, 2).reshape(b * s, 1, hkv, dv)
-        q_flat = query.transpose(1, 2).reshape(b * q, h, d)[view.q_rows]
+        # Pages of one token: [B, Hkv, S, D] -> [B * S, 1, Hkv, D], contiguous (kernels such as
+        # the native ones take row-major pages only; a copy unless the layout already is).
+        k_cache = key.transpose(1, 2).reshape(b * s, 1, hkv, d).contiguous()
+        v_cache = value.transpose(1, 2).reshape(b * s, 1, hkv, dv).contiguous()
+        q_flat = query.transpose(1, 2).reshape(b * q, h, d)[view.q_rows].contiguous()
         scale = float(scaling) if scaling is not None else d**-0.5
         out[view.q_rows] = attention(q_flat, k_cache, v_cache, sm_scale=scale)
     return out.view(b, q, h, dv), None
