@@ -648,12 +648,14 @@ def _describe(say: Callable[..., None], target: Any, draft: Any) -> None:
     tc, dc = target.attn_binding.config, draft.attn_binding.config
     say("\nrunners")
     say(
-        f"  target  DeepSeek-style MLA (absorbed): {ts.layers} layers, {ts.heads} heads, "
+        f"  target  DeepSeek-style MLA: {ts.layers} layers, {ts.heads} heads, "
         f"q/k {tc.head_dim} = latent {ts.kv_lora_rank} + rope {ts.qk_rope}, v {tc.v_head_dim}, "
-        f"paged cache [pages, {tc.page_size}, {tc.head_dim}]"
+        f"paged latent cache [pages, {tc.page_size}, {tc.head_dim}]; decompressed form "
+        f"{tc.mha_head_dim}/{tc.mha_v_head_dim} when the backend's form policy picks it"
     )
     say(
-        f"  draft   GQA MHA: {ds.layers} layer(s), {ds.heads} q / {ds.kv_heads} kv heads, "
+        f"  draft   GQA MHA: {ds.layers} layer{'s' if ds.layers > 1 else ''}, "
+        f"{ds.heads} q / {ds.kv_heads} kv heads, "
         f"head {dc.head_dim}, paged K/V [pages, {dc.page_size}, {ds.kv_heads}, {ds.head_dim}]"
     )
     say("\nbinding (phase -> backend)")
@@ -740,7 +742,8 @@ def _run_legacy(
             f"\nthe target's MLA layers read the global at forward time and got backend "
             f"{legacy.attention_backend!r} as the draft set it up ({built_for}); the target had "
             f"chosen {tname!r} for MLA (head_dim {target.attn_binding.config.head_dim}). "
-            f"Its first forward failed inside the kernel:\n  {type(failure).__name__}: {failure}"
+            "Its first forward failed in the draft's backend:\n"
+            f"  {type(failure).__name__}: {failure}"
         )
     elif wrong:
         say(
