@@ -356,8 +356,15 @@ class LegacyGlobals:
 
 
 def _binds(name: str, config: AttnConfig) -> bool:
-    caps = list_backends().get(name)
-    return caps is not None and all(not caps.reasons(config, p) for p in Phase)
+    """Whether ``name`` can serve every phase of ``config`` here (a real ``bind``: it also
+    checks the MLA form policy, which capabilities alone do not)."""
+    if name not in list_backends():
+        return False
+    try:
+        bind(BackendSpec.uniform(name), config)
+    except AttnDispatchError:
+        return False
+    return True
 
 
 def default_specs(

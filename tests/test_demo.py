@@ -266,3 +266,22 @@ def test_target_forms_give_the_same_tokens(policy: str, forms: set[str]) -> None
         assert greedy(got) == greedy(ref)
     finally:
         unregister_backend("torch_forms")
+
+
+def test_defaults_fill_only_what_the_user_left_out(torch2: str) -> None:
+    from attn_dispatch import AttnConfig
+
+    tcfg = AttnConfig(
+        kind="mla", num_q_heads=4, num_kv_heads=1, head_dim=80, v_head_dim=64,
+        dtype="float32", page_size=4, tree_verify=True,
+    )  # fmt: skip
+    dcfg = AttnConfig(kind="mha", num_q_heads=4, num_kv_heads=2, head_dim=16, dtype="float32")
+    native = demo._binds("native", tcfg) and demo._binds("native", dcfg)
+    given = BackendSpec.uniform("nosuchkernel")
+    t, d = demo.default_specs(tcfg, dcfg, given, None)
+    assert t is given  # a user's choice is never replaced, even one that cannot bind
+    t, d = demo.default_specs(tcfg, dcfg, BackendSpec.uniform("torch"), None)
+    assert d == BackendSpec.uniform("native" if native else "torch")  # another one if possible
+    t, d = demo.default_specs(tcfg, dcfg, None, BackendSpec.uniform(torch2))
+    assert d == BackendSpec.uniform(torch2)
+    assert t == BackendSpec.uniform("native" if native else "torch")
