@@ -120,12 +120,7 @@ def target_greedy(target: Any, prompts: Sequence[Sequence[int]], max_new: int) -
 
     target.reset()
     seqs = [SeqKV() for _ in prompts]
-    reqs = []
-    for seq, p in zip(seqs, prompts, strict=True):
-        target.reserve(seq, len(p))
-        reqs.append(Request(list(seq.pages), 0, list(p), list(range(len(p)))))
-        seq.length = len(p)
-    logits, firsts = step(target, Phase.PREFILL, reqs)
+    logits, firsts = _prefill(target, seqs, prompts)
     lasts = [f + len(p) - 1 for f, p in zip(firsts, prompts, strict=True)]
     outs = [[t] for t in greedy(logits[lasts])]
     for _ in range(max_new - 1):
@@ -140,6 +135,17 @@ def target_greedy(target: Any, prompts: Sequence[Sequence[int]], max_new: int) -
     for seq in seqs:
         target.release(seq)
     return outs
+
+
+def _prefill(
+    runner: Any, seqs: list[Any], prompts: Sequence[Sequence[int]]
+) -> tuple[Any, list[int]]:
+    reqs = []
+    for seq, p in zip(seqs, prompts, strict=True):
+        runner.reserve(seq, len(p))
+        reqs.append(Request(list(seq.pages), 0, list(p), list(range(len(p)))))
+        seq.length = len(p)
+    return step(runner, Phase.PREFILL, reqs)
 
 
 def speculative(
@@ -166,16 +172,10 @@ def speculative(
     tseqs = [SeqKV() for _ in range(n)]
     dseqs = [SeqKV() for _ in range(n)]
     # Prefill both runners on the prompts; the target's last logits give the first token.
-    for runner, seqs in ((target, tseqs), (draft, dseqs)):
-        reqs = []
-        for seq, p in zip(seqs, prompts, strict=True):
-            runner.reserve(seq, len(p))
-            reqs.append(Request(list(seq.pages), 0, list(p), list(range(len(p)))))
-            seq.length = len(p)
-        logits, firsts = step(runner, Phase.PREFILL, reqs)
-        if runner is target:
-            lasts = [f + len(p) - 1 for f, p in zip(firsts, prompts, strict=True)]
-            gen = [[t] for t in greedy(logits[lasts])]
+    logits, firsts = _prefill(target, tseqs, prompts)
+    lasts = [f + len(p) - 1 for f, p in zip(firsts, prompts, strict=True)]
+    gen = [[t] for t in greedy(logits[lasts])]
+    _prefill(draft, dseqs, prompts)
     depth, branch = opts.depth, opts.branch
     active = [i for i in range(n) if len(gen[i]) < opts.max_new_tokens]
     while active and (opts.steps is None or stats.rounds < opts.steps):

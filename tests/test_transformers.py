@@ -70,10 +70,12 @@ MODELS: dict[str, Callable[..., Any]] = {"llama": llama, "qwen2": qwen2, "deepse
 @pytest.fixture(autouse=True)
 def _quiet_one_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
+    verbosity = transformers.logging.get_verbosity()
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     yield
     torch.set_num_threads(threads)
+    transformers.logging.set_verbosity(verbosity)
 
 
 @pytest.fixture
