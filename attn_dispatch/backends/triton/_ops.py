@@ -110,26 +110,22 @@ class ExtendPlan:
     mask_indptr: torch.Tensor | None
 
 
-def plan_decode(kc: KernelConfig, batch: Any) -> DecodePlan:
+def plan_decode(
+    kc: KernelConfig,
+    batch: Any,
+    num_splits: int,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+) -> DecodePlan:
+    """Decode launch plan; ``part_out`` [B, Hq, S, Dv] and ``part_lse`` [B, Hq, S] are fp32."""
     b = int(batch.num_requests)
-    splits = kc.forced_splits or choose_num_splits(
-        b,
-        kc.num_kv_heads * kc.groups_per_kv,
-        int(batch.max_kv_len),
-        target_programs=kc.target_programs,
-        min_split_tokens=kc.min_split_tokens,
-        max_splits=kc.max_splits,
-    )
-    hq, dv = kc.num_q_heads, kc.layout.v_head_dim
-    part_out = torch.empty((b, hq, splits, dv), dtype=torch.float32, device=kc.device)
-    part_lse = torch.empty((b, hq, splits), dtype=torch.float32, device=kc.device)
     return DecodePlan(
         batch=batch,
-        num_splits=splits,
+        num_splits=num_splits,
         part_out=part_out,
         part_lse=part_lse,
-        split_grid=(b, kc.num_kv_heads * kc.groups_per_kv, splits),
-        merge_grid=(b, -(-hq // kc.block_h)),
+        split_grid=(b, kc.num_kv_heads * kc.groups_per_kv, num_splits),
+        merge_grid=(b, -(-kc.num_q_heads // kc.block_h)),
     )
 
 
