@@ -23,13 +23,14 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from attn_dispatch._config import AttnConfig  # noqa: E402
-from attn_dispatch._errors import InvalidSpecError  # noqa: E402
-from attn_dispatch._phase import Phase  # noqa: E402
-from attn_dispatch.backends.triton import CAPABILITIES  # noqa: E402
-from attn_dispatch.backends.triton._dims import DimLayout, dim_reasons  # noqa: E402
-from attn_dispatch.backends.triton._ops import choose_num_splits  # noqa: E402
-from attn_dispatch.backends.triton.backend import TritonBackend  # noqa: E402
+from attn_dispatch._config import AttnConfig
+from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._phase import Phase
+
+from attn_dispatch.backends.triton import CAPABILITIES
+from attn_dispatch.backends.triton._dims import DimLayout, dim_reasons
+from attn_dispatch.backends.triton._ops import choose_num_splits
+from attn_dispatch.backends.triton.backend import TritonBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -235,7 +236,7 @@ def test_verify_with_tree_mask(kind: str, page_size: int, dtype: str) -> None:
     q_lens, kv_lens = [4, 6], [13, 38]
     mask = tree_mask(q_lens, kv_lens)
     d, dv, hkv = (80, 64, 1) if kind == "mla" else (64, 64, 2)
-    out, ref, _ = run_case(
+    out, _, _ = run_case(
         kind, 4, hkv, d, dv, Phase.VERIFY, q_lens, kv_lens, page_size, dtype, mask=mask
     )
     # The tree is not a chain: causal attention would give other numbers.

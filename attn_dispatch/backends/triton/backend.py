@@ -45,7 +45,8 @@ class TritonBackend:
 
     >>> cfg = AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16", page_size=64, device="cuda")
     >>> backend = TritonBackend(cfg, num_kv_splits=4)  # doctest: +SKIP
-    >>> out = backend.handler(Phase.DECODE)(q, k_cache, None, backend.plan(batch), 576**-0.5)  # doctest: +SKIP
+    >>> run = backend.handler(Phase.DECODE)  # doctest: +SKIP
+    >>> out = run(q, k_cache, None, backend.plan(batch), 576**-0.5)  # doctest: +SKIP
 
     Options (ints): ``num_kv_splits`` forces the decode split count; ``target_programs``,
     ``min_split_tokens``, ``max_splits`` tune the split rule (``_ops.choose_num_splits``);
@@ -76,7 +77,8 @@ class TritonBackend:
             raise BackendUnavailableError(self.name, "; ".join(bad))
         if config.dtype not in _DTYPES:
             raise BackendUnavailableError(
-                self.name, f"dtype {config.dtype!r} is not served (choose one of {sorted(_DTYPES)!r})"
+                self.name,
+                f"dtype {config.dtype!r} is not served (choose one of {sorted(_DTYPES)!r})",
             )
         opts = _check_options(options)
         mla = config.kind == "mla"
@@ -121,8 +123,10 @@ class TritonBackend:
 
     def plan(self, batch: Any) -> _ops.DecodePlan | _ops.ExtendPlan:
         """Host-side work for one forward; reads only python ints and host copies."""
-        if int(batch.max_q_len) == 1 and int(batch.num_tokens) == int(batch.num_requests) and (
-            batch.custom_mask is None
+        if (
+            int(batch.max_q_len) == 1
+            and int(batch.num_tokens) == int(batch.num_requests)
+            and (batch.custom_mask is None)
         ):
             # One query token per request: the split-KV kernel (any phase; a one-token verify
             # with a mask goes to the extend kernel, which reads the mask).
@@ -179,7 +183,9 @@ def _check_options(options: dict[str, Any]) -> dict[str, int]:
     unknown = sorted(set(options) - set(_INT_OPTIONS))
     if unknown:
         raise InvalidSpecError(
-            "options", unknown, f"unknown triton backend options; choose from {list(_INT_OPTIONS)!r}"
+            "options",
+            unknown,
+            f"unknown triton backend options; choose from {list(_INT_OPTIONS)!r}",
         )
     out: dict[str, int] = {}
     for key, value in options.items():
