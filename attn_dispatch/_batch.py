@@ -1,0 +1,308 @@
+"""AttnBatch: the paged-KV metadata of one forward, shared by every layer.
+
+torch is imported inside functions only, so `import attn_dispatch` stays torch-free; an
+AttnBatch always holds tensors, so torch is loaded by the time one exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import Any
+
+from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._phase import Phase
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class AttnBatch:
+    """Paged attention metadata for one forward (the data contract of every handler).
+
+    Request ``i`` has query rows ``qo_indptr[i]:qo_indptr[i+1]`` and pages
+    ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``; token ``t`` is in page
+    ``kv_indices[kv_indptr[i] + t // page_size]``, slot ``t % page_size``. ``kv_lens`` counts
+    the new tokens too (already written to the cache). ``custom_mask`` is the concatenation of
+    row-major ``[q_len_i, kv_len_i]`` blocks; without it attention is causal, bottom-right
+    aligned. Build one with ``AttnBatch.build`` from plain lists.
+
+    Validated on construction; each failure is an ``InvalidBatchError`` naming the field and
+    the request. ``num_pages`` (the cache's page count), when given, bounds ``kv_indices``;
+    ``page_size``, when given, checks that each request has pages for all its tokens.
+    """
+
+    phase: Phase
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_lens: torch.Tensor
+    custom_mask: torch.Tensor | None = None
+    page_size: int | None = None
+    num_pages: int | None = None
+    # Derived on construction (host-side copies are the ones planning reads).
+    mask_indptr: torch.Tensor | None = dataclasses.field(init=False, default=None)
+    qo_indptr_host: torch.Tensor = dataclasses.field(init=False)
+    kv_indptr_host: torch.Tensor = dataclasses.field(init=False)
+    kv_lens_host: torch.Tensor = dataclasses.field(init=False)
+    num_requests: int = dataclasses.field(init=False)
+    num_tokens: int = dataclasses.field(init=False)
+    max_q_len: int = dataclasses.field(init=False)
+    max_kv_len: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        import torch
+
+        if not isinstance(self.phase, Phase):
+            raise InvalidBatchError("phase", f"expected a Phase, got {self.phase!r}")
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_lens"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise InvalidBatchError(name, f"expected a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != torch.int32:
+                raise InvalidBatchError(name, f"dtype must be torch.int32, got {t.dtype}")
+            if t.dim() != 1:
+                raise InvalidBatchError(name, f"must be 1-D, got shape {tuple(t.shape)}")
+        qo = self.qo_indptr.cpu()
+        kv = self.kv_indptr.cpu()
+        lens = self.kv_lens.cpu()
+        b = lens.numel()
+        put = object.__setattr__
+        put(self, "qo_indptr_host", qo)
+        put(self, "kv_indptr_host", kv)
+        put(self, "kv_lens_host", lens)
+        put(self, "num_requests", b)
+        if qo.numel() != b + 1:
+            raise InvalidBatchError(
+                "qo_indptr", f"length {qo.numel()} != len(kv_lens) + 1 = {b + 1}"
+            )
+        if kv.numel() != b + 1:
+            raise InvalidBatchError(
+                "kv_indptr", f"length {kv.numel()} != len(kv_lens) + 1 = {b + 1}"
+            )
+        for name, ptr in (("qo_indptr", qo), ("kv_indptr", kv)):
+            if int(ptr[0]) != 0:
+                raise InvalidBatchError(name, f"must start at 0, starts at {int(ptr[0])}")
+            bad = _first(ptr[1:] < ptr[:-1])
+            if bad is not None:
+                raise InvalidBatchError(name, "must be non-decreasing", request=bad)
+        if int(kv[-1]) != self.kv_indices.numel():
+            raise InvalidBatchError(
+                "kv_indptr",
+                f"last value {int(kv[-1])} != len(kv_indices) = {self.kv_indices.numel()}",
+            )
+        q_lens = qo[1:] - qo[:-1]
+        bad = _first(lens < q_lens)
+        if bad is not None:
+            raise InvalidBatchError(
+                "kv_lens",
+                f"kv_len {int(lens[bad])} < q_len {int(q_lens[bad])}: the cache must hold the "
+                "new tokens too",
+                request=bad,
+            )
+        bad = _first(q_lens < 1)
+        if bad is not None:
+            raise InvalidBatchError(
+                "qo_indptr", "every request needs >= 1 query token", request=bad
+            )
+        if self.phase is Phase.DECODE:
+            bad = _first(q_lens != 1)
+            if bad is not None:
+                raise InvalidBatchError(
+                    "qo_indptr",
+                    f"DECODE needs exactly one query per request, got {int(q_lens[bad])}",
+                    request=bad,
+                )
+        if self.page_size is not None:
+            if self.page_size <= 0:
+                raise InvalidBatchError("page_size", f"must be positive, got {self.page_size!r}")
+            need = (lens + self.page_size - 1) // self.page_size
+            bad = _first((kv[1:] - kv[:-1]) < need)
+            if bad is not None:
+                raise InvalidBatchError(
+                    "kv_indptr",
+                    f"{int(kv[bad + 1] - kv[bad])} pages cannot hold kv_len {int(lens[bad])} "
+                    f"at page_size {self.page_size}",
+                    request=bad,
+                )
+        if self.kv_indices.numel():
+            idx = self.kv_indices.cpu()
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or (self.num_pages is not None and hi >= self.num_pages):
+                req = _request_of(
+                    kv, int(((idx < 0) | (idx >= (self.num_pages or hi + 1))).int().argmax())
+                )
+                raise InvalidBatchError(
+                    "kv_indices",
+                    f"page index out of range [0, {self.num_pages}) (min {lo}, max {hi})",
+                    request=req,
+                )
+        put(self, "num_tokens", int(qo[-1]))
+        put(self, "max_q_len", int(q_lens.max()) if b else 0)
+        put(self, "max_kv_len", int(lens.max()) if b else 0)
+        if self.custom_mask is not None:
+            self._check_mask(q_lens, lens)
+        elif self.phase is Phase.VERIFY:
+            pass  # a causal chain: verify without a tree
+
+    def _check_mask(self, q_lens: torch.Tensor, lens: torch.Tensor) -> None:
+        import torch
+
+        mask = self.custom_mask
+        assert mask is not None
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
+            raise InvalidBatchError("custom_mask", "must be a flat 1-D torch.bool tensor")
+        sizes = q_lens.to(torch.int64) * lens.to(torch.int64)
+        offsets = torch.zeros(sizes.numel() + 1, dtype=torch.int64)
+        torch.cumsum(sizes, 0, out=offsets[1:])
+        if int(offsets[-1]) != mask.numel():
+            raise InvalidBatchError(
+                "custom_mask",
+                f"length {mask.numel()} != sum(q_len * kv_len) = {int(offsets[-1])}",
+            )
+        host = mask.cpu()
+        for i in range(sizes.numel()):
+            block = host[int(offsets[i]) : int(offsets[i + 1])].view(int(q_lens[i]), int(lens[i]))
+            row = _first(~block.any(dim=1))
+            if row is not None:
+                raise InvalidBatchError(
+                    "custom_mask",
+                    f"query {row} may attend to no key (every row needs at least itself)",
+                    request=i,
+                )
+        object.__setattr__(self, "mask_indptr", offsets.to(mask.device))
+
+    # -- builders -----------------------------------------------------------------------------
+
+    @classmethod
+    def build(
+        cls,
+        phase: Phase,
+        *,
+        q_lens: Sequence[int],
+        kv_lens: Sequence[int],
+        page_tables: Sequence[Sequence[int]],
+        page_size: int,
+        num_pages: int | None = None,
+        masks: Sequence[Any] | None = None,
+        device: Any = "cpu",
+    ) -> AttnBatch:
+        """Build from plain per-request data.
+
+        >>> AttnBatch.build(Phase.DECODE, q_lens=[1, 1], kv_lens=[5, 9],
+        ...                 page_tables=[[3], [0, 7]], page_size=8)
+
+        ``masks`` (VERIFY trees) is one bool ``[q_len_i, kv_len_i]`` block per request, e.g.
+        from ``tree_mask``.
+        """
+        import torch
+
+        n = len(kv_lens)
+        if len(q_lens) != n or len(page_tables) != n:
+            raise InvalidBatchError(
+                "q_lens",
+                f"q_lens ({len(q_lens)}), kv_lens ({n}) and page_tables ({len(page_tables)}) "
+                "must have one entry per request",
+            )
+        qo = [0]
+        kv = [0]
+        flat: list[int] = []
+        for q, table in zip(q_lens, page_tables, strict=True):
+            qo.append(qo[-1] + int(q))
+            kv.append(kv[-1] + len(table))
+            flat.extend(int(p) for p in table)
+        mask = None
+        if masks is not None:
+            if len(masks) != n:
+                raise InvalidBatchError("masks", f"{len(masks)} masks for {n} requests")
+            parts = [torch.as_tensor(m, dtype=torch.bool).reshape(-1) for m in masks]
+            mask = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
+            for i, (m, q, k) in enumerate(zip(masks, q_lens, kv_lens, strict=True)):
+                if tuple(torch.as_tensor(m).shape) != (int(q), int(k)):
+                    raise InvalidBatchError(
+                        "masks",
+                        f"shape {tuple(torch.as_tensor(m).shape)} != (q_len, kv_len) = ({q}, {k})",
+                        request=i,
+                    )
+        i32 = torch.int32
+        batch = cls(
+            phase=phase,
+            qo_indptr=torch.tensor(qo, dtype=i32),
+            kv_indptr=torch.tensor(kv, dtype=i32),
+            kv_indices=torch.tensor(flat, dtype=i32),
+            kv_lens=torch.tensor([int(k) for k in kv_lens], dtype=i32),
+            custom_mask=mask,
+            page_size=page_size,
+            num_pages=num_pages,
+        )
+        return batch if str(device) == "cpu" else batch.to(device)
+
+    def to(self, device: Any) -> AttnBatch:
+        """The same batch with its device tensors on ``device`` (host copies stay on CPU)."""
+        moved = AttnBatch.__new__(AttnBatch)
+        for f in dataclasses.fields(AttnBatch):
+            object.__setattr__(moved, f.name, getattr(self, f.name))
+        for name in (
+            "qo_indptr",
+            "kv_indptr",
+            "kv_indices",
+            "kv_lens",
+            "custom_mask",
+            "mask_indptr",
+        ):
+            t = getattr(self, name)
+            if t is not None:
+                object.__setattr__(moved, name, t.to(device, non_blocking=True))
+        return moved
+
+    @property
+    def device(self) -> Any:
+        return self.qo_indptr.device
+
+    def q_lens(self) -> list[int]:
+        """Query tokens per request (host)."""
+        return (self.qo_indptr_host[1:] - self.qo_indptr_host[:-1]).tolist()  # type: ignore[no-any-return]
+
+
+def tree_mask(parents: Sequence[int], prefix_len: int) -> torch.Tensor:
+    """The verify mask of one request: draft token ``j`` sees the prefix, its ancestors, itself.
+
+    ``parents[j]`` is the index of token ``j``'s parent among the draft tokens, or -1 when its
+    parent is the last token of the prefix. Returns bool ``[q, prefix_len + q]``. Parents must
+    come before their children, so every row sees at least itself.
+
+    >>> tree_mask([-1, 0, 0], prefix_len=4).int()   # a root with two children
+    """
+    import torch
+
+    q = len(parents)
+    if prefix_len < 0:
+        raise InvalidBatchError("prefix_len", f"must be >= 0, got {prefix_len!r}")
+    mask = torch.zeros(q, prefix_len + q, dtype=torch.bool)
+    mask[:, :prefix_len] = True
+    for j, p in enumerate(parents):
+        if not -1 <= p < j:
+            raise InvalidBatchError(
+                "parents", f"token {j} has parent {p!r}; a parent is -1 or an earlier token index"
+            )
+        mask[j, prefix_len + j] = True
+        if p >= 0:
+            mask[j, prefix_len : prefix_len + q] |= mask[p, prefix_len : prefix_len + q]
+    return mask
+
+
+def _first(flags: torch.Tensor) -> int | None:
+    """Index of the first True, or None."""
+    if flags.numel() == 0 or not bool(flags.any()):
+        return None
+    return int(flags.int().argmax())
+
+
+def _request_of(kv_indptr: torch.Tensor, position: int) -> int:
+    import torch
+
+    return int(
+        torch.searchsorted(kv_indptr[1:], torch.tensor(position, dtype=torch.int32), right=True)
+    )

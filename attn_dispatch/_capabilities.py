@@ -1,0 +1,168 @@
+"""Capabilities: what one backend can serve. Checks return reasons; nothing here raises."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Callable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from attn_dispatch._dtypes import dtype_name
+from attn_dispatch._phase import Phase
+
+if TYPE_CHECKING:
+    from attn_dispatch._config import AttnConfig
+
+CheckFn = Callable[["AttnConfig", Phase], Iterable[str]]
+AvailabilityFn = Callable[[], Iterable[str]]
+
+ALL_PHASES = frozenset(Phase)
+
+
+def _names(values: Iterable[str]) -> frozenset[str]:
+    return frozenset(dtype_name(v) for v in values)
+
+
+def _fmt(values: Iterable[object]) -> str:
+    return ", ".join(repr(v) for v in sorted(values, key=str))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend can serve; ``reasons(config, phase)`` lists every mismatch.
+
+    >>> caps = Capabilities(kinds={"mha"}, devices={"cpu"}, dtypes={"float32"})
+    >>> caps.reasons(AttnConfig("mla", 16, 1, 576, 512, dtype="float32"), Phase.DECODE)
+    ["kind 'mla' is not supported (supported: 'mha')"]
+
+    ``None`` for a dims/page-size field means "any". ``forms`` are the attention forms (see
+    ``AttnForm``) this backend serves for MLA configs.
+    """
+
+    kinds: frozenset[str] = frozenset({"mha", "mla"})
+    phases: frozenset[Phase] = ALL_PHASES
+    devices: frozenset[str] = frozenset({"cpu"})
+    dtypes: frozenset[str] = frozenset({"float32", "float16", "bfloat16"})
+    kv_dtypes: frozenset[str] | None = None
+    head_dims: frozenset[int] | None = None
+    v_head_dims: frozenset[int] | None = None
+    page_sizes: frozenset[int] | None = None
+    custom_mask: bool = True
+    requires: tuple[str, ...] = ()
+    min_compute_capability: tuple[int, int] | None = None
+    checks: tuple[CheckFn, ...] = ()
+    availability: tuple[AvailabilityFn, ...] = ()
+    forms: frozenset[str] = frozenset({"mla"})
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        # Accept any iterables (sets, lists) and store immutable, hashable values.
+        object.__setattr__(self, "kinds", frozenset(self.kinds))
+        object.__setattr__(self, "phases", frozenset(Phase.parse(p) for p in self.phases))
+        object.__setattr__(self, "devices", frozenset(str(d).lower() for d in self.devices))
+        object.__setattr__(self, "dtypes", _names(self.dtypes))
+        if self.kv_dtypes is not None:
+            object.__setattr__(self, "kv_dtypes", _names(self.kv_dtypes))
+        for field in ("head_dims", "v_head_dims", "page_sizes"):
+            value = getattr(self, field)
+            if value is not None:
+                object.__setattr__(self, field, frozenset(int(v) for v in value))
+        object.__setattr__(self, "requires", tuple(self.requires))
+        object.__setattr__(self, "checks", tuple(self.checks))
+        object.__setattr__(self, "availability", tuple(self.availability))
+        object.__setattr__(self, "forms", frozenset(self.forms))
+
+    def availability_reasons(self, device: str | None = None) -> list[str]:
+        """Why the backend cannot run here at all (empty when it can)."""
+        reasons = [
+            f"module {mod!r} is not installed (pip install {mod.replace('_', '-')})"
+            for mod in self.requires
+            if not _importable(mod)
+        ]
+        for fn in self.availability:
+            reasons.extend(_safe(fn))
+        return reasons
+
+    def reasons(self, config: AttnConfig, phase: Phase) -> list[str]:
+        """Every reason this backend cannot serve ``config`` in ``phase`` (empty when it can)."""
+        out: list[str] = []
+        if phase not in self.phases:
+            out.append(
+                f"phase {phase.name.lower()!r} is not implemented "
+                f"(implemented: {_fmt(p.name.lower() for p in self.phases)})"
+            )
+        if config.kind not in self.kinds:
+            out.append(f"kind {config.kind!r} is not supported (supported: {_fmt(self.kinds)})")
+        dev = config.device_type
+        if dev not in self.devices:
+            out.append(
+                f"device {config.device!r} is not supported (supported: {_fmt(self.devices)})"
+            )
+        if config.dtype not in self.dtypes:
+            out.append(f"dtype {config.dtype!r} is not supported (supported: {_fmt(self.dtypes)})")
+        kv_ok = self.dtypes if self.kv_dtypes is None else self.kv_dtypes
+        if config.kv_dtype not in kv_ok:
+            out.append(f"kv_dtype {config.kv_dtype!r} is not supported (supported: {_fmt(kv_ok)})")
+        if self.head_dims is not None and config.head_dim not in self.head_dims:
+            out.append(
+                f"head_dim {config.head_dim!r} is not supported (supported: {_fmt(self.head_dims)})"
+            )
+        if self.v_head_dims is not None and config.v_head_dim not in self.v_head_dims:
+            out.append(
+                f"v_head_dim {config.v_head_dim!r} is not supported "
+                f"(supported: {_fmt(self.v_head_dims)})"
+            )
+        if self.page_sizes is not None and config.page_size not in self.page_sizes:
+            out.append(
+                f"page_size {config.page_size!r} is not supported "
+                f"(supported: {_fmt(self.page_sizes)})"
+            )
+        if phase is Phase.VERIFY and config.tree_verify and not self.custom_mask:
+            out.append(
+                "tree verify needs a custom attention mask, which this backend does not support"
+            )
+        out.extend(self.availability_reasons(dev))
+        if dev == "cuda" and dev in self.devices:
+            out.extend(_cuda_reasons(config.device, self.min_compute_capability))
+        for check in self.checks:
+            out.extend(_safe(check, config, phase))
+        return out
+
+    def replace(self, **changes: object) -> Capabilities:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _safe(fn: Callable[..., Iterable[str]], *args: object) -> list[str]:
+    # A check is user code: a bug in it must become a reason, not a crash inside bind.
+    try:
+        return [str(r) for r in fn(*args)]
+    except Exception as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        return [f"capability check {name} failed: {type(exc).__name__}: {exc}"]
+
+
+def _cuda_reasons(device: str, minimum: tuple[int, int] | None) -> list[str]:
+    if not _importable("torch"):
+        return ["needs CUDA: torch is not installed"]
+    import torch
+
+    if not torch.cuda.is_available():
+        return ["needs CUDA: torch.cuda.is_available() is False on this machine"]
+    try:
+        cc = torch.cuda.get_device_capability(device)
+    except Exception as exc:
+        return [f"cannot query CUDA device {device!r}: {exc}"]
+    if minimum is not None and tuple(cc) < minimum:
+        return [
+            f"needs compute capability >= sm{minimum[0]}{minimum[1]}, "
+            f"device {device!r} is sm{cc[0]}{cc[1]}"
+        ]
+    return []

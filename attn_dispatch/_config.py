@@ -1,0 +1,126 @@
+"""AttnConfig: what the attention layers of one runner look like."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+from typing import Literal
+
+from attn_dispatch._dtypes import device_type
+from attn_dispatch._dtypes import dtype_name
+from attn_dispatch._errors import InvalidSpecError
+
+Kind = Literal["mha", "mla"]
+_KINDS = ("mha", "mla")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttnConfig:
+    """The shape of one runner's attention layers, checked against backend capabilities.
+
+    >>> AttnConfig(kind="mla", num_q_heads=16, num_kv_heads=1, head_dim=576, v_head_dim=512,
+    ...            dtype="bfloat16", page_size=64, device="cuda")  # doctest: +ELLIPSIS
+    AttnConfig(kind='mla', ...)
+
+    For ``kind="mla"`` the dims describe the absorbed form (q/k = latent + rope, v = latent).
+    ``mha_head_dim``/``mha_v_head_dim`` optionally describe the decompressed MHA form of the
+    same layers (DeepSeek: 192/128, with ``num_q_heads`` heads), which prefill may use.
+    """
+
+    kind: Kind
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+    dtype: str = "bfloat16"
+    kv_dtype: str | None = None
+    page_size: int = 1
+    device: str = "cpu"
+    tree_verify: bool = False
+    mha_head_dim: int | None = None
+    mha_v_head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise InvalidSpecError("kind", self.kind, "choose 'mha' or 'mla'")
+        for field in ("num_q_heads", "num_kv_heads", "head_dim", "page_size"):
+            _positive(field, getattr(self, field))
+        if self.v_head_dim is None:
+            if self.kind == "mla":
+                raise InvalidSpecError(
+                    "v_head_dim",
+                    None,
+                    "an MLA config needs v_head_dim (the latent width, e.g. 512)",
+                )
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        _positive("v_head_dim", self.v_head_dim)
+        if self.num_q_heads % self.num_kv_heads:
+            raise InvalidSpecError(
+                "num_q_heads",
+                self.num_q_heads,
+                f"must be a multiple of num_kv_heads={self.num_kv_heads!r} (grouped-query attention)",
+            )
+        object.__setattr__(self, "dtype", dtype_name(self.dtype, field="dtype"))
+        kv = self.dtype if self.kv_dtype is None else dtype_name(self.kv_dtype, field="kv_dtype")
+        object.__setattr__(self, "kv_dtype", kv)
+        object.__setattr__(self, "device", str(self.device).strip().lower())
+        if not self.device:
+            raise InvalidSpecError("device", self.device, "name a device such as 'cpu' or 'cuda:0'")
+        if not isinstance(self.tree_verify, bool):
+            raise InvalidSpecError("tree_verify", self.tree_verify, "must be a bool")
+        if self.kind == "mla":
+            if self.num_kv_heads != 1:
+                raise InvalidSpecError(
+                    "num_kv_heads", self.num_kv_heads, "MLA has one latent KV head; use 1"
+                )
+            assert self.v_head_dim is not None
+            if self.v_head_dim >= self.head_dim:
+                raise InvalidSpecError(
+                    "v_head_dim",
+                    self.v_head_dim,
+                    f"MLA needs v_head_dim (latent) < head_dim={self.head_dim!r} (latent + rope)",
+                )
+        if (self.mha_head_dim is None) != (self.mha_v_head_dim is None):
+            raise InvalidSpecError(
+                "mha_head_dim",
+                (self.mha_head_dim, self.mha_v_head_dim),
+                "give both mha_head_dim and mha_v_head_dim (the decompressed form), or neither",
+            )
+        if self.mha_head_dim is not None:
+            if self.kind != "mla":
+                raise InvalidSpecError(
+                    "mha_head_dim", self.mha_head_dim, "only an MLA config has a decompressed form"
+                )
+            _positive("mha_head_dim", self.mha_head_dim)
+            _positive("mha_v_head_dim", self.mha_v_head_dim)
+
+    @property
+    def device_type(self) -> str:
+        """``"cuda"`` for ``"cuda:1"``."""
+        return device_type(self.device)
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def has_decompressed_form(self) -> bool:
+        return self.mha_head_dim is not None
+
+    @property
+    def out_head_dim(self) -> int:
+        assert self.v_head_dim is not None
+        return self.v_head_dim
+
+    def replace(self, **changes: Any) -> AttnConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _positive(field: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidSpecError(field, value, "must be a positive int")

@@ -1,0 +1,129 @@
+"""Error types. Each also subclasses the builtin it refines, so ``except ValueError`` still works."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attn_dispatch._phase import Phase
+
+
+class AttnDispatchError(Exception):
+    """Base class of every error raised by attn_dispatch."""
+
+
+class UnknownBackendError(AttnDispatchError, KeyError):
+    """A backend name that is not registered.
+
+    Attributes: ``name``, ``registered`` (sorted names), ``suggestions`` (close matches).
+    """
+
+    def __init__(self, name: str, registered: Iterable[str], *, context: str = "") -> None:
+        self.name = name
+        self.registered = tuple(sorted(registered))
+        self.suggestions = tuple(difflib.get_close_matches(name, self.registered, n=3, cutoff=0.5))
+        where = f"{context}: " if context else ""
+        hint = (
+            f" Did you mean {' or '.join(repr(s) for s in self.suggestions)}?"
+            if self.suggestions
+            else ""
+        )
+        choices = ", ".join(repr(r) for r in self.registered) or "(none)"
+        self.message = (
+            f"{where}unknown attention backend {name!r}.{hint} "
+            f"Registered backends: {choices}. Register a new one with "
+            f"attn_dispatch.register_backend(name, capabilities=..., factory=...)."
+        )
+        super().__init__(self.message)
+
+    def __str__(self) -> str:  # KeyError would repr() the message otherwise
+        return self.message
+
+
+class IncompatibleBackendError(AttnDispatchError, ValueError):
+    """A spec that cannot serve a config, with every reason of every phase.
+
+    Attributes: ``label``; ``reasons``: mapping phase -> (backend name, tuple of reasons).
+    """
+
+    def __init__(
+        self,
+        label: str | None,
+        reasons: Mapping[Phase, tuple[str, Sequence[str]]],
+        *,
+        config: object = None,
+    ) -> None:
+        self.label = label
+        self.reasons = {p: (b, tuple(r)) for p, (b, r) in reasons.items()}
+        self.config = config
+        who = f"runner {label!r}" if label is not None else "this runner"
+        lines = [f"cannot bind attention backends for {who}:"]
+        for phase, (backend, why) in sorted(self.reasons.items()):
+            for reason in why:
+                lines.append(f"  - {phase.name.lower()} -> {backend!r}: {reason}")
+        lines.append(
+            "Choose another backend for the phases above (see `python -m attn_dispatch list`), "
+            "or change the config."
+        )
+        super().__init__("\n".join(lines))
+
+
+class NoActiveScopeError(AttnDispatchError, RuntimeError):
+    """Dispatch was asked for outside every ``attn_scope``."""
+
+    def __init__(self, what: str = "resolve") -> None:
+        self.what = what
+        super().__init__(
+            f"{what}() was called outside any attention scope: no runner is active in this "
+            "context. Wrap the runner's forward in `with attn_dispatch.attn_scope(runner, batch):` "
+            "(threads start with an empty context: use attn_dispatch.run_in_scope or "
+            "contextvars.copy_context().run to carry the scope into a worker)."
+        )
+
+
+class BackendUnavailableError(AttnDispatchError, RuntimeError):
+    """A backend whose factory could not be loaded or built."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name = name
+        self.reason = reason
+        super().__init__(f"attention backend {name!r} is unavailable: {reason}")
+
+
+class InvalidBatchError(AttnDispatchError, ValueError):
+    """Bad batch metadata or tensors. Attributes: ``field``, ``request`` (index or None)."""
+
+    def __init__(self, field: str, problem: str, *, request: int | None = None) -> None:
+        self.field = field
+        self.request = request
+        self.problem = problem
+        where = f"request {request}: " if request is not None else ""
+        super().__init__(f"invalid attention batch: {where}{field}: {problem}")
+
+
+class ScopeError(AttnDispatchError, RuntimeError):
+    """A scope used wrongly: exited out of order, exited twice, or re-entered."""
+
+
+class InvalidSpecError(AttnDispatchError, ValueError):
+    """A BackendSpec or AttnConfig with bad values. Attributes: ``field``, ``value``."""
+
+    def __init__(self, field: str, value: object, problem: str) -> None:
+        self.field = field
+        self.value = value
+        super().__init__(f"{field}={value!r}: {problem}")
+
+
+class DuplicateBackendError(AttnDispatchError, ValueError):
+    """``register_backend`` with a name already taken and ``replace=False``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(
+            f"an attention backend named {name!r} is already registered; pass replace=True to "
+            "replace it (existing bindings keep the old one), or choose another name."
+        )

@@ -1,0 +1,75 @@
+"""Forward phases and the mapping from framework forward-mode names."""
+
+from __future__ import annotations
+
+import enum
+
+from attn_dispatch._errors import AttnDispatchError
+
+
+class Phase(enum.IntEnum):
+    """The phase of one forward. Values index per-phase tables, so keep them 0, 1, 2."""
+
+    PREFILL = 0
+    DECODE = 1
+    VERIFY = 2
+
+    @classmethod
+    def parse(cls, value: str | Phase) -> Phase:
+        """``Phase.parse("decode") is Phase.DECODE``; raises ``UnknownPhaseError``."""
+        if isinstance(value, Phase):
+            return value
+        try:
+            return cls[str(value).strip().upper()]
+        except KeyError:
+            raise UnknownPhaseError(str(value), tuple(p.name.lower() for p in cls)) from None
+
+
+class UnknownPhaseError(AttnDispatchError, ValueError):
+    """A phase or forward-mode name we do not know. Attributes: ``name``, ``known``."""
+
+    def __init__(self, name: str, known: tuple[str, ...]) -> None:
+        self.name = name
+        self.known = known
+        super().__init__(
+            f"unknown phase or forward mode {name!r}; known names: "
+            f"{', '.join(repr(k) for k in known)}."
+        )
+
+
+# SGLang's ForwardMode names. Verify-like modes are their own phase: whether they run on the
+# prefill or the decode backend is the spec's `verify_mode`, never a property of the name.
+_MODE_TO_PHASE: dict[str, Phase] = {
+    "EXTEND": Phase.PREFILL,
+    "MIXED": Phase.PREFILL,
+    "SPLIT_PREFILL": Phase.PREFILL,
+    "PREBUILT": Phase.PREFILL,
+    "DLLM_EXTEND": Phase.PREFILL,
+    "DRAFT_EXTEND": Phase.PREFILL,
+    "DECODE": Phase.DECODE,
+    "IDLE": Phase.DECODE,
+    "TARGET_VERIFY": Phase.VERIFY,
+    "DRAFT_EXTEND_V2": Phase.VERIFY,
+    # Our own names, so phase_of(Phase.X.name) works too.
+    "PREFILL": Phase.PREFILL,
+    "VERIFY": Phase.VERIFY,
+}
+
+
+def phase_of(mode: object) -> Phase:
+    """Map a framework forward-mode (SGLang ``ForwardMode`` or its name) to a ``Phase``.
+
+    >>> phase_of("TARGET_VERIFY")
+    <Phase.VERIFY: 2>
+
+    Enum members are read by their ``name``; an unknown name raises ``UnknownPhaseError``.
+    """
+    if isinstance(mode, Phase):
+        return mode
+    name = getattr(mode, "name", mode)
+    if not isinstance(name, str):
+        raise UnknownPhaseError(repr(mode), tuple(sorted(_MODE_TO_PHASE)))
+    phase = _MODE_TO_PHASE.get(name.strip().upper())
+    if phase is None:
+        raise UnknownPhaseError(name, tuple(sorted(_MODE_TO_PHASE)))
+    return phase

@@ -1,0 +1,189 @@
+"""BackendSpec: the kernel names one runner uses, per phase."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+from typing import Literal
+
+from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._phase import Phase
+
+VerifyMode = Literal["prefill", "decode"]
+_VERIFY_MODES = ("prefill", "decode")
+_KEYS = ("prefill", "decode", "verify", "verify_mode")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """The backend name of each phase of one runner. Immutable, hashable, picklable.
+
+    >>> spec = BackendSpec.parse("prefill=triton,decode=flashinfer")
+    >>> spec.backend_for(Phase.VERIFY)  # verify=None follows verify_mode ("prefill")
+    'triton'
+    >>> BackendSpec.parse(str(spec)) == spec
+    True
+    """
+
+    prefill: str
+    decode: str
+    verify: str | None = None
+    verify_mode: VerifyMode = "prefill"
+
+    def __post_init__(self) -> None:
+        for field in ("prefill", "decode", "verify"):
+            value = getattr(self, field)
+            if value is None and field == "verify":
+                continue
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidSpecError(field, value, "must be a non-empty backend name")
+            value = value.strip()
+            if any(c in value for c in ",= \t"):
+                raise InvalidSpecError(
+                    field, value, "a backend name cannot contain ',', '=' or spaces"
+                )
+            object.__setattr__(self, field, value)
+        if self.verify_mode not in _VERIFY_MODES:
+            raise InvalidSpecError(
+                "verify_mode", self.verify_mode, "choose 'prefill' (default) or 'decode'"
+            )
+
+    @classmethod
+    def uniform(cls, name: str) -> BackendSpec:
+        """The same backend for every phase: ``BackendSpec.uniform("torch")``."""
+        return cls(prefill=name, decode=name)
+
+    @classmethod
+    def parse(cls, text: str) -> BackendSpec:
+        """Parse ``"prefill=a,decode=b[,verify=c][,verify_mode=decode]"``.
+
+        A bare name is the default for prefill and decode: ``"triton,decode=flashinfer"``.
+        """
+        if not isinstance(text, str):
+            raise InvalidSpecError("spec", text, "expected a string such as 'prefill=a,decode=b'")
+        fields: dict[str, str] = {}
+        default: str | None = None
+        for raw in text.split(","):
+            item = raw.strip()
+            if not item:
+                raise InvalidSpecError("spec", text, "empty item; write 'prefill=a,decode=b'")
+            if "=" not in item:
+                if default is not None:
+                    raise InvalidSpecError("spec", text, "more than one bare backend name")
+                default = item
+                continue
+            key, _, value = (part.strip() for part in item.partition("="))
+            if key not in _KEYS:
+                raise InvalidSpecError(
+                    "spec", text, f"unknown key {key!r}; keys are {', '.join(map(repr, _KEYS))}"
+                )
+            if key in fields:
+                raise InvalidSpecError("spec", text, f"key {key!r} given twice")
+            fields[key] = value
+        prefill = fields.pop("prefill", default)
+        decode = fields.pop("decode", default)
+        if prefill is None or decode is None:
+            missing = "prefill" if prefill is None else "decode"
+            raise InvalidSpecError(
+                "spec",
+                text,
+                f"no backend for {missing}; give {missing}=NAME or a bare default name",
+            )
+        return cls(
+            prefill=prefill,
+            decode=decode,
+            verify=fields.get("verify"),
+            verify_mode=fields.get("verify_mode", "prefill"),  # type: ignore[arg-type]
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BackendSpec:
+        unknown = set(data) - set(_KEYS)
+        if unknown:
+            raise InvalidSpecError(
+                "spec", dict(data), f"unknown keys {sorted(unknown)!r}; keys are {list(_KEYS)!r}"
+            )
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise InvalidSpecError("spec", dict(data), str(exc)) from None
+
+    @classmethod
+    def from_json(cls, text: str) -> BackendSpec:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidSpecError("spec", text, f"not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise InvalidSpecError("spec", text, "expected a JSON object")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_server_args(cls, args: object, *, is_draft: bool = False) -> BackendSpec:
+        """Reproduce SGLang's choice from its server args (an object or a mapping).
+
+        ``prefill_attention_backend``/``decode_attention_backend`` default to
+        ``attention_backend``; a draft runner with ``speculative_draft_attention_backend`` uses
+        it for both; ``speculative_attention_mode`` becomes ``verify_mode``. Nothing is guessed:
+        a phase without a name raises ``InvalidSpecError``.
+        """
+
+        def get(name: str) -> Any:
+            if isinstance(args, Mapping):
+                return args.get(name)
+            return getattr(args, name, None)
+
+        mode = get("speculative_attention_mode") or "prefill"
+        draft = get("speculative_draft_attention_backend") if is_draft else None
+        if draft:
+            return cls(prefill=draft, decode=draft, verify_mode=mode)
+        base = get("attention_backend")
+        prefill = get("prefill_attention_backend") or base
+        decode = get("decode_attention_backend") or base
+        if not prefill or not decode:
+            raise InvalidSpecError(
+                "attention_backend",
+                base,
+                "server args name no backend for "
+                f"{'prefill' if not prefill else 'decode'}; set attention_backend or "
+                "prefill_attention_backend/decode_attention_backend explicitly",
+            )
+        return cls(prefill=prefill, decode=decode, verify_mode=mode)
+
+    def backend_for(self, phase: Phase) -> str:
+        """The backend name that serves ``phase``."""
+        if phase is Phase.PREFILL:
+            return self.prefill
+        if phase is Phase.DECODE:
+            return self.decode
+        if self.verify is not None:
+            return self.verify
+        return self.prefill if self.verify_mode == "prefill" else self.decode
+
+    @property
+    def names(self) -> tuple[str, str, str]:
+        """Backend names indexed by ``Phase``."""
+        return (self.prefill, self.decode, self.backend_for(Phase.VERIFY))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "verify": self.verify,
+            "verify_mode": self.verify_mode,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def __str__(self) -> str:
+        if self.prefill == self.decode and self.verify is None and self.verify_mode == "prefill":
+            return self.prefill
+        text = f"prefill={self.prefill},decode={self.decode}"
+        if self.verify is not None:
+            text += f",verify={self.verify}"
+        if self.verify_mode != "prefill":
+            text += f",verify_mode={self.verify_mode}"
+        return text

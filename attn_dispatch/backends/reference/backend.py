@@ -1,0 +1,220 @@
+"""The torch reference backend: clear, vectorised PyTorch with fp32 accumulation.
+
+Requests are padded into one batch; keys are walked in chunks of pages with an online softmax,
+so no more than one chunk of scores exists at a time (a 32k decode never materialises 32k
+scores per head), and queries are blocked so long prefills stay bounded too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from attn_dispatch._batch import AttnBatch
+from attn_dispatch._config import AttnConfig
+from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._phase import Phase
+from attn_dispatch._protocol import Handler
+
+# Max fp32 score elements alive at once (64 MiB): bounds memory for any context length.
+SCORE_BUDGET = 1 << 24
+CHUNK_TOKENS = 2048
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class TorchPlan:
+    batch: AttnBatch
+    page_table: torch.Tensor  # int64 [B, max_pages], padded with page 0 (masked by kv_lens)
+    q_rows: torch.Tensor  # int64 [B, max_q], row of q per (request, slot); pads point at row 0
+    q_valid: torch.Tensor  # bool [B, max_q]
+    q_pos: torch.Tensor  # int64 [B, max_q], absolute position of each query in its sequence
+    kv_lens: torch.Tensor  # int64 [B]
+    mask: torch.Tensor | None  # bool [B, max_q, max_kv] (tree verify), else None
+    chunk_pages: int
+    q_block: int
+
+
+class TorchBackend:
+    """Reference attention for MHA/GQA and absorbed MLA, every phase, CPU or CUDA."""
+
+    name = "torch"
+
+    def __init__(self, config: AttnConfig, *, score_budget: int = SCORE_BUDGET) -> None:
+        self.config = config
+        self.score_budget = int(score_budget)
+        self.q_dtype = getattr(torch, config.dtype)
+        self.kv_dtype = getattr(torch, str(config.kv_dtype))
+
+    # -- planning (once per forward) ----------------------------------------------------------
+
+    def plan(self, batch: AttnBatch) -> TorchPlan:
+        if batch.page_size is not None and batch.page_size != self.config.page_size:
+            raise InvalidBatchError(
+                "page_size",
+                f"batch page_size {batch.page_size!r} != bound config page_size "
+                f"{self.config.page_size!r}",
+            )
+        dev = batch.kv_indices.device
+        qo = batch.qo_indptr_host.tolist()
+        kv = batch.kv_indptr_host.tolist()
+        b = batch.num_requests
+        ps = self.config.page_size
+        max_q = max(batch.max_q_len, 1)
+        max_pages = max(max((kv[i + 1] - kv[i] for i in range(b)), default=0), 1)
+        # Pad the page tables on the device (no device-to-host copy of kv_indices).
+        tables = [batch.kv_indices[kv[i] : kv[i + 1]].long() for i in range(b)]
+        page_table = torch.zeros(b, max_pages, dtype=torch.int64, device=dev)
+        for i, t in enumerate(tables):
+            page_table[i, : t.numel()] = t
+        slots = torch.arange(max_q)
+        q_lens = torch.tensor([qo[i + 1] - qo[i] for i in range(b)], dtype=torch.int64)
+        starts = torch.tensor(qo[:-1], dtype=torch.int64)
+        q_valid = slots[None, :] < q_lens[:, None]
+        q_rows = torch.where(q_valid, starts[:, None] + slots[None, :], 0)
+        kv_lens = batch.kv_lens_host.long()
+        q_pos = kv_lens[:, None] - q_lens[:, None] + slots[None, :]
+        mask = None
+        if batch.custom_mask is not None:
+            assert batch.mask_indptr is not None
+            mask = torch.zeros(b, max_q, max_pages * ps, dtype=torch.bool, device=dev)
+            offs = batch.mask_indptr.tolist() if batch.mask_indptr.device.type == "cpu" else None
+            lens = kv_lens.tolist()
+            off = 0
+            for i in range(b):
+                ql, kl = qo[i + 1] - qo[i], lens[i]
+                start = offs[i] if offs is not None else off
+                mask[i, :ql, :kl] = batch.custom_mask[start : start + ql * kl].view(ql, kl)
+                off += ql * kl
+        heads = self.config.num_q_heads
+        chunk_pages = max(1, CHUNK_TOKENS // ps)
+        chunk_tokens = chunk_pages * ps
+        q_block = max(1, min(max_q, self.score_budget // max(1, b * heads * chunk_tokens)))
+        return TorchPlan(
+            batch=batch,
+            page_table=page_table,
+            q_rows=q_rows.to(dev),
+            q_valid=q_valid.to(dev),
+            q_pos=q_pos.to(dev),
+            kv_lens=kv_lens.to(dev),
+            mask=mask,
+            chunk_pages=chunk_pages,
+            q_block=q_block,
+        )
+
+    def handler(self, phase: Phase) -> Handler:
+        return self.run
+
+    # -- per layer ----------------------------------------------------------------------------
+
+    def check(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, plan: TorchPlan
+    ) -> None:
+        """Shape/dtype checks against the bound config: shape reads only."""
+        c = self.config
+        if q.dim() != 3 or q.shape[1] != c.num_q_heads or q.shape[2] != c.head_dim:
+            raise InvalidBatchError(
+                "q",
+                f"shape {tuple(q.shape)} != [tokens, num_q_heads={c.num_q_heads}, "
+                f"head_dim={c.head_dim}] of the bound config",
+            )
+        if q.shape[0] != plan.batch.num_tokens:
+            raise InvalidBatchError(
+                "q", f"{q.shape[0]} rows but the batch has {plan.batch.num_tokens} query tokens"
+            )
+        if q.dtype != self.q_dtype:
+            raise InvalidBatchError("q", f"dtype {q.dtype} != bound config dtype {c.dtype!r}")
+        if k_cache.dtype != self.kv_dtype:
+            raise InvalidBatchError(
+                "k_cache", f"dtype {k_cache.dtype} != bound config kv_dtype {c.kv_dtype!r}"
+            )
+        if c.kind == "mla":
+            want: tuple[int, ...] = (c.page_size, c.head_dim)
+            if k_cache.dim() != 3 or tuple(k_cache.shape[1:]) != want:
+                raise InvalidBatchError(
+                    "k_cache",
+                    f"MLA cache shape {tuple(k_cache.shape)} != [pages, {want[0]}, {want[1]}]",
+                )
+            if v_cache is not None:
+                raise InvalidBatchError(
+                    "v_cache", "must be None for MLA (V is the first v_head_dim columns of k_cache)"
+                )
+        else:
+            want = (c.page_size, c.num_kv_heads, c.head_dim)
+            if k_cache.dim() != 4 or tuple(k_cache.shape[1:]) != want:
+                raise InvalidBatchError(
+                    "k_cache",
+                    f"shape {tuple(k_cache.shape)} != [pages, {', '.join(map(str, want))}]",
+                )
+            wantv = (k_cache.shape[0], c.page_size, c.num_kv_heads, c.v_head_dim)
+            if v_cache is None or tuple(v_cache.shape) != wantv:
+                got = None if v_cache is None else tuple(v_cache.shape)
+                raise InvalidBatchError("v_cache", f"shape {got} != {list(wantv)}")
+            if v_cache.dtype != self.kv_dtype:
+                raise InvalidBatchError(
+                    "v_cache", f"dtype {v_cache.dtype} != bound config kv_dtype {c.kv_dtype!r}"
+                )
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        plan: TorchPlan,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        self.check(q, k_cache, v_cache, plan)
+        c = self.config
+        mla = c.kind == "mla"
+        hkv, g, dv = c.num_kv_heads, c.group_size, int(c.out_head_dim)
+        b, max_q = plan.q_rows.shape
+        max_pages = plan.page_table.shape[1]
+        ps = c.page_size
+        out = torch.empty(b, max_q, c.num_q_heads, dv, dtype=torch.float32, device=q.device)
+        # [B, Mq, Hq, D] -> [B, Hkv, G, Mq, D]
+        qp = q[plan.q_rows].float().view(b, max_q, hkv, g, -1).permute(0, 2, 3, 1, 4)
+        for q0 in range(0, max_q, plan.q_block):
+            q1 = min(max_q, q0 + plan.q_block)
+            qb = qp[:, :, :, q0:q1]
+            pos = plan.q_pos[:, q0:q1]
+            m = torch.full(qb.shape[:-1], -math.inf, device=q.device)
+            l_sum = torch.zeros_like(m)
+            acc = torch.zeros(*qb.shape[:-1], dv, device=q.device)
+            for p0 in range(0, max_pages, plan.chunk_pages):
+                p1 = min(max_pages, p0 + plan.chunk_pages)
+                pages = plan.page_table[:, p0:p1]
+                n = (p1 - p0) * ps
+                kc = k_cache[pages]
+                if mla:
+                    k = kc.reshape(b, 1, n, -1).float()
+                    v = k[..., :dv]
+                else:
+                    assert v_cache is not None
+                    k = kc.reshape(b, n, hkv, -1).transpose(1, 2).float()
+                    v = v_cache[pages].reshape(b, n, hkv, dv).transpose(1, 2).float()
+                s = torch.einsum("bhgqd,bhnd->bhgqn", qb, k) * sm_scale
+                kpos = torch.arange(p0 * ps, p0 * ps + n, device=q.device)
+                allowed = kpos[None, None, :] < plan.kv_lens[:, None, None]
+                if plan.mask is not None:
+                    allowed = allowed & plan.mask[:, q0:q1, p0 * ps : p0 * ps + n]
+                else:
+                    allowed = allowed & (kpos[None, None, :] <= pos[:, :, None])
+                s = s.masked_fill(~allowed[:, None, None], -math.inf)
+                m_new = torch.maximum(m, s.amax(dim=-1))
+                # Rows with nothing visible yet keep m = -inf; use 0 as the shift so exp() is 0.
+                shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+                p = torch.exp(s - shift[..., None])
+                alpha = torch.exp(m - shift)
+                l_sum = l_sum * alpha + p.sum(dim=-1)
+                acc = acc * alpha[..., None] + torch.einsum("bhgqn,bhnd->bhgqd", p, v)
+                m = m_new
+            res = acc / l_sum.clamp_min(1e-30)[..., None]
+            # [B, Hkv, G, mq, Dv] -> [B, mq, Hq, Dv]
+            out[:, q0:q1] = res.permute(0, 3, 1, 2, 4).reshape(b, q1 - q0, c.num_q_heads, dv)
+        return out[plan.q_valid].to(q.dtype)
+
+
+def make(config: AttnConfig, **options: Any) -> TorchBackend:
+    return TorchBackend(config, **options)
