@@ -15,7 +15,8 @@ from typing import Any
 import torch
 import triton
 
-from ._decode import _decode_merge_kernel, _decode_split_kernel
+from ._decode import _decode_merge_kernel
+from ._decode import _decode_split_kernel
 from ._dims import DimLayout
 from ._extend import _extend_kernel
 

@@ -16,10 +16,14 @@ from typing import Any
 import torch
 
 from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import BackendUnavailableError, InvalidBatchError, InvalidSpecError
+from attn_dispatch._errors import BackendUnavailableError
+from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._forms import AttnForm
 from attn_dispatch._phase import Phase
 from attn_dispatch.backends.triton import _ops
-from attn_dispatch.backends.triton._dims import DimLayout, dim_reasons
+from attn_dispatch.backends.triton._dims import DimLayout
+from attn_dispatch.backends.triton._dims import dim_reasons
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -121,8 +125,19 @@ class TritonBackend:
         """The launch constants (block sizes, split rule inputs) this backend uses."""
         return self._kc
 
+    def choose_form(self, batch: Any) -> AttnForm | None:
+        """MLA layers always run the absorbed form here (no decompressed MHA path)."""
+        return AttnForm.MLA if self._kc.mla else None
+
     def plan(self, batch: Any) -> _ops.DecodePlan | _ops.ExtendPlan:
         """Host-side work for one forward; reads only python ints and host copies."""
+        page_size = getattr(batch, "page_size", None)
+        if page_size is not None and page_size != self.config.page_size:
+            raise InvalidBatchError(
+                "page_size",
+                f"batch page_size {page_size!r} != bound config page_size "
+                f"{self.config.page_size!r}; the triton backend was bound for the latter",
+            )
         if (
             int(batch.max_q_len) == 1
             and int(batch.num_tokens) == int(batch.num_requests)
