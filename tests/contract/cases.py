@@ -1,0 +1,136 @@
+"""Turn a KernelCase into tensors, and the naive reference the contract suite checks against."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attn_dispatch import AttnBatch
+from attn_dispatch import AttnConfig
+from attn_dispatch import tree_mask
+from tests.strategies import KernelCase
+
+
+@dataclass
+class Materialised:
+    config: AttnConfig
+    batch: AttnBatch
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor | None
+    sm_scale: float
+    page_tables: list[list[int]]
+    masks: list[torch.Tensor] | None
+
+
+def config_of(case: KernelCase, device: str = "cpu") -> AttnConfig:
+    return AttnConfig(
+        kind=case.kind,  # type: ignore[arg-type]
+        num_q_heads=case.num_q_heads,
+        num_kv_heads=case.num_kv_heads,
+        head_dim=case.head_dim,
+        v_head_dim=case.v_head_dim,
+        dtype=case.dtype,
+        page_size=case.page_size,
+        device=device,
+        tree_verify=case.trees is not None,
+    )
+
+
+def materialise(case: KernelCase, device: str = "cpu") -> Materialised:
+    """Random q and a paged cache with shuffled page tables and unused pages."""
+    g = torch.Generator().manual_seed(case.seed)
+    ps = case.page_size
+    need = [math.ceil(k / ps) for k in case.kv_lens]
+    total = sum(need) + case.extra_pages
+    perm = torch.randperm(total, generator=g).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n])
+        at += n
+    dtype = getattr(torch, case.dtype)
+    t = sum(case.q_lens)
+    q = torch.randn(t, case.num_q_heads, case.head_dim, generator=g).to(dtype)
+    if case.kind == "mla":
+        k_cache = torch.randn(total, ps, case.head_dim, generator=g).to(dtype)
+        v_cache = None
+    else:
+        k_cache = torch.randn(total, ps, case.num_kv_heads, case.head_dim, generator=g).to(dtype)
+        v_cache = torch.randn(total, ps, case.num_kv_heads, case.v_head_dim, generator=g).to(dtype)
+    masks = None
+    if case.trees is not None:
+        masks = [tree_mask(list(tr), p) for tr, p in zip(case.trees, case.prefix_lens, strict=True)]
+    batch = AttnBatch.build(
+        case.phase,
+        q_lens=list(case.q_lens),
+        kv_lens=list(case.kv_lens),
+        page_tables=tables,
+        page_size=ps,
+        num_pages=total,
+        masks=masks,
+    )
+    m = Materialised(
+        config=config_of(case, device),
+        batch=batch,
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        sm_scale=1.0 / math.sqrt(case.head_dim),
+        page_tables=tables,
+        masks=masks,
+    )
+    if device != "cpu":
+        m.batch = batch.to(device)
+        m.q = q.to(device)
+        m.k_cache = k_cache.to(device)
+        m.v_cache = None if v_cache is None else v_cache.to(device)
+    return m
+
+
+def naive_attention(m: Materialised) -> torch.Tensor:
+    """Plain per-request, per-head attention in float64 with a dense mask."""
+    c = m.config
+    ps = c.page_size
+    q = m.q.cpu().double()
+    k_cache = m.k_cache.cpu().double()
+    v_cache = None if m.v_cache is None else m.v_cache.cpu().double()
+    dv = int(c.v_head_dim or c.head_dim)
+    out = torch.zeros(q.shape[0], c.num_q_heads, dv, dtype=torch.float64)
+    qo = m.batch.qo_indptr_host.tolist()
+    kv_lens = m.batch.kv_lens_host.tolist()
+    for i, table in enumerate(m.page_tables):
+        kl = kv_lens[i]
+        ql = qo[i + 1] - qo[i]
+        pages = [table[t // ps] for t in range(kl)]
+        slots = [t % ps for t in range(kl)]
+        if m.masks is not None:
+            allowed = m.masks[i]
+        else:
+            allowed = torch.zeros(ql, kl, dtype=torch.bool)
+            for j in range(ql):
+                allowed[j, : kl - ql + j + 1] = True
+        for h in range(c.num_q_heads):
+            kvh = h // c.group_size
+            if c.kind == "mla":
+                keys = k_cache[pages, slots]
+                vals = keys[:, :dv]
+            else:
+                assert v_cache is not None
+                keys = k_cache[pages, slots, kvh]
+                vals = v_cache[pages, slots, kvh]
+            qi = q[qo[i] : qo[i + 1], h]
+            s = (qi @ keys.T) * m.sm_scale
+            s = s.masked_fill(~allowed, -math.inf)
+            out[qo[i] : qo[i + 1], h] = torch.softmax(s, dim=-1) @ vals
+    return out
+
+
+def tolerance(dtype: str) -> tuple[float, float]:
+    """(atol, rtol) for comparing a backend's output in ``dtype`` with the float64 reference."""
+    if dtype == "float32":
+        return 2e-4, 2e-4
+    if dtype == "float16":
+        return 4e-3, 4e-3
+    return 2.5e-2, 2.5e-2  # bfloat16: 8 mantissa bits, inputs already rounded

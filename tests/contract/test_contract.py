@@ -1,0 +1,202 @@
+"""The kernel contract: every backend, every phase and kind, against the naive reference.
+
+A backend joins by adding its name to BACKENDS (and, if it needs smaller shapes, a Limits
+entry). A backend that cannot run on this machine (not installed, no CUDA, not built) skips
+with its own reasons; a case its declared capabilities refuse fails, so LIMITS must describe
+what the backend really supports.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+
+from attn_dispatch import AttnBatch
+from attn_dispatch import InvalidBatchError
+from attn_dispatch import Phase
+from attn_dispatch import attention
+from attn_dispatch import attn_scope
+from attn_dispatch import bind
+from attn_dispatch import list_backends
+from tests.contract.cases import config_of
+from tests.contract.cases import materialise
+from tests.contract.cases import naive_attention
+from tests.contract.cases import tolerance
+from tests.strategies import DEFAULT_LIMITS
+from tests.strategies import KernelCase
+from tests.strategies import Limits
+from tests.strategies import kernel_cases
+
+BACKENDS = ["torch"]
+LIMITS: dict[str, Limits] = {"torch": DEFAULT_LIMITS}
+CUDA_ONLY = {"flashinfer"}
+
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+EXAMPLES = 500 if THOROUGH else 100
+
+
+def device_for(backend: str) -> str:
+    if backend in CUDA_ONLY or (torch.cuda.is_available() and backend != "native"):
+        return "cuda"
+    return "cpu"
+
+
+def skip_if_unavailable(backend: str) -> None:
+    caps = list_backends().get(backend)
+    if caps is None:
+        pytest.skip(f"backend {backend!r} is not registered in this install")
+    why = caps.availability_reasons()
+    if backend in CUDA_ONLY and not torch.cuda.is_available():
+        why = [*why, "needs CUDA: torch.cuda.is_available() is False"]
+    if why:
+        pytest.skip(f"backend {backend!r} cannot run here: {'; '.join(why)}")
+
+
+def run_case(backend: str, case: KernelCase) -> tuple[torch.Tensor, object]:
+    m = materialise(case, device_for(backend))
+    binding = bind(backend, m.config, label=f"contract-{backend}")
+    with attn_scope(binding, m.batch):
+        out = attention(m.q, m.k_cache, m.v_cache, sm_scale=m.sm_scale)
+    return out, m
+
+
+def check_against_naive(backend: str, case: KernelCase) -> None:
+    out, m = run_case(backend, case)
+    assert out.dtype == m.q.dtype  # type: ignore[attr-defined]
+    assert out.shape == (sum(case.q_lens), case.num_q_heads, case.v_head_dim)
+    ref = naive_attention(m)  # type: ignore[arg-type]
+    atol, rtol = tolerance(case.dtype)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.name.lower())
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_naive_reference(backend: str, kind: str, phase: Phase) -> None:
+    skip_if_unavailable(backend)
+    limits = LIMITS.get(backend, DEFAULT_LIMITS)
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(case=kernel_cases(kind=kind, phase=phase, limits=limits))
+    def check(case: KernelCase) -> None:
+        check_against_naive(backend, case)
+
+    check()
+
+
+def _case(**over: object) -> KernelCase:
+    base: dict[str, object] = dict(
+        kind="mha",
+        phase=Phase.PREFILL,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        v_head_dim=64,
+        page_size=16,
+        dtype="float32",
+        q_lens=(3,),
+        prefix_lens=(13,),
+        trees=None,
+        extra_pages=2,
+        seed=7,
+    )
+    base.update(over)
+    return KernelCase(**base)  # type: ignore[arg-type]
+
+
+EDGE_CASES = {
+    "one-full-page-decode": _case(phase=Phase.DECODE, q_lens=(1,), prefix_lens=(15,)),
+    "one-full-page-prefill": _case(q_lens=(16,), prefix_lens=(0,)),
+    "partial-last-page": _case(q_lens=(5, 2), prefix_lens=(30, 1)),
+    "mla-partial-page": _case(
+        kind="mla",
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=80,
+        v_head_dim=64,
+        phase=Phase.DECODE,
+        q_lens=(1, 1),
+        prefix_lens=(20, 47),
+    ),
+    "verify-tree": _case(phase=Phase.VERIFY, q_lens=(4,), prefix_lens=(9,), trees=((-1, 0, 0, 1),)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_CASES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_edge_cases(backend: str, name: str) -> None:
+    skip_if_unavailable(backend)
+    check_against_naive(backend, EDGE_CASES[name])
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_single_chain_tree_equals_causal(backend: str, kind: str) -> None:
+    skip_if_unavailable(backend)
+    dims = dict(num_q_heads=2, num_kv_heads=1, head_dim=80, v_head_dim=64) if kind == "mla" else {}
+    chain = _case(
+        kind=kind,
+        phase=Phase.VERIFY,
+        q_lens=(5,),
+        prefix_lens=(11,),
+        trees=((-1, 0, 1, 2, 3),),
+        **dims,
+    )
+    causal = _case(
+        kind=kind, phase=Phase.VERIFY, q_lens=(5,), prefix_lens=(11,), trees=None, **dims
+    )
+    if chain.trees is not None and not list_backends()[backend].custom_mask:
+        pytest.skip(f"{backend!r} declares no custom-mask support")
+    out_tree, _ = run_case(backend, chain)
+    out_causal, _ = run_case(backend, causal)
+    atol, rtol = tolerance("float32")
+    torch.testing.assert_close(out_tree, out_causal, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inputs_untouched_and_deterministic(backend: str, dtype: str) -> None:
+    skip_if_unavailable(backend)
+    case = _case(dtype=dtype, phase=Phase.VERIFY, q_lens=(3, 2), prefix_lens=(17, 4))
+    m = materialise(case, device_for(backend))
+    before = [t.clone() for t in (m.q, m.k_cache, m.v_cache)]  # type: ignore[union-attr]
+    binding = bind(backend, m.config)
+    with attn_scope(binding, m.batch):
+        a = attention(m.q, m.k_cache, m.v_cache, sm_scale=m.sm_scale)
+        b = attention(m.q, m.k_cache, m.v_cache, sm_scale=m.sm_scale)
+    assert a.dtype == m.q.dtype
+    assert torch.equal(a, b)
+    for old, new in zip(before, (m.q, m.k_cache, m.v_cache), strict=True):
+        assert torch.equal(old, new)  # bit-identical after the call
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_input_checks(backend: str) -> None:
+    skip_if_unavailable(backend)
+    m = materialise(_case(phase=Phase.DECODE, q_lens=(1,), prefix_lens=(5,)), device_for(backend))
+    binding = bind(backend, m.config)
+    with attn_scope(binding, m.batch):
+        with pytest.raises(InvalidBatchError, match="q") as err:
+            attention(m.q[:, :3], m.k_cache, m.v_cache, sm_scale=0.1)  # wrong head count
+        assert err.value.field == "q"
+        with pytest.raises(InvalidBatchError, match="dtype"):
+            attention(m.q.double(), m.k_cache, m.v_cache, sm_scale=0.1)
+        with pytest.raises(InvalidBatchError, match="k_cache"):
+            attention(m.q, m.k_cache[..., :32], m.v_cache, sm_scale=0.1)  # wrong width
+        with pytest.raises(InvalidBatchError):
+            attention(m.q, m.k_cache, None, sm_scale=0.1)  # MHA needs a v_cache
+
+
+def test_config_of_marks_tree_verify() -> None:
+    case = _case(phase=Phase.VERIFY, trees=((-1, 0, 1),))
+    assert config_of(case).tree_verify
+    assert isinstance(materialise(case).batch, AttnBatch)

@@ -1,0 +1,137 @@
+"""AttnBatch validation and builders: each failure names the field and the request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attn_dispatch import AttnBatch
+from attn_dispatch import InvalidBatchError
+from attn_dispatch import Phase
+from attn_dispatch import tree_mask
+
+I32 = torch.int32
+
+
+def raw(**over: object) -> AttnBatch:
+    args: dict[str, object] = dict(
+        phase=Phase.PREFILL,
+        qo_indptr=torch.tensor([0, 2, 5], dtype=I32),
+        kv_indptr=torch.tensor([0, 1, 3], dtype=I32),
+        kv_indices=torch.tensor([4, 0, 2], dtype=I32),
+        kv_lens=torch.tensor([3, 7], dtype=I32),
+        page_size=4,
+        num_pages=5,
+    )
+    args.update(over)
+    return AttnBatch(**args)  # type: ignore[arg-type]
+
+
+def test_valid_batch_derives_host_fields() -> None:
+    b = raw()
+    assert b.num_requests == 2 and b.num_tokens == 5
+    assert b.max_q_len == 3 and b.max_kv_len == 7
+    assert b.q_lens() == [2, 3]
+    assert b.qo_indptr_host.device.type == "cpu"
+    assert b.mask_indptr is None
+
+
+@pytest.mark.parametrize(
+    ("over", "field", "request_", "text"),
+    [
+        (dict(kv_indices=torch.tensor([4, 0, 2], dtype=torch.int64)), "kv_indices", None, "int32"),
+        (dict(qo_indptr=torch.tensor([0, 3, 2], dtype=I32)), "qo_indptr", 1, "non-decreasing"),
+        (dict(qo_indptr=torch.tensor([1, 2, 5], dtype=I32)), "qo_indptr", None, "start at 0"),
+        (dict(kv_indptr=torch.tensor([0, 2, 1], dtype=I32)), "kv_indptr", 1, "non-decreasing"),
+        (dict(kv_lens=torch.tensor([1, 7], dtype=I32)), "kv_lens", 0, "kv_len 1 < q_len 2"),
+        (dict(kv_indices=torch.tensor([4, 0, 5], dtype=I32)), "kv_indices", 1, "out of range"),
+        (dict(kv_indices=torch.tensor([4, -1, 2], dtype=I32)), "kv_indices", 1, "out of range"),
+        (dict(kv_lens=torch.tensor([3, 9], dtype=I32)), "kv_indptr", 1, "cannot hold"),
+        (dict(qo_indptr=torch.tensor([0, 2], dtype=I32)), "qo_indptr", None, r"len\(kv_lens\)"),
+        (
+            dict(kv_indptr=torch.tensor([0, 1, 4], dtype=I32)),
+            "kv_indptr",
+            None,
+            r"len\(kv_indices\)",
+        ),
+        (dict(phase=Phase.DECODE), "qo_indptr", 0, "exactly one query"),
+        (dict(phase="decode"), "phase", None, "Phase"),
+        (dict(qo_indptr=[0, 2, 5]), "qo_indptr", None, "torch.Tensor"),
+        (dict(qo_indptr=torch.tensor([0, 0, 5], dtype=I32)), "qo_indptr", 0, ">= 1 query"),
+    ],
+)
+def test_validation_names_field_and_request(
+    over: dict[str, object], field: str, request_: int | None, text: str
+) -> None:
+    with pytest.raises(InvalidBatchError, match=text) as err:
+        raw(**over)
+    assert err.value.field == field
+    assert err.value.request == request_
+    assert isinstance(err.value, ValueError)
+    if request_ is not None:
+        assert f"request {request_}" in str(err.value)
+
+
+def test_mask_length_and_empty_rows() -> None:
+    ok = torch.ones(2 * 3 + 3 * 7, dtype=torch.bool)
+    b = raw(custom_mask=ok)
+    assert b.mask_indptr is not None and b.mask_indptr.tolist() == [0, 6, 27]
+    with pytest.raises(InvalidBatchError, match="sum") as err:
+        raw(custom_mask=ok[:-1])
+    assert err.value.field == "custom_mask"
+    bad = ok.clone()
+    bad[6 + 7 : 6 + 14] = False  # request 1, query 1 sees nothing
+    with pytest.raises(InvalidBatchError, match="query 1 may attend to no key") as err:
+        raw(custom_mask=bad)
+    assert err.value.request == 1
+    with pytest.raises(InvalidBatchError, match="bool"):
+        raw(custom_mask=ok.int())
+
+
+def test_build_matches_raw_and_checks_lengths() -> None:
+    b = AttnBatch.build(
+        Phase.PREFILL, q_lens=[2, 3], kv_lens=[3, 7], page_tables=[[4], [0, 2]], page_size=4
+    )
+    assert b.qo_indptr.tolist() == [0, 2, 5]
+    assert b.kv_indptr.tolist() == [0, 1, 3]
+    assert b.kv_indices.tolist() == [4, 0, 2]
+    with pytest.raises(InvalidBatchError, match="one entry per request"):
+        AttnBatch.build(
+            Phase.PREFILL, q_lens=[2], kv_lens=[3, 7], page_tables=[[4], [0]], page_size=4
+        )
+    with pytest.raises(InvalidBatchError, match="shape") as err:
+        AttnBatch.build(
+            Phase.VERIFY,
+            q_lens=[2],
+            kv_lens=[3],
+            page_tables=[[1]],
+            page_size=4,
+            masks=[torch.ones(3, 3, dtype=torch.bool)],
+        )
+    assert err.value.request == 0
+
+
+def test_tree_mask_sees_prefix_ancestors_and_itself() -> None:
+    m = tree_mask([-1, 0, 0, 1], prefix_len=2)
+    assert m.shape == (4, 6)
+    assert m[:, :2].all()
+    expect = torch.tensor(
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool
+    )
+    assert torch.equal(m[:, 2:], expect)
+    assert m.any(dim=1).all()  # no fully masked row by construction
+    chain = tree_mask([-1, 0, 1], prefix_len=0)
+    assert torch.equal(chain, torch.ones(3, 3, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("parents", [[0], [-1, 1], [-2], [-1, 3, 0]])
+def test_tree_mask_rejects_bad_parents(parents: list[int]) -> None:
+    with pytest.raises(InvalidBatchError, match="parent") as err:
+        tree_mask(parents, prefix_len=3)
+    assert err.value.field == "parents"
+
+
+def test_to_keeps_host_copies_on_cpu() -> None:
+    b = raw().to("cpu")
+    assert b.kv_lens_host.device.type == "cpu"
+    assert b.num_tokens == 5
