@@ -31,6 +31,22 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+def _runnable_here() -> Iterable[str]:
+    if interpreter_on():
+        return
+    try:
+        import torch  # at call time only: this module stays torch-free at import
+
+        cuda = bool(torch.cuda.is_available())
+    except ImportError:
+        cuda = False
+    if not cuda:
+        yield (
+            "needs a CUDA device, or TRITON_INTERPRET=1 to run the kernels on CPU under "
+            "triton's interpreter (for tests; set it before the backend is first bound)"
+        )
+
+
 def _device_check(config: AttnConfig, phase: Phase) -> Iterable[str]:
     if config.device_type == "cpu" and not interpreter_on():
         yield (
@@ -60,6 +76,7 @@ CAPABILITIES = Capabilities(
     # bf16 tl.dot needs Ampere; older GPUs are not served rather than served in part.
     min_compute_capability=(8, 0),
     checks=(_device_check, _shape_check),
+    availability=(_runnable_here,),
     description=(
         "Triton kernels: split-KV paged decode, prefix + causal/tree-mask extend, MHA/GQA and "
         "absorbed MLA; CUDA, or CPU under TRITON_INTERPRET=1"

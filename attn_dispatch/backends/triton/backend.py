@@ -171,6 +171,49 @@ class TritonBackend:
         """The per-layer callable for ``phase`` (one for all phases: the plan picks the kernel)."""
         return self._handlers[Phase(phase)]
 
+    def _check(self, q: Any, k_cache: Any, v_cache: Any) -> None:
+        """Shape and dtype reads only (a few attribute loads per layer), no device work."""
+        c = self.config
+        ps = c.page_size
+        if q.dim() != 3 or q.shape[1] != c.num_q_heads or q.shape[2] != c.head_dim:
+            raise _shape_error("q", q, f"[tokens, num_q_heads={c.num_q_heads}, {c.head_dim}]")
+        if self._kc.mla:
+            want = f"[pages, page_size={ps}, head_dim={c.head_dim}]"
+            if k_cache.dim() != 3 or k_cache.shape[1] != ps or k_cache.shape[2] != c.head_dim:
+                raise _shape_error("k_cache", k_cache, want)
+        else:
+            hkv = c.num_kv_heads
+            want = f"[pages, page_size={ps}, num_kv_heads={hkv}, head_dim={c.head_dim}]"
+            if k_cache.dim() != 4 or tuple(k_cache.shape[1:]) != (ps, hkv, c.head_dim):
+                raise _shape_error("k_cache", k_cache, want)
+            if v_cache is None:
+                raise InvalidBatchError("v_cache", "an MHA layer needs a v_cache tensor, got None")
+            if v_cache.dim() != 4 or tuple(v_cache.shape[1:]) != (ps, hkv, c.v_head_dim):
+                want = f"[pages, page_size={ps}, num_kv_heads={hkv}, v_head_dim={c.v_head_dim}]"
+                raise _shape_error("v_cache", v_cache, want)
+            if v_cache.dtype != self._dtype or v_cache.stride(-1) != 1:
+                raise InvalidBatchError(
+                    "v_cache",
+                    f"dtype {v_cache.dtype} / last-dim stride {v_cache.stride(-1)}: needs "
+                    f"{self._dtype} with contiguous rows",
+                )
+        if q.dtype != self._dtype or k_cache.dtype != self._dtype:
+            raise InvalidBatchError(
+                "q",
+                f"dtypes q={q.dtype} k_cache={k_cache.dtype} differ from the bound config's "
+                f"{c.dtype!r}; bind a config with the dtype the model runs in",
+            )
+        if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+            raise InvalidBatchError(
+                "q", "q and k_cache need contiguous rows (last-dim stride 1) for the kernels"
+            )
+        if q.device != k_cache.device or q.device.type != self._kc.device.type:
+            raise InvalidBatchError(
+                "q",
+                f"q on {q.device}, k_cache on {k_cache.device}; the backend was bound for "
+                f"{c.device!r}",
+            )
+
     def _run(
         self,
         q: torch.Tensor,
@@ -179,19 +222,16 @@ class TritonBackend:
         plan: _ops.DecodePlan | _ops.ExtendPlan,
         sm_scale: float,
     ) -> torch.Tensor:
+        self._check(q, k_cache, v_cache)
         if self._kc.mla:
             v_cache = None  # V is the latent part of k_cache
-        elif v_cache is None:
-            raise InvalidBatchError("v_cache", "an MHA layer needs a v_cache tensor, got None")
-        if q.dtype != self._dtype or k_cache.dtype != self._dtype:
-            raise InvalidBatchError(
-                "q",
-                f"dtypes q={q.dtype} k_cache={k_cache.dtype} differ from the bound config's "
-                f"{self.config.dtype!r}; bind a config with the dtype the model runs in",
-            )
         if isinstance(plan, _ops.DecodePlan):
             return _ops.run_decode(self._kc, plan, q, k_cache, v_cache, sm_scale)
         return _ops.run_extend(self._kc, plan, q, k_cache, v_cache, sm_scale)
+
+
+def _shape_error(field: str, got: Any, want: str) -> InvalidBatchError:
+    return InvalidBatchError(field, f"shape {tuple(got.shape)} != {want}")
 
 
 def _check_options(options: dict[str, Any]) -> dict[str, int]:
