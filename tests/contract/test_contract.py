@@ -41,7 +41,7 @@ BACKENDS = ["torch", "triton"]
 # The interpreter costs tens of ms per program instance: tiny shapes keep each launch under
 # ~64 programs (batch x heads x query blocks, or batch x head groups x kv splits).
 TRITON_LIMITS = Limits(
-    max_requests=3,
+    max_requests=2,
     max_q=20,
     max_prefix=60,
     page_sizes=(1, 16),
