@@ -71,57 +71,107 @@ def _attend_block(
         allowed = allowed & (bits != 0)
     if CAUSAL:
         allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
-    # Skip a tile no row may see (custom mask, or rows past q_len) before loading its K/V.
-    if tl.max(allowed.to(tl.int32)) > 0:
-        offs_d = tl.arange(0, D_MAIN)
-        page = tl.load(kv_indices + page_base + offs_n // page_size, mask=n_mask, other=0)
-        slot = offs_n % page_size
-        k_row = K + page.to(tl.int64) * stride_kp + slot * stride_ks + kv_head * stride_kh
-        k_main = tl.load(k_row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        if UPCAST:
-            k_main = k_main.to(tl.float32)
-        if IEEE:
-            qk = tl.dot(q_main, tl.trans(k_main), input_precision="ieee")
-        else:
-            qk = tl.dot(q_main, tl.trans(k_main))
-        if D_REST > 0:
-            offs_r = D_MAIN + tl.arange(0, D_REST)
-            k_rest = tl.load(
-                k_row[:, None] + offs_r[None, :],
-                mask=n_mask[:, None] & (offs_r < HEAD_DIM)[None, :],
-                other=0.0,
-            )
-            if UPCAST:
-                k_rest = k_rest.to(tl.float32)
-            if IEEE:
-                qk += tl.dot(q_rest, tl.trans(k_rest), input_precision="ieee")
-            else:
-                qk += tl.dot(q_rest, tl.trans(k_rest))
-        qk = tl.where(allowed, qk * sm_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # A row with nothing allowed so far keeps m = -inf: shift by 0 instead (no inf - inf).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if V_FROM_K:
-            v = k_main
-        else:
-            offs_v = tl.arange(0, DV_BLOCK)
-            v_row = V + page.to(tl.int64) * stride_vp + slot * stride_vs + kv_head * stride_vh
-            v = tl.load(
-                v_row[:, None] + offs_v[None, :],
-                mask=n_mask[:, None] & (offs_v < V_DIM)[None, :],
-                other=0.0,
-            )
-            if UPCAST:
-                v = v.to(tl.float32)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    if USE_MASK:
+        # Skip a tile no row may see before loading its K/V. Only with a custom mask: the
+        # causal passes never visit such tiles, and a data-dependent branch costs registers.
+        if tl.max(allowed.to(tl.int32)) > 0:
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, offs_n, n_mask,
+                allowed, page_size, kv_head, sm_scale_log2,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, UPCAST, IEEE,
+            )  # fmt: skip
+    else:
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, offs_n, n_mask,
+            allowed, page_size, kv_head, sm_scale_log2,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, UPCAST, IEEE,
+        )  # fmt: skip
     return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q_main,
+    q_rest,
+    K,
+    V,
+    kv_indices,
+    page_base,
+    offs_n,
+    n_mask,
+    allowed,
+    page_size,
+    kv_head,
+    sm_scale_log2,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_REST: tl.constexpr,
+    DV_BLOCK: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    # Rows with nothing allowed in this tile get p = 0 and keep their state (see m_safe).
+    offs_d = tl.arange(0, D_MAIN)
+    page = tl.load(kv_indices + page_base + offs_n // page_size, mask=n_mask, other=0)
+    slot = offs_n % page_size
+    k_row = K + page.to(tl.int64) * stride_kp + slot * stride_ks + kv_head * stride_kh
+    k_main = tl.load(k_row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    if UPCAST:
+        k_main = k_main.to(tl.float32)
+    if IEEE:
+        qk = tl.dot(q_main, tl.trans(k_main), input_precision="ieee")
+    else:
+        qk = tl.dot(q_main, tl.trans(k_main))
+    if D_REST > 0:
+        offs_r = D_MAIN + tl.arange(0, D_REST)
+        k_rest = tl.load(
+            k_row[:, None] + offs_r[None, :],
+            mask=n_mask[:, None] & (offs_r < HEAD_DIM)[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            k_rest = k_rest.to(tl.float32)
+        if IEEE:
+            qk += tl.dot(q_rest, tl.trans(k_rest), input_precision="ieee")
+        else:
+            qk += tl.dot(q_rest, tl.trans(k_rest))
+    qk = tl.where(allowed, qk * sm_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # A row with nothing allowed so far keeps m = -inf: shift by 0 instead (no inf - inf).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_FROM_K:
+        v = k_main
+    else:
+        offs_v = tl.arange(0, DV_BLOCK)
+        v_row = V + page.to(tl.int64) * stride_vp + slot * stride_vs + kv_head * stride_vh
+        v = tl.load(
+            v_row[:, None] + offs_v[None, :],
+            mask=n_mask[:, None] & (offs_v < V_DIM)[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            v = v.to(tl.float32)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
 
 
 @triton.jit

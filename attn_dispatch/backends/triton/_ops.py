@@ -101,6 +101,8 @@ class DecodePlan:
     part_lse: torch.Tensor  # [B, Hq, S] fp32
     split_grid: tuple[int, int, int]
     merge_grid: tuple[int, int]
+    constants: dict[str, Any]
+    merge_constants: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +111,7 @@ class ExtendPlan:
     grid: tuple[int, int, int]
     mask: torch.Tensor | None  # uint8 view of the custom mask
     mask_indptr: torch.Tensor | None
+    constants: dict[str, Any]
 
 
 def plan_decode(
@@ -127,6 +130,8 @@ def plan_decode(
         part_lse=part_lse,
         split_grid=(b, kc.num_kv_heads * kc.groups_per_kv, num_splits),
         merge_grid=(b, -(-kc.num_q_heads // kc.block_h)),
+        constants=decode_constants(kc),
+        merge_constants=merge_constants(kc),
     )
 
 
@@ -142,7 +147,32 @@ def plan_extend(kc: KernelConfig, batch: Any) -> ExtendPlan:
         # Same bytes, read as uint8 in the kernel: a view, no copy.
         mask=None if mask is None else mask.view(torch.uint8),
         mask_indptr=None if mask is None else batch.mask_indptr,
+        constants=extend_constants(kc, mask is not None),
     )
+
+
+def decode_constants(kc: KernelConfig) -> dict[str, Any]:
+    """Compile-time arguments of the split kernel (also used to compile it ahead of time)."""
+    lay = kc.layout
+    return dict(
+        HEAD_DIM=lay.head_dim, V_DIM=lay.v_head_dim, D_MAIN=lay.main, D_REST=lay.rest,
+        DV_BLOCK=lay.v_block, BLOCK_H=kc.block_h, BLOCK_N=kc.decode_block_n,
+        V_FROM_K=kc.v_from_k, UPCAST=kc.upcast, IEEE=kc.ieee,
+    )  # fmt: skip
+
+
+def merge_constants(kc: KernelConfig) -> dict[str, Any]:
+    lay = kc.layout
+    return dict(V_DIM=lay.v_head_dim, DV_BLOCK=lay.v_block, BLOCK_H=kc.block_h)
+
+
+def extend_constants(kc: KernelConfig, use_mask: bool) -> dict[str, Any]:
+    lay = kc.layout
+    return dict(
+        HEAD_DIM=lay.head_dim, V_DIM=lay.v_head_dim, D_MAIN=lay.main, D_REST=lay.rest,
+        DV_BLOCK=lay.v_block, BLOCK_M=kc.extend_block_m, BLOCK_N=kc.extend_block_n,
+        USE_MASK=use_mask, V_FROM_K=kc.v_from_k, UPCAST=kc.upcast, IEEE=kc.ieee,
+    )  # fmt: skip
 
 
 def _cache_strides(kc: KernelConfig, cache: torch.Tensor) -> tuple[int, int, int]:
@@ -171,18 +201,14 @@ def run_decode(
         plan.part_out.stride(0), plan.part_out.stride(1), plan.part_out.stride(2),
         plan.part_lse.stride(0), plan.part_lse.stride(1),
         k_cache.shape[1], kc.group_size, kc.groups_per_kv, plan.num_splits,
-        HEAD_DIM=lay.head_dim, V_DIM=lay.v_head_dim, D_MAIN=lay.main, D_REST=lay.rest,
-        DV_BLOCK=lay.v_block, BLOCK_H=kc.block_h, BLOCK_N=kc.decode_block_n,
-        V_FROM_K=kc.v_from_k, UPCAST=kc.upcast, IEEE=kc.ieee,
-        num_warps=kc.decode_warps, num_stages=kc.num_stages,
+        **plan.constants, num_warps=kc.decode_warps, num_stages=kc.num_stages,
     )  # fmt: skip
     _decode_merge_kernel[plan.merge_grid](
         plan.part_out, plan.part_lse, out, kc.num_q_heads, plan.num_splits,
         plan.part_out.stride(0), plan.part_out.stride(1), plan.part_out.stride(2),
         plan.part_lse.stride(0), plan.part_lse.stride(1),
         out.stride(0), out.stride(1),
-        V_DIM=lay.v_head_dim, DV_BLOCK=lay.v_block, BLOCK_H=kc.block_h,
-        num_warps=4,
+        **plan.merge_constants, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -199,7 +225,6 @@ def run_extend(
     batch = plan.batch
     v = k_cache if v_cache is None else v_cache
     out = q.new_empty((q.shape[0], kc.num_q_heads, lay.v_head_dim))
-    use_mask = plan.mask is not None
     # Without a mask the kernel never reads these; any device tensor will do as the argument.
     mask = plan.mask if plan.mask is not None else batch.kv_indices
     mask_indptr = plan.mask_indptr if plan.mask_indptr is not None else batch.kv_indptr
@@ -210,9 +235,6 @@ def run_extend(
         *_cache_strides(kc, k_cache), *_cache_strides(kc, v),
         out.stride(0), out.stride(1),
         k_cache.shape[1], kc.group_size,
-        HEAD_DIM=lay.head_dim, V_DIM=lay.v_head_dim, D_MAIN=lay.main, D_REST=lay.rest,
-        DV_BLOCK=lay.v_block, BLOCK_M=kc.extend_block_m, BLOCK_N=kc.extend_block_n,
-        USE_MASK=use_mask, V_FROM_K=kc.v_from_k, UPCAST=kc.upcast, IEEE=kc.ieee,
-        num_warps=kc.extend_warps, num_stages=kc.num_stages,
+        **plan.constants, num_warps=kc.extend_warps, num_stages=kc.num_stages,
     )  # fmt: skip
     return out

@@ -85,37 +85,10 @@ class TritonBackend:
                 f"dtype {config.dtype!r} is not served (choose one of {sorted(_DTYPES)!r})",
             )
         opts = _check_options(options)
-        mla = config.kind == "mla"
-        layout = DimLayout.of(config.head_dim, config.v_head_dim)
-        wide = max(layout.main + layout.rest, layout.v_block) > 256
+        sms = None
         if device.type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-            target, min_split = 2 * sms, 256
-        else:
-            # Interpreter: every program costs tens of ms; aim at a handful of programs, but
-            # still split long sequences so the two-stage path is what CPU tests exercise.
-            target, min_split = 4, 32
-        small = interp  # tiles in the interpreter: as small as tl.dot allows
-        self._kc = _ops.KernelConfig(
-            mla=mla,
-            num_q_heads=config.num_q_heads,
-            num_kv_heads=config.num_kv_heads,
-            layout=layout,
-            device=device,
-            upcast=interp,
-            ieee=config.dtype == "float32",
-            block_h=opts.get("block_h", 16),
-            decode_block_n=opts.get("decode_block_n", 16 if small else (32 if wide else 64)),
-            extend_block_m=opts.get("extend_block_m", 16 if small else (32 if wide else 64)),
-            extend_block_n=opts.get("extend_block_n", 16 if small else (32 if wide else 64)),
-            decode_warps=opts.get("decode_warps", 8 if wide else 4),
-            extend_warps=opts.get("extend_warps", 8 if wide else 4),
-            num_stages=opts.get("num_stages", 2),
-            target_programs=opts.get("target_programs", target),
-            min_split_tokens=opts.get("min_split_tokens", min_split),
-            max_splits=opts.get("max_splits", 32),
-            forced_splits=opts.get("num_kv_splits"),
-        )
+        self._kc = kernel_config(config, opts, device=device, num_sms=sms, interpreting=interp)
         self._dtype = _DTYPES[config.dtype]
         self._workspace = torch.empty(0, dtype=torch.float32, device=device)
         self._handlers = {phase: self._run for phase in Phase}
@@ -228,6 +201,55 @@ class TritonBackend:
         if isinstance(plan, _ops.DecodePlan):
             return _ops.run_decode(self._kc, plan, q, k_cache, v_cache, sm_scale)
         return _ops.run_extend(self._kc, plan, q, k_cache, v_cache, sm_scale)
+
+
+def kernel_config(
+    config: AttnConfig,
+    options: dict[str, int],
+    *,
+    device: torch.device,
+    num_sms: int | None,
+    interpreting: bool,
+) -> _ops.KernelConfig:
+    """Launch constants for ``config``; ``num_sms`` is None off CUDA.
+
+    Kept apart from the backend so a test can build the CUDA constants without a GPU and
+    compile the kernels for sm90 ahead of time.
+    """
+    assert config.v_head_dim is not None
+    opts = options
+    layout = DimLayout.of(config.head_dim, config.v_head_dim)
+    wide = max(layout.main + layout.rest, layout.v_block) > 256
+    if num_sms is not None:
+        target, min_split = 2 * num_sms, 256
+    else:
+        # Interpreter: every program costs tens of ms; aim at a handful of programs, but still
+        # split long sequences so the two-stage path is what CPU tests exercise.
+        target, min_split = 4, 32
+    small = interpreting  # tiles in the interpreter: as small as tl.dot allows
+    return _ops.KernelConfig(
+        mla=config.kind == "mla",
+        num_q_heads=config.num_q_heads,
+        num_kv_heads=config.num_kv_heads,
+        layout=layout,
+        device=device,
+        upcast=interpreting,
+        ieee=config.dtype == "float32",
+        block_h=opts.get("block_h", 16),
+        # GPU defaults: the largest tiles that ptxas compiles for sm_90a without register
+        # spills (checked offline with triton.compile; test_kernels_compile_for_sm90 compiles
+        # them on every CI run).
+        decode_block_n=opts.get("decode_block_n", 16 if small else (32 if wide else 64)),
+        extend_block_m=opts.get("extend_block_m", 16 if small else (32 if wide else 64)),
+        extend_block_n=opts.get("extend_block_n", 16 if small else (16 if wide else 32)),
+        decode_warps=opts.get("decode_warps", 8),
+        extend_warps=opts.get("extend_warps", 8),
+        num_stages=opts.get("num_stages", 2),
+        target_programs=opts.get("target_programs", target),
+        min_split_tokens=opts.get("min_split_tokens", min_split),
+        max_splits=opts.get("max_splits", 32),
+        forced_splits=opts.get("num_kv_splits"),
+    )
 
 
 def _shape_error(field: str, got: Any, want: str) -> InvalidBatchError:
