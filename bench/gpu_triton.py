@@ -83,9 +83,9 @@ def main() -> int:
 
     import torch
 
-    from attn_dispatch._batch import AttnBatch
-    from attn_dispatch._config import AttnConfig
-    from attn_dispatch._phase import Phase
+    from attn_dispatch import AttnBatch
+    from attn_dispatch import AttnConfig
+    from attn_dispatch import Phase
     from attn_dispatch.backends.triton.backend import TritonBackend
 
     on_cuda = torch.cuda.is_available() and not args.dry_run
