@@ -9,8 +9,9 @@ The core imports no torch: importing this package is cheap. ``AttnBatch`` needs 
 when it is constructed.
 """
 
-from attn_dispatch._batch import AttnBatch
-from attn_dispatch._batch import tree_mask
+from typing import TYPE_CHECKING
+from typing import Any
+
 from attn_dispatch._binding import Binding
 from attn_dispatch._binding import bind
 from attn_dispatch._capabilities import Capabilities
@@ -25,6 +26,7 @@ from attn_dispatch._errors import NoActiveScopeError
 from attn_dispatch._errors import ScopeError
 from attn_dispatch._errors import UnknownBackendError
 from attn_dispatch._forms import AttnForm
+from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._phase import UnknownPhaseError
 from attn_dispatch._phase import phase_of
@@ -47,7 +49,21 @@ from attn_dispatch._scope import resolve
 from attn_dispatch._scope import run_in_thread
 from attn_dispatch._spec import BackendSpec
 
+if TYPE_CHECKING:
+    from attn_dispatch._batch import AttnBatch
+    from attn_dispatch._batch import tree_mask
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # AttnBatch's module is loaded on first use: start-up imports of the core stay small.
+    if name in ("AttnBatch", "tree_mask"):
+        from attn_dispatch import _batch
+
+        return getattr(_batch, name)
+    raise AttributeError(f"module 'attn_dispatch' has no attribute {name!r}")
+
 
 __all__ = [
     "AttentionBackend",
@@ -62,6 +78,7 @@ __all__ = [
     "DispatchEvent",
     "DispatchRecorder",
     "DuplicateBackendError",
+    "FormPolicy",
     "Handler",
     "IncompatibleBackendError",
     "InvalidBatchError",

@@ -257,13 +257,38 @@ class AttnBatch:
                 object.__setattr__(moved, name, t.to(device, non_blocking=True))
         return moved
 
+    def ragged(self) -> AttnBatch:
+        """This batch over ragged K/V rows (page_size 1): request i's keys are rows
+        ``cumsum(kv_lens)[i-1]:cumsum(kv_lens)[i]`` of a ``[sum(kv_lens), H, D]`` tensor.
+
+        Used for the decompressed MHA form of MLA layers; built from host copies only.
+        """
+        import torch
+
+        lens = self.kv_lens_host.to(torch.int64)
+        indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lens, 0, out=indptr[1:])
+        total = int(indptr[-1])
+        dev = self.kv_indices.device
+        out = AttnBatch(
+            phase=self.phase,
+            qo_indptr=self.qo_indptr_host,
+            kv_indptr=indptr.to(torch.int32),
+            kv_indices=torch.arange(total, dtype=torch.int32),
+            kv_lens=self.kv_lens_host,
+            custom_mask=None if self.custom_mask is None else self.custom_mask.cpu(),
+            page_size=1,
+            num_pages=total,
+        )
+        return out if dev.type == "cpu" else out.to(dev)
+
     @property
     def device(self) -> Any:
         return self.qo_indptr.device
 
     def q_lens(self) -> list[int]:
         """Query tokens per request (host)."""
-        return (self.qo_indptr_host[1:] - self.qo_indptr_host[:-1]).tolist()  # type: ignore[no-any-return]
+        return (self.qo_indptr_host[1:] - self.qo_indptr_host[:-1]).tolist()
 
 
 def tree_mask(parents: Sequence[int], prefix_len: int) -> torch.Tensor:

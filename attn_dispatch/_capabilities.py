@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import types
 from collections.abc import Callable
 from collections.abc import Iterable
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 from attn_dispatch._dtypes import dtype_name
@@ -37,24 +40,31 @@ class Capabilities:
     ["kind 'mla' is not supported (supported: 'mha')"]
 
     ``None`` for a dims/page-size field means "any". ``forms`` are the attention forms (see
-    ``AttnForm``) this backend serves for MLA configs.
+    ``AttnForm``) this backend serves for MLA configs: one set for every phase, or a mapping
+    phase -> set.
     """
 
-    kinds: frozenset[str] = frozenset({"mha", "mla"})
-    phases: frozenset[Phase] = ALL_PHASES
-    devices: frozenset[str] = frozenset({"cpu"})
-    dtypes: frozenset[str] = frozenset({"float32", "float16", "bfloat16"})
-    kv_dtypes: frozenset[str] | None = None
-    head_dims: frozenset[int] | None = None
-    v_head_dims: frozenset[int] | None = None
-    page_sizes: frozenset[int] | None = None
+    kinds: AbstractSet[str] = frozenset({"mha", "mla"})
+    phases: AbstractSet[Phase] = ALL_PHASES
+    devices: AbstractSet[str] = frozenset({"cpu"})
+    dtypes: AbstractSet[str] = frozenset({"float32", "float16", "bfloat16"})
+    kv_dtypes: AbstractSet[str] | None = None
+    head_dims: AbstractSet[int] | None = None
+    v_head_dims: AbstractSet[int] | None = None
+    page_sizes: AbstractSet[int] | None = None
     custom_mask: bool = True
     requires: tuple[str, ...] = ()
     min_compute_capability: tuple[int, int] | None = None
     checks: tuple[CheckFn, ...] = ()
     availability: tuple[AvailabilityFn, ...] = ()
-    forms: frozenset[str] = frozenset({"mla"})
+    # Compared through _forms_by_phase (a mapping is not hashable).
+    forms: AbstractSet[str] | Mapping[Phase, AbstractSet[str]] = dataclasses.field(
+        default=frozenset({"mla"}), compare=False
+    )
     description: str = ""
+    _forms_by_phase: tuple[frozenset[str], ...] = dataclasses.field(
+        init=False, repr=False, default=()
+    )
 
     def __post_init__(self) -> None:
         # Accept any iterables (sets, lists) and store immutable, hashable values.
@@ -71,7 +81,22 @@ class Capabilities:
         object.__setattr__(self, "requires", tuple(self.requires))
         object.__setattr__(self, "checks", tuple(self.checks))
         object.__setattr__(self, "availability", tuple(self.availability))
-        object.__setattr__(self, "forms", frozenset(self.forms))
+        if isinstance(self.forms, Mapping):
+            by_phase = {
+                Phase.parse(p): frozenset(str(f) for f in fs) for p, fs in self.forms.items()
+            }
+            per = tuple(by_phase.get(p, frozenset()) for p in Phase)
+            object.__setattr__(
+                self, "forms", types.MappingProxyType(dict(zip(Phase, per, strict=True)))
+            )
+        else:
+            per = (frozenset(str(f) for f in self.forms),) * len(Phase)
+            object.__setattr__(self, "forms", per[0])
+        object.__setattr__(self, "_forms_by_phase", per)
+
+    def forms_for(self, phase: Phase) -> frozenset[str]:
+        """The attention forms (``AttnForm`` values) this backend serves in ``phase``."""
+        return self._forms_by_phase[phase]
 
     def availability_reasons(self, device: str | None = None) -> list[str]:
         """Why the backend cannot run here at all (empty when it can)."""
@@ -82,6 +107,9 @@ class Capabilities:
         ]
         for fn in self.availability:
             reasons.extend(_safe(fn))
+        if device is None and self.devices == {"cuda"}:
+            # Asked without a config (e.g. `list`): a CUDA-only backend needs CUDA here.
+            reasons.extend(_cuda_reasons("cuda", self.min_compute_capability))
         return reasons
 
     def reasons(self, config: AttnConfig, phase: Phase) -> list[str]:

@@ -58,7 +58,7 @@ class AttnConfig:
             raise InvalidSpecError(
                 "num_q_heads",
                 self.num_q_heads,
-                f"must be a multiple of num_kv_heads={self.num_kv_heads!r} (grouped-query attention)",
+                f"must be a multiple of num_kv_heads={self.num_kv_heads!r} (grouped-query)",
             )
         object.__setattr__(self, "dtype", dtype_name(self.dtype, field="dtype"))
         kv = self.dtype if self.kv_dtype is None else dtype_name(self.kv_dtype, field="kv_dtype")
@@ -112,6 +112,28 @@ class AttnConfig:
     def out_head_dim(self) -> int:
         assert self.v_head_dim is not None
         return self.v_head_dim
+
+    def decompressed(self) -> AttnConfig:
+        """The MHA config of the decompressed form (ragged K/V: one token per page).
+
+        Only for an MLA config with ``mha_head_dim``/``mha_v_head_dim``.
+        """
+        if self.mha_head_dim is None or self.mha_v_head_dim is None:
+            raise InvalidSpecError(
+                "mha_head_dim", None, "this config names no decompressed form (kind 'mla' only)"
+            )
+        return AttnConfig(
+            kind="mha",
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_q_heads,
+            head_dim=self.mha_head_dim,
+            v_head_dim=self.mha_v_head_dim,
+            dtype=self.dtype,
+            kv_dtype=self.dtype,
+            page_size=1,
+            device=self.device,
+            tree_verify=self.tree_verify,
+        )
 
     def replace(self, **changes: Any) -> AttnConfig:
         """A copy with some fields changed (validated again)."""

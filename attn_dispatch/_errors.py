@@ -1,8 +1,7 @@
-"""Error types. Each also subclasses the builtin it refines, so ``except ValueError`` still works."""
+"""Error types. Each also subclasses the builtin it refines (``except ValueError`` works)."""
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -25,6 +24,8 @@ class UnknownBackendError(AttnDispatchError, KeyError):
     def __init__(self, name: str, registered: Iterable[str], *, context: str = "") -> None:
         self.name = name
         self.registered = tuple(sorted(registered))
+        import difflib  # only when an error is raised
+
         self.suggestions = tuple(difflib.get_close_matches(name, self.registered, n=3, cutoff=0.5))
         where = f"{context}: " if context else ""
         hint = (

@@ -19,6 +19,7 @@ import inspect
 import threading
 from collections.abc import Callable
 from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import Any
 from typing import ParamSpec
 from typing import TypeVar
@@ -28,6 +29,7 @@ from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import NoActiveScopeError
 from attn_dispatch._errors import ScopeError
+from attn_dispatch._forms import AttnForm
 from attn_dispatch._phase import Phase
 from attn_dispatch._phase import UnknownPhaseError
 from attn_dispatch._protocol import Handler
@@ -85,15 +87,12 @@ class attn_scope:
         b = self._binding
         batch = self._batch
         parent = _CURRENT.get()
+        frame: Frame
         if batch is None:
             frame = (*b._handlers, b, None, None, None, parent, None)
         else:
-            phase = batch.phase
-            backend = b._phase_backends[phase]
-            plan = backend.plan(batch)
-            chooser = getattr(backend, "choose_form", None)
-            form = chooser(batch) if chooser is not None else None
-            frame = (*b._handlers, b, batch, plan, b._handlers[phase], parent, form)
+            plan, run, form = b.prepare(batch)
+            frame = (*b._handlers, b, batch, plan, run, parent, form)
         self._frame = frame
         self._token = _CURRENT.set(frame)
         return b
@@ -137,7 +136,7 @@ class attn_scope:
             @functools.wraps(fn)
             async def run_async(*args: P.args, **kwargs: P.kwargs) -> Any:
                 with attn_scope(binding, batch):
-                    return await fn(*args, **kwargs)  # type: ignore[misc]
+                    return await fn(*args, **kwargs)
 
             return run_async  # type: ignore[return-value]
 
@@ -216,11 +215,16 @@ def _no_batch(what: str) -> InvalidBatchError:
     )
 
 
-def attention(q: Any, k_cache: Any, v_cache: Any = None, *, sm_scale: float) -> Any:
+def attention(
+    q: Any, k_cache: Any, v_cache: Any = None, *, sm_scale: float, prefix: Any = None
+) -> Any:
     """Run attention for one layer with the active runner's handler for the scope's batch.
 
     >>> with attn_scope(runner, batch):
     ...     out = attention(q, k_cache, v_cache, sm_scale=head_dim ** -0.5)
+
+    ``prefix`` is only for MLA layers in the ``AttnForm.MHA_CHUNKED`` form: the cached prefix
+    as decompressed chunks (see ``attn_dispatch.mla.latent_prefix_chunks``).
     """
     frame = _CURRENT.get()
     if frame is None:
@@ -230,7 +234,15 @@ def attention(q: Any, k_cache: Any, v_cache: Any = None, *, sm_scale: float) -> 
         raise _no_batch("attention")
     if _recording:
         _record(frame)
-    return run(q, k_cache, v_cache, frame[_PLAN], sm_scale)
+    if prefix is None:
+        return run(q, k_cache, v_cache, frame[_PLAN], sm_scale)
+    if frame[_FORM] is not AttnForm.MHA_CHUNKED:
+        raise InvalidBatchError(
+            "prefix",
+            f"prefix chunks are only for the 'mha_chunked' form; this batch runs "
+            f"{getattr(frame[_FORM], 'value', 'a non-MLA config')!r} (see attention_form())",
+        )
+    return run(q, k_cache, v_cache, frame[_PLAN], sm_scale, prefix)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,7 +395,7 @@ def iter_scopes() -> Iterator[Binding]:
         frame = frame[_PARENT]
 
 
-def format_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Plain-text table with aligned columns."""
     widths = [len(h) for h in header]
     for row in rows:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
 from typing import Literal
@@ -112,6 +111,8 @@ class BackendSpec:
 
     @classmethod
     def from_json(cls, text: str) -> BackendSpec:
+        import json
+
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -135,7 +136,7 @@ class BackendSpec:
                 return args.get(name)
             return getattr(args, name, None)
 
-        mode = get("speculative_attention_mode") or "prefill"
+        mode: VerifyMode = get("speculative_attention_mode") or "prefill"
         draft = get("speculative_draft_attention_backend") if is_draft else None
         if draft:
             return cls(prefill=draft, decode=draft, verify_mode=mode)
@@ -176,6 +177,8 @@ class BackendSpec:
         }
 
     def to_json(self) -> str:
+        import json
+
         return json.dumps(self.to_dict(), sort_keys=True)
 
     def __str__(self) -> str:

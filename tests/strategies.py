@@ -28,6 +28,8 @@ class Limits:
     mla_dims: tuple[tuple[int, int], ...] = ((576, 512), (80, 64))
     mla_heads: tuple[int, ...] = (1, 2, 4, 16)
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    # Tree (custom-mask) verify for MLA; FlashInfer's MLA path has no custom mask.
+    mla_trees: bool = True
 
 
 DEFAULT_LIMITS = Limits()
@@ -79,11 +81,9 @@ def kernel_cases(
     else:
         q_lens = tuple(draw(st.integers(1, limits.max_q)) for _ in range(n))
     prefix_lens = tuple(draw(st.integers(0, limits.max_prefix)) for _ in range(n))
-    if phase is Phase.DECODE:
-        # Decode needs at least the new token; a prefix of 0 is a one-token context.
-        pass
     tree = None
-    if phase is Phase.VERIFY and draw(st.booleans()):
+    trees_ok = kind != "mla" or limits.mla_trees
+    if phase is Phase.VERIFY and trees_ok and draw(st.booleans()):
         tree = tuple(draw(trees(q)) for q in q_lens)
     return KernelCase(
         kind=kind,

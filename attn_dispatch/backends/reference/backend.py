@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ import torch
 from attn_dispatch._batch import AttnBatch
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
 
@@ -42,9 +45,18 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self, config: AttnConfig, *, score_budget: int = SCORE_BUDGET) -> None:
+    def __init__(
+        self,
+        config: AttnConfig,
+        *,
+        score_budget: int = SCORE_BUDGET,
+        form_policy: FormPolicy | None = None,
+    ) -> None:
+        """``score_budget``: max fp32 scores alive at once; ``form_policy``: how MLA layers
+        choose between absorbed and decompressed forms (default ``FormPolicy()``)."""
         self.config = config
         self.score_budget = int(score_budget)
+        self.form_policy = FormPolicy() if form_policy is None else form_policy
         self.q_dtype = getattr(torch, config.dtype)
         self.kv_dtype = getattr(torch, str(config.kv_dtype))
 
@@ -168,20 +180,16 @@ class TorchBackend:
         self.check(q, k_cache, v_cache, plan)
         c = self.config
         mla = c.kind == "mla"
-        hkv, g, dv = c.num_kv_heads, c.group_size, int(c.out_head_dim)
+        hkv, dv = c.num_kv_heads, int(c.out_head_dim)
         b, max_q = plan.q_rows.shape
         max_pages = plan.page_table.shape[1]
         ps = c.page_size
         out = torch.empty(b, max_q, c.num_q_heads, dv, dtype=torch.float32, device=q.device)
-        # [B, Mq, Hq, D] -> [B, Hkv, G, Mq, D]
-        qp = q[plan.q_rows].float().view(b, max_q, hkv, g, -1).permute(0, 2, 3, 1, 4)
+        qp = self._padded_q(q, plan.q_rows)
         for q0 in range(0, max_q, plan.q_block):
             q1 = min(max_q, q0 + plan.q_block)
-            qb = qp[:, :, :, q0:q1]
+            acc = _OnlineSoftmax(qp[:, :, :, q0:q1], dv)
             pos = plan.q_pos[:, q0:q1]
-            m = torch.full(qb.shape[:-1], -math.inf, device=q.device)
-            l_sum = torch.zeros_like(m)
-            acc = torch.zeros(*qb.shape[:-1], dv, device=q.device)
             for p0 in range(0, max_pages, plan.chunk_pages):
                 p1 = min(max_pages, p0 + plan.chunk_pages)
                 pages = plan.page_table[:, p0:p1]
@@ -194,26 +202,140 @@ class TorchBackend:
                     assert v_cache is not None
                     k = kc.reshape(b, n, hkv, -1).transpose(1, 2).float()
                     v = v_cache[pages].reshape(b, n, hkv, dv).transpose(1, 2).float()
-                s = torch.einsum("bhgqd,bhnd->bhgqn", qb, k) * sm_scale
                 kpos = torch.arange(p0 * ps, p0 * ps + n, device=q.device)
                 allowed = kpos[None, None, :] < plan.kv_lens[:, None, None]
                 if plan.mask is not None:
                     allowed = allowed & plan.mask[:, q0:q1, p0 * ps : p0 * ps + n]
                 else:
                     allowed = allowed & (kpos[None, None, :] <= pos[:, :, None])
-                s = s.masked_fill(~allowed[:, None, None], -math.inf)
-                m_new = torch.maximum(m, s.amax(dim=-1))
-                # Rows with nothing visible yet keep m = -inf; use 0 as the shift so exp() is 0.
-                shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-                p = torch.exp(s - shift[..., None])
-                alpha = torch.exp(m - shift)
-                l_sum = l_sum * alpha + p.sum(dim=-1)
-                acc = acc * alpha[..., None] + torch.einsum("bhgqn,bhnd->bhgqd", p, v)
-                m = m_new
-            res = acc / l_sum.clamp_min(1e-30)[..., None]
-            # [B, Hkv, G, mq, Dv] -> [B, mq, Hq, Dv]
-            out[:, q0:q1] = res.permute(0, 3, 1, 2, 4).reshape(b, q1 - q0, c.num_q_heads, dv)
+                acc.update(k, v, allowed, sm_scale)
+            out[:, q0:q1] = acc.result(c.num_q_heads)
         return out[plan.q_valid].to(q.dtype)
+
+    def _padded_q(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``[T, Hq, D]`` -> ``[B, Hkv, G, Mq, D]`` in fp32 (pads repeat row 0, masked later)."""
+        c = self.config
+        b, max_q = rows.shape
+        return (
+            q[rows].float().view(b, max_q, c.num_kv_heads, c.group_size, -1).permute(0, 2, 3, 1, 4)
+        )
+
+    # -- the decompressed, chunked-prefix form of MLA layers ------------------------------------
+
+    def chunked_handler(self, phase: Phase) -> Any:
+        """Handler of ``AttnForm.MHA_CHUNKED``: ``run(q, k_new, v_new, batch, sm_scale, prefix)``.
+
+        ``q``/``k_new``/``v_new`` are ``[T, H, D]`` rows of the new tokens (aligned with
+        ``batch.qo_indptr``); ``prefix`` yields ``(k_chunk, v_chunk, indptr)`` with request
+        ``i``'s prefix rows at ``indptr[i]:indptr[i+1]``. Every prefix token is visible to every
+        new token; the new tokens attend causally among themselves.
+        """
+        return self.run_chunked
+
+    def run_chunked(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
+        batch: AttnBatch,
+        sm_scale: float,
+        prefix: Iterable[tuple[torch.Tensor, torch.Tensor, Sequence[int]]] | None = None,
+    ) -> torch.Tensor:
+        c = self.config
+        if prefix is None:
+            raise InvalidBatchError(
+                "prefix",
+                "the 'mha_chunked' form needs the cached prefix as chunks: "
+                "attention(q, k_new, v_new, sm_scale=..., prefix=latent_prefix_chunks(...))",
+            )
+        if batch.custom_mask is not None:
+            raise InvalidBatchError("custom_mask", "the 'mha_chunked' form is causal only")
+        t = batch.num_tokens
+        for name, x, d in (
+            ("q", q, c.head_dim),
+            ("k_new", k_new, c.head_dim),
+            ("v_new", v_new, c.v_head_dim),
+        ):
+            if x.dim() != 3 or tuple(x.shape) != (t, c.num_q_heads, d):
+                raise InvalidBatchError(
+                    name, f"shape {tuple(x.shape)} != [{t}, {c.num_q_heads}, {d}] (new tokens)"
+                )
+        dv = int(c.out_head_dim)
+        b = batch.num_requests
+        qo = batch.qo_indptr_host.tolist()
+        max_q = max(batch.max_q_len, 1)
+        dev = q.device
+        slots = torch.arange(max_q)
+        q_lens = torch.tensor([qo[i + 1] - qo[i] for i in range(b)], dtype=torch.int64)
+        valid = slots[None, :] < q_lens[:, None]
+        rows = torch.where(valid, torch.tensor(qo[:-1])[:, None] + slots[None, :], 0).to(dev)
+        valid = valid.to(dev)
+        acc = _OnlineSoftmax(self._padded_q(q, rows), dv)
+        prefix_lens = (batch.kv_lens_host.long() - q_lens).tolist()
+        seen = [0] * b
+        for k_c, v_c, indptr in prefix:
+            ind = [int(x) for x in indptr]
+            if len(ind) != b + 1:
+                raise InvalidBatchError(
+                    "prefix", f"chunk indptr has {len(ind)} entries, want {b + 1}"
+                )
+            n = max(max(ind[i + 1] - ind[i] for i in range(b)), 1)
+            cs = torch.arange(n)
+            clen = torch.tensor([ind[i + 1] - ind[i] for i in range(b)])
+            cvalid = cs[None, :] < clen[:, None]
+            crow = torch.where(cvalid, torch.tensor(ind[:-1])[:, None] + cs[None, :], 0).to(dev)
+            for i in range(b):
+                seen[i] += ind[i + 1] - ind[i]
+            k = k_c[crow].float().transpose(1, 2)  # [B, H, n, D]
+            v = v_c[crow].float().transpose(1, 2)
+            allowed = cvalid.to(dev)[:, None, :].expand(b, max_q, n)
+            acc.update(k, v, allowed, sm_scale)
+        bad = next((i for i in range(b) if seen[i] != prefix_lens[i]), None)
+        if bad is not None:
+            raise InvalidBatchError(
+                "prefix",
+                f"chunks cover {seen[bad]} prefix tokens but the request has {prefix_lens[bad]}",
+                request=bad,
+            )
+        k = k_new[rows].float().transpose(1, 2)
+        v = v_new[rows].float().transpose(1, 2)
+        causal = slots[None, :, None].to(dev) >= slots[None, None, :].to(dev)
+        acc.update(k, v, causal & valid[:, None, :], sm_scale)
+        return acc.result(c.num_q_heads)[valid].to(q.dtype)
+
+
+class _OnlineSoftmax:
+    """Running max/sum/accumulator over key chunks for padded queries ``[B, Hkv, G, Mq, D]``.
+
+    Rows that have seen no visible key keep max = -inf and contribute exp(-inf) = 0, so fully
+    masked padding never produces NaN.
+    """
+
+    def __init__(self, q: torch.Tensor, dv: int) -> None:
+        self.q = q
+        self.m = torch.full(q.shape[:-1], -math.inf, device=q.device)
+        self.l_sum = torch.zeros_like(self.m)
+        self.acc = torch.zeros(*q.shape[:-1], dv, device=q.device)
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, sm_scale: float
+    ) -> None:
+        """``k``/``v``: ``[B, Hkv, N, D]``; ``allowed``: ``[B, Mq, N]``."""
+        s = torch.einsum("bhgqd,bhnd->bhgqn", self.q, k) * sm_scale
+        s = s.masked_fill(~allowed[:, None, None], -math.inf)
+        m_new = torch.maximum(self.m, s.amax(dim=-1))
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        p = torch.exp(s - shift[..., None])
+        alpha = torch.exp(self.m - shift)
+        self.l_sum = self.l_sum * alpha + p.sum(dim=-1)
+        self.acc = self.acc * alpha[..., None] + torch.einsum("bhgqn,bhnd->bhgqd", p, v)
+        self.m = m_new
+
+    def result(self, heads: int) -> torch.Tensor:
+        """``[B, Mq, Hq, Dv]`` in fp32."""
+        res = self.acc / self.l_sum.clamp_min(1e-30)[..., None]
+        b, _, _, mq, dv = res.shape
+        return res.permute(0, 3, 1, 2, 4).reshape(b, mq, heads, dv)
 
 
 def make(config: AttnConfig, **options: Any) -> TorchBackend:

@@ -1,0 +1,755 @@
+"""FlashInfer backend: capability reasons, installed signatures, adapter semantics.
+
+CPU-only parts: the light module's reasons (all at once, "needs CUDA" first), the version
+check, every keyword the adapter passes against the installed FlashInfer signatures, and
+the adapter's translation of our paged-KV contract (page table, causal/tree mask, MLA
+packing, scale re-plan, CUDA-graph buffers) run through recording stand-ins for the
+FlashInfer wrappers that compute attention with FlashInfer's documented semantics.
+The real kernels run only on CUDA (tests/contract and bench/gpu_flashinfer.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import subprocess
+import sys
+from typing import Any
+from typing import ClassVar
+
+import pytest
+
+from attn_dispatch import AttnConfig
+from attn_dispatch import AttnForm
+from attn_dispatch import Phase
+from attn_dispatch.backends import flashinfer as fi_caps
+
+torch = pytest.importorskip("torch")
+
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+needs_flashinfer = pytest.mark.skipif(not HAS_FLASHINFER, reason="flashinfer-python not installed")
+
+
+def mla(**kw: Any) -> AttnConfig:
+    base: dict[str, Any] = dict(
+        kind="mla",
+        num_q_heads=16,
+        num_kv_heads=1,
+        head_dim=576,
+        v_head_dim=512,
+        dtype="bfloat16",
+        page_size=64,
+        device="cuda",
+    )
+    base.update(kw)
+    return AttnConfig(**base)
+
+
+def mha(**kw: Any) -> AttnConfig:
+    base: dict[str, Any] = dict(
+        kind="mha",
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        v_head_dim=128,
+        dtype="bfloat16",
+        page_size=16,
+        device="cuda",
+    )
+    base.update(kw)
+    return AttnConfig(**base)
+
+
+# ---------------------------------------------------------------------------------------
+# Light module
+# ---------------------------------------------------------------------------------------
+
+
+def test_light_module_imports_neither_torch_nor_flashinfer() -> None:
+    code = (
+        "import sys, attn_dispatch.backends.flashinfer as m\n"
+        "assert m.CAPABILITIES is not None\n"
+        "bad = [x for x in ('torch', 'flashinfer', 'triton') if x in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == "", f"light module imported {out}"
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [
+        ("0.7.0", True),
+        ("0.7.4", True),
+        ("0.7.10.post1", True),
+        ("0.8.0", False),
+        ("0.6.9", False),
+        ("1.0.0rc1", False),
+        ("garbage", False),
+    ],
+)
+def test_version_range(version: str, ok: bool) -> None:
+    assert fi_caps.version_supported(version) is ok
+
+
+@needs_flashinfer
+def test_installed_version_is_supported_and_read_without_import() -> None:
+    version = fi_caps.installed_version()
+    assert version is not None
+    assert fi_caps.version_supported(version), version
+    assert list(fi_caps._available_installed()) == []
+
+
+def test_unsupported_version_is_a_reason_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fi_caps, "installed_version", lambda: "0.9.1")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    reasons = list(fi_caps._available_installed())
+    assert len(reasons) == 1
+    assert "'0.9.1'" in reasons[0] and fi_caps.SUPPORTED_VERSIONS in reasons[0]
+
+
+def test_missing_flashinfer_is_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "flashinfer" else real(name)
+    )
+    reasons = list(fi_caps._available_installed())
+    assert len(reasons) == 1 and reasons[0].startswith("not installed")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_cpu_reasons_all_at_once() -> None:
+    cfg = mla(
+        head_dim=352,
+        v_head_dim=320,
+        dtype="float32",
+        kv_dtype="float32",
+        device="cpu",
+        tree_verify=True,
+        num_q_heads=48,
+    )
+    reasons = fi_caps.CAPABILITIES.reasons(cfg, Phase.VERIFY)
+    text = "\n".join(reasons)
+    assert any(r.startswith("needs CUDA") for r in reasons), text
+    assert "head_dim=352" in text and "v_head_dim=320" in text, text
+    assert "tree verify" in text and "'triton'" in text and "'torch'" in text, text
+    assert "num_q_heads=48" in text, text
+    assert "float32" in text, text  # dtype, reported by the core's dtype rule
+    # the phase-free reasons hold in DECODE too; the verify-only ones do not
+    decode = fi_caps.CAPABILITIES.reasons(cfg, Phase.DECODE)
+    assert not any("tree verify" in r or "num_q_heads" in r for r in decode)
+    assert any("head_dim=352" in r for r in decode)
+
+
+_SEED = (
+    "import sys\n"
+    "from attn_dispatch import AttnConfig, BackendSpec, IncompatibleBackendError, bind\n"
+    "cfg = AttnConfig(kind='mla', num_q_heads=16, num_kv_heads=1, head_dim=352,\n"
+    "                 v_head_dim=320, dtype='bfloat16', page_size=64, device='cuda')\n"
+    "try:\n"
+    "    bind(BackendSpec.parse('prefill=torch,decode=flashinfer'), cfg, label='target')\n"
+    "except IncompatibleBackendError as exc:\n"
+    "    for phase, (name, why) in sorted(exc.reasons.items()):\n"
+    "        print(phase.name, name, *why, sep=' | ')\n"
+    "print('flashinfer imported:', 'flashinfer' in sys.modules)\n"
+)
+
+
+def test_seed_scenario_refused_at_bind_before_flashinfer_is_imported() -> None:
+    # SGLang 28528: FlashInfer's MLA path chosen for dims it cannot serve died on an
+    # assertion inside a kernel. Here bind refuses it, naming the dims, and FlashInfer
+    # is never imported.
+    out = subprocess.run(
+        [sys.executable, "-c", _SEED], capture_output=True, text=True, check=True
+    ).stdout
+    decode = [line for line in out.splitlines() if line.startswith("DECODE | flashinfer")]
+    assert decode and "head_dim=352" in decode[0] and "v_head_dim=320" in decode[0], out
+    if not torch.cuda.is_available():
+        assert "needs CUDA" in decode[0], out  # every reason at once
+    torch_lines = [ln for ln in out.splitlines() if ln.split(" | ")[1:2] == ["torch"]]
+    assert not any("head_dim=352" in ln for ln in torch_lines), out
+    assert "flashinfer imported: False" in out, out
+
+
+def test_mla_tree_verify_on_flashinfer_is_refused_naming_the_alternatives() -> None:
+    from attn_dispatch import BackendSpec
+    from attn_dispatch import IncompatibleBackendError
+    from attn_dispatch import bind
+
+    spec = BackendSpec.parse("prefill=torch,decode=flashinfer,verify=flashinfer")
+    with pytest.raises(IncompatibleBackendError) as err:
+        bind(spec, mla(tree_verify=True))
+    name, reasons = err.value.reasons[Phase.VERIFY]
+    assert name == "flashinfer"
+    tree = [r for r in reasons if "tree verify" in r]
+    assert tree and "'triton'" in tree[0] and "'torch'" in tree[0]
+    # decode is refused only for machine reasons (no CUDA here), never for the tree
+    if Phase.DECODE in err.value.reasons:
+        assert not any("tree" in r for r in err.value.reasons[Phase.DECODE][1])
+
+
+def test_cli_explain_shows_the_reasons() -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "attn_dispatch",
+        "explain",
+        "--spec",
+        "prefill=torch,decode=flashinfer",
+        "--kind",
+        "mla",
+        "--heads",
+        "16",
+        "--head-dim",
+        "352",
+        "--v-head-dim",
+        "320",
+        "--page-size",
+        "64",
+        "--device",
+        "cuda",
+    ]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "flashinfer" in run.stdout
+    assert "rope width 32" in run.stdout and "v_head_dim=320" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize(
+    ("cfg", "phase", "fragment"),
+    [
+        (mla(head_dim=352, v_head_dim=320), Phase.DECODE, "rope width 32"),
+        (mla(head_dim=576, v_head_dim=448), Phase.DECODE, "v_head_dim=448"),
+        (mla(tree_verify=True), Phase.VERIFY, "no custom mask"),
+        (mla(num_q_heads=24), Phase.PREFILL, "num_q_heads=24"),
+        (mla(num_q_heads=256), Phase.VERIFY, "num_q_heads=256"),
+        (mha(head_dim=96, v_head_dim=96), Phase.DECODE, "head_dim=96"),
+        (mha(head_dim=128, v_head_dim=64), Phase.PREFILL, "v_head_dim=64"),
+        (mha(kv_dtype="float16"), Phase.DECODE, "kv_dtype='float16'"),
+    ],
+)
+def test_config_rules_refuse(cfg: AttnConfig, phase: Phase, fragment: str) -> None:
+    reasons = fi_caps.CAPABILITIES.reasons(cfg, phase)
+    assert any(fragment in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize(
+    ("cfg", "phase"),
+    [
+        (mla(), Phase.DECODE),
+        (mla(), Phase.VERIFY),  # causal chain
+        (mla(num_q_heads=128), Phase.PREFILL),
+        (mla(head_dim=192, v_head_dim=128), Phase.DECODE),
+        (mla(tree_verify=True), Phase.DECODE),  # the mask only matters for VERIFY
+        (mha(tree_verify=True), Phase.VERIFY),
+        (mha(head_dim=192, v_head_dim=128), Phase.PREFILL),
+        (mha(head_dim=64, v_head_dim=64, num_q_heads=40, num_kv_heads=8), Phase.DECODE),
+    ],
+)
+def test_config_rules_accept(cfg: AttnConfig, phase: Phase) -> None:
+    # Only machine reasons (no CUDA here) may remain; nothing about the config itself.
+    config_reasons = [r for c in fi_caps.CAPABILITIES.checks for r in c(cfg, phase)]
+    assert config_reasons == []
+
+
+def test_fa2_mla_shared_memory_model() -> None:
+    # DeepSeek dims fit every sm80+ part; a 1024-wide latent does not fit anywhere
+    # (q tile alone is 139 KB), matching _fa_common._generated_fa_shared_bytes.
+    ds = mla()
+    assert fi_caps._fa2_mla_shared_bytes(ds, 233472) == 221728  # H100/H200
+    assert fi_caps._fa2_mla_shared_bytes(ds, 102400) <= 101376  # sm86/sm89 opt-in limit
+    assert fi_caps._fa2_mla_shared_bytes(ds, 65536) is None
+    wide = mla(head_dim=1088, v_head_dim=1024)
+    need = fi_caps._fa2_mla_shared_bytes(wide, 233472)
+    assert need is not None and need > 232448
+
+
+# ---------------------------------------------------------------------------------------
+# Installed FlashInfer signatures
+# ---------------------------------------------------------------------------------------
+
+
+def _signature_names(owner: Any, method: str) -> set[str]:
+    fn = getattr(owner, method)
+    params = inspect.signature(fn).parameters
+    names = {n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        # BatchDecodeWithPagedKVCacheWrapper.plan(..., **kwargs) forwards to _plan_impl,
+        # whose keyword-only parameters are the real, documented options.
+        impl = getattr(owner, f"_{method}_impl", None)
+        assert impl is not None, f"{owner.__name__}.{method} takes **kwargs; no _{method}_impl"
+        names |= set(inspect.signature(impl).parameters)
+    return names
+
+
+@needs_flashinfer
+def test_import_flashinfer_and_every_keyword_exists() -> None:
+    import flashinfer
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+    from flashinfer.mla import MLAPlanMetadata
+
+    from attn_dispatch.backends.flashinfer.backend import WRAPPER_KEYWORDS
+
+    owners = {
+        "BatchPrefillWithPagedKVCacheWrapper": flashinfer.BatchPrefillWithPagedKVCacheWrapper,
+        "BatchDecodeWithPagedKVCacheWrapper": flashinfer.BatchDecodeWithPagedKVCacheWrapper,
+        "BatchMLAPagedAttentionWrapper": BatchMLAPagedAttentionWrapper,
+        "MLAPlanMetadata": MLAPlanMetadata,
+    }
+    assert {w for w, _ in WRAPPER_KEYWORDS} == set(owners)
+    for (wrapper, method), used in WRAPPER_KEYWORDS.items():
+        names = _signature_names(owners[wrapper], method)
+        missing = used - names
+        assert not missing, f"{wrapper}.{method} has no keyword(s) {sorted(missing)}"
+
+
+@needs_flashinfer
+def test_mla_plan_uses_the_metadata_form_not_the_deprecated_flat_one() -> None:
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    from attn_dispatch.backends.flashinfer.backend import WRAPPER_KEYWORDS
+
+    plan_kw = WRAPPER_KEYWORDS[("BatchMLAPagedAttentionWrapper", "plan")]
+    assert "metadata" in plan_kw
+    flat = {"qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "block_tables", "seq_lens"}
+    assert not plan_kw & flat
+    # metadata is keyword-only in the installed wrapper (the preferred form)
+    param = inspect.signature(BatchMLAPagedAttentionWrapper.plan).parameters["metadata"]
+    assert param.kind is param.KEYWORD_ONLY
+    run_kw = WRAPPER_KEYWORDS[("BatchMLAPagedAttentionWrapper", "run")]
+    assert run_kw == {"query", "kv_cache"}  # not the deprecated q_nope/q_pe/ckv/kpe form
+
+
+# ---------------------------------------------------------------------------------------
+# Adapter semantics through recording stand-ins (CPU)
+# ---------------------------------------------------------------------------------------
+
+
+_REAL: dict[str, Any] = {}  # the installed wrapper classes, saved before faking them
+
+
+def _check_call(wrapper: str, method: str, kwargs: dict[str, Any]) -> None:
+    missing = set(kwargs) - _signature_names(_REAL[wrapper], method)
+    assert not missing, f"{wrapper}.{method}: {sorted(missing)}"
+
+
+def _attend(q: Any, k: Any, v: Any, allowed: Any, scale: float) -> Any:
+    """q [n, H, D], k [m, Hkv, D], v [m, Hkv, Dv], allowed [n, m] -> [n, H, Dv] (fp32)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("nhd,mhd->hnm", q.float(), k) * scale
+    s = s.masked_fill(~allowed.unsqueeze(0), float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("hnm,mhd->nhd", p, v)
+
+
+class _FakeWrapper:
+    """Stands in for one FlashInfer wrapper: asserts every call is keyword-only with
+    keywords the installed FlashInfer has, and computes attention the way FlashInfer
+    defines it (kv_len from page count and last-page fill; causal bottom-right; flat
+    per-request [q_len, kv_len] custom mask)."""
+
+    kind = ""
+    made: ClassVar[list[_FakeWrapper]] = []
+
+    def __init__(self, **kwargs: Any) -> None:
+        _check_call(self.kind, "__init__", kwargs)
+        self.init = kwargs
+        self.plans: list[dict[str, Any]] = []
+        _FakeWrapper.made.append(self)
+
+    def plan(self, **kwargs: Any) -> None:
+        _check_call(self.kind, "plan", kwargs)
+        for name, value in kwargs.items():
+            device_side = ("indices", "paged_kv_indices", "custom_mask")
+            if isinstance(value, torch.Tensor) and name not in device_side:
+                # host metadata only: FlashInfer would otherwise copy it device -> host
+                assert value.device.type == "cpu", name
+        self.plans.append(kwargs)
+
+    def _lens(self, p: dict[str, Any], page_size: int) -> list[int]:
+        indptr = p.get("paged_kv_indptr", p.get("indptr"))
+        last = p.get("paged_kv_last_page_len", p.get("last_page_len"))
+        pages = (indptr[1:] - indptr[:-1]).tolist()
+        return [max(n - 1, 0) * page_size + int(last[i]) for i, n in enumerate(pages)]
+
+
+class _FakePrefill(_FakeWrapper):
+    kind = "BatchPrefillWithPagedKVCacheWrapper"
+
+    def run(self, **kwargs: Any) -> Any:
+        _check_call(self.kind, "run", kwargs)
+        p = self.plans[-1]
+        q = kwargs["q"]
+        k_cache, v_cache = kwargs["paged_kv_cache"]
+        ps = p["page_size"]
+        lens = self._lens(p, ps)
+        qo = p["qo_indptr"].tolist()
+        indptr = p["paged_kv_indptr"].tolist()
+        mask = p["custom_mask"]
+        out, moff = [], 0
+        for i, kv_len in enumerate(lens):
+            pages = p["paged_kv_indices"][indptr[i] : indptr[i + 1]]
+            k = k_cache[pages].flatten(0, 1)[:kv_len]
+            v = v_cache[pages].flatten(0, 1)[:kv_len]
+            n = qo[i + 1] - qo[i]
+            if mask is not None:
+                allowed = mask[moff : moff + n * kv_len].view(n, kv_len)
+                moff += n * kv_len
+            elif p["causal"]:
+                allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
+            else:
+                allowed = torch.ones(n, kv_len, dtype=torch.bool)
+            out.append(_attend(q[qo[i] : qo[i + 1]], k, v, allowed, p["sm_scale"]))
+        return torch.cat(out).to(q.dtype)
+
+
+class _FakeDecode(_FakeWrapper):
+    kind = "BatchDecodeWithPagedKVCacheWrapper"
+
+    def run(self, **kwargs: Any) -> Any:
+        _check_call(self.kind, "run", kwargs)
+        p = self.plans[-1]
+        q = kwargs["q"]
+        k_cache, v_cache = kwargs["paged_kv_cache"]
+        lens = self._lens(p, p["page_size"])
+        indptr = p["indptr"].tolist()
+        out = []
+        for i, kv_len in enumerate(lens):
+            pages = p["indices"][indptr[i] : indptr[i + 1]]
+            k = k_cache[pages].flatten(0, 1)[:kv_len]
+            v = v_cache[pages].flatten(0, 1)[:kv_len]
+            every_key = torch.ones(1, kv_len, dtype=torch.bool)
+            out.append(_attend(q[i : i + 1], k, v, every_key, p["sm_scale"]))
+        return torch.cat(out).to(q.dtype)
+
+
+class _FakeMLA(_FakeWrapper):
+    kind = "BatchMLAPagedAttentionWrapper"
+
+    def run(self, **kwargs: Any) -> Any:
+        _check_call(self.kind, "run", kwargs)
+        p = self.plans[-1]
+        md = p["metadata"]
+        # FlashInfer's CSR rule: exactly ceil(kv_len / page_size) pages per request
+        need = (md.kv_len_arr + p["page_size"] - 1) // p["page_size"]
+        assert torch.equal(md.kv_indptr[1:] - md.kv_indptr[:-1], need)
+        q, cache = kwargs["query"], kwargs["kv_cache"]
+        ckv = p["head_dim_ckv"]
+        assert q.shape[-1] == cache.shape[-1] == ckv + p["head_dim_kpe"]
+        qo, indptr = md.qo_indptr.tolist(), md.kv_indptr.tolist()
+        out = []
+        for i, kv_len in enumerate(md.kv_len_arr.tolist()):
+            pages = md.kv_indices[indptr[i] : indptr[i + 1]]
+            k = cache[pages].flatten(0, 1)[:kv_len].unsqueeze(1)
+            n = qo[i + 1] - qo[i]
+            if p["causal"]:
+                allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
+            else:
+                allowed = torch.ones(n, kv_len, dtype=torch.bool)
+            out.append(_attend(q[qo[i] : qo[i + 1]], k, k[..., :ckv], allowed, p["sm_scale"]))
+        return torch.cat(out).to(q.dtype)
+
+
+def _reference(
+    cfg: AttnConfig, batch: Any, q: Any, k_cache: Any, v_cache: Any, scale: float
+) -> Any:
+    """Our contract, read directly (independent of the adapter's page-table code)."""
+    ps = cfg.page_size
+    qo = batch.qo_indptr_host.tolist()
+    kv_indptr = batch.kv_indptr_host.tolist()
+    out, pos = [], 0
+    for i, kv_len in enumerate(batch.kv_lens_host.tolist()):
+        rows = [batch.kv_indices[kv_indptr[i] + t // ps] * ps + t % ps for t in range(kv_len)]
+        idx = torch.tensor(rows, dtype=torch.long)
+        k = k_cache.flatten(0, 1)[idx]
+        v = k[..., : cfg.v_head_dim] if v_cache is None else v_cache.flatten(0, 1)[idx]
+        if cfg.kind == "mla":
+            k, v = k.unsqueeze(1), v.unsqueeze(1)
+        n = qo[i + 1] - qo[i]
+        if batch.custom_mask is not None:
+            allowed = batch.custom_mask[pos : pos + n * kv_len].view(n, kv_len)
+            pos += n * kv_len
+        else:
+            allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
+        out.append(_attend(q[qo[i] : qo[i + 1]], k, v, allowed, scale))
+    return torch.cat(out)
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Any:
+    if not HAS_FLASHINFER:
+        pytest.skip("flashinfer-python not installed")
+    from attn_dispatch.backends.flashinfer import backend as fb
+
+    _REAL.update(
+        BatchPrefillWithPagedKVCacheWrapper=fb.flashinfer.BatchPrefillWithPagedKVCacheWrapper,
+        BatchDecodeWithPagedKVCacheWrapper=fb.flashinfer.BatchDecodeWithPagedKVCacheWrapper,
+        BatchMLAPagedAttentionWrapper=fb.BatchMLAPagedAttentionWrapper,
+    )
+    monkeypatch.setattr(fb.flashinfer, "BatchPrefillWithPagedKVCacheWrapper", _FakePrefill)
+    monkeypatch.setattr(fb.flashinfer, "BatchDecodeWithPagedKVCacheWrapper", _FakeDecode)
+    monkeypatch.setattr(fb, "BatchMLAPagedAttentionWrapper", _FakeMLA)
+    # the machine has no GPU: run the adapter's host logic on CPU tensors
+    monkeypatch.setattr(fb, "_device_for", lambda config: torch.device("cpu"))
+    monkeypatch.setattr(fb, "_check_config", lambda config: None)
+    monkeypatch.setattr(fb, "_check_phase", lambda config, phase: None)
+    _FakeWrapper.made = []
+    return fb
+
+
+def _batch(
+    phase: Phase,
+    q_lens: list[int],
+    kv_lens: list[int],
+    page_size: int,
+    spare: list[int] | None = None,
+    mask: Any = None,
+) -> Any:
+    """A batch whose pages are scattered, with ``spare[i]`` unused pages after request
+    i's needed ones (a pool that reserves ahead)."""
+    spare = spare or [0] * len(kv_lens)
+    counts = [math.ceil(n / page_size) + s for n, s in zip(kv_lens, spare, strict=True)]
+    total = sum(counts)
+    gen = torch.Generator().manual_seed(len(kv_lens) * 7 + total)
+    perm = torch.randperm(total + 3, generator=gen)[:total].to(torch.int32)
+    return _make_batch(phase, q_lens, kv_lens, counts, perm, mask)
+
+
+def _make_batch(
+    phase: Phase, q_lens: list[int], kv_lens: list[int], counts: list[int], indices: Any, mask: Any
+) -> Any:
+    from attn_dispatch import AttnBatch
+
+    def indptr(xs: list[int]) -> Any:
+        return torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32)
+
+    return AttnBatch(
+        phase=phase,
+        qo_indptr=indptr(q_lens),
+        kv_indptr=indptr(counts),
+        kv_indices=indices,
+        kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        custom_mask=mask,
+    )
+
+
+def _caches(cfg: AttnConfig, num_pages: int, gen: Any) -> tuple[Any, Any]:
+    dt = torch.float32  # the stand-ins compute in fp32; dtype plumbing is checked apart
+    if cfg.kind == "mla":
+        return torch.randn(num_pages, cfg.page_size, cfg.head_dim, generator=gen, dtype=dt), None
+    shape = (num_pages, cfg.page_size, cfg.num_kv_heads)
+    k = torch.randn(*shape, cfg.head_dim, generator=gen, dtype=dt)
+    v = torch.randn(*shape, cfg.v_head_dim, generator=gen, dtype=dt)
+    return k, v
+
+
+@pytest.mark.parametrize(
+    ("cfg", "phase", "q_lens", "kv_lens", "spare", "route"),
+    [
+        (
+            mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4),
+            Phase.PREFILL,
+            [3, 5],
+            [7, 5],
+            [0, 2],
+            "BatchPrefillWithPagedKVCacheWrapper",
+        ),
+        (
+            mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4),
+            Phase.DECODE,
+            [1, 1, 1],
+            [9, 1, 4],
+            [1, 0, 0],
+            "BatchDecodeWithPagedKVCacheWrapper",
+        ),
+        (
+            mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4),
+            Phase.VERIFY,
+            [3, 3],
+            [8, 6],
+            [0, 0],
+            "BatchPrefillWithPagedKVCacheWrapper",
+        ),
+        (
+            mha(num_q_heads=2, num_kv_heads=1, head_dim=192, v_head_dim=128, page_size=2),
+            Phase.DECODE,
+            [1, 1],
+            [3, 4],
+            [0, 1],
+            "BatchPrefillWithPagedKVCacheWrapper",
+        ),
+        (
+            mla(num_q_heads=2, head_dim=192, v_head_dim=128, page_size=4),
+            Phase.DECODE,
+            [1, 1],
+            [5, 8],
+            [2, 0],
+            "BatchMLAPagedAttentionWrapper",
+        ),
+        (
+            mla(num_q_heads=2, head_dim=192, v_head_dim=128, page_size=4),
+            Phase.VERIFY,
+            [2, 3],
+            [5, 8],
+            [0, 1],
+            "BatchMLAPagedAttentionWrapper",
+        ),
+        (
+            mla(num_q_heads=2, head_dim=192, v_head_dim=128, page_size=4),
+            Phase.PREFILL,
+            [5, 2],
+            [5, 9],
+            [0, 0],
+            "BatchMLAPagedAttentionWrapper",
+        ),
+    ],
+)
+def test_adapter_matches_contract(
+    fake_flashinfer: Any,
+    cfg: AttnConfig,
+    phase: Phase,
+    q_lens: list[int],
+    kv_lens: list[int],
+    spare: list[int],
+    route: str,
+) -> None:
+    batch = _batch(phase, q_lens, kv_lens, cfg.page_size, spare)
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    q = torch.randn(sum(q_lens), cfg.num_q_heads, cfg.head_dim, generator=gen)
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=scale)
+    handler = backend.handler(phase)
+    plan = backend.plan(batch)
+    assert plan.batch is batch
+    out = handler(q, k_cache, v_cache, plan, scale)
+    assert [w.kind for w in _FakeWrapper.made] == [route]
+    assert out.shape == (sum(q_lens), cfg.num_q_heads, cfg.v_head_dim)
+    torch.testing.assert_close(out, _reference(cfg, batch, q, k_cache, v_cache, scale))
+    wrapper = _FakeWrapper.made[0]
+    assert len(wrapper.plans) == 1  # one plan per forward
+    if cfg.kind == "mla":
+        # a single query token is planned non-causal (clear of the causal tile rule)
+        assert wrapper.plans[0]["causal"] is (max(q_lens) > 1)
+        # its default policy: decompressed only for prefill without a cached prefix
+        prefix = int(batch.kv_lens_host.sum()) - batch.num_tokens
+        no_prefix_prefill = batch.phase is Phase.PREFILL and prefix == 0
+        want = AttnForm.MHA if no_prefix_prefill else AttnForm.MLA
+        assert backend.form_policy.choose(batch) is want
+
+
+def test_tree_verify_mask_passes_through(fake_flashinfer: Any) -> None:
+    cfg = mha(
+        num_q_heads=2, num_kv_heads=1, head_dim=64, v_head_dim=64, page_size=2, tree_verify=True
+    )
+    q_lens, kv_lens = [3, 2], [6, 4]
+    gen = torch.Generator().manual_seed(3)
+    blocks = []
+    for n, m in zip(q_lens, kv_lens, strict=True):
+        block = torch.ones(n, m, dtype=torch.bool)
+        tree = torch.rand(n, n, generator=gen) < 0.5
+        block[:, m - n :] = tree | torch.eye(n, dtype=torch.bool)
+        blocks.append(block.reshape(-1))
+    mask = torch.cat(blocks)
+    batch = _batch(Phase.VERIFY, q_lens, kv_lens, cfg.page_size, [1, 0], mask=mask)
+    k_cache, v_cache = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    q = torch.randn(sum(q_lens), 2, 64, generator=gen)
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125)
+    out = backend.handler(Phase.VERIFY)(q, k_cache, v_cache, backend.plan(batch), 0.125)
+    plan_kw = _FakeWrapper.made[0].plans[0]
+    assert plan_kw["causal"] is False and plan_kw["custom_mask"] is not None
+    torch.testing.assert_close(out, _reference(cfg, batch, q, k_cache, v_cache, 0.125))
+    # the mask changes the answer (so the check above is not vacuous)
+    causal = _batch(Phase.VERIFY, q_lens, kv_lens, cfg.page_size, [1, 0])
+    assert not torch.allclose(out, _reference(cfg, causal, q, k_cache, v_cache, 0.125))
+
+
+def test_mla_refuses_a_masked_verify_batch(fake_flashinfer: Any) -> None:
+    from attn_dispatch import InvalidBatchError
+
+    cfg = mla(num_q_heads=2, head_dim=192, v_head_dim=128, page_size=4)
+    backend = fake_flashinfer.FlashInferBackend(cfg)
+    batch = _batch(Phase.VERIFY, [2], [5], 4, mask=torch.ones(10, dtype=torch.bool))
+    with pytest.raises(InvalidBatchError, match="custom_mask"):
+        backend.plan(batch)
+
+
+def test_scale_is_replanned_once_then_kept(fake_flashinfer: Any) -> None:
+    cfg = mha(num_q_heads=2, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    backend = fake_flashinfer.FlashInferBackend(cfg)  # no sm_scale option
+    handler = backend.handler(Phase.DECODE)
+    batch = _batch(Phase.DECODE, [1, 1], [5, 3], 4)
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    q = torch.randn(2, 2, 64, generator=gen)
+    plan = backend.plan(batch)
+    wrapper = _FakeWrapper.made[0]
+    assert wrapper.plans[0]["sm_scale"] == pytest.approx(1 / 8)
+    for _layer in range(3):
+        out = handler(q, k_cache, v_cache, plan, 0.3)
+    assert [p["sm_scale"] for p in wrapper.plans] == [pytest.approx(1 / 8), 0.3]
+    torch.testing.assert_close(out, _reference(cfg, batch, q, k_cache, v_cache, 0.3))
+    backend.plan(batch)  # next forward plans with the learned scale
+    assert wrapper.plans[-1]["sm_scale"] == 0.3
+
+
+def test_decode_tensor_cores_follow_the_group_size(fake_flashinfer: Any) -> None:
+    made = {}
+    for hq, hkv in [(8, 8), (8, 4), (32, 8), (40, 8), (10, 2)]:
+        cfg = mha(num_q_heads=hq, num_kv_heads=hkv, head_dim=64, v_head_dim=64, page_size=4)
+        backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125)
+        backend.handler(Phase.DECODE)
+        backend.plan(_batch(Phase.DECODE, [1], [3], 4))
+        made[hq // hkv] = _FakeWrapper.made[-1].init["use_tensor_cores"]
+    # groups 1, 2 use CUDA cores; 4, 5 (not built for CUDA cores) and larger use tensor cores
+    assert made == {1: False, 2: False, 4: True, 5: True}
+
+
+def test_cuda_graph_mode_keeps_persistent_buffers_per_batch_size(fake_flashinfer: Any) -> None:
+    from attn_dispatch import InvalidBatchError
+    from attn_dispatch import InvalidSpecError
+
+    cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    with pytest.raises(InvalidSpecError, match="max_num_pages"):
+        fake_flashinfer.FlashInferBackend(cfg, use_cuda_graph=True)
+    backend = fake_flashinfer.FlashInferBackend(
+        cfg, use_cuda_graph=True, max_num_pages=64, max_batch_size=4, sm_scale=0.125
+    )
+    backend.handler(Phase.DECODE)
+    for kv in ([5, 3], [9, 2], [4, 4, 4]):
+        backend.plan(_batch(Phase.DECODE, [1] * len(kv), kv, 4))
+    sizes = [len(w.init["paged_kv_last_page_len_buffer"]) for w in _FakeWrapper.made]
+    assert sizes == [2, 3]  # one wrapper per batch size, re-planned in place
+    assert all(w.init["use_cuda_graph"] is True for w in _FakeWrapper.made)
+    indices = {id(w.init["paged_kv_indices_buffer"]) for w in _FakeWrapper.made}
+    assert indices == {id(backend.graph_indices)}  # one persistent index buffer
+    with pytest.raises(InvalidBatchError, match="max_batch_size"):
+        backend.plan(_batch(Phase.DECODE, [1] * 5, [1] * 5, 4))
+
+
+def test_too_few_pages_is_an_invalid_batch(fake_flashinfer: Any) -> None:
+    from attn_dispatch import InvalidBatchError
+
+    cfg = mha(num_q_heads=2, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125)
+    backend.handler(Phase.DECODE)
+    batch = _batch(Phase.DECODE, [1, 1], [5, 3], 4, spare=[-1, 0])
+    with pytest.raises(InvalidBatchError, match="request 0"):
+        backend.plan(batch)
+
+
+def test_workspace_is_owned_per_backend_object(fake_flashinfer: Any) -> None:
+    cfg = mha(num_q_heads=2, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    a = fake_flashinfer.FlashInferBackend(cfg, workspace_bytes=1024)
+    b = fake_flashinfer.FlashInferBackend(cfg, workspace_bytes=1024)
+    assert a.workspace.data_ptr() != b.workspace.data_ptr()
+    a.handler(Phase.PREFILL)
+    a.handler(Phase.DECODE)
+    a.plan(_batch(Phase.PREFILL, [2], [2], 4))
+    a.plan(_batch(Phase.DECODE, [1], [3], 4))
+    assert all(w.init["float_workspace_buffer"] is a.workspace for w in _FakeWrapper.made)
