@@ -314,7 +314,7 @@ def test_bind_and_dispatch_through_attn_scope(kind: str) -> None:
     with attn_scope(runner, batch):
         out = attention(q, k_cache, v_cache, sm_scale=0.25)
         if kind == "mla":
-            assert attention_form() is AttnForm.MLA
+            assert attention_form() is AttnForm.MLA  # absorbed form in every phase
     ref = reference(q, k_cache, v_cache, batch, 0.25, dv)
     torch.testing.assert_close(out.cpu(), ref, atol=TOL["float32"], rtol=TOL["float32"])
 

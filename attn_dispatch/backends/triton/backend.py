@@ -19,7 +19,7 @@ from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
-from attn_dispatch._forms import AttnForm
+from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch.backends.triton import _ops
 from attn_dispatch.backends.triton._dims import DimLayout
@@ -92,15 +92,14 @@ class TritonBackend:
         self._dtype = _DTYPES[config.dtype]
         self._workspace = torch.empty(0, dtype=torch.float32, device=device)
         self._handlers = {phase: self._run for phase in Phase}
+        # MLA layers run the absorbed form in every phase: these kernels read the paged latent
+        # cache directly and have no decompressed (ragged per-head K/V) entry point.
+        self.form_policy = FormPolicy.absorbed_only()
 
     @property
     def kernel_config(self) -> _ops.KernelConfig:
         """The launch constants (block sizes, split rule inputs) this backend uses."""
         return self._kc
-
-    def choose_form(self, batch: Any) -> AttnForm | None:
-        """MLA layers always run the absorbed form here (no decompressed MHA path)."""
-        return AttnForm.MLA if self._kc.mla else None
 
     def plan(self, batch: Any) -> _ops.DecodePlan | _ops.ExtendPlan:
         """Host-side work for one forward; reads only python ints and host copies."""
