@@ -37,10 +37,12 @@ from attn_dispatch import bind
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch.backends.triton import CAPABILITIES
+from attn_dispatch.backends.triton import _ops
 from attn_dispatch.backends.triton._dims import DimLayout
 from attn_dispatch.backends.triton._dims import dim_reasons
 from attn_dispatch.backends.triton._ops import choose_num_splits
 from attn_dispatch.backends.triton.backend import TritonBackend
+from attn_dispatch.backends.triton.backend import kernel_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -462,3 +464,15 @@ def test_kernels_compile_for_sm90() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count(": ok") == 6, done.stdout
+
+
+def test_upcast_switch_is_on_only_when_interpreting() -> None:
+    # The interpreter multiplies bf16 bit patterns as integers: every load is upcast to fp32
+    # there (the bf16 cases above check the numbers); compiled GPU kernels keep bf16 tiles.
+    cfg = AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16")
+    on_cpu = kernel_config(cfg, {}, device=torch.device("cpu"), num_sms=None, interpreting=True)
+    on_gpu = kernel_config(cfg, {}, device=torch.device("cuda"), num_sms=132, interpreting=False)
+    assert on_cpu.upcast and _ops.decode_constants(on_cpu)["UPCAST"] is True
+    assert not on_gpu.upcast and _ops.extend_constants(on_gpu, True)["UPCAST"] is False
+    if DEVICE == "cpu":
+        assert TritonBackend(cfg.replace(device="cpu")).kernel_config.upcast
