@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -202,6 +203,9 @@ def bind(
     form_table: dict[tuple[Phase, AttnForm], tuple[AttentionBackend | None, Handler]] = {}
     if config.kind == "mla":
         choosers, form_table = _bind_forms(spec, config, label, backends, caps, options)
+    if "torch" in sys.modules and "attn_dispatch.compile" not in sys.modules:
+        # Registers the op that lets torch.compile trace attention(); never imports torch itself.
+        import attn_dispatch.compile  # noqa: F401
     return Binding._make(
         spec,
         config,

@@ -171,7 +171,11 @@ def _importable(module: str) -> bool:
 def _safe(fn: Callable[..., Iterable[str]], *args: object) -> list[str]:
     # A check is user code: a bug in it must become a reason, not a crash inside bind.
     try:
-        return [str(r) for r in fn(*args)]
+        result = fn(*args)
+        # A check that returns one string means one reason, not one reason per character.
+        if isinstance(result, str):
+            return [result]
+        return [str(r) for r in result]
     except Exception as exc:
         name = getattr(fn, "__qualname__", repr(fn))
         return [f"capability check {name} failed: {type(exc).__name__}: {exc}"]

@@ -13,6 +13,7 @@ from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import IncompatibleBackendError
 from attn_dispatch._registry import list_backends
+from attn_dispatch._registry import plugin_errors
 from attn_dispatch._scope import format_table
 from attn_dispatch._spec import BackendSpec
 
@@ -23,7 +24,8 @@ def _join(values: object) -> str:
 
 def cmd_list(args: argparse.Namespace) -> int:
     rows = []
-    for name, caps in list_backends().items():
+    backends = list_backends()
+    for name, caps in backends.items():
         why = caps.availability_reasons()
         rows.append(
             (
@@ -35,6 +37,10 @@ def cmd_list(args: argparse.Namespace) -> int:
                 "yes" if not why else "no: " + "; ".join(why),
             )
         )
+    # A plugin that failed to load is listed too, with its error: never silently missing.
+    for name, error in sorted(plugin_errors.items()):
+        if name not in backends:
+            rows.append((name, "-", "-", "-", "-", f"no: plugin failed to load: {error}"))
     print(format_table(("backend", "kinds", "phases", "devices", "dtypes", "available"), rows))
     return 0
 

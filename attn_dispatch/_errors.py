@@ -81,8 +81,9 @@ class NoActiveScopeError(AttnDispatchError, RuntimeError):
         super().__init__(
             f"{what}() was called outside any attention scope: no runner is active in this "
             "context. Wrap the runner's forward in `with attn_dispatch.attn_scope(runner, batch):` "
-            "(threads start with an empty context: use attn_dispatch.run_in_scope or "
-            "contextvars.copy_context().run to carry the scope into a worker)."
+            "(threads start with an empty context: use attn_dispatch.run_in_thread, "
+            "attn_dispatch.carry_scope or contextvars.copy_context().run to carry the scope into "
+            "a worker)."
         )
 
 

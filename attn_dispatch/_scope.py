@@ -72,7 +72,8 @@ class attn_scope:
     __slots__ = ("_batch", "_binding", "_frame", "_token")
 
     def __init__(self, runner: object, batch: Any = None) -> None:
-        self._binding = _binding_of(runner)
+        # A Binding is the common case: skip the attn_binding property and the isinstance.
+        self._binding = runner if type(runner) is Binding else _binding_of(runner)
         self._batch = batch
         self._token: contextvars.Token[Frame | None] | None = None
         self._frame: Frame | None = None
@@ -88,11 +89,12 @@ class attn_scope:
         batch = self._batch
         parent = _CURRENT.get()
         frame: Frame
+        h = b._handlers  # explicit items: a starred tuple display builds a list first
         if batch is None:
-            frame = (*b._handlers, b, None, None, None, parent, None)
+            frame = (h[0], h[1], h[2], b, None, None, None, parent, None)
         else:
             plan, run, form = b.prepare(batch)
-            frame = (*b._handlers, b, batch, plan, run, parent, form)
+            frame = (h[0], h[1], h[2], b, batch, plan, run, parent, form)
         self._frame = frame
         self._token = _CURRENT.set(frame)
         return b
@@ -101,22 +103,28 @@ class attn_scope:
         token, frame = self._token, self._frame
         if token is None:
             raise ScopeError("attn_scope exited without being entered")
-        self._token = self._frame = None
         current = _CURRENT.get()
         if current is frame:
-            _CURRENT.reset(token)
+            try:
+                _CURRENT.reset(token)
+            except ValueError:
+                # A copy of the entering context (carry_scope, a task): the token belongs to
+                # the original one, which must close it.
+                raise ScopeError(_not_open(frame)) from None
+            self._token = self._frame = None
             return
         node = current
         while node is not None and node is not frame:
             node = node[_PARENT]
         if node is None:
-            # Resetting here could rebind a stale runner: leave the context as it is.
-            raise ScopeError(
-                f"attn_scope({_label(frame)}) is not open in this context: it was already closed "
-                "by an out-of-order exit of an enclosing scope, or it is being exited in another "
-                "thread or task than the one that entered it"
-            )
-        _CURRENT.reset(token)
+            # Resetting here could rebind a stale runner: leave the context as it is, and keep
+            # the token so the context that entered this scope can still close it.
+            raise ScopeError(_not_open(frame))
+        try:
+            _CURRENT.reset(token)
+        except ValueError:
+            raise ScopeError(_not_open(frame)) from None
+        self._token = self._frame = None
         raise ScopeError(
             f"attn_scope({_label(frame)}) exited while an inner scope "
             f"({_label(current)}) was still open; scopes must exit in reverse order. Both are "
@@ -131,6 +139,13 @@ class attn_scope:
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
         binding, batch = self._binding, self._batch
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            # Wrapping the call would close the scope before the body runs; holding it across
+            # yields would leak it into the caller between them. Neither is what anyone means.
+            raise ScopeError(
+                f"attn_scope cannot decorate the generator function {fn.__qualname__!r}; "
+                "open the scope inside it instead: `with attn_scope(...):`"
+            )
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
@@ -148,6 +163,14 @@ class attn_scope:
         return run
 
 
+def _not_open(frame: Frame | None) -> str:
+    return (
+        f"attn_scope({_label(frame)}) is not open in this context: it was already closed "
+        "by an out-of-order exit of an enclosing scope, or it is being exited in another "
+        "thread or task than the one that entered it"
+    )
+
+
 def _label(frame: Frame | None) -> str:
     if frame is None:
         return "none"
@@ -161,12 +184,13 @@ def resolve(phase: Phase) -> Handler:
     >>> with attn_scope(runner):
     ...     handler = resolve(Phase.DECODE)
     """
-    frame = _CURRENT.get()
-    if frame is None:
-        raise NoActiveScopeError("resolve")
+    # The happy path is exactly one ContextVar.get and one index: no scope (None) and a bad
+    # phase both land in the except clause, which costs nothing until it runs.
     try:
-        return frame[phase]  # type: ignore[no-any-return]
+        return _CURRENT.get()[phase]  # type: ignore[index,no-any-return]
     except (TypeError, IndexError):
+        if _CURRENT.get() is None:
+            raise NoActiveScopeError("resolve") from None
         raise UnknownPhaseError(repr(phase), tuple(p.name for p in Phase)) from None
 
 
@@ -338,10 +362,12 @@ class record_dispatch:
     def __exit__(self, *exc_info: object) -> None:
         global _recording
         token, self._token = self._token, None
+        if token is None:
+            # Decrementing here would leave the process-wide count wrong for good.
+            raise ScopeError("record_dispatch exited without being entered")
         with _recording_lock:
             _recording -= 1
-        if token is not None:
-            _RECORDERS.reset(token)
+        _RECORDERS.reset(token)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,10 +76,15 @@ def run_case(name: str, cfg, batch_size: int, ctx: int, iters: int, peak, copy) 
     total_pages = batch_size * pages_per
     gen = torch.Generator().manual_seed(0)
     perm = torch.randperm(total_pages, generator=gen).tolist()  # scattered pages
-    tables = [perm[i * pages_per: (i + 1) * pages_per] for i in range(batch_size)]
+    tables = [perm[i * pages_per : (i + 1) * pages_per] for i in range(batch_size)]
     batch = AttnBatch.build(
-        Phase.DECODE, q_lens=[1] * batch_size, kv_lens=[ctx] * batch_size,
-        page_tables=tables, page_size=ps, num_pages=total_pages, device=dev,
+        Phase.DECODE,
+        q_lens=[1] * batch_size,
+        kv_lens=[ctx] * batch_size,
+        page_tables=tables,
+        page_size=ps,
+        num_pages=total_pages,
+        device=dev,
     )
     q = torch.randn(batch_size, cfg.num_q_heads, cfg.head_dim, device=dev, dtype=dt)
     if cfg.kind == "mla":
@@ -150,15 +155,37 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     peak = _peak_gbps(dev)
     copy = _copy_gbps(dev, 20)
-    print(f"# peak {peak or float('nan'):.0f} GB/s (NVML), device copy {copy:.0f} GB/s "
-          f"({copy / peak if peak else float('nan'):.2f} of peak)")
+    print(
+        f"# peak {peak or float('nan'):.0f} GB/s (NVML), device copy {copy:.0f} GB/s "
+        f"({copy / peak if peak else float('nan'):.2f} of peak)"
+    )
     cases = [
-        ("mla decode b64 ctx4096 h16 bf16",
-         AttnConfig(kind="mla", num_q_heads=16, num_kv_heads=1, head_dim=576, v_head_dim=512,
-                    dtype="bfloat16", page_size=64, device="cuda")),
-        ("gqa decode b64 ctx4096 32/8x128 bf16",
-         AttnConfig(kind="mha", num_q_heads=32, num_kv_heads=8, head_dim=128, v_head_dim=128,
-                    dtype="bfloat16", page_size=16, device="cuda")),
+        (
+            "mla decode b64 ctx4096 h16 bf16",
+            AttnConfig(
+                kind="mla",
+                num_q_heads=16,
+                num_kv_heads=1,
+                head_dim=576,
+                v_head_dim=512,
+                dtype="bfloat16",
+                page_size=64,
+                device="cuda",
+            ),
+        ),
+        (
+            "gqa decode b64 ctx4096 32/8x128 bf16",
+            AttnConfig(
+                kind="mha",
+                num_q_heads=32,
+                num_kv_heads=8,
+                head_dim=128,
+                v_head_dim=128,
+                dtype="bfloat16",
+                page_size=16,
+                device="cuda",
+            ),
+        ),
     ]
     for name, cfg in cases:
         try:

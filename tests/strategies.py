@@ -1,13 +1,28 @@
-"""Hypothesis strategies for the whole test suite (one module, as the style guide asks)."""
+"""Hypothesis strategies for the whole test suite (one module, as the style guide asks), and
+the small torch-free test backends the dispatch tests draw from.
+
+Echo backends: their handlers return an identifying tuple instead of a tensor, so a test can
+tell from a call's result exactly which runner, phase and backend object served it. Register
+them inside the ``registry_snapshot`` fixture (tests/conftest.py) or a ``RegistrySnapshot``, so
+the global registry is restored afterwards.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import string
 from typing import Any
 
 from hypothesis import strategies as st
 
+from attn_dispatch import AttnConfig
+from attn_dispatch import BackendSpec
+from attn_dispatch import Capabilities
+from attn_dispatch import FormPolicy
 from attn_dispatch import Phase
+from attn_dispatch import _registry
+from attn_dispatch import register_backend
 
 # ---------------------------------------------------------------------------------------------
 # Kernel cases for the contract suite. A case is plain data; tests/contract/cases.py turns it
@@ -99,4 +114,188 @@ def kernel_cases(
         trees=tree,
         extra_pages=draw(st.integers(0, 5)),
         seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch tests: registry snapshots, echo backends, configs, specs.
+
+_ids = itertools.count()
+
+
+class RegistrySnapshot:
+    """Saves the registry's internals and puts them back (the ``registry_snapshot`` fixture of
+    tests/conftest.py uses it; so do state machines, which cannot use function fixtures)."""
+
+    def __init__(self) -> None:
+        _registry._ensure_loaded()
+        with _registry._lock:
+            self.entries = dict(_registry._entries)
+            self.plugin_errors = dict(_registry.plugin_errors)
+            self.loaded = _registry._loaded
+
+    def restore(self) -> None:
+        with _registry._lock:
+            _registry._entries.clear()
+            _registry._entries.update(self.entries)
+            _registry.plugin_errors.clear()
+            _registry.plugin_errors.update(self.plugin_errors)
+            _registry._loaded = self.loaded
+            _registry._loading = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EchoHandler:
+    """A handler that returns who it is: ``(backend name, phase, backend object id, plan)``."""
+
+    backend: str
+    phase: Phase
+    instance: int
+
+    def __call__(self, q: Any, k_cache: Any, v_cache: Any, plan: Any, sm_scale: float) -> Any:
+        return (self.backend, self.phase, self.instance, plan)
+
+
+class EchoBackend:
+    """A torch-free backend: ``plan`` counts its calls; handlers echo their identity.
+
+    For MLA configs it serves the absorbed form only (no decompressed handlers to fake).
+    """
+
+    form_policy = FormPolicy.absorbed_only()
+
+    def __init__(self, config: AttnConfig, *, name: str = "echo", **options: Any) -> None:
+        self.name = name
+        self.config = config
+        self.options = options
+        self.instance = next(_ids)
+        self.plans: list[Any] = []
+        self.handler_calls: list[Phase] = []
+
+    def plan(self, batch: Any) -> Any:
+        self.plans.append(batch)
+        return ("plan", self.name, self.instance, len(self.plans))
+
+    def handler(self, phase: Phase) -> EchoHandler:
+        self.handler_calls.append(phase)
+        return EchoHandler(self.name, phase, self.instance)
+
+
+class _HostLens(tuple[int, ...]):
+    def sum(self) -> int:  # what FormPolicy.choose reads of an AttnBatch's host tensor
+        return sum(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FakeBatch:
+    """What attn_scope needs of a batch without torch: its phase (and, for an MLA binding's
+    form policy, the host-side lengths)."""
+
+    phase: Phase
+    kv_lens: tuple[int, ...] = (1,)
+    num_tokens: int = 1
+
+    @property
+    def kv_lens_host(self) -> _HostLens:
+        return _HostLens(self.kv_lens)
+
+
+def echo_factory(name: str) -> Any:
+    def make(config: AttnConfig, **options: Any) -> EchoBackend:
+        return EchoBackend(config, name=name, **options)
+
+    make.__qualname__ = f"echo_factory({name!r})"
+    return make
+
+
+ANY_CAPS = Capabilities(kinds={"mha", "mla"}, devices={"cpu", "cuda"})
+MHA_ONLY_CAPS = Capabilities(kinds={"mha"}, devices={"cpu"})
+
+
+def register_echo(
+    name: str, capabilities: Capabilities = ANY_CAPS, *, replace: bool = False
+) -> None:
+    """Register an EchoBackend under ``name`` (call inside a registry snapshot)."""
+    register_backend(name, capabilities=capabilities, factory=echo_factory(name), replace=replace)
+
+
+def mha_config(**changes: Any) -> AttnConfig:
+    base: dict[str, Any] = dict(
+        kind="mha", num_q_heads=8, num_kv_heads=2, head_dim=64, dtype="float32", device="cpu"
+    )
+    base.update(changes)
+    return AttnConfig(**base)
+
+
+def mla_config(**changes: Any) -> AttnConfig:
+    """DeepSeek-like absorbed MLA: 16 heads, 576 = 512 latent + 64 rope, bf16."""
+    base: dict[str, Any] = dict(
+        kind="mla",
+        num_q_heads=16,
+        num_kv_heads=1,
+        head_dim=576,
+        v_head_dim=512,
+        dtype="bfloat16",
+        device="cpu",
+    )
+    base.update(changes)
+    return AttnConfig(**base)
+
+
+# ---------------------------------------------------------------------------------------------
+# strategies
+
+phases = st.sampled_from(list(Phase))
+
+# Backend names as BackendSpec accepts them: no ',', '=' or whitespace, not empty.
+backend_names = st.text(
+    alphabet=string.ascii_letters + string.digits + "_-.:/+",
+    min_size=1,
+    max_size=12,
+)
+
+
+@st.composite
+def backend_specs(draw: st.DrawFn, names: st.SearchStrategy[str] = backend_names) -> BackendSpec:
+    """Any valid BackendSpec over ``names`` (verify given or following either mode)."""
+    return BackendSpec(
+        prefill=draw(names),
+        decode=draw(names),
+        verify=draw(st.none() | names),
+        verify_mode=draw(st.sampled_from(["prefill", "decode"])),
+    )
+
+
+dtype_names = st.sampled_from(["float32", "float16", "bfloat16"])
+
+
+@st.composite
+def attn_configs(draw: st.DrawFn) -> AttnConfig:
+    """Valid MHA (GQA) and MLA configs of modest sizes."""
+    kind = draw(st.sampled_from(["mha", "mla"]))
+    dtype = draw(dtype_names)
+    page_size = draw(st.sampled_from([1, 16, 64]))
+    tree = draw(st.booleans())
+    if kind == "mla":
+        v = draw(st.sampled_from([128, 256, 512]))
+        rope = draw(st.sampled_from([32, 64]))
+        return AttnConfig(
+            kind="mla",
+            num_q_heads=draw(st.integers(1, 128)),
+            num_kv_heads=1,
+            head_dim=v + rope,
+            v_head_dim=v,
+            dtype=dtype,
+            page_size=page_size,
+            tree_verify=tree,
+        )
+    kv = draw(st.integers(1, 8))
+    return AttnConfig(
+        kind="mha",
+        num_q_heads=kv * draw(st.integers(1, 8)),
+        num_kv_heads=kv,
+        head_dim=draw(st.sampled_from([32, 64, 128, 256])),
+        dtype=dtype,
+        page_size=page_size,
+        tree_verify=tree,
     )

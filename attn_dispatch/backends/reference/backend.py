@@ -33,6 +33,7 @@ class TorchPlan:
     page_table: torch.Tensor  # int64 [B, max_pages], padded with page 0 (masked by kv_lens)
     q_rows: torch.Tensor  # int64 [B, max_q], row of q per (request, slot); pads point at row 0
     q_valid: torch.Tensor  # bool [B, max_q]
+    out_rows: torch.Tensor  # int64 [T]: flat (request, slot) index of each query in [B * max_q]
     q_pos: torch.Tensor  # int64 [B, max_q], absolute position of each query in its sequence
     kv_lens: torch.Tensor  # int64 [B]
     mask: torch.Tensor | None  # bool [B, max_q, max_kv] (tree verify), else None
@@ -109,6 +110,9 @@ class TorchBackend:
             page_table=page_table,
             q_rows=q_rows.to(dev),
             q_valid=q_valid.to(dev),
+            # Gathering by index, not by the bool mask, keeps run free of host syncs (a mask
+            # index needs nonzero()), so a CUDA graph can capture it.
+            out_rows=torch.nonzero(q_valid.flatten()).squeeze(1).to(dev),
             q_pos=q_pos.to(dev),
             kv_lens=kv_lens.to(dev),
             mask=mask,
@@ -210,7 +214,7 @@ class TorchBackend:
                     allowed = allowed & (kpos[None, None, :] <= pos[:, :, None])
                 acc.update(k, v, allowed, sm_scale)
             out[:, q0:q1] = acc.result(c.num_q_heads)
-        return out[plan.q_valid].to(q.dtype)
+        return out.view(b * max_q, c.num_q_heads, dv).index_select(0, plan.out_rows).to(q.dtype)
 
     def _padded_q(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``[T, Hq, D]`` -> ``[B, Hkv, G, Mq, D]`` in fp32 (pads repeat row 0, masked later)."""

@@ -1,0 +1,179 @@
+"""``attention`` inside ``torch.compile(fullgraph=True)``: an opaque custom op.
+
+Dynamo cannot trace ``ContextVar.get``, so a compiled model that calls
+``attn_dispatch.attention`` would break its graph at every layer (and ``fullgraph=True`` would
+refuse it). This module registers the dispatch as one opaque operator,
+``torch.ops.attn_dispatch.attention``, whose body runs at *run time*: it reads the active
+scope then, so one compiled function serves every runner and follows whichever runner's
+``attn_scope`` is open on each call. Its fake implementation gives the output shape
+``[T, Hq, Dv]`` from the inputs alone, which is all the compiler needs.
+
+Importing this module also tells Dynamo to trace ``attn_dispatch.attention`` as that op
+(``torch.compiler.substitute_in_graph``), so model code keeps calling ``attention`` and eager
+calls pay nothing extra:
+
+>>> import attn_dispatch.compile  # once, before the first compiled call
+>>> @torch.compile(fullgraph=True)
+... def layer(q, k_cache, v_cache):
+...     return attention(q, k_cache, v_cache, sm_scale=0.125)
+>>> with attn_scope(target, batch):
+...     out = layer(q, k_cache, v_cache)      # the target's kernel
+>>> with attn_scope(draft, draft_batch):
+...     out = layer(q2, k2, v2)               # the draft's kernel, same compiled code
+
+MLA passes ``v_cache=None``, so the value width is not in the shapes: inside a compiled
+function call ``attention_op(q, k_cache, None, sm_scale=..., v_head_dim=512)``.
+
+The op is tagged ``cudagraph_unsafe``: Inductor's own CUDA graphs (``mode="reduce-overhead"``)
+must not capture it, because a captured graph bakes in the runner, kernel and plan it saw.
+Capture decode steps with :mod:`attn_dispatch.cuda_graph`, which follows that rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._scope import attention as _scope_attention
+
+__all__ = ["OP_NAME", "attention_op"]
+
+OP_NAME = "attn_dispatch::attention"
+
+_TAGS: tuple[Any, ...] = tuple(
+    t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None
+)
+
+# Registered with torch.library.Library rather than the @custom_op decorator: in a side-by-side
+# probe the decorator's Python wrapper cost about three times as much per eager call (~23 vs
+# ~8 us on this machine), and this op has no autograd to offer. FRAGMENT leaves the namespace
+# open to other ops (a C++ TORCH_LIBRARY_FRAGMENT, say). The Library object must stay alive with
+# the module.
+_LIB = torch.library.Library("attn_dispatch", "FRAGMENT")  # type: ignore[no-untyped-call]
+_LIB.define(  # type: ignore[no-untyped-call]
+    "attention(Tensor q, Tensor k_cache, Tensor? v_cache, float sm_scale, int v_head_dim) "
+    "-> Tensor",
+    tags=_TAGS,
+)
+
+
+def _attention_impl(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    sm_scale: float,
+    v_head_dim: int,
+) -> torch.Tensor:
+    # Resolved here, at run time, in the caller's context: never at trace time.
+    out: torch.Tensor = _scope_attention(q, k_cache, v_cache, sm_scale=sm_scale)
+    if (
+        out.dim() != 3
+        or out.shape[0] != q.shape[0]
+        or out.shape[1] != q.shape[1]
+        or out.shape[2] != v_head_dim
+        or out.dtype != q.dtype
+        or out.device != q.device
+    ):
+        # The compiled graph was built from the fake shape; a different real one would be
+        # silently misread by the code after the op.
+        want = (q.shape[0], q.shape[1], v_head_dim)
+        raise InvalidBatchError(
+            "v_head_dim",
+            f"the active backend returned {tuple(out.shape)} {out.dtype} on {out.device}, but "
+            f"the compiled graph expects {want} {q.dtype} on {q.device} (v_head_dim="
+            f"{v_head_dim!r}); pass the bound config's v_head_dim",
+        )
+    # An operator's output must not alias its inputs; a backend may return a view.
+    base = out._base
+    if base is not None and any(
+        t is not None and base is (t._base if t._base is not None else t)
+        for t in (q, k_cache, v_cache)
+    ):
+        out = out.clone()
+    return out
+
+
+def _attention_fake(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    sm_scale: float,
+    v_head_dim: int,
+) -> torch.Tensor:
+    return q.new_empty((q.shape[0], q.shape[1], v_head_dim))
+
+
+# One implementation for every device: the backend the scope chose does the device work.
+_LIB.impl("attention", _attention_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+torch.library.register_fake(OP_NAME, _attention_fake, lib=_LIB)
+
+
+def _value_width(k_cache: Any, v_cache: Any, v_head_dim: int | None) -> int:
+    if v_head_dim is not None:
+        if isinstance(v_head_dim, bool) or not isinstance(v_head_dim, int) or v_head_dim <= 0:
+            raise InvalidBatchError("v_head_dim", f"must be a positive int, got {v_head_dim!r}")
+        return v_head_dim
+    if v_cache is not None:
+        return int(v_cache.shape[-1])
+    raise InvalidBatchError(
+        "v_head_dim",
+        "v_cache is None (MLA), so the output width is not in the tensor shapes; pass "
+        "v_head_dim=<the config's v_head_dim> (512 for DeepSeek), e.g. "
+        "attn_dispatch.compile.attention_op(q, k_cache, None, sm_scale=s, v_head_dim=512)",
+    )
+
+
+def attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None = None,
+    *,
+    sm_scale: float,
+    v_head_dim: int | None = None,
+) -> torch.Tensor:
+    """``attention(...)`` as the opaque op ``torch.ops.attn_dispatch.attention``.
+
+    >>> with attn_scope(runner, batch):
+    ...     out = torch.compile(lambda q, k: attention_op(q, k, None, sm_scale=s,
+    ...                                                    v_head_dim=512), fullgraph=True)(q, k)
+
+    ``v_head_dim`` defaults to ``v_cache.shape[-1]``; MLA (``v_cache=None``) must pass it.
+    Eagerly it costs one trip through the torch dispatcher more than ``attention``.
+    """
+    dv = _value_width(k_cache, v_cache, v_head_dim)
+    return _OP(q, k_cache, v_cache, float(sm_scale), dv)  # type: ignore[no-any-return]
+
+
+_OP = torch.ops.attn_dispatch.attention.default
+
+
+_NOT_TRACEABLE = (
+    "attn_dispatch.attention cannot be traced with v_cache=None and no v_head_dim (MLA: the "
+    "output width is not in the tensor shapes) nor with prefix chunks (an iterator); in "
+    "compiled code call attn_dispatch.compile.attention_op(q, k_cache, None, sm_scale=..., "
+    "v_head_dim=<config.v_head_dim>), and run the mha_chunked form outside the compiled region"
+)
+# Without fullgraph this is a graph break that runs the plain eager call; with fullgraph it is
+# an error that carries the reason above.
+_attention_outside_graph = torch.compiler.disable(_scope_attention, reason=_NOT_TRACEABLE)  # type: ignore[no-untyped-call]
+
+
+def _attention_in_graph(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any = None,
+    *,
+    sm_scale: float,
+    prefix: Any = None,
+    v_head_dim: int | None = None,
+) -> Any:
+    # What Dynamo traces in place of attn_dispatch.attention (eager calls never come here).
+    if prefix is not None or (v_cache is None and v_head_dim is None):
+        return _attention_outside_graph(q, k_cache, v_cache, sm_scale=sm_scale, prefix=prefix)
+    return attention_op(q, k_cache, v_cache, sm_scale=sm_scale, v_head_dim=v_head_dim)
+
+
+# skip_signature_check: the stand-in also takes v_head_dim, for a core `attention` that grows it.
+torch.compiler.substitute_in_graph(_scope_attention, skip_signature_check=True)(_attention_in_graph)

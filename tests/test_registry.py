@@ -1,0 +1,364 @@
+"""The registry: decorator form, dotted factories imported at bind, duplicates, thread safety,
+lazy entry-point plugins, and bindings that never see later registry changes."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+import textwrap
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from attn_dispatch import AttnConfig
+from attn_dispatch import AttnDispatchError
+from attn_dispatch import BackendSpec
+from attn_dispatch import BackendUnavailableError
+from attn_dispatch import Capabilities
+from attn_dispatch import DuplicateBackendError
+from attn_dispatch import InvalidSpecError
+from attn_dispatch import Phase
+from attn_dispatch import UnknownBackendError
+from attn_dispatch import _registry
+from attn_dispatch import bind
+from attn_dispatch import list_backends
+from attn_dispatch import register_backend
+from attn_dispatch import unregister_backend
+from tests.strategies import ANY_CAPS
+from tests.strategies import MHA_ONLY_CAPS
+from tests.strategies import EchoBackend
+from tests.strategies import EchoHandler
+from tests.strategies import echo_factory
+from tests.strategies import mha_config
+from tests.strategies import register_echo
+
+pytestmark = pytest.mark.usefixtures("registry_snapshot")
+
+
+def test_builtin_reference_is_registered() -> None:
+    backends = list_backends()
+    assert "torch" in backends
+    assert list(backends) == sorted(backends)
+    assert backends["torch"].kinds == frozenset({"mha", "mla"})
+
+
+def test_decorator_form_returns_the_factory() -> None:
+    @register_backend("deco", capabilities=ANY_CAPS)
+    def make(config: AttnConfig, **options: Any) -> EchoBackend:
+        return EchoBackend(config, name="deco")
+
+    assert callable(make) and make.__name__ == "make"  # the function itself, undecorated
+    assert list_backends()["deco"] is ANY_CAPS
+    b = bind("deco", mha_config())
+    assert isinstance(b.backend(Phase.DECODE), EchoBackend)
+
+
+def test_plain_form_returns_the_factory() -> None:
+    f = echo_factory("plain")
+    assert register_backend("plain", capabilities=ANY_CAPS, factory=f) is f
+    assert "plain" in list_backends()
+
+
+def test_duplicate_raises_unless_replace() -> None:
+    register_echo("dup")
+    with pytest.raises(DuplicateBackendError) as info:
+        register_echo("dup", MHA_ONLY_CAPS)
+    err = info.value
+    assert isinstance(err, ValueError) and isinstance(err, AttnDispatchError)
+    assert err.name == "dup"
+    assert "'dup' is already registered" in str(err) and "replace=True" in str(err)
+    assert list_backends()["dup"] is ANY_CAPS  # unchanged by the refused registration
+    register_echo("dup", MHA_ONLY_CAPS, replace=True)
+    assert list_backends()["dup"] is MHA_ONLY_CAPS
+    with pytest.raises(DuplicateBackendError):  # built-ins are protected too
+        register_echo("torch")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "words"),
+    [
+        (dict(name="", capabilities=ANY_CAPS, factory=echo_factory("x")), "name", "non-empty"),
+        (dict(name="a,b", capabilities=ANY_CAPS, factory=echo_factory("x")), "name", "','"),
+        (dict(name="a b", capabilities=ANY_CAPS, factory=echo_factory("x")), "name", "word"),
+        (
+            dict(name="x", capabilities={"kinds": {"mha"}}, factory=echo_factory("x")),
+            "capabilities",
+            "Capabilities instance",
+        ),
+        (
+            dict(name="x", capabilities=ANY_CAPS, factory="pkg.module.attr"),
+            "factory",
+            "module:attr",
+        ),
+        (dict(name="x", capabilities=ANY_CAPS, factory=42), "factory", "callable"),
+    ],
+)
+def test_register_rejects(kwargs: dict[str, Any], field: str, words: str) -> None:
+    before = set(list_backends())
+    with pytest.raises(InvalidSpecError) as info:
+        register_backend(**kwargs)
+    assert info.value.field == field
+    assert words in str(info.value)
+    assert set(list_backends()) == before
+
+
+def test_unregister() -> None:
+    register_echo("gone")
+    binding = bind("gone", mha_config())
+    unregister_backend("gone")
+    assert "gone" not in list_backends()
+    assert binding.handler(Phase.DECODE)(None, None, None, None, 1.0)[0] == "gone"
+    with pytest.raises(UnknownBackendError) as info:
+        unregister_backend("gone")
+    assert info.value.name == "gone" and isinstance(info.value, KeyError)
+
+
+# -- dotted factories ---------------------------------------------------------------------------
+
+
+def _write_module(tmp_path: Path, name: str, log: Path, body: str = "") -> None:
+    (tmp_path / f"{name}.py").write_text(
+        textwrap.dedent(
+            f"""
+            from pathlib import Path
+            Path({str(log)!r}).open("a").write(__name__ + "\\n")  # records each import
+
+            from tests.strategies import EchoBackend
+
+            def make(config, **options):
+                return EchoBackend(config, name="lazy", **options)
+            """
+        )
+        + textwrap.dedent(body)
+    )
+
+
+def test_dotted_factory_imported_only_at_bind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "imports.log"
+    mod = "attn_dispatch_test_lazy_factory"
+    _write_module(tmp_path, mod, log)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, mod, raising=False)
+
+    register_backend("lazy", capabilities=ANY_CAPS, factory=f"{mod}:make")
+    list_backends()
+    assert not log.exists() and mod not in sys.modules  # registering imports nothing
+
+    binding = bind("lazy", mha_config(), options={"lazy": {"flavour": "x"}})
+    assert log.read_text() == f"{mod}\n"
+    assert binding.backend(Phase.PREFILL).options == {"flavour": "x"}
+    bind("lazy", mha_config())
+    assert log.read_text() == f"{mod}\n"  # imported once, then cached by Python
+    monkeypatch.delitem(sys.modules, mod)
+
+
+def test_dotted_factory_nested_attribute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = "attn_dispatch_test_nested_factory"
+    _write_module(tmp_path, mod, tmp_path / "log", "class Holder:\n    make = staticmethod(make)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    register_backend("nested", capabilities=ANY_CAPS, factory=f"{mod}:Holder.make")
+    assert isinstance(bind("nested", mha_config()).backend(Phase.DECODE), EchoBackend)
+    monkeypatch.delitem(sys.modules, mod)
+
+
+@pytest.mark.parametrize(
+    ("factory", "words"),
+    [
+        ("attn_dispatch_no_such_module:make", "ModuleNotFoundError"),
+        ("attn_dispatch._spec:no_such_attr", "AttributeError"),
+        ("attn_dispatch._spec:VerifyMode.__name__", "is not callable"),
+    ],
+)
+def test_dotted_factory_that_cannot_load(factory: str, words: str) -> None:
+    register_backend("broken", capabilities=ANY_CAPS, factory=factory)
+    with pytest.raises(BackendUnavailableError) as info:
+        bind("broken", mha_config())
+    err = info.value
+    assert isinstance(err, RuntimeError) and isinstance(err, AttnDispatchError)
+    assert err.name == "broken"
+    assert words in err.reason and repr(factory) in str(err)
+
+
+# -- bindings are snapshots --------------------------------------------------------------------
+
+
+def test_registry_change_never_alters_a_binding() -> None:
+    register_echo("snap")
+    config = mha_config()
+    binding = bind(BackendSpec.parse("prefill=snap,decode=torch"), config, label="t")
+    handlers = [binding.handler(p) for p in Phase]
+    backends = dict(binding.backends)
+    caps = binding.capabilities("snap")
+
+    register_backend(
+        "snap", capabilities=MHA_ONLY_CAPS, factory=echo_factory("other"), replace=True
+    )
+    unregister_backend("torch")
+    register_echo("torch", replace=False)  # a different "torch" now
+
+    assert [binding.handler(p) for p in Phase] == handlers
+    assert all(binding.handler(p) is h for p, h in zip(Phase, handlers, strict=True))
+    assert dict(binding.backends) == backends
+    assert binding.capabilities("snap") is caps is ANY_CAPS
+    out = binding.handler(Phase.PREFILL)(None, None, None, None, 1.0)
+    assert out[0] == "snap"
+    # A new bind sees the new registry.
+    fresh = bind(BackendSpec.parse("prefill=snap,decode=torch"), config)
+    assert isinstance(fresh.handler(Phase.PREFILL), EchoHandler)
+    assert fresh.handler(Phase.PREFILL).backend == "other"
+    assert fresh.handler(Phase.DECODE).backend == "torch"
+
+
+# -- threads -------------------------------------------------------------------------------------
+
+
+def test_thread_safe_registration() -> None:
+    n_threads, per_thread = 16, 25
+    start = threading.Barrier(n_threads)
+    errors: list[BaseException] = []
+    dup_errors: list[DuplicateBackendError] = []
+
+    def work(t: int) -> None:
+        try:
+            start.wait()
+            for i in range(per_thread):
+                register_echo(f"thr{t}_{i}")
+                try:
+                    register_echo("contended")  # exactly one thread wins
+                except DuplicateBackendError as exc:
+                    dup_errors.append(exc)
+                list_backends()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    names = set(list_backends())
+    assert {f"thr{t}_{i}" for t in range(n_threads) for i in range(per_thread)} <= names
+    assert "contended" in names
+    assert len(dup_errors) == n_threads * per_thread - 1
+
+
+# -- entry points -------------------------------------------------------------------------------
+
+GOOD_PLUGIN = """
+from attn_dispatch import register_backend
+from tests.strategies import ANY_CAPS, echo_factory
+
+def register():
+    register_backend("plugged", capabilities=ANY_CAPS, factory=echo_factory("plugged"))
+"""
+
+ENTRY_PLUGIN = """
+from attn_dispatch._registry import BackendEntry
+from tests.strategies import ANY_CAPS, echo_factory
+
+ENTRY = BackendEntry("entry_plugged", ANY_CAPS, echo_factory("entry_plugged"))
+"""
+
+
+@pytest.fixture
+def fake_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Three entry points (function, BackendEntry, broken); the registry forgets its load."""
+    (tmp_path / "adt_good_plugin.py").write_text(GOOD_PLUGIN)
+    (tmp_path / "adt_entry_plugin.py").write_text(ENTRY_PLUGIN)
+    (tmp_path / "adt_broken_plugin.py").write_text("raise ImportError('needs libfoo.so')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    group = _registry.ENTRY_POINT_GROUP
+    eps = importlib.metadata.EntryPoints(
+        [
+            importlib.metadata.EntryPoint("plugged", "adt_good_plugin:register", group),
+            importlib.metadata.EntryPoint("entry_plugged", "adt_entry_plugin:ENTRY", group),
+            importlib.metadata.EntryPoint("fancy", "adt_broken_plugin:register", group),
+        ]
+    )
+    calls: list[str] = []
+
+    def entry_points(**kw: Any) -> importlib.metadata.EntryPoints:
+        calls.append(kw.get("group", ""))
+        return eps.select(**kw)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    for m in ("adt_good_plugin", "adt_entry_plugin", "adt_broken_plugin"):
+        monkeypatch.delitem(sys.modules, m, raising=False)
+    _registry._reset_for_tests()
+    return calls
+
+
+def test_entry_points_load_lazily_once(fake_plugins: list[str]) -> None:
+    assert fake_plugins == []  # nothing loaded until the registry is used
+    assert "adt_good_plugin" not in sys.modules
+    with pytest.warns(RuntimeWarning) as rec:
+        names = set(list_backends())
+    assert fake_plugins == [_registry.ENTRY_POINT_GROUP]
+    assert {"torch", "plugged", "entry_plugged"} <= names
+    assert "fancy" not in names
+    (w,) = [w for w in rec if "fancy" in str(w.message)]
+    assert "'fancy'" in str(w.message) and "ImportError: needs libfoo.so" in str(w.message)
+    assert "adt_broken_plugin:register" in str(w.message)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second use neither reloads nor warns again
+        list_backends()
+        bind("plugged", mha_config())
+        register_echo("after_plugins")
+    assert fake_plugins == [_registry.ENTRY_POINT_GROUP]
+
+
+def test_broken_plugin_error_in_unknown_backend(fake_plugins: list[str]) -> None:
+    with pytest.warns(RuntimeWarning):
+        list_backends()
+    with pytest.raises(UnknownBackendError) as info:
+        bind("fancy", mha_config())
+    msg = str(info.value)
+    assert "unknown attention backend 'fancy'" in msg
+    assert "a plugin named 'fancy' failed to load: ImportError: needs libfoo.so" in msg
+    assert _registry.plugin_errors == {"fancy": "ImportError: needs libfoo.so"}
+
+
+def test_plugin_loading_is_thread_safe(fake_plugins: list[str]) -> None:
+    # Many threads race to the first use: the plugins load once, all see them.
+    seen: list[set[str]] = []
+    start = threading.Barrier(8)
+
+    def first_use() -> None:
+        start.wait()
+        seen.append(set(list_backends()))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        threads = [threading.Thread(target=first_use) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert fake_plugins == [_registry.ENTRY_POINT_GROUP]
+    assert len(seen) == 8 and all({"plugged", "entry_plugged", "torch"} <= s for s in seen)
+
+
+def test_capabilities_object_is_kept() -> None:
+    caps = Capabilities(kinds={"mha"}, description="mine")
+    register_backend("keep", capabilities=caps, factory=echo_factory("keep"))
+    assert list_backends()["keep"] is caps
+
+
+def test_cli_list_shows_failed_plugins(
+    fake_plugins: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attn_dispatch._cli import main
+
+    with pytest.warns(RuntimeWarning):
+        assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (row,) = [line for line in lines if line.startswith("fancy ")]
+    assert "no: plugin failed to load: ImportError: needs libfoo.so" in row
+    assert any(line.startswith("plugged ") and line.endswith("yes") for line in lines)

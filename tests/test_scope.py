@@ -1,0 +1,550 @@
+"""attn_scope, resolve, current_binding, attention: nesting, errors, threads, asyncio tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from attn_dispatch import AttnDispatchError
+from attn_dispatch import Binding
+from attn_dispatch import InvalidBatchError
+from attn_dispatch import InvalidSpecError
+from attn_dispatch import NoActiveScopeError
+from attn_dispatch import Phase
+from attn_dispatch import ScopeError
+from attn_dispatch import UnknownPhaseError
+from attn_dispatch import attention
+from attn_dispatch import attn_scope
+from attn_dispatch import bind
+from attn_dispatch import carry_scope
+from attn_dispatch import current_batch
+from attn_dispatch import current_binding
+from attn_dispatch import register_backend
+from attn_dispatch import resolve
+from attn_dispatch import run_in_thread
+from attn_dispatch._scope import iter_scopes
+from tests.strategies import ANY_CAPS
+from tests.strategies import EchoBackend
+from tests.strategies import FakeBatch
+from tests.strategies import mha_config
+from tests.strategies import register_echo
+
+
+class Runner:
+    def __init__(self, binding: Binding) -> None:
+        self.attn_binding = binding
+
+
+@pytest.fixture
+def a(registry_snapshot: object) -> Binding:
+    register_echo("sa")
+    register_echo("sb")
+    return bind("prefill=sa,decode=sb", mha_config(), label="A")
+
+
+@pytest.fixture
+def b(a: Binding) -> Binding:
+    return bind("sb", mha_config(), label="B")
+
+
+def who(phase: Phase = Phase.DECODE) -> Any:
+    """The identity of the handler that serves ``phase`` here (label is not part of it)."""
+    return resolve(phase)
+
+
+def no_scope() -> bool:
+    try:
+        resolve(Phase.DECODE)
+    except NoActiveScopeError:
+        return True
+    return False
+
+
+@pytest.fixture(autouse=True)
+def _clean_context() -> Iterator[None]:
+    assert no_scope(), "a previous test leaked a scope"
+    yield
+    assert no_scope(), "this test leaked a scope"
+
+
+# -- outside every scope -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "what"),
+    [
+        (lambda: resolve(Phase.DECODE), "resolve"),
+        (current_binding, "current_binding"),
+        (current_batch, "current_batch"),
+        (lambda: attention(1, 2, 3, sm_scale=1.0), "attention"),
+    ],
+)
+def test_outside_scope_raises_with_hint(call: Any, what: str) -> None:
+    with pytest.raises(NoActiveScopeError) as info:
+        call()
+    err = info.value
+    assert isinstance(err, RuntimeError) and isinstance(err, AttnDispatchError)
+    assert err.what == what
+    msg = str(err)
+    assert msg.startswith(f"{what}() was called outside any attention scope")
+    assert "with attn_dispatch.attn_scope(runner, batch):" in msg
+    assert "run_in_thread" in msg and "copy_context().run" in msg
+
+
+# -- basics and nesting --------------------------------------------------------------------------
+
+
+def test_scope_with_runner_or_binding(a: Binding) -> None:
+    for target in (a, Runner(a)):
+        with attn_scope(target) as bound:
+            assert bound is a
+            assert current_binding() is a
+            assert current_batch() is None
+            for p in Phase:
+                assert resolve(p) is a.handler(p)
+        assert no_scope()
+
+
+def test_nesting_innermost_wins_outer_restored(a: Binding, b: Binding) -> None:
+    with attn_scope(a):
+        assert resolve(Phase.PREFILL) is a.handler(Phase.PREFILL)
+        with attn_scope(b):
+            assert current_binding() is b
+            assert resolve(Phase.PREFILL) is b.handler(Phase.PREFILL)
+            with attn_scope(a):
+                assert current_binding() is a
+                assert list(iter_scopes()) == [a, b, a]
+            assert current_binding() is b
+        assert current_binding() is a
+        assert resolve(Phase.PREFILL).backend == "sa"
+    assert no_scope()
+
+
+def test_resolve_bad_phase(a: Binding) -> None:
+    with attn_scope(a), pytest.raises(UnknownPhaseError):
+        resolve("decode")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("exc_type", [ValueError, KeyboardInterrupt, SystemExit, GeneratorExit])
+def test_exceptions_restore_outer(a: Binding, b: Binding, exc_type: type[BaseException]) -> None:
+    with attn_scope(a):
+        with pytest.raises(exc_type):
+            with attn_scope(b):
+                assert current_binding() is b
+                raise exc_type()
+        assert current_binding() is a
+    assert no_scope()
+
+
+def test_generator_close_restores(a: Binding, b: Binding) -> None:
+    def gen() -> Iterator[Binding]:
+        with attn_scope(b):
+            yield current_binding()
+            yield current_binding()
+
+    with attn_scope(a):
+        g = gen()
+        assert next(g) is b
+        # A plain generator shares its caller's context: b is visible here until it closes.
+        assert current_binding() is b
+        g.close()  # GeneratorExit inside the scope
+        assert current_binding() is a
+
+
+def test_scope_instance_reusable_but_not_reentrant(a: Binding) -> None:
+    scope = attn_scope(a)
+    with scope:
+        with pytest.raises(ScopeError) as info:
+            scope.__enter__()
+        assert "already active" in str(info.value)
+        assert isinstance(info.value, RuntimeError)
+        assert current_binding() is a
+    assert no_scope()
+    with scope:  # a closed scope may be entered again
+        assert current_binding() is a
+    assert no_scope()
+
+
+def test_exit_without_enter(a: Binding) -> None:
+    with pytest.raises(ScopeError, match="without being entered"):
+        attn_scope(a).__exit__(None, None, None)
+
+
+def test_out_of_order_exit(a: Binding, b: Binding) -> None:
+    outer, inner = attn_scope(a), attn_scope(b)
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(ScopeError) as info:
+        outer.__exit__(None, None, None)
+    msg = str(info.value)
+    assert "attn_scope('A') exited while an inner scope ('B') was still open" in msg
+    assert "reverse order" in msg
+    assert no_scope()  # both closed: nothing stale stays bound
+    with pytest.raises(ScopeError) as info:
+        inner.__exit__(None, None, None)
+    assert "attn_scope('B') is not open in this context" in str(info.value)
+    assert no_scope()
+    with attn_scope(b):  # usable again afterwards
+        assert current_binding() is b
+
+
+def test_out_of_order_exit_inside_outer_scope(a: Binding, b: Binding) -> None:
+    with attn_scope(b):
+        s1, s2 = attn_scope(a), attn_scope(a)
+        s1.__enter__()
+        s2.__enter__()
+        with pytest.raises(ScopeError):
+            s1.__exit__(None, None, None)
+        assert current_binding() is b  # back to the scope that encloses both
+        with pytest.raises(ScopeError):
+            s2.__exit__(None, None, None)
+        assert current_binding() is b
+
+
+def test_exit_in_another_thread_raises_scope_error(a: Binding) -> None:
+    scope = attn_scope(a)
+    scope.__enter__()
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            scope.__exit__(None, None, None)
+        except BaseException as exc:
+            errors.append(exc)
+
+    for target in (close, carry_scope(close)):
+        t = threading.Thread(target=target)
+        t.start()
+        t.join()
+    assert len(errors) == 2
+    assert all(isinstance(e, ScopeError) for e in errors), errors
+    assert all("is not open in this context" in str(e) for e in errors)
+    assert current_binding() is a  # the owner's context is untouched
+    scope.__exit__(None, None, None)  # and the owner can still close what it opened
+    assert no_scope()
+
+
+def test_not_a_runner() -> None:
+    with pytest.raises(InvalidSpecError) as info:
+        attn_scope(object())
+    assert info.value.field == "runner"
+    assert "no attn_binding attribute" in str(info.value)
+    assert "attn_dispatch.bind(spec, config)" in str(info.value)
+    with pytest.raises(InvalidSpecError, match="got str"):
+        attn_scope(Runner("torch"))  # type: ignore[arg-type]
+
+
+def test_batch_without_phase(a: Binding) -> None:
+    with pytest.raises(InvalidBatchError) as info:
+        attn_scope(a, object())
+    assert info.value.field == "phase"
+    assert "has no Phase" in str(info.value)
+
+
+# -- batches, planning, attention ----------------------------------------------------------------
+
+
+def test_plan_once_per_scope_on_the_phase_backend(a: Binding) -> None:
+    sa, sb = a.backends["sa"], a.backends["sb"]
+    assert isinstance(sa, EchoBackend) and isinstance(sb, EchoBackend)
+    batch = FakeBatch(Phase.DECODE)
+    with attn_scope(a, batch):
+        assert current_batch() is batch
+        outs = [attention(i, None, None, sm_scale=0.5) for i in range(5)]
+    assert sb.plans == [batch] and sa.plans == []  # decode -> sb, planned once for 5 layers
+    plan = ("plan", "sb", sb.instance, 1)
+    assert outs == [("sb", Phase.DECODE, sb.instance, plan)] * 5
+    with attn_scope(a, FakeBatch(Phase.PREFILL)):
+        out = attention(None, None, sm_scale=1.0)
+    assert len(sa.plans) == 1 and len(sb.plans) == 1
+    assert out[0] == "sa" and out[1] is Phase.PREFILL
+
+
+def test_attention_passes_arguments_through(registry_snapshot: object) -> None:
+    seen: list[tuple[Any, ...]] = []
+
+    class Spy(EchoBackend):
+        def handler(self, phase: Phase) -> Any:
+            def run(q: Any, k: Any, v: Any, plan: Any, sm_scale: float) -> Any:
+                seen.append((q, k, v, plan, sm_scale))
+                return "out"
+
+            return run
+
+    register_backend("spy", capabilities=ANY_CAPS, factory=lambda c, **o: Spy(c, name="spy"))
+    binding = bind("spy", mha_config())
+    with attn_scope(binding, FakeBatch(Phase.VERIFY)):
+        assert attention("q", "k", "v", sm_scale=0.125) == "out"
+    assert seen == [("q", "k", "v", ("plan", "spy", binding.backends["spy"].instance, 1), 0.125)]
+    with pytest.raises(TypeError):
+        attention("q", "k", "v", 0.1)  # type: ignore[misc]
+
+
+def test_attention_without_batch(a: Binding) -> None:
+    with attn_scope(a):
+        with pytest.raises(InvalidBatchError) as info:
+            attention(1, 2, 3, sm_scale=1.0)
+        err = info.value
+        assert err.field == "batch" and err.request is None
+        assert "needs a scope opened with a batch" in str(err)
+        assert "attn_scope(runner, batch)" in str(err)
+
+
+def test_plan_error_leaves_no_scope(registry_snapshot: object, a: Binding) -> None:
+    class BadPlan(EchoBackend):
+        def plan(self, batch: Any) -> Any:
+            raise InvalidBatchError("kv_lens", "negative", request=3)
+
+    register_backend("badplan", capabilities=ANY_CAPS, factory=lambda c, **o: BadPlan(c))
+    binding = bind("badplan", mha_config())
+    scope = attn_scope(binding, FakeBatch(Phase.PREFILL))
+    with pytest.raises(InvalidBatchError) as info:
+        with scope:
+            raise AssertionError("not reached")
+    assert info.value.request == 3
+    assert no_scope()
+    with attn_scope(a):
+        with pytest.raises(InvalidBatchError):
+            with attn_scope(binding, FakeBatch(Phase.DECODE)):
+                pass
+        assert current_binding() is a  # the outer scope is still the active one
+
+
+def test_handler_error_leaves_no_scope(registry_snapshot: object) -> None:
+    class Boom(EchoBackend):
+        def handler(self, phase: Phase) -> Any:
+            def run(*args: Any) -> Any:
+                raise RuntimeError("kernel failed")
+
+            return run
+
+    register_backend("boom", capabilities=ANY_CAPS, factory=lambda c, **o: Boom(c))
+    binding = bind("boom", mha_config())
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        with attn_scope(binding, FakeBatch(Phase.DECODE)):
+            attention(1, 2, 3, sm_scale=1.0)
+    assert no_scope()
+
+
+# -- decorator -----------------------------------------------------------------------------------
+
+
+def test_decorator(a: Binding, b: Binding) -> None:
+    @attn_scope(Runner(a))
+    def forward(x: int) -> tuple[int, Binding]:
+        """Docs kept."""
+        return x, current_binding()
+
+    assert forward.__name__ == "forward" and forward.__doc__ == "Docs kept."
+    assert forward(1) == (1, a)
+    with attn_scope(b):
+        assert forward(2) == (2, a)
+        assert current_binding() is b
+    assert forward(3) == (3, a)  # each call opens its own scope; recursion-safe too
+
+
+def test_decorator_plans_per_call(a: Binding) -> None:
+    batch = FakeBatch(Phase.DECODE)
+
+    @attn_scope(a, batch)
+    def forward() -> Any:
+        return attention(0, 0, sm_scale=1.0)
+
+    first, second = forward(), forward()
+    assert first[3][3] == 1 and second[3][3] == 2  # plan counter: one plan per call
+    assert len(a.backends["sb"].plans) == 2
+
+
+def test_decorator_async(a: Binding, b: Binding) -> None:
+    @attn_scope(a)
+    async def forward(x: int) -> tuple[int, Binding, Binding]:
+        first = current_binding()
+        await asyncio.sleep(0)
+        return x, first, current_binding()
+
+    async def main() -> None:
+        assert await forward(1) == (1, a, a)
+        with attn_scope(b):
+            assert await forward(2) == (2, a, a)
+            assert current_binding() is b
+        results = await asyncio.gather(*(forward(i) for i in range(10)))
+        assert results == [(i, a, a) for i in range(10)]
+
+    assert asyncio.iscoroutinefunction(forward)
+    asyncio.run(main())
+
+
+def test_async_with(a: Binding) -> None:
+    async def main() -> Binding:
+        async with attn_scope(a) as bound:
+            await asyncio.sleep(0)
+            assert bound is a
+            return current_binding()
+
+    assert asyncio.run(main()) is a
+
+
+# -- threads -------------------------------------------------------------------------------------
+
+
+def _in_thread(fn: Any) -> Any:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_plain_thread_sees_no_scope(a: Binding) -> None:
+    with attn_scope(a):
+        assert _in_thread(no_scope) is True
+        assert current_binding() is a
+
+
+def test_carry_scope(a: Binding, b: Binding) -> None:
+    with attn_scope(a):
+        fn = carry_scope(current_binding)
+    assert no_scope()
+    with attn_scope(b):
+        # The scope is the one at carry time, in the worker and even here.
+        assert _in_thread(fn) is a
+        assert fn() is a
+        assert current_binding() is b
+
+
+def test_carry_scope_worker_scopes_stay_in_worker(a: Binding, b: Binding) -> None:
+    def worker() -> Binding:
+        with attn_scope(b):
+            assert current_binding() is b
+        return current_binding()
+
+    with attn_scope(a):
+        assert _in_thread(carry_scope(worker)) is a
+        assert current_binding() is a
+
+
+def test_carry_scope_many_threads_at_once(a: Binding) -> None:
+    with attn_scope(a):
+        fn = carry_scope(lambda: resolve(Phase.PREFILL))
+    start = threading.Barrier(8)
+    out: list[Any] = []
+
+    def run() -> None:
+        start.wait()
+        out.append(fn())  # one Context shared by many threads would raise RuntimeError
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == [a.handler(Phase.PREFILL)] * 8
+
+
+def test_run_in_thread(a: Binding) -> None:
+    with attn_scope(a):
+        name, binding = run_in_thread(
+            lambda x: (threading.current_thread().name, current_binding()), 1
+        )
+    assert binding is a and name == "attn_dispatch-worker"
+
+    def fail(kind: str) -> None:
+        raise KeyError(kind)
+
+    with pytest.raises(KeyError, match="bad"):
+        run_in_thread(fail, kind="bad")
+    with pytest.raises(NoActiveScopeError):
+        run_in_thread(current_binding)
+
+
+def test_threads_are_isolated(a: Binding, b: Binding) -> None:
+    barrier = threading.Barrier(2)
+    seen: dict[str, list[Binding]] = {"a": [], "b": []}
+
+    def run(key: str, binding: Binding) -> None:
+        with attn_scope(binding):
+            for _ in range(50):
+                barrier.wait()
+                seen[key].append(current_binding())
+
+    ts = [threading.Thread(target=run, args=("a", a)), threading.Thread(target=run, args=("b", b))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert seen == {"a": [a] * 50, "b": [b] * 50}
+
+
+# -- asyncio -------------------------------------------------------------------------------------
+
+
+def test_asyncio_tasks_isolated(a: Binding, b: Binding) -> None:
+    bindings = [a, b]
+
+    async def task(i: int) -> list[bool]:
+        mine = bindings[i % 2]
+        ok = []
+        with attn_scope(mine):
+            for _ in range(20):
+                await asyncio.sleep(0)  # let every other task run between resolves
+                ok.append(current_binding() is mine)
+                ok.append(resolve(Phase.PREFILL) is mine.handler(Phase.PREFILL))
+        ok.append(current_binding() is b)  # back to what the task inherited from main
+        return ok
+
+    async def main() -> None:
+        with attn_scope(b):
+            results = await asyncio.gather(*(task(i) for i in range(20)))
+            assert current_binding() is b
+        assert all(all(r) for r in results)
+
+    asyncio.run(main())
+
+
+def test_task_inherits_scope_at_creation(a: Binding, b: Binding) -> None:
+    async def child() -> Binding:
+        await asyncio.sleep(0)
+        return current_binding()
+
+    async def main() -> None:
+        with attn_scope(a):
+            t = asyncio.create_task(child())
+        with attn_scope(b):
+            assert await t is a  # a copy of the context at create_task time
+
+    asyncio.run(main())
+
+
+def test_context_copy_is_independent(a: Binding, b: Binding) -> None:
+    with attn_scope(a):
+        ctx = contextvars.copy_context()
+    assert ctx.run(current_binding) is a
+
+    def enter_b() -> None:
+        attn_scope(b).__enter__()  # left open inside ctx on purpose
+
+    ctx.run(enter_b)
+    assert ctx.run(current_binding) is b
+    assert no_scope()
+
+
+def test_decorator_refuses_generator_functions(a: Binding) -> None:
+    # The scope would close before the generator body runs (or, held across yields, leak into
+    # the caller between them): refuse at decoration instead of silently not applying.
+    def gen() -> Iterator[Binding]:
+        yield current_binding()
+
+    async def agen() -> Any:
+        yield current_binding()
+
+    for fn in (gen, agen):
+        with pytest.raises(ScopeError) as info:
+            attn_scope(a)(fn)
+        assert isinstance(info.value, RuntimeError)
+        assert f"cannot decorate the generator function {fn.__qualname__!r}" in str(info.value)
+        assert "with attn_scope(...)" in str(info.value)
