@@ -48,7 +48,8 @@ def _runnable_here() -> Iterable[str]:
 
 
 def _device_check(config: AttnConfig, phase: Phase) -> Iterable[str]:
-    if config.device_type == "cpu" and not interpreter_on():
+    # Off CUDA machines the availability reason already says this; say it once.
+    if config.device_type == "cpu" and not interpreter_on() and not list(_runnable_here()):
         yield (
             f"device {config.device!r} needs TRITON_INTERPRET=1: on CPU the triton kernels run "
             "only under triton's interpreter (for tests); set it in the environment before the "
