@@ -402,6 +402,41 @@ def test_bad_options_raise() -> None:
         TritonBackend(cfg, num_kv_splits=0)
 
 
+def test_graphed_decode_keeps_its_split_count_as_sequences_grow() -> None:
+    # A captured graph baked in the split count of the capture step. Later steps whose
+    # sequences grew past a split-rule threshold would plan another count; update_plan keeps
+    # the captured one (valid for any lengths) instead of refusing the step.
+    from attn_dispatch.cuda_graph import capture_decode
+
+    cfg = AttnConfig("mha", 4, 2, 32, 32, dtype="float32", page_size=16, device=DEVICE)
+    opts = {"triton": {"target_programs": 8, "min_split_tokens": 32}}
+    binding = bind("triton", cfg, label="target", options=opts)
+    tables = [[0, 2, 4, 6], [1, 3, 5, 7]]  # four pages each: room to grow, same shapes
+
+    def step_batch(lens: list[int]) -> AttnBatch:
+        return AttnBatch.build(
+            Phase.DECODE, q_lens=[1, 1], kv_lens=lens, page_tables=tables, page_size=16,
+            num_pages=8, device=DEVICE,
+        )  # fmt: skip
+
+    k_cache = torch.randn(8, 16, 2, 32, device=DEVICE)
+    v_cache = torch.randn(8, 16, 2, 32, device=DEVICE)
+    q = torch.randn(2, 4, 32, device=DEVICE)
+
+    def step(q: torch.Tensor) -> torch.Tensor:
+        return attention(q, k_cache, v_cache, sm_scale=0.2)
+
+    first = step_batch([20, 30])
+    graphed = capture_decode(binding, first, step, q)
+    assert graphed.plan.num_splits == 1
+    grown = step_batch([60, 62])
+    assert binding.backend(Phase.DECODE).plan(grown).num_splits == 2  # what a fresh plan picks
+    q2 = torch.randn(2, 4, 32, device=DEVICE)
+    out = graphed.replay(grown, q2).clone()
+    ref = reference(q2, k_cache, v_cache, grown, 0.2, 32)
+    torch.testing.assert_close(out.cpu(), ref, atol=TOL["float32"], rtol=TOL["float32"])
+
+
 # ---------------------------------------------------------------- CUDA
 
 

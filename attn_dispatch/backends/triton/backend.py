@@ -139,6 +139,37 @@ class TritonBackend:
             )
         return _ops.plan_extend(self._kc, batch)
 
+    def update_plan(self, plan: _ops.DecodePlan | _ops.ExtendPlan, batch: Any) -> None:
+        """Re-plan ``batch`` into a CUDA-graph-captured ``plan`` (``cuda_graph`` calls this).
+
+        The caller has already copied the new step's metadata into ``plan.batch``'s tensors.
+        The kernels read lengths and page tables from those device tensors, so the captured
+        split count and grids stay valid for any lengths; a step whose sequences grew past a
+        split-rule threshold is not refused. Only what the captured grid must cover is checked.
+        """
+        if batch is not plan.batch:
+            raise InvalidBatchError(
+                "batch",
+                "update_plan re-plans the batch the plan was made for, after its tensors were "
+                "refilled; copy the new step into plan.batch first (GraphedForward does)",
+            )
+        qo = batch.qo_indptr_host
+        q_lens = qo[1:] - qo[:-1]
+        longest = int(q_lens.max()) if q_lens.numel() else 0
+        if isinstance(plan, _ops.DecodePlan):
+            if longest > 1:
+                raise InvalidBatchError(
+                    "qo_indptr",
+                    f"a query of {longest} tokens in a graph captured for one token per request",
+                )
+        elif longest > plan.grid[2] * self._kc.extend_block_m:
+            raise InvalidBatchError(
+                "qo_indptr",
+                f"a query of {longest} tokens exceeds the captured grid "
+                f"({plan.grid[2] * self._kc.extend_block_m} rows per request); capture with the "
+                "longest query length",
+            )
+
     def handler(self, phase: Phase) -> Any:
         """The per-layer callable for ``phase`` (one for all phases: the plan picks the kernel)."""
         return self._handlers[Phase(phase)]
