@@ -161,6 +161,13 @@ def main() -> int:
             f"{case.name:<24} {plan.num_splits:>6} {secs * 1e6:>10.1f} {gbs:>9.0f} {ratio:>8} "
             f"{err:>8.1e}"
         )
+        # One line per case for bench/gpu.sh's summary table.
+        where = f"of {peak:.0f} GB/s peak" if peak else "(peak unknown)"
+        tag = "" if on_cuda else " [dry run, interpreter]"
+        print(
+            f"SUMMARY triton decode {case.name}, batch {b} x {ctx}, page {ps}: {gbs:.0f} GB/s "
+            f"= {ratio} {where}; {plan.num_splits} splits, max err {err:.1e}{tag}"
+        )
     if not on_cuda:
         print("dry run: logic exercised on CPU; the times are interpreter times, not GPU figures")
     return 1 if failed else 0
