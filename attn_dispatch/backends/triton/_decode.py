@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Sizes that vary between configs and batches are not specialised on (value 1, multiple of
+# 16): it would only multiply the compiled variants (a JIT compile costs seconds).
+@triton.jit(do_not_specialize=["page_size", "group_size", "groups_per_kv", "num_splits"])
 def _decode_split_kernel(
     Q,
     K,
@@ -153,7 +155,7 @@ def _decode_split_kernel(
     tl.store(Part_lse + b * stride_lb + heads * stride_lh + s, lse, mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "num_splits"])
 def _decode_merge_kernel(
     Part_out,
     Part_lse,

@@ -174,7 +174,8 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Not specialised on page size or group size: fewer compiled variants (see _decode).
+@triton.jit(do_not_specialize=["page_size", "group_size"])
 def _extend_kernel(
     Q,
     K,
