@@ -82,6 +82,8 @@ class FormPolicy:
         """The form for ``batch`` (an ``AttnBatch``), from its host-side lengths."""
         if batch.phase is not Phase.PREFILL:
             return self.choose_for(batch.phase, prefix_tokens=0)
+        if self.no_prefix is self.short_prefix is self.long_prefix:
+            return self.no_prefix  # no lengths needed (e.g. absorbed_only)
         prefix = int(batch.kv_lens_host.sum()) - int(batch.num_tokens)
         return self.choose_for(Phase.PREFILL, prefix_tokens=prefix)
 

@@ -99,7 +99,7 @@ class attn_scope:
         self._token = _CURRENT.set(frame)
         return b
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         token, frame = self._token, self._frame
         if token is None:
             raise ScopeError("attn_scope exited without being entered")
@@ -134,8 +134,8 @@ class attn_scope:
     async def __aenter__(self) -> Binding:
         return self.__enter__()
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.__exit__(*exc_info)
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.__exit__(exc_type, exc, tb)
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
         binding, batch = self._binding, self._batch

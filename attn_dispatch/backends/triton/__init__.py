@@ -1,0 +1,89 @@
+"""Triton backend, light half: capabilities only (imports no torch and no triton).
+
+The kernels (``_decode``, ``_extend``) and ``backend.TritonBackend`` load at bind time.
+On CUDA the kernels compile for the GPU. On CPU they run only under triton's interpreter,
+which must be switched on with ``TRITON_INTERPRET=1`` in the environment *before* the backend
+is first bound (triton reads it when the kernels are defined); tests set it at import.
+
+Head widths: q/k width ``D`` is split into the largest power of two <= D plus the rest padded
+to a power of two >= 16 (576 = 512 + 64, 80 = 64 + 16, 96 = 64 + 32); v is padded to a power
+of two >= 16. Widths 16..1024 are served; see ``_dims``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from attn_dispatch._capabilities import Capabilities
+from attn_dispatch._phase import Phase
+from attn_dispatch.backends.triton._dims import dim_reasons
+
+if TYPE_CHECKING:
+    from attn_dispatch._config import AttnConfig
+
+FACTORY = "attn_dispatch.backends.triton.backend:TritonBackend"
+
+
+def interpreter_on() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks triton for its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _runnable_here() -> Iterable[str]:
+    if interpreter_on():
+        return
+    try:
+        import torch  # at call time only: this module stays torch-free at import
+
+        cuda = bool(torch.cuda.is_available())
+    except ImportError:
+        cuda = False
+    if not cuda:
+        yield (
+            "needs a CUDA device, or TRITON_INTERPRET=1 to run the kernels on CPU under "
+            "triton's interpreter (for tests; set it before the backend is first bound)"
+        )
+
+
+def _device_check(config: AttnConfig, phase: Phase) -> Iterable[str]:
+    # Off CUDA machines the availability reason already says this; say it once.
+    if config.device_type == "cpu" and not interpreter_on() and not list(_runnable_here()):
+        yield (
+            f"device {config.device!r} needs TRITON_INTERPRET=1: on CPU the triton kernels run "
+            "only under triton's interpreter (for tests); set it in the environment before the "
+            "backend is first bound, or use a CUDA device"
+        )
+
+
+def _shape_check(config: AttnConfig, phase: Phase) -> Iterable[str]:
+    assert config.v_head_dim is not None
+    yield from dim_reasons(config.head_dim, config.v_head_dim)
+    if config.kv_dtype != config.dtype:
+        yield (
+            f"kv_dtype {config.kv_dtype!r} differs from dtype {config.dtype!r}: the triton "
+            "kernels feed q and the cache to one tl.dot, which needs one dtype"
+        )
+
+
+CAPABILITIES = Capabilities(
+    kinds=frozenset({"mha", "mla"}),
+    phases=frozenset(Phase),
+    devices=frozenset({"cuda", "cpu"}),
+    dtypes=frozenset({"float32", "float16", "bfloat16"}),
+    custom_mask=True,
+    # MLA: the absorbed form only (paged latent cache); no decompressed MHA entry point.
+    forms=frozenset({"mla"}),
+    requires=("torch", "triton"),
+    # bf16 tl.dot needs Ampere; older GPUs are not served rather than served in part.
+    min_compute_capability=(8, 0),
+    checks=(_device_check, _shape_check),
+    availability=(_runnable_here,),
+    description=(
+        "Triton kernels: split-KV paged decode, prefix + causal/tree-mask extend, MHA/GQA and "
+        "absorbed MLA; CUDA, or CPU under TRITON_INTERPRET=1"
+    ),
+)
+
+__all__ = ["CAPABILITIES", "FACTORY", "interpreter_on"]

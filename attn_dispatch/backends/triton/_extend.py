@@ -1,0 +1,284 @@
+"""Paged extend attention for PREFILL and VERIFY: cached prefix, then the new tokens.
+
+Grid (request, query head, query block of ``BLOCK_M`` rows). Request i has q_len new tokens
+at the end of its kv_len cached tokens (their K/V already written), so the prefix is
+``[0, kv_len - q_len)``. Pass 1 walks the prefix: without a custom mask every new token sees
+all of it, so no mask work at all. Pass 2 walks the new tokens: causally it stops at the last
+key the block's last query may see (tiles past the diagonal are never visited); with a custom
+mask (tree verify) each tile's bits are read first and a tile with no allowed bit is skipped
+before its K/V are loaded. Rows that allow no key at all come out as 0, not NaN.
+"""
+
+# Triton kernel parameters are typed by triton itself (pointers, ints, tl.constexpr): mypy
+# cannot see those types, so it is told not to demand annotations here.
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_block(
+    acc,
+    m_i,
+    l_i,
+    q_main,
+    q_rest,
+    K,
+    V,
+    kv_indices,
+    page_base,
+    n0,
+    n_end,
+    rows,
+    row_mask,
+    q_pos,
+    Mask,
+    mask_base,
+    kv_len,
+    page_size,
+    kv_head,
+    sm_scale_log2,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_REST: tl.constexpr,
+    DV_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_MASK: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_end
+    allowed = row_mask[:, None] & n_mask[None, :]
+    if USE_MASK:
+        bits = tl.load(
+            Mask + mask_base + rows[:, None].to(tl.int64) * kv_len + offs_n[None, :],
+            mask=allowed,
+            other=0,
+        )
+        allowed = allowed & (bits != 0)
+    if CAUSAL:
+        allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
+    if USE_MASK:
+        # Skip a tile no row may see before loading its K/V. Only with a custom mask: the
+        # causal passes never visit such tiles, and a data-dependent branch costs registers.
+        if tl.max(allowed.to(tl.int32)) > 0:
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, offs_n, n_mask,
+                allowed, page_size, kv_head, sm_scale_log2,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, UPCAST, IEEE,
+            )  # fmt: skip
+    else:
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, offs_n, n_mask,
+            allowed, page_size, kv_head, sm_scale_log2,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, UPCAST, IEEE,
+        )  # fmt: skip
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q_main,
+    q_rest,
+    K,
+    V,
+    kv_indices,
+    page_base,
+    offs_n,
+    n_mask,
+    allowed,
+    page_size,
+    kv_head,
+    sm_scale_log2,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_REST: tl.constexpr,
+    DV_BLOCK: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    # Rows with nothing allowed in this tile get p = 0 and keep their state (see m_safe).
+    offs_d = tl.arange(0, D_MAIN)
+    page = tl.load(kv_indices + page_base + offs_n // page_size, mask=n_mask, other=0)
+    slot = offs_n % page_size
+    k_row = K + page.to(tl.int64) * stride_kp + slot * stride_ks + kv_head * stride_kh
+    k_main = tl.load(k_row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    if UPCAST:
+        k_main = k_main.to(tl.float32)
+    if IEEE:
+        qk = tl.dot(q_main, tl.trans(k_main), input_precision="ieee")
+    else:
+        qk = tl.dot(q_main, tl.trans(k_main))
+    if D_REST > 0:
+        offs_r = D_MAIN + tl.arange(0, D_REST)
+        k_rest = tl.load(
+            k_row[:, None] + offs_r[None, :],
+            mask=n_mask[:, None] & (offs_r < HEAD_DIM)[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            k_rest = k_rest.to(tl.float32)
+        if IEEE:
+            qk += tl.dot(q_rest, tl.trans(k_rest), input_precision="ieee")
+        else:
+            qk += tl.dot(q_rest, tl.trans(k_rest))
+    qk = tl.where(allowed, qk * sm_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # A row with nothing allowed so far keeps m = -inf: shift by 0 instead (no inf - inf).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_FROM_K:
+        v = k_main
+    else:
+        offs_v = tl.arange(0, DV_BLOCK)
+        v_row = V + page.to(tl.int64) * stride_vp + slot * stride_vs + kv_head * stride_vh
+        v = tl.load(
+            v_row[:, None] + offs_v[None, :],
+            mask=n_mask[:, None] & (offs_v < V_DIM)[None, :],
+            other=0.0,
+        )
+        if UPCAST:
+            v = v.to(tl.float32)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+# Not specialised on page size or group size: fewer compiled variants (see _decode).
+@triton.jit(do_not_specialize=["page_size", "group_size"])
+def _extend_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    kv_lens,
+    Mask,
+    mask_indptr,
+    sm_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    page_size,
+    group_size,
+    HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    D_MAIN: tl.constexpr,
+    D_REST: tl.constexpr,
+    DV_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_MASK: tl.constexpr,
+    V_FROM_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mblk = tl.program_id(2)
+
+    q_start = tl.load(qo_indptr + b)
+    q_len = tl.load(qo_indptr + b + 1) - q_start
+    m0 = mblk * BLOCK_M
+    if m0 < q_len:
+        kv_len = tl.load(kv_lens + b)
+        prefix = kv_len - q_len
+        page_base = tl.load(kv_indptr + b)
+        kv_head = h // group_size
+        mask_base = 0
+        if USE_MASK:
+            mask_base = tl.load(mask_indptr + b)
+
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < q_len
+        q_pos = prefix + rows
+        offs_d = tl.arange(0, D_MAIN)
+        q_ptr = Q + (q_start + rows)[:, None].to(tl.int64) * stride_qt + h * stride_qh
+        q_main = tl.load(q_ptr + offs_d[None, :], mask=row_mask[:, None], other=0.0)
+        if UPCAST:
+            q_main = q_main.to(tl.float32)
+        q_rest = q_main  # placeholder when there is no rest part; never used then
+        if D_REST > 0:
+            offs_r = D_MAIN + tl.arange(0, D_REST)
+            q_rest = tl.load(
+                q_ptr + offs_r[None, :],
+                mask=row_mask[:, None] & (offs_r < HEAD_DIM)[None, :],
+                other=0.0,
+            )
+            if UPCAST:
+                q_rest = q_rest.to(tl.float32)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, DV_BLOCK], dtype=tl.float32)
+
+        # Pass 1: the cached prefix, visible to every new token unless a custom mask says no.
+        for n0 in range(0, prefix, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, n0, prefix,
+                rows, row_mask, q_pos, Mask, mask_base, kv_len, page_size, kv_head,
+                sm_scale_log2, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, BLOCK_N,
+                False, USE_MASK, V_FROM_K, UPCAST, IEEE,
+            )  # fmt: skip
+        # Pass 2: the new tokens. Causal: keys past this block's last query are never visited.
+        if USE_MASK:
+            new_end = kv_len
+        else:
+            new_end = tl.minimum(kv_len, prefix + m0 + BLOCK_M)
+        for n0 in range(prefix, new_end, BLOCK_N):
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, n0, kv_len,
+                rows, row_mask, q_pos, Mask, mask_base, kv_len, page_size, kv_head,
+                sm_scale_log2, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, BLOCK_N,
+                not USE_MASK, USE_MASK, V_FROM_K, UPCAST, IEEE,
+            )  # fmt: skip
+
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        offs_v = tl.arange(0, DV_BLOCK)
+        o_ptr = Out + (q_start + rows)[:, None].to(tl.int64) * stride_ot + h * stride_oh
+        tl.store(
+            o_ptr + offs_v[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=row_mask[:, None] & (offs_v < V_DIM)[None, :],
+        )

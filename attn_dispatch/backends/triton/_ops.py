@@ -1,0 +1,240 @@
+"""Host side of the triton kernels: launch constants, plans and launches (no attn_dispatch core).
+
+Everything that needs the host is computed in ``plan_decode`` / ``plan_extend`` from the
+batch's host copies (python ints and CPU tensors), once per forward; ``run_*`` only launches
+kernels on tensors that already exist on the device, so it is safe to capture in a CUDA graph
+(the output tensor is the one allocation, taken from the graph's pool under capture).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from ._decode import _decode_merge_kernel
+from ._decode import _decode_split_kernel
+from ._dims import DimLayout
+from ._extend import _extend_kernel
+
+LOG2E = 1.4426950408889634
+
+
+def interpreting() -> bool:
+    """True when triton runs kernels on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def choose_num_splits(
+    num_requests: int,
+    head_groups: int,
+    max_kv_len: int,
+    *,
+    target_programs: int,
+    min_split_tokens: int,
+    max_splits: int,
+) -> int:
+    """Number of KV splits for one decode forward.
+
+    Rule: one program per (request, head group) is enough when that already reaches
+    ``target_programs`` (about two waves of the GPU's SMs). Otherwise split each sequence into
+    ``ceil(target / programs)`` slices, but never into slices shorter than
+    ``min_split_tokens`` of the longest sequence (short slices cost more in partial writes and
+    merging than they gain) and never more than ``max_splits``.
+
+    Example: ``choose_num_splits(64, 1, 4096, target_programs=264, min_split_tokens=256,
+    max_splits=32)`` -> 5 (MLA, 16 heads in one group, on a 132-SM GPU).
+    """
+    programs = max(1, num_requests * head_groups)
+    if programs >= target_programs:
+        return 1
+    wanted = math.ceil(target_programs / programs)
+    by_length = max(1, math.ceil(max_kv_len / max(1, min_split_tokens)))
+    return max(1, min(wanted, by_length, max_splits))
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    """Launch constants fixed per backend object (per model runner config)."""
+
+    mla: bool
+    num_q_heads: int
+    num_kv_heads: int
+    layout: DimLayout
+    device: torch.device
+    upcast: bool
+    ieee: bool
+    block_h: int
+    decode_block_n: int
+    extend_block_m: int
+    extend_block_n: int
+    decode_warps: int
+    extend_warps: int
+    num_stages: int
+    target_programs: int
+    min_split_tokens: int
+    max_splits: int
+    forced_splits: int | None
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def groups_per_kv(self) -> int:
+        return -(-self.group_size // self.block_h)
+
+    @property
+    def v_from_k(self) -> bool:
+        # MLA whose V is exactly the power-of-two main part of the latent row: reuse that tile.
+        return self.mla and self.layout.v_head_dim == self.layout.main
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    batch: Any
+    num_splits: int
+    part_out: torch.Tensor  # [B, Hq, S, Dv] fp32
+    part_lse: torch.Tensor  # [B, Hq, S] fp32
+    split_grid: tuple[int, int, int]
+    merge_grid: tuple[int, int]
+    constants: dict[str, Any]
+    merge_constants: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendPlan:
+    batch: Any
+    grid: tuple[int, int, int]
+    mask: torch.Tensor | None  # uint8 view of the custom mask
+    mask_indptr: torch.Tensor | None
+    constants: dict[str, Any]
+
+
+def plan_decode(
+    kc: KernelConfig,
+    batch: Any,
+    num_splits: int,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+) -> DecodePlan:
+    """Decode launch plan; ``part_out`` [B, Hq, S, Dv] and ``part_lse`` [B, Hq, S] are fp32."""
+    b = int(batch.num_requests)
+    return DecodePlan(
+        batch=batch,
+        num_splits=num_splits,
+        part_out=part_out,
+        part_lse=part_lse,
+        split_grid=(b, kc.num_kv_heads * kc.groups_per_kv, num_splits),
+        merge_grid=(b, -(-kc.num_q_heads // kc.block_h)),
+        constants=decode_constants(kc),
+        merge_constants=merge_constants(kc),
+    )
+
+
+def plan_extend(kc: KernelConfig, batch: Any) -> ExtendPlan:
+    mask = batch.custom_mask
+    return ExtendPlan(
+        batch=batch,
+        grid=(
+            int(batch.num_requests),
+            kc.num_q_heads,
+            max(1, -(-int(batch.max_q_len) // kc.extend_block_m)),
+        ),
+        # Same bytes, read as uint8 in the kernel: a view, no copy.
+        mask=None if mask is None else mask.view(torch.uint8),
+        mask_indptr=None if mask is None else batch.mask_indptr,
+        constants=extend_constants(kc, mask is not None),
+    )
+
+
+def decode_constants(kc: KernelConfig) -> dict[str, Any]:
+    """Compile-time arguments of the split kernel (also used to compile it ahead of time)."""
+    lay = kc.layout
+    return dict(
+        HEAD_DIM=lay.head_dim, V_DIM=lay.v_head_dim, D_MAIN=lay.main, D_REST=lay.rest,
+        DV_BLOCK=lay.v_block, BLOCK_H=kc.block_h, BLOCK_N=kc.decode_block_n,
+        V_FROM_K=kc.v_from_k, UPCAST=kc.upcast, IEEE=kc.ieee,
+    )  # fmt: skip
+
+
+def merge_constants(kc: KernelConfig) -> dict[str, Any]:
+    lay = kc.layout
+    return dict(V_DIM=lay.v_head_dim, DV_BLOCK=lay.v_block, BLOCK_H=kc.block_h)
+
+
+def extend_constants(kc: KernelConfig, use_mask: bool) -> dict[str, Any]:
+    lay = kc.layout
+    return dict(
+        HEAD_DIM=lay.head_dim, V_DIM=lay.v_head_dim, D_MAIN=lay.main, D_REST=lay.rest,
+        DV_BLOCK=lay.v_block, BLOCK_M=kc.extend_block_m, BLOCK_N=kc.extend_block_n,
+        USE_MASK=use_mask, V_FROM_K=kc.v_from_k, UPCAST=kc.upcast, IEEE=kc.ieee,
+    )  # fmt: skip
+
+
+def _cache_strides(kc: KernelConfig, cache: torch.Tensor) -> tuple[int, int, int]:
+    if kc.mla:  # [P, page_size, D]: one latent head shared by all query heads
+        return cache.stride(0), cache.stride(1), 0
+    return cache.stride(0), cache.stride(1), cache.stride(2)
+
+
+def run_decode(
+    kc: KernelConfig,
+    plan: DecodePlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    sm_scale: float,
+) -> torch.Tensor:
+    lay = kc.layout
+    batch = plan.batch
+    v = k_cache if v_cache is None else v_cache
+    out = q.new_empty((q.shape[0], kc.num_q_heads, lay.v_head_dim))
+    _decode_split_kernel[plan.split_grid](
+        q, k_cache, v, batch.kv_indptr, batch.kv_indices, batch.kv_lens,
+        plan.part_out, plan.part_lse, sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        *_cache_strides(kc, k_cache), *_cache_strides(kc, v),
+        plan.part_out.stride(0), plan.part_out.stride(1), plan.part_out.stride(2),
+        plan.part_lse.stride(0), plan.part_lse.stride(1),
+        k_cache.shape[1], kc.group_size, kc.groups_per_kv, plan.num_splits,
+        **plan.constants, num_warps=kc.decode_warps, num_stages=kc.num_stages,
+    )  # fmt: skip
+    _decode_merge_kernel[plan.merge_grid](
+        plan.part_out, plan.part_lse, out, kc.num_q_heads, plan.num_splits,
+        plan.part_out.stride(0), plan.part_out.stride(1), plan.part_out.stride(2),
+        plan.part_lse.stride(0), plan.part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        **plan.merge_constants, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def run_extend(
+    kc: KernelConfig,
+    plan: ExtendPlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    sm_scale: float,
+) -> torch.Tensor:
+    lay = kc.layout
+    batch = plan.batch
+    v = k_cache if v_cache is None else v_cache
+    out = q.new_empty((q.shape[0], kc.num_q_heads, lay.v_head_dim))
+    # Without a mask the kernel never reads these; any device tensor will do as the argument.
+    mask = plan.mask if plan.mask is not None else batch.kv_indices
+    mask_indptr = plan.mask_indptr if plan.mask_indptr is not None else batch.kv_indptr
+    _extend_kernel[plan.grid](
+        q, k_cache, v, out, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_lens,
+        mask, mask_indptr, sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        *_cache_strides(kc, k_cache), *_cache_strides(kc, v),
+        out.stride(0), out.stride(1),
+        k_cache.shape[1], kc.group_size,
+        **plan.constants, num_warps=kc.extend_warps, num_stages=kc.num_stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,306 @@
+"""Triton backend, heavy half: ``TritonBackend(config, **options)`` (imports torch and triton).
+
+Per forward, ``plan(batch)`` reads only the batch's python ints and host copies, chooses the
+kernel (the split-KV decode kernel when every request has one query token, the extend kernel
+otherwise) and the number of KV splits, and carves the decode scratch buffers out of a
+workspace that this backend object keeps. The per-layer handler then only launches kernels:
+no host sync, no metadata allocation. The workspace grows only when a plan needs more than it
+holds; plan once with the largest shapes before capturing CUDA graphs so every replay sees
+the same memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attn_dispatch._config import AttnConfig
+from attn_dispatch._errors import BackendUnavailableError
+from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._forms import FormPolicy
+from attn_dispatch._phase import Phase
+from attn_dispatch.backends.triton import _ops
+from attn_dispatch.backends.triton._dims import DimLayout
+from attn_dispatch.backends.triton._dims import dim_reasons
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# Options a caller may pass through ``BackendSpec``/``bind`` (all ints, all optional).
+_INT_OPTIONS = (
+    "num_kv_splits",
+    "target_programs",
+    "min_split_tokens",
+    "max_splits",
+    "block_h",
+    "decode_block_n",
+    "extend_block_m",
+    "extend_block_n",
+    "decode_warps",
+    "extend_warps",
+    "num_stages",
+)
+_POW2_OPTIONS = ("block_h", "decode_block_n", "extend_block_m", "extend_block_n")
+
+
+class TritonBackend:
+    """Triton kernels for one runner's attention config.
+
+    >>> cfg = AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16", page_size=64, device="cuda")
+    >>> backend = TritonBackend(cfg, num_kv_splits=4)  # doctest: +SKIP
+    >>> run = backend.handler(Phase.DECODE)  # doctest: +SKIP
+    >>> out = run(q, k_cache, None, backend.plan(batch), 576**-0.5)  # doctest: +SKIP
+
+    Options (ints): ``num_kv_splits`` forces the decode split count; ``target_programs``,
+    ``min_split_tokens``, ``max_splits`` tune the split rule (``_ops.choose_num_splits``);
+    ``block_h``, ``decode_block_n``, ``extend_block_m``, ``extend_block_n`` (powers of two
+    >= 16), ``decode_warps``, ``extend_warps``, ``num_stages`` tune the launches.
+    """
+
+    name = "triton"
+
+    def __init__(self, config: AttnConfig, **options: Any) -> None:
+        self.config = config
+        device = torch.device(config.device)
+        interp = _ops.interpreting()
+        if device.type == "cpu" and not interp:
+            raise BackendUnavailableError(
+                self.name,
+                f"device {config.device!r} needs TRITON_INTERPRET=1 set before the triton "
+                "kernels are first imported (they were imported without it); use a CUDA device "
+                "or set it at process start",
+            )
+        if device.type not in ("cpu", "cuda"):
+            raise BackendUnavailableError(
+                self.name, f"device {config.device!r} is not served (choose 'cuda' or 'cpu')"
+            )
+        assert config.v_head_dim is not None
+        bad = dim_reasons(config.head_dim, config.v_head_dim)
+        if bad:
+            raise BackendUnavailableError(self.name, "; ".join(bad))
+        if config.dtype not in _DTYPES:
+            raise BackendUnavailableError(
+                self.name,
+                f"dtype {config.dtype!r} is not served (choose one of {sorted(_DTYPES)!r})",
+            )
+        opts = _check_options(options)
+        sms = None
+        if device.type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self._kc = kernel_config(config, opts, device=device, num_sms=sms, interpreting=interp)
+        self._dtype = _DTYPES[config.dtype]
+        self._workspace = torch.empty(0, dtype=torch.float32, device=device)
+        self._handlers = {phase: self._run for phase in Phase}
+        # MLA layers run the absorbed form in every phase: these kernels read the paged latent
+        # cache directly and have no decompressed (ragged per-head K/V) entry point.
+        self.form_policy = FormPolicy.absorbed_only()
+
+    @property
+    def kernel_config(self) -> _ops.KernelConfig:
+        """The launch constants (block sizes, split rule inputs) this backend uses."""
+        return self._kc
+
+    def plan(self, batch: Any) -> _ops.DecodePlan | _ops.ExtendPlan:
+        """Host-side work for one forward; reads only python ints and host copies."""
+        page_size = getattr(batch, "page_size", None)
+        if page_size is not None and page_size != self.config.page_size:
+            raise InvalidBatchError(
+                "page_size",
+                f"batch page_size {page_size!r} != bound config page_size "
+                f"{self.config.page_size!r}; the triton backend was bound for the latter",
+            )
+        if (
+            int(batch.max_q_len) == 1
+            and int(batch.num_tokens) == int(batch.num_requests)
+            and (batch.custom_mask is None)
+        ):
+            # One query token per request: the split-KV kernel (any phase; a one-token verify
+            # with a mask goes to the extend kernel, which reads the mask).
+            kc = self._kc
+            splits = kc.forced_splits or _ops.choose_num_splits(
+                int(batch.num_requests),
+                kc.num_kv_heads * kc.groups_per_kv,
+                int(batch.max_kv_len),
+                target_programs=kc.target_programs,
+                min_split_tokens=kc.min_split_tokens,
+                max_splits=kc.max_splits,
+            )
+            b, hq, dv = int(batch.num_requests), kc.num_q_heads, kc.layout.v_head_dim
+            need = b * hq * splits * (dv + 1)
+            if self._workspace.numel() < need:
+                self._workspace = torch.empty(need, dtype=torch.float32, device=kc.device)
+            part_out = self._workspace[: b * hq * splits * dv].view(b, hq, splits, dv)
+            part_lse = self._workspace[b * hq * splits * dv : need].view(b, hq, splits)
+            return _ops.plan_decode(kc, batch, splits, part_out, part_lse)
+        if batch.custom_mask is not None and batch.mask_indptr is None:
+            raise InvalidBatchError(
+                "mask_indptr", "custom_mask is set but mask_indptr is None; give both or neither"
+            )
+        return _ops.plan_extend(self._kc, batch)
+
+    def update_plan(self, plan: _ops.DecodePlan | _ops.ExtendPlan, batch: Any) -> None:
+        """Re-plan ``batch`` into a CUDA-graph-captured ``plan`` (``cuda_graph`` calls this).
+
+        The caller has already copied the new step's metadata into ``plan.batch``'s tensors.
+        The kernels read lengths and page tables from those device tensors, so the captured
+        split count and grids stay valid for any lengths; a step whose sequences grew past a
+        split-rule threshold is not refused. Only what the captured grid must cover is checked.
+        """
+        if batch is not plan.batch:
+            raise InvalidBatchError(
+                "batch",
+                "update_plan re-plans the batch the plan was made for, after its tensors were "
+                "refilled; copy the new step into plan.batch first (GraphedForward does)",
+            )
+        qo = batch.qo_indptr_host
+        q_lens = qo[1:] - qo[:-1]
+        longest = int(q_lens.max()) if q_lens.numel() else 0
+        if isinstance(plan, _ops.DecodePlan):
+            if longest > 1:
+                raise InvalidBatchError(
+                    "qo_indptr",
+                    f"a query of {longest} tokens in a graph captured for one token per request",
+                )
+        elif longest > plan.grid[2] * self._kc.extend_block_m:
+            raise InvalidBatchError(
+                "qo_indptr",
+                f"a query of {longest} tokens exceeds the captured grid "
+                f"({plan.grid[2] * self._kc.extend_block_m} rows per request); capture with the "
+                "longest query length",
+            )
+
+    def handler(self, phase: Phase) -> Any:
+        """The per-layer callable for ``phase`` (one for all phases: the plan picks the kernel)."""
+        return self._handlers[Phase(phase)]
+
+    def _check(self, q: Any, k_cache: Any, v_cache: Any) -> None:
+        """Shape and dtype reads only (a few attribute loads per layer), no device work."""
+        c = self.config
+        ps = c.page_size
+        if q.dim() != 3 or q.shape[1] != c.num_q_heads or q.shape[2] != c.head_dim:
+            raise _shape_error("q", q, f"[tokens, num_q_heads={c.num_q_heads}, {c.head_dim}]")
+        if self._kc.mla:
+            want = f"[pages, page_size={ps}, head_dim={c.head_dim}]"
+            if k_cache.dim() != 3 or k_cache.shape[1] != ps or k_cache.shape[2] != c.head_dim:
+                raise _shape_error("k_cache", k_cache, want)
+        else:
+            hkv = c.num_kv_heads
+            want = f"[pages, page_size={ps}, num_kv_heads={hkv}, head_dim={c.head_dim}]"
+            if k_cache.dim() != 4 or tuple(k_cache.shape[1:]) != (ps, hkv, c.head_dim):
+                raise _shape_error("k_cache", k_cache, want)
+            if v_cache is None:
+                raise InvalidBatchError("v_cache", "an MHA layer needs a v_cache tensor, got None")
+            if v_cache.dim() != 4 or tuple(v_cache.shape[1:]) != (ps, hkv, c.v_head_dim):
+                want = f"[pages, page_size={ps}, num_kv_heads={hkv}, v_head_dim={c.v_head_dim}]"
+                raise _shape_error("v_cache", v_cache, want)
+            if v_cache.dtype != self._dtype or v_cache.stride(-1) != 1:
+                raise InvalidBatchError(
+                    "v_cache",
+                    f"dtype {v_cache.dtype} / last-dim stride {v_cache.stride(-1)}: needs "
+                    f"{self._dtype} with contiguous rows",
+                )
+        if q.dtype != self._dtype or k_cache.dtype != self._dtype:
+            raise InvalidBatchError(
+                "q",
+                f"dtypes q={q.dtype} k_cache={k_cache.dtype} differ from the bound config's "
+                f"{c.dtype!r}; bind a config with the dtype the model runs in",
+            )
+        if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+            raise InvalidBatchError(
+                "q", "q and k_cache need contiguous rows (last-dim stride 1) for the kernels"
+            )
+        if q.device != k_cache.device or q.device.type != self._kc.device.type:
+            raise InvalidBatchError(
+                "q",
+                f"q on {q.device}, k_cache on {k_cache.device}; the backend was bound for "
+                f"{c.device!r}",
+            )
+
+    def _run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        plan: _ops.DecodePlan | _ops.ExtendPlan,
+        sm_scale: float,
+    ) -> torch.Tensor:
+        self._check(q, k_cache, v_cache)
+        if self._kc.mla:
+            v_cache = None  # V is the latent part of k_cache
+        if isinstance(plan, _ops.DecodePlan):
+            return _ops.run_decode(self._kc, plan, q, k_cache, v_cache, sm_scale)
+        return _ops.run_extend(self._kc, plan, q, k_cache, v_cache, sm_scale)
+
+
+def kernel_config(
+    config: AttnConfig,
+    options: dict[str, int],
+    *,
+    device: torch.device,
+    num_sms: int | None,
+    interpreting: bool,
+) -> _ops.KernelConfig:
+    """Launch constants for ``config``; ``num_sms`` is None off CUDA.
+
+    Kept apart from the backend so a test can build the CUDA constants without a GPU and
+    compile the kernels for sm90 ahead of time.
+    """
+    assert config.v_head_dim is not None
+    opts = options
+    layout = DimLayout.of(config.head_dim, config.v_head_dim)
+    wide = max(layout.main + layout.rest, layout.v_block) > 256
+    if num_sms is not None:
+        target, min_split = 2 * num_sms, 256
+    else:
+        # Interpreter: every program costs tens of ms; aim at a handful of programs, but still
+        # split long sequences so the two-stage path is what CPU tests exercise.
+        target, min_split = 4, 32
+    small = interpreting  # tiles in the interpreter: as small as tl.dot allows
+    return _ops.KernelConfig(
+        mla=config.kind == "mla",
+        num_q_heads=config.num_q_heads,
+        num_kv_heads=config.num_kv_heads,
+        layout=layout,
+        device=device,
+        upcast=interpreting,
+        ieee=config.dtype == "float32",
+        block_h=opts.get("block_h", 16),
+        # GPU defaults: the largest tiles that ptxas compiles for sm_90a without register
+        # spills (checked offline with triton.compile; test_kernels_compile_for_sm90 compiles
+        # them on every CI run).
+        decode_block_n=opts.get("decode_block_n", 16 if small else (32 if wide else 64)),
+        extend_block_m=opts.get("extend_block_m", 16 if small else (32 if wide else 64)),
+        extend_block_n=opts.get("extend_block_n", 16 if small else (16 if wide else 32)),
+        decode_warps=opts.get("decode_warps", 8),
+        extend_warps=opts.get("extend_warps", 8),
+        num_stages=opts.get("num_stages", 2),
+        target_programs=opts.get("target_programs", target),
+        min_split_tokens=opts.get("min_split_tokens", min_split),
+        max_splits=opts.get("max_splits", 32),
+        forced_splits=opts.get("num_kv_splits"),
+    )
+
+
+def _shape_error(field: str, got: Any, want: str) -> InvalidBatchError:
+    return InvalidBatchError(field, f"shape {tuple(got.shape)} != {want}")
+
+
+def _check_options(options: dict[str, Any]) -> dict[str, int]:
+    unknown = sorted(set(options) - set(_INT_OPTIONS))
+    if unknown:
+        raise InvalidSpecError(
+            "options",
+            unknown,
+            f"unknown triton backend options; choose from {list(_INT_OPTIONS)!r}",
+        )
+    out: dict[str, int] = {}
+    for key, value in options.items():
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise InvalidSpecError(key, value, "must be a positive int")
+        if key in _POW2_OPTIONS and (value < 16 or value & (value - 1)):
+            raise InvalidSpecError(key, value, "must be a power of two >= 16 (tl.dot tile side)")
+        out[key] = value
+    return out

@@ -1,0 +1,513 @@
+"""Triton backend against a plain per-request, per-head reference.
+
+On a machine without CUDA the kernels run under triton's CPU interpreter. Triton reads
+``TRITON_INTERPRET`` when a kernel is *defined*, i.e. when ``attn_dispatch.backends.triton.
+backend`` is first imported (at bind). This module sets it at import, which pytest does while
+collecting, before any test of the session binds the backend: so the contract suite's triton
+cases in the same pytest process run under the interpreter too. Shapes stay tiny: the
+interpreter costs tens of ms per program instance.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from attn_dispatch import AttnBatch
+from attn_dispatch import AttnConfig
+from attn_dispatch import AttnForm
+from attn_dispatch import BackendSpec
+from attn_dispatch import attention
+from attn_dispatch import attention_form
+from attn_dispatch import attn_scope
+from attn_dispatch import bind
+from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._phase import Phase
+from attn_dispatch.backends.triton import CAPABILITIES
+from attn_dispatch.backends.triton import _ops
+from attn_dispatch.backends.triton._dims import DimLayout
+from attn_dispatch.backends.triton._dims import dim_reasons
+from attn_dispatch.backends.triton._ops import choose_num_splits
+from attn_dispatch.backends.triton.backend import TritonBackend
+from attn_dispatch.backends.triton.backend import kernel_config
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# fp32 accumulates the same sums in another order; bf16 output is rounded to 8 bits of mantissa.
+TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+# ---------------------------------------------------------------- batches and reference
+
+
+def make_batch(
+    phase: Phase,
+    q_lens: list[int],
+    kv_lens: list[int],
+    page_size: int,
+    *,
+    mask: torch.Tensor | None = None,
+    spare_pages: int = 3,
+    seed: int = 0,
+    raw: bool = False,
+) -> tuple[Any, int]:
+    """An AttnBatch with its pages scattered at random over the cache.
+
+    ``raw=True`` gives a plain namespace with the same fields instead, for what AttnBatch
+    itself refuses (a query row that may attend to nothing) or to poison fields.
+    """
+    g = torch.Generator().manual_seed(seed)
+    pages_per = [-(-k // page_size) for k in kv_lens]
+    total_pages = sum(pages_per) + spare_pages
+    order = torch.randperm(total_pages, generator=g).to(torch.int32)
+    kv_indptr = torch.tensor([0, *torch.tensor(pages_per).cumsum(0).tolist()], dtype=torch.int32)
+    qo_indptr = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    kv_lens_t = torch.tensor(kv_lens, dtype=torch.int32)
+    mask_indptr = None
+    if mask is not None:
+        sizes = [q * k for q, k in zip(q_lens, kv_lens, strict=True)]
+        mask_indptr = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int64)
+    if not raw:
+        real = AttnBatch(
+            phase,
+            qo_indptr,
+            kv_indptr,
+            order[: sum(pages_per)].contiguous(),
+            kv_lens_t,
+            custom_mask=mask,
+            page_size=page_size,
+            num_pages=total_pages,
+        )
+        return (real if DEVICE == "cpu" else real.to(DEVICE)), total_pages
+    batch = SimpleNamespace(
+        phase=phase,
+        page_size=page_size,
+        qo_indptr=qo_indptr.to(DEVICE),
+        kv_indptr=kv_indptr.to(DEVICE),
+        kv_indices=order[: sum(pages_per)].contiguous().to(DEVICE),
+        kv_lens=kv_lens_t.to(DEVICE),
+        custom_mask=None if mask is None else mask.to(DEVICE),
+        mask_indptr=None if mask_indptr is None else mask_indptr.to(DEVICE),
+        qo_indptr_host=qo_indptr,
+        kv_indptr_host=kv_indptr,
+        kv_lens_host=kv_lens_t,
+        num_requests=len(q_lens),
+        num_tokens=sum(q_lens),
+        max_q_len=max(q_lens),
+        max_kv_len=max(kv_lens),
+    )
+    return batch, total_pages
+
+
+def reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    batch: Any,
+    sm_scale: float,
+    v_head_dim: int,
+) -> torch.Tensor:
+    """Plain attention: one request and one head at a time, dense boolean mask, fp32."""
+    q, k_cache = q.cpu().float(), k_cache.cpu().float()
+    page_size = k_cache.shape[1]
+    mla = v_cache is None
+    out = torch.zeros(q.shape[0], q.shape[1], v_head_dim)
+    for i in range(batch.num_requests):
+        q0, q1 = int(batch.qo_indptr_host[i]), int(batch.qo_indptr_host[i + 1])
+        q_len, kv_len = q1 - q0, int(batch.kv_lens_host[i])
+        pages = batch.kv_indices.cpu()[int(batch.kv_indptr_host[i]) :].long()
+        pos = torch.arange(kv_len)
+        page, slot = pages[pos // page_size], pos % page_size
+        if batch.custom_mask is not None:
+            m0 = int(batch.mask_indptr[i])
+            allowed = batch.custom_mask.cpu()[m0 : m0 + q_len * kv_len].view(q_len, kv_len)
+        else:
+            q_pos = kv_len - q_len + torch.arange(q_len)
+            allowed = pos[None, :] <= q_pos[:, None]
+        for h in range(q.shape[1]):
+            if mla:
+                keys = k_cache[page, slot]
+                values = keys[:, :v_head_dim]
+            else:
+                kv_h = h // (q.shape[1] // k_cache.shape[2])
+                keys = k_cache[page, slot, kv_h]
+                values = v_cache.cpu().float()[page, slot, kv_h]  # type: ignore[union-attr]
+            scores = (q[q0:q1, h] @ keys.T) * sm_scale
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked row -> 0
+            out[q0:q1, h] = probs @ values
+    return out
+
+
+def run_case(
+    kind: str,
+    hq: int,
+    hkv: int,
+    d: int,
+    dv: int,
+    phase: Phase,
+    q_lens: list[int],
+    kv_lens: list[int],
+    page_size: int,
+    dtype: str,
+    *,
+    mask: torch.Tensor | None = None,
+    raw: bool = False,
+    **options: Any,
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    torch.manual_seed(1)
+    cfg = AttnConfig(
+        kind,  # type: ignore[arg-type]
+        hq,
+        hkv,
+        d,
+        dv,
+        dtype=dtype,
+        page_size=page_size,
+        device=DEVICE,
+        tree_verify=mask is not None,
+    )
+    assert CAPABILITIES.reasons(cfg, phase) == []
+    backend = TritonBackend(cfg, **options)
+    batch, pages = make_batch(phase, q_lens, kv_lens, page_size, mask=mask, raw=raw)
+    tdt = DTYPES[dtype]
+    q = torch.randn(batch.num_tokens, hq, d).to(tdt).to(DEVICE)
+    if kind == "mla":
+        k_cache, v_cache = torch.randn(pages, page_size, d).to(tdt).to(DEVICE), None
+    else:
+        k_cache = torch.randn(pages, page_size, hkv, d).to(tdt).to(DEVICE)
+        v_cache = torch.randn(pages, page_size, hkv, dv).to(tdt).to(DEVICE)
+    scale = 1.0 / math.sqrt(d)
+    plan = backend.plan(batch)
+    out = backend.handler(phase)(q, k_cache, v_cache, plan, scale)
+    assert out.shape == (batch.num_tokens, hq, dv) and out.dtype == tdt
+    ref = reference(q, k_cache, v_cache, batch, scale, dv)
+    torch.testing.assert_close(out.cpu().float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    return out, ref, plan
+
+
+def tree_mask(q_lens: list[int], kv_lens: list[int], seed: int = 0) -> torch.Tensor:
+    """Speculative tree: every draft node sees the whole prefix, its ancestors and itself."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = []
+    for q_len, kv_len in zip(q_lens, kv_lens, strict=True):
+        prefix = kv_len - q_len
+        parent = [-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, q_len)]
+        block = torch.zeros(q_len, kv_len, dtype=torch.bool)
+        block[:, :prefix] = True
+        for j in range(q_len):
+            node = j
+            while node >= 0:
+                block[j, prefix + node] = True
+                node = parent[node]
+        blocks.append(block.flatten())
+    return torch.cat(blocks)
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@pytest.mark.parametrize(
+    ("page_size", "dtype", "splits"), [(16, "float32", 3), (1, "bfloat16", 2), (16, "float16", 1)]
+)
+def test_mha_gqa_decode(page_size: int, dtype: str, splits: int) -> None:
+    # 8 query heads over 2 KV heads; kv lengths that end mid-page and mid-block.
+    _, _, plan = run_case(
+        "mha", 8, 2, 64, 64, Phase.DECODE, [1, 1, 1], [5, 40, 17], page_size, dtype,
+        num_kv_splits=splits,
+    )  # fmt: skip
+    assert plan.num_splits == splits
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_mla_decode_576_512_several_splits(dtype: str) -> None:
+    _, _, plan = run_case(
+        "mla", 16, 1, 576, 512, Phase.DECODE, [1, 1], [30, 70], 16, dtype, num_kv_splits=4
+    )
+    assert plan.num_splits == 4
+
+
+def test_mla_decode_small_latent_split_rule() -> None:
+    # 80 = 64 latent + 16 rope. The split count comes from the rule (not forced): with a
+    # target of 4 programs and >= 32 tokens a split, 2 requests x 1 head group split in 2.
+    _, _, plan = run_case(
+        "mla", 4, 1, 80, 64, Phase.DECODE, [1, 1], [30, 70], 4, "bfloat16",
+        target_programs=4, min_split_tokens=32,
+    )  # fmt: skip
+    assert plan.num_splits == 2
+
+
+@pytest.mark.parametrize(("page_size", "dtype"), [(1, "float32"), (16, "bfloat16")])
+def test_mha_prefill_with_prefix(page_size: int, dtype: str) -> None:
+    # Request 0: 3 new tokens after 7 cached; request 1: 20 new after 20 (two query blocks).
+    run_case("mha", 4, 2, 64, 32, Phase.PREFILL, [3, 20], [10, 40], page_size, dtype)
+
+
+def test_mha_prefill_without_prefix_odd_head_dim() -> None:
+    # head_dim 96 = 64 + 32 and v 48 padded to 64: masked lanes must not leak in.
+    run_case("mha", 2, 1, 96, 48, Phase.PREFILL, [17, 5], [17, 5], 16, "bfloat16")
+
+
+def test_mla_prefill_with_prefix() -> None:
+    run_case("mla", 2, 1, 576, 512, Phase.PREFILL, [5, 2], [21, 9], 16, "bfloat16")
+
+
+@pytest.mark.parametrize(("kind", "page_size", "dtype"), [("mha", 16, "float32"),
+                                                         ("mla", 1, "bfloat16")])  # fmt: skip
+def test_verify_with_tree_mask(kind: str, page_size: int, dtype: str) -> None:
+    q_lens, kv_lens = [4, 6], [13, 38]
+    mask = tree_mask(q_lens, kv_lens)
+    d, dv, hkv = (80, 64, 1) if kind == "mla" else (64, 64, 2)
+    out, _, _ = run_case(
+        kind, 4, hkv, d, dv, Phase.VERIFY, q_lens, kv_lens, page_size, dtype, mask=mask
+    )
+    # The tree is not a chain: causal attention would give other numbers.
+    causal, _, _ = run_case(kind, 4, hkv, d, dv, Phase.VERIFY, q_lens, kv_lens, page_size, dtype)
+    assert not torch.allclose(out.cpu().float(), causal.cpu().float(), atol=1e-2)
+
+
+def test_verify_fully_masked_row_is_zero_not_nan() -> None:
+    q_lens, kv_lens = [3, 2], [8, 20]
+    mask = tree_mask(q_lens, kv_lens)
+    mask[8:16] = False  # request 0, query row 1 sees nothing
+    # AttnBatch refuses such a mask; the kernel must still be safe, so feed it directly.
+    out, _, _ = run_case("mha", 2, 1, 32, 32, Phase.VERIFY, q_lens, kv_lens, 4, "float32",
+                         mask=mask, raw=True)  # fmt: skip
+    assert torch.isfinite(out).all()
+    assert out[1].abs().max().item() == 0.0
+    assert out[0].abs().max().item() > 0.0
+
+
+def test_one_token_verify_with_mask_uses_the_mask() -> None:
+    # One draft token per request with a mask that hides part of the prefix: the plan must
+    # pick the masked kernel, not the split-KV decode path.
+    q_lens, kv_lens = [1, 1], [9, 16]
+    mask = torch.rand(sum(kv_lens), generator=torch.Generator().manual_seed(3)) < 0.5
+    mask[0] = True
+    mask[9] = True
+    run_case("mha", 4, 2, 32, 32, Phase.VERIFY, q_lens, kv_lens, 16, "float32", mask=mask)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_bind_and_dispatch_through_attn_scope(kind: str) -> None:
+    # The registry path: bind by name with options, plan at scope entry, attention() per layer.
+    hkv, d, dv = (2, 32, 32) if kind == "mha" else (1, 80, 64)
+    cfg = AttnConfig(kind, 4, hkv, d, dv, dtype="float32", page_size=4, device=DEVICE)  # type: ignore[arg-type]
+    binding = bind(
+        BackendSpec.uniform("triton"), cfg, label="target", options={"triton": {"num_kv_splits": 2}}
+    )
+    runner = SimpleNamespace(attn_binding=binding)
+    batch, pages = make_batch(Phase.DECODE, [1, 1], [7, 30], 4)
+    q = torch.randn(2, 4, d, device=DEVICE)
+    if kind == "mla":
+        k_cache, v_cache = torch.randn(pages, 4, d, device=DEVICE), None
+    else:
+        k_cache = torch.randn(pages, 4, hkv, d, device=DEVICE)
+        v_cache = torch.randn(pages, 4, hkv, dv, device=DEVICE)
+    with attn_scope(runner, batch):
+        out = attention(q, k_cache, v_cache, sm_scale=0.25)
+        if kind == "mla":
+            assert attention_form() is AttnForm.MLA  # absorbed form in every phase
+    ref = reference(q, k_cache, v_cache, batch, 0.25, dv)
+    torch.testing.assert_close(out.cpu(), ref, atol=TOL["float32"], rtol=TOL["float32"])
+
+
+# ---------------------------------------------------------------- planning
+
+
+def test_plan_reads_only_host_copies_and_reuses_its_workspace() -> None:
+    cfg = AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16", page_size=16, device=DEVICE)
+    backend = TritonBackend(cfg, num_kv_splits=3)
+    batch, _ = make_batch(Phase.DECODE, [1, 1], [30, 70], 16, raw=True)
+
+    class Poison:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"plan touched a device tensor ({name})")
+
+    for field in ("qo_indptr", "kv_indptr", "kv_indices", "kv_lens"):
+        setattr(batch, field, Poison())
+    first = backend.plan(batch)
+    second = backend.plan(batch)
+    # Same scratch memory every forward of this shape: a captured CUDA graph stays valid.
+    assert first.part_out.data_ptr() == second.part_out.data_ptr()
+    assert first.part_lse.data_ptr() == second.part_lse.data_ptr()
+    assert first.part_out.shape == (2, 16, 3, 512)
+
+
+def test_choose_num_splits_rule() -> None:
+    # Enough (request, head group) programs already: no split.
+    assert choose_num_splits(512, 8, 4096, target_programs=264, min_split_tokens=256,
+                             max_splits=32) == 1  # fmt: skip
+    # MLA batch 64, one head group, H200-like target: ceil(264 / 64) = 5.
+    assert choose_num_splits(64, 1, 4096, target_programs=264, min_split_tokens=256,
+                             max_splits=32) == 5  # fmt: skip
+    # Short sequences cap the split count: 600 tokens / 256 -> 3.
+    assert choose_num_splits(1, 1, 600, target_programs=264, min_split_tokens=256,
+                             max_splits=32) == 3  # fmt: skip
+    assert choose_num_splits(1, 1, 10**6, target_programs=264, min_split_tokens=256,
+                             max_splits=32) == 32  # fmt: skip
+
+
+def test_dim_layout_rule() -> None:
+    assert DimLayout.of(576, 512) == DimLayout(576, 512, 512, 64, 512)
+    assert DimLayout.of(80, 64) == DimLayout(80, 64, 64, 16, 64)
+    assert DimLayout.of(72, 40) == DimLayout(72, 40, 64, 16, 64)
+    assert DimLayout.of(128, 128).rest == 0
+    assert dim_reasons(128, 128) == []
+    assert any("head_dim 8" in r for r in dim_reasons(8, 128))
+    assert any("v_head_dim 2048" in r for r in dim_reasons(128, 2048))
+
+
+# ---------------------------------------------------------------- capabilities
+
+
+def test_capabilities_name_the_problem() -> None:
+    ok = AttnConfig("mha", 8, 2, 128, 128, dtype="bfloat16", device=DEVICE)
+    assert CAPABILITIES.reasons(ok, Phase.VERIFY) == []
+    tiny = ok.replace(head_dim=8, v_head_dim=8)
+    assert any("head_dim 8" in r for r in CAPABILITIES.reasons(tiny, Phase.DECODE))
+    mixed = ok.replace(kv_dtype="float16")
+    assert any("kv_dtype 'float16'" in r for r in CAPABILITIES.reasons(mixed, Phase.DECODE))
+
+
+def test_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = AttnConfig("mha", 8, 2, 128, 128, dtype="float32", device="cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert CAPABILITIES.reasons(cfg, Phase.DECODE) == []
+    monkeypatch.delenv("TRITON_INTERPRET")
+    reasons = CAPABILITIES.reasons(cfg, Phase.DECODE)
+    assert any("TRITON_INTERPRET=1" in r for r in reasons), reasons
+
+
+def test_bad_options_raise() -> None:
+    cfg = AttnConfig("mha", 8, 2, 64, 64, dtype="float32", device=DEVICE)
+    with pytest.raises(InvalidSpecError, match="unknown triton backend options"):
+        TritonBackend(cfg, splits=2)
+    with pytest.raises(InvalidSpecError, match="power of two"):
+        TritonBackend(cfg, decode_block_n=24)
+    with pytest.raises(ValueError, match="positive int"):
+        TritonBackend(cfg, num_kv_splits=0)
+
+
+def test_graphed_decode_keeps_its_split_count_as_sequences_grow() -> None:
+    # A captured graph baked in the split count of the capture step. Later steps whose
+    # sequences grew past a split-rule threshold would plan another count; update_plan keeps
+    # the captured one (valid for any lengths) instead of refusing the step.
+    from attn_dispatch.cuda_graph import capture_decode
+
+    cfg = AttnConfig("mha", 4, 2, 32, 32, dtype="float32", page_size=16, device=DEVICE)
+    opts = {"triton": {"target_programs": 8, "min_split_tokens": 32}}
+    binding = bind("triton", cfg, label="target", options=opts)
+    tables = [[0, 2, 4, 6], [1, 3, 5, 7]]  # four pages each: room to grow, same shapes
+
+    def step_batch(lens: list[int]) -> AttnBatch:
+        return AttnBatch.build(
+            Phase.DECODE, q_lens=[1, 1], kv_lens=lens, page_tables=tables, page_size=16,
+            num_pages=8, device=DEVICE,
+        )  # fmt: skip
+
+    k_cache = torch.randn(8, 16, 2, 32, device=DEVICE)
+    v_cache = torch.randn(8, 16, 2, 32, device=DEVICE)
+    q = torch.randn(2, 4, 32, device=DEVICE)
+
+    def step(q: torch.Tensor) -> torch.Tensor:
+        return attention(q, k_cache, v_cache, sm_scale=0.2)
+
+    first = step_batch([20, 30])
+    graphed = capture_decode(binding, first, step, q)
+    assert graphed.plan.num_splits == 1
+    grown = step_batch([60, 62])
+    assert binding.backend(Phase.DECODE).plan(grown).num_splits == 2  # what a fresh plan picks
+    q2 = torch.randn(2, 4, 32, device=DEVICE)
+    out = graphed.replay(grown, q2).clone()
+    ref = reference(q2, k_cache, v_cache, grown, 0.2, 32)
+    torch.testing.assert_close(out.cpu(), ref, atol=TOL["float32"], rtol=TOL["float32"])
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
+def test_decode_replays_in_a_cuda_graph() -> None:
+    # Capture one layer's decode with the forward's plan, then change the lengths on the
+    # device (as a serving loop does between steps) and replay: the graph must follow them.
+    cfg = AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16", page_size=16, device="cuda")
+    backend = TritonBackend(cfg, num_kv_splits=4)
+    batch, pages = make_batch(Phase.DECODE, [1, 1, 1], [200, 64, 130], 16)
+    q = torch.randn(3, 16, 576, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(pages, 16, 576, device="cuda", dtype=torch.bfloat16)
+    run = backend.handler(Phase.DECODE)
+    plan = backend.plan(batch)
+    run(q, k_cache, None, plan, 0.05)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(q, k_cache, None, plan, 0.05)
+    batch.kv_lens.copy_(torch.tensor([150, 40, 129], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    # Same page tables, shorter sequences: what the replay should have computed.
+    shorter = SimpleNamespace(
+        num_requests=3,
+        qo_indptr_host=batch.qo_indptr_host,
+        kv_indptr_host=batch.kv_indptr_host,
+        kv_indices=batch.kv_indices,
+        kv_lens_host=torch.tensor([150, 40, 129], dtype=torch.int32),
+        custom_mask=None,
+    )
+    ref = reference(q, k_cache, None, shorter, 0.05, 512)
+    torch.testing.assert_close(out.cpu().float(), ref, atol=TOL["bfloat16"], rtol=TOL["bfloat16"])
+
+
+# ---------------------------------------------------------------- GPU compilation, no GPU
+
+
+def test_kernels_compile_for_sm90() -> None:
+    # The interpreter never runs triton's compiler: lower and assemble the kernels for sm90
+    # with the launch constants the backend uses on CUDA (tests/triton_aot.py, own process
+    # because TRITON_INTERPRET is read when the kernels are defined).
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.backends.nvidia import compiler  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"this triton build cannot compile for CUDA ahead of time: {exc}")
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.triton_aot", "90"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count(": ok") == 6, done.stdout
+
+
+def test_upcast_switch_is_on_only_when_interpreting() -> None:
+    # The interpreter multiplies bf16 bit patterns as integers: every load is upcast to fp32
+    # there (the bf16 cases above check the numbers); compiled GPU kernels keep bf16 tiles.
+    cfg = AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16")
+    on_cpu = kernel_config(cfg, {}, device=torch.device("cpu"), num_sms=None, interpreting=True)
+    on_gpu = kernel_config(cfg, {}, device=torch.device("cuda"), num_sms=132, interpreting=False)
+    assert on_cpu.upcast and _ops.decode_constants(on_cpu)["UPCAST"] is True
+    assert not on_gpu.upcast and _ops.extend_constants(on_gpu, True)["UPCAST"] is False
+    if DEVICE == "cpu":
+        assert TritonBackend(cfg.replace(device="cpu")).kernel_config.upcast
