@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Before the triton kernels are first imported: they run on CPU under the interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
@@ -289,3 +294,30 @@ def test_seed_scenario_forms_follow_own_backend(extra_backends: list[str]) -> No
     assert {(e.backend, e.form) for e in rec.events if e.label == "draft"} == {
         ("draft-kernels", None)
     }
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "native"])
+def test_decompressed_prefill_matches_absorbed_per_backend(backend: str) -> None:
+    """Each backend's MHA (decompressed) form gives the absorbed form's numbers."""
+    from attn_dispatch import list_backends
+
+    caps = list_backends().get(backend)
+    if caps is None or caps.availability_reasons():
+        why = caps.availability_reasons() if caps is not None else ["not registered"]
+        pytest.skip(f"{backend!r} cannot run here: {why}")
+    if "mha" not in caps.forms_for(Phase.PREFILL):
+        pytest.skip(f"{backend!r} serves no decompressed prefill")
+    layer = DeepSeekLayer(seed=5)
+    b = batch(Phase.PREFILL, [5, 3], [0, 0])
+    g = torch.Generator().manual_seed(6)
+    cache = torch.randn(int(b.kv_indptr_host[-1]) + 2, PS, LATENT + ROPE, generator=g)
+    q_nope = torch.randn(b.num_tokens, H, NOPE, generator=g)
+    q_rope = torch.randn(b.num_tokens, H, ROPE, generator=g)
+    outs = {}
+    for form, policy in ((AttnForm.MLA, FormPolicy.absorbed_only()), (AttnForm.MHA, None)):
+        opts = {backend: {"form_policy": policy}} if policy is not None else None
+        binding = bind(backend, mla_config(), options=opts)
+        with attn_scope(binding, b):
+            assert attention_form() is form
+            outs[form] = layer.forward(q_nope, q_rope, cache, b)
+    torch.testing.assert_close(outs[AttnForm.MHA], outs[AttnForm.MLA], atol=1e-4, rtol=1e-4)

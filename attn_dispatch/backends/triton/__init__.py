@@ -74,7 +74,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     custom_mask=True,
     # MLA: the absorbed form only (paged latent cache); no decompressed MHA entry point.
-    forms=frozenset({"mla"}),
+    forms={Phase.PREFILL: {"mla", "mha"}, Phase.DECODE: {"mla"}, Phase.VERIFY: {"mla"}},
     requires=("torch", "triton"),
     # bf16 tl.dot needs Ampere; older GPUs are not served rather than served in part.
     min_compute_capability=(8, 0),

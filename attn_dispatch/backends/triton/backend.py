@@ -19,6 +19,7 @@ from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._forms import AttnForm
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch.backends.triton import _ops
@@ -84,6 +85,7 @@ class TritonBackend:
                 self.name,
                 f"dtype {config.dtype!r} is not served (choose one of {sorted(_DTYPES)!r})",
             )
+        form_policy = options.pop("form_policy", None)
         opts = _check_options(options)
         sms = None
         if device.type == "cuda":
@@ -92,9 +94,14 @@ class TritonBackend:
         self._dtype = _DTYPES[config.dtype]
         self._workspace = torch.empty(0, dtype=torch.float32, device=device)
         self._handlers = {phase: self._run for phase in Phase}
-        # MLA layers run the absorbed form in every phase: these kernels read the paged latent
-        # cache directly and have no decompressed (ragged per-head K/V) entry point.
-        self.form_policy = FormPolicy.absorbed_only()
+        # MLA: absorbed form over the paged latent cache, except prefill without a cached
+        # prefix, which runs decompressed (ragged MHA through a second instance of this backend,
+        # built by bind for config.decompressed()). There is no chunked-prefix entry point.
+        self.form_policy = (
+            FormPolicy(short_prefix=AttnForm.MLA, long_prefix=AttnForm.MLA)
+            if form_policy is None
+            else form_policy
+        )
 
     @property
     def kernel_config(self) -> _ops.KernelConfig:
