@@ -47,7 +47,7 @@ CAPABILITIES = Capabilities(
     requires=("torch",),
     checks=(_check_dims,),
     availability=(_availability,),
-    forms={"mla"},
+    forms={"prefill": {"mla", "mha"}, "decode": {"mla"}, "verify": {"mla"}},
     description=(
         "C++ CPU kernels (csrc/): paged decode and prefix+causal/custom-mask extend, split-KV, "
         "bf16 caches converted in registers, AVX2/AVX-512/AVX-512-BF16 chosen at run time"

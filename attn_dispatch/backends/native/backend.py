@@ -18,6 +18,8 @@ from attn_dispatch._batch import AttnBatch
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._forms import AttnForm
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
@@ -79,7 +81,9 @@ class NativeBackend:
     >>> out = backend.handler(Phase.DECODE)(q, k_cache, None, plan, 576 ** -0.5)
 
     ``num_threads`` defaults to ``torch.get_num_threads()``, read at every call. MLA runs in
-    the absorbed form only (``form_policy`` defaults to ``FormPolicy.absorbed_only()``).
+    the absorbed form, except prefill without a cached prefix, which runs decompressed (ragged
+    MHA through a second instance built for ``config.decompressed()``); ``form_policy``
+    changes that.
     ``library`` loads the kernels from another file (development).
     """
 
@@ -97,18 +101,20 @@ class NativeBackend:
         if isinstance(lib, str):
             raise BackendUnavailableError("native", lib)
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
-            raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+            raise InvalidSpecError("num_threads", num_threads, "must be a positive int or None")
         if config.device_type != "cpu":
-            raise ValueError(
-                f"the native backend runs on the CPU, config.device is {config.device!r}"
-            )
+            raise InvalidSpecError("device", config.device, "the native backend runs on the CPU")
         for field in ("head_dim", "v_head_dim"):
             if not 1 <= getattr(config, field) <= MAX_HEAD_DIM:
-                raise ValueError(
-                    f"{field} must be in [1, {MAX_HEAD_DIM}], got {getattr(config, field)!r}"
+                raise InvalidSpecError(
+                    field, getattr(config, field), f"must be in [1, {MAX_HEAD_DIM}]"
                 )
         self.config = config
-        self.form_policy = FormPolicy.absorbed_only() if form_policy is None else form_policy
+        self.form_policy = (
+            FormPolicy(short_prefix=AttnForm.MLA, long_prefix=AttnForm.MLA)
+            if form_policy is None
+            else form_policy
+        )
         # AttnConfig fills v_head_dim in on construction (head_dim when not given).
         self.v_head_dim: int = (
             config.v_head_dim if config.v_head_dim is not None else config.head_dim
