@@ -58,7 +58,7 @@ class Capabilities:
     checks: tuple[CheckFn, ...] = ()
     availability: tuple[AvailabilityFn, ...] = ()
     # Compared through _forms_by_phase (a mapping is not hashable).
-    forms: AbstractSet[str] | Mapping[Phase, AbstractSet[str]] = dataclasses.field(
+    forms: AbstractSet[str] | Mapping[Phase | str, AbstractSet[str]] = dataclasses.field(
         default=frozenset({"mla"}), compare=False
     )
     description: str = ""

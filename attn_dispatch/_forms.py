@@ -69,6 +69,16 @@ class FormPolicy:
         m = AttnForm.MLA
         return cls(no_prefix=m, short_prefix=m, long_prefix=m, decode=m, verify=m)
 
+    @classmethod
+    def decompressed_without_prefix(cls) -> FormPolicy:
+        """Decompressed (``MHA``) only for prefill without a cached prefix; absorbed otherwise.
+
+        SGLang's DeepSeek handlers do this for kernels that read the paged latent cache
+        directly; it is the default of the ``native``, ``triton`` and ``flashinfer`` backends.
+        """
+        m = AttnForm.MLA
+        return cls(no_prefix=AttnForm.MHA, short_prefix=m, long_prefix=m, decode=m, verify=m)
+
     def choose_for(self, phase: Phase, *, prefix_tokens: int) -> AttnForm:
         if phase is Phase.DECODE:
             return self.decode

@@ -95,6 +95,40 @@ def test_torch_policy_table(
         assert attention_form() is form
 
 
+BUILTIN_TABLE = {
+    # backend: forms for (no prefix, short prefix, long prefix, decode, verify)
+    "torch": (AttnForm.MHA, AttnForm.MHA, AttnForm.MHA_CHUNKED, AttnForm.MLA, AttnForm.MLA),
+    "native": (AttnForm.MHA, AttnForm.MLA, AttnForm.MLA, AttnForm.MLA, AttnForm.MLA),
+    "triton": (AttnForm.MHA, AttnForm.MLA, AttnForm.MLA, AttnForm.MLA, AttnForm.MLA),
+    "flashinfer": (AttnForm.MHA, AttnForm.MLA, AttnForm.MLA, AttnForm.MLA, AttnForm.MLA),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(BUILTIN_TABLE))
+def test_builtin_default_policies_on_a_table_of_batches(backend: str) -> None:
+    """Each built-in's default policy (its light module's DEFAULT_FORM_POLICY, which its
+    backend object uses) on the same batches, and every form it returns is declared."""
+    import importlib
+
+    from attn_dispatch import list_backends
+
+    light = importlib.import_module(
+        f"attn_dispatch.backends.{'reference' if backend == 'torch' else backend}"
+    )
+    policy: FormPolicy = light.DEFAULT_FORM_POLICY
+    batches = [
+        batch(Phase.PREFILL, [5, 3], [0, 0]),
+        batch(Phase.PREFILL, [5, 3], [7, 9]),
+        batch(Phase.PREFILL, [2], [5000]),
+        batch(Phase.DECODE, [1, 1], [7, 30]),
+        batch(Phase.VERIFY, [3], [9]),
+    ]
+    assert tuple(policy.choose(b) for b in batches) == BUILTIN_TABLE[backend]
+    caps = list_backends()[backend]
+    for phase in Phase:
+        assert {f.value for f in policy.possible(phase)} <= caps.forms_for(phase)
+
+
 def test_absorbed_only_config_always_mla() -> None:
     b = bind("torch", mla_config(mha_head_dim=None, mha_v_head_dim=None))
     for phase, q, p in [

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 from attn_dispatch import AttnConfig
 from attn_dispatch import Capabilities
+from attn_dispatch import FormPolicy
 from attn_dispatch import Phase
 
 __all__ = [
@@ -264,6 +265,9 @@ def _fa2_mla_shared_bytes(config: AttnConfig, smem_per_sm: int) -> int | None:
     kv_bytes = stages * tile_kv * (ckv + max(kpe, 64)) * 2
     return max(q_bytes + kv_bytes + 32 + 2 * 64 * 4, 64 * ckv * 2)
 
+
+#: The form policy of MLA configs unless the ``form_policy`` option says otherwise.
+DEFAULT_FORM_POLICY = FormPolicy.decompressed_without_prefix()
 
 CAPABILITIES = Capabilities(
     kinds=frozenset({"mha", "mla"}),

@@ -37,7 +37,6 @@ from flashinfer.mla import MLAPlanMetadata
 
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
-from attn_dispatch import AttnForm
 from attn_dispatch import BackendUnavailableError
 from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import InvalidBatchError
@@ -45,6 +44,7 @@ from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch.backends.flashinfer import CAPABILITIES
+from attn_dispatch.backends.flashinfer import DEFAULT_FORM_POLICY
 from attn_dispatch.backends.flashinfer import SUPPORTED_VERSIONS
 
 __all__ = ["WRAPPER_KEYWORDS", "FlashInferBackend", "FlashInferPlan"]
@@ -560,11 +560,7 @@ class FlashInferBackend:
         _check_config(config)
         # MLA prefill without a cached prefix runs decompressed (ragged MHA through the
         # prefill wrapper); with a prefix, decode and verify stay absorbed (MLA wrapper).
-        self.form_policy = (
-            FormPolicy(short_prefix=AttnForm.MLA, long_prefix=AttnForm.MLA)
-            if form_policy is None
-            else form_policy
-        )
+        self.form_policy = DEFAULT_FORM_POLICY if form_policy is None else form_policy
         self.config = config
         self.device = _device_for(config)
         self.q_dtype = _DTYPES[config.dtype]

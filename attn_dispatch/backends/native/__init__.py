@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from attn_dispatch._capabilities import Capabilities
+from attn_dispatch._forms import FormPolicy
 from attn_dispatch.backends.native._lib import unavailable_reason
 
 if TYPE_CHECKING:
@@ -37,6 +38,9 @@ def _availability() -> Iterable[str]:
     reason = unavailable_reason()
     return [] if reason is None else [reason]
 
+
+#: The form policy of MLA configs unless the ``form_policy`` option says otherwise.
+DEFAULT_FORM_POLICY = FormPolicy.decompressed_without_prefix()
 
 CAPABILITIES = Capabilities(
     kinds={"mha", "mla"},

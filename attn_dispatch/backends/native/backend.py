@@ -19,10 +19,10 @@ from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
-from attn_dispatch._forms import AttnForm
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
+from attn_dispatch.backends.native import DEFAULT_FORM_POLICY
 from attn_dispatch.backends.native import MAX_HEAD_DIM
 from attn_dispatch.backends.native._lib import ITEM_INTS
 from attn_dispatch.backends.native._lib import MERGE_INTS
@@ -110,11 +110,7 @@ class NativeBackend:
                     field, getattr(config, field), f"must be in [1, {MAX_HEAD_DIM}]"
                 )
         self.config = config
-        self.form_policy = (
-            FormPolicy(short_prefix=AttnForm.MLA, long_prefix=AttnForm.MLA)
-            if form_policy is None
-            else form_policy
-        )
+        self.form_policy = DEFAULT_FORM_POLICY if form_policy is None else form_policy
         # AttnConfig fills v_head_dim in on construction (head_dim when not given).
         self.v_head_dim: int = (
             config.v_head_dim if config.v_head_dim is not None else config.head_dim

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from attn_dispatch._capabilities import Capabilities
+from attn_dispatch._forms import FormPolicy
+
+#: The form policy of MLA configs unless the ``form_policy`` option says otherwise.
+DEFAULT_FORM_POLICY = FormPolicy()
 
 CAPABILITIES = Capabilities(
     kinds={"mha", "mla"},

@@ -21,6 +21,7 @@ from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
+from attn_dispatch.backends.reference import DEFAULT_FORM_POLICY
 
 # Max fp32 score elements alive at once (64 MiB): bounds memory for any context length.
 SCORE_BUDGET = 1 << 24
@@ -57,7 +58,7 @@ class TorchBackend:
         choose between absorbed and decompressed forms (default ``FormPolicy()``)."""
         self.config = config
         self.score_budget = int(score_budget)
-        self.form_policy = FormPolicy() if form_policy is None else form_policy
+        self.form_policy = DEFAULT_FORM_POLICY if form_policy is None else form_policy
         self.q_dtype = getattr(torch, config.dtype)
         self.kv_dtype = getattr(torch, str(config.kv_dtype))
 

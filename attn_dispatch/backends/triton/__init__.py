@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from attn_dispatch._capabilities import Capabilities
+from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch.backends.triton._dims import dim_reasons
 
@@ -66,6 +67,9 @@ def _shape_check(config: AttnConfig, phase: Phase) -> Iterable[str]:
             "kernels feed q and the cache to one tl.dot, which needs one dtype"
         )
 
+
+#: The form policy of MLA configs unless the ``form_policy`` option says otherwise.
+DEFAULT_FORM_POLICY = FormPolicy.decompressed_without_prefix()
 
 CAPABILITIES = Capabilities(
     kinds=frozenset({"mha", "mla"}),

@@ -19,9 +19,8 @@ from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
-from attn_dispatch._forms import AttnForm
-from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
+from attn_dispatch.backends.triton import DEFAULT_FORM_POLICY
 from attn_dispatch.backends.triton import _ops
 from attn_dispatch.backends.triton._dims import DimLayout
 from attn_dispatch.backends.triton._dims import dim_reasons
@@ -97,11 +96,7 @@ class TritonBackend:
         # MLA: absorbed form over the paged latent cache, except prefill without a cached
         # prefix, which runs decompressed (ragged MHA through a second instance of this backend,
         # built by bind for config.decompressed()). There is no chunked-prefix entry point.
-        self.form_policy = (
-            FormPolicy(short_prefix=AttnForm.MLA, long_prefix=AttnForm.MLA)
-            if form_policy is None
-            else form_policy
-        )
+        self.form_policy = DEFAULT_FORM_POLICY if form_policy is None else form_policy
 
     @property
     def kernel_config(self) -> _ops.KernelConfig:
