@@ -142,10 +142,8 @@ class AttnBatch:
         put(self, "num_tokens", int(qo[-1]))
         put(self, "max_q_len", int(q_lens.max()) if b else 0)
         put(self, "max_kv_len", int(lens.max()) if b else 0)
-        if self.custom_mask is not None:
+        if self.custom_mask is not None:  # without one, VERIFY is a causal chain
             self._check_mask(q_lens, lens)
-        elif self.phase is Phase.VERIFY:
-            pass  # a causal chain: verify without a tree
 
     def _check_mask(self, q_lens: torch.Tensor, lens: torch.Tensor) -> None:
         import torch

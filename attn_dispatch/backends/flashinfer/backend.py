@@ -25,6 +25,7 @@ Example (needs a CUDA GPU)::
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -237,7 +238,7 @@ def _i32(n: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int32, device=device)
 
 
-class _Route:
+class _Route(abc.ABC):
     """One FlashInfer wrapper family serving one or more phases. Eager mode keeps one
     wrapper; CUDA-graph mode keeps one per batch size (FlashInfer fixes the batch size
     of a graph-mode wrapper), all sharing the backend's workspace and index buffers."""
@@ -267,16 +268,16 @@ class _Route:
             self._graph[b] = self._make(b)
         return self._graph[b]
 
-    def _make(self, graph_batch: int | None) -> Any:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _make(self, graph_batch: int | None) -> Any: ...
 
-    def plan(self, wrapper: Any, batch: AttnBatch, table: _PageTable, sm_scale: float) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def plan(self, wrapper: Any, batch: AttnBatch, table: _PageTable, sm_scale: float) -> None: ...
 
+    @abc.abstractmethod
     def run(
         self, wrapper: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None
-    ) -> torch.Tensor:
-        raise NotImplementedError
+    ) -> torch.Tensor: ...
 
 
 class _PrefillRoute(_Route):
