@@ -280,7 +280,19 @@ class _Route(abc.ABC):
     ) -> torch.Tensor: ...
 
 
-class _PrefillRoute(_Route):
+class _MHARoute(_Route):
+    """The paged MHA wrappers (prefill and decode) run the same way per layer."""
+
+    def run(
+        self, wrapper: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None
+    ) -> torch.Tensor:
+        assert v_cache is not None
+        # Per layer: a literal call, no keyword bookkeeping (names in WRAPPER_KEYWORDS).
+        out: torch.Tensor = wrapper.run(q=q, paged_kv_cache=(k_cache, v_cache))
+        return out
+
+
+class _PrefillRoute(_MHARoute):
     name = "BatchPrefillWithPagedKVCacheWrapper"
 
     def _make(self, graph_batch: int | None) -> Any:
@@ -336,16 +348,8 @@ class _PrefillRoute(_Route):
             )
         )
 
-    def run(
-        self, wrapper: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None
-    ) -> torch.Tensor:
-        assert v_cache is not None
-        # Per layer: a literal call, no keyword bookkeeping (names in WRAPPER_KEYWORDS).
-        out: torch.Tensor = wrapper.run(q=q, paged_kv_cache=(k_cache, v_cache))
-        return out
 
-
-class _DecodeRoute(_Route):
+class _DecodeRoute(_MHARoute):
     name = "BatchDecodeWithPagedKVCacheWrapper"
 
     def __init__(self, backend: FlashInferBackend) -> None:
@@ -413,14 +417,6 @@ class _DecodeRoute(_Route):
                 non_blocking=True,
             )
         )
-
-    def run(
-        self, wrapper: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None
-    ) -> torch.Tensor:
-        assert v_cache is not None
-        # Per layer: a literal call, no keyword bookkeeping (names in WRAPPER_KEYWORDS).
-        out: torch.Tensor = wrapper.run(q=q, paged_kv_cache=(k_cache, v_cache))
-        return out
 
 
 class _MLARoute(_Route):
