@@ -107,6 +107,15 @@ class Shared:
         self.lm_head = (torch.randn(hidden, vocab, generator=gen) * 2.0).to(dtype)
 
 
+def _weights(gen: torch.Generator, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """A seeded initialiser ``w(*dims, scale=1.0)`` scaled by the fan-in (``dims[-2]``)."""
+
+    def w(*dims: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*dims, generator=gen) * scale / math.sqrt(dims[-2])).to(dtype)
+
+    return w
+
+
 class TargetModel:
     """MLA target, absorbed form in every phase. ``cache_rows(P, page)`` -> per layer
     ``[P, page, kv_lora_rank + qk_rope]``; ``v_cache`` is None."""
@@ -120,9 +129,7 @@ class TargetModel:
         self.shape = s
         self.shared = shared
         self.dtype = dtype
-
-        def w(*dims: int, scale: float = 1.0) -> torch.Tensor:
-            return (torch.randn(*dims, generator=gen) * scale / math.sqrt(dims[-2])).to(dtype)
+        w = _weights(gen, dtype)
 
         self.layers = []
         for _ in range(s.layers):
@@ -255,9 +262,7 @@ class DraftModel:
         self.shape = s
         self.shared = shared
         self.dtype = dtype
-
-        def w(*dims: int, scale: float = 1.0) -> torch.Tensor:
-            return (torch.randn(*dims, generator=gen) * scale / math.sqrt(dims[-2])).to(dtype)
+        w = _weights(gen, dtype)
 
         self.layers = []
         for _ in range(s.layers):
