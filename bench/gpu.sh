@@ -108,7 +108,20 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     record cuda FAIL 0 "torch.cuda.is_available() is False: nothing below can run"
 fi
 
-# -- 2. CUDA tests ---------------------------------------------------------------------------------
+# -- 2. GPU benchmarks first (each owned by its backend): the figures the issues ask for come back
+# even if a later step runs out of time (triton's JIT compiles many variants in the tests). ---------------------------------------------------
+for bench in gpu_triton gpu_flashinfer; do
+    if [ -f "bench/$bench.py" ]; then
+        run_step "$bench" 75 "$PY" "bench/$bench.py"
+    else
+        record "$bench" skip 0 "bench/$bench.py not in this checkout"
+    fi
+done
+
+# -- 3. CUDA-graph replay check ----------------------------------------------------------------------
+run_step graphs 90 "$PY" bench/gpu_graphs.py --device cuda
+
+# -- 4. CUDA tests ---------------------------------------------------------------------------------
 # Tests marked cuda (CUDA-graph capture/replay per runner), then the suites whose real kernels
 # run only on CUDA: the kernel contract (every backend against the naive reference, on cuda
 # when it is available) and the GPU backends' own tests. Single process: FlashInfer's JIT
@@ -124,18 +137,6 @@ if [ ${#GPU_TESTS[@]} -gt 0 ]; then
 else
     record pytest-gpu skip 0 "no GPU test files in this checkout"
 fi
-
-# -- 3. CUDA-graph replay check ----------------------------------------------------------------------
-run_step graphs 90 "$PY" bench/gpu_graphs.py --device cuda
-
-# -- 4. GPU benchmarks (each owned by its backend) ---------------------------------------------------
-for bench in gpu_triton gpu_flashinfer; do
-    if [ -f "bench/$bench.py" ]; then
-        run_step "$bench" 75 "$PY" "bench/$bench.py"
-    else
-        record "$bench" skip 0 "bench/$bench.py not in this checkout"
-    fi
-done
 
 # -- 5. summary ----------------------------------------------------------------------------------
 TOTAL=$(( $(date +%s) - START ))
