@@ -9,9 +9,9 @@
 #        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
 #        -d .whl flashinfer-python==0.7.4 apache-tvm-ffi nvidia-cudnn-frontend ...
 #    (torch, triton, pytest, hypothesis and numpy are expected on the machine already);
-# 2. runs the CUDA tests (pytest -m cuda) and the suites whose kernels run only on CUDA;
+# 2. runs the GPU benchmarks that are present: bench/gpu_triton.py, bench/gpu_flashinfer.py;
 # 3. runs the CUDA-graph replay check (bench/gpu_graphs.py: capture per runner, compare, time);
-# 4. runs the GPU benchmarks that are present: bench/gpu_triton.py, bench/gpu_flashinfer.py;
+# 4. runs the CUDA tests (pytest -m cuda) and the suites whose kernels run only on CUDA;
 # 5. prints one summary table: a row per step, then the rows the steps printed as "SUMMARY ...".
 #
 # Each step has its own time limit, cut to what is left of an overall 465 s budget; a failing or
