@@ -117,7 +117,8 @@ def _weights(gen: torch.Generator, dtype: torch.dtype) -> Callable[..., torch.Te
 
 
 class TargetModel:
-    """MLA target, absorbed form in every phase. ``cache_rows(P, page)`` -> per layer
+    """MLA target: decode and verify absorbed, prefill in the form its backend picks.
+    ``cache_rows(P, page)`` -> per layer
     ``[P, page, kv_lora_rank + qk_rope]``; ``v_cache`` is None."""
 
     kind = "mla"

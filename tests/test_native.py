@@ -468,3 +468,29 @@ def test_missing_library_reports_not_built(tmp_path: Any, monkeypatch: Any) -> N
     if not isinstance(LIB, str):
         with pytest.raises(BackendUnavailableError, match="not built"):
             NativeBackend(config, library=str(missing))
+
+
+@needs_lib
+@pytest.mark.parametrize(
+    ("kwargs", "config_over", "field", "text"),
+    [
+        ({"num_threads": 0}, {}, "num_threads", "positive int"),
+        ({"num_threads": "2"}, {}, "num_threads", "positive int"),
+        ({}, {"head_dim": 4096, "v_head_dim": 64}, "head_dim", "must be in"),
+    ],
+)
+def test_bad_options_raise_our_error(
+    kwargs: dict[str, object], config_over: dict[str, object], field: str, text: str
+) -> None:
+    from attn_dispatch import AttnConfig
+    from attn_dispatch import InvalidSpecError
+    from attn_dispatch.backends.native.backend import NativeBackend
+
+    base: dict[str, object] = dict(
+        kind="mha", num_q_heads=2, num_kv_heads=1, head_dim=64, dtype="float32", page_size=4
+    )
+    base.update(config_over)
+    with pytest.raises(InvalidSpecError, match=text) as err:
+        NativeBackend(AttnConfig(**base), **kwargs)  # type: ignore[arg-type]
+    assert err.value.field == field
+    assert isinstance(err.value, ValueError)
