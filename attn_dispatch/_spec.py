@@ -254,7 +254,7 @@ def _sglang_spec(
     algo = _algorithm_name(algorithm if algorithm is not None else get("speculative_algorithm"))
     names: dict[str, Any] = {field: get(field) for field in _SGLANG_BACKEND_FIELDS}
     notes: list[str] = []
-    mode = get("speculative_attention_mode") or "prefill"
+    mode: Any = get("speculative_attention_mode") or "prefill"
 
     # The renames SGLang's resolution applies to raw input (resolved values pass unchanged).
     raw_tokenspeed = "tokenspeed_mla" in (

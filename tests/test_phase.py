@@ -11,18 +11,30 @@ from attn_dispatch import Phase
 from attn_dispatch import UnknownPhaseError
 from attn_dispatch import phase_of
 
-SGLANG_MODES = {
-    "EXTEND": Phase.PREFILL,
-    "MIXED": Phase.PREFILL,
-    "SPLIT_PREFILL": Phase.PREFILL,
-    "PREBUILT": Phase.PREFILL,
-    "DLLM_EXTEND": Phase.PREFILL,
-    "DRAFT_EXTEND": Phase.PREFILL,
-    "DECODE": Phase.DECODE,
-    "IDLE": Phase.DECODE,
-    "TARGET_VERIFY": Phase.VERIFY,
-    "DRAFT_EXTEND_V2": Phase.VERIFY,
+# Where SGLang runs each ForwardMode, stated from its code rather than from our table:
+# HybridAttnBackend._select_backend (0.5.23) sends DECODE/IDLE to the decode backend,
+# TARGET_VERIFY to the one speculative_attention_mode names, everything else to prefill.
+# DRAFT_EXTEND_V2 runs on EAGLE's draft-extend backend, chosen by speculative_attention_mode
+# (DraftBackendFactory.create_draft_extend_backend); DRAFT_EXTEND (<= 0.5.13) was routed like
+# TARGET_VERIFY by that release's HybridAttnBackend.
+ROUTED_TO = {
+    "EXTEND": "prefill",
+    "MIXED": "prefill",
+    "SPLIT_PREFILL": "prefill",
+    "PREBUILT": "prefill",
+    "DLLM_EXTEND": "prefill",
+    "DECODE": "decode",
+    "IDLE": "decode",
+    "TARGET_VERIFY": "speculative_attention_mode",
+    "DRAFT_EXTEND_V2": "speculative_attention_mode",
+    "DRAFT_EXTEND": "speculative_attention_mode",
 }
+_PHASE_OF_ROUTE = {
+    "prefill": Phase.PREFILL,
+    "decode": Phase.DECODE,
+    "speculative_attention_mode": Phase.VERIFY,
+}
+SGLANG_MODES = {mode: _PHASE_OF_ROUTE[route] for mode, route in ROUTED_TO.items()}
 
 
 def test_phase_values_index_tables() -> None:

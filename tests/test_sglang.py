@@ -54,3 +54,142 @@ def test_draft_and_target_specs_from_one_set_of_server_args() -> None:
         "flashinfer",
     )
     assert set(draft.names) == {"torch"}
+
+
+# --- Checked against SGLang itself ---------------------------------------------------------
+
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from attn_dispatch import BackendSpec  # noqa: E402
+from attn_dispatch import phase_of  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GRID_FILE = ROOT / "tests" / "data" / "sglang_grid_0.5.23.json"
+
+
+def _grid_tool() -> Any:
+    spec = importlib.util.spec_from_file_location("sglang_grid", ROOT / "tools" / "sglang_grid.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def recorded() -> dict[str, Any]:
+    doc = json.loads(GRID_FILE.read_text())
+    doc["rows"] = _grid_tool().unpacked(doc)
+    return doc
+
+
+def test_recorded_grid_is_sglang_0_5_23_over_the_whole_grid(recorded: dict[str, Any]) -> None:
+    assert recorded["sglang_version"] == "0.5.23"
+    size = 1
+    for values in recorded["grid"].values():
+        size *= len(values)
+    assert len(recorded["rows"]) == size == 2592
+    accepted = [row for row in recorded["rows"] if "rejected" not in row]
+    assert len(accepted) == 2544
+    # Every real ForwardMode of that release has a phase.
+    assert {phase_of(m) for m in recorded["forward_modes"]} == set(Phase)
+
+
+def test_recorded_grid_target_matches_sglang(recorded: dict[str, Any]) -> None:
+    checked = 0
+    for row in recorded["rows"]:
+        if "rejected" in row:
+            continue
+        spec = BackendSpec.from_server_args(row["resolved"])
+        for mode, backend in row["target"].items():
+            if mode == "DRAFT_EXTEND_V2":  # a draft-runner mode; see test_phase.py
+                continue
+            assert spec.backend_for(phase_of(mode)) == backend, (row["input"], mode)
+            checked += 1
+    assert checked == 2544 * 8
+
+
+def test_recorded_grid_draft_matches_sglang(recorded: dict[str, Any]) -> None:
+    checked = 0
+    for row in recorded["rows"]:
+        draft = row.get("draft")
+        if not isinstance(draft, dict):  # no draft runner, or SGLang refuses to build one
+            continue
+        spec = BackendSpec.from_server_args(row["resolved"], is_draft=True)
+        for mode, backend in draft.items():
+            assert spec.backend_for(phase_of(mode)) == backend, (row["input"], mode)
+        checked += 1
+    assert checked == 1912
+
+
+def test_recorded_grid_has_the_cases_that_used_to_differ(recorded: dict[str, Any]) -> None:
+    rows = [r for r in recorded["rows"] if "rejected" not in r]
+    # Mode "decode", no draft override, prefill != decode: the draft extends on decode.
+    decode_mode = [
+        r
+        for r in rows
+        if r["resolved"]["speculative_algorithm"] == "EAGLE"
+        and r["resolved"]["speculative_attention_mode"] == "decode"
+        and r["resolved"]["speculative_draft_attention_backend"] is None
+        and r["target"]["EXTEND"] != r["target"]["DECODE"]
+        and r["target"]["DECODE"] != "cutedsl_mla"  # its draft extends on trtllm_mla
+        and isinstance(r["draft"], dict)  # not refused by SGLang (torch_native)
+    ]
+    assert decode_mode
+    for r in decode_mode:
+        assert r["draft"]["DRAFT_EXTEND_V2"] == r["draft"]["EXTEND"] == r["target"]["DECODE"]
+        draft = BackendSpec.from_server_args(r["resolved"], is_draft=True)
+        assert draft.prefill == r["target"]["DECODE"]
+    # tokenspeed_mla: SGLang runs trtllm_mla for prefill, cutedsl_mla for decode.
+    tokenspeed = [r for r in rows if r["input"].get("attention_backend") == "tokenspeed_mla"]
+    assert tokenspeed
+    for r in tokenspeed:
+        raw = BackendSpec.from_server_args(r["input"])  # older releases: raw values only
+        if "prefill_attention_backend" not in r["input"]:
+            assert raw.prefill == "trtllm_mla" == r["target"]["EXTEND"]
+            assert raw.note is not None and "tokenspeed_mla" in raw.note
+
+
+def test_recorded_rejections_are_sglangs(recorded: dict[str, Any]) -> None:
+    rejected = [r for r in recorded["rows"] if "rejected" in r]
+    assert rejected and all(r["rejected"].startswith("ValueError") for r in rejected)
+    refused_drafts = [r for r in recorded["rows"] if isinstance(r.get("draft"), str)]
+    assert all("torch_native" in r["draft"] for r in refused_drafts)
+
+
+# Runs only where SGLang is installed (see tools/sglang_grid.py for the packages).
+
+
+def _run_grid_tool(*args: str) -> subprocess.CompletedProcess[str]:
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed (pip install --no-deps sglang==0.5.23 ...)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "sglang_grid.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+
+
+def test_phase_of_every_real_forward_mode() -> None:
+    from tests.test_phase import SGLANG_MODES
+
+    proc = _run_grid_tool("--modes")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    modes = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "TARGET_VERIFY" in modes and "EXTEND" in modes
+    for name in modes:
+        assert phase_of(name) is SGLANG_MODES[name], name
+
+
+def test_grid_against_installed_sglang() -> None:
+    proc = _run_grid_tool("--check")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "'target_mismatch': 0" in proc.stdout and "'draft_mismatch': 0" in proc.stdout

@@ -268,3 +268,115 @@ def test_from_server_args_bad_mode() -> None:
     with pytest.raises(InvalidSpecError) as info:
         BackendSpec.from_server_args(_args(attention_backend="fa3", speculative_attention_mode="x"))
     assert info.value.field == "verify_mode" and info.value.value == "x"
+
+
+class _ResolvedServerArgs:
+    """SGLang >= 0.5.23: raw input in the attributes, resolved values in resolved_dict()."""
+
+    def __init__(self, raw: dict[str, Any], resolved: dict[str, Any]) -> None:
+        self.__dict__.update(raw)
+        self._resolved = resolved
+
+    def resolved_dict(self) -> dict[str, Any]:
+        return dict(self._resolved)
+
+
+def test_from_server_args_prefers_resolved_values() -> None:
+    # On this CPU SGLang resolves an unset attention_backend to torch_native.
+    args = _ResolvedServerArgs({"attention_backend": None}, {"attention_backend": "torch_native"})
+    assert BackendSpec.from_server_args(args) == BackendSpec.uniform("torch_native")
+    args = _ResolvedServerArgs(
+        {"attention_backend": "tokenspeed_mla"},
+        {"attention_backend": "cutedsl_mla", "prefill_attention_backend": "trtllm_mla"},
+    )
+    spec = BackendSpec.from_server_args(args)
+    assert (spec.prefill, spec.decode) == ("trtllm_mla", "cutedsl_mla")
+    assert spec.note is None  # resolved values need no rename
+
+
+def test_from_server_args_renames_raw_tokenspeed_with_a_note() -> None:
+    raw = {"attention_backend": "tokenspeed_mla", "speculative_algorithm": "EAGLE"}
+    spec = BackendSpec.from_server_args(raw)
+    assert (spec.prefill, spec.decode, spec.verify_mode) == ("trtllm_mla", "cutedsl_mla", "decode")
+    assert spec.note is not None
+    for words in ("'tokenspeed_mla' -> 'cutedsl_mla'", "'trtllm_mla'", "'decode'"):
+        assert words in spec.note
+    assert "note=" in repr(spec) and "tokenspeed_mla" in repr(spec)
+    # The draft extends on trtllm_mla (the factory's build for cutedsl_mla), decodes on
+    # cutedsl_mla; DRAFT_EXTEND_V2 (VERIFY) is named since verify_mode would say cutedsl_mla.
+    draft = BackendSpec.from_server_args(raw, is_draft=True)
+    assert draft.names == ("trtllm_mla", "cutedsl_mla", "trtllm_mla")
+    assert "draft-extend 'cutedsl_mla' -> 'trtllm_mla'" in (draft.note or "")
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "NEXTN", "STANDALONE", None])
+def test_eagle_draft_extends_on_the_decode_backend_in_mode_decode(algorithm: str | None) -> None:
+    args = _args(
+        attention_backend="triton",
+        decode_attention_backend="flashinfer",
+        speculative_attention_mode="decode",
+    )
+    draft = BackendSpec.from_server_args(args, is_draft=True, speculative_algorithm=algorithm)
+    assert draft.names == ("flashinfer", "flashinfer", "flashinfer")
+    target = BackendSpec.from_server_args(args, speculative_algorithm=algorithm)
+    assert target.names == ("triton", "flashinfer", "flashinfer")
+    # Mode "prefill": the draft extends on the prefill backend.
+    args.speculative_attention_mode = "prefill"
+    draft = BackendSpec.from_server_args(args, is_draft=True, speculative_algorithm=algorithm)
+    assert draft.names == ("triton", "flashinfer", "triton")
+
+
+def test_speculative_algorithm_read_from_args_and_keyword_wins() -> None:
+    args = _args(attention_backend="fa4", speculative_algorithm="DFLASH")
+    # fa4 is among SGLang's draft choices: the DFLASH draft runs it for everything.
+    assert BackendSpec.from_server_args(args, is_draft=True) == BackendSpec.uniform("fa4")
+    args = _args(prefill_attention_backend="flashmla", decode_attention_backend="triton")
+    for algorithm in ("DFLASH", "dspark", types.SimpleNamespace(name="DFLASH")):
+        spec = BackendSpec.from_server_args(args, is_draft=True, speculative_algorithm=algorithm)  # type: ignore[arg-type]
+        assert spec.names == ("flashinfer",) * 3  # flashmla is not a DFLASH draft choice
+        assert spec.note is not None and "'flashmla' -> 'flashinfer'" in spec.note
+    spec = BackendSpec.from_server_args(
+        _args(attention_backend="triton", speculative_draft_attention_backend="fa3"),
+        is_draft=True,
+        speculative_algorithm="DSPARK",
+    )
+    assert spec == BackendSpec.uniform("fa3") and spec.note is None
+
+
+def test_ngram_has_no_draft_runner() -> None:
+    args = _args(attention_backend="triton", speculative_algorithm="NGRAM")
+    assert BackendSpec.from_server_args(args) == BackendSpec.uniform("triton")
+    with pytest.raises(InvalidSpecError) as info:
+        BackendSpec.from_server_args(args, is_draft=True)
+    assert info.value.field == "speculative_algorithm" and info.value.value == "NGRAM"
+    assert "no draft" in str(info.value)
+
+
+@pytest.mark.parametrize("bad", ["MEDUSA", "", 3])
+def test_unknown_speculative_algorithm(bad: object) -> None:
+    with pytest.raises(InvalidSpecError) as info:
+        BackendSpec.from_server_args(
+            _args(attention_backend="triton"),
+            speculative_algorithm=bad,  # type: ignore[arg-type]
+        )
+    assert info.value.field == "speculative_algorithm" and info.value.value == bad
+    assert "'EAGLE'" in str(info.value) and "'DFLASH'" in str(info.value)
+
+
+def test_note_is_provenance_not_identity() -> None:
+    plain = BackendSpec("trtllm_mla", "cutedsl_mla")
+    noted = BackendSpec("trtllm_mla", "cutedsl_mla", note="renamed by SGLang")
+    assert noted == plain and hash(noted) == hash(plain)
+    assert {noted: 1}[plain] == 1
+    copy = pickle.loads(pickle.dumps(noted))
+    assert copy == noted and copy.note == "renamed by SGLang"
+    assert BackendSpec.from_dict(noted.to_dict()).note == "renamed by SGLang"
+    assert BackendSpec.from_json(noted.to_json()).note == "renamed by SGLang"
+    assert "note" not in plain.to_dict()  # unchanged dict for specs without a note
+    assert str(noted) == str(plain)  # the text form names backends only
+    assert BackendSpec.parse(str(noted)) == noted
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        noted.note = "x"  # type: ignore[misc]
+    with pytest.raises(InvalidSpecError) as info:
+        BackendSpec("a", "b", note=3)  # type: ignore[arg-type]
+    assert info.value.field == "note"

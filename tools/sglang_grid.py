@@ -419,7 +419,16 @@ def main() -> None:
         action="store_true",
         help="exit 1 on any mismatch, or if the recorded grid of this version differs",
     )
+    parser.add_argument(
+        "--modes", action="store_true", help="print SGLang's ForwardMode names as JSON and exit"
+    )
     opts = parser.parse_args()
+    if opts.modes:
+        sys.meta_path.insert(0, _TorchvisionForSGLang())
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        print(json.dumps([m.name for m in ForwardMode]))
+        return
     with tempfile.TemporaryDirectory() as model_dir:
         Path(model_dir, "config.json").write_text(json.dumps(MODEL_CONFIG))
         doc = _sglang_answers(model_dir)
