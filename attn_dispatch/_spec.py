@@ -142,8 +142,8 @@ class BackendSpec:
         ...         "speculative_attention_mode": "decode"}
         >>> str(BackendSpec.from_server_args(args))
         'prefill=triton,decode=flashinfer,verify_mode=decode'
-        >>> str(BackendSpec.from_server_args(args, is_draft=True, speculative_algorithm="EAGLE"))
-        'flashinfer,verify_mode=decode'
+        >>> BackendSpec.from_server_args(args, is_draft=True, speculative_algorithm="EAGLE").names
+        ('flashinfer', 'flashinfer', 'flashinfer')
 
         Reads ``resolved_dict()`` when ``args`` has one (SGLang >= 0.5.23 keeps the raw input
         in the attributes), else the attributes or mapping keys. The target runner follows
