@@ -1,14 +1,27 @@
-"""attn_dispatch.integrations.sglang: SGLang-shaped entry points over the core mapping."""
+"""attn_dispatch.integrations.sglang, and the SGLang mapping checked against SGLang itself.
+
+The recorded grid (tests/data/sglang_grid_0.5.23.json, written by tools/sglang_grid.py from
+SGLang's own code) is checked everywhere; the installed-SGLang tests run where it is.
+"""
 
 from __future__ import annotations
 
 import enum
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from attn_dispatch import BackendSpec
 from attn_dispatch import Phase
 from attn_dispatch import UnknownPhaseError
+from attn_dispatch import phase_of
 from attn_dispatch.integrations.sglang import forward_phase
 from attn_dispatch.integrations.sglang import spec_from_server_args
 
@@ -54,20 +67,15 @@ def test_draft_and_target_specs_from_one_set_of_server_args() -> None:
         "flashinfer",
     )
     assert set(draft.names) == {"torch"}
+    # Without the override the algorithm's rule applies: DFLASH runs the prefill backend.
+    args.speculative_draft_attention_backend = None
+    dflash = spec_from_server_args(args, is_draft=True, speculative_algorithm="DFLASH")
+    assert dflash.names == ("triton", "triton", "triton")
+    eagle = spec_from_server_args(args, is_draft=True, speculative_algorithm="EAGLE")
+    assert eagle.names == ("flashinfer", "flashinfer", "flashinfer")
 
 
 # --- Checked against SGLang itself ---------------------------------------------------------
-
-import importlib.util  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-from attn_dispatch import BackendSpec  # noqa: E402
-from attn_dispatch import phase_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID_FILE = ROOT / "tests" / "data" / "sglang_grid_0.5.23.json"

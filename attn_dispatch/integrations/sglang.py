@@ -18,14 +18,18 @@ from attn_dispatch._phase import phase_of
 from attn_dispatch._spec import BackendSpec
 
 
-def spec_from_server_args(server_args: object, *, is_draft: bool = False) -> BackendSpec:
+def spec_from_server_args(
+    server_args: object, *, is_draft: bool = False, speculative_algorithm: str | None = None
+) -> BackendSpec:
     """The ``BackendSpec`` of one runner from SGLang ``ServerArgs`` (or a mapping of them).
 
-    ``prefill/decode_attention_backend`` fall back to ``attention_backend``; a draft runner
-    uses ``speculative_draft_attention_backend`` when set; ``speculative_attention_mode`` is
-    the spec's ``verify_mode``. A missing choice raises; nothing is guessed.
+    Resolved values (``resolved_dict()``) when the object has them; the draft follows the
+    rules of ``speculative_algorithm`` (default: ``server_args.speculative_algorithm``), as
+    SGLang 0.5.23 applies them. See ``BackendSpec.from_server_args``.
     """
-    return BackendSpec.from_server_args(server_args, is_draft=is_draft)
+    return BackendSpec.from_server_args(
+        server_args, is_draft=is_draft, speculative_algorithm=speculative_algorithm
+    )
 
 
 def forward_phase(forward_batch: Any) -> Phase:
