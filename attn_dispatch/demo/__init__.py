@@ -16,11 +16,6 @@ backends), ``cli`` (options and report). Importing this package does not import 
 
 from __future__ import annotations
 
-from attn_dispatch.demo.factory import _binds
-from attn_dispatch.demo.factory import build
-from attn_dispatch.demo.factory import default_specs
-from attn_dispatch.demo.factory import prompts_for
-from attn_dispatch.demo.factory import sizes
 from attn_dispatch.demo.cli import main
 from attn_dispatch.demo.engine import DemoOptions
 from attn_dispatch.demo.engine import Request
@@ -28,6 +23,11 @@ from attn_dispatch.demo.engine import Stats
 from attn_dispatch.demo.engine import speculative
 from attn_dispatch.demo.engine import step
 from attn_dispatch.demo.engine import target_greedy
+from attn_dispatch.demo.factory import _binds
+from attn_dispatch.demo.factory import build
+from attn_dispatch.demo.factory import default_specs
+from attn_dispatch.demo.factory import prompts_for
+from attn_dispatch.demo.factory import sizes
 
 __all__ = [
     "DemoOptions",

@@ -17,8 +17,8 @@ from attn_dispatch._phase import Phase
 from attn_dispatch._scope import format_table
 from attn_dispatch._scope import record_dispatch
 from attn_dispatch._spec import BackendSpec
-from attn_dispatch.demo import factory as _build
 from attn_dispatch.demo import engine
+from attn_dispatch.demo import factory as _build
 
 if TYPE_CHECKING:
     from attn_dispatch.demo.legacy import LegacyGlobals
@@ -234,7 +234,6 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tspec = BackendSpec.parse(args.target_spec) if args.target_spec else None
     dspec = BackendSpec.parse(args.draft_spec) if args.draft_spec else None
-    _check_triton(device, tspec, dspec)
     shape = _build.sizes()[opts.size].target
     if args.dtype == "auto":
         dtype, why = _build.choose_dtype(
@@ -283,23 +282,10 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
         say("\nbinding (phase -> backend)")
         rows = [(r.label, *(name for _, name in r.attn_binding.table())) for r in (target, draft)]
         say(format_table(("runner", "prefill", "decode", "verify"), rows))
-        prompts = _build.prompts_for(opts, target.model.shape.vocab)
+        prompts = _build.prompts_for(opts, shape.vocab)
         if legacy is not None:
             return _run_legacy(say, legacy, target, draft, prompts, opts)
         return _run_scoped(say, args, target, draft, prompts, opts, bar)
-
-
-def _check_triton(device: str, *specs: BackendSpec | None) -> None:
-    """Triton on a CPU runs only under its interpreter: say so before any kernel fails."""
-    import os
-
-    wants = any(s is not None and "triton" in s.names for s in specs)
-    if wants and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise AttnDispatchError(
-            "--target-spec/--draft-spec name 'triton' on a CPU: Triton kernels run on a CPU "
-            "only under the Triton interpreter; set TRITON_INTERPRET=1 (slow: add --size tiny), "
-            "or choose 'native' or 'torch'"
-        )
 
 
 def _run_scoped(
@@ -412,7 +398,9 @@ def _report(
         for phase in Phase:
             ms = r.mean_ms(phase)
             if ms is not None:
-                rows.append((r.label, phase.name.lower(), str(r.timing[(phase, "forwards")]), f"{ms:.2f}"))
+                rows.append(
+                    (r.label, phase.name.lower(), str(r.timing[(phase, "forwards")]), f"{ms:.2f}")
+                )
     say(format_table(("runner", "phase", "forwards", "ms each"), rows))
     t_dec, d_dec = target.mean_ms(Phase.DECODE), draft.mean_ms(Phase.DECODE)
     t_ver = target.mean_ms(Phase.VERIFY)

@@ -192,7 +192,9 @@ def propose(
     phase = Phase.DECODE if all(len(r.tokens) == 1 for r in reqs) else Phase.PREFILL
     logits, firsts = step(draft, phase, reqs)
     lasts = [f + len(r.tokens) - 1 for f, r in zip(firsts, reqs, strict=True)]
-    trees = [Tree([[h] for h in heads], [[] for _ in heads]) for heads in top_k(logits[lasts], branch)]
+    trees = [
+        Tree([[h] for h in heads], [[] for _ in heads]) for heads in top_k(logits[lasts], branch)
+    ]
     # Extend every branch as a chain: all branches of all requests in one DECODE per level,
     # each branch on its own pages after the shared prefix.
     for s in range(1, depth):
@@ -210,9 +212,7 @@ def propose(
     return trees
 
 
-def verify(
-    target: Runner, seqs: list[SeqKV], roots: list[int], trees: list[Tree]
-) -> list[Verdict]:
+def verify(target: Runner, seqs: list[SeqKV], roots: list[int], trees: list[Tree]) -> list[Verdict]:
     """Check every request's tree in ONE target VERIFY forward (tree mask), then walk it."""
     from attn_dispatch._batch import tree_mask
     from attn_dispatch.demo.models import greedy

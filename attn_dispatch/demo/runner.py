@@ -92,7 +92,8 @@ class Runner:
         return out
 
     def form(self) -> AttnForm:
-        return attention_form()
+        form: AttnForm = attention_form()
+        return form
 
     def reset(self) -> None:
         self.allocator = PageAllocator(self.num_pages, self.label)
