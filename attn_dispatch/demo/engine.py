@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
@@ -99,7 +100,7 @@ class Verdict:
     bonus: int
 
 
-# A callback after each token (greedy) or round (speculative): tokens done, tokens in all.
+# A progress callback: tokens done, tokens in all.
 Progress = Callable[[int, int], None]
 
 
@@ -144,13 +145,11 @@ def prefill(
     return logits[lasts], firsts
 
 
-def target_greedy(
-    target: Runner,
-    prompts: Sequence[Sequence[int]],
-    max_new: int,
-    progress: Progress | None = None,
-) -> list[list[int]]:
-    """The target alone: one PREFILL, then one DECODE per token (the reference output)."""
+def greedy_steps(
+    target: Runner, prompts: Sequence[Sequence[int]], max_new: int
+) -> Iterator[list[list[int]]]:
+    """The target alone, one forward per step: a PREFILL, then one DECODE per token. Yields
+    the tokens so far after each forward (the lists grow in place)."""
     from attn_dispatch.demo.models import greedy
     from attn_dispatch.demo.runner import SeqKV
 
@@ -158,9 +157,8 @@ def target_greedy(
     seqs = [SeqKV() for _ in prompts]
     logits, _ = prefill(target, seqs, prompts)
     outs = [[t] for t in greedy(logits)]
-    for k in range(max_new - 1):
-        if progress is not None:
-            progress((k + 1) * len(prompts), max_new * len(prompts))
+    yield outs
+    for _ in range(max_new - 1):
         reqs = []
         for seq, out in zip(seqs, outs, strict=True):
             target.reserve(seq, seq.length + 1)
@@ -169,8 +167,16 @@ def target_greedy(
         logits, _ = step(target, Phase.DECODE, reqs)
         for out, t in zip(outs, greedy(logits), strict=True):
             out.append(t)
+        yield outs
     for seq in seqs:
         target.release(seq)
+
+
+def target_greedy(
+    target: Runner, prompts: Sequence[Sequence[int]], max_new: int
+) -> list[list[int]]:
+    """The target's own greedy decoding: the reference the speculative output must equal."""
+    *_, outs = greedy_steps(target, prompts, max_new)
     return outs
 
 
@@ -277,22 +283,21 @@ def commit_draft(draft: Runner, seq: SeqKV, tree: Tree, accepted: Sequence[int])
     return hit
 
 
-def speculative(
+def speculative_steps(
     target: Runner,
     draft: Runner,
     prompts: Sequence[Sequence[int]],
     opts: DemoOptions,
-    progress: Progress | None = None,
+    stats: Stats,
     on_round: Callable[[int, list[int]], None] | None = None,
-) -> tuple[list[list[int]], Stats]:
-    """Draft a token tree per request, verify it in one target forward, commit, repeat."""
+) -> Iterator[list[list[int]]]:
+    """Speculative decoding one round at a time: prefill both runners, then per round
+    propose, verify, commit. Yields the tokens so far after the prefill and each round."""
     from attn_dispatch.demo.models import greedy
     from attn_dispatch.demo.runner import SeqKV
 
     if draft.page_size != 1:
         raise AttnDispatchError("the demo's draft forks branches per token: its page_size is 1")
-    stats = Stats()
-    t0 = time.perf_counter()
     target.reset()
     draft.reset()
     tf0, df0 = target.forwards, draft.forwards
@@ -302,6 +307,7 @@ def speculative(
     logits, _ = prefill(target, tseqs, prompts)  # the target's first token
     gen = [[t] for t in greedy(logits)]
     prefill(draft, dseqs, prompts)
+    yield gen
     active = [i for i in range(n) if len(gen[i]) < opts.max_new_tokens]
     while active and (opts.steps is None or stats.rounds < opts.steps):
         stats.rounds += 1
@@ -323,19 +329,58 @@ def speculative(
             stats.accepted += len(v.accepted)
             stats.max_accept = max(stats.max_accept, len(v.accepted))
             per_request.append(len(v.accepted))
-        if on_round is not None:
-            on_round(stats.rounds, per_request)
-        if progress is not None:
-            progress(sum(len(g) for g in gen), n * opts.max_new_tokens)
         for i in list(active):
             if len(gen[i]) >= opts.max_new_tokens:
                 target.release(tseqs[i])
                 draft.release(dseqs[i])
                 active.remove(i)
+        stats.target_forwards = target.forwards - tf0
+        stats.draft_forwards = draft.forwards - df0
+        if on_round is not None:
+            on_round(stats.rounds, per_request)
+        yield gen
     for i in active:
         target.release(tseqs[i])
         draft.release(dseqs[i])
+
+
+def speculative(
+    target: Runner,
+    draft: Runner,
+    prompts: Sequence[Sequence[int]],
+    opts: DemoOptions,
+    on_round: Callable[[int, list[int]], None] | None = None,
+) -> tuple[list[list[int]], Stats]:
+    """Draft a token tree per request, verify it in one target forward, commit, repeat."""
+    stats = Stats()
+    t0 = time.perf_counter()
+    *_, gen = speculative_steps(target, draft, prompts, opts, stats, on_round)
     stats.seconds = time.perf_counter() - t0
-    stats.target_forwards = target.forwards - tf0
-    stats.draft_forwards = draft.forwards - df0
     return gen, stats
+
+
+def race(
+    greedy_it: Iterator[list[list[int]]],
+    spec_it: Iterator[list[list[int]]],
+    total: int,
+    progress: Progress | None = None,
+) -> tuple[list[list[int]], list[list[int]], float, float]:
+    """Run greedy and speculative decoding side by side, each step timed on its own: the one
+    behind in tokens takes the next step, so a burst of other load on the machine lands on
+    both alike. ``total``: the tokens each makes. Returns both outputs and their seconds."""
+    its = {"spec": spec_it, "greedy": greedy_it}
+    outs: dict[str, list[list[int]]] = {"greedy": [], "spec": []}
+    seconds = {"greedy": 0.0, "spec": 0.0}
+    done = {"greedy": 0, "spec": 0}
+    while its:
+        who = min(its, key=lambda k: done[k])  # ties: spec (first in its)
+        t0 = time.perf_counter()
+        try:
+            outs[who] = next(its[who])
+        except StopIteration:
+            del its[who]
+        seconds[who] += time.perf_counter() - t0
+        done[who] = sum(len(o) for o in outs[who])
+        if progress is not None:
+            progress(sum(done.values()), 2 * total)
+    return outs["greedy"], outs["spec"], seconds["greedy"], seconds["spec"]
