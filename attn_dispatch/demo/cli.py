@@ -299,6 +299,7 @@ def _run_scoped(
     alone = Runner("target", target.model, target.attn_binding, num_pages=target.num_pages)
     on_round = _round_lines(say, opts) if args.progress == "rounds" else None
     stats = engine.Stats()
+    bar.start("decoding")
     with torch.inference_mode(), record_dispatch() as rec:
         reference, outputs, greedy_s, spec_s = engine.race(
             engine.greedy_steps(alone, prompts, opts.max_new_tokens),
