@@ -456,3 +456,33 @@ def test_progress_bar_draws_on_its_stream_after_the_delay() -> None:
     quiet = io.StringIO()
     Bar(quiet, enabled=True, delay=60.0)(3, 12)
     assert quiet.getvalue() == ""
+
+
+def test_race_gives_each_decoding_its_own_output_and_time() -> None:
+    from attn_dispatch.demo import engine
+    from attn_dispatch.demo.runner import Runner
+
+    opts = demo.DemoOptions(max_new_tokens=9, depth=2)
+    with torch.inference_mode():
+        target, draft = demo.build(
+            opts, device="cpu", dtype="float32", target_spec=None, draft_spec=None
+        )
+        alone = Runner("target", target.model, target.attn_binding, num_pages=target.num_pages)
+        prompts = demo.prompts_for(opts, target.model.shape.vocab)
+        stats = engine.Stats()
+        seen: list[int] = []
+        ref, out, greedy_s, spec_s = engine.race(
+            engine.greedy_steps(alone, prompts, opts.max_new_tokens),
+            engine.speculative_steps(target, draft, prompts, opts, stats),
+            2 * opts.max_new_tokens,
+            lambda done, total: seen.append(done),
+        )
+        solo_out, solo_stats = demo.speculative(target, draft, prompts, opts)
+        solo_ref = demo.target_greedy(alone, prompts, opts.max_new_tokens)
+    assert ref == solo_ref and out == solo_out == ref
+    assert stats.rounds == solo_stats.rounds and stats.accepted == solo_stats.accepted
+    assert greedy_s > 0 and spec_s > 0
+    assert seen == sorted(seen) and seen[-1] == 2 * 2 * opts.max_new_tokens
+    # Every page went back to both runners' free lists.
+    for r in (target, alone, draft):
+        assert r.allocator.num_free == r.num_pages
