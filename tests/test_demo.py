@@ -486,3 +486,19 @@ def test_race_gives_each_decoding_its_own_output_and_time() -> None:
     # Every page went back to both runners' free lists.
     for r in (target, alone, draft):
         assert r.allocator.num_free == r.num_pages
+
+
+def test_a_full_cache_is_an_error_with_its_numbers() -> None:
+    from attn_dispatch.demo.runner import CacheFullError
+    from attn_dispatch.demo.runner import PageAllocator
+
+    pool = PageAllocator(3, "target")
+    assert pool.alloc(2) == [0, 1]
+    with pytest.raises(CacheFullError) as info:
+        pool.alloc(2)
+    assert isinstance(info.value, MemoryError)
+    assert (info.value.requested, info.value.free, info.value.num_pages) == (2, 1, 3)
+    assert pool.num_free == 1  # the failed request took nothing
+    rc, text = run_demo("--num-pages", "3")
+    assert rc == 2
+    assert "pages requested" in text and "--num-pages" in text

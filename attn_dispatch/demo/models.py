@@ -369,7 +369,10 @@ def greedy(logits: torch.Tensor) -> list[int]:
 
 
 def top_k(logits: torch.Tensor, k: int) -> list[list[int]]:
-    """The ``k`` best ids per row, ties broken by the lower id (deterministic)."""
+    """The ``k`` best ids per row, ties broken by the lower id (deterministic).
+
+    Sorts the ``k + 4`` best of each row, not the whole vocabulary: a tie across more than
+    four ids at the k-th place does not happen with these float logits."""
     vals, ids = logits.topk(min(k + 4, logits.shape[-1]), dim=-1)
     out = []
     for v, i in zip(vals.tolist(), ids.tolist(), strict=True):

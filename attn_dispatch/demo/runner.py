@@ -24,7 +24,15 @@ from attn_dispatch.demo.models import TargetModel
 
 
 class CacheFullError(AttnDispatchError, MemoryError):
-    """The demo's page pool has no free page left."""
+    """A runner's page pool has too few free pages. Attributes: ``label``, ``requested``,
+    ``free``, ``num_pages``."""
+
+    def __init__(self, label: str, requested: int, free: int, num_pages: int) -> None:
+        self.label, self.requested, self.free, self.num_pages = label, requested, free, num_pages
+        super().__init__(
+            f"runner {label!r}: {requested} pages requested, {free} of {num_pages} free; pass "
+            "a larger --num-pages or fewer tokens"
+        )
 
 
 class PageAllocator:
@@ -37,10 +45,7 @@ class PageAllocator:
 
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
-            raise CacheFullError(
-                f"runner {self.label!r}: {n} pages requested, {len(self._free)} of "
-                f"{self.num_pages} free; pass a larger --num-pages or fewer tokens"
-            )
+            raise CacheFullError(self.label, n, len(self._free), self.num_pages)
         return [self._free.pop() for _ in range(n)]
 
     def free(self, pages: Sequence[int]) -> None:
@@ -80,7 +85,7 @@ class Runner:
         self.caches = model.make_caches(num_pages, cfg.page_size, cfg.device)
         self.allocator = PageAllocator(num_pages, label)
         self.forwards = 0
-        # Phase -> (forwards, seconds): what one forward of each kind costs.
+        # (phase, "forwards") -> count, (phase, "us") -> microseconds: what a forward costs.
         self.timing: collections.Counter[tuple[Phase, str]] = collections.Counter()
 
     # How layers reach a kernel; LegacyRunner overrides these three.
