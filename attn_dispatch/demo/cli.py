@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING
 from typing import Any
 from typing import TextIO
 
-from attn_dispatch._errors import AttnDispatchError
-from attn_dispatch._phase import Phase
-from attn_dispatch._scope import format_table
-from attn_dispatch._scope import record_dispatch
-from attn_dispatch._spec import BackendSpec
+from attn_dispatch import AttnDispatchError
+from attn_dispatch import BackendSpec
+from attn_dispatch import Phase
+from attn_dispatch import record_dispatch
 from attn_dispatch.demo import engine
 from attn_dispatch.demo import factory as _build
 
@@ -37,6 +36,16 @@ examples:
 exit status: 0 when the speculative output equals the target's own greedy decoding and each
 runner dispatched only to its own backends, 1 if not, 2 for a usage or setup error.
 """
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns under a dashed rule (the library's own tables look the same)."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = [header, ["-" * w for w in widths], *rows]
+    return "\n".join(
+        "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
 
 
 def import_torch() -> Any:

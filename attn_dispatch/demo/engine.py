@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 
-from attn_dispatch._errors import AttnDispatchError
-from attn_dispatch._phase import Phase
+from attn_dispatch import AttnDispatchError
+from attn_dispatch import Phase
 
 if TYPE_CHECKING:
     from attn_dispatch.demo.runner import Runner
@@ -106,7 +106,7 @@ Progress = Callable[[int, int], None]
 
 def step(runner: Runner, phase: Phase, reqs: Sequence[Request]) -> tuple[Any, list[int]]:
     """One forward of ``runner`` over ``reqs``: logits ``[T, V]`` and each request's first row."""
-    from attn_dispatch._batch import AttnBatch
+    from attn_dispatch import AttnBatch
 
     tokens: list[int] = []
     positions: list[int] = []
@@ -220,7 +220,7 @@ def propose(
 
 def verify(target: Runner, seqs: list[SeqKV], roots: list[int], trees: list[Tree]) -> list[Verdict]:
     """Check every request's tree in ONE target VERIFY forward (tree mask), then walk it."""
-    from attn_dispatch._batch import tree_mask
+    from attn_dispatch import tree_mask
     from attn_dispatch.demo.models import greedy
 
     reqs, flat = [], []

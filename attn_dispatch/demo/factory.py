@@ -7,11 +7,11 @@ import time
 from typing import TYPE_CHECKING
 from typing import Any
 
-from attn_dispatch._binding import bind
-from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import AttnDispatchError
-from attn_dispatch._registry import list_backends
-from attn_dispatch._spec import BackendSpec
+from attn_dispatch import AttnConfig
+from attn_dispatch import AttnDispatchError
+from attn_dispatch import BackendSpec
+from attn_dispatch import bind
+from attn_dispatch import list_backends
 from attn_dispatch.demo.engine import DemoOptions
 from attn_dispatch.demo.shapes import DraftShape
 from attn_dispatch.demo.shapes import TargetShape

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from attn_dispatch._batch import AttnBatch
-from attn_dispatch._binding import Binding
-from attn_dispatch._forms import AttnForm
-from attn_dispatch._phase import Phase
+from attn_dispatch import AttnBatch
+from attn_dispatch import AttnForm
+from attn_dispatch import Binding
+from attn_dispatch import Phase
 from attn_dispatch.demo.models import DraftModel
 from attn_dispatch.demo.models import TargetModel
 from attn_dispatch.demo.runner import Runner

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from attn_dispatch._batch import AttnBatch
-from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import InvalidBatchError
-from attn_dispatch._forms import AttnForm
+from attn_dispatch import AttnBatch
+from attn_dispatch import AttnConfig
+from attn_dispatch import AttnForm
+from attn_dispatch import InvalidBatchError
 from attn_dispatch.demo.shapes import DraftShape
 from attn_dispatch.demo.shapes import TargetShape
 

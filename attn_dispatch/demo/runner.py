@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from attn_dispatch._batch import AttnBatch
-from attn_dispatch._binding import Binding
-from attn_dispatch._errors import AttnDispatchError
-from attn_dispatch._forms import AttnForm
-from attn_dispatch._phase import Phase
-from attn_dispatch._scope import attention
-from attn_dispatch._scope import attention_form
-from attn_dispatch._scope import attn_scope
+from attn_dispatch import AttnBatch
+from attn_dispatch import AttnDispatchError
+from attn_dispatch import AttnForm
+from attn_dispatch import Binding
+from attn_dispatch import Phase
+from attn_dispatch import attention
+from attn_dispatch import attention_form
+from attn_dispatch import attn_scope
 from attn_dispatch.demo.models import DraftModel
 from attn_dispatch.demo.models import TargetModel
 
