@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import io
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -13,12 +18,14 @@ from attn_dispatch import demo  # noqa: E402
 from attn_dispatch import record_dispatch  # noqa: E402
 from attn_dispatch import register_backend  # noqa: E402
 from attn_dispatch import unregister_backend  # noqa: E402
-from attn_dispatch._demo_models import DraftShape  # noqa: E402
-from attn_dispatch._demo_models import TargetShape  # noqa: E402
 from attn_dispatch._spec import BackendSpec  # noqa: E402
 from attn_dispatch.backends.reference import CAPABILITIES as TORCH_CAPS  # noqa: E402
+from attn_dispatch.demo.models import DraftShape  # noqa: E402
+from attn_dispatch.demo.models import TargetShape  # noqa: E402
 
-TINY = ["--max-new-tokens", "7", "--depth", "2", "--batch", "2", "--progress", "on"]
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--size", "tiny", "--dtype", "float32", "--max-new-tokens", "7", "--depth", "2"]
+TINY += ["--batch", "2", "--progress", "rounds"]
 
 
 @pytest.fixture
@@ -72,7 +79,7 @@ def test_each_runner_dispatches_only_to_its_own_backend(torch2: str) -> None:
         prompts = demo.prompts_for(opts, target.model.shape.vocab)
         reference = demo.target_greedy(target, prompts, opts.max_new_tokens)
         with record_dispatch() as rec:
-            outputs, stats = demo.speculative(target, draft, prompts, opts, io.StringIO())
+            outputs, stats = demo.speculative(target, draft, prompts, opts)
     assert outputs == reference
     layers_t, layers_d = target.model.shape.layers, draft.model.shape.layers
     counts = rec.counts()
@@ -109,7 +116,7 @@ def test_greedy_equality_holds_with_rejections_and_one_branch(torch2: str) -> No
         )
         prompts = demo.prompts_for(opts, target.model.shape.vocab)
         reference = demo.target_greedy(target, prompts, opts.max_new_tokens)
-        outputs, stats = demo.speculative(target, draft, prompts, opts, io.StringIO())
+        outputs, stats = demo.speculative(target, draft, prompts, opts)
     assert outputs == reference
     assert stats.accepted < stats.drafted  # some drafted tokens were rejected
 
@@ -145,7 +152,7 @@ def test_tree_verify_logits_equal_each_path_decoded_alone() -> None:
     # depth's position: its logits equal a plain forward over prefix + its path.
     from attn_dispatch import Phase
     from attn_dispatch import tree_mask
-    from attn_dispatch._demo_models import SeqKV
+    from attn_dispatch.demo.runner import SeqKV
 
     opts = demo.DemoOptions(page_size=3)
     with torch.inference_mode():
@@ -215,9 +222,9 @@ def test_target_forms_give_the_same_tokens(policy: str, forms: set[str]) -> None
     from attn_dispatch import AttnForm
     from attn_dispatch import FormPolicy
     from attn_dispatch import Phase
-    from attn_dispatch._demo_models import SeqKV
-    from attn_dispatch._demo_models import greedy
     from attn_dispatch.backends.reference.backend import TorchBackend
+    from attn_dispatch.demo.models import greedy
+    from attn_dispatch.demo.runner import SeqKV
 
     chunked = AttnForm.MHA_CHUNKED
     policies = {
@@ -285,3 +292,213 @@ def test_defaults_fill_only_what_the_user_left_out(torch2: str) -> None:
     t, d = demo.default_specs(tcfg, dcfg, None, BackendSpec.uniform(torch2))
     assert d == BackendSpec.uniform(torch2)
     assert t == BackendSpec.uniform("native" if native else "torch")
+
+
+def _demo_subprocess(
+    tmp_path: Path, *argv: str, env: dict[str, str] | None = None, block_numpy: bool = False
+) -> subprocess.CompletedProcess[str]:
+    paths = [str(ROOT)]
+    if block_numpy:
+        # A fresh environment has torch but no numpy: `import numpy` fails and
+        # importlib.util.find_spec("numpy") is None, as here.
+        (tmp_path / "sitecustomize.py").write_text('import sys\nsys.modules["numpy"] = None\n')
+        paths.insert(0, str(tmp_path))
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **(env or {})}
+    if env is None:
+        full_env.pop("TRITON_INTERPRET", None)
+    return subprocess.run(
+        [sys.executable, "-m", "attn_dispatch", "demo", *argv],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+
+
+def test_first_run_without_numpy_prints_no_warning(tmp_path: Path) -> None:
+    proc = _demo_subprocess(tmp_path, *TINY, block_numpy=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "identical to target greedy: yes" in proc.stdout
+    assert "warning" not in proc.stderr.lower(), proc.stderr
+    # The emulation is real: without the demo's guard torch does warn here.
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        timeout=120,
+    )
+    assert "NumPy" in probe.stderr
+
+
+def test_help_documents_every_option(tmp_path: Path) -> None:
+    proc = _demo_subprocess(tmp_path, "--help")
+    assert proc.returncode == 0
+    actions = [a for a in demo.cli.parser()._actions if a.option_strings]
+    assert len(actions) >= 17
+    for action in actions:
+        assert action.help, action.option_strings
+        assert action.option_strings[-1] in proc.stdout
+    assert "exit status" in proc.stdout
+
+
+def test_triton_runs_under_the_interpreter_and_says_why_not_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = ["--max-new-tokens", "4", "--target-spec", "triton", "--draft-spec", "triton"]
+    # Binding checks availability before it builds (imports) the triton backend.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc, text = run_demo(*argv)
+    assert rc == 2
+    assert "needs a CUDA device, or TRITON_INTERPRET=1" in text
+    argv = [*TINY, *argv]
+    interp = _demo_subprocess(tmp_path, *argv, env={"TRITON_INTERPRET": "1"})
+    assert interp.returncode == 0, interp.stdout + interp.stderr
+    assert "target  triton   triton  triton" in interp.stdout
+    assert "target  verify   triton   mla" in interp.stdout
+    assert "identical to target greedy: yes" in interp.stdout
+
+
+def test_bfloat16_target_keeps_fp32_attention_and_exact_tokens() -> None:
+    rc, text = run_demo("--dtype", "bfloat16", "--max-new-tokens", "12")
+    assert rc == 0, text
+    assert "dtype bfloat16" in text
+    assert "target attention and latent cache float32" in text
+    assert "identical to target greedy: yes" in text
+
+
+def test_report_shows_per_forward_times_and_the_speedup() -> None:
+    rc, text = run_demo()
+    assert rc == 0, text
+    for row in ("target          prefill", "target          verify", "target, greedy  decode"):
+        assert re.search(rf"{row} +\d+ +\d+\.\d\d", text), text
+    assert re.search(r"draft           decode +\d+ +\d+\.\d\d", text), text
+    assert re.search(r"a draft decode costs 1/\d+ of a target decode", text)
+    m = re.search(
+        r"tokens/s: ([\d.]+) speculative, ([\d.]+) target-only greedy .*: speedup ([\d.]+)x", text
+    )
+    assert m, text
+    spec, greedy, speedup = (float(g) for g in m.groups())
+    assert speedup == pytest.approx(spec / greedy, abs=0.01)
+    # The greedy reference ran on the target's binding too (its decode calls).
+    assert (
+        re.search(r"target  decode   torch    -     \d+", text) or "target  decode   native" in text
+    )
+
+
+def test_default_size_is_the_weight_bound_target() -> None:
+    args = demo.cli.parser().parse_args([])
+    assert args.size == "base"
+    shape = demo.sizes()["base"].target
+    assert 100e6 <= shape.params <= 200e6
+    draft = demo.sizes()["base"].draft
+    assert draft.params(shape.rank, shape.vocab) * 10 <= shape.params
+
+
+def test_auto_dtype_is_one_of_the_measured() -> None:
+    from attn_dispatch.demo.factory import choose_dtype
+
+    dtype, why = choose_dtype("base", "cpu", hidden=256, mlp=512, rows=2)
+    assert dtype in ("float32", "bfloat16")
+    assert "float32" in why and "bfloat16" in why
+    assert torch.backends.cpu.get_cpu_capability() in why
+
+
+def test_accept_walks_the_longest_agreeing_path() -> None:
+    from attn_dispatch.demo.engine import Tree
+    from attn_dispatch.demo.engine import accept
+
+    tree = Tree(chains=[[7, 8, 9], [5, 6, 4]], pages=[[], []])
+    nodes, parents, depths = tree.flatten(root=1)
+    assert nodes == [1, 7, 8, 9, 5, 6, 4]
+    assert parents == [-1, 0, 1, 2, 0, 4, 5]
+    assert depths == [0, 1, 2, 3, 1, 2, 3]
+    # The target picks 5 after the root, 6 after 5, then 3 (not the drafted 4).
+    choice = [5, 0, 0, 0, 6, 3, 0]
+    v = accept(nodes, parents, choice)
+    assert v.accepted == [4, 5] and v.bonus == 3
+    assert accept(nodes, parents, [2, 0, 0, 0, 0, 0, 0]).accepted == []
+
+
+def test_legacy_runner_reads_the_global_at_forward_time(torch2: str) -> None:
+    from attn_dispatch.demo.legacy import LegacyGlobals
+    from attn_dispatch.demo.legacy import LegacyRunner
+
+    legacy = LegacyGlobals()
+    opts = demo.DemoOptions(max_new_tokens=4)
+    with torch.inference_mode():
+        target, draft = demo.build(
+            opts,
+            device="cpu",
+            dtype="float32",
+            target_spec=BackendSpec.uniform("torch"),
+            draft_spec=BackendSpec.uniform(torch2),
+            legacy=legacy,
+        )
+        assert isinstance(target, LegacyRunner) and isinstance(draft, LegacyRunner)
+        assert legacy.attention_backend == torch2  # the draft started last
+        with pytest.raises(Exception):  # noqa: B017 - whatever the wrong kernel raises
+            demo.speculative(target, draft, demo.prompts_for(opts, 96), opts)
+    assert legacy.log[("target", "prefill", torch2, "failed")] == 1
+    assert not any(k[2] == "torch" for k in legacy.log)  # the target's own choice never ran
+
+
+def test_progress_bar_draws_on_its_stream_after_the_delay() -> None:
+    from attn_dispatch.demo.cli import Bar
+
+    stream = io.StringIO()
+    bar = Bar(stream, enabled=True, delay=0.0)
+    bar.start("greedy")
+    bar(3, 12)
+    assert "greedy" in stream.getvalue() and "3/12 tokens" in stream.getvalue()
+    bar.clear()
+    quiet = io.StringIO()
+    Bar(quiet, enabled=True, delay=60.0)(3, 12)
+    assert quiet.getvalue() == ""
+
+
+def test_race_gives_each_decoding_its_own_output_and_time() -> None:
+    from attn_dispatch.demo import engine
+    from attn_dispatch.demo.runner import Runner
+
+    opts = demo.DemoOptions(max_new_tokens=9, depth=2)
+    with torch.inference_mode():
+        target, draft = demo.build(
+            opts, device="cpu", dtype="float32", target_spec=None, draft_spec=None
+        )
+        alone = Runner("target", target.model, target.attn_binding, num_pages=target.num_pages)
+        prompts = demo.prompts_for(opts, target.model.shape.vocab)
+        stats = engine.Stats()
+        seen: list[int] = []
+        ref, out, greedy_s, spec_s = engine.race(
+            engine.greedy_steps(alone, prompts, opts.max_new_tokens),
+            engine.speculative_steps(target, draft, prompts, opts, stats),
+            2 * opts.max_new_tokens,
+            lambda done, total: seen.append(done),
+        )
+        solo_out, solo_stats = demo.speculative(target, draft, prompts, opts)
+        solo_ref = demo.target_greedy(alone, prompts, opts.max_new_tokens)
+    assert ref == solo_ref and out == solo_out == ref
+    assert stats.rounds == solo_stats.rounds and stats.accepted == solo_stats.accepted
+    assert greedy_s > 0 and spec_s > 0
+    assert seen == sorted(seen) and seen[-1] == 2 * 2 * opts.max_new_tokens
+    # Every page went back to both runners' free lists.
+    for r in (target, alone, draft):
+        assert r.allocator.num_free == r.num_pages
+
+
+def test_a_full_cache_is_an_error_with_its_numbers() -> None:
+    from attn_dispatch.demo.runner import CacheFullError
+    from attn_dispatch.demo.runner import PageAllocator
+
+    pool = PageAllocator(3, "target")
+    assert pool.alloc(2) == [0, 1]
+    with pytest.raises(CacheFullError) as info:
+        pool.alloc(2)
+    assert isinstance(info.value, MemoryError)
+    assert (info.value.requested, info.value.free, info.value.num_pages) == (2, 1, 3)
+    assert pool.num_free == 1  # the failed request took nothing
+    rc, text = run_demo("--num-pages", "3")
+    assert rc == 2
+    assert "pages requested" in text and "--num-pages" in text

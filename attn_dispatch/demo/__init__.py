@@ -1,0 +1,45 @@
+"""``python -m attn_dispatch demo``: speculative decoding with two runners in one process.
+
+A DeepSeek-style MLA target and a GQA MHA draft, each with its own ``AttnConfig``,
+``BackendSpec``, binding and paged KV cache; the draft proposes a token tree, the target
+verifies it in one forward, the output is checked against the target's own greedy decoding.
+
+    $ python -m attn_dispatch demo
+    $ python -m attn_dispatch demo --size tiny --target-spec torch --draft-spec native
+    $ python -m attn_dispatch demo --legacy-global
+
+Modules: ``models`` (the two models, torch), ``runner`` (a runner: model, paged cache, binding),
+``engine`` (greedy and speculative decoding, one function per step of a round), ``legacy``
+(the old global-setting pattern, for ``--legacy-global``), ``factory`` (sizes, dtype, default
+backends), ``cli`` (options and report). Importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+from attn_dispatch.demo.cli import main
+from attn_dispatch.demo.engine import DemoOptions
+from attn_dispatch.demo.engine import Request
+from attn_dispatch.demo.engine import Stats
+from attn_dispatch.demo.engine import speculative
+from attn_dispatch.demo.engine import step
+from attn_dispatch.demo.engine import target_greedy
+from attn_dispatch.demo.factory import _binds
+from attn_dispatch.demo.factory import build
+from attn_dispatch.demo.factory import default_specs
+from attn_dispatch.demo.factory import prompts_for
+from attn_dispatch.demo.factory import sizes
+
+__all__ = [
+    "DemoOptions",
+    "Request",
+    "Stats",
+    "_binds",
+    "build",
+    "default_specs",
+    "main",
+    "prompts_for",
+    "sizes",
+    "speculative",
+    "step",
+    "target_greedy",
+]

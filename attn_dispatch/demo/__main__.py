@@ -1,0 +1,5 @@
+import sys
+
+from attn_dispatch.demo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,170 @@
+"""A model runner: one model, its own paged cache, page allocator and attention binding."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from attn_dispatch import AttnBatch
+from attn_dispatch import AttnDispatchError
+from attn_dispatch import AttnForm
+from attn_dispatch import Binding
+from attn_dispatch import Phase
+from attn_dispatch import attention
+from attn_dispatch import attention_form
+from attn_dispatch import attn_scope
+from attn_dispatch.demo.models import DraftModel
+from attn_dispatch.demo.models import TargetModel
+
+
+class CacheFullError(AttnDispatchError, MemoryError):
+    """A runner's page pool has too few free pages. Attributes: ``label``, ``requested``,
+    ``free``, ``num_pages``."""
+
+    def __init__(self, label: str, requested: int, free: int, num_pages: int) -> None:
+        self.label, self.requested, self.free, self.num_pages = label, requested, free, num_pages
+        super().__init__(
+            f"runner {label!r}: {requested} pages requested, {free} of {num_pages} free; pass "
+            "a larger --num-pages or fewer tokens"
+        )
+
+
+class PageAllocator:
+    """A free list of page ids. ``alloc`` hands out the lowest free ids first."""
+
+    def __init__(self, num_pages: int, label: str) -> None:
+        self.num_pages = num_pages
+        self.label = label
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise CacheFullError(self.label, n, len(self._free), self.num_pages)
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, pages: Sequence[int]) -> None:
+        # Keep the list sorted high -> low so the lowest id is reused first (deterministic).
+        self._free.extend(pages)
+        self._free.sort(reverse=True)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+
+@dataclasses.dataclass(slots=True)
+class SeqKV:
+    """One request's pages in one runner's cache and the number of tokens they hold."""
+
+    pages: list[int] = dataclasses.field(default_factory=list)
+    length: int = 0
+
+
+class Runner:
+    """One model runner: a model, its own paged cache and its own ``attn_binding``.
+
+    Every forward opens ``attn_scope(self, batch)``; the model's layers call
+    ``attention(...)``, which runs this runner's backend for ``batch.phase``."""
+
+    def __init__(
+        self, label: str, model: TargetModel | DraftModel, binding: Binding, *, num_pages: int
+    ) -> None:
+        self.label = label
+        self.model = model
+        self.attn_binding = binding
+        cfg = binding.config
+        self.page_size = cfg.page_size
+        self.device = cfg.device
+        self.num_pages = num_pages
+        self.caches = model.make_caches(num_pages, cfg.page_size, cfg.device)
+        self.allocator = PageAllocator(num_pages, label)
+        self.forwards = 0
+        # (phase, "forwards") -> count, (phase, "us") -> microseconds: what a forward costs.
+        self.timing: collections.Counter[tuple[Phase, str]] = collections.Counter()
+
+    # How layers reach a kernel; LegacyRunner overrides these three.
+    def scope(self, batch: AttnBatch) -> AbstractContextManager[Any]:
+        return attn_scope(self, batch)
+
+    def attend(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out: torch.Tensor = attention(*args, **kwargs)
+        return out
+
+    def form(self) -> AttnForm:
+        form: AttnForm = attention_form()
+        return form
+
+    def reset(self) -> None:
+        self.allocator = PageAllocator(self.num_pages, self.label)
+
+    def reserve(self, seq: SeqKV, length: int) -> None:
+        """Make ``seq`` own enough pages for ``length`` tokens (its length is the caller's)."""
+        need = -(-length // self.page_size) - len(seq.pages)
+        if need > 0:
+            seq.pages.extend(self.allocator.alloc(need))
+
+    def truncate(self, seq: SeqKV, length: int) -> None:
+        """Keep ``length`` tokens; pages past them go back to the free list."""
+        keep = -(-length // self.page_size)
+        if keep < len(seq.pages):
+            self.allocator.free(seq.pages[keep:])
+            del seq.pages[keep:]
+        seq.length = length
+
+    def release(self, seq: SeqKV) -> None:
+        self.truncate(seq, 0)
+
+    def rows(self, pages: Sequence[int], positions: Sequence[int]) -> list[int]:
+        """Flat cache rows (page * page_size + slot) of token positions in a page table."""
+        ps = self.page_size
+        return [pages[p // ps] * ps + p % ps for p in positions]
+
+    def copy_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Move cached tokens (every layer) from rows ``src`` to rows ``dst``."""
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for k_cache, v_cache in self.caches:
+            for cache in (k_cache, v_cache):
+                if cache is not None:
+                    flat = cache.view(-1, *cache.shape[2:])
+                    flat[d] = flat[s]
+
+    def forward(
+        self,
+        batch: AttnBatch,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        rows: Sequence[int],
+    ) -> torch.Tensor:
+        """One forward of this runner: logits ``[T, vocab]`` (fp32)."""
+        dev = self.device
+        t0 = time.perf_counter()
+        tok = torch.tensor(tokens, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        row = torch.tensor(rows, dtype=torch.long, device=dev)
+        self.forwards += 1
+        with self.scope(batch):
+            if isinstance(self.model, TargetModel):
+                logits = self.model.forward(
+                    tok, pos, row, self.caches, self.attend, form=self.form(), batch=batch
+                )
+            else:
+                logits = self.model.forward(tok, pos, row, self.caches, self.attend)
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.timing[(batch.phase, "forwards")] += 1
+        self.timing[(batch.phase, "us")] += int((time.perf_counter() - t0) * 1e6)
+        return logits.float()
+
+    def mean_ms(self, phase: Phase) -> float | None:
+        """Mean wall time of this runner's ``phase`` forwards so far (ms), None if none ran."""
+        n = self.timing[(phase, "forwards")]
+        return self.timing[(phase, "us")] / n / 1e3 if n else None
