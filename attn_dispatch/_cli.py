@@ -12,19 +12,19 @@ from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import IncompatibleBackendError
-from attn_dispatch._registry import list_backends
-from attn_dispatch._registry import plugin_errors
-from attn_dispatch._scope import format_table
+from attn_dispatch._registry import DEFAULT_REGISTRY
+from attn_dispatch._registry import Registry
 from attn_dispatch._spec import BackendSpec
+from attn_dispatch._table import format_table
 
 
 def _join(values: object) -> str:
     return ",".join(sorted(str(getattr(v, "name", v)).lower() for v in values))  # type: ignore[attr-defined]
 
 
-def cmd_list(args: argparse.Namespace) -> int:
+def cmd_list(args: argparse.Namespace, registry: Registry) -> int:
     rows = []
-    backends = list_backends()
+    backends = registry.list()
     for name, caps in backends.items():
         why = caps.availability_reasons()
         rows.append(
@@ -38,7 +38,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             )
         )
     # A plugin that failed to load is listed too, with its error: never silently missing.
-    for name, error in sorted(plugin_errors.items()):
+    for name, error in sorted(registry.plugin_errors.items()):
         if name not in backends:
             rows.append((name, "-", "-", "-", "-", f"no: plugin failed to load: {error}"))
     print(format_table(("backend", "kinds", "phases", "devices", "dtypes", "available"), rows))
@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, registry: Registry | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
         return cmd_demo(argv[1:])
@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "list":
-            return cmd_list(args)
+            return cmd_list(args, DEFAULT_REGISTRY if registry is None else registry)
         return cmd_explain(args)
     except AttnDispatchError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -34,10 +34,10 @@ from attn_dispatch._binding import bind
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._phase import Phase
+from attn_dispatch._record import record_dispatch
 from attn_dispatch._registry import list_backends
-from attn_dispatch._scope import format_table
-from attn_dispatch._scope import record_dispatch
 from attn_dispatch._spec import BackendSpec
+from attn_dispatch._table import format_table
 
 # Preference order of default backends (the first that binds wins; the draft prefers one the
 # target does not use, so the demo shows two runners on two backends).

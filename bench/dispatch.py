@@ -41,6 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from attn_dispatch import BackendBase  # noqa: E402
 from attn_dispatch import Capabilities  # noqa: E402
 from attn_dispatch import Phase  # noqa: E402
 from attn_dispatch import attention  # noqa: E402
@@ -58,7 +59,7 @@ def _noop(q: Any, k: Any, v: Any, plan: Any, sm_scale: float) -> None:
     return None
 
 
-class NoopBackend:
+class NoopBackend(BackendBase):
     def __init__(self, config: AttnConfig, **options: Any) -> None:
         self.name = "bench_noop"
 

@@ -187,10 +187,44 @@ def test_out_of_order_exit(a: Binding, b: Binding) -> None:
     assert no_scope()  # both closed: nothing stale stays bound
     with pytest.raises(ScopeError) as info:
         inner.__exit__(None, None, None)
-    assert "attn_scope('B') is not open in this context" in str(info.value)
+    assert "attn_scope('B') was already closed: an enclosing scope exited before it" in str(
+        info.value
+    )
     assert no_scope()
-    with attn_scope(b):  # usable again afterwards
+    with inner:  # the same instance is free again, not "already active" forever
         assert current_binding() is b
+    with pytest.raises(ScopeError, match="without being entered"):
+        inner.__exit__(None, None, None)  # a second exit is still refused
+    assert no_scope()
+
+
+def test_inner_instance_reusable_without_its_own_exit(a: Binding, b: Binding) -> None:
+    # The inner scope's exit may never come (an abandoned generator held it): entering the
+    # same instance again must work once an enclosing scope has closed it.
+    outer, inner = attn_scope(a), attn_scope(b)
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(ScopeError):
+        outer.__exit__(None, None, None)
+    assert "closed" in repr(inner)
+    with inner:
+        assert current_binding() is b
+        with pytest.raises(ScopeError, match="already active"):
+            inner.__enter__()  # while open, re-entry is still refused
+    assert no_scope()
+
+
+def test_out_of_order_exit_of_three_closes_every_inner(a: Binding, b: Binding) -> None:
+    s1, s2, s3 = attn_scope(a), attn_scope(b), attn_scope(a)
+    for s in (s1, s2, s3):
+        s.__enter__()
+    with pytest.raises(ScopeError, match="reverse order"):
+        s1.__exit__(None, None, None)
+    assert no_scope()
+    for s in (s3, s2):
+        with pytest.raises(ScopeError, match="already closed"):
+            s.__exit__(None, None, None)
+    assert no_scope()
 
 
 def test_out_of_order_exit_inside_outer_scope(a: Binding, b: Binding) -> None:
@@ -546,5 +580,45 @@ def test_decorator_refuses_generator_functions(a: Binding) -> None:
         with pytest.raises(ScopeError) as info:
             attn_scope(a)(fn)
         assert isinstance(info.value, RuntimeError)
-        assert f"cannot decorate the generator function {fn.__qualname__!r}" in str(info.value)
-        assert "with attn_scope(...)" in str(info.value)
+        msg = str(info.value)
+        assert f"cannot decorate the generator function {fn.__qualname__!r}" in msg
+        # What is safe, and never the unsafe advice of holding the scope across a yield.
+        assert "leaks into the consumer between yields" in msg
+        assert "around each next()/send() in the consumer" in msg
+        assert "closing it before the next `yield`" in msg
+        assert "open the scope inside it instead" not in msg
+
+
+def test_scope_held_across_yield_leaks_into_the_consumer(a: Binding, b: Binding) -> None:
+    # Why the rule exists (README, "Scopes in generators"): a plain generator runs in its
+    # consumer's context, so a `with` held across a `yield` is visible to the consumer.
+    def leaky() -> Iterator[None]:
+        with attn_scope(b):
+            yield
+
+    with attn_scope(a):
+        gen = leaky()
+        next(gen)
+        assert current_binding() is b  # the consumer now dispatches as b: the leak
+        gen.close()
+        assert current_binding() is a
+
+
+def test_safe_generator_patterns(a: Binding, b: Binding) -> None:
+    def body() -> Iterator[Binding]:
+        for _ in range(2):
+            with attn_scope(b):  # opened and closed between yields
+                seen = current_binding()
+            yield seen
+
+    def plain() -> Iterator[Binding]:
+        while True:
+            yield current_binding()
+
+    with attn_scope(a):
+        assert list(body()) == [b, b]
+        assert current_binding() is a
+        gen = plain()
+        with attn_scope(b):  # around each next() in the consumer
+            assert next(gen) is b
+        assert next(gen) is a
