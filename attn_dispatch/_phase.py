@@ -29,6 +29,28 @@ class Phase(enum.Enum):
     def __index__(self) -> int:
         return self._value_
 
+    # Ordered as a forward goes (prefill < decode < verify), so phases sort; only against
+    # other Phase members, never against ints.
+    def __lt__(self, other: object) -> bool:
+        if type(other) is not Phase:
+            return NotImplemented
+        return self._value_ < other._value_
+
+    def __le__(self, other: object) -> bool:
+        if type(other) is not Phase:
+            return NotImplemented
+        return self._value_ <= other._value_
+
+    def __gt__(self, other: object) -> bool:
+        if type(other) is not Phase:
+            return NotImplemented
+        return self._value_ > other._value_
+
+    def __ge__(self, other: object) -> bool:
+        if type(other) is not Phase:
+            return NotImplemented
+        return self._value_ >= other._value_
+
     @classmethod
     def parse(cls, value: str | Phase) -> Phase:
         """``Phase.parse("decode") is Phase.DECODE``; raises ``UnknownPhaseError``."""
