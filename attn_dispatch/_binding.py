@@ -331,9 +331,12 @@ def _check_forms(
     entries: Mapping[str, BackendEntry],
     overrides: Mapping[str, FormPolicy],
     reasons: dict[Phase, tuple[str, list[str]]],
+    *,
+    machine: bool = True,
 ) -> dict[Phase, FormPolicy]:
     """Every form each phase's policy can return must be served: checked from the registry
-    entries and options alone, before any factory runs. Adds to ``reasons``."""
+    entries and options alone, before any factory runs. Adds to ``reasons`` (with
+    ``machine=False``, only what the config decides: ``explain --static``)."""
     policies: dict[Phase, FormPolicy] = {}
     for phase in Phase:
         name = spec.names[phase]
@@ -353,9 +356,11 @@ def _check_forms(
                 )
             elif form is not AttnForm.MLA:
                 dcfg = config.decompressed()
+                caps = entry.capabilities
+                found = caps.reasons(dcfg, phase) if machine else caps.config_reasons(dcfg, phase)
                 why.extend(
                     f"decompressed form {form.value!r} ({dcfg.head_dim}/{dcfg.v_head_dim}): {r}"
-                    for r in entry.capabilities.reasons(dcfg, phase)
+                    for r in found
                 )
         if why:
             reasons.setdefault(phase, (name, []))[1].extend(why)

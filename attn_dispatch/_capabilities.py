@@ -203,7 +203,24 @@ class Capabilities:
         return reasons
 
     def reasons(self, config: AttnConfig, phase: Phase) -> list[str]:
-        """Every reason this backend cannot serve ``config`` in ``phase`` (empty when it can)."""
+        """Every reason this backend cannot serve ``config`` in ``phase`` (empty when it can):
+        ``config_reasons`` followed by ``machine_reasons``."""
+        return self.config_reasons(config, phase) + self.machine_reasons(config)
+
+    def machine_reasons(self, config: AttnConfig) -> list[str]:
+        """What keeps the backend from running ``config`` on *this* machine: a required module
+        that is not importable, the backend's availability checks, no CUDA, a GPU below
+        ``min_compute_capability``. Empty on a machine that has all it needs."""
+        dev = config.device_type
+        out = self.availability_reasons(dev)
+        if dev == "cuda" and dev in self.devices:
+            out.extend(_cuda_reasons(config.device, self.min_compute_capability))
+        return out
+
+    def config_reasons(self, config: AttnConfig, phase: Phase) -> list[str]:
+        """What the config itself asks for that the backend does not serve (kind, phase,
+        device type, dtypes, dims, page size, tree mask, scale, the backend's own checks):
+        the same on every machine, so a config for another machine can be checked here."""
         out: list[str] = []
         if phase not in self.phases:
             out.append(
@@ -246,9 +263,6 @@ class Capabilities:
             out.append(
                 "tree verify needs a custom attention mask, which this backend does not support"
             )
-        out.extend(self.availability_reasons(dev))
-        if dev == "cuda" and dev in self.devices:
-            out.extend(_cuda_reasons(config.device, self.min_compute_capability))
         for check in self.checks:
             out.extend(_safe(check, config, phase))
         return out
