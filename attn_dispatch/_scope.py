@@ -350,7 +350,6 @@ def attention(
     *,
     sm_scale: float | None = None,
     prefix: Any = None,
-    v_head_dim: int | None = None,
 ) -> Any:
     """Run attention for one layer with the active runner's handler for the scope's batch.
 
@@ -360,9 +359,8 @@ def attention(
     ``sm_scale`` defaults to the bound ``AttnConfig.sm_scale``; given both, they must agree
     (``InvalidBatchError`` otherwise); given neither, ``InvalidBatchError`` says to pass one.
     ``prefix`` is only for MLA layers in the ``AttnForm.MHA_CHUNKED`` form: the cached prefix
-    as decompressed chunks (see ``attn_dispatch.mla.latent_prefix_chunks``). ``v_head_dim``,
-    when given, is checked against the output's width (compiled code needs it for MLA,
-    where ``v_cache`` is None; eager code may pass it too).
+    as decompressed chunks (see ``attn_dispatch.mla.latent_prefix_chunks``). Under
+    ``torch.compile`` the same call is traced as one opaque op (``attn_dispatch.compile``).
     """
     frame = _CURRENT.get()
     if frame is None:
@@ -377,9 +375,9 @@ def attention(
         scale = sm_scale
     elif sm_scale is not None and sm_scale != scale:
         _check_scale(sm_scale, scale)
-    if _call_hook is None and prefix is None and v_head_dim is None:
+    if _call_hook is None and prefix is None:
         return run(q, k_cache, v_cache, frame.plan, scale)
-    return _attention_slow(frame, run, q, k_cache, v_cache, scale, prefix, v_head_dim)
+    return _attention_slow(frame, run, q, k_cache, v_cache, scale, prefix)
 
 
 def _attention_slow(
@@ -390,7 +388,6 @@ def _attention_slow(
     v_cache: Any,
     scale: float,
     prefix: Any,
-    v_head_dim: int | None,
 ) -> Any:
     args: tuple[Any, ...]
     if prefix is None:
@@ -404,17 +401,7 @@ def _attention_slow(
             )
         args = (q, k_cache, v_cache, frame.plan, scale, prefix)
     hook = _call_hook
-    out = run(*args) if hook is None else hook(frame, run, args)
-    if v_head_dim is not None:
-        width = getattr(getattr(out, "shape", None), "__getitem__", None)
-        got = width(-1) if width is not None else None
-        if got != v_head_dim:
-            raise InvalidBatchError(
-                "v_head_dim",
-                f"v_head_dim={v_head_dim!r} was given but the active backend returned width "
-                f"{got!r}; pass the bound config's v_head_dim",
-            )
-    return out
+    return run(*args) if hook is None else hook(frame, run, args)
 
 
 def _no_scale(frame: attn_scope) -> InvalidBatchError:

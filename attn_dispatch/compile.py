@@ -24,8 +24,9 @@ is enough; a model bound only to third-party backends imports this module itself
 ...     out = layer(q2, k2, v2)               # the draft's kernel, same compiled code
 
 MLA passes ``v_cache=None``, so the value width is not in the shapes: inside a compiled
-function pass it, ``attention(q, k_cache, None, v_head_dim=512)`` (eager ``attention`` takes
-the same arguments and checks the width), or call ``attention_op`` directly. ``sm_scale`` may
+function call ``attention_op(q, k_cache, None, sm_scale=..., v_head_dim=512)``; a plain
+``attention`` call with ``v_cache=None`` runs outside the graph (a graph break, or an error
+under ``fullgraph=True`` that names this fix). ``sm_scale`` may
 be omitted when the bound ``AttnConfig`` carries it, as in eager code.
 
 The op is tagged ``cudagraph_unsafe``: Inductor's own CUDA graphs (``mode="reduce-overhead"``)
@@ -158,7 +159,7 @@ _OP = torch.ops.attn_dispatch.attention.default
 _NOT_TRACEABLE = (
     "attn_dispatch.attention cannot be traced with v_cache=None and no v_head_dim (MLA: the "
     "output width is not in the tensor shapes) nor with prefix chunks (an iterator); in "
-    "compiled code call attention(q, k_cache, None, sm_scale=..., "
+    "compiled code call attn_dispatch.compile.attention_op(q, k_cache, None, sm_scale=..., "
     "v_head_dim=<config.v_head_dim>), and run the mha_chunked form outside the compiled region"
 )
 # Without fullgraph this is a graph break that runs the plain eager call; with fullgraph it is
@@ -173,14 +174,11 @@ def _attention_in_graph(
     *,
     sm_scale: float | None = None,
     prefix: Any = None,
-    v_head_dim: int | None = None,
 ) -> Any:
     # What Dynamo traces in place of attn_dispatch.attention (eager calls never come here).
-    if prefix is not None or (v_cache is None and v_head_dim is None):
-        return _attention_outside_graph(
-            q, k_cache, v_cache, sm_scale=sm_scale, prefix=prefix, v_head_dim=v_head_dim
-        )
-    return attention_op(q, k_cache, v_cache, sm_scale=sm_scale, v_head_dim=v_head_dim)
+    if prefix is not None or v_cache is None:
+        return _attention_outside_graph(q, k_cache, v_cache, sm_scale=sm_scale, prefix=prefix)
+    return attention_op(q, k_cache, v_cache, sm_scale=sm_scale)
 
 
 # The signature check stays on: compiled and eager `attention` take exactly the same arguments.

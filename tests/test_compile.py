@@ -243,7 +243,7 @@ def test_compiled_and_eager_attention_take_the_same_arguments() -> None:
 
     eager = inspect.signature(attention)
     assert inspect.signature(adc._attention_in_graph) == eager
-    assert list(eager.parameters) == ["q", "k_cache", "v_cache", "sm_scale", "prefix", "v_head_dim"]
+    assert list(eager.parameters) == ["q", "k_cache", "v_cache", "sm_scale", "prefix"]
 
 
 def test_compiled_call_takes_the_scale_from_the_config() -> None:
@@ -258,7 +258,7 @@ def test_compiled_call_takes_the_scale_from_the_config() -> None:
         want = attention(p.q, p.k_cache, p.v_cache, sm_scale=0.3) * 2
         got = torch.compile(no_scale, fullgraph=True, backend="eager")(p.q, p.k_cache, p.v_cache)
         torch.testing.assert_close(got, want)
-        # And MLA-style: v_head_dim through plain `attention`, as the compiled op needs it.
+        # The op itself takes the config's scale too.
         got_w = adc.attention_op(p.q, p.k_cache, p.v_cache, v_head_dim=cfg.v_head_dim)
         torch.testing.assert_close(got_w * 2, want)
     with attn_scope(bind("torch", mha_config()), p.batch):

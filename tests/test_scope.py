@@ -229,21 +229,6 @@ def test_sm_scale_missing_everywhere(registry_snapshot: object) -> None:
     assert seen == [0.5]
 
 
-def test_attention_v_head_dim_is_checked_eagerly(registry_snapshot: object) -> None:
-    class Out:
-        shape = (3, 2, 8)
-
-    class Wide(EchoBackend):
-        def handler(self, phase: Phase) -> Any:
-            return lambda *args: Out()
-
-    register_backend("wide", capabilities=ANY_CAPS, factory=lambda c, **o: Wide(c))
-    with attn_scope(bind("wide", mha_config()), FakeBatch(Phase.DECODE)):
-        assert isinstance(attention("q", "k", None, sm_scale=1.0, v_head_dim=8), Out)
-        with pytest.raises(InvalidBatchError, match="v_head_dim=6 was given"):
-            attention("q", "k", None, sm_scale=1.0, v_head_dim=6)
-
-
 @pytest.mark.parametrize("exc_type", [ValueError, KeyboardInterrupt, SystemExit, GeneratorExit])
 def test_exceptions_restore_outer(a: Binding, b: Binding, exc_type: type[BaseException]) -> None:
     with attn_scope(a):
