@@ -43,6 +43,7 @@ class Binding:
         "_handlers",
         "_per_phase",
         "_phase_backends",
+        "_sm_scale",
         "config",
         "label",
         "spec",
@@ -52,6 +53,7 @@ class Binding:
     config: AttnConfig
     label: str | None
     _handlers: tuple[Handler, Handler, Handler]
+    _sm_scale: float | None
     # Phase -> handler: what a scope frame holds, so that resolve() is one dict lookup, which
     # no foreign int or IntEnum can pass (Phase hashes by identity).
     _handler_map: dict[Phase, Handler]
@@ -87,6 +89,7 @@ class Binding:
         put(self, "_backends", types.MappingProxyType(dict(backends)))
         put(self, "_caps", types.MappingProxyType(dict(caps)))
         put(self, "_handlers", handlers)
+        put(self, "_sm_scale", config.sm_scale)  # read by every attn_scope: one load, not two
         put(self, "_handler_map", dict(zip(Phase, handlers, strict=True)))
         phase_backends = tuple(backends[n] for n in spec.names)
         put(self, "_phase_backends", phase_backends)

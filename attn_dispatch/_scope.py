@@ -117,31 +117,38 @@ class attn_scope:
         self,
         runner: object,
         batch: Any = None,
-        *,
         prepared: tuple[Any, Handler, AttnForm | None] | None = None,
     ) -> None:
+        # The per-forward cost of a scope is mostly Python call overhead (this __init__,
+        # __enter__, __exit__: bench/dispatch.py scope_construct / scope_reuse), so the work
+        # here is kept to the slot stores a frame needs: ``parent`` and ``_closed`` are set on
+        # entry, and ``prepared`` is positional-or-keyword because a missing keyword-only
+        # argument costs a dict lookup per call.
         # A Binding is the common case: skip the attn_binding property and the isinstance.
         binding = runner if type(runner) is Binding else _binding_of(runner)
         self.binding = binding
         self.handlers = binding._handler_map
-        self.sm_scale = binding.config.sm_scale
+        self.sm_scale = binding._sm_scale
         self.batch = batch
-        self.parent = self._token = None
-        self._closed = False
+        self._token = None
         if batch is None:
             self.plan = self.run = self.form = None
             self._plans = False
             if prepared is not None:
                 raise InvalidBatchError("batch", "a prepared plan needs the batch it was made for")
             return
-        if type(getattr(batch, "phase", None)) is not Phase:
+        try:
+            phase = batch.phase
+        except AttributeError:
+            phase = None
+        if type(phase) is not Phase:
             raise InvalidBatchError(
                 "phase",
                 f"batch {type(batch).__name__} has no Phase in .phase "
-                f"(got {getattr(batch, 'phase', None)!r}); map framework modes with phase_of()",
+                f"(got {phase!r}); map framework modes with phase_of()",
             )
         if prepared is None:
-            self.plan = self.run = self.form = None
+            self.run = None  # until __enter__ plans
             self._plans = True
         else:
             self.plan, self.run, self.form = prepared
@@ -161,6 +168,7 @@ class attn_scope:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         token = self._token
+        # A set token means __enter__ ran, which also set _closed.
         if token is not None and _CURRENT.get() is self and not self._closed:
             try:
                 _CURRENT.reset(token)

@@ -243,9 +243,7 @@ class GraphedForward:
                 )
         # The frame attn_scope builds, holding our persistent plan: entering it plans nothing,
         # and it exits with attn_scope's own out-of-order checks.
-        self._scope = attn_scope(
-            self.binding, self.batch, prepared=(self.plan, self.run, self.form)
-        )
+        self._scope = attn_scope(self.binding, self.batch, (self.plan, self.run, self.form))
         self.graph: Any = None
         self.output: Any = None
         with record_dispatch() as rec:
