@@ -195,9 +195,15 @@ class Registry:
     ) -> Any:
         """Register a backend under ``name``; also usable as a decorator on the factory.
 
+        >>> @registry.register("mine", capabilities=Capabilities(kinds={"mha"}))
+        ... def make_mine(config, **options):
+        ...     return MyBackend(config, **options)
+
+        A factory may be ``"package.module:attr"``, imported only at ``bind``.
         ``form_policy``: how the backend picks the form of MLA layers per batch (None: the
         absorbed form always); ``bind(..., options={name: {"form_policy": p}})`` overrides it
-        for one binding.
+        for one binding. A taken name raises ``DuplicateBackendError`` unless
+        ``replace=True``; existing bindings never change.
         """
         _check_name(name)
         if not isinstance(capabilities, Capabilities):
@@ -290,50 +296,14 @@ def _takes_registry(fn: Callable[..., Any]) -> bool:
 DEFAULT_REGISTRY = Registry()
 
 
-@overload
-def register_backend(
-    name: str,
-    *,
-    capabilities: Capabilities,
-    factory: None = None,
-    form_policy: FormPolicy | None = None,
-    replace: bool = False,
-) -> Callable[[F], F]: ...
-@overload
-def register_backend(
-    name: str,
-    *,
-    capabilities: Capabilities,
-    factory: Factory | str,
-    form_policy: FormPolicy | None = None,
-    replace: bool = False,
-) -> Factory | str: ...
-def register_backend(
-    name: str,
-    *,
-    capabilities: Capabilities,
-    factory: Factory | str | None = None,
-    form_policy: FormPolicy | None = None,
-    replace: bool = False,
-) -> Any:
-    """Register a backend under ``name`` in the default registry; also a decorator.
-
-    >>> @register_backend("mine", capabilities=Capabilities(kinds={"mha"}))
-    ... def make_mine(config, **options):
-    ...     return MyBackend(config, **options)
-
-    A factory may be ``"package.module:attr"``, imported only at ``bind``. ``form_policy``
-    (MLA configs only) picks the attention form per batch; ``None`` means always absorbed. A
-    taken name raises ``DuplicateBackendError`` unless ``replace=True``; existing bindings
-    never change.
-    """
-    return DEFAULT_REGISTRY.register(
-        name,
-        capabilities=capabilities,
-        factory=factory,
-        form_policy=form_policy,
-        replace=replace,
-    )
+#: Register a backend in the default registry; also a decorator on the factory:
+#:
+#: >>> @register_backend("mine", capabilities=Capabilities(kinds={"mha"}))
+#: ... def make_mine(config, **options):
+#: ...     return MyBackend(config, **options)
+#:
+#: See ``Registry.register`` (the same method, bound to ``DEFAULT_REGISTRY``).
+register_backend = DEFAULT_REGISTRY.register
 
 
 def unregister_backend(name: str) -> None:
