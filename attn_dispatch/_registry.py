@@ -123,9 +123,7 @@ class Registry:
                 if exc.name == module:  # a partial install: that backend is not shipped
                     continue
                 raise
-            entry = BackendEntry(
-                name, light.CAPABILITIES, factory, getattr(light, "DEFAULT_FORM_POLICY", None)
-            )
+            entry = BackendEntry(name, light.CAPABILITIES, factory, light.DEFAULT_FORM_POLICY)
             self._put(entry, replace=True)
 
     def _load_entry_points(self) -> None:
