@@ -10,8 +10,8 @@ scope then, so one compiled function serves every runner and follows whichever r
 
 Importing this module also tells Dynamo to trace ``attn_dispatch.attention`` as that op
 (``torch.compiler.substitute_in_graph``), so model code keeps calling ``attention`` and eager
-calls pay nothing extra. The built-in backends import it (their base class,
-``attn_dispatch.backends._torch_base``, does: they import torch anyway), so binding any of them
+calls pay nothing extra. Building a built-in backend imports it (their base class,
+``attn_dispatch.backends._torch_base``, does: they run on torch anyway), so binding any of them
 is enough; a model bound only to third-party backends imports this module itself, once:
 
 >>> import attn_dispatch.compile  # not needed after binding a built-in backend
@@ -26,8 +26,8 @@ is enough; a model bound only to third-party backends imports this module itself
 MLA passes ``v_cache=None``, so the value width is not in the shapes: inside a compiled
 function call ``attention_op(q, k_cache, None, sm_scale=..., v_head_dim=512)``; a plain
 ``attention`` call with ``v_cache=None`` runs outside the graph (a graph break, or an error
-under ``fullgraph=True`` that names this fix). ``sm_scale`` may
-be omitted when the bound ``AttnConfig`` carries it, as in eager code.
+under ``fullgraph=True`` that names this fix). ``sm_scale`` may be omitted when the bound
+``AttnConfig`` carries it, as in eager code.
 
 The op is tagged ``cudagraph_unsafe``: Inductor's own CUDA graphs (``mode="reduce-overhead"``)
 must not capture it, because a captured graph bakes in the runner, kernel and plan it saw.
