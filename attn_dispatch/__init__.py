@@ -25,29 +25,32 @@ from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import NoActiveScopeError
 from attn_dispatch._errors import ScopeError
 from attn_dispatch._errors import UnknownBackendError
+from attn_dispatch._errors import UnknownPhaseError
 from attn_dispatch._forms import AttnForm
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
-from attn_dispatch._phase import UnknownPhaseError
 from attn_dispatch._phase import phase_of
 from attn_dispatch._protocol import AttentionBackend
+from attn_dispatch._protocol import BackendBase
+from attn_dispatch._protocol import ChunkedHandler
 from attn_dispatch._protocol import Handler
 from attn_dispatch._protocol import Runner
+from attn_dispatch._record import DispatchEvent
+from attn_dispatch._record import DispatchRecorder
+from attn_dispatch._record import record_dispatch
+from attn_dispatch._registry import Registry
 from attn_dispatch._registry import list_backends
 from attn_dispatch._registry import register_backend
 from attn_dispatch._registry import unregister_backend
-from attn_dispatch._scope import DispatchEvent
-from attn_dispatch._scope import DispatchRecorder
 from attn_dispatch._scope import attention
 from attn_dispatch._scope import attention_form
 from attn_dispatch._scope import attn_scope
-from attn_dispatch._scope import carry_scope
 from attn_dispatch._scope import current_batch
 from attn_dispatch._scope import current_binding
-from attn_dispatch._scope import record_dispatch
 from attn_dispatch._scope import resolve
-from attn_dispatch._scope import run_in_thread
 from attn_dispatch._spec import BackendSpec
+from attn_dispatch._threads import carry_scope
+from attn_dispatch._threads import run_in_thread
 
 if TYPE_CHECKING:
     from attn_dispatch._batch import AttnBatch
@@ -71,10 +74,12 @@ __all__ = [
     "AttnConfig",
     "AttnDispatchError",
     "AttnForm",
+    "BackendBase",
     "BackendSpec",
     "BackendUnavailableError",
     "Binding",
     "Capabilities",
+    "ChunkedHandler",
     "DispatchEvent",
     "DispatchRecorder",
     "DuplicateBackendError",
@@ -85,6 +90,7 @@ __all__ = [
     "InvalidSpecError",
     "NoActiveScopeError",
     "Phase",
+    "Registry",
     "Runner",
     "ScopeError",
     "UnknownBackendError",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import types
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -13,13 +12,17 @@ from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import IncompatibleBackendError
+from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._forms import AttnForm
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
+from attn_dispatch._protocol import MEMBERS
 from attn_dispatch._protocol import AttentionBackend
 from attn_dispatch._protocol import Handler
-from attn_dispatch._registry import get_backend
+from attn_dispatch._registry import DEFAULT_REGISTRY
+from attn_dispatch._registry import BackendEntry
+from attn_dispatch._registry import Registry
 from attn_dispatch._spec import BackendSpec
 
 
@@ -36,8 +39,11 @@ class Binding:
         "_caps",
         "_choosers",
         "_form_table",
+        "_handler_map",
         "_handlers",
+        "_per_phase",
         "_phase_backends",
+        "_sm_scale",
         "config",
         "label",
         "spec",
@@ -47,6 +53,12 @@ class Binding:
     config: AttnConfig
     label: str | None
     _handlers: tuple[Handler, Handler, Handler]
+    _sm_scale: float | None
+    # Phase -> handler: what a scope frame holds, so that resolve() is one dict lookup, which
+    # no foreign int or IntEnum can pass (Phase hashes by identity).
+    _handler_map: dict[Phase, Handler]
+    # Phase -> (form chooser or None, phase backend, handler): prepare() reads one entry.
+    _per_phase: dict[Phase, tuple[Callable[[Any], AttnForm] | None, AttentionBackend, Handler]]
     _phase_backends: tuple[AttentionBackend, AttentionBackend, AttentionBackend]
     _backends: Mapping[str, AttentionBackend]
     _caps: Mapping[str, Capabilities]
@@ -77,8 +89,16 @@ class Binding:
         put(self, "_backends", types.MappingProxyType(dict(backends)))
         put(self, "_caps", types.MappingProxyType(dict(caps)))
         put(self, "_handlers", handlers)
-        put(self, "_phase_backends", tuple(backends[n] for n in spec.names))
+        put(self, "_sm_scale", config.sm_scale)  # read by every attn_scope: one load, not two
+        put(self, "_handler_map", dict(zip(Phase, handlers, strict=True)))
+        phase_backends = tuple(backends[n] for n in spec.names)
+        put(self, "_phase_backends", phase_backends)
         put(self, "_choosers", choosers)
+        put(
+            self,
+            "_per_phase",
+            {p: (choosers[p], phase_backends[p], handlers[p]) for p in Phase},
+        )
         put(self, "_form_table", types.MappingProxyType(dict(form_table or {})))
         return self
 
@@ -118,20 +138,23 @@ class Binding:
 
     def prepare(self, batch: Any) -> tuple[Any, Handler, AttnForm | None]:
         """``(plan, handler, form)`` for one forward: called once per scope with a batch."""
-        phase = batch.phase
-        chooser = self._choosers[phase]
-        form = None if chooser is None else chooser(batch)
-        if form is None or form is AttnForm.MLA:
-            return self._phase_backends[phase].plan(batch), self._handlers[phase], form
-        backend, run = self._form_table[(phase, form)]
-        if backend is None:  # MHA_CHUNKED plans from the batch itself
-            return batch, run, form
-        return backend.plan(batch.ragged()), run, form
-
-    def form_for(self, batch: Any) -> AttnForm | None:
-        """The form this binding's backend chooses for ``batch`` (None for MHA configs)."""
-        chooser = self._choosers[batch.phase]
-        return None if chooser is None else chooser(batch)
+        try:
+            chooser, backend, run = self._per_phase[batch.phase]
+        except (KeyError, TypeError, AttributeError):
+            raise InvalidBatchError(
+                "phase",
+                f"batch {type(batch).__name__} has no Phase in .phase "
+                f"(got {getattr(batch, 'phase', None)!r}); map framework modes with phase_of()",
+            ) from None
+        if chooser is None:
+            return backend.plan(batch), run, None
+        form = chooser(batch)
+        if form is AttnForm.MLA:
+            return backend.plan(batch), run, form
+        dbackend, drun = self._form_table[(batch.phase, form)]
+        if dbackend is None:  # MHA_CHUNKED plans from the batch itself
+            return batch, drun, form
+        return dbackend.plan(batch.ragged()), drun, form
 
     def table(self) -> list[tuple[str, str]]:
         """``[(phase, backend), ...]`` for display."""
@@ -148,15 +171,23 @@ def bind(
     *,
     label: str | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
+    registry: Registry | None = None,
 ) -> Binding:
     """Check ``spec`` against ``config`` for every phase, then build the backends.
 
     >>> binding = bind(BackendSpec.parse("prefill=torch,decode=native"), config, label="target")
     >>> runner.attn_binding = binding
 
-    Every reason of every phase is collected before one ``IncompatibleBackendError`` is raised;
-    an unknown name raises ``UnknownBackendError``. ``options[name]`` are keyword arguments for
-    that backend's factory. Nothing is ever substituted.
+    Everything that can be checked is checked before any factory runs, and every reason of
+    every phase is collected before one ``IncompatibleBackendError`` is raised; an unknown
+    name raises ``UnknownBackendError``. ``options[name]`` are keyword arguments for that
+    backend's factory, except ``"form_policy"`` (MLA configs), which the core reads itself: it
+    overrides the policy the backend was registered with, for this binding only, and is not
+    passed to the factory. A factory or backend that fails, or builds something that is not an
+    ``AttentionBackend``, raises ``BackendUnavailableError`` naming the backend and the runner.
+    Nothing is ever substituted. ``registry``: where the names are looked up (default: the
+    process-wide one); each name is looked up once, so a re-registration during ``bind`` cannot
+    mix two versions of a backend in one binding.
     """
     if isinstance(spec, str):
         spec = BackendSpec.parse(spec)
@@ -164,48 +195,45 @@ def bind(
         raise InvalidSpecError("spec", spec, "pass a BackendSpec or a string such as 'torch'")
     if not isinstance(config, AttnConfig):
         raise InvalidSpecError("config", config, "pass an attn_dispatch.AttnConfig")
-    options = dict(options or {})
-    unknown_opts = set(options) - set(spec.names)
-    if unknown_opts:
-        raise InvalidSpecError(
-            "options",
-            sorted(unknown_opts),
-            f"options name backends the spec does not use (it uses {sorted(set(spec.names))!r})",
-        )
+    if registry is None:
+        registry = DEFAULT_REGISTRY
+    elif not isinstance(registry, Registry):
+        raise InvalidSpecError("registry", registry, "pass an attn_dispatch.Registry or None")
+    factory_options, override_policies = _split_options(spec, options)
     who = f"runner {label!r}" if label is not None else "bind"
-    entries = {}
+    # One lookup per name: everything below (checks, both factories) uses this entry.
+    entries: dict[str, BackendEntry] = {}
     for phase in Phase:
         name = spec.names[phase]
         if name not in entries:
-            entries[name] = get_backend(name, context=f"{who}, phase {phase.name.lower()!r}")
+            entries[name] = registry.get(name, context=f"{who}, phase {phase.name.lower()!r}")
     reasons: dict[Phase, tuple[str, list[str]]] = {}
     for phase in Phase:
         name = spec.names[phase]
         why = entries[name].capabilities.reasons(config, phase)
         if why:
             reasons[phase] = (name, why)
+    policies: dict[Phase, FormPolicy] = {}
+    if config.kind == "mla":
+        policies = _check_forms(spec, config, entries, override_policies, reasons)
     if reasons:
         raise IncompatibleBackendError(label, reasons, config=config)
-    backends: dict[str, AttentionBackend] = {}
-    for name, entry in entries.items():
-        factory = entry.load_factory()
-        try:
-            backends[name] = factory(config, **options.get(name, {}))
-        except AttnDispatchError:
-            raise
-        except Exception as exc:
-            raise BackendUnavailableError(
-                name, f"its factory failed for {who}: {type(exc).__name__}: {exc}"
-            ) from exc
-    handlers = tuple(backends[spec.names[p]].handler(p) for p in Phase)
+
+    factories = {name: entry.load_factory(runner=label) for name, entry in entries.items()}
+    backends = {
+        name: _build(name, factories[name], config, factory_options.get(name, {}), label)
+        for name in entries
+    }
+    handlers = tuple(
+        _handler_of(backends[spec.names[p]], spec.names[p], p, label, chunked=False) for p in Phase
+    )
     caps = {name: entry.capabilities for name, entry in entries.items()}
     choosers: tuple[Callable[[Any], AttnForm] | None, ...] = (None, None, None)
     form_table: dict[tuple[Phase, AttnForm], tuple[AttentionBackend | None, Handler]] = {}
-    if config.kind == "mla":
-        choosers, form_table = _bind_forms(spec, config, label, backends, caps, options)
-    if "torch" in sys.modules and "attn_dispatch.compile" not in sys.modules:
-        # Registers the op that lets torch.compile trace attention(); never imports torch itself.
-        import attn_dispatch.compile  # noqa: F401
+    if policies:
+        choosers, form_table = _bind_forms(
+            spec, config, label, policies, factories, factory_options
+        )
     return Binding._make(
         spec,
         config,
@@ -218,75 +246,163 @@ def bind(
     )
 
 
-def _policy_of(backend: AttentionBackend, config: AttnConfig) -> FormPolicy | None:
-    policy = getattr(backend, "form_policy", None)
-    if policy is None:
-        return None
-    if not isinstance(policy, FormPolicy):
-        raise InvalidSpecError("form_policy", policy, "a backend's form_policy is a FormPolicy")
-    # A form the config cannot describe is never chosen (documented on FormPolicy).
-    return policy if config.has_decompressed_form else FormPolicy.absorbed_only()
+def _split_options(
+    spec: BackendSpec, options: Mapping[str, Mapping[str, Any]] | None
+) -> tuple[dict[str, dict[str, Any]], dict[str, FormPolicy]]:
+    """Factory keyword arguments per backend, and the form policies the options override."""
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping):
+        raise InvalidSpecError("options", options, "pass a mapping backend name -> {option: value}")
+    unknown_opts = set(options) - set(spec.names)
+    if unknown_opts:
+        raise InvalidSpecError(
+            "options",
+            sorted(unknown_opts),
+            f"options name backends the spec does not use (it uses {sorted(set(spec.names))!r})",
+        )
+    factory_options: dict[str, dict[str, Any]] = {}
+    policies: dict[str, FormPolicy] = {}
+    for name, opts in options.items():
+        if not isinstance(opts, Mapping):
+            raise InvalidSpecError(
+                f"options[{name!r}]", opts, "pass a mapping of keyword arguments for the factory"
+            )
+        rest = dict(opts)
+        if "form_policy" in rest:
+            policy = rest.pop("form_policy")
+            if not isinstance(policy, FormPolicy):
+                raise InvalidSpecError(
+                    f"options[{name!r}]['form_policy']", policy, "pass an attn_dispatch.FormPolicy"
+                )
+            policies[name] = policy
+        factory_options[name] = rest
+    return factory_options, policies
+
+
+def _unavailable(name: str, label: str | None, what: str, exc: BaseException) -> Exception:
+    return BackendUnavailableError(name, f"{what}: {type(exc).__name__}: {exc}", runner=label)
+
+
+def _build(
+    name: str,
+    factory: Callable[..., Any],
+    config: AttnConfig,
+    options: Mapping[str, Any],
+    label: str | None,
+    *,
+    what: str = "its factory",
+) -> AttentionBackend:
+    try:
+        backend = factory(config, **options)
+    except AttnDispatchError:
+        raise  # already ours, with its own context (a bad option, say)
+    except Exception as exc:
+        raise _unavailable(name, label, f"{what} failed", exc) from exc
+    if backend is None or not isinstance(backend, AttentionBackend):
+        missing = [m for m in MEMBERS if not hasattr(backend, m)]
+        raise BackendUnavailableError(
+            name,
+            f"{what} returned {type(backend).__name__}, which is not an AttentionBackend "
+            f"(missing: {', '.join(missing)}); subclass attn_dispatch.BackendBase and define "
+            "name, plan(batch) and handler(phase)",
+            runner=label,
+        )
+    return backend
+
+
+def _handler_of(
+    backend: AttentionBackend, name: str, phase: Phase, label: str | None, *, chunked: bool
+) -> Handler:
+    what = f"{'chunked_handler' if chunked else 'handler'}({phase.name})"
+    try:
+        run = backend.chunked_handler(phase) if chunked else backend.handler(phase)
+    except AttnDispatchError:
+        raise
+    except Exception as exc:
+        raise _unavailable(name, label, f"{what} failed", exc) from exc
+    if not callable(run):
+        raise BackendUnavailableError(
+            name, f"{what} returned {type(run).__name__}, which is not callable", runner=label
+        )
+    return run  # type: ignore[return-value]
+
+
+def _check_forms(
+    spec: BackendSpec,
+    config: AttnConfig,
+    entries: Mapping[str, BackendEntry],
+    overrides: Mapping[str, FormPolicy],
+    reasons: dict[Phase, tuple[str, list[str]]],
+    *,
+    machine: bool = True,
+) -> dict[Phase, FormPolicy]:
+    """Every form each phase's policy can return must be served: checked from the registry
+    entries and options alone, before any factory runs. Adds to ``reasons`` (with
+    ``machine=False``, only what the config decides: ``explain --static``)."""
+    policies: dict[Phase, FormPolicy] = {}
+    for phase in Phase:
+        name = spec.names[phase]
+        entry = entries[name]
+        policy = overrides.get(name, entry.form_policy)
+        if policy is None or not config.has_decompressed_form:
+            # A form the config cannot describe is never chosen (documented on FormPolicy).
+            policy = FormPolicy.absorbed_only()
+        policies[phase] = policy
+        served = entry.capabilities.forms_for(phase)
+        why: list[str] = []
+        for form in sorted(policy.possible(phase), key=lambda f: f.value):
+            if form.value not in served:
+                why.append(
+                    f"its form policy may choose {form.value!r} in this phase, which it does "
+                    f"not serve (serves: {', '.join(sorted(map(repr, served))) or 'none'})"
+                )
+            elif form is not AttnForm.MLA:
+                dcfg = config.decompressed()
+                caps = entry.capabilities
+                found = caps.reasons(dcfg, phase) if machine else caps.config_reasons(dcfg, phase)
+                why.extend(
+                    f"decompressed form {form.value!r} ({dcfg.head_dim}/{dcfg.v_head_dim}): {r}"
+                    for r in found
+                )
+        if why:
+            reasons.setdefault(phase, (name, []))[1].extend(why)
+    return policies
 
 
 def _bind_forms(
     spec: BackendSpec,
     config: AttnConfig,
     label: str | None,
-    backends: dict[str, AttentionBackend],
-    caps: dict[str, Capabilities],
+    policies: Mapping[Phase, FormPolicy],
+    factories: Mapping[str, Callable[..., Any]],
     options: Mapping[str, Mapping[str, Any]],
 ) -> tuple[
     tuple[Callable[[Any], AttnForm] | None, ...],
     dict[tuple[Phase, AttnForm], tuple[AttentionBackend | None, Handler]],
 ]:
-    """Check every form each phase's policy can return; build the decompressed backends."""
-    reasons: dict[Phase, tuple[str, list[str]]] = {}
-    policies: dict[Phase, FormPolicy] = {}
-    for phase in Phase:
-        name = spec.names[phase]
-        policy = _policy_of(backends[name], config)
-        why: list[str] = []
-        if policy is None:
-            why.append(
-                f"backend {name!r} declares no attention-form policy (form_policy) for MLA "
-                "configs, so it cannot choose between the absorbed and decompressed forms"
-            )
-        else:
-            policies[phase] = policy
-            served = caps[name].forms_for(phase)
-            for form in sorted(policy.possible(phase), key=lambda f: f.value):
-                if form.value not in served:
-                    why.append(
-                        f"its form policy may choose {form.value!r} in this phase, which it does "
-                        f"not serve (serves: {', '.join(sorted(map(repr, served))) or 'none'})"
-                    )
-                elif form is not AttnForm.MLA:
-                    dcfg = config.decompressed()
-                    why.extend(
-                        f"decompressed form {form.value!r} ({dcfg.head_dim}/{dcfg.v_head_dim}): {r}"
-                        for r in caps[name].reasons(dcfg, phase)
-                    )
-                    if form is AttnForm.MHA_CHUNKED and not hasattr(
-                        backends[name], "chunked_handler"
-                    ):
-                        why.append(f"backend {name!r} has no chunked_handler for 'mha_chunked'")
-        if why:
-            reasons[phase] = (name, why)
-    if reasons:
-        raise IncompatibleBackendError(label, reasons, config=config)
+    """Build the decompressed-form backends (same factory as the absorbed one)."""
     table: dict[tuple[Phase, AttnForm], tuple[AttentionBackend | None, Handler]] = {}
     decompressed: dict[str, AttentionBackend] = {}
     for phase, policy in policies.items():
         name = spec.names[phase]
-        for form in policy.possible(phase) - {AttnForm.MLA}:
+        for form in sorted(policy.possible(phase) - {AttnForm.MLA}, key=lambda f: f.value):
             if name not in decompressed:
-                factory = get_backend(name).load_factory()
-                decompressed[name] = factory(config.decompressed(), **options.get(name, {}))
+                decompressed[name] = _build(
+                    name,
+                    factories[name],
+                    config.decompressed(),
+                    options.get(name, {}),
+                    label,
+                    what="its factory for the decompressed form",
+                )
             dbackend = decompressed[name]
             if form is AttnForm.MHA:
-                table[(phase, form)] = (dbackend, _ragged(dbackend.handler(phase)))
+                run = _handler_of(dbackend, name, phase, label, chunked=False)
+                table[(phase, form)] = (dbackend, _ragged(run))
             else:
-                table[(phase, form)] = (None, dbackend.chunked_handler(phase))  # type: ignore[attr-defined]
+                run = _handler_of(dbackend, name, phase, label, chunked=True)
+                table[(phase, form)] = (None, run)
     choosers = tuple(policies[p].choose if p in policies else None for p in Phase)
     return choosers, table
 

@@ -1,4 +1,8 @@
-"""Capabilities: what one backend can serve. Checks return reasons; nothing here raises."""
+"""Capabilities: what one backend can serve.
+
+Building one validates its fields (``InvalidSpecError``); checking a config against it
+(``reasons``) never raises: it returns every mismatch as a sentence.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 from attn_dispatch._dtypes import dtype_name
+from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 
 if TYPE_CHECKING:
@@ -23,8 +28,72 @@ AvailabilityFn = Callable[[], Iterable[str]]
 ALL_PHASES = frozenset(Phase)
 
 
-def _names(values: Iterable[str]) -> frozenset[str]:
-    return frozenset(dtype_name(v) for v in values)
+def _members(field: str, values: object) -> list[object]:
+    """The items of a set-valued field; a lone string or number is refused, not split."""
+    if isinstance(values, (str, bytes, int, float)) or not isinstance(values, Iterable):
+        raise InvalidSpecError(
+            field,
+            values,
+            f"{field} is a set of values (e.g. {field}={{{values!r}}}), not a single "
+            f"{type(values).__name__}",
+        )
+    return list(values)
+
+
+def _strings(field: str, values: object) -> frozenset[str]:
+    items = _members(field, values)
+    bad = [v for v in items if not isinstance(v, str) or not v.strip()]
+    if bad:
+        raise InvalidSpecError(field, values, f"every item must be a non-empty str; got {bad!r}")
+    return frozenset(str(v).strip().lower() for v in items)
+
+
+def _names(field: str, values: object) -> frozenset[str]:
+    return frozenset(dtype_name(v, field=field) for v in _members(field, values))
+
+
+def _positive_ints(field: str, values: object) -> frozenset[int]:
+    items = _members(field, values)
+    bad = [v for v in items if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+    if bad:
+        raise InvalidSpecError(field, values, f"every item must be a positive int; got {bad!r}")
+    return frozenset(int(v) for v in items)  # type: ignore[call-overload]
+
+
+def _callables(field: str, values: object) -> tuple[Callable[..., Iterable[str]], ...]:
+    if callable(values):
+        raise InvalidSpecError(
+            field, values, f"{field} is a tuple of functions; wrap a single one: ({values!r},)"
+        )
+    items = _members(field, values)
+    bad = [v for v in items if not callable(v)]
+    if bad:
+        raise InvalidSpecError(field, values, f"every item must be callable; got {bad!r}")
+    return tuple(items)  # type: ignore[arg-type]
+
+
+def _phases(values: object) -> frozenset[Phase]:
+    from attn_dispatch._errors import UnknownPhaseError
+
+    try:
+        return frozenset(Phase.parse(p) for p in _members("phases", values))  # type: ignore[arg-type]
+    except UnknownPhaseError as exc:
+        raise InvalidSpecError("phases", values, str(exc)) from None
+
+
+_KINDS = frozenset({"mha", "mla"})
+_FORMS = frozenset({"mla", "mha", "mha_chunked"})
+
+
+def _forms(field: str, values: object) -> frozenset[str]:
+    forms = _strings(field, values)
+    if not forms <= _FORMS:
+        raise InvalidSpecError(
+            field,
+            values,
+            f"unknown forms {sorted(forms - _FORMS)!r}; choose from {sorted(_FORMS)!r}",
+        )
+    return forms
 
 
 def _fmt(values: Iterable[object]) -> str:
@@ -41,7 +110,10 @@ class Capabilities:
 
     ``None`` for a dims/page-size field means "any". ``forms`` are the attention forms (see
     ``AttnForm``) this backend serves for MLA configs: one set for every phase, or a mapping
-    phase -> set.
+    phase -> set; declaring ``"mha_chunked"`` means the backend object has a
+    ``chunked_handler``. ``plans_scale``: the backend fixes the softmax scale when it plans
+    (FlashInfer's wrappers), so a config must carry ``sm_scale``. A field given the wrong
+    shape (``kinds="mha"`` instead of ``{"mha"}``) raises ``InvalidSpecError``.
     """
 
     kinds: AbstractSet[str] = frozenset({"mha", "mla"})
@@ -53,6 +125,7 @@ class Capabilities:
     v_head_dims: AbstractSet[int] | None = None
     page_sizes: AbstractSet[int] | None = None
     custom_mask: bool = True
+    plans_scale: bool = False
     requires: tuple[str, ...] = ()
     min_compute_capability: tuple[int, int] | None = None
     checks: tuple[CheckFn, ...] = ()
@@ -67,32 +140,49 @@ class Capabilities:
     )
 
     def __post_init__(self) -> None:
-        # Accept any iterables (sets, lists) and store immutable, hashable values.
-        object.__setattr__(self, "kinds", frozenset(self.kinds))
-        object.__setattr__(self, "phases", frozenset(Phase.parse(p) for p in self.phases))
-        object.__setattr__(self, "devices", frozenset(str(d).lower() for d in self.devices))
-        object.__setattr__(self, "dtypes", _names(self.dtypes))
+        # Accept any iterables (sets, lists) and store immutable, hashable values; a str
+        # where a set belongs would otherwise become a set of its characters.
+        put = object.__setattr__
+        put(self, "kinds", _strings("kinds", self.kinds))
+        if not self.kinds <= _KINDS:
+            raise InvalidSpecError(
+                "kinds",
+                self.kinds,
+                f"unknown kinds {sorted(self.kinds - _KINDS)!r}; choose from 'mha', 'mla'",
+            )
+        put(self, "phases", _phases(self.phases))
+        put(self, "devices", _strings("devices", self.devices))
+        put(self, "dtypes", _names("dtypes", self.dtypes))
         if self.kv_dtypes is not None:
-            object.__setattr__(self, "kv_dtypes", _names(self.kv_dtypes))
+            put(self, "kv_dtypes", _names("kv_dtypes", self.kv_dtypes))
         for field in ("head_dims", "v_head_dims", "page_sizes"):
             value = getattr(self, field)
             if value is not None:
-                object.__setattr__(self, field, frozenset(int(v) for v in value))
-        object.__setattr__(self, "requires", tuple(self.requires))
-        object.__setattr__(self, "checks", tuple(self.checks))
-        object.__setattr__(self, "availability", tuple(self.availability))
-        if isinstance(self.forms, Mapping):
-            by_phase = {
-                Phase.parse(p): frozenset(str(f) for f in fs) for p, fs in self.forms.items()
-            }
-            per = tuple(by_phase.get(p, frozenset()) for p in Phase)
-            object.__setattr__(
-                self, "forms", types.MappingProxyType(dict(zip(Phase, per, strict=True)))
+                put(self, field, _positive_ints(field, value))
+        for field in ("custom_mask", "plans_scale"):
+            if not isinstance(getattr(self, field), bool):
+                raise InvalidSpecError(field, getattr(self, field), "must be a bool")
+        _strings("requires", self.requires)  # validates; module names keep their case
+        put(self, "requires", tuple(str(m).strip() for m in self.requires))
+        put(self, "checks", _callables("checks", self.checks))
+        put(self, "availability", _callables("availability", self.availability))
+        cc = self.min_compute_capability
+        if cc is not None and (
+            not isinstance(cc, tuple)
+            or len(cc) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in cc)
+        ):
+            raise InvalidSpecError(
+                "min_compute_capability", cc, "must be None or (major, minor), e.g. (8, 0)"
             )
+        if isinstance(self.forms, Mapping):
+            by_phase = {Phase.parse(p): _forms(f"forms[{p!r}]", fs) for p, fs in self.forms.items()}
+            per = tuple(by_phase.get(p, frozenset()) for p in Phase)
+            put(self, "forms", types.MappingProxyType(dict(zip(Phase, per, strict=True))))
         else:
-            per = (frozenset(str(f) for f in self.forms),) * len(Phase)
-            object.__setattr__(self, "forms", per[0])
-        object.__setattr__(self, "_forms_by_phase", per)
+            per = (_forms("forms", self.forms),) * len(Phase)
+            put(self, "forms", per[0])
+        put(self, "_forms_by_phase", per)
 
     def forms_for(self, phase: Phase) -> frozenset[str]:
         """The attention forms (``AttnForm`` values) this backend serves in ``phase``."""
@@ -113,7 +203,24 @@ class Capabilities:
         return reasons
 
     def reasons(self, config: AttnConfig, phase: Phase) -> list[str]:
-        """Every reason this backend cannot serve ``config`` in ``phase`` (empty when it can)."""
+        """Every reason this backend cannot serve ``config`` in ``phase`` (empty when it can):
+        ``config_reasons`` followed by ``machine_reasons``."""
+        return self.config_reasons(config, phase) + self.machine_reasons(config)
+
+    def machine_reasons(self, config: AttnConfig) -> list[str]:
+        """What keeps the backend from running ``config`` on *this* machine: a required module
+        that is not importable, the backend's availability checks, no CUDA, a GPU below
+        ``min_compute_capability``. Empty on a machine that has all it needs."""
+        dev = config.device_type
+        out = self.availability_reasons(dev)
+        if dev == "cuda" and dev in self.devices:
+            out.extend(_cuda_reasons(config.device, self.min_compute_capability))
+        return out
+
+    def config_reasons(self, config: AttnConfig, phase: Phase) -> list[str]:
+        """What the config itself asks for that the backend does not serve (kind, phase,
+        device type, dtypes, dims, page size, tree mask, scale, the backend's own checks):
+        the same on every machine, so a config for another machine can be checked here."""
         out: list[str] = []
         if phase not in self.phases:
             out.append(
@@ -146,13 +253,16 @@ class Capabilities:
                 f"page_size {config.page_size!r} is not supported "
                 f"(supported: {_fmt(self.page_sizes)})"
             )
+        if self.plans_scale and config.sm_scale is None:
+            out.append(
+                "this backend fixes the softmax scale when it plans (once per forward), so the "
+                "config must carry it: set AttnConfig(sm_scale=...) (e.g. head_dim ** -0.5; "
+                "the scale the layers pass to attention())"
+            )
         if phase is Phase.VERIFY and config.tree_verify and not self.custom_mask:
             out.append(
                 "tree verify needs a custom attention mask, which this backend does not support"
             )
-        out.extend(self.availability_reasons(dev))
-        if dev == "cuda" and dev in self.devices:
-            out.extend(_cuda_reasons(config.device, self.min_compute_capability))
         for check in self.checks:
             out.extend(_safe(check, config, phase))
         return out

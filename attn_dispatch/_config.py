@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 from typing import Literal
 
@@ -25,6 +26,11 @@ class AttnConfig:
     For ``kind="mla"`` the dims describe the absorbed form (q/k = latent + rope, v = latent).
     ``mha_head_dim``/``mha_v_head_dim`` optionally describe the decompressed MHA form of the
     same layers (DeepSeek: 192/128, with ``num_q_heads`` heads), which prefill may use.
+
+    ``sm_scale`` (finite, > 0) is the softmax scale of every layer, planned with the batch:
+    ``attention(...)`` then needs no ``sm_scale`` argument (one given must equal it), and
+    backends that fix the scale when they plan (FlashInfer) can be bound. ``None`` (the
+    default) means each call passes its own ``sm_scale``.
     """
 
     kind: Kind
@@ -39,6 +45,7 @@ class AttnConfig:
     tree_verify: bool = False
     mha_head_dim: int | None = None
     mha_v_head_dim: int | None = None
+    sm_scale: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -80,6 +87,18 @@ class AttnConfig:
                     self.v_head_dim,
                     f"MLA needs v_head_dim (latent) < head_dim={self.head_dim!r} (latent + rope)",
                 )
+        if self.sm_scale is not None:
+            scale = self.sm_scale
+            if (
+                isinstance(scale, bool)
+                or not isinstance(scale, (int, float))
+                or not math.isfinite(scale)
+                or scale <= 0
+            ):
+                raise InvalidSpecError(
+                    "sm_scale", scale, "must be a finite float > 0 (e.g. head_dim ** -0.5) or None"
+                )
+            object.__setattr__(self, "sm_scale", float(scale))
         if (self.mha_head_dim is None) != (self.mha_v_head_dim is None):
             raise InvalidSpecError(
                 "mha_head_dim",
@@ -133,6 +152,7 @@ class AttnConfig:
             page_size=1,
             device=self.device,
             tree_verify=self.tree_verify,
+            sm_scale=self.sm_scale,
         )
 
     def replace(self, **changes: Any) -> AttnConfig:

@@ -22,14 +22,6 @@ _ALIASES = {
 
 DTYPE_NAMES = frozenset(_ALIASES.values())
 
-ITEMSIZE = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-}
-
 
 def dtype_name(value: object, *, field: str = "dtype") -> str:
     """Normalise ``torch.bfloat16``, ``"bf16"`` or ``"bfloat16"`` to ``"bfloat16"``."""

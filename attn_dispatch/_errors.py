@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from attn_dispatch._phase import Phase
+# No import of _phase here: _phase imports this module, and a phase is read below only through
+# its ``name`` and ``value`` (so the per-phase mappings are typed ``Any``).
 
 
 class AttnDispatchError(Exception):
@@ -54,7 +54,7 @@ class IncompatibleBackendError(AttnDispatchError, ValueError):
     def __init__(
         self,
         label: str | None,
-        reasons: Mapping[Phase, tuple[str, Sequence[str]]],
+        reasons: Mapping[Any, tuple[str, Sequence[str]]],
         *,
         config: object = None,
     ) -> None:
@@ -63,7 +63,7 @@ class IncompatibleBackendError(AttnDispatchError, ValueError):
         self.config = config
         who = f"runner {label!r}" if label is not None else "this runner"
         lines = [f"cannot bind attention backends for {who}:"]
-        for phase, (backend, why) in sorted(self.reasons.items()):
+        for phase, (backend, why) in sorted(self.reasons.items(), key=lambda kv: kv[0].value):
             for reason in why:
                 lines.append(f"  - {phase.name.lower()} -> {backend!r}: {reason}")
         lines.append(
@@ -88,12 +88,31 @@ class NoActiveScopeError(AttnDispatchError, RuntimeError):
 
 
 class BackendUnavailableError(AttnDispatchError, RuntimeError):
-    """A backend whose factory could not be loaded or built."""
+    """A backend whose factory could not be loaded or built, or built something unusable.
 
-    def __init__(self, name: str, reason: str) -> None:
+    Attributes: ``name`` (the backend), ``reason``, ``runner`` (the label bind was given, or
+    None).
+    """
+
+    def __init__(self, name: str, reason: str, *, runner: str | None = None) -> None:
         self.name = name
         self.reason = reason
-        super().__init__(f"attention backend {name!r} is unavailable: {reason}")
+        self.runner = runner
+        who = f" for runner {runner!r}" if runner is not None else ""
+        super().__init__(f"attention backend {name!r} is unavailable{who}: {reason}")
+
+
+class UnknownPhaseError(AttnDispatchError, ValueError):
+    """A phase or forward-mode name we do not know. Attributes: ``name``, ``known``."""
+
+    def __init__(self, name: str, known: tuple[str, ...], *, hint: str = "") -> None:
+        self.name = name
+        self.known = known
+        tail = f" {hint}" if hint else ""
+        super().__init__(
+            f"unknown phase or forward mode {name!r}; known names: "
+            f"{', '.join(repr(k) for k in known)}.{tail}"
+        )
 
 
 class InvalidBatchError(AttnDispatchError, ValueError):

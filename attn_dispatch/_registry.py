@@ -1,4 +1,10 @@
-"""The backend registry: names -> (capabilities, factory). Thread-safe; plugins load lazily."""
+"""The backend registry: names -> (capabilities, form policy, factory). Thread-safe.
+
+A ``Registry`` is an object (as pluggy's ``PluginManager`` is); the module-level
+``register_backend``, ``unregister_backend`` and ``list_backends`` act on the default one,
+``DEFAULT_REGISTRY``. Tests and embedders hold their own and pass it to
+``bind(..., registry=mine)``.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +18,11 @@ from typing import TypeVar
 from typing import overload
 
 from attn_dispatch._capabilities import Capabilities
-from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import DuplicateBackendError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import UnknownBackendError
+from attn_dispatch._forms import FormPolicy
 
 ENTRY_POINT_GROUP = "attn_dispatch.backends"
 
@@ -26,13 +32,19 @@ F = TypeVar("F", bound=Factory)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BackendEntry:
-    """One registered backend. ``factory`` is a callable or a ``"module:attr"`` path."""
+    """One registered backend.
+
+    ``factory`` is a callable or a ``"module:attr"`` path. ``form_policy`` is how the backend
+    picks the attention form of MLA layers per batch (``None``: always the absorbed form);
+    ``bind`` reads it from here, so it is checked before any factory runs.
+    """
 
     name: str
     capabilities: Capabilities
     factory: Factory | str
+    form_policy: FormPolicy | None = None
 
-    def load_factory(self) -> Factory:
+    def load_factory(self, *, runner: str | None = None) -> Factory:
         """The factory callable, importing a dotted path now (only ever at bind time)."""
         if not isinstance(self.factory, str):
             return self.factory
@@ -43,161 +55,275 @@ class BackendEntry:
                 obj = getattr(obj, part)
         except Exception as exc:
             raise BackendUnavailableError(
-                self.name, f"cannot load factory {self.factory!r}: {type(exc).__name__}: {exc}"
+                self.name,
+                f"cannot load factory {self.factory!r}: {type(exc).__name__}: {exc}",
+                runner=runner,
             ) from exc
         if not callable(obj):
-            raise BackendUnavailableError(self.name, f"factory {self.factory!r} is not callable")
+            raise BackendUnavailableError(
+                self.name, f"factory {self.factory!r} is not callable", runner=runner
+            )
         return obj  # type: ignore[no-any-return]
 
 
-_lock = threading.RLock()
-_entries: dict[str, BackendEntry] = {}
-_loaded = False
-_loading = False
-plugin_errors: dict[str, str] = {}
-
-
-def _ensure_loaded() -> None:
-    # Built-ins and entry points load on first use, not at import: `import attn_dispatch` must
-    # stay cheap and must not import any plugin's module. Other threads wait on the lock until
-    # loading is complete; the loading thread itself re-enters (plugins call register_backend).
-    global _loaded, _loading
-    if _loaded:
-        return
-    with _lock:
-        if _loaded or _loading:
-            return
-        _loading = True
-        try:
-            from attn_dispatch.backends import register_builtins
-
-            register_builtins()
-            _load_entry_points()
-        finally:
-            _loading = False
-        _loaded = True
-
-
-def _load_entry_points() -> None:
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            obj = ep.load()
-            if isinstance(obj, BackendEntry):
-                _register(obj, replace=False)
-            elif callable(obj):
-                obj()
-            else:
-                raise TypeError(f"entry point gave {type(obj).__name__}, not a callable")
-        except Exception as exc:
-            # One broken plugin must not take down every runner; the error is kept and shown
-            # by `list` and by UnknownBackendError, never hidden.
-            msg = f"{type(exc).__name__}: {exc}"
-            plugin_errors[ep.name] = msg
-            warnings.warn(
-                f"attn_dispatch: backend plugin {ep.name!r} ({ep.value}) failed to load: {msg}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-
-
-def _register(entry: BackendEntry, *, replace: bool) -> None:
-    with _lock:
-        if entry.name in _entries and not replace:
-            raise DuplicateBackendError(entry.name)
-        _entries[entry.name] = entry
-
-
-@overload
-def register_backend(
-    name: str, *, capabilities: Capabilities, factory: None = None, replace: bool = False
-) -> Callable[[F], F]: ...
-@overload
-def register_backend(
-    name: str, *, capabilities: Capabilities, factory: Factory | str, replace: bool = False
-) -> Factory | str: ...
-def register_backend(
-    name: str,
-    *,
-    capabilities: Capabilities,
-    factory: Factory | str | None = None,
-    replace: bool = False,
-) -> Any:
-    """Register a backend under ``name``; also usable as a decorator on the factory.
-
-    >>> @register_backend("mine", capabilities=Capabilities(kinds={"mha"}))
-    ... def make_mine(config, **options):
-    ...     return MyBackend(config, **options)
-
-    A factory may be ``"package.module:attr"``, imported only at ``bind``. A taken name raises
-    ``DuplicateBackendError`` unless ``replace=True``; existing bindings never change.
-    """
+def _check_name(name: object) -> str:
     if not isinstance(name, str) or not name or any(c in name for c in ",= \t"):
         raise InvalidSpecError("name", name, "a backend name is a non-empty word without ',', '='")
-    if not isinstance(capabilities, Capabilities):
-        raise InvalidSpecError(
-            "capabilities", capabilities, "pass an attn_dispatch.Capabilities instance"
-        )
-    _ensure_loaded()
+    return name
 
-    def decorate(fn: F) -> F:
-        _register(BackendEntry(name, capabilities, fn), replace=replace)
-        return fn
 
-    if factory is None:
-        return decorate
-    if isinstance(factory, str):
-        if ":" not in factory:
-            raise InvalidSpecError("factory", factory, "a dotted factory path is 'module:attr'")
-    elif not callable(factory):
-        raise InvalidSpecError("factory", factory, "must be callable or a 'module:attr' path")
-    _register(BackendEntry(name, capabilities, factory), replace=replace)
-    return factory
+class Registry:
+    """Backend names -> ``BackendEntry``. ``builtins`` / ``plugins``: load the built-in
+    backends / the ``attn_dispatch.backends`` entry points on first use.
+
+    >>> mine = Registry(plugins=False)
+    >>> mine.register("echo", capabilities=Capabilities(kinds={"mha"}), factory=EchoBackend)
+    >>> binding = bind("echo", config, registry=mine)
+    """
+
+    def __init__(self, *, builtins: bool = True, plugins: bool = True) -> None:
+        self._lock = threading.RLock()
+        self._entries: dict[str, BackendEntry] = {}
+        self._builtins = builtins
+        self._plugins = plugins
+        self._loaded = not (builtins or plugins)
+        self._loading = False
+        #: entry-point name -> error text, for plugins that failed to load.
+        self.plugin_errors: dict[str, str] = {}
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def _ensure_loaded(self) -> None:
+        # Built-ins and entry points load on first use, not at import: `import attn_dispatch`
+        # must stay cheap and must not import any plugin's module. Other threads wait on the
+        # lock until loading is complete; the loading thread itself re-enters (plugins call
+        # register_backend).
+        if self._loaded:
+            return
+        with self._lock:
+            if self._loaded or self._loading:
+                return
+            self._loading = True
+            try:
+                if self._builtins:
+                    self._load_builtins()
+                if self._plugins:
+                    self._load_entry_points()
+            finally:
+                self._loading = False
+            self._loaded = True
+
+    def _load_builtins(self) -> None:
+        from attn_dispatch.backends import BUILTINS
+
+        for name, (module, factory) in BUILTINS.items():
+            try:
+                light = importlib.import_module(module)
+            except ModuleNotFoundError as exc:
+                if exc.name == module:  # a partial install: that backend is not shipped
+                    continue
+                raise
+            entry = BackendEntry(name, light.CAPABILITIES, factory, light.DEFAULT_FORM_POLICY)
+            self._put(entry, replace=True)
+
+    def _load_entry_points(self) -> None:
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                obj = ep.load()
+                if isinstance(obj, BackendEntry):
+                    self._put(obj, replace=False)
+                elif callable(obj):
+                    # A plugin's register function writes to the default registry (it calls
+                    # attn_dispatch.register_backend) or takes the registry to fill.
+                    if _takes_registry(obj):
+                        obj(self)
+                    else:
+                        obj()
+                else:
+                    raise TypeError(f"entry point gave {type(obj).__name__}, not a callable")
+            except Exception as exc:
+                # One broken plugin must not take down every runner; the error is kept and
+                # shown by `list` and by UnknownBackendError, never hidden.
+                msg = f"{type(exc).__name__}: {exc}"
+                self.plugin_errors[ep.name] = msg
+                warnings.warn(
+                    f"attn_dispatch: backend plugin {ep.name!r} ({ep.value}) failed to load: {msg}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    def _put(self, entry: BackendEntry, *, replace: bool) -> None:
+        with self._lock:
+            if entry.name in self._entries and not replace:
+                raise DuplicateBackendError(entry.name)
+            self._entries[entry.name] = entry
+
+    # -- public ----------------------------------------------------------------------------
+
+    @overload
+    def register(
+        self,
+        name: str,
+        *,
+        capabilities: Capabilities,
+        factory: None = None,
+        form_policy: FormPolicy | None = None,
+        replace: bool = False,
+    ) -> Callable[[F], F]: ...
+    @overload
+    def register(
+        self,
+        name: str,
+        *,
+        capabilities: Capabilities,
+        factory: Factory | str,
+        form_policy: FormPolicy | None = None,
+        replace: bool = False,
+    ) -> Factory | str: ...
+    def register(
+        self,
+        name: str,
+        *,
+        capabilities: Capabilities,
+        factory: Factory | str | None = None,
+        form_policy: FormPolicy | None = None,
+        replace: bool = False,
+    ) -> Any:
+        """Register a backend under ``name``; also usable as a decorator on the factory.
+
+        >>> @registry.register("mine", capabilities=Capabilities(kinds={"mha"}))
+        ... def make_mine(config, **options):
+        ...     return MyBackend(config, **options)
+
+        A factory may be ``"package.module:attr"``, imported only at ``bind``.
+        ``form_policy``: how the backend picks the form of MLA layers per batch (None: the
+        absorbed form always); ``bind(..., options={name: {"form_policy": p}})`` overrides it
+        for one binding. A taken name raises ``DuplicateBackendError`` unless
+        ``replace=True``; existing bindings never change.
+        """
+        _check_name(name)
+        if not isinstance(capabilities, Capabilities):
+            raise InvalidSpecError(
+                "capabilities", capabilities, "pass an attn_dispatch.Capabilities instance"
+            )
+        if form_policy is not None and not isinstance(form_policy, FormPolicy):
+            raise InvalidSpecError(
+                "form_policy", form_policy, "pass an attn_dispatch.FormPolicy or None"
+            )
+        if factory is not None:
+            if isinstance(factory, str):
+                if ":" not in factory:
+                    raise InvalidSpecError(
+                        "factory", factory, "a dotted factory path is 'module:attr'"
+                    )
+            elif not callable(factory):
+                raise InvalidSpecError(
+                    "factory", factory, "must be callable or a 'module:attr' path"
+                )
+        self._ensure_loaded()
+
+        def decorate(fn: F) -> F:
+            self._put(BackendEntry(name, capabilities, fn, form_policy), replace=replace)
+            return fn
+
+        if factory is None:
+            return decorate
+        self._put(BackendEntry(name, capabilities, factory, form_policy), replace=replace)
+        return factory
+
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (bindings that use it keep working)."""
+        self._ensure_loaded()
+        with self._lock:
+            if name not in self._entries:
+                raise UnknownBackendError(name, self._entries)
+            del self._entries[name]
+
+    def get(self, name: str, *, context: str = "") -> BackendEntry:
+        """The entry for ``name``, or ``UnknownBackendError`` with close matches."""
+        self._ensure_loaded()
+        with self._lock:
+            entry = self._entries.get(name)
+            registered = list(self._entries)
+        if entry is None:
+            err = UnknownBackendError(name, registered, context=context)
+            if name in self.plugin_errors:
+                err.message += (
+                    f" (a plugin named {name!r} failed to load: {self.plugin_errors[name]})"
+                )
+                err.args = (err.message,)
+            raise err
+        return entry
+
+    def entries(self) -> dict[str, BackendEntry]:
+        """A snapshot: registered names (sorted) and their entries."""
+        self._ensure_loaded()
+        with self._lock:
+            return {name: self._entries[name] for name in sorted(self._entries)}
+
+    def list(self) -> dict[str, Capabilities]:
+        """Registered names (sorted) and their capabilities."""
+        return {name: e.capabilities for name, e in self.entries().items()}
+
+    def __contains__(self, name: object) -> bool:
+        self._ensure_loaded()
+        return name in self._entries
+
+    def __repr__(self) -> str:
+        state = f"{len(self._entries)} backends" if self._loaded else "not loaded yet"
+        return f"<Registry {state}>"
+
+
+def _takes_registry(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        params = [
+            p
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ]
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1
+
+
+#: The registry the module-level functions and ``bind`` use unless given another.
+DEFAULT_REGISTRY = Registry()
+
+
+#: Register a backend in the default registry; also a decorator on the factory:
+#:
+#: >>> @register_backend("mine", capabilities=Capabilities(kinds={"mha"}))
+#: ... def make_mine(config, **options):
+#: ...     return MyBackend(config, **options)
+#:
+#: See ``Registry.register`` (the same method, bound to ``DEFAULT_REGISTRY``).
+register_backend = DEFAULT_REGISTRY.register
 
 
 def unregister_backend(name: str) -> None:
-    """Remove ``name`` (bindings that use it keep working)."""
-    _ensure_loaded()
-    with _lock:
-        if name not in _entries:
-            raise UnknownBackendError(name, _entries)
-        del _entries[name]
+    """Remove ``name`` from the default registry (bindings that use it keep working)."""
+    DEFAULT_REGISTRY.unregister(name)
 
 
 def get_backend(name: str, *, context: str = "") -> BackendEntry:
-    """The entry for ``name``, or ``UnknownBackendError`` with close matches."""
-    _ensure_loaded()
-    entry = _entries.get(name)
-    if entry is None:
-        err = UnknownBackendError(name, list(_entries), context=context)
-        if name in plugin_errors:
-            err.message += f" (a plugin named {name!r} failed to load: {plugin_errors[name]})"
-            err.args = (err.message,)
-        raise err
-    return entry
+    """The default registry's entry for ``name``, or ``UnknownBackendError``."""
+    return DEFAULT_REGISTRY.get(name, context=context)
 
 
 def list_backends() -> dict[str, Capabilities]:
-    """Registered names (sorted) and their capabilities."""
-    _ensure_loaded()
-    with _lock:
-        return {name: _entries[name].capabilities for name in sorted(_entries)}
-
-
-def _reset_for_tests() -> None:
-    """Forget everything; the next use loads built-ins and plugins again."""
-    global _loaded
-    with _lock:
-        _entries.clear()
-        plugin_errors.clear()
-        _loaded = False
+    """The default registry's names (sorted) and their capabilities."""
+    return DEFAULT_REGISTRY.list()
 
 
 __all__ = [
+    "DEFAULT_REGISTRY",
     "ENTRY_POINT_GROUP",
-    "AttnDispatchError",
     "BackendEntry",
+    "Registry",
     "get_backend",
     "list_backends",
     "register_backend",

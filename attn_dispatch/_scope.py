@@ -1,25 +1,30 @@
 """The active runner of this context, and the hot path that reads it.
 
-The ContextVar holds one tuple per open scope ("frame"), so ``resolve`` is one
-``ContextVar.get`` plus one tuple index:
+One ContextVar holds the innermost open scope. The scope object *is* the frame: a named,
+slotted record built by one constructor (``attn_scope(...)``, which ``cuda_graph`` uses too,
+with a plan made before capture). Its fields:
 
-    0..2  handler per Phase          5  plan (what backend.plan(batch) returned)
-    3     Binding                    6  handler of batch.phase (None without a batch)
-    4     batch (or None)            7  parent frame (or None)
-                                     8  attention form chosen for the batch (or None)
+    handlers   Phase -> handler (the binding's dict; resolve() is one lookup in it)
+    binding    the Binding
+    batch      the batch (or None)        plan, run, form   what binding.prepare(batch) gave
+    sm_scale   the config's scale (or None)
+    parent     the enclosing frame (or None)
+
+Why the frame is a record holding a dict and not a tuple: a tuple index accepts any int, so
+``resolve(5)`` returned an internal and an IntEnum of another framework dispatched as a
+Phase. ``Phase`` hashes by identity, so a dict lookup refuses both at the cost of one
+attribute load (bench/dispatch.py: resolve within 1.25x of a bare ContextVar.get + index).
+Why the scope is the frame: a separate frame object cost one more Python-level constructor
+per scope (about 160 ns, a third of enter+exit).
 """
 
 from __future__ import annotations
 
-import collections
 import contextvars
-import dataclasses
 import functools
 import inspect
-import threading
 from collections.abc import Callable
 from collections.abc import Iterator
-from collections.abc import Sequence
 from typing import Any
 from typing import ParamSpec
 from typing import TypeVar
@@ -29,20 +34,29 @@ from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import NoActiveScopeError
 from attn_dispatch._errors import ScopeError
+from attn_dispatch._errors import UnknownPhaseError
 from attn_dispatch._forms import AttnForm
 from attn_dispatch._phase import Phase
-from attn_dispatch._phase import UnknownPhaseError
 from attn_dispatch._protocol import Handler
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_BINDING, _BATCH, _PLAN, _RUN, _PARENT, _FORM = 3, 4, 5, 6, 7, 8
-
-Frame = tuple[Any, ...]
-_CURRENT: contextvars.ContextVar[Frame | None] = contextvars.ContextVar(
+_CURRENT: contextvars.ContextVar[attn_scope | None] = contextvars.ContextVar(
     "attn_dispatch.current", default=None
 )
+
+#: Set by ``attn_dispatch._record`` while any ``record_dispatch`` is open in the process:
+#: ``hook(frame, run, args) -> out`` runs the handler (recording, profiling). ``None`` costs
+#: the hot path one global read.
+_call_hook: Callable[[attn_scope, Callable[..., Any], tuple[Any, ...]], Any] | None = None
+
+
+def _set_call_hook(
+    hook: Callable[[attn_scope, Callable[..., Any], tuple[Any, ...]], Any] | None,
+) -> None:
+    global _call_hook
+    _call_hook = hook
 
 
 def _binding_of(runner: object) -> Binding:
@@ -66,67 +80,136 @@ class attn_scope:
 
     Scopes nest (the innermost wins), are restored on any exit (exceptions and
     ``BaseException`` included), and are private to their thread and asyncio task. Also a
-    decorator: ``@attn_scope(runner)``. An instance is entered once at a time.
+    decorator of plain and async functions: ``@attn_scope(runner)`` (not of generators: see
+    the README, "Scopes in generators"). An instance is entered once at a time.
+
+    ``prepared``: ``(plan, handler, form)`` from ``binding.prepare(batch)`` made earlier;
+    entering then plans nothing (``cuda_graph`` replays a captured plan this way).
     """
 
-    __slots__ = ("_batch", "_binding", "_frame", "_token")
+    __slots__ = (
+        "_closed",
+        "_plans",
+        "_token",
+        "batch",
+        "binding",
+        "form",
+        "handlers",
+        "parent",
+        "plan",
+        "run",
+        "sm_scale",
+    )
 
-    def __init__(self, runner: object, batch: Any = None) -> None:
+    handlers: dict[Phase, Handler]
+    binding: Binding
+    batch: Any
+    plan: Any
+    run: Handler | None
+    form: AttnForm | None
+    sm_scale: float | None
+    parent: attn_scope | None
+    _token: contextvars.Token[attn_scope | None] | None
+    _closed: bool
+    _plans: bool
+
+    def __init__(
+        self,
+        runner: object,
+        batch: Any = None,
+        prepared: tuple[Any, Handler, AttnForm | None] | None = None,
+    ) -> None:
+        # The per-forward cost of a scope is mostly Python call overhead (this __init__,
+        # __enter__, __exit__: bench/dispatch.py scope_construct / scope_reuse), so the work
+        # here is kept to the slot stores a frame needs: ``parent`` and ``_closed`` are set on
+        # entry, and ``prepared`` is positional-or-keyword because a missing keyword-only
+        # argument costs a dict lookup per call.
         # A Binding is the common case: skip the attn_binding property and the isinstance.
-        self._binding = runner if type(runner) is Binding else _binding_of(runner)
-        self._batch = batch
-        self._token: contextvars.Token[Frame | None] | None = None
-        self._frame: Frame | None = None
-        if batch is not None and not isinstance(getattr(batch, "phase", None), Phase):
-            raise InvalidBatchError("phase", f"batch {type(batch).__name__} has no Phase in .phase")
+        binding = runner if type(runner) is Binding else _binding_of(runner)
+        self.binding = binding
+        self.handlers = binding._handler_map
+        self.sm_scale = binding._sm_scale
+        self.batch = batch
+        self._token = None
+        if batch is None:
+            self.plan = self.run = self.form = None
+            self._plans = False
+            if prepared is not None:
+                raise InvalidBatchError("batch", "a prepared plan needs the batch it was made for")
+            return
+        try:
+            phase = batch.phase
+        except AttributeError:
+            phase = None
+        if type(phase) is not Phase:
+            raise InvalidBatchError(
+                "phase",
+                f"batch {type(batch).__name__} has no Phase in .phase "
+                f"(got {phase!r}); map framework modes with phase_of()",
+            )
+        if prepared is None:
+            self.run = None  # until __enter__ plans
+            self._plans = True
+        else:
+            self.plan, self.run, self.form = prepared
+            self._plans = False
 
     def __enter__(self) -> Binding:
-        if self._token is not None:
+        if self._token is not None and not self._closed:
             raise ScopeError(
                 "this attn_scope is already active; create a new attn_scope(...) to nest"
             )
-        b = self._binding
-        batch = self._batch
-        parent = _CURRENT.get()
-        frame: Frame
-        h = b._handlers  # explicit items: a starred tuple display builds a list first
-        if batch is None:
-            frame = (h[0], h[1], h[2], b, None, None, None, parent, None)
-        else:
-            plan, run, form = b.prepare(batch)
-            frame = (h[0], h[1], h[2], b, batch, plan, run, parent, form)
-        self._frame = frame
-        self._token = _CURRENT.set(frame)
-        return b
+        if self._plans:
+            self.plan, self.run, self.form = self.binding.prepare(self.batch)
+        self.parent = _CURRENT.get()
+        self._closed = False
+        self._token = _CURRENT.set(self)
+        return self.binding
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        token, frame = self._token, self._frame
-        if token is None:
-            raise ScopeError("attn_scope exited without being entered")
-        current = _CURRENT.get()
-        if current is frame:
+        token = self._token
+        # A set token means __enter__ ran, which also set _closed.
+        if token is not None and _CURRENT.get() is self and not self._closed:
             try:
                 _CURRENT.reset(token)
             except ValueError:
                 # A copy of the entering context (carry_scope, a task): the token belongs to
                 # the original one, which must close it.
-                raise ScopeError(_not_open(frame)) from None
-            self._token = self._frame = None
+                raise ScopeError(_not_open(self)) from None
+            self._token = None
             return
+        self._exit_slow(token)
+
+    def _exit_slow(self, token: contextvars.Token[attn_scope | None] | None) -> None:
+        if token is None:
+            raise ScopeError("attn_scope exited without being entered")
+        if self._closed:
+            # An enclosing scope exited first and closed this one with it; the instance is
+            # free again (it may be entered anew).
+            self._token = None
+            raise ScopeError(
+                f"attn_scope({_label(self)}) was already closed: an enclosing scope exited "
+                "before it (scopes must exit in reverse order)"
+            )
+        current = _CURRENT.get()
+        inner: list[attn_scope] = []
         node = current
-        while node is not None and node is not frame:
-            node = node[_PARENT]
+        while node is not None and node is not self:
+            inner.append(node)
+            node = node.parent
         if node is None:
             # Resetting here could rebind a stale runner: leave the context as it is, and keep
             # the token so the context that entered this scope can still close it.
-            raise ScopeError(_not_open(frame))
+            raise ScopeError(_not_open(self))
         try:
             _CURRENT.reset(token)
         except ValueError:
-            raise ScopeError(_not_open(frame)) from None
-        self._token = self._frame = None
+            raise ScopeError(_not_open(self)) from None
+        self._token = None
+        for scope in inner:
+            scope._closed = True
         raise ScopeError(
-            f"attn_scope({_label(frame)}) exited while an inner scope "
+            f"attn_scope({_label(self)}) exited while an inner scope "
             f"({_label(current)}) was still open; scopes must exit in reverse order. Both are "
             "closed now."
         )
@@ -138,13 +221,17 @@ class attn_scope:
         self.__exit__(exc_type, exc, tb)
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
-        binding, batch = self._binding, self._batch
+        binding, batch = self.binding, self.batch
         if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
             # Wrapping the call would close the scope before the body runs; holding it across
-            # yields would leak it into the caller between them. Neither is what anyone means.
+            # yields would leak it into the consumer between them (a ContextVar set in a
+            # generator frame is visible to whoever resumes it).
             raise ScopeError(
-                f"attn_scope cannot decorate the generator function {fn.__qualname__!r}; "
-                "open the scope inside it instead: `with attn_scope(...):`"
+                f"attn_scope cannot decorate the generator function {fn.__qualname__!r}: a "
+                "scope held across a `yield` leaks into the consumer between yields. Open it "
+                "where no yield happens inside: around each next()/send() in the consumer "
+                "(`with attn_scope(runner): item = next(gen)`), or inside the generator's body "
+                "between yields, closing it before the next `yield`."
             )
         if inspect.iscoroutinefunction(fn):
 
@@ -162,19 +249,22 @@ class attn_scope:
 
         return run
 
+    def __repr__(self) -> str:
+        state = "open" if self._token is not None and not self._closed else "closed"
+        return f"<attn_scope {_label(self)} {state}>"
 
-def _not_open(frame: Frame | None) -> str:
+
+def _not_open(frame: attn_scope) -> str:
     return (
-        f"attn_scope({_label(frame)}) is not open in this context: it was already closed "
-        "by an out-of-order exit of an enclosing scope, or it is being exited in another "
-        "thread or task than the one that entered it"
+        f"attn_scope({_label(frame)}) is not open in this context: it is being exited in "
+        "another thread or task than the one that entered it (that one must exit it)"
     )
 
 
-def _label(frame: Frame | None) -> str:
+def _label(frame: attn_scope | None) -> str:
     if frame is None:
         return "none"
-    binding = frame[_BINDING]
+    binding = frame.binding
     return repr(binding.label) if binding.label is not None else str(binding.spec)
 
 
@@ -183,15 +273,29 @@ def resolve(phase: Phase) -> Handler:
 
     >>> with attn_scope(runner):
     ...     handler = resolve(Phase.DECODE)
+
+    Only ``Phase`` members resolve: an int or a framework's own mode enum raises
+    ``UnknownPhaseError`` (map it with ``phase_of(mode)`` first).
     """
-    # The happy path is exactly one ContextVar.get and one index: no scope (None) and a bad
-    # phase both land in the except clause, which costs nothing until it runs.
+    # The happy path is one ContextVar.get, one attribute load and one dict lookup: no scope
+    # (None) and a bad phase both land in the except clause, which costs nothing until it runs.
     try:
-        return _CURRENT.get()[phase]  # type: ignore[index,no-any-return]
-    except (TypeError, IndexError):
-        if _CURRENT.get() is None:
-            raise NoActiveScopeError("resolve") from None
-        raise UnknownPhaseError(repr(phase), tuple(p.name for p in Phase)) from None
+        return _CURRENT.get().handlers[phase]  # type: ignore[union-attr]
+    except (AttributeError, KeyError, TypeError):
+        raise _resolve_error(phase) from None
+
+
+def _resolve_error(phase: object) -> Exception:
+    if _CURRENT.get() is None:
+        return NoActiveScopeError("resolve")
+    return UnknownPhaseError(
+        repr(phase),
+        tuple(p.name for p in Phase),
+        hint=(
+            "resolve() takes an attn_dispatch.Phase member; map a framework's forward mode "
+            "(SGLang's ForwardMode, a name, an int) with attn_dispatch.phase_of(mode) first."
+        ),
+    )
 
 
 def current_binding() -> Binding:
@@ -199,7 +303,7 @@ def current_binding() -> Binding:
     frame = _CURRENT.get()
     if frame is None:
         raise NoActiveScopeError("current_binding")
-    return frame[_BINDING]  # type: ignore[no-any-return]
+    return frame.binding
 
 
 def current_batch() -> Any:
@@ -207,7 +311,7 @@ def current_batch() -> Any:
     frame = _CURRENT.get()
     if frame is None:
         raise NoActiveScopeError("current_batch")
-    return frame[_BATCH]
+    return frame.batch
 
 
 def attention_form() -> Any:
@@ -219,16 +323,24 @@ def attention_form() -> Any:
     frame = _CURRENT.get()
     if frame is None:
         raise NoActiveScopeError("attention_form")
-    form = frame[_FORM]
+    form = frame.form
     if form is None:
-        if frame[_BATCH] is None:
+        if frame.batch is None:
             raise _no_batch("attention_form")
         raise InvalidBatchError(
             "form",
-            f"backend {frame[_BINDING].backend_name(frame[_BATCH].phase)!r} chose no attention "
+            f"backend {frame.binding.backend_name(frame.batch.phase)!r} chose no attention "
             "form for this batch (forms apply to MLA configs)",
         )
     return form
+
+
+def iter_scopes() -> Iterator[Binding]:
+    """The bindings of the open scopes, innermost first (for debugging)."""
+    frame = _CURRENT.get()
+    while frame is not None:
+        yield frame.binding
+        frame = frame.parent
 
 
 def _no_batch(what: str) -> InvalidBatchError:
@@ -240,194 +352,85 @@ def _no_batch(what: str) -> InvalidBatchError:
 
 
 def attention(
-    q: Any, k_cache: Any, v_cache: Any = None, *, sm_scale: float, prefix: Any = None
+    q: Any,
+    k_cache: Any,
+    v_cache: Any = None,
+    *,
+    sm_scale: float | None = None,
+    prefix: Any = None,
 ) -> Any:
     """Run attention for one layer with the active runner's handler for the scope's batch.
 
     >>> with attn_scope(runner, batch):
     ...     out = attention(q, k_cache, v_cache, sm_scale=head_dim ** -0.5)
 
+    ``sm_scale`` defaults to the bound ``AttnConfig.sm_scale``; given both, they must agree
+    (``InvalidBatchError`` otherwise); given neither, ``InvalidBatchError`` says to pass one.
     ``prefix`` is only for MLA layers in the ``AttnForm.MHA_CHUNKED`` form: the cached prefix
-    as decompressed chunks (see ``attn_dispatch.mla.latent_prefix_chunks``).
+    as decompressed chunks (see ``attn_dispatch.mla.latent_prefix_chunks``). Under
+    ``torch.compile`` the same call is traced as one opaque op (``attn_dispatch.compile``).
     """
     frame = _CURRENT.get()
     if frame is None:
         raise NoActiveScopeError("attention")
-    run = frame[_RUN]
+    run = frame.run
     if run is None:
         raise _no_batch("attention")
-    if _recording:
-        _record(frame)
+    scale = frame.sm_scale
+    if scale is None:
+        if sm_scale is None:
+            raise _no_scale(frame)
+        scale = sm_scale
+    elif sm_scale is not None and sm_scale != scale:
+        _check_scale(sm_scale, scale)
+    if _call_hook is None and prefix is None:
+        return run(q, k_cache, v_cache, frame.plan, scale)
+    return _attention_slow(frame, run, q, k_cache, v_cache, scale, prefix)
+
+
+def _attention_slow(
+    frame: attn_scope,
+    run: Handler,
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    scale: float,
+    prefix: Any,
+) -> Any:
+    args: tuple[Any, ...]
     if prefix is None:
-        return run(q, k_cache, v_cache, frame[_PLAN], sm_scale)
-    if frame[_FORM] is not AttnForm.MHA_CHUNKED:
-        raise InvalidBatchError(
-            "prefix",
-            f"prefix chunks are only for the 'mha_chunked' form; this batch runs "
-            f"{getattr(frame[_FORM], 'value', 'a non-MLA config')!r} (see attention_form())",
-        )
-    return run(q, k_cache, v_cache, frame[_PLAN], sm_scale, prefix)
+        args = (q, k_cache, v_cache, frame.plan, scale)
+    else:
+        if frame.form is not AttnForm.MHA_CHUNKED:
+            raise InvalidBatchError(
+                "prefix",
+                f"prefix chunks are only for the 'mha_chunked' form; this batch runs "
+                f"{getattr(frame.form, 'value', 'a non-MLA config')!r} (see attention_form())",
+            )
+        args = (q, k_cache, v_cache, frame.plan, scale, prefix)
+    hook = _call_hook
+    return run(*args) if hook is None else hook(frame, run, args)
 
 
-# ---------------------------------------------------------------------------------------------
-# record_dispatch
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DispatchEvent:
-    """One ``attention`` call: which runner, phase, backend and form served it."""
-
-    label: str | None
-    phase: Phase
-    backend: str
-    form: str | None = None
-
-
-class DispatchRecorder:
-    """Events recorded by ``record_dispatch``; ``counts()`` and ``summary()`` aggregate them."""
-
-    __slots__ = ("_lock", "events")
-
-    def __init__(self) -> None:
-        self.events: list[DispatchEvent] = []
-        self._lock = threading.Lock()
-
-    def add(self, event: DispatchEvent) -> None:
-        with self._lock:
-            self.events.append(event)
-
-    def counts(self) -> collections.Counter[tuple[str | None, str, str]]:
-        """``(label, phase, backend) -> calls``."""
-        return collections.Counter((e.label, e.phase.name.lower(), e.backend) for e in self.events)
-
-    def summary(self) -> str:
-        """A plain-text table runner x phase x backend (x form) -> calls."""
-        rows = collections.Counter(
-            (str(e.label), e.phase.name.lower(), e.backend, e.form or "-") for e in self.events
-        )
-        header = ("runner", "phase", "backend", "form", "calls")
-        body = [(*k, str(v)) for k, v in sorted(rows.items())]
-        return format_table(header, body)
-
-
-_RECORDERS: contextvars.ContextVar[tuple[DispatchRecorder, ...]] = contextvars.ContextVar(
-    "attn_dispatch.recorders", default=()
-)
-# How many recorders are open in the whole process: a plain int read is the only cost the hot
-# path pays while nobody records. Which events go where is still decided per context.
-_recording = 0
-_recording_lock = threading.Lock()
-
-
-def _record(frame: Frame) -> None:
-    recorders = _RECORDERS.get()
-    if not recorders:
-        return
-    binding: Binding = frame[_BINDING]
-    phase = frame[_BATCH].phase
-    form = frame[_FORM]
-    event = DispatchEvent(
-        binding.label,
-        phase,
-        binding.spec.names[phase],
-        None if form is None else str(getattr(form, "value", form)),
+def _no_scale(frame: attn_scope) -> InvalidBatchError:
+    return InvalidBatchError(
+        "sm_scale",
+        f"no softmax scale: attention() got sm_scale=None and runner {_label(frame)}'s "
+        "AttnConfig has sm_scale=None; pass attention(..., sm_scale=s) or bind a config with "
+        "AttnConfig(sm_scale=s)",
     )
-    for rec in recorders:
-        rec.add(event)
 
 
-class record_dispatch:
-    """Record (label, phase, backend, form) of every ``attention`` call in this context.
-
-    >>> with record_dispatch() as rec:
-    ...     run_forward()
-    >>> rec.counts()[("target", "decode", "flashinfer")]
-    """
-
-    __slots__ = ("_recorder", "_token")
-
-    def __init__(self) -> None:
-        self._recorder = DispatchRecorder()
-        self._token: contextvars.Token[tuple[DispatchRecorder, ...]] | None = None
-
-    def __enter__(self) -> DispatchRecorder:
-        global _recording
-        if self._token is not None:
-            raise ScopeError("this record_dispatch is already active")
-        self._token = _RECORDERS.set((*_RECORDERS.get(), self._recorder))
-        with _recording_lock:
-            _recording += 1
-        return self._recorder
-
-    def __exit__(self, *exc_info: object) -> None:
-        global _recording
-        token, self._token = self._token, None
-        if token is None:
-            # Decrementing here would leave the process-wide count wrong for good.
-            raise ScopeError("record_dispatch exited without being entered")
-        with _recording_lock:
-            _recording -= 1
-        _RECORDERS.reset(token)
-
-
-# ---------------------------------------------------------------------------------------------
-# threads
-
-
-def carry_scope(fn: Callable[P, R]) -> Callable[P, R]:
-    """Wrap ``fn`` so it runs in a copy of the caller's context (its scopes included).
-
-    ``threading.Thread`` starts with an empty context, so a worker sees no scope unless you
-    carry it:
-
-    >>> with attn_scope(runner):
-    ...     t = threading.Thread(target=carry_scope(work)); t.start()
-    """
-    ctx = contextvars.copy_context()
-
-    @functools.wraps(fn)
-    def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        # A Context can be entered by one thread at a time: each call gets its own copy.
-        return ctx.copy().run(fn, *args, **kwargs)
-
-    return run
-
-
-def run_in_thread(fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-    """Run ``fn(*args, **kwargs)`` in a new thread with the current scope; return its result."""
-    result: list[Any] = []
-    error: list[BaseException] = []
-    wrapped = carry_scope(fn)
-
-    def target() -> None:
-        try:
-            result.append(wrapped(*args, **kwargs))
-        except BaseException as exc:
-            error.append(exc)
-
-    thread = threading.Thread(target=target, name="attn_dispatch-worker")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]  # type: ignore[no-any-return]
-
-
-def iter_scopes() -> Iterator[Binding]:
-    """The bindings of the open scopes, innermost first (for debugging)."""
-    frame = _CURRENT.get()
-    while frame is not None:
-        yield frame[_BINDING]
-        frame = frame[_PARENT]
-
-
-def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Plain-text table with aligned columns."""
-    widths = [len(h) for h in header]
-    for row in rows:
-        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(header, widths, strict=True)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    for row in rows:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    return "\n".join(lines)
+def _check_scale(given: float, planned: float) -> None:
+    # Equal up to float rounding (head_dim ** -0.5 vs 1 / math.sqrt(head_dim)) passes, and the
+    # planned value is what the handler receives.
+    try:
+        close = abs(given - planned) <= 1e-6 * abs(planned)
+    except TypeError:
+        close = False
+    if not close:
+        raise InvalidBatchError(
+            "sm_scale",
+            f"attention(sm_scale={given!r}) differs from the bound AttnConfig.sm_scale "
+            f"{planned!r}, which the backend planned with; pass the same scale or omit it",
+        )

@@ -10,9 +10,11 @@ scope then, so one compiled function serves every runner and follows whichever r
 
 Importing this module also tells Dynamo to trace ``attn_dispatch.attention`` as that op
 (``torch.compiler.substitute_in_graph``), so model code keeps calling ``attention`` and eager
-calls pay nothing extra:
+calls pay nothing extra. Building a built-in backend imports it (their base class,
+``attn_dispatch.backends._torch_base``, does: they run on torch anyway), so binding any of them
+is enough; a model bound only to third-party backends imports this module itself, once:
 
->>> import attn_dispatch.compile  # once, before the first compiled call
+>>> import attn_dispatch.compile  # not needed after binding a built-in backend
 >>> @torch.compile(fullgraph=True)
 ... def layer(q, k_cache, v_cache):
 ...     return attention(q, k_cache, v_cache, sm_scale=0.125)
@@ -22,7 +24,10 @@ calls pay nothing extra:
 ...     out = layer(q2, k2, v2)               # the draft's kernel, same compiled code
 
 MLA passes ``v_cache=None``, so the value width is not in the shapes: inside a compiled
-function call ``attention_op(q, k_cache, None, sm_scale=..., v_head_dim=512)``.
+function call ``attention_op(q, k_cache, None, sm_scale=..., v_head_dim=512)``; a plain
+``attention`` call with ``v_cache=None`` runs outside the graph (a graph break, or an error
+under ``fullgraph=True`` that names this fix). ``sm_scale`` may be omitted when the bound
+``AttnConfig`` carries it, as in eager code.
 
 The op is tagged ``cudagraph_unsafe``: Inductor's own CUDA graphs (``mode="reduce-overhead"``)
 must not capture it, because a captured graph bakes in the runner, kernel and plan it saw.
@@ -53,7 +58,7 @@ _TAGS: tuple[Any, ...] = tuple(
 # the module.
 _LIB = torch.library.Library("attn_dispatch", "FRAGMENT")  # type: ignore[no-untyped-call]
 _LIB.define(  # type: ignore[no-untyped-call]
-    "attention(Tensor q, Tensor k_cache, Tensor? v_cache, float sm_scale, int v_head_dim) "
+    "attention(Tensor q, Tensor k_cache, Tensor? v_cache, float? sm_scale, int v_head_dim) "
     "-> Tensor",
     tags=_TAGS,
 )
@@ -63,7 +68,7 @@ def _attention_impl(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
-    sm_scale: float,
+    sm_scale: float | None,
     v_head_dim: int,
 ) -> torch.Tensor:
     # Resolved here, at run time, in the caller's context: never at trace time.
@@ -99,7 +104,7 @@ def _attention_fake(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
-    sm_scale: float,
+    sm_scale: float | None,
     v_head_dim: int,
 ) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1], v_head_dim))
@@ -130,7 +135,7 @@ def attention_op(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None = None,
     *,
-    sm_scale: float,
+    sm_scale: float | None = None,
     v_head_dim: int | None = None,
 ) -> torch.Tensor:
     """``attention(...)`` as the opaque op ``torch.ops.attn_dispatch.attention``.
@@ -140,10 +145,12 @@ def attention_op(
     ...                                                    v_head_dim=512), fullgraph=True)(q, k)
 
     ``v_head_dim`` defaults to ``v_cache.shape[-1]``; MLA (``v_cache=None``) must pass it.
-    Eagerly it costs one trip through the torch dispatcher more than ``attention``.
+    ``sm_scale`` defaults to the bound config's. Eagerly it costs one trip through the torch
+    dispatcher more than ``attention``.
     """
     dv = _value_width(k_cache, v_cache, v_head_dim)
-    return _OP(q, k_cache, v_cache, float(sm_scale), dv)  # type: ignore[no-any-return]
+    scale = None if sm_scale is None else float(sm_scale)
+    return _OP(q, k_cache, v_cache, scale, dv)  # type: ignore[no-any-return]
 
 
 _OP = torch.ops.attn_dispatch.attention.default
@@ -165,15 +172,14 @@ def _attention_in_graph(
     k_cache: Any,
     v_cache: Any = None,
     *,
-    sm_scale: float,
+    sm_scale: float | None = None,
     prefix: Any = None,
-    v_head_dim: int | None = None,
 ) -> Any:
     # What Dynamo traces in place of attn_dispatch.attention (eager calls never come here).
-    if prefix is not None or (v_cache is None and v_head_dim is None):
+    if prefix is not None or v_cache is None:
         return _attention_outside_graph(q, k_cache, v_cache, sm_scale=sm_scale, prefix=prefix)
-    return attention_op(q, k_cache, v_cache, sm_scale=sm_scale, v_head_dim=v_head_dim)
+    return attention_op(q, k_cache, v_cache, sm_scale=sm_scale)
 
 
-# skip_signature_check: the stand-in also takes v_head_dim, for a core `attention` that grows it.
-torch.compiler.substitute_in_graph(_scope_attention, skip_signature_check=True)(_attention_in_graph)
+# The signature check stays on: compiled and eager `attention` take exactly the same arguments.
+torch.compiler.substitute_in_graph(_scope_attention)(_attention_in_graph)

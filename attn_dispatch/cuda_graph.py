@@ -44,14 +44,15 @@ from typing import Any
 
 import torch
 
-from attn_dispatch import _scope
 from attn_dispatch._batch import AttnBatch
 from attn_dispatch._binding import Binding
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
-from attn_dispatch._scope import DispatchEvent
-from attn_dispatch._scope import record_dispatch
+from attn_dispatch._record import DispatchEvent
+from attn_dispatch._record import record_dispatch
+from attn_dispatch._record import record_events
+from attn_dispatch._scope import attn_scope
 
 __all__ = ["CaptureError", "GraphedForward", "assert_not_capturing", "capture_decode"]
 
@@ -76,33 +77,6 @@ def assert_not_capturing(what: str = "plan") -> None:
             "capture: enter attn_scope(runner, batch) (or build a GraphedForward) outside "
             "torch.cuda.graph(...), and replay new batches with GraphedForward.replay"
         )
-
-
-class _PlannedScope:
-    """Make ``binding`` active with a given plan (``attn_scope`` would plan again)."""
-
-    __slots__ = ("_frame", "_token")
-
-    def __init__(self, binding: Binding, batch: AttnBatch, plan: Any, run: Any, form: Any) -> None:
-        # The same frame attn_scope builds, with our persistent plan in it.
-        frame: list[Any] = [None] * 9
-        frame[0:3] = binding._handlers
-        frame[_scope._BINDING] = binding
-        frame[_scope._BATCH] = batch
-        frame[_scope._PLAN] = plan
-        frame[_scope._RUN] = run
-        frame[_scope._FORM] = form
-        self._frame = frame
-        self._token: Any = None
-
-    def __enter__(self) -> None:
-        frame = list(self._frame)
-        frame[_scope._PARENT] = _scope._CURRENT.get()
-        self._token = _scope._CURRENT.set(tuple(frame))
-
-    def __exit__(self, *exc: object) -> None:
-        _scope._CURRENT.reset(self._token)
-        self._token = None
 
 
 def _binding_of(runner: object) -> Binding:
@@ -254,8 +228,8 @@ class GraphedForward:
         # forms that plan on another backend are copied field by field).
         self.backend = self.binding.backend(self.phase)
         plain = self.run is self.binding.handler(self.phase)
-        self._update_plan = getattr(self.backend, "update_plan", None) if plain else None
-        if self._update_plan is None and not getattr(self.backend, "plans_in_place", False):
+        self._update_plan = self.backend.update_plan if plain else None
+        if self._update_plan is None and not self.backend.plans_in_place:
             opaque = list(_opaque_paths(self.plan, "plan", set()))
             if opaque:
                 raise CaptureError(
@@ -267,7 +241,9 @@ class GraphedForward:
                     "options={'flashinfer': {'use_cuda_graph': True, 'max_num_pages': N}}); "
                     "or it defines update_plan(plan, batch)"
                 )
-        self._scope = _PlannedScope(self.binding, self.batch, self.plan, self.run, self.form)
+        # The frame attn_scope builds, holding our persistent plan: entering it plans nothing,
+        # and it exits with attn_scope's own out-of-order checks.
+        self._scope = attn_scope(self.binding, self.batch, (self.plan, self.run, self.form))
         self.graph: Any = None
         self.output: Any = None
         with record_dispatch() as rec:
@@ -351,11 +327,8 @@ class GraphedForward:
             with self._scope:
                 return self.fn(*self.inputs)
         self.graph.replay()
-        if _scope._recording:
-            # Replays run no Python: report the kernels the graph baked in.
-            for rec in _scope._RECORDERS.get():
-                for event in self.baked:
-                    rec.add(event)
+        # Replays run no Python: report the kernels the graph baked in.
+        record_events(self.baked)
         return self.output
 
     def buffers(self) -> Iterator[torch.Tensor]:

@@ -8,12 +8,16 @@ alike, and the reported figure is the median over repeats of ns per call. Ratios
 matter; the absolute numbers depend on the machine.
 
 Cases:
-  floor             a function doing ContextVar.get() plus a tuple index (the ideal hot path)
+  floor             a function doing ContextVar.get() plus a tuple index with an int (the
+                    ideal hot path; an int, as the Phase of older releases was one)
   resolve           attn_dispatch.resolve(phase) inside a scope
-  attention         attn_dispatch.attention(...) with a no-op handler
+  attention         attn_dispatch.attention(..., sm_scale=1.0) with a no-op handler
+  attention_cfg_scale  the same without sm_scale: the bound AttnConfig carries it
   sglang_global     SGLang's old pattern: read the global server args, look the name up
   hf_interface      transformers' ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
   scope             `with attn_scope(binding): pass` (construct, enter, exit)
+  scope_construct   `attn_scope(binding)` alone (where the time of `scope` goes: this part)
+  scope_reuse       `with s: pass` on one instance built once (and this part)
   scope_batch       the same with a batch (one no-op plan)
   cv_set_reset      ContextVar.set + ContextVar.reset (the floor of a scope)
   sdpa_kernel       `with torch.nn.attention.sdpa_kernel(MATH): pass`
@@ -41,6 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from attn_dispatch import BackendBase  # noqa: E402
 from attn_dispatch import Capabilities  # noqa: E402
 from attn_dispatch import Phase  # noqa: E402
 from attn_dispatch import attention  # noqa: E402
@@ -52,13 +57,14 @@ from attn_dispatch._config import AttnConfig  # noqa: E402
 
 CAPS = Capabilities(kinds={"mha"}, devices={"cpu"})
 CONFIG = AttnConfig("mha", 8, 8, 64, dtype="float32")
+SCALED_CONFIG = CONFIG.replace(sm_scale=0.125)
 
 
 def _noop(q: Any, k: Any, v: Any, plan: Any, sm_scale: float) -> None:
     return None
 
 
-class NoopBackend:
+class NoopBackend(BackendBase):
     def __init__(self, config: AttnConfig, **options: Any) -> None:
         self.name = "bench_noop"
 
@@ -100,6 +106,8 @@ def build_cases() -> list[Case]:
     def floor(phase: int) -> Any:
         return floor_cv.get()[phase]  # type: ignore[index]
 
+    one = int(Phase.DECODE)  # a plain int: the floor indexes as cheaply as Python can
+
     def set_floor() -> None:
         floor_cv.set(frame)
 
@@ -108,7 +116,7 @@ def build_cases() -> list[Case]:
 
     p = Phase.DECODE
     cases.append(Case("noop_call", "f(p)", {"f": noop_call, "p": p}))
-    cases.append(Case("floor", "f(p)", {"f": floor, "p": p}, set_floor))
+    cases.append(Case("floor", "f(p)", {"f": floor, "p": one}, set_floor))
 
     def enter(b: Any, batch: Any = None) -> Callable[[], None]:
         return lambda: attn_scope(b, batch).__enter__() and None
@@ -120,6 +128,15 @@ def build_cases() -> list[Case]:
             "f(None, None, None, sm_scale=1.0)",
             {"f": attention},
             enter(binding, Batch(Phase.DECODE)),
+        )
+    )
+    scaled = bind("bench_noop", SCALED_CONFIG, label="bench")
+    cases.append(
+        Case(
+            "attention_cfg_scale",
+            "f(None, None, None)",
+            {"f": attention},
+            enter(scaled, Batch(Phase.DECODE)),
         )
     )
 
@@ -156,6 +173,8 @@ def build_cases() -> list[Case]:
         print(f"(skipping hf_interface: {type(exc).__name__}: {exc})")
 
     cases.append(Case("scope", "with s(b): pass", {"s": attn_scope, "b": binding}))
+    cases.append(Case("scope_construct", "s(b)", {"s": attn_scope, "b": binding}))
+    cases.append(Case("scope_reuse", "with sc: pass", {"sc": attn_scope(binding)}))
     cases.append(
         Case(
             "scope_batch",
@@ -229,10 +248,13 @@ TARGETS = [
     # (label, numerator, denominator or None (absolute ns), limit, comparison)
     ("resolve / floor", "resolve", "floor", 1.25, "<="),
     ("attention / floor", "attention", "floor", None, ""),
+    ("attention_cfg_scale / floor", "attention_cfg_scale", "floor", None, ""),
     ("sglang_global / floor", "sglang_global", "floor", None, ""),
     ("hf_interface / floor", "hf_interface", "floor", None, ""),
     ("scope enter+exit (ns)", "scope", None, 600.0, "<="),
-    ("scope / cv_set_reset", "scope", "cv_set_reset", None, ""),
+    ("scope / cv_set_reset", "scope", "cv_set_reset", 6.0, "<="),
+    ("scope_construct / cv_set_reset", "scope_construct", "cv_set_reset", None, ""),
+    ("scope_reuse / cv_set_reset", "scope_reuse", "cv_set_reset", None, ""),
     ("scope_batch / scope", "scope_batch", "scope", None, ""),
     ("sdpa_kernel / scope", "sdpa_kernel", "scope", 15.0, ">="),
     ("resolve 10000 / 1 runners", "resolve_runners_10000", "resolve_runners_1", 1.1, "<="),

@@ -28,7 +28,7 @@ from attn_dispatch import Phase
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
-from attn_dispatch._scope import format_table
+from attn_dispatch._table import format_table
 from attn_dispatch.cuda_graph import capture_decode
 
 

@@ -31,7 +31,7 @@ from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
 from attn_dispatch import list_backends
-from attn_dispatch._scope import format_table
+from attn_dispatch._table import format_table
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def make_inputs(phase_name: str, device: str) -> dict[str, Any]:
     from attn_dispatch import Phase
 
     phase = Phase[phase_name]
-    g = torch.Generator().manual_seed(1234 + phase)
+    g = torch.Generator().manual_seed(1234 + phase.value)
     if phase is Phase.DECODE:
         q_lens, kv_lens = [1, 1, 1], [9, 3, 14]
     else:

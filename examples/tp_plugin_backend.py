@@ -23,6 +23,7 @@ import torch
 
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
+from attn_dispatch import BackendBase
 from attn_dispatch import Capabilities
 from attn_dispatch import Phase
 from attn_dispatch import register_backend
@@ -51,7 +52,7 @@ class NaivePlan:
     lens: list[int]
 
 
-class NaiveBackend:
+class NaiveBackend(BackendBase):
     """Causal paged attention, one request at a time (host lists come from the batch)."""
 
     name = NAME

@@ -16,6 +16,7 @@ import torch
 
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
+from attn_dispatch import BackendBase
 from attn_dispatch import Phase
 from attn_dispatch import register_backend
 from attn_dispatch import unregister_backend
@@ -23,7 +24,7 @@ from attn_dispatch.backends.reference import CAPABILITIES as TORCH_CAPS
 from attn_dispatch.backends.reference.backend import TorchBackend
 
 
-class ScaledBackend:
+class ScaledBackend(BackendBase):
     """The reference backend with its output multiplied by ``factor``; counts plan/run calls."""
 
     def __init__(self, config: AttnConfig, *, factor: float = 2.0, name: str = "scaled") -> None:

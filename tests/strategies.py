@@ -17,9 +17,9 @@ from typing import Any
 from hypothesis import strategies as st
 
 from attn_dispatch import AttnConfig
+from attn_dispatch import BackendBase
 from attn_dispatch import BackendSpec
 from attn_dispatch import Capabilities
-from attn_dispatch import FormPolicy
 from attn_dispatch import Phase
 from attn_dispatch import _registry
 from attn_dispatch import register_backend
@@ -128,20 +128,19 @@ class RegistrySnapshot:
     tests/conftest.py uses it; so do state machines, which cannot use function fixtures)."""
 
     def __init__(self) -> None:
-        _registry._ensure_loaded()
-        with _registry._lock:
-            self.entries = dict(_registry._entries)
-            self.plugin_errors = dict(_registry.plugin_errors)
-            self.loaded = _registry._loaded
+        reg = _registry.DEFAULT_REGISTRY
+        reg._ensure_loaded()
+        with reg._lock:
+            self.entries = dict(reg._entries)
+            self.plugin_errors = dict(reg.plugin_errors)
 
     def restore(self) -> None:
-        with _registry._lock:
-            _registry._entries.clear()
-            _registry._entries.update(self.entries)
-            _registry.plugin_errors.clear()
-            _registry.plugin_errors.update(self.plugin_errors)
-            _registry._loaded = self.loaded
-            _registry._loading = False
+        reg = _registry.DEFAULT_REGISTRY
+        with reg._lock:
+            reg._entries.clear()
+            reg._entries.update(self.entries)
+            reg.plugin_errors.clear()
+            reg.plugin_errors.update(self.plugin_errors)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -156,13 +155,11 @@ class EchoHandler:
         return (self.backend, self.phase, self.instance, plan)
 
 
-class EchoBackend:
+class EchoBackend(BackendBase):
     """A torch-free backend: ``plan`` counts its calls; handlers echo their identity.
 
     For MLA configs it serves the absorbed form only (no decompressed handlers to fake).
     """
-
-    form_policy = FormPolicy.absorbed_only()
 
     def __init__(self, config: AttnConfig, *, name: str = "echo", **options: Any) -> None:
         self.name = name

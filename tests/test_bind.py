@@ -9,13 +9,16 @@ import pytest
 
 from attn_dispatch import AttnConfig
 from attn_dispatch import AttnDispatchError
+from attn_dispatch import BackendBase
 from attn_dispatch import BackendSpec
 from attn_dispatch import BackendUnavailableError
 from attn_dispatch import Binding
 from attn_dispatch import Capabilities
+from attn_dispatch import FormPolicy
 from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
+from attn_dispatch import Registry
 from attn_dispatch import Runner
 from attn_dispatch import UnknownBackendError
 from attn_dispatch import bind
@@ -165,10 +168,11 @@ def test_factory_failure_is_backend_unavailable() -> None:
     err = info.value
     assert isinstance(err, RuntimeError) and isinstance(err, AttnDispatchError)
     assert err.name == "badf"
-    assert "its factory failed for runner 't'" in err.reason
+    assert err.runner == "t"
+    assert "its factory failed" in err.reason
     assert "OSError: libcuda.so not found" in err.reason
     assert isinstance(err.__cause__, OSError)
-    assert str(err).startswith("attention backend 'badf' is unavailable:")
+    assert str(err).startswith("attention backend 'badf' is unavailable for runner 't':")
 
 
 def test_factory_own_error_passes_through() -> None:
@@ -218,3 +222,175 @@ def test_bind_torch_reference_for_mla_and_mha() -> None:
         b = bind("torch", config)
         assert b.backend(Phase.DECODE).name == "torch"
         assert callable(b.handler(Phase.VERIFY))
+
+
+# -- what a factory may build: each failure is ours, naming the backend and the runner ---------
+
+
+class NoHandler:
+    name = "nohandler"
+
+    def plan(self, batch: Any) -> Any:
+        return None
+
+
+class HandlerRaises(BackendBase):
+    name = "raises"
+
+    def handler(self, phase: Phase) -> Any:
+        raise RuntimeError(f"no kernel for {phase.name}")
+
+
+class HandlerNotCallable(BackendBase):
+    name = "notcallable"
+
+    def handler(self, phase: Phase) -> Any:
+        return 42
+
+
+@pytest.mark.parametrize(
+    ("factory", "words"),
+    [
+        (lambda config, **o: None, "returned NoneType, which is not an AttentionBackend"),
+        (lambda config, **o: NoHandler(), "returned NoHandler, which is not an AttentionBackend"),
+        (lambda config, **o: HandlerRaises(), "handler(PREFILL) failed: RuntimeError: no kernel"),
+        (lambda config, **o: HandlerNotCallable(), "handler(PREFILL) returned int"),
+    ],
+    ids=["none", "no-handler", "handler-raises", "handler-not-callable"],
+)
+def test_bad_backend_objects_are_backend_unavailable(factory: Any, words: str) -> None:
+    register_backend("odd", capabilities=ANY_CAPS, factory=factory)
+    with pytest.raises(BackendUnavailableError) as info:
+        bind("odd", mha_config(), label="target")
+    err = info.value
+    assert err.name == "odd" and err.runner == "target"
+    assert words in str(err), str(err)
+    assert "runner 'target'" in str(err)
+
+
+def test_missing_members_are_named() -> None:
+    register_backend("odd2", capabilities=ANY_CAPS, factory=lambda config, **o: NoHandler())
+    with pytest.raises(BackendUnavailableError) as info:
+        bind("odd2", mha_config())
+    assert "missing: handler, chunked_handler, update_plan, plans_in_place" in str(info.value)
+    assert "BackendBase" in str(info.value)
+
+
+def test_decompressed_factory_errors_are_wrapped() -> None:
+    # The MLA binding builds a second object for the decompressed form: its failure is ours.
+    calls: list[str] = []
+
+    def factory(config: AttnConfig, **options: Any) -> Any:
+        calls.append(config.kind)
+        if config.kind == "mha":
+            raise MemoryError("no room for the decompressed workspace")
+        return EchoBackend(config, name="dec")
+
+    caps = Capabilities(kinds={"mha", "mla"}, forms={"mla", "mha"})
+    register_backend(
+        "dec",
+        capabilities=caps,
+        factory=factory,
+        form_policy=FormPolicy.decompressed_without_prefix(),
+    )
+    cfg = mla_config().replace(mha_head_dim=6, mha_v_head_dim=4)
+    with pytest.raises(BackendUnavailableError) as info:
+        bind("dec", cfg, label="target")
+    assert calls == ["mla", "mha"]
+    assert info.value.runner == "target"
+    assert "its factory for the decompressed form failed: MemoryError" in str(info.value)
+
+
+def test_one_registry_lookup_per_name() -> None:
+    # A re-registration racing with bind must not mix two versions in one Binding: the
+    # decompressed form is built by the same entry's factory as the absorbed one.
+    made: list[str] = []
+
+    def v1(config: AttnConfig, **options: Any) -> Any:
+        made.append(f"v1:{config.kind}")
+        # Re-register while bind is running (as another thread could).
+        register_backend("race", capabilities=caps, factory=v2, replace=True)
+        return EchoBackend(config, name="v1")
+
+    def v2(config: AttnConfig, **options: Any) -> Any:
+        made.append(f"v2:{config.kind}")
+        return EchoBackend(config, name="v2")
+
+    caps = Capabilities(kinds={"mha", "mla"}, forms={"mla", "mha"})
+    register_backend(
+        "race", capabilities=caps, factory=v1, form_policy=FormPolicy.decompressed_without_prefix()
+    )
+    reg = Registry(builtins=False, plugins=False)
+    lookups: list[str] = []
+    original_get = Registry.get
+
+    def counting_get(self: Registry, name: str, *, context: str = "") -> Any:
+        lookups.append(name)
+        return original_get(self, name, context=context)
+
+    reg.get = counting_get.__get__(reg)  # type: ignore[method-assign]
+    reg.register(
+        "race", capabilities=caps, factory=v1, form_policy=FormPolicy.decompressed_without_prefix()
+    )
+    cfg = mla_config().replace(mha_head_dim=6, mha_v_head_dim=4)
+    b = bind(BackendSpec(prefill="race", decode="race", verify="race"), cfg, registry=reg)
+    assert lookups == ["race"]
+    assert made == ["v1:mla", "v1:mha"]  # both objects from the one entry bind looked up
+    assert {be.name for be in b.backends.values()} == {"v1"}
+
+
+def test_every_check_runs_before_any_factory() -> None:
+    built: list[str] = []
+
+    def factory(config: AttnConfig, **options: Any) -> Any:
+        built.append("x")
+        return EchoBackend(config)
+
+    # The policy may choose the decompressed form, which the capabilities do not serve:
+    # refused from the registry entry alone, before the (costly) factory runs.
+    register_backend(
+        "eager",
+        capabilities=ANY_CAPS,
+        factory=factory,
+        form_policy=FormPolicy.decompressed_without_prefix(),
+    )
+    cfg = mla_config().replace(mha_head_dim=6, mha_v_head_dim=4)
+    with pytest.raises(IncompatibleBackendError, match="which it does not serve"):
+        bind("eager", cfg)
+    assert built == []
+
+
+def test_own_registry() -> None:
+    reg = Registry(builtins=False, plugins=False)
+    reg.register("mine", capabilities=ANY_CAPS, factory=echo_factory("mine"))
+    assert list(reg.list()) == ["mine"] and "mine" in reg
+    b = bind("mine", mha_config(), registry=reg)
+    assert b.backend(Phase.DECODE).name == "mine"
+    with pytest.raises(UnknownBackendError):
+        bind("mine", mha_config())  # not in the default registry
+    with pytest.raises(UnknownBackendError) as info:
+        bind("torch", mha_config(), registry=reg)  # nor the built-ins in this one
+    assert info.value.registered == ("mine",)
+    with pytest.raises(InvalidSpecError, match="Registry"):
+        bind("mine", mha_config(), registry={"mine": None})  # type: ignore[arg-type]
+
+
+def test_plans_scale_needs_a_config_scale() -> None:
+    caps = Capabilities(kinds={"mha"}, plans_scale=True)
+    register_backend("fixed", capabilities=caps, factory=echo_factory("fixed"))
+    with pytest.raises(IncompatibleBackendError) as info:
+        bind("fixed", mha_config(), label="t")
+    assert "fixes the softmax scale when it plans" in str(info.value)
+    assert "AttnConfig(sm_scale=...)" in str(info.value)
+    b = bind("fixed", mha_config().replace(sm_scale=0.125))
+    assert b.config.sm_scale == 0.125
+
+
+def test_flashinfer_declares_plans_scale() -> None:
+    from attn_dispatch.backends.flashinfer import CAPABILITIES
+
+    assert CAPABILITIES.plans_scale is True
+    cfg = AttnConfig("mha", 4, 4, 128, dtype="bfloat16", device="cuda")
+    assert any("fixes the softmax scale" in r for r in CAPABILITIES.reasons(cfg, Phase.DECODE))
+    fixed = cfg.replace(sm_scale=128**-0.5)
+    assert not any("softmax scale" in r for r in CAPABILITIES.reasons(fixed, Phase.DECODE))

@@ -8,6 +8,7 @@ import pytest
 
 from attn_dispatch import AttnConfig
 from attn_dispatch import Capabilities
+from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
 from tests.strategies import mha_config
 from tests.strategies import mla_config
@@ -27,7 +28,7 @@ def test_normalises_fields() -> None:
         devices=["CUDA"],
         dtypes=["bf16"],
         kv_dtypes=["fp8"],
-        head_dims=[64.0],  # type: ignore[list-item]
+        head_dims=[64],
         requires=["torch"],  # type: ignore[arg-type]
     )
     assert caps.kinds == frozenset({"mha"})
@@ -245,3 +246,45 @@ def test_cpu_config_never_asks_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", boom)
     caps = Capabilities(devices={"cpu", "cuda"}, min_compute_capability=(9, 0))
     assert caps.reasons(mha_config(device="cpu"), Phase.DECODE) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "words"),
+    [
+        (dict(kinds="mha"), "kinds", "set of values"),
+        (dict(phases="decode"), "phases", "set of values"),
+        (dict(devices="cuda"), "devices", "set of values"),
+        (dict(dtypes="bfloat16"), "dtypes", "set of values"),
+        (dict(kv_dtypes="fp8"), "kv_dtypes", "set of values"),
+        (dict(head_dims=64), "head_dims", "set of values"),
+        (dict(head_dims=[64, "128"]), "head_dims", "positive int"),
+        (dict(head_dims=[64.0]), "head_dims", "positive int"),
+        (dict(head_dims=[0]), "head_dims", "positive int"),
+        (dict(head_dims=[True]), "head_dims", "positive int"),
+        (dict(v_head_dims=[-1]), "v_head_dims", "positive int"),
+        (dict(page_sizes="16"), "page_sizes", "set of values"),
+        (dict(requires="torch"), "requires", "set of values"),
+        (dict(forms="mla"), "forms", "set of values"),
+        (dict(forms={"decode": "mla"}), "forms['decode']", "set of values"),
+        (dict(forms={"mla", "absorbed"}), "forms", "unknown forms"),
+        (dict(kinds={"mha", "gqa"}), "kinds", "unknown kinds"),
+        (dict(phases={"decode", "extend"}), "phases", "unknown phase"),
+        (dict(dtypes={"float64"}), "dtypes", "unknown dtype"),
+        (dict(devices={""}), "devices", "non-empty str"),
+        (dict(checks=lambda c, p: []), "checks", "tuple of functions"),
+        (dict(availability=(42,)), "availability", "callable"),
+        (dict(custom_mask="yes"), "custom_mask", "bool"),
+        (dict(plans_scale=1), "plans_scale", "bool"),
+        (dict(min_compute_capability=8), "min_compute_capability", "(major, minor)"),
+    ],
+)
+def test_bad_fields_raise_invalid_spec_error(
+    kwargs: dict[str, object], field: str, words: str
+) -> None:
+    # A str where a set belongs would silently become a set of characters ({"m", "h", "a"}).
+    with pytest.raises(InvalidSpecError) as info:
+        Capabilities(**kwargs)  # type: ignore[arg-type]
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert err.field == field
+    assert words in str(err), str(err)

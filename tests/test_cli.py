@@ -73,7 +73,16 @@ def test_explain_ok(capsys: pytest.CaptureFixture[str]) -> None:
         for line in out.splitlines()
         if line.split()[:1] in (["prefill"], ["decode"], ["verify"])
     ]
-    assert table == [["prefill", "torch"], ["decode", "ea"], ["verify", "torch"]]
+    assert table == [
+        ["prefill", "torch", "ok", "ok"],
+        ["decode", "ea", "ok", "ok"],
+        ["verify", "torch", "ok", "ok"],
+        # after a real bind on this machine:
+        ["prefill", "torch"],
+        ["decode", "ea"],
+        ["verify", "torch"],
+    ]
+    assert "binds on this machine:" in out
 
 
 def test_explain_incompatible(capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,9 +92,69 @@ def test_explain_incompatible(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert code == 1
     out = capsys.readouterr().out
-    assert "cannot bind attention backends for runner 'target':" in out
+    assert "from the config (hold on every machine):" in out
     assert "  - decode -> 'mhaonly': kind 'mla' is not supported (supported: 'mha')" in out
     assert "prefill ->" not in out
+    assert "from this machine" not in out  # nothing here is the machine's fault
+    assert "binds on this machine" not in out
+
+
+def _cuda_backend(name: str) -> None:
+    from attn_dispatch import Capabilities
+
+    register_echo(
+        name,
+        Capabilities(
+            kinds={"mla"},
+            devices={"cuda"},
+            dtypes={"bfloat16"},
+            requires=("no_such_gpu_lib_cli",),
+            min_compute_capability=(9, 0),
+            forms={"mla"},
+        ),
+    )
+
+
+CUDA_ARGS = [a if a != "cpu" else "cuda" for a in MLA_ARGS]
+
+
+def test_explain_static_for_another_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    # A config for a GPU server, checked on this (CPU) machine: the missing module and CUDA
+    # are this machine's reasons, listed apart; the config itself is servable, so exit 0.
+    _cuda_backend("gpuonly")
+    assert main(["explain", "--spec", "gpuonly", "--static", *CUDA_ARGS]) == 0
+    out = capsys.readouterr().out
+    assert "from the config" not in out
+    machine = out.split("from this machine's runtime (modules, CUDA, compute capability):")[1]
+    assert "module 'no_such_gpu_lib_cli' is not installed" in machine
+    assert "can be served by these backends on a machine that has what they need" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("decode ")]
+    assert rows == [["decode", "gpuonly", "ok", "no", "(2)"]] or rows[0][2] == "ok"
+    # Without --static the same check fails here (exit 1) and says why, without building.
+    assert main(["explain", "--spec", "gpuonly", *CUDA_ARGS]) == 1
+    assert "binds on this machine" not in capsys.readouterr().out
+
+
+def test_explain_static_still_refuses_what_the_config_asks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _cuda_backend("gpuonly2")
+    args = [a if a != "bfloat16" else "float16" for a in CUDA_ARGS]
+    assert main(["explain", "--spec", "gpuonly2", "--static", *args]) == 1
+    out = capsys.readouterr().out
+    cfg = out.split("from the config (hold on every machine):")[1].split("from this machine")[0]
+    assert "dtype 'float16' is not supported (supported: 'bfloat16')" in cfg
+    assert "not installed" not in cfg  # the machine's reasons stay in their own list
+    assert "cannot be served by these backends" in out
+
+
+def test_explain_static_checks_mla_form_policies(capsys: pytest.CaptureFixture[str]) -> None:
+    # The native backend is CPU-only; its form policy may choose the decompressed 'mha' form,
+    # whose config (192/128) is checked statically too.
+    args = [*CUDA_ARGS, "--mha-head-dim", "192", "--mha-v-head-dim", "128"]
+    assert main(["explain", "--spec", "native", "--static", *args]) == 1
+    out = capsys.readouterr().out
+    assert "prefill -> 'native': decompressed form 'mha' (192/128): device 'cuda'" in out
 
 
 def test_explain_unknown(capsys: pytest.CaptureFixture[str]) -> None:

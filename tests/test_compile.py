@@ -236,3 +236,31 @@ print("OK")
         env={**os.environ, "PYTHONPATH": str(root)},
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-2000:]
+
+
+def test_compiled_and_eager_attention_take_the_same_arguments() -> None:
+    import inspect
+
+    eager = inspect.signature(attention)
+    assert inspect.signature(adc._attention_in_graph) == eager
+    assert list(eager.parameters) == ["q", "k_cache", "v_cache", "sm_scale", "prefix"]
+
+
+def test_compiled_call_takes_the_scale_from_the_config() -> None:
+    cfg = mha_config().replace(sm_scale=0.3)
+    p = paged(cfg, Phase.DECODE, [1, 1], [3, 7])
+    binding = bind("torch", cfg)
+
+    def no_scale(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v) * 2  # type: ignore[no-any-return]
+
+    with attn_scope(binding, p.batch):
+        want = attention(p.q, p.k_cache, p.v_cache, sm_scale=0.3) * 2
+        got = torch.compile(no_scale, fullgraph=True, backend="eager")(p.q, p.k_cache, p.v_cache)
+        torch.testing.assert_close(got, want)
+        # The op itself takes the config's scale too.
+        got_w = adc.attention_op(p.q, p.k_cache, p.v_cache, v_head_dim=cfg.v_head_dim)
+        torch.testing.assert_close(got_w * 2, want)
+    with attn_scope(bind("torch", mha_config()), p.batch):
+        with pytest.raises(InvalidBatchError, match="sm_scale"):
+            adc.attention_op(p.q, p.k_cache, p.v_cache)

@@ -140,3 +140,22 @@ def test_round_trips(config: AttnConfig) -> None:
     assert AttnConfig(**config.to_dict()) == config
     assert pickle.loads(pickle.dumps(config)) == config
     assert hash(config.replace()) == hash(config)
+
+
+@pytest.mark.parametrize(
+    "bad", [0, 0.0, -0.125, float("nan"), float("inf"), -float("inf"), "0.125", True, [0.1]]
+)
+def test_sm_scale_must_be_finite_and_positive(bad: Any) -> None:
+    with pytest.raises(InvalidSpecError) as info:
+        mha_config().replace(sm_scale=bad)
+    assert info.value.field == "sm_scale"
+    assert "finite float > 0" in str(info.value)
+
+
+def test_sm_scale_stored_as_float_and_carried_to_the_decompressed_form() -> None:
+    assert mha_config().sm_scale is None
+    cfg = mha_config().replace(sm_scale=1)
+    assert cfg.sm_scale == 1.0 and type(cfg.sm_scale) is float
+    mla = mla_config().replace(mha_head_dim=6, mha_v_head_dim=4, sm_scale=0.2)
+    assert mla.decompressed().sm_scale == 0.2
+    assert pickle.loads(pickle.dumps(mla)) == mla

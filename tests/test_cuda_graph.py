@@ -18,6 +18,7 @@ import torch
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
 from attn_dispatch import AttnDispatchError
+from attn_dispatch import BackendBase
 from attn_dispatch import BackendUnavailableError
 from attn_dispatch import Capabilities
 from attn_dispatch import IncompatibleBackendError
@@ -218,7 +219,7 @@ class LenPlan:
     longest: int  # a host value the run uses: baked into a graph
 
 
-class LenBackend:
+class LenBackend(BackendBase):
     """Toy backend: output = q * longest + kv_lens (per token); plan keeps ``longest``."""
 
     name = "test-lens"
@@ -307,7 +308,7 @@ class OpaquePlan:
     buffers: _Buffers
 
 
-class OpaqueBackend:
+class OpaqueBackend(BackendBase):
     name = "test-opaque"
 
     def __init__(self, config: AttnConfig, *, in_place: bool = False) -> None:

@@ -233,10 +233,15 @@ def test_target_forms_give_the_same_tokens(policy: str, forms: set[str]) -> None
         "chunked": FormPolicy(no_prefix=chunked, short_prefix=chunked, long_prefix=chunked),
     }
 
-    def factory(config: object, **options: object) -> TorchBackend:
-        return TorchBackend(config, form_policy=policies[policy])  # type: ignore[arg-type]
+    from attn_dispatch.backends.reference import DEFAULT_FORM_POLICY
 
-    register_backend("torch_forms", capabilities=TORCH_CAPS, factory=factory, replace=True)
+    register_backend(
+        "torch_forms",
+        capabilities=TORCH_CAPS,
+        factory=TorchBackend,
+        form_policy=policies[policy] or DEFAULT_FORM_POLICY,  # declared with the entry
+        replace=True,
+    )
     try:
         opts = demo.DemoOptions(page_size=2)
         results = {}

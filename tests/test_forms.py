@@ -18,6 +18,7 @@ from attn_dispatch import AttnConfig
 from attn_dispatch import AttnForm
 from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import InvalidBatchError
+from attn_dispatch import InvalidSpecError
 from attn_dispatch import NoActiveScopeError
 from attn_dispatch import Phase
 from attn_dispatch import attention
@@ -106,8 +107,8 @@ BUILTIN_TABLE = {
 
 @pytest.mark.parametrize("backend", sorted(BUILTIN_TABLE))
 def test_builtin_default_policies_on_a_table_of_batches(backend: str) -> None:
-    """Each built-in's default policy (its light module's DEFAULT_FORM_POLICY, which its
-    backend object uses) on the same batches, and every form it returns is declared."""
+    """Each built-in's default policy (its light module's DEFAULT_FORM_POLICY, which the
+    registry entry declares) on the same batches, and every form it returns is declared."""
     import importlib
 
     from attn_dispatch import list_backends
@@ -116,6 +117,9 @@ def test_builtin_default_policies_on_a_table_of_batches(backend: str) -> None:
         f"attn_dispatch.backends.{'reference' if backend == 'torch' else backend}"
     )
     policy: FormPolicy = light.DEFAULT_FORM_POLICY
+    from attn_dispatch._registry import DEFAULT_REGISTRY
+
+    assert DEFAULT_REGISTRY.get(backend).form_policy is policy
     batches = [
         batch(Phase.PREFILL, [5, 3], [0, 0]),
         batch(Phase.PREFILL, [5, 3], [7, 9]),
@@ -153,36 +157,85 @@ def test_attention_form_errors() -> None:
             attention_form()
 
 
-def test_backend_without_policy_refused_for_mla(extra_backends: list[str]) -> None:
-    class NoPolicy(TorchBackend):
-        form_policy = None  # type: ignore[assignment]
-
-        def __init__(self, config: AttnConfig) -> None:
-            super().__init__(config)
-            self.form_policy = None  # type: ignore[assignment]
-
-    register_backend("nopolicy", capabilities=TORCH_CAPS, factory=NoPolicy)
+def test_backend_registered_without_policy_runs_absorbed(extra_backends: list[str]) -> None:
+    # No declared policy: the absorbed form always (never another backend's policy).
+    register_backend("nopolicy", capabilities=TORCH_CAPS, factory=TorchBackend)
     extra_backends.append("nopolicy")
-    with pytest.raises(IncompatibleBackendError, match="no attention-form policy") as err:
-        bind("prefill=torch,decode=nopolicy", mla_config(), label="target")
-    assert set(err.value.reasons) == {Phase.DECODE}  # never replaced by torch's policy
-    bind("nopolicy", AttnConfig("mha", 2, 1, 16, 16, dtype="float32"))  # MHA needs none
+    b = bind("prefill=torch,decode=nopolicy,verify=nopolicy", mla_config(), label="target")
+    for phase, q, p, want in [
+        (Phase.PREFILL, [5], [0], AttnForm.MHA),  # torch's own policy
+        (Phase.DECODE, [1], [3], AttnForm.MLA),
+        (Phase.VERIFY, [3], [0], AttnForm.MLA),
+    ]:
+        with attn_scope(b, batch(phase, q, p)):
+            assert attention_form() is want
+
+
+def test_policy_is_declared_at_registration(extra_backends: list[str]) -> None:
+    from attn_dispatch._registry import DEFAULT_REGISTRY
+
+    policy = FormPolicy(short_prefix_max=3)
+    register_backend("declared", capabilities=TORCH_CAPS, factory=TorchBackend, form_policy=policy)
+    extra_backends.append("declared")
+    assert DEFAULT_REGISTRY.get("declared").form_policy is policy
+    with pytest.raises(InvalidSpecError, match="FormPolicy"):
+        register_backend(
+            "bad-policy",
+            capabilities=TORCH_CAPS,
+            factory=TorchBackend,
+            form_policy="mha",  # type: ignore[arg-type]
+        )
+    with pytest.raises(InvalidSpecError, match="FormPolicy"):
+        bind("torch", mla_config(), options={"torch": {"form_policy": "mla"}})
+
+
+def test_policy_option_overrides_the_declared_one_and_is_not_passed_on(
+    extra_backends: list[str],
+) -> None:
+    seen: list[dict[str, object]] = []
+
+    def factory(config: AttnConfig, **options: object) -> TorchBackend:
+        seen.append(options)
+        return TorchBackend(config)
+
+    register_backend(
+        "opt", capabilities=TORCH_CAPS, factory=factory, form_policy=FormPolicy.absorbed_only()
+    )
+    extra_backends.append("opt")
+    prefill = batch(Phase.PREFILL, [5], [0])
+    with attn_scope(bind("opt", mla_config()), prefill):
+        assert attention_form() is AttnForm.MLA  # the declared policy
+    b = bind("opt", mla_config(), options={"opt": {"form_policy": FormPolicy()}})
+    with attn_scope(b, prefill):
+        assert attention_form() is AttnForm.MHA  # the option wins for this binding
+    assert all("form_policy" not in o for o in seen)  # the core's, not the factory's
 
 
 def test_policy_form_not_served_is_refused(extra_backends: list[str]) -> None:
+    built: list[object] = []
+
+    def factory(config: AttnConfig, **options: object) -> TorchBackend:
+        built.append(config)
+        return TorchBackend(config)
+
     register_backend(
-        "absorbed-only", capabilities=TORCH_CAPS.replace(forms={"mla"}), factory=TorchBackend
+        "absorbed-only",
+        capabilities=TORCH_CAPS.replace(forms={"mla"}),
+        factory=factory,
+        form_policy=FormPolicy(),
     )
     extra_backends.append("absorbed-only")
     with pytest.raises(IncompatibleBackendError, match="may choose 'mha'") as err:
         bind("absorbed-only", mla_config())
     assert Phase.PREFILL in err.value.reasons and Phase.DECODE not in err.value.reasons
+    assert built == []  # refused from the registry entry, before the factory ran
     ok = bind(
         "absorbed-only",
         mla_config(),
         options={"absorbed-only": {"form_policy": FormPolicy.absorbed_only()}},
     )
-    assert ok.form_for(batch(Phase.PREFILL, [3], [0])) is AttnForm.MLA
+    with attn_scope(ok, batch(Phase.PREFILL, [3], [0])):
+        assert attention_form() is AttnForm.MLA
 
 
 def test_decompressed_dims_checked_against_capabilities(extra_backends: list[str]) -> None:
@@ -190,6 +243,7 @@ def test_decompressed_dims_checked_against_capabilities(extra_backends: list[str
         "narrow",
         capabilities=TORCH_CAPS.replace(head_dims={80}, v_head_dims={64}),
         factory=TorchBackend,
+        form_policy=FormPolicy(),
     )
     extra_backends.append("narrow")
     with pytest.raises(

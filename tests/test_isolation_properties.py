@@ -150,7 +150,7 @@ class IsolationMachine(RuleBasedStateMachine):
             try:
                 self.run(exit_it)
             except ScopeError as exc:
-                assert "is not open in this context" in str(exc)
+                assert "was already closed: an enclosing scope exited before it" in str(exc)
             else:
                 raise AssertionError("exiting a scope that is no longer open did not raise")
             return

@@ -12,6 +12,7 @@ from attn_dispatch import Binding
 from attn_dispatch import DispatchEvent
 from attn_dispatch import Phase
 from attn_dispatch import ScopeError
+from attn_dispatch import _record
 from attn_dispatch import _scope
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
@@ -31,6 +32,11 @@ def pair(registry_snapshot: object) -> tuple[Binding, Binding]:
     target = bind("prefill=ra,decode=rb,verify=ra", mha_config(), label="target")
     draft = bind("rb", mha_config(), label="draft")
     return target, draft
+
+
+def _recording_is_off() -> bool:
+    # The process-wide count is back to zero and the hot path's hook is gone.
+    return _record._open == 0 and _scope._call_hook is None
 
 
 def forward(binding: Binding, phase: Phase, layers: int = 2) -> None:
@@ -95,7 +101,7 @@ def test_nothing_recorded_when_not_active(pair: tuple[Binding, Binding]) -> None
         pass
     forward(target, Phase.PREFILL)
     assert rec.events == []
-    assert _scope._recording == 0
+    assert _recording_is_off()
 
 
 def test_per_context_isolation(pair: tuple[Binding, Binding]) -> None:
@@ -152,7 +158,7 @@ def test_recorder_misuse(pair: tuple[Binding, Binding]) -> None:
             cm.__enter__()
     with pytest.raises(ScopeError, match="without being entered"):
         cm.__exit__(None, None, None)
-    assert _scope._recording == 0
+    assert _recording_is_off()
 
 
 def test_recorder_closed_after_exception(pair: tuple[Binding, Binding]) -> None:
@@ -162,5 +168,74 @@ def test_recorder_closed_after_exception(pair: tuple[Binding, Binding]) -> None:
             forward(target, Phase.DECODE, layers=1)
             raise KeyboardInterrupt
     assert rec.events == [DispatchEvent("target", Phase.DECODE, "rb")]
-    assert _scope._recording == 0
-    assert _scope._RECORDERS.get() == ()
+    assert _recording_is_off()
+    assert _record._RECORDERS.get() == ()
+
+
+def test_exit_in_another_context_is_a_scope_error(pair: tuple[Binding, Binding]) -> None:
+    target, _ = pair
+    cm = record_dispatch()
+    rec = cm.__enter__()
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            cm.__exit__(None, None, None)
+        except BaseException as exc:
+            errors.append(exc)
+
+    for target_fn in (close, carry_scope(close)):
+        t = threading.Thread(target=target_fn)
+        t.start()
+        t.join()
+    assert len(errors) == 2
+    assert all(type(e) is ScopeError for e in errors), errors  # not a raw ValueError
+    assert all("another thread or task" in str(e) for e in errors)
+    assert _record._open == 1  # the count is untouched: the recorder is still open here
+    forward(target, Phase.DECODE, layers=1)
+    assert len(rec.events) == 1
+    cm.__exit__(None, None, None)  # its own context can still close it
+    assert _recording_is_off()
+    assert _record._RECORDERS.get() == ()
+
+
+def test_out_of_order_exit_keeps_the_count_and_the_list_right(
+    pair: tuple[Binding, Binding],
+) -> None:
+    target, _ = pair
+    outer, inner = record_dispatch(), record_dispatch()
+    r_out = outer.__enter__()
+    r_in = inner.__enter__()
+    outer.__exit__(None, None, None)  # out of order
+    assert _record._RECORDERS.get() == (r_in,)
+    forward(target, Phase.PREFILL, layers=1)
+    inner.__exit__(None, None, None)
+    assert _record._RECORDERS.get() == ()  # the closed outer recorder does not come back
+    assert _recording_is_off()
+    assert len(r_in.events) == 1 and r_out.events == []
+
+
+def test_profile_labels_torch_profiler_ranges(pair: tuple[Binding, Binding]) -> None:
+    pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile
+
+    target, draft = pair
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_dispatch(profile=True):
+            forward(target, Phase.PREFILL, layers=2)
+            forward(draft, Phase.DECODE, layers=1)
+        with record_dispatch():  # profile=False: no ranges
+            forward(target, Phase.VERIFY, layers=1)
+        forward(target, Phase.DECODE, layers=1)  # no recorder: no ranges
+    names = Counter(e.name for e in prof.events() if e.name.startswith("attn_dispatch/"))
+    assert names == {
+        "attn_dispatch/target/prefill/ra": 2,
+        "attn_dispatch/draft/decode/rb": 1,
+    }
+
+
+def test_profile_range_names_include_the_form() -> None:
+    e = DispatchEvent("target", Phase.PREFILL, "torch", form="mha_chunked")
+    assert e.range_name() == "attn_dispatch/target/prefill/torch/mha_chunked"
+    assert DispatchEvent(None, Phase.DECODE, "x").range_name() == "attn_dispatch/None/decode/x"

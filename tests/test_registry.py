@@ -251,11 +251,10 @@ def test_thread_safe_registration() -> None:
 # -- entry points -------------------------------------------------------------------------------
 
 GOOD_PLUGIN = """
-from attn_dispatch import register_backend
 from tests.strategies import ANY_CAPS, echo_factory
 
-def register():
-    register_backend("plugged", capabilities=ANY_CAPS, factory=echo_factory("plugged"))
+def register(registry):  # a register function may take the registry being loaded
+    registry.register("plugged", capabilities=ANY_CAPS, factory=echo_factory("plugged"))
 """
 
 ENTRY_PLUGIN = """
@@ -267,8 +266,11 @@ ENTRY = BackendEntry("entry_plugged", ANY_CAPS, echo_factory("entry_plugged"))
 
 
 @pytest.fixture
-def fake_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Three entry points (function, BackendEntry, broken); the registry forgets its load."""
+def fake_plugins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[str], _registry.Registry]:
+    """Three entry points (function, BackendEntry, broken), and a fresh Registry of our own
+    that has not loaded anything yet (the process-wide one is left alone)."""
     (tmp_path / "adt_good_plugin.py").write_text(GOOD_PLUGIN)
     (tmp_path / "adt_entry_plugin.py").write_text(ENTRY_PLUGIN)
     (tmp_path / "adt_broken_plugin.py").write_text("raise ImportError('needs libfoo.so')\n")
@@ -290,49 +292,54 @@ def fake_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
     for m in ("adt_good_plugin", "adt_entry_plugin", "adt_broken_plugin"):
         monkeypatch.delitem(sys.modules, m, raising=False)
-    _registry._reset_for_tests()
-    return calls
+    return calls, _registry.Registry()
 
 
-def test_entry_points_load_lazily_once(fake_plugins: list[str]) -> None:
-    assert fake_plugins == []  # nothing loaded until the registry is used
+def test_entry_points_load_lazily_once(fake_plugins: tuple[list[str], _registry.Registry]) -> None:
+    calls, reg = fake_plugins
+    assert calls == []  # nothing loaded until the registry is used
     assert "adt_good_plugin" not in sys.modules
     with pytest.warns(RuntimeWarning) as rec:
-        names = set(list_backends())
-    assert fake_plugins == [_registry.ENTRY_POINT_GROUP]
+        names = set(reg.list())
+    assert calls == [_registry.ENTRY_POINT_GROUP]
     assert {"torch", "plugged", "entry_plugged"} <= names
     assert "fancy" not in names
+    assert "plugged" not in list_backends()  # our registry only, not the process-wide one
     (w,) = [w for w in rec if "fancy" in str(w.message)]
     assert "'fancy'" in str(w.message) and "ImportError: needs libfoo.so" in str(w.message)
     assert "adt_broken_plugin:register" in str(w.message)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second use neither reloads nor warns again
-        list_backends()
-        bind("plugged", mha_config())
-        register_echo("after_plugins")
-    assert fake_plugins == [_registry.ENTRY_POINT_GROUP]
+        reg.list()
+        bind("plugged", mha_config(), registry=reg)
+        reg.register("after_plugins", capabilities=ANY_CAPS, factory=echo_factory("a"))
+    assert calls == [_registry.ENTRY_POINT_GROUP]
 
 
-def test_broken_plugin_error_in_unknown_backend(fake_plugins: list[str]) -> None:
+def test_broken_plugin_error_in_unknown_backend(
+    fake_plugins: tuple[list[str], _registry.Registry],
+) -> None:
+    _, reg = fake_plugins
     with pytest.warns(RuntimeWarning):
-        list_backends()
+        reg.list()
     with pytest.raises(UnknownBackendError) as info:
-        bind("fancy", mha_config())
+        bind("fancy", mha_config(), registry=reg)
     msg = str(info.value)
     assert "unknown attention backend 'fancy'" in msg
     assert "a plugin named 'fancy' failed to load: ImportError: needs libfoo.so" in msg
-    assert _registry.plugin_errors == {"fancy": "ImportError: needs libfoo.so"}
+    assert reg.plugin_errors == {"fancy": "ImportError: needs libfoo.so"}
 
 
-def test_plugin_loading_is_thread_safe(fake_plugins: list[str]) -> None:
+def test_plugin_loading_is_thread_safe(fake_plugins: tuple[list[str], _registry.Registry]) -> None:
     # Many threads race to the first use: the plugins load once, all see them.
+    calls, reg = fake_plugins
     seen: list[set[str]] = []
     start = threading.Barrier(8)
 
     def first_use() -> None:
         start.wait()
-        seen.append(set(list_backends()))
+        seen.append(set(reg.list()))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -341,8 +348,29 @@ def test_plugin_loading_is_thread_safe(fake_plugins: list[str]) -> None:
             t.start()
         for t in threads:
             t.join()
-    assert fake_plugins == [_registry.ENTRY_POINT_GROUP]
+    assert calls == [_registry.ENTRY_POINT_GROUP]
     assert len(seen) == 8 and all({"plugged", "entry_plugged", "torch"} <= s for s in seen)
+
+
+def test_registries_are_independent() -> None:
+    a = _registry.Registry(builtins=False, plugins=False)
+    b = _registry.Registry(builtins=False, plugins=False)
+    a.register("only-a", capabilities=ANY_CAPS, factory=echo_factory("only-a"))
+    assert "only-a" in a and "only-a" not in b and "only-a" not in list_backends()
+    assert list(b.list()) == []
+    with pytest.raises(DuplicateBackendError):
+        a.register("only-a", capabilities=ANY_CAPS, factory=echo_factory("x"))
+    a.unregister("only-a")
+    assert list(a.list()) == []
+    assert "not loaded yet" in repr(_registry.Registry())
+
+
+def test_module_functions_use_the_default_registry() -> None:
+    register_echo("via-module")
+    assert "via-module" in _registry.DEFAULT_REGISTRY
+    assert _registry.get_backend("via-module").name == "via-module"
+    unregister_backend("via-module")
+    assert "via-module" not in _registry.DEFAULT_REGISTRY
 
 
 def test_capabilities_object_is_kept() -> None:
@@ -352,12 +380,12 @@ def test_capabilities_object_is_kept() -> None:
 
 
 def test_cli_list_shows_failed_plugins(
-    fake_plugins: list[str], capsys: pytest.CaptureFixture[str]
+    fake_plugins: tuple[list[str], _registry.Registry], capsys: pytest.CaptureFixture[str]
 ) -> None:
     from attn_dispatch._cli import main
 
     with pytest.warns(RuntimeWarning):
-        assert main(["list"]) == 0
+        assert main(["list"], registry=fake_plugins[1]) == 0
     lines = capsys.readouterr().out.splitlines()
     (row,) = [line for line in lines if line.startswith("fancy ")]
     assert "no: plugin failed to load: ImportError: needs libfoo.so" in row

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
+import enum
+import pickle
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +27,7 @@ from attn_dispatch import bind
 from attn_dispatch import carry_scope
 from attn_dispatch import current_batch
 from attn_dispatch import current_binding
+from attn_dispatch import phase_of
 from attn_dispatch import register_backend
 from attn_dispatch import resolve
 from attn_dispatch import run_in_thread
@@ -125,9 +129,104 @@ def test_nesting_innermost_wins_outer_restored(a: Binding, b: Binding) -> None:
     assert no_scope()
 
 
-def test_resolve_bad_phase(a: Binding) -> None:
-    with attn_scope(a), pytest.raises(UnknownPhaseError):
-        resolve("decode")  # type: ignore[arg-type]
+class ForwardMode(enum.IntEnum):
+    """SGLang's shape: EXTEND has the value 1, which is DECODE's index."""
+
+    EXTEND = 1
+    DECODE = 2
+    MIXED = 3
+
+
+@pytest.mark.parametrize(
+    "phase",
+    [
+        "decode",
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        7,
+        8,
+        -1,
+        None,
+        True,
+        1.0,
+        ForwardMode.EXTEND,
+        ForwardMode.DECODE,
+        ForwardMode.MIXED,
+        [1],
+    ],
+    ids=repr,
+)
+def test_resolve_refuses_everything_but_a_phase(a: Binding, phase: Any) -> None:
+    # Before, an int 3..8 returned a frame internal (the Binding, the batch, the plan), -1
+    # returned None and ForwardMode.EXTEND (== 1) dispatched as DECODE.
+    with attn_scope(a, FakeBatch(Phase.DECODE)):
+        with pytest.raises(UnknownPhaseError) as info:
+            resolve(phase)
+        err = info.value
+        assert isinstance(err, ValueError) and isinstance(err, AttnDispatchError)
+        assert err.name == repr(phase)
+        assert err.known == ("PREFILL", "DECODE", "VERIFY")
+        assert "phase_of(mode)" in str(err)  # how to map a framework's mode
+        assert resolve(phase_of(ForwardMode.EXTEND)) is resolve(Phase.PREFILL)  # the right way
+
+
+def test_phase_is_not_an_int() -> None:
+    assert Phase.DECODE != 1
+    assert ForwardMode.EXTEND != Phase.DECODE
+    assert {Phase.DECODE: "x"}.get(1) is None
+    assert {Phase.DECODE: "x"}.get(ForwardMode.EXTEND) is None
+    assert (10, 11, 12)[Phase.VERIFY] == 12 and int(Phase.DECODE) == 1  # still indexes
+    assert sorted([Phase.VERIFY, Phase.PREFILL, Phase.DECODE]) == list(Phase)
+    with pytest.raises(TypeError):
+        _ = Phase.DECODE < 2  # type: ignore[operator]
+    assert pickle.loads(pickle.dumps(Phase.VERIFY)) is Phase.VERIFY
+    assert copy.deepcopy(Phase.PREFILL) is Phase.PREFILL
+
+
+def _spy(seen: list[Any]) -> Any:
+    class Spy(EchoBackend):
+        def handler(self, phase: Phase) -> Any:
+            def run(q: Any, k: Any, v: Any, plan: Any, sm_scale: float) -> Any:
+                seen.append(sm_scale)
+                return "out"
+
+            return run
+
+    return lambda c, **o: Spy(c, name="spy")
+
+
+def test_sm_scale_from_the_config(registry_snapshot: object) -> None:
+    seen: list[Any] = []
+    register_backend("spy", capabilities=ANY_CAPS, factory=_spy(seen))
+    cfg = mha_config().replace(sm_scale=0.125)
+    with attn_scope(bind("spy", cfg, label="t"), FakeBatch(Phase.DECODE)):
+        attention("q", "k", "v")  # the config's
+        attention("q", "k", "v", sm_scale=0.125)  # equal: fine
+        attention("q", "k", "v", sm_scale=0.125 * (1 + 1e-9))  # equal up to rounding
+        with pytest.raises(InvalidBatchError) as info:
+            attention("q", "k", "v", sm_scale=0.25)
+        err = info.value
+        assert err.field == "sm_scale"
+        assert "attention(sm_scale=0.25)" in str(err) and "0.125" in str(err)
+    assert seen == [0.125, 0.125, 0.125]  # the planned scale reaches the handler
+
+
+def test_sm_scale_missing_everywhere(registry_snapshot: object) -> None:
+    seen: list[Any] = []
+    register_backend("spy", capabilities=ANY_CAPS, factory=_spy(seen))
+    with attn_scope(bind("spy", mha_config(), label="t"), FakeBatch(Phase.DECODE)):
+        with pytest.raises(InvalidBatchError) as info:
+            attention("q", "k", "v")
+        assert info.value.field == "sm_scale"
+        assert "pass attention(..., sm_scale=s)" in str(info.value)
+        assert "AttnConfig(sm_scale=s)" in str(info.value)
+        attention("q", "k", "v", sm_scale=0.5)
+    assert seen == [0.5]
 
 
 @pytest.mark.parametrize("exc_type", [ValueError, KeyboardInterrupt, SystemExit, GeneratorExit])
@@ -187,10 +286,44 @@ def test_out_of_order_exit(a: Binding, b: Binding) -> None:
     assert no_scope()  # both closed: nothing stale stays bound
     with pytest.raises(ScopeError) as info:
         inner.__exit__(None, None, None)
-    assert "attn_scope('B') is not open in this context" in str(info.value)
+    assert "attn_scope('B') was already closed: an enclosing scope exited before it" in str(
+        info.value
+    )
     assert no_scope()
-    with attn_scope(b):  # usable again afterwards
+    with inner:  # the same instance is free again, not "already active" forever
         assert current_binding() is b
+    with pytest.raises(ScopeError, match="without being entered"):
+        inner.__exit__(None, None, None)  # a second exit is still refused
+    assert no_scope()
+
+
+def test_inner_instance_reusable_without_its_own_exit(a: Binding, b: Binding) -> None:
+    # The inner scope's exit may never come (an abandoned generator held it): entering the
+    # same instance again must work once an enclosing scope has closed it.
+    outer, inner = attn_scope(a), attn_scope(b)
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(ScopeError):
+        outer.__exit__(None, None, None)
+    assert "closed" in repr(inner)
+    with inner:
+        assert current_binding() is b
+        with pytest.raises(ScopeError, match="already active"):
+            inner.__enter__()  # while open, re-entry is still refused
+    assert no_scope()
+
+
+def test_out_of_order_exit_of_three_closes_every_inner(a: Binding, b: Binding) -> None:
+    s1, s2, s3 = attn_scope(a), attn_scope(b), attn_scope(a)
+    for s in (s1, s2, s3):
+        s.__enter__()
+    with pytest.raises(ScopeError, match="reverse order"):
+        s1.__exit__(None, None, None)
+    assert no_scope()
+    for s in (s3, s2):
+        with pytest.raises(ScopeError, match="already closed"):
+            s.__exit__(None, None, None)
+    assert no_scope()
 
 
 def test_out_of_order_exit_inside_outer_scope(a: Binding, b: Binding) -> None:
@@ -546,5 +679,120 @@ def test_decorator_refuses_generator_functions(a: Binding) -> None:
         with pytest.raises(ScopeError) as info:
             attn_scope(a)(fn)
         assert isinstance(info.value, RuntimeError)
-        assert f"cannot decorate the generator function {fn.__qualname__!r}" in str(info.value)
-        assert "with attn_scope(...)" in str(info.value)
+        msg = str(info.value)
+        assert f"cannot decorate the generator function {fn.__qualname__!r}" in msg
+        # What is safe, and never the unsafe advice of holding the scope across a yield.
+        assert "leaks into the consumer between yields" in msg
+        assert "around each next()/send() in the consumer" in msg
+        assert "closing it before the next `yield`" in msg
+        assert "open the scope inside it instead" not in msg
+
+
+def test_scope_held_across_yield_leaks_into_the_consumer(a: Binding, b: Binding) -> None:
+    # Why the rule exists (README, "Scopes in generators"): a plain generator runs in its
+    # consumer's context, so a `with` held across a `yield` is visible to the consumer.
+    def leaky() -> Iterator[None]:
+        with attn_scope(b):
+            yield
+
+    with attn_scope(a):
+        gen = leaky()
+        next(gen)
+        assert current_binding() is b  # the consumer now dispatches as b: the leak
+        gen.close()
+        assert current_binding() is a
+
+
+def test_safe_generator_patterns(a: Binding, b: Binding) -> None:
+    def body() -> Iterator[Binding]:
+        for _ in range(2):
+            with attn_scope(b):  # opened and closed between yields
+                seen = current_binding()
+            yield seen
+
+    def plain() -> Iterator[Binding]:
+        while True:
+            yield current_binding()
+
+    with attn_scope(a):
+        assert list(body()) == [b, b]
+        assert current_binding() is a
+        gen = plain()
+        with attn_scope(b):  # around each next() in the consumer
+            assert next(gen) is b
+        assert next(gen) is a
+
+
+# -- out-of-order exits under threads, tasks and BaseException -----------------------------------
+
+
+@pytest.mark.parametrize("exc_type", [ValueError, KeyboardInterrupt, SystemExit])
+def test_out_of_order_exit_with_an_exception_in_flight(
+    a: Binding, b: Binding, exc_type: type[BaseException]
+) -> None:
+    outer, inner = attn_scope(a), attn_scope(b)
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(ScopeError):
+        outer.__exit__(exc_type, exc_type(), None)
+    assert no_scope()
+    with pytest.raises(ScopeError, match="already closed"):
+        inner.__exit__(exc_type, exc_type(), None)
+    assert no_scope()
+
+
+def test_out_of_order_exit_in_threads_is_private(a: Binding, b: Binding) -> None:
+    # Each thread's out-of-order exit closes its own scopes only.
+    errors: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def work(first: Binding, second: Binding) -> None:
+        outer, inner = attn_scope(first), attn_scope(second)
+        outer.__enter__()
+        inner.__enter__()
+        barrier.wait()
+        try:
+            outer.__exit__(None, None, None)
+        except ScopeError:
+            pass
+        barrier.wait()
+        errors.append("clean" if no_scope() else "leak")
+        try:
+            inner.__exit__(None, None, None)
+        except ScopeError as exc:
+            errors.append("closed" if "already closed" in str(exc) else str(exc))
+        with inner:
+            errors.append("reused" if current_binding() is second else "wrong")
+
+    threads = [threading.Thread(target=work, args=(a, b) if i % 2 else (b, a)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(errors) == sorted(["clean", "closed", "reused"] * 4)
+    assert no_scope()
+
+
+def test_out_of_order_exit_in_asyncio_tasks(a: Binding, b: Binding) -> None:
+    async def task(first: Binding, second: Binding) -> list[str]:
+        got = []
+        outer, inner = attn_scope(first), attn_scope(second)
+        outer.__enter__()
+        inner.__enter__()
+        await asyncio.sleep(0)
+        with pytest.raises(ScopeError):
+            outer.__exit__(None, None, None)
+        await asyncio.sleep(0)
+        got.append("clean" if no_scope() else "leak")
+        with pytest.raises(ScopeError, match="already closed"):
+            inner.__exit__(None, None, None)
+        async with inner:
+            await asyncio.sleep(0)
+            got.append("reused" if current_binding() is second else "wrong")
+        return got
+
+    async def main() -> list[list[str]]:
+        return await asyncio.gather(task(a, b), task(b, a), task(a, a))
+
+    assert asyncio.run(main()) == [["clean", "reused"]] * 3
+    assert no_scope()

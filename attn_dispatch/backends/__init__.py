@@ -1,11 +1,12 @@
 """Built-in backends. Each lives in ``backends/<name>/``: a light ``__init__`` that declares
-``CAPABILITIES`` (core imports only) and a heavy ``backend.py`` imported only at ``bind``."""
+``CAPABILITIES`` and ``DEFAULT_FORM_POLICY`` (core imports only) and a heavy ``backend.py``
+imported only at ``bind``.
+
+This module is data only: the registry reads ``BUILTINS`` on first use (it imports nothing
+from the registry, so there is no import cycle between the two).
+"""
 
 from __future__ import annotations
-
-import importlib
-
-from attn_dispatch._registry import register_backend
 
 # name -> (light module, factory path). A module that is absent (a partial install) is skipped.
 BUILTINS: dict[str, tuple[str, str]] = {
@@ -26,16 +27,3 @@ BUILTINS: dict[str, tuple[str, str]] = {
         "attn_dispatch.backends.flashinfer.backend:FlashInferBackend",
     ),
 }
-
-
-def register_builtins() -> None:
-    """Register every built-in backend whose light module is present (the registry calls this
-    once, on first use)."""
-    for name, (module, factory) in BUILTINS.items():
-        try:
-            light = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name == module:
-                continue
-            raise
-        register_backend(name, capabilities=light.CAPABILITIES, factory=factory, replace=True)

@@ -24,10 +24,10 @@ import importlib.util
 import re
 from collections.abc import Iterable
 
-from attn_dispatch import AttnConfig
-from attn_dispatch import Capabilities
-from attn_dispatch import FormPolicy
-from attn_dispatch import Phase
+from attn_dispatch._capabilities import Capabilities
+from attn_dispatch._config import AttnConfig
+from attn_dispatch._forms import FormPolicy
+from attn_dispatch._phase import Phase
 
 __all__ = [
     "CAPABILITIES",
@@ -279,6 +279,8 @@ CAPABILITIES = Capabilities(
     v_head_dims=None,
     page_sizes=None,  # fa2/fa3 paged kernels take any positive page size at run time
     custom_mask=True,  # MHA verify trees via the prefill wrapper; MLA refused in a check
+    # Its wrappers take sm_scale in plan(), once per forward: bind needs AttnConfig.sm_scale.
+    plans_scale=True,
     requires=(),  # installation and version: _available_installed (pip name differs)
     min_compute_capability=(8, 0),
     checks=(

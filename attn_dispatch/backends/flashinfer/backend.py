@@ -44,6 +44,7 @@ from attn_dispatch import InvalidBatchError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
 from attn_dispatch._forms import FormPolicy
+from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.flashinfer import CAPABILITIES
 from attn_dispatch.backends.flashinfer import DEFAULT_FORM_POLICY
 from attn_dispatch.backends.flashinfer import SUPPORTED_VERSIONS
@@ -513,7 +514,7 @@ def _device_for(config: AttnConfig) -> torch.device:
     return torch.device(config.device)
 
 
-class FlashInferBackend:
+class FlashInferBackend(TorchBackendBase):
     """Attention through FlashInfer's paged wrappers, for one model runner.
 
     Owns its workspace (one per runner, never shared: two runners planning into one

@@ -22,6 +22,7 @@ from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
+from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.native import DEFAULT_FORM_POLICY
 from attn_dispatch.backends.native import MAX_HEAD_DIM
 from attn_dispatch.backends.native._lib import ITEM_INTS
@@ -72,7 +73,7 @@ def _first(flags: torch.Tensor) -> int | None:
     return int(flags.int().argmax()) if bool(flags.any()) else None
 
 
-class NativeBackend:
+class NativeBackend(TorchBackendBase):
     """C++ paged attention on the CPU for MHA/GQA and absorbed MLA, every phase.
 
     >>> backend = NativeBackend(AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16",

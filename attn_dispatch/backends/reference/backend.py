@@ -21,6 +21,7 @@ from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
+from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.reference import DEFAULT_FORM_POLICY
 
 # Max fp32 score elements alive at once (64 MiB): bounds memory for any context length.
@@ -42,7 +43,7 @@ class TorchPlan:
     q_block: int
 
 
-class TorchBackend:
+class TorchBackend(TorchBackendBase):
     """Reference attention for MHA/GQA and absorbed MLA, every phase, CPU or CUDA."""
 
     name = "torch"

@@ -24,8 +24,6 @@ from attn_dispatch.backends.triton._dims import dim_reasons
 if TYPE_CHECKING:
     from attn_dispatch._config import AttnConfig
 
-FACTORY = "attn_dispatch.backends.triton.backend:TritonBackend"
-
 
 def interpreter_on() -> bool:
     """Whether ``TRITON_INTERPRET`` asks triton for its CPU interpreter."""
@@ -77,7 +75,9 @@ CAPABILITIES = Capabilities(
     devices=frozenset({"cuda", "cpu"}),
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     custom_mask=True,
-    # MLA: the absorbed form only (paged latent cache); no decompressed MHA entry point.
+    # MLA: absorbed over the paged latent cache in every phase; prefill may also run the
+    # decompressed MHA form (ragged K/V through a second instance of this backend). No
+    # chunked-prefix entry point ('mha_chunked').
     forms={Phase.PREFILL: {"mla", "mha"}, Phase.DECODE: {"mla"}, Phase.VERIFY: {"mla"}},
     requires=("torch", "triton"),
     # bf16 tl.dot needs Ampere; older GPUs are not served rather than served in part.
@@ -90,4 +90,4 @@ CAPABILITIES = Capabilities(
     ),
 )
 
-__all__ = ["CAPABILITIES", "FACTORY", "interpreter_on"]
+__all__ = ["CAPABILITIES", "DEFAULT_FORM_POLICY", "interpreter_on"]

@@ -20,6 +20,7 @@ from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
+from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.triton import DEFAULT_FORM_POLICY
 from attn_dispatch.backends.triton import _ops
 from attn_dispatch.backends.triton._dims import DimLayout
@@ -44,7 +45,7 @@ _INT_OPTIONS = (
 _POW2_OPTIONS = ("block_h", "decode_block_n", "extend_block_m", "extend_block_n")
 
 
-class TritonBackend:
+class TritonBackend(TorchBackendBase):
     """Triton kernels for one runner's attention config.
 
     >>> cfg = AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16", page_size=64, device="cuda")

@@ -1,0 +1,167 @@
+"""record_dispatch: which runner, phase, backend and form served each ``attention`` call.
+
+While no recorder is open anywhere in the process, ``attention`` pays one global read for
+this feature. Opening one installs a call hook in ``_scope``; which events go to which
+recorder is still decided per context (thread, asyncio task), like the scopes themselves.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import dataclasses
+import sys
+import threading
+from collections.abc import Callable
+from collections.abc import Iterable
+from typing import Any
+
+from attn_dispatch import _scope
+from attn_dispatch._errors import ScopeError
+from attn_dispatch._phase import Phase
+from attn_dispatch._table import format_table
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DispatchEvent:
+    """One ``attention`` call: which runner, phase, backend and form served it."""
+
+    label: str | None
+    phase: Phase
+    backend: str
+    form: str | None = None
+
+    def range_name(self) -> str:
+        """The torch.profiler range name: ``attn_dispatch/<runner>/<phase>/<backend>[/<form>]``."""
+        tail = f"/{self.form}" if self.form is not None else ""
+        return f"attn_dispatch/{self.label}/{self.phase.name.lower()}/{self.backend}{tail}"
+
+
+class DispatchRecorder:
+    """Events recorded by ``record_dispatch``; ``counts()`` and ``summary()`` aggregate them."""
+
+    __slots__ = ("_lock", "events", "profile")
+
+    def __init__(self, *, profile: bool = False) -> None:
+        self.events: list[DispatchEvent] = []
+        self.profile = profile
+        self._lock = threading.Lock()
+
+    def add(self, event: DispatchEvent) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def counts(self) -> collections.Counter[tuple[str | None, str, str]]:
+        """``(label, phase, backend) -> calls``."""
+        return collections.Counter((e.label, e.phase.name.lower(), e.backend) for e in self.events)
+
+    def summary(self) -> str:
+        """A plain-text table runner x phase x backend (x form) -> calls."""
+        rows = collections.Counter(
+            (str(e.label), e.phase.name.lower(), e.backend, e.form or "-") for e in self.events
+        )
+        header = ("runner", "phase", "backend", "form", "calls")
+        body = [(*k, str(v)) for k, v in sorted(rows.items())]
+        return format_table(header, body)
+
+
+_RECORDERS: contextvars.ContextVar[tuple[DispatchRecorder, ...]] = contextvars.ContextVar(
+    "attn_dispatch.recorders", default=()
+)
+# How many recorders are open in the whole process; the hook is installed while it is > 0.
+_open = 0
+_open_lock = threading.Lock()
+
+
+def _event(frame: _scope.attn_scope) -> DispatchEvent:
+    binding = frame.binding
+    phase = frame.batch.phase
+    form = frame.form
+    return DispatchEvent(
+        binding.label, phase, binding.spec.names[phase], None if form is None else form.value
+    )
+
+
+def _recorded_call(frame: _scope.attn_scope, run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    recorders = _RECORDERS.get()
+    if not recorders:  # open elsewhere (another thread or task), not here
+        return run(*args)
+    event = _event(frame)
+    profile = False
+    for rec in recorders:
+        rec.add(event)
+        profile = profile or rec.profile
+    if profile and "torch" in sys.modules:
+        # Only when asked for, and only if torch is loaded already: never an import here.
+        import torch
+
+        with torch.profiler.record_function(event.range_name()):
+            return run(*args)
+    return run(*args)
+
+
+def record_events(events: Iterable[DispatchEvent]) -> None:
+    """Add ``events`` to the recorders open in this context (for calls that run no Python,
+    such as a CUDA-graph replay of baked-in kernels)."""
+    if _open:
+        recorders = _RECORDERS.get()
+        for event in events:
+            for rec in recorders:
+                rec.add(event)
+
+
+class record_dispatch:
+    """Record (label, phase, backend, form) of every ``attention`` call in this context.
+
+    >>> with record_dispatch() as rec:
+    ...     run_forward()
+    >>> rec.counts()[("target", "decode", "flashinfer")]
+
+    ``profile=True`` also wraps each call in a ``torch.profiler.record_function`` range named
+    ``attn_dispatch/<runner>/<phase>/<backend>[/<form>]``, so a profile shows which runner ran
+    which kernel (only while this recorder is open; nothing is imported for it).
+    """
+
+    __slots__ = ("_recorder", "_token")
+
+    def __init__(self, *, profile: bool = False) -> None:
+        self._recorder = DispatchRecorder(profile=profile)
+        self._token: contextvars.Token[tuple[DispatchRecorder, ...]] | None = None
+
+    def __enter__(self) -> DispatchRecorder:
+        global _open
+        if self._token is not None:
+            raise ScopeError("this record_dispatch is already active")
+        self._token = _RECORDERS.set((*_RECORDERS.get(), self._recorder))
+        with _open_lock:
+            _open += 1
+            _scope._set_call_hook(_recorded_call)
+        return self._recorder
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _open
+        token = self._token
+        if token is None:
+            # Decrementing here would leave the process-wide count wrong for good.
+            raise ScopeError("record_dispatch exited without being entered")
+        current = _RECORDERS.get()
+        try:
+            # Validates the context: a token belongs to the context that made it.
+            _RECORDERS.reset(token)
+        except ValueError:
+            # Another thread or task than the one that entered it: leave the count and the
+            # token alone, so the entering context can still exit it.
+            raise ScopeError(
+                "record_dispatch is being exited in another thread or task than the one that "
+                "entered it; exit it where it was entered"
+            ) from None
+        # Out-of-order exits must not bring a closed recorder back: keep every other open one.
+        _RECORDERS.set(tuple(r for r in current if r is not self._recorder))
+        self._token = None
+        with _open_lock:
+            _open -= 1
+            if _open == 0:
+                _scope._set_call_hook(None)
+
+
+__all__ = ["DispatchEvent", "DispatchRecorder", "record_dispatch", "record_events"]
