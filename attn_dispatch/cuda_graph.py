@@ -52,12 +52,14 @@ from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
 from attn_dispatch._scope import DispatchEvent
 from attn_dispatch._scope import record_dispatch
+from attn_dispatch.backends._common import BatchSnapshot
 
 __all__ = ["CaptureError", "GraphedForward", "assert_not_capturing", "capture_decode"]
 
 # Host-side planning statistics of an AttnBatch: they may change between replays of one shape
 # (a decode step's longest sequence grows), so a handler run inside a graph must not read them.
 _BATCH_STATS = frozenset({"max_q_len", "max_kv_len", "num_pages"})
+_SNAPSHOT_STATS = frozenset({"max_q_len", "max_kv_len", "max_page"})
 
 
 class CaptureError(AttnDispatchError, RuntimeError):
@@ -141,6 +143,13 @@ def _copy_into(dst: Any, src: Any, path: str, seen: set[int], write: bool = True
         if type(src) is not type(dst):
             raise InvalidBatchError(path, f"{type(src).__name__} != captured {type(dst).__name__}")
         skip = _BATCH_STATS if isinstance(dst, AttnBatch) else frozenset()
+        if isinstance(dst, BatchSnapshot):
+            # The captured plan's own snapshot follows the step: the per-call checks compare
+            # the cache with its max_page, and the stats may change between replays.
+            skip = _SNAPSHOT_STATS
+            if write:
+                for name in _SNAPSHOT_STATS:
+                    object.__setattr__(dst, name, getattr(src, name))
         for f in dataclasses.fields(dst):
             if f.name not in skip:
                 _copy_into(
@@ -177,7 +186,8 @@ _PLAIN = (int, float, bool, str, bytes, type(None), enum.Enum, torch.dtype, torc
 
 def _opaque_paths(obj: Any, path: str, seen: set[int]) -> Iterator[str]:
     """Paths of plan members that ``_copy_into`` cannot copy or compare by value (a kernel
-    library's wrapper object, say): their buffers may move on the next plan."""
+    library's wrapper object, say): their buffers may move on the next plan.
+    A plan's ``owner`` (the backend object that made it) is compared by identity."""
     if id(obj) in seen:
         return
     seen.add(id(obj))
@@ -185,6 +195,8 @@ def _opaque_paths(obj: Any, path: str, seen: set[int]) -> Iterator[str]:
         return
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
+            if f.name == "owner":
+                continue
             yield from _opaque_paths(getattr(obj, f.name), f"{path}.{f.name}", seen)
     elif isinstance(obj, (tuple, list)):
         for i, item in enumerate(obj):

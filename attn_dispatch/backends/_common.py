@@ -260,7 +260,7 @@ class BatchSnapshot:
     """
 
     phase: Phase
-    page_size: int
+    page_size: int | None
     num_requests: int
     num_tokens: int
     max_q_len: int
@@ -277,8 +277,11 @@ class BatchSnapshot:
     kv_lens_host: torch.Tensor
 
     @classmethod
-    def of(cls, batch: Any, page_size: int, *, check_device: bool = False) -> BatchSnapshot:
+    def of(cls, batch: Any, page_size: int | None, *, check_device: bool = False) -> BatchSnapshot:
         """Copy and check ``batch`` for a backend bound with ``page_size``.
+
+        ``page_size=None`` is for a caller that reads no pages (the chunked-prefix form):
+        then page coverage is not checked.
 
         ``check_device`` (a CUDA batch only) reads the device index tensors back to the host
         to check them too: a device sync, for ``validate`` options and debugging.
@@ -287,7 +290,7 @@ class BatchSnapshot:
         if not isinstance(phase, Phase):
             raise InvalidBatchError("phase", f"expected a Phase, got {phase!r}")
         given = getattr(batch, "page_size", None)
-        if given is not None and given != page_size:
+        if given is not None and page_size is not None and given != page_size:
             raise InvalidBatchError(
                 "page_size",
                 f"batch page_size {given!r} != bound config page_size {page_size!r}; build the "
