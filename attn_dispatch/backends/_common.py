@@ -40,6 +40,7 @@ __all__ = [
     "check_metadata",
     "check_owner",
     "mask_offsets",
+    "refill",
 ]
 
 _I32 = torch.int32
@@ -553,3 +554,60 @@ class TensorChecks:
                 "every page index must name a page of the k_cache/v_cache given to this call",
             )
         raise AssertionError("TensorChecks flagged tensors that break no rule")  # pragma: no cover
+
+
+def refill(dst: BatchSnapshot, src: BatchSnapshot) -> None:
+    """Copy the newer, checked snapshot ``src`` into the buffers of ``dst`` (a CUDA-graph
+    plan's own snapshot, which a captured graph reads), without moving any of them.
+
+    Every tensor keeps its shape, except that ``dst.kv_indices`` and ``dst.custom_mask`` may
+    be longer than ``src``'s (capacity reserved at capture): the kernels find the entries
+    through ``kv_indptr``/``mask_indptr``. Checks everything before writing anything.
+    """
+    if src.phase is not dst.phase or src.page_size != dst.page_size:
+        raise InvalidBatchError(
+            "phase",
+            f"{src.phase.name} batch at page_size {src.page_size!r} into a plan for "
+            f"{dst.phase.name} at page_size {dst.page_size!r}",
+        )
+    if src.num_requests != dst.num_requests:
+        raise InvalidBatchError(
+            "num_requests",
+            f"{src.num_requests} requests into a plan captured for {dst.num_requests}; capture "
+            "one graph per batch size (pad the batch to a captured size)",
+        )
+    pairs = [
+        ("qo_indptr", dst.qo_indptr, src.qo_indptr, False),
+        ("kv_indptr", dst.kv_indptr, src.kv_indptr, False),
+        ("kv_lens", dst.kv_lens, src.kv_lens, False),
+        ("kv_indices", dst.kv_indices, src.kv_indices, True),
+    ]
+    if (src.custom_mask is None) != (dst.custom_mask is None):
+        raise InvalidBatchError(
+            "custom_mask",
+            "a plan captured with (without) a custom mask replays only with (without)",
+        )
+    if src.custom_mask is not None and dst.custom_mask is not None:
+        assert src.mask_indptr is not None and dst.mask_indptr is not None
+        pairs.append(("custom_mask", dst.custom_mask, src.custom_mask, True))
+        pairs.append(("mask_indptr", dst.mask_indptr, src.mask_indptr, False))
+    for name, d, s, grows in pairs:
+        fits = s.numel() <= d.numel() if grows else s.shape == d.shape
+        if not fits:
+            raise InvalidBatchError(
+                name,
+                f"{s.numel()} entries do not fit the captured buffer of {d.numel()}; capture "
+                "with a larger capacity (max pages per request) or run this batch eagerly",
+            )
+    for _, d, s, _grows in pairs:
+        d[: s.numel()].copy_(s, non_blocking=True)
+    if dst.qo_indptr_host is not dst.qo_indptr:
+        for d, s in (
+            (dst.qo_indptr_host, src.qo_indptr_host),
+            (dst.kv_indptr_host, src.kv_indptr_host),
+            (dst.kv_lens_host, src.kv_lens_host),
+        ):
+            d.copy_(s)
+    put = object.__setattr__  # the captured plan's private snapshot: only its stats change
+    for name in ("num_tokens", "max_q_len", "max_kv_len", "max_page"):
+        put(dst, name, getattr(src, name))
