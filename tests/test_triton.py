@@ -342,7 +342,8 @@ def test_plan_owns_private_copies_and_scratch_is_per_call() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.num_splits = 1  # type: ignore[misc]
     # No scratch lives in the plan or the backend: threads sharing a plan share no buffer.
-    assert not any(isinstance(getattr(plan, f.name), torch.Tensor) for f in dataclasses.fields(plan))
+    fields = dataclasses.fields(plan)
+    assert not any(isinstance(getattr(plan, f.name), torch.Tensor) for f in fields)
 
 
 def test_choose_num_splits_rule() -> None:
