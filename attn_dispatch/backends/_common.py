@@ -423,6 +423,7 @@ class TensorChecks:
         layout: Layout = "any",
         q_dtype: torch.dtype | None = None,
         kv_dtype: torch.dtype | None = None,
+        device_type: str | None = None,
     ) -> TensorChecks:
         c = config
         mla = c.kind == "mla"
@@ -435,7 +436,7 @@ class TensorChecks:
             v_tail=None if mla else (c.page_size, c.num_kv_heads, dv),
             q_dtype=q_dtype if q_dtype is not None else getattr(torch, c.dtype),
             kv_dtype=kv_dtype if kv_dtype is not None else getattr(torch, str(c.kv_dtype)),
-            device_type=c.device_type,
+            device_type=device_type if device_type is not None else c.device_type,
             layout=layout,
         )
 
