@@ -12,6 +12,7 @@ metadata cannot make them read outside their tensors.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ _INT_OPTIONS = (
     "extend_warps",
     "num_stages",
 )
+_INTERPRETER_LOCK = threading.Lock()
 _POW2_OPTIONS = ("block_h", "decode_block_n", "extend_block_m", "extend_block_n")
 
 
@@ -103,6 +105,7 @@ class TritonBackend:
         self._kc = kernel_config(config, opts, device=device, num_sms=sms, interpreting=interp)
         self._dtype = _DTYPES[config.dtype]
         self._checks = TensorChecks.of(config, backend="triton", layout="rows")
+        self._interpreting = device.type == "cpu"
         self._handlers = {phase: self._run for phase in Phase}
         # MLA: absorbed form over the paged latent cache, except prefill without a cached
         # prefix, which runs decompressed (ragged MHA through a second instance of this backend,
@@ -182,6 +185,20 @@ class TritonBackend:
             return q.new_empty((0, self.config.num_q_heads, self._kc.layout.v_head_dim))
         if self._kc.mla:
             v_cache = None  # V is the latent part of k_cache
+        if self._interpreting:
+            # triton's CPU interpreter keeps the running grid in globals: one launch at a time.
+            with _INTERPRETER_LOCK:
+                return self._launch(plan, q, k_cache, v_cache, sm_scale)
+        return self._launch(plan, q, k_cache, v_cache, sm_scale)
+
+    def _launch(
+        self,
+        plan: _ops.DecodePlan | _ops.ExtendPlan,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        sm_scale: float,
+    ) -> torch.Tensor:
         if isinstance(plan, _ops.DecodePlan):
             return _ops.run_decode(self._kc, plan, q, k_cache, v_cache, sm_scale)
         return _ops.run_extend(self._kc, plan, q, k_cache, v_cache, sm_scale)
