@@ -80,7 +80,8 @@ def check_metadata(
     return verdict[0], verdict[1], verdict[2]
 
 
-_LIST_MAX = 64
+_LIST_MAX = 128
+_LIST_MAX_INDICES = 1024
 _sub = operator.sub
 _lt = operator.lt
 _gt = operator.gt
@@ -302,22 +303,27 @@ class BatchSnapshot:
         idx_d = _index_tensor(batch, "kv_indices")
         lens_d = _index_tensor(batch, "kv_lens")
         dev = idx_d.device
-        on_cpu = dev.type == "cpu"
+        on_cpu = idx_d.is_cpu
         b = lens_d.numel()
+        n_idx = idx_d.numel()
         n_meta = 3 * b + 2
-        if qo_d.numel() == b + 1 and kv_d.numel() == b + 1 and qo_d.device == kv_d.device == dev:
+        buf = None
+        if qo_d.numel() == b + 1 and kv_d.numel() == b + 1:
             # One copy holds all four (a cat is one op; four clones cost three more), and the
             # views into it are contiguous.
-            buf = torch.cat((qo_d, kv_d, lens_d, idx_d))
-            qo, kv, lens, idx = buf.split_with_sizes((b + 1, b + 1, b, idx_d.numel()))
+            try:
+                buf = torch.cat((qo_d, kv_d, lens_d, idx_d))
+            except RuntimeError as exc:  # index tensors on different devices
+                raise InvalidBatchError(
+                    "kv_indices", f"the index tensors must share one device: {exc}"
+                ) from None
+            qo, kv, lens, idx = buf.split_with_sizes((b + 1, b + 1, b, n_idx))
         else:  # lengths that disagree: check_metadata names the field
             fmt = torch.contiguous_format
-            buf = None
             qo, kv, lens, idx = (t.clone(memory_format=fmt) for t in (qo_d, kv_d, lens_d, idx_d))
         if on_cpu:
             qo_h, kv_h, lens_h = qo, kv, lens
         else:
-            buf = None
             qo_h, kv_h, lens_h = (
                 _index_tensor(batch, name).clone(memory_format=torch.contiguous_format)
                 for name in ("qo_indptr_host", "kv_indptr_host", "kv_lens_host")
@@ -331,22 +337,33 @@ class BatchSnapshot:
                             "the device tensor differs from its host copy (edited after the "
                             "batch was built?); build a new AttnBatch for new metadata",
                         )
-        if buf is not None and b <= _LIST_MAX:
-            meta = buf[:n_meta].tolist()
+        max_page: int | None = None
+        if on_cpu and buf is not None and b <= _LIST_MAX:
+            # The common small batch: one host read serves every check (see check_metadata).
+            whole = n_idx <= _LIST_MAX_INDICES
+            vals = buf.tolist() if whole else buf[:n_meta].tolist()
             verdict = _verdict_lists(
-                phase, meta[: b + 1], meta[b + 1 : n_meta - b], meta[n_meta - b :], page_size
+                phase, vals[: b + 1], vals[b + 1 : n_meta - b], vals[n_meta - b : n_meta], page_size
             )
-            if verdict is None or verdict[3] != idx.numel():
-                _explain(phase, qo_h, kv_h, lens_h, idx.numel(), page_size)
+            if verdict is None or verdict[3] != n_idx:
+                _explain(phase, qo_h, kv_h, lens_h, n_idx, page_size)
             assert verdict is not None
             total, max_q, max_kv = verdict[0], verdict[1], verdict[2]
+            if not whole:
+                max_page = check_indices(kv_h, idx, None)
+            elif n_idx:
+                pages = vals[n_meta:]
+                max_page = max(pages)
+                if min(pages) < 0:
+                    check_indices(kv_h, idx, None)  # raises, naming the request
+            else:
+                max_page = -1
         else:
-            total, max_q, max_kv = check_metadata(phase, qo_h, kv_h, lens_h, idx.numel(), page_size)
-        max_page: int | None = None
-        if on_cpu:
-            max_page = check_indices(kv_h, idx, None)
-        elif check_device:
-            max_page = check_indices(kv_h, idx.cpu(), None)
+            total, max_q, max_kv = check_metadata(phase, qo_h, kv_h, lens_h, n_idx, page_size)
+            if on_cpu:
+                max_page = check_indices(kv_h, idx, None)
+            elif check_device:
+                max_page = check_indices(kv_h, idx.cpu(), None)
         mask = mask_indptr = None
         if batch.custom_mask is not None:
             offsets, _ = mask_offsets(batch.custom_mask, qo_h, lens_h, rows=False)
