@@ -69,6 +69,10 @@ __all__ = ["CaptureError", "GraphedForward", "assert_not_capturing", "capture_de
 # (a decode step's longest sequence grows), so a handler run inside a graph must not read them.
 _BATCH_STATS = frozenset({"max_q_len", "max_kv_len", "num_pages"})
 _SNAPSHOT_STATS = frozenset({"max_q_len", "max_kv_len", "max_page"})
+# Plan fields that are identities, not values: the backend object that made a plan (the same
+# for every plan of one binding), and a backend's token for "the plan its wrapper holds now"
+# (FlashInfer: a new one per plan, refilled into the same persistent buffers in graph mode).
+_IDENTITIES = frozenset({"owner", "ticket"})
 
 
 class CaptureError(AttnDispatchError, RuntimeError):
@@ -160,7 +164,7 @@ def _copy_into(dst: Any, src: Any, path: str, seen: set[int], write: bool = True
                 for name in _SNAPSHOT_STATS:
                     object.__setattr__(dst, name, getattr(src, name))
         for f in dataclasses.fields(dst):
-            if f.name not in skip:
+            if f.name not in skip and f.name not in _IDENTITIES:
                 _copy_into(
                     getattr(dst, f.name), getattr(src, f.name), f"{path}.{f.name}", seen, write
                 )
@@ -196,7 +200,7 @@ _PLAIN = (int, float, bool, str, bytes, type(None), enum.Enum, torch.dtype, torc
 def _opaque_paths(obj: Any, path: str, seen: set[int]) -> Iterator[str]:
     """Paths of plan members that ``_copy_into`` cannot copy or compare by value (a kernel
     library's wrapper object, say): their buffers may move on the next plan.
-    A plan's ``owner`` (the backend object that made it) is compared by identity."""
+    A plan's ``owner`` and ``ticket`` are identities (see ``_IDENTITIES``), never copied."""
     if id(obj) in seen:
         return
     seen.add(id(obj))
@@ -204,7 +208,7 @@ def _opaque_paths(obj: Any, path: str, seen: set[int]) -> Iterator[str]:
         return
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            if f.name == "owner":
+            if f.name in _IDENTITIES:
                 continue
             yield from _opaque_paths(getattr(obj, f.name), f"{path}.{f.name}", seen)
     elif isinstance(obj, (tuple, list)):

@@ -343,43 +343,11 @@ def property_malformed(env: Env, examples: int) -> None:
     from hypothesis import HealthCheck
     from hypothesis import given
     from hypothesis import settings
-    from hypothesis import strategies as st
 
     from attn_dispatch import AttnDispatchError
-    from attn_dispatch import Phase
+    from tests.strategies import malformed_scenarios
 
     torch = env.torch
-    fields = ("kv_indices", "kv_lens", "kv_indptr", "qo_indptr")
-
-    @st.composite
-    def scenario(draw: Any) -> dict[str, Any]:
-        b = draw(st.integers(0, 3))
-        phase = draw(st.sampled_from([Phase.DECODE, Phase.PREFILL]))
-        q_lens = [1 if phase is Phase.DECODE else draw(st.integers(1, 3)) for _ in range(b)]
-        kv_lens = [q + draw(st.integers(0, 6)) for q in q_lens]
-        pages = list(range(env.num_pages))
-        tables = [
-            [draw(st.sampled_from(pages)) for _ in range(-(-n // PS) + draw(st.integers(0, 1)))]
-            for n in kv_lens
-        ]
-        edits = draw(
-            st.lists(
-                st.tuples(st.sampled_from(fields), st.integers(0, 8), st.integers(-3, 40)),
-                max_size=3,
-            )
-        )
-        return dict(
-            phase=phase,
-            q_lens=q_lens,
-            kv_lens=kv_lens,
-            tables=tables,
-            edits=edits,
-            when=draw(st.sampled_from(["before_plan", "after_plan"])),
-            rows=draw(st.integers(-1, 1)),
-            v_pages=draw(st.sampled_from([env.num_pages, env.num_pages - 1])),
-            plan_from=draw(st.sampled_from(["own", "own", "own", "big", "ps8"])),
-            no_page_size=draw(st.booleans()),
-        )
 
     @settings(
         max_examples=examples,
@@ -388,7 +356,7 @@ def property_malformed(env: Env, examples: int) -> None:
         suppress_health_check=list(HealthCheck),
         database=None,
     )
-    @given(scenario())
+    @given(malformed_scenarios(env.num_pages, PS))
     def check(s: dict[str, Any]) -> None:
         from attn_dispatch import AttnBatch
 
