@@ -12,6 +12,7 @@ and small torch CPU ops only: no kernel ISA path is involved (the figures name t
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -21,7 +22,9 @@ import torch
 
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
+from attn_dispatch import AttnDispatchError
 from attn_dispatch import Phase
+from attn_dispatch import bind
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
 from attn_dispatch.backends._common import check_owner
@@ -61,6 +64,7 @@ def cpu_name() -> str:
 
 def main() -> None:
     torch.set_num_threads(1)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # plans only: no kernel runs here
     unit = best_us(lambda: torch.empty(16))
     rows: list[tuple[str, float]] = []
     for b in (1, 16, 64, 256):
@@ -89,6 +93,15 @@ def main() -> None:
         )
     cfg = AttnConfig("mha", 32, 8, 128, dtype="bfloat16", page_size=16)
     batch = decode_batch(16)
+    # Whole plans at batch 16, for scale: what the snapshot is part of (torch, triton) and
+    # what it replaces (the native backend's own checks, on branches where native has them).
+    for name in ("torch", "native", "triton"):
+        try:
+            backend = bind(name, cfg).backend(Phase.DECODE)
+        except AttnDispatchError as exc:
+            print(f"({name}: {str(exc).splitlines()[0][:90]})")
+            continue
+        rows.append((f"{name} plan(), decode batch 16", best_us(lambda b=backend: b.plan(batch))))
     snap = BatchSnapshot.of(batch, 16)
     q = torch.empty(16, 32, 128, dtype=torch.bfloat16)
     k = torch.empty(16 * 8, 16, 8, 128, dtype=torch.bfloat16)

@@ -81,7 +81,7 @@ def check_metadata(
 
 
 _LIST_MAX = 128
-_LIST_MAX_INDICES = 1024
+_LIST_MAX_INDICES = 256
 _sub = operator.sub
 _lt = operator.lt
 _gt = operator.gt
