@@ -709,6 +709,7 @@ class FlashInferBackend:
                 "flashinfer: this plan was superseded: a later plan() re-planned the same "
                 "FlashInfer wrapper (one plan per forward; use the scope's current plan)",
             )
+        self._checks.check(plan.snap, q, k_cache, v_cache)
         if sm_scale != plan.sm_scale and not math.isclose(sm_scale, plan.sm_scale, rel_tol=1e-6):
             raise InvalidBatchError(
                 "sm_scale",
@@ -716,7 +717,6 @@ class FlashInferBackend:
                 "bakes the scale in at plan time: bind with AttnConfig(sm_scale=...) equal to "
                 "the scale the model passes",
             )
-        self._checks.check(plan.snap, q, k_cache, v_cache)
         if plan.snap.num_requests == 0:  # SGLang's IDLE forward: nothing to launch
             return q.new_empty((0, self.config.num_q_heads, self.config.out_head_dim))
         return plan.route.run(plan.wrapper, q, k_cache, v_cache)
