@@ -270,7 +270,9 @@ def _to_capacity(batch: AttnBatch, capacity: int, page_size: int) -> AttnBatch:
     dev = batch.kv_indices.device
     if positions:
         where = torch.tensor(positions, dtype=torch.int64)
-        indices = batch.kv_indices.index_select(0, where.to(dev, non_blocking=True))
+        if dev.type != "cpu":  # pinned: a pageable copy would wait for the device's queue
+            where = where.pin_memory().to(dev, non_blocking=True)
+        indices = batch.kv_indices.index_select(0, where)
     else:
         indices = torch.zeros(0, dtype=torch.int32, device=dev)
     kv_host = torch.arange(0, (b + 1) * capacity, capacity, dtype=torch.int32)[: b + 1]
@@ -282,7 +284,9 @@ def _to_capacity(batch: AttnBatch, capacity: int, page_size: int) -> AttnBatch:
     object.__setattr__(padded, "kv_indices", indices.contiguous())
     object.__setattr__(padded, "kv_indptr_host", kv_host)
     object.__setattr__(
-        padded, "kv_indptr", kv_host if dev.type == "cpu" else kv_host.to(dev, non_blocking=True)
+        padded,
+        "kv_indptr",
+        kv_host if dev.type == "cpu" else kv_host.pin_memory().to(dev, non_blocking=True),
     )
     object.__setattr__(padded, "page_size", page_size)
     return padded

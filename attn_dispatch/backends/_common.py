@@ -368,7 +368,8 @@ class BatchSnapshot:
         if batch.custom_mask is not None:
             offsets, _ = mask_offsets(batch.custom_mask, qo_h, lens_h, rows=False)
             mask = batch.custom_mask.to(dev).clone(memory_format=torch.contiguous_format)
-            mask_indptr = offsets if on_cpu else offsets.to(dev, non_blocking=True)
+            # pinned: a copy from pageable memory would wait for the device's queue
+            mask_indptr = offsets if on_cpu else offsets.pin_memory().to(dev, non_blocking=True)
         return cls(
             phase=phase,
             page_size=page_size,
