@@ -344,6 +344,55 @@ def case_threads_share_a_plan(env: Env) -> None:
         env.close(a, b)
 
 
+def _mla(env: Env) -> tuple[Any, Any, float]:
+    """An absorbed-MLA binding of the same backend (latent 64 + rope 16), and its cache."""
+    from attn_dispatch import AttnConfig
+    from attn_dispatch import bind
+
+    torch = env.torch
+    wide = env.name == "flashinfer"
+    d, dv = (576, 512) if wide else (80, 64)
+    cfg = AttnConfig(
+        "mla", 16 if wide else 2, 1, d, dv, dtype=env.dtype, page_size=PS, device=env.device
+    )
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(env.num_pages, PS, d, generator=g).to(env.tdtype).to(env.device)
+    return bind(env.name, cfg, label="mla"), k, d**-0.5
+
+
+def case_mla_page_past_cache_and_foreign_plan(env: Env) -> None:
+    from attn_dispatch import Phase
+
+    mla, k, scale = _mla(env)
+    run = mla.handler(Phase.DECODE)
+    heads, d = mla.config.num_q_heads, mla.config.head_dim
+    q = env.torch.randn(2, heads, d).to(env.tdtype).to(env.device)
+    batch = env.batch(tables=((3, 9), (1,)))  # the cache has 8 pages
+    if env.gpu:
+        error_or_bounded(env, lambda: run(q, k, None, mla.plan(batch), scale))
+    else:
+        expect_error(lambda: run(q, k, None, mla.plan(batch), scale), "kv_indices")
+    expect_error(lambda: run(q, k, None, env.small.plan(env.batch()), scale), "plan")
+
+
+def case_mla_nan_in_unread_slots(env: Env) -> None:
+    from attn_dispatch import Phase
+
+    mla, k, scale = _mla(env)
+    run = mla.handler(Phase.DECODE)
+    heads, d = mla.config.num_q_heads, mla.config.head_dim
+    g = env.torch.Generator().manual_seed(8)
+    q = env.torch.randn(2, heads, d, generator=g).to(env.tdtype).to(env.device)
+    batch = env.batch()  # pages 3, 6 (5 tokens) and 1 (3 tokens)
+    want = run(q, k, None, mla.plan(batch), scale)
+    dirty = k.clone()
+    for page in (0, 2, 4, 5, 7):
+        dirty[page] = float("nan")
+    dirty[6, 1:] = float("inf")
+    dirty[1, 3:] = float("nan")
+    env.close(run(q, dirty, None, mla.plan(batch), scale), want)
+
+
 CASES: dict[str, Callable[[Env], None]] = {
     name.removeprefix("case_"): fn
     for name, fn in dict(globals()).items()
