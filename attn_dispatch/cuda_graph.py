@@ -17,9 +17,18 @@ this module enforces:
    served each ``attention`` call; a forward that opened another runner's scope inside the
    captured region is refused (that runner's kernels would be replayed for this one).
 
->>> graphed = capture_decode(target, decode_batch, step, q, k_cache, v_cache)
->>> for batch, q in steps:                  # same number of requests and pages each step
+>>> graphed = capture_decode(target, decode_batch, step, q, k_cache, v_cache,
+...                          max_pages_per_request=64)
+>>> for batch, q in steps:                  # same number of requests; sequences grow
 ...     out = graphed.replay(batch, q)      # host plan + copies, then one graph launch
+
+Growing sequences: with ``max_pages_per_request=C`` every batch (the captured one and each
+replayed one) is laid out with exactly ``C`` page-table entries per request (``kv_indptr`` is
+``[0, C, 2C, ...]``, pads repeat a request's first page and are never read), so the metadata
+shapes stay fixed while ``kv_lens`` grow and requests cross page boundaries, as SGLang and vLLM
+capture one decode graph per batch size. A step whose request needs more than ``C`` pages is
+refused with ``InvalidBatchError``, leaving the captured buffers as they were. Without it, a
+replay needs the captured number of pages per request exactly.
 
 How a new batch reaches the captured buffers, per backend:
 
@@ -53,12 +62,18 @@ from attn_dispatch._record import DispatchEvent
 from attn_dispatch._record import record_dispatch
 from attn_dispatch._record import record_events
 from attn_dispatch._scope import attn_scope
+from attn_dispatch.backends._common import BatchSnapshot
 
 __all__ = ["CaptureError", "GraphedForward", "assert_not_capturing", "capture_decode"]
 
 # Host-side planning statistics of an AttnBatch: they may change between replays of one shape
 # (a decode step's longest sequence grows), so a handler run inside a graph must not read them.
 _BATCH_STATS = frozenset({"max_q_len", "max_kv_len", "num_pages"})
+_SNAPSHOT_STATS = frozenset({"max_q_len", "max_kv_len", "max_page"})
+# Plan fields that are identities, not values: the backend object that made a plan (the same
+# for every plan of one binding), and a backend's token for "the plan its wrapper holds now"
+# (FlashInfer: a new one per plan, refilled into the same persistent buffers in graph mode).
+_IDENTITIES = frozenset({"owner", "ticket"})
 
 
 class CaptureError(AttnDispatchError, RuntimeError):
@@ -115,8 +130,15 @@ def _copy_into(dst: Any, src: Any, path: str, seen: set[int], write: bool = True
         if type(src) is not type(dst):
             raise InvalidBatchError(path, f"{type(src).__name__} != captured {type(dst).__name__}")
         skip = _BATCH_STATS if isinstance(dst, AttnBatch) else frozenset()
+        if isinstance(dst, BatchSnapshot):
+            # The captured plan's own snapshot follows the step: the per-call checks compare
+            # the cache with its max_page, and the stats may change between replays.
+            skip = _SNAPSHOT_STATS
+            if write:
+                for name in _SNAPSHOT_STATS:
+                    object.__setattr__(dst, name, getattr(src, name))
         for f in dataclasses.fields(dst):
-            if f.name not in skip:
+            if f.name not in skip and f.name not in _IDENTITIES:
                 _copy_into(
                     getattr(dst, f.name), getattr(src, f.name), f"{path}.{f.name}", seen, write
                 )
@@ -151,7 +173,8 @@ _PLAIN = (int, float, bool, str, bytes, type(None), enum.Enum, torch.dtype, torc
 
 def _opaque_paths(obj: Any, path: str, seen: set[int]) -> Iterator[str]:
     """Paths of plan members that ``_copy_into`` cannot copy or compare by value (a kernel
-    library's wrapper object, say): their buffers may move on the next plan."""
+    library's wrapper object, say): their buffers may move on the next plan.
+    A plan's ``owner`` and ``ticket`` are identities (see ``_IDENTITIES``), never copied."""
     if id(obj) in seen:
         return
     seen.add(id(obj))
@@ -159,6 +182,8 @@ def _opaque_paths(obj: Any, path: str, seen: set[int]) -> Iterator[str]:
         return
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
+            if f.name in _IDENTITIES:
+                continue
             yield from _opaque_paths(getattr(obj, f.name), f"{path}.{f.name}", seen)
     elif isinstance(obj, (tuple, list)):
         for i, item in enumerate(obj):
@@ -187,6 +212,60 @@ def _persistent_batch(batch: AttnBatch) -> AttnBatch:
     return fresh
 
 
+def _to_capacity(batch: AttnBatch, capacity: int, page_size: int) -> AttnBatch:
+    """``batch`` with every request's page table padded (or trimmed) to ``capacity`` entries.
+
+    A captured graph reads metadata of fixed shapes, but a decode step's page tables grow as
+    sequences cross page boundaries. In this layout ``kv_indptr`` is ``[0, C, 2C, ...]`` and
+    ``kv_indices`` has ``B * C`` entries at every step, so one graph serves every step until a
+    request needs more than ``C`` pages. Pads repeat the request's first page: in range, and
+    never read (they lie past ``kv_len``). Host copies only; the page indices are gathered on
+    the batch's device (no host sync). Raises ``InvalidBatchError`` past the capacity.
+    """
+    import torch
+
+    kv = batch.kv_indptr_host.tolist()
+    lens = batch.kv_lens_host.tolist()
+    b = len(lens)
+    positions: list[int] = []
+    for i in range(b):
+        have = kv[i + 1] - kv[i]
+        need = -(-lens[i] // page_size)
+        if need > capacity or have < need:
+            raise InvalidBatchError(
+                "kv_indptr",
+                f"kv_len {lens[i]} needs {need} pages of {page_size} tokens, the graph was "
+                f"captured for at most {capacity} pages per request (and the batch gives "
+                f"{have}); capture with a larger max_pages_per_request or run this step eagerly",
+                request=i,
+            )
+        first = kv[i]
+        positions.extend(first + min(j, max(have - 1, 0)) for j in range(capacity))
+    dev = batch.kv_indices.device
+    if positions:
+        where = torch.tensor(positions, dtype=torch.int64)
+        if dev.type != "cpu":  # pinned: a pageable copy would wait for the device's queue
+            where = where.pin_memory().to(dev, non_blocking=True)
+        indices = batch.kv_indices.index_select(0, where)
+    else:
+        indices = torch.zeros(0, dtype=torch.int32, device=dev)
+    kv_host = torch.arange(0, (b + 1) * capacity, capacity, dtype=torch.int32)[: b + 1]
+    padded = AttnBatch.__new__(AttnBatch)
+    for f in dataclasses.fields(AttnBatch):
+        object.__setattr__(padded, f.name, getattr(batch, f.name))
+    # The fields a plan reads, replaced; the batch was validated when built and every backend
+    # checks its own copy again when it plans.
+    object.__setattr__(padded, "kv_indices", indices.contiguous())
+    object.__setattr__(padded, "kv_indptr_host", kv_host)
+    object.__setattr__(
+        padded,
+        "kv_indptr",
+        kv_host if dev.type == "cpu" else kv_host.pin_memory().to(dev, non_blocking=True),
+    )
+    object.__setattr__(padded, "page_size", page_size)
+    return padded
+
+
 class GraphedForward:
     """``fn(*inputs)`` of one runner captured for one batch shape; ``replay`` new batches.
 
@@ -210,11 +289,22 @@ class GraphedForward:
         capture: bool | None = None,
         warmup: int = 2,
         pool: Any = None,
+        max_pages_per_request: int | None = None,
     ) -> None:
         assert_not_capturing("GraphedForward (which plans)")
         if not isinstance(batch, AttnBatch):
             raise InvalidBatchError("batch", f"expected an AttnBatch, got {type(batch).__name__}")
         self.binding = _binding_of(runner)
+        if max_pages_per_request is not None and (
+            not isinstance(max_pages_per_request, int) or max_pages_per_request < 1
+        ):
+            raise InvalidBatchError(
+                "max_pages_per_request", f"must be a positive int, got {max_pages_per_request!r}"
+            )
+        self.capacity = max_pages_per_request
+        self._page_size = int(self.binding.config.page_size)
+        if self.capacity is not None:
+            batch = _to_capacity(batch, self.capacity, self._page_size)
         self.phase: Phase = batch.phase
         self.fn = fn
         self.inputs = inputs
@@ -287,6 +377,8 @@ class GraphedForward:
             raise InvalidBatchError(
                 "phase", f"{got!r} != captured {self.phase!r}: capture one graph per phase"
             )
+        if self.capacity is not None:
+            batch = _to_capacity(batch, self.capacity, self._page_size)
         update_plan = self._update_plan
         plan = None
         if update_plan is None:
@@ -355,8 +447,12 @@ def capture_decode(
 ) -> GraphedForward:
     """Capture one decode step of ``runner`` (``GraphedForward`` for a DECODE batch).
 
-    >>> graphed = capture_decode(draft, batch, draft_step, tokens, k_cache, v_cache)
-    >>> out = graphed.replay(next_batch, next_tokens)
+    >>> graphed = capture_decode(draft, batch, draft_step, tokens, k_cache, v_cache,
+    ...                          max_pages_per_request=64)
+    >>> out = graphed.replay(next_batch, next_tokens)   # sequences may have grown
+
+    ``max_pages_per_request`` fixes the page-table capacity of the graph (see the module's
+    docstring); without it every replay needs the captured pages per request exactly.
     """
     if getattr(batch, "phase", None) is not Phase.DECODE:
         raise InvalidBatchError(

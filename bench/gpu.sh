@@ -10,7 +10,8 @@
 #        -d .whl flashinfer-python==0.7.4 apache-tvm-ffi nvidia-cudnn-frontend ...
 #    (torch, triton, pytest, hypothesis and numpy are expected on the machine already);
 # 2. runs the GPU benchmarks that are present: bench/gpu_triton.py, bench/gpu_flashinfer.py;
-# 3. runs the CUDA-graph replay check (bench/gpu_graphs.py: capture per runner, compare, time);
+# 3. runs the CUDA-graph replay check (bench/gpu_graphs.py: capture per runner, compare, time)
+#    and one graph replayed for 256 steps of growing sequences (--grow 256), equal to eager;
 # 4. runs the CUDA tests (pytest -m cuda) and the suites whose kernels run only on CUDA;
 # 5. prints one summary table: a row per step, then the rows the steps printed as "SUMMARY ...".
 #
@@ -120,6 +121,8 @@ done
 
 # -- 3. CUDA-graph replay check ----------------------------------------------------------------------
 run_step graphs 90 "$PY" bench/gpu_graphs.py --device cuda
+# One graph per backend and kind, replayed for 256 steps of growing sequences (page crossings).
+run_step graphs-grow 90 "$PY" bench/gpu_graphs.py --device cuda --grow 256 --requests 8 --ctx 256 --layers 2
 
 # -- 4. CUDA tests ---------------------------------------------------------------------------------
 # Tests marked cuda (CUDA-graph capture/replay per runner), then the suites whose real kernels

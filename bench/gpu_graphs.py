@@ -8,6 +8,12 @@ graph launch), side by side in one run. A failure in one backend is a row, not a
 
     python bench/gpu_graphs.py                 # on a CUDA machine
     python bench/gpu_graphs.py --device cpu    # smoke run of the same code (no graph)
+    python bench/gpu_graphs.py --grow 256      # one graph, 256 steps of growing sequences
+
+``--grow N`` captures one decode graph per backend and kind with a fixed page-table capacity
+(``max_pages_per_request``) and replays it for N steps while every sequence grows by one token
+per step, crossing page boundaries (new pages come from a shuffled pool), comparing each replay
+with the eager step.
 
 Lines starting with ``SUMMARY`` are collected by bench/gpu.sh into its final table.
 """
@@ -204,6 +210,87 @@ def run_one(name: str, cfg: AttnConfig, args: argparse.Namespace) -> tuple[str, 
     )
 
 
+def run_grow(name: str, cfg: AttnConfig, args: argparse.Namespace) -> tuple[str, ...]:
+    """One graph replayed for ``args.grow`` steps of growing sequences, each checked."""
+    kind = f"{cfg.kind} h{cfg.num_q_heads}/{cfg.num_kv_heads} d{cfg.head_dim}"
+    ps, dev, steps_n = cfg.page_size, args.device, args.grow
+    start = max(1, args.ctx // 2)
+    capacity = -(-(start + steps_n + ps) // ps)
+    num_pages = args.requests * capacity + 8
+    options: dict[str, Any] = {}
+    if name == "flashinfer":
+        fi = {"use_cuda_graph": True, "max_num_pages": num_pages, "sm_scale": cfg.head_dim**-0.5}
+        options = {name: fi}
+    try:
+        binding = bind(name, cfg, label=f"{name}-grow", options=options or None)
+    except Exception as exc:
+        return (name, kind, "skip", f"cannot bind: {_one_line(exc)}", "-", "-")
+    g = torch.Generator().manual_seed(1)
+    dt = getattr(torch, cfg.dtype)
+    if cfg.kind == "mla":
+        k = torch.randn(num_pages, ps, cfg.head_dim, generator=g).to(dev, dt)
+        v = None
+    else:
+        shape = (num_pages, ps, cfg.num_kv_heads)
+        k = torch.randn(*shape, cfg.head_dim, generator=g).to(dev, dt)
+        v = torch.randn(*shape, int(cfg.v_head_dim or 0), generator=g).to(dev, dt)
+    free = torch.randperm(num_pages, generator=g).tolist()
+    lens = [start + int(torch.randint(0, ps, (1,), generator=g)) for _ in range(args.requests)]
+    tables: list[list[int]] = [[] for _ in lens]
+
+    def batch_for() -> AttnBatch:
+        for i, n in enumerate(lens):
+            while len(tables[i]) * ps < n:
+                tables[i].append(free.pop())
+        return AttnBatch.build(
+            Phase.DECODE,
+            q_lens=[1] * len(lens),
+            kv_lens=lens,
+            page_tables=tables,
+            page_size=ps,
+            device=dev,
+        )
+
+    def q_for() -> torch.Tensor:
+        q = torch.randn(len(lens), cfg.num_q_heads, cfg.head_dim, generator=g)
+        return q.to(dev, dt)
+
+    step = make_step(cfg, args.layers)
+    try:
+        graphed = capture_decode(
+            binding, batch_for(), step, q_for(), k, v, max_pages_per_request=capacity
+        )
+    except Exception as exc:
+        if args.verbose:
+            traceback.print_exc()
+        return (name, kind, "FAIL", f"capture: {type(exc).__name__}: {_one_line(exc)}", "-", "-")
+    worst, crossings = 0.0, 0
+    try:
+        for _ in range(steps_n):
+            before = sum(len(t) for t in tables)
+            for i in range(len(lens)):
+                lens[i] += 1
+            batch, q = batch_for(), q_for()
+            crossings += sum(len(t) for t in tables) - before
+            got = graphed.replay(batch, q).float().clone()
+            with attn_scope(binding, batch):
+                want = step(q, k, v).float()
+            worst = max(worst, float((got - want).abs().max()))
+    except Exception as exc:
+        if args.verbose:
+            traceback.print_exc()
+        return (name, kind, "FAIL", f"replay: {type(exc).__name__}: {_one_line(exc)}", "-", "-")
+    ok = worst <= (3e-2 if cfg.dtype != "float32" else 1e-4)
+    return (
+        name,
+        kind,
+        "ok" if ok else "MISMATCH",
+        f"max|diff| {worst:.2e}",
+        f"{steps_n} steps, {crossings} page crossings",
+        f"capacity {capacity} pages/request",
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -214,9 +301,26 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--grow", type=int, default=0, help="steps of growing sequences")
     args = parser.parse_args()
     if args.device == "cpu" and not args.small:
         args.small, args.requests, args.ctx, args.layers, args.iters = True, 3, 10, 2, 3
+    if args.grow:
+        grow_rows = [
+            run_grow(name.strip(), cfg, args)
+            for cfg in configs(args.device, args.small)
+            for name in args.backends.split(",")
+        ]
+        print(
+            f"one captured decode graph, {args.grow} steps of growing sequences, "
+            f"{args.requests} requests, {args.layers} layers, device {args.device}"
+            + (" (no graph off CUDA)" if args.device != "cuda" else "")
+        )
+        header_g = ("backend", "config", "status", "check", "steps", "capacity")
+        print(format_table(header_g, grow_rows))
+        for r in grow_rows:
+            print(f"SUMMARY graph-grow {r[0]} {r[1]} | {r[2]} | {r[3]}; {r[4]}")
+        return 1 if any(r[2] in ("FAIL", "MISMATCH") for r in grow_rows) else 0
     rows = []
     for cfg in configs(args.device, args.small):
         for name in args.backends.split(","):

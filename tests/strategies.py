@@ -296,3 +296,37 @@ def attn_configs(draw: st.DrawFn) -> AttnConfig:
         page_size=page_size,
         tree_verify=tree,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Adversarial batches (tests/test_adversarial.py): a valid paged batch, then edits a buggy caller
+# could make to its tensors, before or after planning, plus mismatched q rows, v_cache pages and
+# plans from other runners.
+
+_EDITABLE = ("kv_indices", "kv_lens", "kv_indptr", "qo_indptr")
+
+
+@st.composite
+def malformed_scenarios(draw: Any, num_pages: int, page_size: int) -> dict[str, Any]:
+    """One adversarial scenario as plain data (see ``property_malformed``)."""
+    b = draw(st.integers(0, 3))
+    phase = draw(st.sampled_from([Phase.DECODE, Phase.PREFILL]))
+    q_lens = [1 if phase is Phase.DECODE else draw(st.integers(1, 3)) for _ in range(b)]
+    kv_lens = [q + draw(st.integers(0, 6)) for q in q_lens]
+    pages = st.integers(0, num_pages - 1)
+    tables = [
+        [draw(pages) for _ in range(-(-n // page_size) + draw(st.integers(0, 1)))] for n in kv_lens
+    ]
+    edit = st.tuples(st.sampled_from(_EDITABLE), st.integers(0, 8), st.integers(-3, 40))
+    return dict(
+        phase=phase,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        tables=tables,
+        edits=draw(st.lists(edit, max_size=3)),
+        when=draw(st.sampled_from(["before_plan", "after_plan"])),
+        rows=draw(st.integers(-1, 1)),
+        v_pages=draw(st.sampled_from([num_pages, num_pages - 1])),
+        plan_from=draw(st.sampled_from(["own", "own", "own", "big", "ps8"])),
+        no_page_size=draw(st.booleans()),
+    )

@@ -135,3 +135,116 @@ def test_to_keeps_host_copies_on_cpu() -> None:
     b = raw().to("cpu")
     assert b.kv_lens_host.device.type == "cpu"
     assert b.num_tokens == 5
+
+
+# ---------------------------------------------------------------- the shared validator
+
+
+def test_snapshot_owns_checked_copies() -> None:
+    from attn_dispatch.backends._common import BatchSnapshot
+
+    b = raw()
+    snap = BatchSnapshot.of(b, 4)
+    assert (snap.num_requests, snap.num_tokens, snap.max_q_len, snap.max_kv_len) == (2, 5, 3, 7)
+    assert snap.max_page == 4 and snap.page_size == 4
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_lens"):
+        mine, theirs = getattr(snap, name), getattr(b, name)
+        assert mine.is_contiguous() and mine.data_ptr() != theirs.data_ptr()
+    b.kv_indices[1] = -1
+    assert snap.kv_indices.tolist() == [4, 0, 2]  # the edit never reaches the snapshot
+    with pytest.raises(InvalidBatchError, match="negative") as err:
+        BatchSnapshot.of(b, 4)
+    assert err.value.field == "kv_indices" and err.value.request == 1
+
+
+def test_snapshot_checks_at_the_bound_page_size() -> None:
+    from attn_dispatch.backends._common import BatchSnapshot
+
+    b = raw(page_size=None)
+    assert BatchSnapshot.of(b, 4).max_kv_len == 7
+    with pytest.raises(InvalidBatchError, match="cannot hold") as err:
+        BatchSnapshot.of(b, 2)  # request 0: 1 page of 2 tokens < kv_len 3
+    assert err.value.field == "kv_indptr" and err.value.request == 0
+    with pytest.raises(InvalidBatchError, match="page_size") as err:
+        BatchSnapshot.of(raw(), 8)
+    assert err.value.field == "page_size"
+    assert BatchSnapshot.of(b, None).page_size is None  # a caller that reads no pages
+
+
+def test_snapshot_large_batch_takes_the_vector_path() -> None:
+    from attn_dispatch.backends import _common
+
+    n = _common._LIST_MAX + 5
+    b = AttnBatch.build(
+        Phase.DECODE, q_lens=[1] * n, kv_lens=[3] * n, page_tables=[[i] for i in range(n)],
+        page_size=4,
+    )  # fmt: skip
+    snap = _common.BatchSnapshot.of(b, 4)
+    assert (snap.num_tokens, snap.max_kv_len, snap.max_page) == (n, 3, n - 1)
+    b.kv_lens[n - 2] = 9
+    with pytest.raises(InvalidBatchError, match="cannot hold") as err:
+        _common.BatchSnapshot.of(b, 4)
+    assert err.value.request == n - 2
+
+
+def test_tensor_checks_name_the_field() -> None:
+    from attn_dispatch import AttnConfig
+    from attn_dispatch.backends._common import BatchSnapshot
+    from attn_dispatch.backends._common import TensorChecks
+
+    cfg = AttnConfig("mha", 4, 2, 16, dtype="float32", page_size=4)
+    checks = TensorChecks.of(cfg, backend="test", layout="contiguous")
+    snap = BatchSnapshot.of(raw(), 4)
+    q, k, v = torch.zeros(5, 4, 16), torch.zeros(5, 4, 2, 16), torch.zeros(5, 4, 2, 16)
+    assert checks.check(snap, q, k, v) == 5
+    bad = [
+        ((q[:4], k, v), "q", "4 rows"),
+        ((q.double(), k, v), "q", "dtype"),
+        ((q, k[:4], v[:4]), "kv_indices", "out of range"),
+        ((q, k, v[:3]), "v_cache", "as many pages"),
+        ((q, k, None), "v_cache", "needs a v_cache"),
+        ((q, k[..., :8], v), "k_cache", "shape"),
+        ((q.transpose(0, 1).contiguous().transpose(0, 1), k, v), "q", "contiguous"),
+        (([0], k, v), "q", "torch.Tensor"),
+    ]
+    for args, field, text in bad:
+        with pytest.raises(InvalidBatchError, match=text) as err:
+            checks.check(snap, *args)
+        assert err.value.field == field
+
+
+def test_owner_check_is_identity() -> None:
+    from types import SimpleNamespace
+
+    from attn_dispatch.backends._common import check_owner
+
+    me, other = object(), object()
+    check_owner(SimpleNamespace(owner=me), me, "test")
+    for plan in (SimpleNamespace(owner=other), SimpleNamespace(), None):
+        with pytest.raises(InvalidBatchError, match="made by") as err:
+            check_owner(plan, me, "test")
+        assert err.value.field == "plan"
+
+
+def test_refill_checks_everything_before_writing() -> None:
+    from attn_dispatch.backends._common import BatchSnapshot
+    from attn_dispatch.backends._common import refill
+
+    def decode(lens: list[int], tables: list[list[int]]) -> AttnBatch:
+        return AttnBatch.build(
+            Phase.DECODE, q_lens=[1] * len(lens), kv_lens=lens, page_tables=tables, page_size=4
+        )
+
+    captured = BatchSnapshot.of(decode([3, 5], [[1, 1], [2, 3]]), 4)
+    ptrs = [captured.kv_indices.data_ptr(), captured.kv_lens.data_ptr()]
+    refill(captured, BatchSnapshot.of(decode([4, 6], [[7], [2, 3]]), 4))
+    assert captured.kv_lens.tolist() == [4, 6] and captured.max_page == 7
+    assert captured.kv_indices[:3].tolist() == [7, 2, 3]  # fewer entries fit the capacity
+    assert [captured.kv_indices.data_ptr(), captured.kv_lens.data_ptr()] == ptrs
+    before = captured.kv_indices.clone()
+    with pytest.raises(InvalidBatchError, match="do not fit") as err:
+        refill(captured, BatchSnapshot.of(decode([9, 9], [[1, 2, 3], [4, 5, 6]]), 4))
+    assert err.value.field == "kv_indices"
+    assert torch.equal(captured.kv_indices, before) and captured.kv_lens.tolist() == [4, 6]
+    with pytest.raises(InvalidBatchError, match="requests"):
+        refill(captured, BatchSnapshot.of(decode([1], [[0]]), 4))

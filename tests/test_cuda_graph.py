@@ -8,12 +8,17 @@ they skip here with a reason.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # The triton backend runs on CPU only under its interpreter, set before its first bind.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
@@ -445,3 +450,70 @@ def test_cuda_planning_inside_a_capture_is_refused() -> None:
     with pytest.raises(CaptureError, match="resolve and plan before capture"):
         with torch.cuda.graph(graph):
             GraphedForward(binding, batch, lambda: None)
+
+
+# ---------------------------------------------------------------- growing sequences (capacity)
+
+
+def _graph_backends() -> list[str]:
+    # Backends that declare graph support: a plan copied field by field (torch), an
+    # update_plan (triton), or plans_in_place (flashinfer, CUDA only: its own CUDA test).
+    return ["torch", "triton"]
+
+
+@pytest.mark.parametrize("backend", _graph_backends())
+def test_one_graph_replays_growing_sequences_across_page_boundaries(backend: str) -> None:
+    from attn_dispatch import list_backends
+
+    why = list_backends()[backend].availability_reasons()
+    if why:
+        pytest.skip(f"{backend} cannot run here: {'; '.join(why)}")
+    cfg = mha_config(dim=16)  # triton's narrowest tile
+    binding = bind(backend, cfg, label="draft")
+    ps, capacity = cfg.page_size, 4
+    k, v = make_cache(cfg, NUM_PAGES, seed=11)
+    free = list(range(NUM_PAGES - 1, -1, -1))
+    lens = [3, 6, 1]
+    tables: list[list[int]] = [[], [], []]
+
+    def batch_for(lens: list[int]) -> AttnBatch:
+        for i, n in enumerate(lens):
+            while len(tables[i]) * ps < n:  # a request crossed into a new page
+                tables[i].append(free.pop())
+        return AttnBatch.build(
+            Phase.DECODE, q_lens=[1, 1, 1], kv_lens=lens, page_tables=tables, page_size=ps
+        )
+
+    step = step_fn(cfg.head_dim**-0.5, layers=1)
+    g = torch.Generator().manual_seed(5)
+    q0 = torch.randn(3, cfg.num_q_heads, cfg.head_dim, generator=g)
+    graphed = capture_decode(
+        binding, batch_for(lens), step, q0.clone(), k, v, max_pages_per_request=capacity
+    )
+    crossings = 0
+    for _ in range(9):
+        before = [len(t) for t in tables]
+        lens = [n + 1 for n in lens]
+        batch = batch_for(lens)
+        crossings += sum(len(t) != b for t, b in zip(tables, before, strict=True))
+        q = torch.randn(3, cfg.num_q_heads, cfg.head_dim, generator=g)
+        got = graphed.replay(batch, q).clone()
+        torch.testing.assert_close(got, eager(binding, batch, step, q, k, v), atol=2e-5, rtol=2e-5)
+    assert crossings >= 3 and max(len(t) for t in tables) == capacity
+    last, last_q = batch, q
+    want = eager(binding, last, step, last_q, k, v)
+    lens[1] = capacity * ps + 1  # needs a fifth page: past the captured capacity
+    with pytest.raises(InvalidBatchError, match="max_pages_per_request") as err:
+        graphed.replay(batch_for(lens), last_q)
+    assert err.value.field == "kv_indptr" and err.value.request == 1
+    # The refused step left the captured buffers as they were.
+    torch.testing.assert_close(graphed.replay(last, last_q), want, atol=2e-5, rtol=2e-5)
+
+
+def test_capacity_must_be_a_positive_int() -> None:
+    cfg = mha_config()
+    binding = bind("torch", cfg)
+    k, v = make_cache(cfg, NUM_PAGES, seed=1)
+    batch0, q0 = same_shape_batches(cfg, 1)[0]
+    with pytest.raises(InvalidBatchError, match="positive int"):
+        capture_decode(binding, batch0, step_fn(0.3), q0, k, v, max_pages_per_request=0)

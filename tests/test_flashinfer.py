@@ -10,6 +10,7 @@ The real kernels run only on CUDA (tests/contract and bench/gpu_flashinfer.py).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import math
@@ -498,6 +499,8 @@ def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(fb, "_device_for", lambda config: torch.device("cpu"))
     monkeypatch.setattr(fb, "_check_config", lambda config: None)
     monkeypatch.setattr(fb, "_check_phase", lambda config, phase: None)
+    # the stand-ins compute in fp32: the 16-bit configs run on fp32 tensors here
+    monkeypatch.setattr(fb, "_DTYPES", {"float16": torch.float32, "bfloat16": torch.float32})
     _FakeWrapper.made = []
     return fb
 
@@ -626,7 +629,7 @@ def test_adapter_matches_contract(
     backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=scale)
     handler = backend.handler(phase)
     plan = backend.plan(batch)
-    assert plan.batch is batch
+    assert plan.owner is backend and plan.snap.num_tokens == batch.num_tokens
     out = handler(q, k_cache, v_cache, plan, scale)
     assert [w.kind for w in _FakeWrapper.made] == [route]
     assert out.shape == (sum(q_lens), cfg.num_q_heads, cfg.v_head_dim)
@@ -679,9 +682,11 @@ def test_mla_refuses_a_masked_verify_batch(fake_flashinfer: Any) -> None:
         backend.plan(batch)
 
 
-def test_scale_is_replanned_once_then_kept(fake_flashinfer: Any) -> None:
+def test_scale_is_planned_once_and_another_scale_is_refused(fake_flashinfer: Any) -> None:
+    from attn_dispatch import InvalidBatchError
+
     cfg = mha(num_q_heads=2, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
-    backend = fake_flashinfer.FlashInferBackend(cfg)  # no sm_scale option
+    backend = fake_flashinfer.FlashInferBackend(cfg)  # no scale given: 1/sqrt(head_dim)
     handler = backend.handler(Phase.DECODE)
     batch = _batch(Phase.DECODE, [1, 1], [5, 3], 4)
     gen = torch.Generator().manual_seed(5)
@@ -691,11 +696,66 @@ def test_scale_is_replanned_once_then_kept(fake_flashinfer: Any) -> None:
     wrapper = _FakeWrapper.made[0]
     assert wrapper.plans[0]["sm_scale"] == pytest.approx(1 / 8)
     for _layer in range(3):
-        out = handler(q, k_cache, v_cache, plan, 0.3)
-    assert [p["sm_scale"] for p in wrapper.plans] == [pytest.approx(1 / 8), 0.3]
-    torch.testing.assert_close(out, _reference(cfg, batch, q, k_cache, v_cache, 0.3))
-    backend.plan(batch)  # next forward plans with the learned scale
-    assert wrapper.plans[-1]["sm_scale"] == 0.3
+        out = handler(q, k_cache, v_cache, plan, 1 / 8)
+    torch.testing.assert_close(out, _reference(cfg, batch, q, k_cache, v_cache, 1 / 8))
+    with pytest.raises(InvalidBatchError, match="differs from the planned") as err:
+        handler(q, k_cache, v_cache, plan, 0.3)
+    assert err.value.field == "sm_scale"
+    assert len(wrapper.plans) == 1  # never re-planned inside the layer loop
+
+
+def test_scale_comes_from_the_config(fake_flashinfer: Any) -> None:
+    from attn_dispatch import InvalidSpecError
+
+    cfg = mha(num_q_heads=2, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    if "sm_scale" not in {f.name for f in dataclasses.fields(cfg)}:
+        pytest.skip("AttnConfig.sm_scale is added by the core branch (issue 13 item 4)")
+    cfg = cfg.replace(sm_scale=0.3)
+    backend = fake_flashinfer.FlashInferBackend(cfg)
+    backend.handler(Phase.DECODE)
+    backend.plan(_batch(Phase.DECODE, [1], [3], 4))
+    assert _FakeWrapper.made[0].plans[0]["sm_scale"] == 0.3
+    with pytest.raises(InvalidSpecError, match="sm_scale"):
+        fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.2)
+
+
+def test_plans_are_owned_and_a_superseded_plan_is_refused(fake_flashinfer: Any) -> None:
+    from attn_dispatch import InvalidBatchError
+
+    cfg = mha(num_q_heads=2, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    mine = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125)
+    other = fake_flashinfer.FlashInferBackend(cfg.replace(page_size=2), sm_scale=0.125)
+    run = mine.handler(Phase.DECODE)
+    other.handler(Phase.DECODE)
+    batch = _batch(Phase.DECODE, [1, 1], [5, 3], 4)
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    q = torch.randn(2, 2, 64, generator=gen)
+    small = _batch(Phase.DECODE, [1, 1], [2, 1], 2)
+    with pytest.raises(InvalidBatchError, match="another FlashInferBackend") as err:
+        run(q, k_cache, v_cache, other.plan(small), 0.125)
+    assert err.value.field == "plan"
+    first = mine.plan(batch)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.sm_scale = 0.3  # type: ignore[misc]
+    mine.plan(batch)  # re-plans the same wrapper
+    with pytest.raises(InvalidBatchError, match="superseded"):
+        run(q, k_cache, v_cache, first, 0.125)
+
+
+def test_edits_after_plan_do_not_reach_flashinfer(fake_flashinfer: Any) -> None:
+    cfg = mha(num_q_heads=2, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125)
+    run = backend.handler(Phase.DECODE)
+    batch = _batch(Phase.DECODE, [1, 1], [5, 3], 4)
+    gen = torch.Generator().manual_seed(4)
+    k_cache, v_cache = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    q = torch.randn(2, 2, 64, generator=gen)
+    want = _reference(cfg, batch, q, k_cache, v_cache, 0.125)
+    plan = backend.plan(batch)
+    batch.kv_indices.fill_(-1)
+    batch.kv_lens.fill_(1)
+    torch.testing.assert_close(run(q, k_cache, v_cache, plan, 0.125), want)
 
 
 def test_decode_tensor_cores_follow_the_group_size(fake_flashinfer: Any) -> None:

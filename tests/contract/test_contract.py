@@ -228,14 +228,14 @@ def test_input_checks(backend: str) -> None:
     binding = bind(backend, m.config)
     with attn_scope(binding, m.batch):
         with pytest.raises(InvalidBatchError, match="q") as err:
-            attention(m.q[:, :3], m.k_cache, m.v_cache, sm_scale=0.1)  # wrong head count
+            attention(m.q[:, :3], m.k_cache, m.v_cache, sm_scale=m.sm_scale)  # wrong head count
         assert err.value.field == "q"
         with pytest.raises(InvalidBatchError, match="dtype"):
-            attention(m.q.float(), m.k_cache, m.v_cache, sm_scale=0.1)
+            attention(m.q.float(), m.k_cache, m.v_cache, sm_scale=m.sm_scale)
         with pytest.raises(InvalidBatchError, match="k_cache"):
-            attention(m.q, m.k_cache[..., :32], m.v_cache, sm_scale=0.1)  # wrong width
+            attention(m.q, m.k_cache[..., :32], m.v_cache, sm_scale=m.sm_scale)  # wrong width
         with pytest.raises(InvalidBatchError):
-            attention(m.q, m.k_cache, None, sm_scale=0.1)  # MHA needs a v_cache
+            attention(m.q, m.k_cache, None, sm_scale=m.sm_scale)  # MHA needs a v_cache
 
 
 def test_config_of_marks_tree_verify() -> None:

@@ -44,6 +44,9 @@ from attn_dispatch import InvalidBatchError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
 from attn_dispatch._forms import FormPolicy
+from attn_dispatch.backends._common import BatchSnapshot
+from attn_dispatch.backends._common import TensorChecks
+from attn_dispatch.backends._common import check_owner
 from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.flashinfer import CAPABILITIES
 from attn_dispatch.backends.flashinfer import DEFAULT_FORM_POLICY
@@ -167,17 +170,19 @@ def _kw(wrapper: str, method: str, **kwargs: Any) -> dict[str, Any]:
     return kwargs
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class FlashInferPlan:
-    """What ``FlashInferBackend.plan`` returns: the batch, the planned wrapper and the
-    scale it was planned with. Not frozen on purpose: FlashInfer bakes the softmax scale
-    into ``plan``, and when a layer brings another scale the wrapper is re-planned once
-    and ``sm_scale`` updated, so the following layers of the forward do not re-plan."""
+    """What ``FlashInferBackend.plan`` returns: accepted only by the backend object in
+    ``owner``, and only while its wrapper still holds this plan (a later ``plan`` of the
+    same wrapper supersedes it). ``sm_scale`` is the scale FlashInfer baked in; a call with
+    another scale is refused (FlashInfer cannot change it without re-planning)."""
 
-    batch: AttnBatch
+    owner: FlashInferBackend
+    snap: BatchSnapshot
     route: _Route
     wrapper: Any
     sm_scale: float
+    ticket: object
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,24 +197,21 @@ class _PageTable:
     last_page_len: torch.Tensor  # host int32 [B]
 
 
-def _page_table(batch: AttnBatch, page_size: int) -> _PageTable:
-    """Build FlashInfer's page metadata on the host from AttnBatch's host copies; never
+def _page_table(snap: BatchSnapshot, page_size: int, num_pages: int | None) -> _PageTable:
+    """Build FlashInfer's page metadata on the host from the snapshot's host copies; never
     copies device to host. When a request holds more pages than its length needs (spare
-    pages reserved ahead), the index list is compacted with one gather on the device."""
-    kv_lens = batch.kv_lens_host.to(torch.int32)
-    kv_indptr = batch.kv_indptr_host.to(torch.int32)
+    pages reserved ahead), the index list is compacted with one gather on the device.
+
+    FlashInfer's kernels do not bound page indices: unless the snapshot checked them on the
+    host, they are clamped on the device into ``[0, num_pages)`` (``[0, inf)`` when the pool
+    size is unknown), so a bad index reads a wrong page of the cache, never outside it."""
+    kv_lens = snap.kv_lens_host
+    kv_indptr = snap.kv_indptr_host
     need = torch.div(kv_lens + (page_size - 1), page_size, rounding_mode="floor")
     have = kv_indptr[1:] - kv_indptr[:-1]
-    short = torch.nonzero(have < need)
-    if short.numel():
-        i = int(short[0, 0])
-        raise InvalidBatchError(
-            "kv_indptr",
-            f"flashinfer: kv_len {int(kv_lens[i])} needs {int(need[i])} page(s) of "
-            f"{page_size}, kv_indptr gives {int(have[i])}",
-            request=i,
-        )
-    indices = batch.kv_indices
+    indices = snap.kv_indices
+    if snap.max_page is None:
+        indices = indices.clamp(0, None if num_pages is None else num_pages - 1)
     if torch.equal(have, need):
         compact_indptr = kv_indptr
     else:
@@ -226,10 +228,10 @@ def _page_table(batch: AttnBatch, page_size: int) -> _PageTable:
         indices = indices.index_select(0, positions)
     last = torch.where(need > 0, kv_lens - (need - 1) * page_size, torch.zeros_like(kv_lens))
     return _PageTable(
-        qo_indptr=batch.qo_indptr_host.to(torch.int32).contiguous(),
+        qo_indptr=snap.qo_indptr_host,
         kv_indptr=compact_indptr.contiguous(),
         kv_indices=indices.contiguous(),
-        kv_lens=kv_lens.contiguous(),
+        kv_lens=kv_lens,
         last_page_len=last.to(torch.int32).contiguous(),
     )
 
@@ -251,8 +253,10 @@ class _Route(abc.ABC):
         self.config = backend.config
         self._eager: Any = None
         self._graph: dict[int, Any] = {}
+        # id(wrapper) -> ticket of the plan it holds now (a wrapper keeps one plan at a time)
+        self.tickets: dict[int, object] = {}
 
-    def wrapper_for(self, batch: AttnBatch) -> Any:
+    def wrapper_for(self, batch: BatchSnapshot) -> Any:
         if not self.backend.use_cuda_graph:
             if self._eager is None:
                 self._eager = self._make(None)
@@ -273,7 +277,9 @@ class _Route(abc.ABC):
     def _make(self, graph_batch: int | None) -> Any: ...
 
     @abc.abstractmethod
-    def plan(self, wrapper: Any, batch: AttnBatch, table: _PageTable, sm_scale: float) -> None: ...
+    def plan(
+        self, wrapper: Any, batch: BatchSnapshot, table: _PageTable, sm_scale: float
+    ) -> None: ...
 
     @abc.abstractmethod
     def run(
@@ -324,7 +330,7 @@ class _PrefillRoute(_MHARoute):
             )
         return flashinfer.BatchPrefillWithPagedKVCacheWrapper(**kwargs)
 
-    def plan(self, wrapper: Any, batch: AttnBatch, table: _PageTable, sm_scale: float) -> None:
+    def plan(self, wrapper: Any, batch: BatchSnapshot, table: _PageTable, sm_scale: float) -> None:
         cfg = self.config
         mask = batch.custom_mask
         wrapper.plan(
@@ -399,7 +405,7 @@ class _DecodeRoute(_MHARoute):
             )
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(**kwargs)
 
-    def plan(self, wrapper: Any, batch: AttnBatch, table: _PageTable, sm_scale: float) -> None:
+    def plan(self, wrapper: Any, batch: BatchSnapshot, table: _PageTable, sm_scale: float) -> None:
         cfg = self.config
         wrapper.plan(
             **_kw(
@@ -453,7 +459,7 @@ class _MLARoute(_Route):
             )
         return BatchMLAPagedAttentionWrapper(**kwargs)
 
-    def plan(self, wrapper: Any, batch: AttnBatch, table: _PageTable, sm_scale: float) -> None:
+    def plan(self, wrapper: Any, batch: BatchSnapshot, table: _PageTable, sm_scale: float) -> None:
         cfg = self.config
         metadata = MLAPlanMetadata.csr(
             **_kw(
@@ -526,9 +532,13 @@ class FlashInferBackend(TorchBackendBase):
       max_batch_size, max_num_pages: sizes of those persistent buffers (graph mode).
       max_mask_bytes: bytes of the packed verify-tree mask buffer (graph mode, MHA).
       workspace_bytes: float workspace size (default 128 MiB, FlashInfer's advice).
-      sm_scale: the softmax scale to plan with. FlashInfer fixes the scale at ``plan``;
-        when a call passes another scale the wrapper is re-planned once (eager only)
-        and the new scale is kept for later forwards.
+      sm_scale: the softmax scale to plan with (default: the config's ``sm_scale``, else
+        1/sqrt(head_dim)). FlashInfer fixes the scale at ``plan``, so a call passing another
+        scale is refused with ``InvalidBatchError`` (field ``sm_scale``), never re-planned
+        inside the layer loop.
+      validate: read the batch's device index tensors back at plan time and check them on
+        the host (a device sync per forward; for debugging). Without it, page indices are
+        clamped into the cache on the device (FlashInfer's kernels do not bound them).
       prefill_backend, decode_backend, mla_backend: FlashInfer's own backend names
         (default "auto": FlashInfer picks among the kernels that serve the plan).
       decode_tensor_cores: force tensor-core decode on or off (default: GQA group >= 4).
@@ -554,6 +564,7 @@ class FlashInferBackend(TorchBackendBase):
         mla_backend: str = "auto",
         decode_tensor_cores: bool | None = None,
         form_policy: FormPolicy | None = None,
+        validate: bool = False,
     ) -> None:
         _check_config(config)
         # MLA prefill without a cached prefix runs decompressed (ragged MHA through the
@@ -571,6 +582,9 @@ class FlashInferBackend(TorchBackendBase):
         self.decode_tensor_cores = decode_tensor_cores
         # zeros, not empty: FlashInfer asks for a zeroed float workspace on first use.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        # Graph mode: plan() refills the persistent buffers of one wrapper per batch size,
+        # so a captured graph follows each new plan (cuda_graph reads this flag).
+        self.plans_in_place = use_cuda_graph
         self.graph_indices: torch.Tensor | None = None
         self.graph_mask: torch.Tensor | None = None
         if use_cuda_graph:
@@ -587,7 +601,28 @@ class FlashInferBackend(TorchBackendBase):
             self.graph_indices = torch.zeros(max_num_pages, dtype=torch.int32, device=self.device)
             if config.tree_verify:
                 self.graph_mask = torch.zeros(max_mask_bytes, dtype=torch.uint8, device=self.device)
-        self._scale = sm_scale
+        planned = getattr(config, "sm_scale", None)
+        if sm_scale is not None and planned is not None and sm_scale != planned:
+            raise InvalidSpecError(
+                "sm_scale",
+                sm_scale,
+                f"differs from the config's sm_scale={planned!r}; give the scale once, in "
+                "AttnConfig(sm_scale=...)",
+            )
+        chosen = sm_scale if sm_scale is not None else planned
+        self.sm_scale: float = (
+            float(chosen) if chosen is not None else 1.0 / math.sqrt(config.head_dim)
+        )
+        self.validate = bool(validate)
+        self.max_num_pages = max_num_pages
+        self._checks = TensorChecks.of(
+            config,
+            backend="flashinfer",
+            layout="rows",
+            q_dtype=self.q_dtype,
+            kv_dtype=self.kv_dtype,
+            device_type=self.device.type,
+        )
         self._routes: dict[Phase, _Route] = {}
 
     # -- routes ------------------------------------------------------------------------
@@ -615,18 +650,14 @@ class FlashInferBackend(TorchBackendBase):
                 return r
         return _PrefillRoute(self)
 
-    def _default_scale(self) -> float:
-        if self._scale is not None:
-            return self._scale
-        return 1.0 / math.sqrt(self.config.head_dim)
-
     # -- protocol ----------------------------------------------------------------------
 
     def plan(self, batch: AttnBatch) -> FlashInferPlan:
         """Plan the wrapper serving ``batch.phase``: once per forward, host metadata only.
 
-        FlashInfer bakes the softmax scale into its plan; the scale used is the one given
-        as the ``sm_scale`` option or seen on the last call.
+        FlashInfer bakes the softmax scale into its plan: ``self.sm_scale`` (the config's).
+        The batch is copied and checked first (``_common.BatchSnapshot``); a later edit of
+        its tensors never reaches FlashInfer.
         """
         if batch.phase is Phase.VERIFY and batch.custom_mask is not None:
             if self.config.kind == "mla":
@@ -635,22 +666,27 @@ class FlashInferBackend(TorchBackendBase):
                     "flashinfer MLA has no custom mask (bind verify to 'triton' or 'torch' "
                     "for tree verify)",
                 )
-        route = self._route(batch.phase)
-        wrapper = route.wrapper_for(batch)
-        table = _page_table(batch, self.config.page_size)
-        scale = self._default_scale()
+        snap = BatchSnapshot.of(batch, self.config.page_size, check_device=self.validate)
+        route = self._route(snap.phase)
+        wrapper = route.wrapper_for(snap)
+        table = _page_table(snap, self.config.page_size, self.max_num_pages)
+        scale = self.sm_scale
         try:
-            route.plan(wrapper, batch, table, scale)
+            route.plan(wrapper, snap, table, scale)
         except ValueError as exc:
             if isinstance(exc, InvalidBatchError):
                 raise
             raise InvalidBatchError(
                 "batch",
-                f"flashinfer {route.name}.plan refused this {batch.phase.name} batch "
-                f"({batch.num_requests} requests, {batch.num_tokens} tokens, max kv "
-                f"{batch.max_kv_len}): {exc}",
+                f"flashinfer {route.name}.plan refused this {snap.phase.name} batch "
+                f"({snap.num_requests} requests, {snap.num_tokens} tokens, max kv "
+                f"{snap.max_kv_len}): {exc}",
             ) from exc
-        return FlashInferPlan(batch=batch, route=route, wrapper=wrapper, sm_scale=scale)
+        ticket = object()
+        route.tickets[id(wrapper)] = ticket
+        return FlashInferPlan(
+            owner=self, snap=snap, route=route, wrapper=wrapper, sm_scale=scale, ticket=ticket
+        )
 
     def handler(self, phase: Phase) -> Handler:
         """The per-layer callable for ``phase``; builds its route now (bind time)."""
@@ -666,23 +702,22 @@ class FlashInferBackend(TorchBackendBase):
         plan: object,
         sm_scale: float,
     ) -> torch.Tensor:
+        check_owner(plan, self, "flashinfer")
         assert isinstance(plan, FlashInferPlan)
-        if sm_scale != plan.sm_scale:
-            plan = self._replan(plan, sm_scale)
-        return plan.route.run(plan.wrapper, q, k_cache, v_cache)
-
-    def _replan(self, plan: FlashInferPlan, sm_scale: float) -> FlashInferPlan:
-        # Rare: the caller's scale differs from the planned one (first forward without
-        # the sm_scale option). Re-plan once and keep the scale for later forwards.
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if plan.route.tickets.get(id(plan.wrapper)) is not plan.ticket:
+            raise InvalidBatchError(
+                "plan",
+                "flashinfer: this plan was superseded: a later plan() re-planned the same "
+                "FlashInfer wrapper (one plan per forward; use the scope's current plan)",
+            )
+        self._checks.check(plan.snap, q, k_cache, v_cache)
+        if sm_scale != plan.sm_scale and not math.isclose(sm_scale, plan.sm_scale, rel_tol=1e-6):
             raise InvalidBatchError(
                 "sm_scale",
-                f"flashinfer: {sm_scale!r} differs from the planned {plan.sm_scale!r} during "
-                "CUDA-graph capture, where FlashInfer cannot re-plan; pass sm_scale= as a "
-                "backend option or run one eager forward before capture",
+                f"flashinfer: {sm_scale!r} differs from the planned {plan.sm_scale!r}; FlashInfer "
+                "bakes the scale in at plan time: bind with AttnConfig(sm_scale=...) equal to "
+                "the scale the model passes",
             )
-        self._scale = float(sm_scale)
-        table = _page_table(plan.batch, self.config.page_size)
-        plan.route.plan(plan.wrapper, plan.batch, table, self._scale)
-        plan.sm_scale = self._scale
-        return plan
+        if plan.snap.num_requests == 0:  # SGLang's IDLE forward: nothing to launch
+            return q.new_empty((0, self.config.num_q_heads, self.config.out_head_dim))
+        return plan.route.run(plan.wrapper, q, k_cache, v_cache)

@@ -21,6 +21,9 @@ from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
+from attn_dispatch.backends._common import BatchSnapshot
+from attn_dispatch.backends._common import TensorChecks
+from attn_dispatch.backends._common import check_owner
 from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.reference import DEFAULT_FORM_POLICY
 
@@ -31,7 +34,10 @@ CHUNK_TOKENS = 2048
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class TorchPlan:
-    batch: AttnBatch
+    """One forward's plan: made by ``TorchBackend.plan``, accepted only by that object."""
+
+    owner: TorchBackend
+    snap: BatchSnapshot
     page_table: torch.Tensor  # int64 [B, max_pages], padded with page 0 (masked by kv_lens)
     q_rows: torch.Tensor  # int64 [B, max_q], row of q per (request, slot); pads point at row 0
     q_valid: torch.Tensor  # bool [B, max_q]
@@ -44,7 +50,12 @@ class TorchPlan:
 
 
 class TorchBackend(TorchBackendBase):
-    """Reference attention for MHA/GQA and absorbed MLA, every phase, CPU or CUDA."""
+    """Reference attention for MHA/GQA and absorbed MLA, every phase, CPU or CUDA.
+
+    Every call is checked before any tensor is indexed (``_common.TensorChecks``); on a CUDA
+    batch whose page indices were not read at plan time, page indices are clamped into the
+    cache given at the call (``validate=True`` reads and checks them at plan time instead).
+    """
 
     name = "torch"
 
@@ -54,61 +65,65 @@ class TorchBackend(TorchBackendBase):
         *,
         score_budget: int = SCORE_BUDGET,
         form_policy: FormPolicy | None = None,
+        validate: bool = False,
     ) -> None:
         """``score_budget``: max fp32 scores alive at once; ``form_policy``: how MLA layers
-        choose between absorbed and decompressed forms (default ``FormPolicy()``)."""
+        choose between absorbed and decompressed forms (default ``FormPolicy()``);
+        ``validate``: on CUDA, read the page indices back at plan time to check them (a
+        host sync per forward)."""
         self.config = config
         self.score_budget = int(score_budget)
         self.form_policy = DEFAULT_FORM_POLICY if form_policy is None else form_policy
+        self.validate = bool(validate)
         self.q_dtype = getattr(torch, config.dtype)
         self.kv_dtype = getattr(torch, str(config.kv_dtype))
+        self._checks = TensorChecks.of(config, backend="torch")
 
     # -- planning (once per forward) ----------------------------------------------------------
 
     def plan(self, batch: AttnBatch) -> TorchPlan:
-        if batch.page_size is not None and batch.page_size != self.config.page_size:
-            raise InvalidBatchError(
-                "page_size",
-                f"batch page_size {batch.page_size!r} != bound config page_size "
-                f"{self.config.page_size!r}",
-            )
-        dev = batch.kv_indices.device
-        qo = batch.qo_indptr_host.tolist()
-        kv = batch.kv_indptr_host.tolist()
-        b = batch.num_requests
+        snap = BatchSnapshot.of(batch, self.config.page_size, check_device=self.validate)
+        dev = snap.device
+        qo = snap.qo_indptr_host.tolist()
+        kv = snap.kv_indptr_host.tolist()
+        b = snap.num_requests
         ps = self.config.page_size
-        max_q = max(batch.max_q_len, 1)
-        max_pages = max(max((kv[i + 1] - kv[i] for i in range(b)), default=0), 1)
-        # Pad the page tables on the device (no device-to-host copy of kv_indices).
-        tables = [batch.kv_indices[kv[i] : kv[i + 1]].long() for i in range(b)]
-        page_table = torch.zeros(b, max_pages, dtype=torch.int64, device=dev)
-        for i, t in enumerate(tables):
-            page_table[i, : t.numel()] = t
+        max_q = max(snap.max_q_len, 1)
+        counts = [kv[i + 1] - kv[i] for i in range(b)]
+        max_pages = max(max(counts, default=0), 1)
+        # Gather the padded page tables on the device (no device-to-host copy of kv_indices);
+        # pads read one extra entry, page 0, that kv_lens masks.
+        n = snap.kv_indices.numel()
+        slots_p = torch.arange(max_pages)
+        have = torch.tensor(counts, dtype=torch.int64).view(b, 1)
+        starts_p = torch.tensor(kv[:-1], dtype=torch.int64).view(b, 1)
+        pos = torch.where(slots_p[None, :] < have, starts_p + slots_p, n)
+        padded = torch.cat((snap.kv_indices.long(), torch.zeros(1, dtype=torch.int64, device=dev)))
+        page_table = padded[pos.to(dev)]
         slots = torch.arange(max_q)
         q_lens = torch.tensor([qo[i + 1] - qo[i] for i in range(b)], dtype=torch.int64)
         starts = torch.tensor(qo[:-1], dtype=torch.int64)
         q_valid = slots[None, :] < q_lens[:, None]
         q_rows = torch.where(q_valid, starts[:, None] + slots[None, :], 0)
-        kv_lens = batch.kv_lens_host.long()
+        kv_lens = snap.kv_lens_host.long()
         q_pos = kv_lens[:, None] - q_lens[:, None] + slots[None, :]
         mask = None
-        if batch.custom_mask is not None:
-            assert batch.mask_indptr is not None
+        if snap.custom_mask is not None:
+            assert snap.mask_indptr is not None
             mask = torch.zeros(b, max_q, max_pages * ps, dtype=torch.bool, device=dev)
-            offs = batch.mask_indptr.tolist() if batch.mask_indptr.device.type == "cpu" else None
             lens = kv_lens.tolist()
             off = 0
             for i in range(b):
                 ql, kl = qo[i + 1] - qo[i], lens[i]
-                start = offs[i] if offs is not None else off
-                mask[i, :ql, :kl] = batch.custom_mask[start : start + ql * kl].view(ql, kl)
+                mask[i, :ql, :kl] = snap.custom_mask[off : off + ql * kl].view(ql, kl)
                 off += ql * kl
         heads = self.config.num_q_heads
         chunk_pages = max(1, CHUNK_TOKENS // ps)
         chunk_tokens = chunk_pages * ps
         q_block = max(1, min(max_q, self.score_budget // max(1, b * heads * chunk_tokens)))
         return TorchPlan(
-            batch=batch,
+            owner=self,
+            snap=snap,
             page_table=page_table,
             q_rows=q_rows.to(dev),
             q_valid=q_valid.to(dev),
@@ -127,54 +142,6 @@ class TorchBackend(TorchBackendBase):
 
     # -- per layer ----------------------------------------------------------------------------
 
-    def check(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, plan: TorchPlan
-    ) -> None:
-        """Shape/dtype checks against the bound config: shape reads only."""
-        c = self.config
-        if q.dim() != 3 or q.shape[1] != c.num_q_heads or q.shape[2] != c.head_dim:
-            raise InvalidBatchError(
-                "q",
-                f"shape {tuple(q.shape)} != [tokens, num_q_heads={c.num_q_heads}, "
-                f"head_dim={c.head_dim}] of the bound config",
-            )
-        if q.shape[0] != plan.batch.num_tokens:
-            raise InvalidBatchError(
-                "q", f"{q.shape[0]} rows but the batch has {plan.batch.num_tokens} query tokens"
-            )
-        if q.dtype != self.q_dtype:
-            raise InvalidBatchError("q", f"dtype {q.dtype} != bound config dtype {c.dtype!r}")
-        if k_cache.dtype != self.kv_dtype:
-            raise InvalidBatchError(
-                "k_cache", f"dtype {k_cache.dtype} != bound config kv_dtype {c.kv_dtype!r}"
-            )
-        if c.kind == "mla":
-            want: tuple[int, ...] = (c.page_size, c.head_dim)
-            if k_cache.dim() != 3 or tuple(k_cache.shape[1:]) != want:
-                raise InvalidBatchError(
-                    "k_cache",
-                    f"MLA cache shape {tuple(k_cache.shape)} != [pages, {want[0]}, {want[1]}]",
-                )
-            if v_cache is not None:
-                raise InvalidBatchError(
-                    "v_cache", "must be None for MLA (V is the first v_head_dim columns of k_cache)"
-                )
-        else:
-            want = (c.page_size, c.num_kv_heads, c.head_dim)
-            if k_cache.dim() != 4 or tuple(k_cache.shape[1:]) != want:
-                raise InvalidBatchError(
-                    "k_cache",
-                    f"shape {tuple(k_cache.shape)} != [pages, {', '.join(map(str, want))}]",
-                )
-            wantv = (k_cache.shape[0], c.page_size, c.num_kv_heads, c.v_head_dim)
-            if v_cache is None or tuple(v_cache.shape) != wantv:
-                got = None if v_cache is None else tuple(v_cache.shape)
-                raise InvalidBatchError("v_cache", f"shape {got} != {list(wantv)}")
-            if v_cache.dtype != self.kv_dtype:
-                raise InvalidBatchError(
-                    "v_cache", f"dtype {v_cache.dtype} != bound config kv_dtype {c.kv_dtype!r}"
-                )
-
     def run(
         self,
         q: torch.Tensor,
@@ -183,13 +150,21 @@ class TorchBackend(TorchBackendBase):
         plan: TorchPlan,
         sm_scale: float,
     ) -> torch.Tensor:
-        self.check(q, k_cache, v_cache, plan)
+        check_owner(plan, self, "torch")
+        num_pages = self._checks.check(plan.snap, q, k_cache, v_cache)
         c = self.config
         mla = c.kind == "mla"
         hkv, dv = c.num_kv_heads, int(c.out_head_dim)
+        if plan.snap.num_requests == 0:  # SGLang's IDLE forward: nothing to attend
+            return q.new_empty((0, c.num_q_heads, dv))
         b, max_q = plan.q_rows.shape
         max_pages = plan.page_table.shape[1]
         ps = c.page_size
+        table = plan.page_table
+        if plan.snap.max_page is None:
+            # Page indices never read on the host (CUDA without validate): keep every gather
+            # inside this call's cache; an out-of-range index gives wrong numbers, not a fault.
+            table = table.clamp(0, max(num_pages - 1, 0))
         out = torch.empty(b, max_q, c.num_q_heads, dv, dtype=torch.float32, device=q.device)
         qp = self._padded_q(q, plan.q_rows)
         for q0 in range(0, max_q, plan.q_block):
@@ -198,17 +173,21 @@ class TorchBackend(TorchBackendBase):
             pos = plan.q_pos[:, q0:q1]
             for p0 in range(0, max_pages, plan.chunk_pages):
                 p1 = min(max_pages, p0 + plan.chunk_pages)
-                pages = plan.page_table[:, p0:p1]
+                pages = table[:, p0:p1]
                 n = (p1 - p0) * ps
                 kc = k_cache[pages]
+                kpos = torch.arange(p0 * ps, p0 * ps + n, device=q.device)
+                # Slots past kv_len (and the pads of short page tables) are unread: zero their
+                # V so 0 * NaN never reaches the output.
+                unread = (kpos[None, :] >= plan.kv_lens[:, None])[:, None, :, None]
                 if mla:
                     k = kc.reshape(b, 1, n, -1).float()
-                    v = k[..., :dv]
+                    v = k[..., :dv].masked_fill(unread, 0.0)
                 else:
                     assert v_cache is not None
                     k = kc.reshape(b, n, hkv, -1).transpose(1, 2).float()
                     v = v_cache[pages].reshape(b, n, hkv, dv).transpose(1, 2).float()
-                kpos = torch.arange(p0 * ps, p0 * ps + n, device=q.device)
+                    v = v.masked_fill(unread, 0.0)
                 allowed = kpos[None, None, :] < plan.kv_lens[:, None, None]
                 if plan.mask is not None:
                     allowed = allowed & plan.mask[:, q0:q1, p0 * ps : p0 * ps + n]
@@ -256,20 +235,27 @@ class TorchBackend(TorchBackendBase):
             )
         if batch.custom_mask is not None:
             raise InvalidBatchError("custom_mask", "the 'mha_chunked' form is causal only")
-        t = batch.num_tokens
+        # The batch is this form's plan: copy and check it here (prefill, once per layer).
+        # No page is read here, so page coverage is not checked.
+        snap = BatchSnapshot.of(batch, None)
+        t = snap.num_tokens
         for name, x, d in (
             ("q", q, c.head_dim),
             ("k_new", k_new, c.head_dim),
             ("v_new", v_new, c.v_head_dim),
         ):
-            if x.dim() != 3 or tuple(x.shape) != (t, c.num_q_heads, d):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (t, c.num_q_heads, d):
                 raise InvalidBatchError(
-                    name, f"shape {tuple(x.shape)} != [{t}, {c.num_q_heads}, {d}] (new tokens)"
+                    name,
+                    f"shape {tuple(getattr(x, 'shape', ()))} != [{t}, {c.num_q_heads}, {d}] "
+                    "(new tokens)",
                 )
         dv = int(c.out_head_dim)
-        b = batch.num_requests
-        qo = batch.qo_indptr_host.tolist()
-        max_q = max(batch.max_q_len, 1)
+        b = snap.num_requests
+        if b == 0:
+            return q.new_empty((0, c.num_q_heads, dv))
+        qo = snap.qo_indptr_host.tolist()
+        max_q = max(snap.max_q_len, 1)
         dev = q.device
         slots = torch.arange(max_q)
         q_lens = torch.tensor([qo[i + 1] - qo[i] for i in range(b)], dtype=torch.int64)
@@ -277,7 +263,7 @@ class TorchBackend(TorchBackendBase):
         rows = torch.where(valid, torch.tensor(qo[:-1])[:, None] + slots[None, :], 0).to(dev)
         valid = valid.to(dev)
         acc = _OnlineSoftmax(self._padded_q(q, rows), dv)
-        prefix_lens = (batch.kv_lens_host.long() - q_lens).tolist()
+        prefix_lens = (snap.kv_lens_host.long() - q_lens).tolist()
         seen = [0] * b
         for k_c, v_c, indptr in prefix:
             ind = [int(x) for x in indptr]

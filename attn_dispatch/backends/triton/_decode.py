@@ -23,7 +23,16 @@ import triton.language as tl
 
 # Sizes that vary between configs and batches are not specialised on (value 1, multiple of
 # 16): it would only multiply the compiled variants (a JIT compile costs seconds).
-@triton.jit(do_not_specialize=["page_size", "group_size", "groups_per_kv", "num_splits"])
+@triton.jit(
+    do_not_specialize=[
+        "page_size",
+        "group_size",
+        "groups_per_kv",
+        "num_splits",
+        "num_pages",
+        "num_indices",
+    ]
+)
 def _decode_split_kernel(
     Q,
     K,
@@ -51,6 +60,8 @@ def _decode_split_kernel(
     group_size,
     groups_per_kv,
     num_splits,
+    num_pages,
+    num_indices,
     HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
     D_MAIN: tl.constexpr,
@@ -99,7 +110,12 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        page = tl.load(kv_indices + page_base + offs_n // page_size, mask=n_mask, other=0)
+        # Never read outside kv_indices or the cache: an index the host did not check (CUDA
+        # without validate) that points outside drops its token instead of faulting.
+        entry = page_base + offs_n // page_size
+        n_mask = n_mask & (entry >= 0) & (entry < num_indices)
+        page = tl.load(kv_indices + entry, mask=n_mask, other=0)
+        n_mask = n_mask & (page >= 0) & (page < num_pages)
         slot = offs_n % page_size
         k_row = K + page.to(tl.int64) * stride_kp + slot * stride_ks + kv_head * stride_kh
         k_main = tl.load(k_row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)

@@ -39,6 +39,9 @@ def _attend_block(
     mask_base,
     kv_len,
     page_size,
+    num_pages,
+    num_indices,
+    num_mask,
     kv_head,
     sm_scale_log2,
     stride_kp,
@@ -63,11 +66,8 @@ def _attend_block(
     n_mask = offs_n < n_end
     allowed = row_mask[:, None] & n_mask[None, :]
     if USE_MASK:
-        bits = tl.load(
-            Mask + mask_base + rows[:, None].to(tl.int64) * kv_len + offs_n[None, :],
-            mask=allowed,
-            other=0,
-        )
+        bit = mask_base + rows[:, None].to(tl.int64) * kv_len + offs_n[None, :]
+        bits = tl.load(Mask + bit, mask=allowed & (bit >= 0) & (bit < num_mask), other=0)
         allowed = allowed & (bits != 0)
     if CAUSAL:
         allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
@@ -77,14 +77,14 @@ def _attend_block(
         if tl.max(allowed.to(tl.int32)) > 0:
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, offs_n, n_mask,
-                allowed, page_size, kv_head, sm_scale_log2,
+                allowed, page_size, num_pages, num_indices, kv_head, sm_scale_log2,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, UPCAST, IEEE,
             )  # fmt: skip
     else:
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, offs_n, n_mask,
-            allowed, page_size, kv_head, sm_scale_log2,
+            allowed, page_size, num_pages, num_indices, kv_head, sm_scale_log2,
             stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, UPCAST, IEEE,
         )  # fmt: skip
@@ -106,6 +106,8 @@ def _attend_tile(
     n_mask,
     allowed,
     page_size,
+    num_pages,
+    num_indices,
     kv_head,
     sm_scale_log2,
     stride_kp,
@@ -125,7 +127,12 @@ def _attend_tile(
 ):
     # Rows with nothing allowed in this tile get p = 0 and keep their state (see m_safe).
     offs_d = tl.arange(0, D_MAIN)
-    page = tl.load(kv_indices + page_base + offs_n // page_size, mask=n_mask, other=0)
+    # Never read outside kv_indices or the cache (see _decode): such a token is dropped.
+    entry = page_base + offs_n // page_size
+    n_mask = n_mask & (entry >= 0) & (entry < num_indices)
+    page = tl.load(kv_indices + entry, mask=n_mask, other=0)
+    n_mask = n_mask & (page >= 0) & (page < num_pages)
+    allowed = allowed & n_mask[None, :]
     slot = offs_n % page_size
     k_row = K + page.to(tl.int64) * stride_kp + slot * stride_ks + kv_head * stride_kh
     k_main = tl.load(k_row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
@@ -175,7 +182,16 @@ def _attend_tile(
 
 
 # Not specialised on page size or group size: fewer compiled variants (see _decode).
-@triton.jit(do_not_specialize=["page_size", "group_size"])
+@triton.jit(
+    do_not_specialize=[
+        "page_size",
+        "group_size",
+        "num_tokens",
+        "num_pages",
+        "num_indices",
+        "num_mask",
+    ]
+)
 def _extend_kernel(
     Q,
     K,
@@ -200,6 +216,10 @@ def _extend_kernel(
     stride_oh,
     page_size,
     group_size,
+    num_tokens,
+    num_pages,
+    num_indices,
+    num_mask,
     HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
     D_MAIN: tl.constexpr,
@@ -229,7 +249,8 @@ def _extend_kernel(
             mask_base = tl.load(mask_indptr + b)
 
         rows = m0 + tl.arange(0, BLOCK_M)
-        row_mask = rows < q_len
+        # Rows outside q (device indptr the host did not check) are neither read nor written.
+        row_mask = (rows < q_len) & (q_start + rows >= 0) & (q_start + rows < num_tokens)
         q_pos = prefix + rows
         offs_d = tl.arange(0, D_MAIN)
         q_ptr = Q + (q_start + rows)[:, None].to(tl.int64) * stride_qt + h * stride_qh
@@ -255,7 +276,8 @@ def _extend_kernel(
         for n0 in range(0, prefix, BLOCK_N):
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, n0, prefix,
-                rows, row_mask, q_pos, Mask, mask_base, kv_len, page_size, kv_head,
+                rows, row_mask, q_pos, Mask, mask_base, kv_len, page_size, num_pages,
+                num_indices, num_mask, kv_head,
                 sm_scale_log2, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, BLOCK_N,
                 False, USE_MASK, V_FROM_K, UPCAST, IEEE,
@@ -268,7 +290,8 @@ def _extend_kernel(
         for n0 in range(prefix, new_end, BLOCK_N):
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, n0, kv_len,
-                rows, row_mask, q_pos, Mask, mask_base, kv_len, page_size, kv_head,
+                rows, row_mask, q_pos, Mask, mask_base, kv_len, page_size, num_pages,
+                num_indices, num_mask, kv_head,
                 sm_scale_log2, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, BLOCK_N,
                 not USE_MASK, USE_MASK, V_FROM_K, UPCAST, IEEE,

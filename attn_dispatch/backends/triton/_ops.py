@@ -1,4 +1,4 @@
-"""Host side of the triton kernels: launch constants, plans and launches (no attn_dispatch core).
+"""Host side of the triton kernels: launch constants, plans and launches.
 
 Everything that needs the host is computed in ``plan_decode`` / ``plan_extend`` from the
 batch's host copies (python ints and CPU tensors), once per forward; ``run_*`` only launches
@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 import triton
+
+from attn_dispatch.backends._common import BatchSnapshot
 
 from ._decode import _decode_merge_kernel
 from ._decode import _decode_split_kernel
@@ -93,41 +95,37 @@ class KernelConfig:
         return self.mla and self.layout.v_head_dim == self.layout.main
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class DecodePlan:
-    batch: Any
+    """Split-KV decode plan; accepted only by the backend object in ``owner``."""
+
+    owner: Any
+    snap: BatchSnapshot
     num_splits: int
-    part_out: torch.Tensor  # [B, Hq, S, Dv] fp32
-    part_lse: torch.Tensor  # [B, Hq, S] fp32
     split_grid: tuple[int, int, int]
     merge_grid: tuple[int, int]
     constants: dict[str, Any]
     merge_constants: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class ExtendPlan:
-    batch: Any
+    """Extend (prefill / verify) plan; accepted only by the backend object in ``owner``."""
+
+    owner: Any
+    snap: BatchSnapshot
     grid: tuple[int, int, int]
-    mask: torch.Tensor | None  # uint8 view of the custom mask
-    mask_indptr: torch.Tensor | None
+    mask: torch.Tensor | None  # uint8 view of the snapshot's custom mask
     constants: dict[str, Any]
 
 
-def plan_decode(
-    kc: KernelConfig,
-    batch: Any,
-    num_splits: int,
-    part_out: torch.Tensor,
-    part_lse: torch.Tensor,
-) -> DecodePlan:
-    """Decode launch plan; ``part_out`` [B, Hq, S, Dv] and ``part_lse`` [B, Hq, S] are fp32."""
-    b = int(batch.num_requests)
+def plan_decode(kc: KernelConfig, owner: Any, snap: BatchSnapshot, num_splits: int) -> DecodePlan:
+    """Decode launch plan (the split scratch is allocated per call: see ``run_decode``)."""
+    b = snap.num_requests
     return DecodePlan(
-        batch=batch,
+        owner=owner,
+        snap=snap,
         num_splits=num_splits,
-        part_out=part_out,
-        part_lse=part_lse,
         split_grid=(b, kc.num_kv_heads * kc.groups_per_kv, num_splits),
         merge_grid=(b, -(-kc.num_q_heads // kc.block_h)),
         constants=decode_constants(kc),
@@ -135,18 +133,14 @@ def plan_decode(
     )
 
 
-def plan_extend(kc: KernelConfig, batch: Any) -> ExtendPlan:
-    mask = batch.custom_mask
+def plan_extend(kc: KernelConfig, owner: Any, snap: BatchSnapshot) -> ExtendPlan:
+    mask = snap.custom_mask
     return ExtendPlan(
-        batch=batch,
-        grid=(
-            int(batch.num_requests),
-            kc.num_q_heads,
-            max(1, -(-int(batch.max_q_len) // kc.extend_block_m)),
-        ),
+        owner=owner,
+        snap=snap,
+        grid=(snap.num_requests, kc.num_q_heads, max(1, -(-snap.max_q_len // kc.extend_block_m))),
         # Same bytes, read as uint8 in the kernel: a view, no copy.
         mask=None if mask is None else mask.view(torch.uint8),
-        mask_indptr=None if mask is None else batch.mask_indptr,
         constants=extend_constants(kc, mask is not None),
     )
 
@@ -190,23 +184,31 @@ def run_decode(
     sm_scale: float,
 ) -> torch.Tensor:
     lay = kc.layout
-    batch = plan.batch
+    snap = plan.snap
     v = k_cache if v_cache is None else v_cache
     out = q.new_empty((q.shape[0], kc.num_q_heads, lay.v_head_dim))
+    b, hq, splits, dv = snap.num_requests, kc.num_q_heads, plan.num_splits, lay.v_head_dim
+    # Scratch per call, not per plan: calls sharing one plan from several threads (or
+    # streams) never write each other's partial results. Under CUDA-graph capture it comes
+    # from the graph's pool, so every replay sees the same memory.
+    scratch = torch.empty(b * hq * splits * (dv + 1), dtype=torch.float32, device=q.device)
+    part_out = scratch[: b * hq * splits * dv].view(b, hq, splits, dv)
+    part_lse = scratch[b * hq * splits * dv :].view(b, hq, splits)
     _decode_split_kernel[plan.split_grid](
-        q, k_cache, v, batch.kv_indptr, batch.kv_indices, batch.kv_lens,
-        plan.part_out, plan.part_lse, sm_scale * LOG2E,
+        q, k_cache, v, snap.kv_indptr, snap.kv_indices, snap.kv_lens,
+        part_out, part_lse, sm_scale * LOG2E,
         q.stride(0), q.stride(1),
         *_cache_strides(kc, k_cache), *_cache_strides(kc, v),
-        plan.part_out.stride(0), plan.part_out.stride(1), plan.part_out.stride(2),
-        plan.part_lse.stride(0), plan.part_lse.stride(1),
-        k_cache.shape[1], kc.group_size, kc.groups_per_kv, plan.num_splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        k_cache.shape[1], kc.group_size, kc.groups_per_kv, splits,
+        k_cache.shape[0], snap.kv_indices.numel(),
         **plan.constants, num_warps=kc.decode_warps, num_stages=kc.num_stages,
     )  # fmt: skip
     _decode_merge_kernel[plan.merge_grid](
-        plan.part_out, plan.part_lse, out, kc.num_q_heads, plan.num_splits,
-        plan.part_out.stride(0), plan.part_out.stride(1), plan.part_out.stride(2),
-        plan.part_lse.stride(0), plan.part_lse.stride(1),
+        part_out, part_lse, out, kc.num_q_heads, splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         **plan.merge_constants, num_warps=4,
     )  # fmt: skip
@@ -222,19 +224,20 @@ def run_extend(
     sm_scale: float,
 ) -> torch.Tensor:
     lay = kc.layout
-    batch = plan.batch
+    snap = plan.snap
     v = k_cache if v_cache is None else v_cache
     out = q.new_empty((q.shape[0], kc.num_q_heads, lay.v_head_dim))
     # Without a mask the kernel never reads these; any device tensor will do as the argument.
-    mask = plan.mask if plan.mask is not None else batch.kv_indices
-    mask_indptr = plan.mask_indptr if plan.mask_indptr is not None else batch.kv_indptr
+    mask = plan.mask if plan.mask is not None else snap.kv_indices
+    mask_indptr = snap.mask_indptr if snap.mask_indptr is not None else snap.kv_indptr
     _extend_kernel[plan.grid](
-        q, k_cache, v, out, batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_lens,
+        q, k_cache, v, out, snap.qo_indptr, snap.kv_indptr, snap.kv_indices, snap.kv_lens,
         mask, mask_indptr, sm_scale * LOG2E,
         q.stride(0), q.stride(1),
         *_cache_strides(kc, k_cache), *_cache_strides(kc, v),
         out.stride(0), out.stride(1),
         k_cache.shape[1], kc.group_size,
+        q.shape[0], k_cache.shape[0], snap.kv_indices.numel(), mask.numel(),
         **plan.constants, num_warps=kc.extend_warps, num_stages=kc.num_stages,
     )  # fmt: skip
     return out

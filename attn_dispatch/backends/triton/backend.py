@@ -1,16 +1,18 @@
 """Triton backend, heavy half: ``TritonBackend(config, **options)`` (imports torch and triton).
 
-Per forward, ``plan(batch)`` reads only the batch's python ints and host copies, chooses the
-kernel (the split-KV decode kernel when every request has one query token, the extend kernel
-otherwise) and the number of KV splits, and carves the decode scratch buffers out of a
-workspace that this backend object keeps. The per-layer handler then only launches kernels:
-no host sync, no metadata allocation. The workspace grows only when a plan needs more than it
-holds; plan once with the largest shapes before capturing CUDA graphs so every replay sees
-the same memory.
+Per forward, ``plan(batch)`` takes a checked private copy of the batch's index tensors
+(``_common.BatchSnapshot``: host checks on the host copies, device-to-device copies, no host
+sync), chooses the kernel (the split-KV decode kernel when every request has one query token,
+the extend kernel otherwise) and the number of KV splits. The per-layer handler checks tensor
+shapes (attribute reads), allocates its output and the decode split scratch (per call, so
+threads sharing a plan never share scratch) and launches kernels: no host sync. The kernels
+drop any page index outside ``kv_indices`` or the cache given at the call, so unchecked device
+metadata cannot make them read outside their tensors.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -20,6 +22,10 @@ from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
+from attn_dispatch.backends._common import BatchSnapshot
+from attn_dispatch.backends._common import TensorChecks
+from attn_dispatch.backends._common import check_owner
+from attn_dispatch.backends._common import refill
 from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.triton import DEFAULT_FORM_POLICY
 from attn_dispatch.backends.triton import _ops
@@ -42,6 +48,7 @@ _INT_OPTIONS = (
     "extend_warps",
     "num_stages",
 )
+_INTERPRETER_LOCK = threading.Lock()
 _POW2_OPTIONS = ("block_h", "decode_block_n", "extend_block_m", "extend_block_n")
 
 
@@ -86,13 +93,20 @@ class TritonBackend(TorchBackendBase):
                 f"dtype {config.dtype!r} is not served (choose one of {sorted(_DTYPES)!r})",
             )
         form_policy = options.pop("form_policy", None)
+        validate = options.pop("validate", False)
+        if not isinstance(validate, bool):
+            raise InvalidSpecError("validate", validate, "must be a bool")
+        # validate: on CUDA, read the index tensors back at plan time and check them (a host
+        # sync per forward); without it the kernels drop out-of-range pages instead.
+        self._validate = validate
         opts = _check_options(options)
         sms = None
         if device.type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._kc = kernel_config(config, opts, device=device, num_sms=sms, interpreting=interp)
         self._dtype = _DTYPES[config.dtype]
-        self._workspace = torch.empty(0, dtype=torch.float32, device=device)
+        self._checks = TensorChecks.of(config, backend="triton", layout="rows")
+        self._interpreting = device.type == "cpu"
         self._handlers = {phase: self._run for phase in Phase}
         # MLA: absorbed form over the paged latent cache, except prefill without a cached
         # prefix, which runs decompressed (ragged MHA through a second instance of this backend,
@@ -105,120 +119,58 @@ class TritonBackend(TorchBackendBase):
         return self._kc
 
     def plan(self, batch: Any) -> _ops.DecodePlan | _ops.ExtendPlan:
-        """Host-side work for one forward; reads only python ints and host copies."""
-        page_size = getattr(batch, "page_size", None)
-        if page_size is not None and page_size != self.config.page_size:
-            raise InvalidBatchError(
-                "page_size",
-                f"batch page_size {page_size!r} != bound config page_size "
-                f"{self.config.page_size!r}; the triton backend was bound for the latter",
-            )
+        """Host-side work for one forward: a checked private copy of the batch's index tensors
+        (device-to-device on CUDA, no host sync unless ``validate``) and the launch grids."""
+        snap = BatchSnapshot.of(batch, self.config.page_size, check_device=self._validate)
         if (
-            int(batch.max_q_len) == 1
-            and int(batch.num_tokens) == int(batch.num_requests)
-            and (batch.custom_mask is None)
+            snap.max_q_len == 1
+            and snap.num_tokens == snap.num_requests
+            and snap.custom_mask is None
         ):
             # One query token per request: the split-KV kernel (any phase; a one-token verify
             # with a mask goes to the extend kernel, which reads the mask).
             kc = self._kc
             splits = kc.forced_splits or _ops.choose_num_splits(
-                int(batch.num_requests),
+                snap.num_requests,
                 kc.num_kv_heads * kc.groups_per_kv,
-                int(batch.max_kv_len),
+                snap.max_kv_len,
                 target_programs=kc.target_programs,
                 min_split_tokens=kc.min_split_tokens,
                 max_splits=kc.max_splits,
             )
-            b, hq, dv = int(batch.num_requests), kc.num_q_heads, kc.layout.v_head_dim
-            need = b * hq * splits * (dv + 1)
-            if self._workspace.numel() < need:
-                self._workspace = torch.empty(need, dtype=torch.float32, device=kc.device)
-            part_out = self._workspace[: b * hq * splits * dv].view(b, hq, splits, dv)
-            part_lse = self._workspace[b * hq * splits * dv : need].view(b, hq, splits)
-            return _ops.plan_decode(kc, batch, splits, part_out, part_lse)
-        if batch.custom_mask is not None and batch.mask_indptr is None:
-            raise InvalidBatchError(
-                "mask_indptr", "custom_mask is set but mask_indptr is None; give both or neither"
-            )
-        return _ops.plan_extend(self._kc, batch)
+            return _ops.plan_decode(kc, self, snap, splits)
+        return _ops.plan_extend(self._kc, self, snap)
 
     def update_plan(self, plan: _ops.DecodePlan | _ops.ExtendPlan, batch: Any) -> None:
         """Re-plan ``batch`` into a CUDA-graph-captured ``plan`` (``cuda_graph`` calls this).
 
-        The caller has already copied the new step's metadata into ``plan.batch``'s tensors.
-        The kernels read lengths and page tables from those device tensors, so the captured
-        split count and grids stay valid for any lengths; a step whose sequences grew past a
-        split-rule threshold is not refused. Only what the captured grid must cover is checked.
+        The new step is checked like any plan, then copied into the captured plan's own
+        snapshot tensors (same shapes: ``cuda_graph`` pads to its capacity). The kernels read
+        lengths and page tables from those tensors, so the captured split count and grids stay
+        valid for any lengths; a step whose sequences grew past a split-rule threshold is not
+        refused. Only what the captured grid must cover is checked.
         """
-        if batch is not plan.batch:
-            raise InvalidBatchError(
-                "batch",
-                "update_plan re-plans the batch the plan was made for, after its tensors were "
-                "refilled; copy the new step into plan.batch first (GraphedForward does)",
-            )
-        qo = batch.qo_indptr_host
-        q_lens = qo[1:] - qo[:-1]
-        longest = int(q_lens.max()) if q_lens.numel() else 0
+        check_owner(plan, self, "triton")
+        snap = BatchSnapshot.of(batch, self.config.page_size, check_device=self._validate)
         if isinstance(plan, _ops.DecodePlan):
-            if longest > 1:
+            if snap.max_q_len > 1 or snap.custom_mask is not None:
                 raise InvalidBatchError(
                     "qo_indptr",
-                    f"a query of {longest} tokens in a graph captured for one token per request",
+                    f"a query of {snap.max_q_len} tokens in a graph captured for one token per "
+                    "request",
                 )
-        elif longest > plan.grid[2] * self._kc.extend_block_m:
+        elif snap.max_q_len > plan.grid[2] * self._kc.extend_block_m:
             raise InvalidBatchError(
                 "qo_indptr",
-                f"a query of {longest} tokens exceeds the captured grid "
+                f"a query of {snap.max_q_len} tokens exceeds the captured grid "
                 f"({plan.grid[2] * self._kc.extend_block_m} rows per request); capture with the "
                 "longest query length",
             )
+        refill(plan.snap, snap)
 
     def handler(self, phase: Phase) -> Any:
         """The per-layer callable for ``phase`` (one for all phases: the plan picks the kernel)."""
         return self._handlers[Phase(phase)]
-
-    def _check(self, q: Any, k_cache: Any, v_cache: Any) -> None:
-        """Shape and dtype reads only (a few attribute loads per layer), no device work."""
-        c = self.config
-        ps = c.page_size
-        if q.dim() != 3 or q.shape[1] != c.num_q_heads or q.shape[2] != c.head_dim:
-            raise _shape_error("q", q, f"[tokens, num_q_heads={c.num_q_heads}, {c.head_dim}]")
-        if self._kc.mla:
-            want = f"[pages, page_size={ps}, head_dim={c.head_dim}]"
-            if k_cache.dim() != 3 or k_cache.shape[1] != ps or k_cache.shape[2] != c.head_dim:
-                raise _shape_error("k_cache", k_cache, want)
-        else:
-            hkv = c.num_kv_heads
-            want = f"[pages, page_size={ps}, num_kv_heads={hkv}, head_dim={c.head_dim}]"
-            if k_cache.dim() != 4 or tuple(k_cache.shape[1:]) != (ps, hkv, c.head_dim):
-                raise _shape_error("k_cache", k_cache, want)
-            if v_cache is None:
-                raise InvalidBatchError("v_cache", "an MHA layer needs a v_cache tensor, got None")
-            if v_cache.dim() != 4 or tuple(v_cache.shape[1:]) != (ps, hkv, c.v_head_dim):
-                want = f"[pages, page_size={ps}, num_kv_heads={hkv}, v_head_dim={c.v_head_dim}]"
-                raise _shape_error("v_cache", v_cache, want)
-            if v_cache.dtype != self._dtype or v_cache.stride(-1) != 1:
-                raise InvalidBatchError(
-                    "v_cache",
-                    f"dtype {v_cache.dtype} / last-dim stride {v_cache.stride(-1)}: needs "
-                    f"{self._dtype} with contiguous rows",
-                )
-        if q.dtype != self._dtype or k_cache.dtype != self._dtype:
-            raise InvalidBatchError(
-                "q",
-                f"dtypes q={q.dtype} k_cache={k_cache.dtype} differ from the bound config's "
-                f"{c.dtype!r}; bind a config with the dtype the model runs in",
-            )
-        if q.stride(-1) != 1 or k_cache.stride(-1) != 1:
-            raise InvalidBatchError(
-                "q", "q and k_cache need contiguous rows (last-dim stride 1) for the kernels"
-            )
-        if q.device != k_cache.device or q.device.type != self._kc.device.type:
-            raise InvalidBatchError(
-                "q",
-                f"q on {q.device}, k_cache on {k_cache.device}; the backend was bound for "
-                f"{c.device!r}",
-            )
 
     def _run(
         self,
@@ -228,9 +180,26 @@ class TritonBackend(TorchBackendBase):
         plan: _ops.DecodePlan | _ops.ExtendPlan,
         sm_scale: float,
     ) -> torch.Tensor:
-        self._check(q, k_cache, v_cache)
+        check_owner(plan, self, "triton")
+        self._checks.check(plan.snap, q, k_cache, v_cache)
+        if plan.snap.num_requests == 0:  # SGLang's IDLE forward: no grid to launch
+            return q.new_empty((0, self.config.num_q_heads, self._kc.layout.v_head_dim))
         if self._kc.mla:
             v_cache = None  # V is the latent part of k_cache
+        if self._interpreting:
+            # triton's CPU interpreter keeps the running grid in globals: one launch at a time.
+            with _INTERPRETER_LOCK:
+                return self._launch(plan, q, k_cache, v_cache, sm_scale)
+        return self._launch(plan, q, k_cache, v_cache, sm_scale)
+
+    def _launch(
+        self,
+        plan: _ops.DecodePlan | _ops.ExtendPlan,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        sm_scale: float,
+    ) -> torch.Tensor:
         if isinstance(plan, _ops.DecodePlan):
             return _ops.run_decode(self._kc, plan, q, k_cache, v_cache, sm_scale)
         return _ops.run_extend(self._kc, plan, q, k_cache, v_cache, sm_scale)
@@ -285,17 +254,13 @@ def kernel_config(
     )
 
 
-def _shape_error(field: str, got: Any, want: str) -> InvalidBatchError:
-    return InvalidBatchError(field, f"shape {tuple(got.shape)} != {want}")
-
-
 def _check_options(options: dict[str, Any]) -> dict[str, int]:
     unknown = sorted(set(options) - set(_INT_OPTIONS))
     if unknown:
         raise InvalidSpecError(
             "options",
             unknown,
-            f"unknown triton backend options; choose from {list(_INT_OPTIONS)!r}",
+            f"unknown triton backend options; choose from {[*_INT_OPTIONS, 'validate']!r}",
         )
     out: dict[str, int] = {}
     for key, value in options.items():
