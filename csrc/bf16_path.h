@@ -118,6 +118,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
   uint32_t* pb = reinterpret_cast<uint32_t*>(B.v.data());
   float alpha[na::kMaxRows];
   int lim[na::kMaxRows];
+  bool bad[na::kMaxRows];
   const uint8_t* mrow[na::kMaxRows];
   const float qscale = P.sm_scale * kLog2e;
   const uint16_t* qbase = static_cast<const uint16_t*>(P.q);
@@ -131,6 +132,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
     const int64_t token = qs + it.q0 + jj;
     const int head = it.kv_head * G + it.h0 + hh;
     std::memcpy(qr, qbase + (token * Hq + head) * D, sizeof(uint16_t) * size_t(D));
+    bad[r] = row_not_finite(qr, D);
     lim[r] = kv_len - q_len + it.q0 + jj;
     mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
     m[r] = kNegInf;
@@ -231,17 +233,8 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
       }
     }
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    const int jj = r / nh, hh = r % nh;
-    if (it.slot < 0) {
-      const int64_t token = qs + it.q0 + jj;
-      const int head = it.kv_head * G + it.h0 + hh;
-      store_row(static_cast<uint16_t*>(P.out) + (token * Hq + head) * Dv, row, inv, Dv);
-    } else {
-      const int64_t srow = int64_t(it.slot) + r;
-      store_row(P.scratch + srow * Dv, row, inv, Dv);
-      float* lse = P.scratch + P.scratch_rows * Dv;
-      lse[srow] = l[r] > 0.0f ? m[r] + std::log2(l[r]) : kNegInf;
-    }
+    finish_row(P, it, r, r / nh, r % nh, G, row, inv, m[r], l[r], bad[r],
+               static_cast<uint16_t*>(P.out));
   }
   return 0;
 }

@@ -10,6 +10,9 @@
 #include <limits>
 #include <new>
 #include <vector>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 #include "kernels.h"
 
@@ -48,6 +51,19 @@ static inline vf ld_bf16(const uint16_t* p) {
   vf f;
   std::memcpy(&f, &w, sizeof f);
   return f;
+}
+// fp16 -> fp32: F16C's vcvtph2ps where the unit has it, else the compiler's conversion.
+typedef _Float16 f16;
+static inline vf ld_f16(const f16* p) {
+#if defined(__AVX512F__) && NA_W == 16
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__) && NA_W == 8
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vf f;
+  for (int i = 0; i < W; ++i) f[i] = float(p[i]);
+  return f;
+#endif
 }
 static inline float hsum(vf v) {
 #if NA_W == 16
@@ -122,6 +138,37 @@ static inline void load_row(float* dst, const uint16_t* src, int n, int np) {
   for (; i < n; ++i) dst[i] = bf2f(src[i]);
   for (; i < np; ++i) dst[i] = 0.0f;
 }
+static inline void load_row(float* dst, const f16* src, int n, int np) {
+  int i = 0;
+  for (; i + W <= n; i += W) st(dst + i, ld_f16(src + i));
+  for (; i < n; ++i) dst[i] = float(src[i]);
+  for (; i < np; ++i) dst[i] = 0.0f;
+}
+static inline void store_row(f16* dst, const float* src, float s, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = f16(src[i] * s);
+}
+// A row whose query holds NaN or inf: its output is NaN (as the reference's softmax gives).
+template <typename T>
+static inline bool row_not_finite(const T* src, int n) {
+  for (int i = 0; i < n; ++i) {
+    const float x = float(src[i]);
+    if (!(x - x == 0.0f)) return true;
+  }
+  return false;
+}
+static inline bool row_not_finite(const uint16_t* src, int n) {  // bf16 bit patterns
+  for (int i = 0; i < n; ++i) {
+    if ((src[i] & 0x7f80u) == 0x7f80u) return true;
+  }
+  return false;
+}
+static inline void fill_nan(float* dst, int n) {
+  std::fill(dst, dst + n, std::numeric_limits<float>::quiet_NaN());
+}
+static inline void fill_nan(uint16_t* dst, int n) { std::fill(dst, dst + n, uint16_t(0x7fc0)); }
+static inline void fill_nan(f16* dst, int n) {
+  std::fill(dst, dst + n, f16(std::numeric_limits<float>::quiet_NaN()));
+}
 static inline void store_row(float* dst, const float* src, float s, int n) {
   for (int i = 0; i < n; ++i) dst[i] = src[i] * s;
 }
@@ -146,6 +193,34 @@ struct Buffers {
   }
 };
 static thread_local Buffers tls_buffers;
+
+// Writes row r of a finished tile: the output (direct) or a partial result and its
+// log2-sum-exp (split-KV). A NaN row stays NaN through the merge.
+template <typename OT>
+static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int jj, int hh, int G,
+                              const float* row, float inv, float m, float l, bool bad, OT* out) {
+  const int Hq = P.num_q_heads, Dv = P.v_head_dim;
+  if (it.slot < 0) {
+    const int64_t token = P.qo_indptr[it.req] + it.q0 + jj;
+    const int head = it.kv_head * G + it.h0 + hh;
+    OT* o = out + (token * Hq + head) * Dv;
+    if (bad) {
+      fill_nan(o, Dv);
+    } else {
+      store_row(o, row, inv, Dv);
+    }
+  } else {
+    const int64_t srow = int64_t(it.slot) + r;
+    float* lse = P.scratch + P.scratch_rows * Dv;
+    if (bad) {
+      fill_nan(P.scratch + srow * Dv, Dv);
+      lse[srow] = std::numeric_limits<float>::quiet_NaN();
+    } else {
+      store_row(P.scratch + srow * Dv, row, inv, Dv);
+      lse[srow] = l > 0.0f ? m + std::log2(l) : kNegInf;
+    }
+  }
+}
 
 #ifdef NA_HAVE_BF16_PATH
 #include "bf16_path.h"
@@ -178,6 +253,7 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
   float* m = B.m.data();
   float* l = B.l.data();
   int lim[na::kMaxRows];
+  bool bad[na::kMaxRows];
   const uint8_t* mrow[na::kMaxRows];
   const float qscale = P.sm_scale * kLog2e;  // scores in log2 units: exp2 in the softmax
   const QT* qbase = static_cast<const QT*>(P.q);
@@ -188,6 +264,7 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
       const int head = it.kv_head * G + it.h0 + hh;
       float* qr = qb + size_t(r) * Dp;
       load_row(qr, qbase + (token * Hq + head) * D, D, Dp);
+      bad[r] = row_not_finite(qbase + (token * Hq + head) * D, D);
       for (int c = 0; c < Dp; ++c) qr[c] *= qscale;
       lim[r] = kv_len - q_len + it.q0 + jj;
       mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
@@ -289,17 +366,7 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
       const int r = jj * nh + hh;
       const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
       const float* ar = acc + size_t(r) * Dvp;
-      if (it.slot < 0) {
-        const int64_t token = qs + it.q0 + jj;
-        const int head = it.kv_head * G + it.h0 + hh;
-        QT* o = static_cast<QT*>(P.out) + (token * Hq + head) * Dv;
-        store_row(o, ar, inv, Dv);
-      } else {
-        const int64_t row = int64_t(it.slot) + r;
-        store_row(P.scratch + row * Dv, ar, inv, Dv);
-        float* lse = P.scratch + P.scratch_rows * Dv;
-        lse[row] = l[r] > 0.0f ? m[r] + std::log2(l[r]) : kNegInf;
-      }
+      finish_row(P, it, r, jj, hh, G, ar, inv, m[r], l[r], bad[r], static_cast<QT*>(P.out));
     }
   }
   return 0;
@@ -323,7 +390,18 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
     for (int hh = 0; hh < nh; ++hh) {
       const int r = jj * nh + hh;
       float mx = kNegInf;
-      for (int s = 0; s < mg.nsplit; ++s) mx = std::max(mx, lse[int64_t(mg.slot0) + s * R + r]);
+      bool bad = false;
+      for (int s = 0; s < mg.nsplit; ++s) {
+        const float x = lse[int64_t(mg.slot0) + s * R + r];
+        bad |= x != x;
+        mx = std::max(mx, x);
+      }
+      const int64_t token = qs + mg.q0 + jj;
+      const int head = mg.kv_head * G + mg.h0 + hh;
+      if (bad) {
+        fill_nan(static_cast<QT*>(P.out) + (token * Hq + head) * Dv, Dv);
+        continue;
+      }
       std::fill(tmp, tmp + Dv, 0.0f);
       float wsum = 0.0f;
       if (mx != kNegInf) {
@@ -337,27 +415,40 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
         }
       }
       const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
-      const int64_t token = qs + mg.q0 + jj;
-      const int head = mg.kv_head * G + mg.h0 + hh;
       store_row(static_cast<QT*>(P.out) + (token * Hq + head) * Dv, tmp, inv, Dv);
     }
   }
   return 0;
 }
 
-static int item(const NaProblem* p, const NaItem* it) {
-  const bool qbf = p->q_dtype == NA_BF16, kbf = p->kv_dtype == NA_BF16;
-#ifdef NA_HAVE_BF16_PATH
-  if (qbf && kbf && bf16_path_applies(*p, *it)) return bf16_item(*p, *it);
-#endif
-  if (qbf) {
-    return kbf ? item_impl<uint16_t, uint16_t>(*p, *it) : item_impl<uint16_t, float>(*p, *it);
+template <typename QT>
+static int item_q(const NaProblem* p, const NaItem* it) {
+  switch (p->kv_dtype) {
+    case NA_BF16: return item_impl<QT, uint16_t>(*p, *it);
+    case NA_F16: return item_impl<QT, f16>(*p, *it);
+    default: return item_impl<QT, float>(*p, *it);
   }
-  return kbf ? item_impl<float, uint16_t>(*p, *it) : item_impl<float, float>(*p, *it);
+}
+
+static int item(const NaProblem* p, const NaItem* it) {
+#ifdef NA_HAVE_BF16_PATH
+  if (p->q_dtype == NA_BF16 && p->kv_dtype == NA_BF16 && bf16_path_applies(*p, *it)) {
+    return bf16_item(*p, *it);
+  }
+#endif
+  switch (p->q_dtype) {
+    case NA_BF16: return item_q<uint16_t>(p, it);
+    case NA_F16: return item_q<f16>(p, it);
+    default: return item_q<float>(p, it);
+  }
 }
 
 static int merge(const NaProblem* p, const NaMerge* m) {
-  return p->q_dtype == NA_BF16 ? merge_impl<uint16_t>(*p, *m) : merge_impl<float>(*p, *m);
+  switch (p->q_dtype) {
+    case NA_BF16: return merge_impl<uint16_t>(*p, *m);
+    case NA_F16: return merge_impl<f16>(*p, *m);
+    default: return merge_impl<float>(*p, *m);
+  }
 }
 
 }  // namespace NA_NS
