@@ -65,112 +65,26 @@ class AttnBatch:
                 raise InvalidBatchError(name, f"dtype must be torch.int32, got {t.dtype}")
             if t.dim() != 1:
                 raise InvalidBatchError(name, f"must be 1-D, got shape {tuple(t.shape)}")
+        from attn_dispatch.backends import _common  # torch is loaded: tensors exist
+
         qo = self.qo_indptr.cpu()
         kv = self.kv_indptr.cpu()
         lens = self.kv_lens.cpu()
-        b = lens.numel()
         put = object.__setattr__
         put(self, "qo_indptr_host", qo)
         put(self, "kv_indptr_host", kv)
         put(self, "kv_lens_host", lens)
-        put(self, "num_requests", b)
-        if qo.numel() != b + 1:
-            raise InvalidBatchError(
-                "qo_indptr", f"length {qo.numel()} != len(kv_lens) + 1 = {b + 1}"
-            )
-        if kv.numel() != b + 1:
-            raise InvalidBatchError(
-                "kv_indptr", f"length {kv.numel()} != len(kv_lens) + 1 = {b + 1}"
-            )
-        for name, ptr in (("qo_indptr", qo), ("kv_indptr", kv)):
-            if int(ptr[0]) != 0:
-                raise InvalidBatchError(name, f"must start at 0, starts at {int(ptr[0])}")
-            bad = _first(ptr[1:] < ptr[:-1])
-            if bad is not None:
-                raise InvalidBatchError(name, "must be non-decreasing", request=bad)
-        if int(kv[-1]) != self.kv_indices.numel():
-            raise InvalidBatchError(
-                "kv_indptr",
-                f"last value {int(kv[-1])} != len(kv_indices) = {self.kv_indices.numel()}",
-            )
-        q_lens = qo[1:] - qo[:-1]
-        bad = _first(lens < q_lens)
-        if bad is not None:
-            raise InvalidBatchError(
-                "kv_lens",
-                f"kv_len {int(lens[bad])} < q_len {int(q_lens[bad])}: the cache must hold the "
-                "new tokens too",
-                request=bad,
-            )
-        bad = _first(q_lens < 1)
-        if bad is not None:
-            raise InvalidBatchError(
-                "qo_indptr", "every request needs >= 1 query token", request=bad
-            )
-        if self.phase is Phase.DECODE:
-            bad = _first(q_lens != 1)
-            if bad is not None:
-                raise InvalidBatchError(
-                    "qo_indptr",
-                    f"DECODE needs exactly one query per request, got {int(q_lens[bad])}",
-                    request=bad,
-                )
-        if self.page_size is not None:
-            if self.page_size <= 0:
-                raise InvalidBatchError("page_size", f"must be positive, got {self.page_size!r}")
-            need = (lens + self.page_size - 1) // self.page_size
-            bad = _first((kv[1:] - kv[:-1]) < need)
-            if bad is not None:
-                raise InvalidBatchError(
-                    "kv_indptr",
-                    f"{int(kv[bad + 1] - kv[bad])} pages cannot hold kv_len {int(lens[bad])} "
-                    f"at page_size {self.page_size}",
-                    request=bad,
-                )
-        if self.kv_indices.numel():
-            idx = self.kv_indices.cpu()
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or (self.num_pages is not None and hi >= self.num_pages):
-                req = _request_of(
-                    kv, int(((idx < 0) | (idx >= (self.num_pages or hi + 1))).int().argmax())
-                )
-                raise InvalidBatchError(
-                    "kv_indices",
-                    f"page index out of range [0, {self.num_pages}) (min {lo}, max {hi})",
-                    request=req,
-                )
-        put(self, "num_tokens", int(qo[-1]))
-        put(self, "max_q_len", int(q_lens.max()) if b else 0)
-        put(self, "max_kv_len", int(lens.max()) if b else 0)
+        put(self, "num_requests", lens.numel())
+        total, max_q, max_kv = _common.check_metadata(
+            self.phase, qo, kv, lens, self.kv_indices.numel(), self.page_size
+        )
+        _common.check_indices(kv, self.kv_indices.cpu(), self.num_pages)
+        put(self, "num_tokens", total)
+        put(self, "max_q_len", max_q)
+        put(self, "max_kv_len", max_kv)
         if self.custom_mask is not None:  # without one, VERIFY is a causal chain
-            self._check_mask(q_lens, lens)
-
-    def _check_mask(self, q_lens: torch.Tensor, lens: torch.Tensor) -> None:
-        import torch
-
-        mask = self.custom_mask
-        assert mask is not None
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
-            raise InvalidBatchError("custom_mask", "must be a flat 1-D torch.bool tensor")
-        sizes = q_lens.to(torch.int64) * lens.to(torch.int64)
-        offsets = torch.zeros(sizes.numel() + 1, dtype=torch.int64)
-        torch.cumsum(sizes, 0, out=offsets[1:])
-        if int(offsets[-1]) != mask.numel():
-            raise InvalidBatchError(
-                "custom_mask",
-                f"length {mask.numel()} != sum(q_len * kv_len) = {int(offsets[-1])}",
-            )
-        host = mask.cpu()
-        for i in range(sizes.numel()):
-            block = host[int(offsets[i]) : int(offsets[i + 1])].view(int(q_lens[i]), int(lens[i]))
-            row = _first(~block.any(dim=1))
-            if row is not None:
-                raise InvalidBatchError(
-                    "custom_mask",
-                    f"query {row} may attend to no key (every row needs at least itself)",
-                    request=i,
-                )
-        object.__setattr__(self, "mask_indptr", offsets.to(mask.device))
+            offsets, _ = _common.mask_offsets(self.custom_mask, qo, lens, rows=True)
+            put(self, "mask_indptr", offsets.to(self.custom_mask.device))
 
     # -- builders -----------------------------------------------------------------------------
 
@@ -314,18 +228,3 @@ def tree_mask(parents: Sequence[int], prefix_len: int) -> torch.Tensor:
         if p >= 0:
             mask[j, prefix_len : prefix_len + q] |= mask[p, prefix_len : prefix_len + q]
     return mask
-
-
-def _first(flags: torch.Tensor) -> int | None:
-    """Index of the first True, or None."""
-    if flags.numel() == 0 or not bool(flags.any()):
-        return None
-    return int(flags.int().argmax())
-
-
-def _request_of(kv_indptr: torch.Tensor, position: int) -> int:
-    import torch
-
-    return int(
-        torch.searchsorted(kv_indptr[1:], torch.tensor(position, dtype=torch.int32), right=True)
-    )
