@@ -394,6 +394,11 @@ def _forge(batch: AttnBatch, **fields: Any) -> AttnBatch:
     return forged
 
 
+def _forge_both(batch: AttnBatch, name: str, value: torch.Tensor) -> AttnBatch:
+    """The same forged tensor as the batch's index field and its host copy."""
+    return _forge(batch, **{name: value, f"{name}_host": value})
+
+
 @needs_lib
 def test_batch_checks_name_the_field() -> None:
     case = _small()
@@ -402,17 +407,18 @@ def test_batch_checks_name_the_field() -> None:
     i32 = torch.int32
     bad = {
         "kv_indices": _forge(b, kv_indices=torch.full_like(b.kv_indices, -1)),
-        "kv_lens": _forge(b, kv_lens_host=torch.tensor([9, 2000], dtype=i32)),
-        "kv_indptr": _forge(b, kv_indptr_host=torch.tensor([0, 3, 99], dtype=i32)),
-        "qo_indptr": _forge(b, qo_indptr_host=torch.tensor([0, 2, 1], dtype=i32)),
+        "kv_lens": _forge_both(b, "kv_lens", torch.tensor([0, 20], dtype=i32)),
+        "kv_indptr ": _forge_both(b, "kv_lens", torch.tensor([9, 2000], dtype=i32)),
+        "kv_indptr": _forge_both(b, "kv_indptr", torch.tensor([0, 3, 99], dtype=i32)),
+        "qo_indptr": _forge_both(b, "qo_indptr", torch.tensor([0, 2, 1], dtype=i32)),
         "page_size": _forge(b, page_size=8),
     }
     for field, batch in bad.items():
         with pytest.raises(InvalidBatchError) as info:
             backend.plan(batch)
-        assert info.value.field == field, (field, str(info.value))
+        assert info.value.field == field.strip(), (field, str(info.value))
     with pytest.raises(InvalidBatchError) as info:
-        backend.plan(_forge(b, kv_lens_host=torch.tensor([9.0, 20.0])))
+        backend.plan(_forge_both(b, "kv_lens", torch.tensor([9.0, 20.0])))
     assert info.value.field == "kv_lens"
     tree = _small(phase=Phase.VERIFY, q_lens=[2, 3], tree=True)
     tb = tree["batch"]

@@ -22,6 +22,9 @@ from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
+from attn_dispatch.backends._common import BatchSnapshot
+from attn_dispatch.backends._common import TensorChecks
+from attn_dispatch.backends._common import check_owner
 from attn_dispatch.backends.native import DEFAULT_FORM_POLICY
 from attn_dispatch.backends.native import MAX_HEAD_DIM
 from attn_dispatch.backends.native._lib import NaConfig
@@ -74,21 +77,7 @@ class NativePlan:
     num_items: int
     num_merges: int
     handle: _PlanHandle
-
-
-def _host_int(batch: AttnBatch, name: str, tensor: Any, dtype: torch.dtype) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise InvalidBatchError(name, f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise InvalidBatchError(
-            name, f"must be on the CPU for the native backend, got device {str(tensor.device)!r}"
-        )
-    if tensor.dtype != dtype or tensor.dim() != 1:
-        raise InvalidBatchError(
-            name, f"must be a 1-D {dtype} tensor, got {tensor.dtype} of shape {tuple(tensor.shape)}"
-        )
-    # na_plan_create copies what it reads; it only needs a dense view for that one pass.
-    return tensor if tensor.is_contiguous() else tensor.contiguous()
+    snapshot: BatchSnapshot  # the shared validator's view (per-call tensor checks read it)
 
 
 class NativeBackend:
@@ -157,6 +146,7 @@ class NativeBackend:
             0,
         )
         self._cfg_ref = ctypes.byref(self._cfg)
+        self._checks = TensorChecks.of(config, backend="native", layout="contiguous")
         self._run = lib.cdll.na_run
         self._create = lib.cdll.na_plan_create
         self._free = lib.cdll.na_plan_free
@@ -168,34 +158,25 @@ class NativeBackend:
     # -- planning (once per forward) ----------------------------------------------------------
 
     def plan(self, batch: AttnBatch) -> NativePlan:
-        cfg = self.config
-        ps = cfg.page_size
-        if getattr(batch, "page_size", None) not in (None, ps):
+        # The shared contract check (with private copies); the C++ planner then copies the
+        # snapshot once more into memory it owns and re-checks every index it will follow.
+        snap = BatchSnapshot.of(batch, self.config.page_size)
+        if snap.device.type != "cpu":
             raise InvalidBatchError(
-                "page_size", f"batch page_size {batch.page_size!r} != bound config page_size {ps!r}"
+                "kv_indices",
+                f"must be on the CPU for the native backend, got device {str(snap.device)!r}",
             )
-        phase = batch.phase
-        if not isinstance(phase, Phase):
-            raise InvalidBatchError("phase", f"expected a Phase, got {phase!r}")
-        qo = _host_int(batch, "qo_indptr", batch.qo_indptr_host, torch.int32)
-        kv_indptr = _host_int(batch, "kv_indptr", batch.kv_indptr_host, torch.int32)
-        kv_lens = _host_int(batch, "kv_lens", batch.kv_lens_host, torch.int32)
-        kv_indices = _host_int(batch, "kv_indices", batch.kv_indices, torch.int32)
-        b = kv_lens.numel()
-        for name, ptr in (("qo_indptr", qo), ("kv_indptr", kv_indptr)):
-            if ptr.numel() != b + 1:
-                raise InvalidBatchError(name, f"length {ptr.numel()} != len(kv_lens) + 1 = {b + 1}")
-        mask = batch.custom_mask
-        mask_ptr, mask_len = None, 0
-        if mask is not None:
-            mask = self._check_mask(batch, mask, qo, kv_lens)
-            mask_ptr, mask_len = mask.data_ptr(), mask.numel()
+        qo, kv_indptr, kv_lens, kv_indices = (
+            snap.qo_indptr, snap.kv_indptr, snap.kv_lens, snap.kv_indices,
+        )  # fmt: skip
+        mask = snap.custom_mask
+        mask_ptr, mask_len = (None, 0) if mask is None else (mask.data_ptr(), mask.numel())
         self._cfg.split_target = max(SPLIT_FLOOR, 4 * self.threads())
         err = NaError()
         ptr = self._create(
-            self._cfg_ref, b, qo.data_ptr(), kv_indptr.data_ptr(), kv_indices.data_ptr(),
-            kv_indices.numel(), kv_lens.data_ptr(), mask_ptr, mask_len,
-            1 if phase is Phase.DECODE else 0, ctypes.byref(err),
+            self._cfg_ref, snap.num_requests, qo.data_ptr(), kv_indptr.data_ptr(),
+            kv_indices.data_ptr(), kv_indices.numel(), kv_lens.data_ptr(), mask_ptr, mask_len,
+            1 if snap.phase is Phase.DECODE else 0, ctypes.byref(err),
         )  # fmt: skip
         if not ptr:
             raise self._plan_error(err)
@@ -204,33 +185,15 @@ class NativeBackend:
         self._info(ptr, ctypes.byref(info))
         return NativePlan(
             owner=self,
-            phase=phase,
+            phase=snap.phase,
             num_tokens=info.num_tokens,
             num_requests=info.num_requests,
             max_page=info.max_page,
             num_items=info.num_items,
             num_merges=info.num_merges,
             handle=handle,
+            snapshot=snap,
         )
-
-    def _check_mask(
-        self, batch: AttnBatch, mask: Any, qo: torch.Tensor, kv_lens: torch.Tensor
-    ) -> torch.Tensor:
-        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
-            raise InvalidBatchError("custom_mask", "must be a flat 1-D torch.bool tensor")
-        if mask.device.type != "cpu":
-            raise InvalidBatchError(
-                "custom_mask", f"must be on the CPU, got device {str(mask.device)!r}"
-            )
-        given = getattr(batch, "mask_indptr", None)
-        if given is not None:
-            want = torch.zeros(kv_lens.numel() + 1, dtype=torch.int64)
-            torch.cumsum((qo[1:] - qo[:-1]).long() * kv_lens.long(), 0, out=want[1:])
-            if not torch.equal(given.cpu().long(), want):
-                raise InvalidBatchError(
-                    "mask_indptr", "does not match the cumulative sum of q_len * kv_len"
-                )
-        return mask if mask.is_contiguous() else mask.contiguous()
 
     @staticmethod
     def _plan_error(err: NaError) -> InvalidBatchError:
@@ -269,80 +232,27 @@ class NativeBackend:
 
         return native_attention
 
-    def _check_tensor(
-        self, name: str, t: Any, dtype: torch.dtype, shape: tuple[int | None, ...]
-    ) -> torch.Tensor:
-        if not isinstance(t, torch.Tensor):
-            raise InvalidBatchError(name, f"expected a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
-            raise InvalidBatchError(name, f"must be on the CPU, got device {str(t.device)!r}")
-        if t.dtype != dtype:
-            raise InvalidBatchError(name, f"dtype must be {dtype} (bound config), got {t.dtype}")
-        if t.dim() != len(shape) or any(
-            want is not None and got != want for got, want in zip(t.shape, shape, strict=True)
-        ):
-            want_s = ", ".join("*" if s is None else str(s) for s in shape)
-            raise InvalidBatchError(name, f"shape must be [{want_s}], got {list(t.shape)}")
-        if not t.is_contiguous():
-            raise InvalidBatchError(name, "must be contiguous (call .contiguous())")
-        return t
-
     def _forward(
         self, phase: Phase, q: Any, k_cache: Any, v_cache: Any, plan: Any, sm_scale: float
     ) -> torch.Tensor:
         cfg = self.config
-        if type(plan) is not NativePlan:
-            raise InvalidBatchError(
-                "plan",
-                f"expected the NativePlan from NativeBackend.plan, got {type(plan).__name__}",
-            )
-        if plan.owner is not self:
-            raise InvalidBatchError(
-                "plan",
-                f"this plan was made by another backend object ({plan.owner.config!r}); a "
-                "handler accepts only plans from its own backend (plan with the binding that "
-                "runs it: binding.plan(batch))",
-            )
+        check_owner(plan, self, "native")
         if plan.phase is not phase:
             raise InvalidBatchError(
                 "phase",
                 f"the plan is for {plan.phase.name}, this handler serves {phase.name}",
             )
-        hq, hkv, d, dv, ps = (
-            cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, self.v_head_dim, cfg.page_size,
-        )  # fmt: skip
-        q = self._check_tensor("q", q, self.q_dtype, (plan.num_tokens, hq, d))
-        if self.mla:
-            k_cache = self._check_tensor("k_cache", k_cache, self.kv_dtype, (None, ps, d))
-            if v_cache is not None:
-                raise InvalidBatchError(
-                    "v_cache", "must be None for MLA (V is the first v_head_dim columns of k_cache)"
-                )
-            k_pages = v_pages = k_cache.shape[0]
-            v_ptr = None
-        else:
-            k_cache = self._check_tensor("k_cache", k_cache, self.kv_dtype, (None, ps, hkv, d))
-            v_cache = self._check_tensor("v_cache", v_cache, self.kv_dtype, (None, ps, hkv, dv))
-            k_pages, v_pages = k_cache.shape[0], v_cache.shape[0]
-            if k_pages != v_pages:
-                raise InvalidBatchError(
-                    "v_cache", f"has {v_pages} pages, k_cache has {k_pages}: they must match"
-                )
-            v_ptr = v_cache.data_ptr()
-        if plan.max_page >= k_pages:
-            raise InvalidBatchError(
-                "kv_indices",
-                f"page index {plan.max_page} out of range for a cache of {k_pages} pages",
-            )
+        pages = self._checks.check(plan.snapshot, q, k_cache, v_cache)
+        v_ptr = None if self.mla else v_cache.data_ptr()
         scale = float(sm_scale)
         if not math.isfinite(scale):
             raise InvalidBatchError("sm_scale", f"must be finite, got {sm_scale!r}")
-        out = torch.empty((plan.num_tokens, hq, dv), dtype=self.q_dtype)
+        out = torch.empty((plan.num_tokens, cfg.num_q_heads, self.v_head_dim), dtype=self.q_dtype)
         if plan.num_items == 0:
             return out
         rc = self._run(
             plan.handle.ptr, self._cfg_ref, q.data_ptr(), k_cache.data_ptr(), v_ptr,
-            out.data_ptr(), k_pages, v_pages, scale, self.threads(),
+            out.data_ptr(), pages, pages, scale, self.threads(),
         )  # fmt: skip
         if rc != 0:
             if rc == -2:
