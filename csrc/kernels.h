@@ -7,13 +7,15 @@
 // One work item: a tile of rows (query tokens x heads of one kv head) against a key range.
 // slot < 0: write the output directly; slot >= 0: write a partial result (normalised
 // output + log2-sum-exp) at scratch row `slot`, merged afterwards.
+// Rows are ordered (kv head, query, head): r = (g - kv_head) * nq * nh + jj * nh + hh. A
+// decode tile spans every kv head of its request, so each page is read whole, in order.
 typedef struct {
-  int32_t req, kv_head, q0, q1, h0, h1, k0, k1, slot, pad;
+  int32_t req, kv_head, q0, q1, h0, h1, k0, k1, slot, kv_head_end;
 } NaItem;
 
 // Merge of the `nsplit` partial results of one tile; split s lives at rows slot0 + s * rows.
 typedef struct {
-  int32_t req, kv_head, q0, q1, h0, h1, nsplit, slot0;
+  int32_t req, kv_head, q0, q1, h0, h1, nsplit, slot0, kv_head_end, pad;
 } NaMerge;
 
 // One layer's call as the kernels see it: the plan's (validated, private) metadata plus

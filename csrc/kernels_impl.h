@@ -197,12 +197,13 @@ static thread_local Buffers tls_buffers;
 // Writes row r of a finished tile: the output (direct) or a partial result and its
 // log2-sum-exp (split-KV). A NaN row stays NaN through the merge.
 template <typename OT>
-static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int jj, int hh, int G,
+static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int R1, int nh, int G,
                               const float* row, float inv, float m, float l, bool bad, OT* out) {
   const int Hq = P.num_q_heads, Dv = P.v_head_dim;
   if (it.slot < 0) {
+    const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
     const int64_t token = P.qo_indptr[it.req] + it.q0 + jj;
-    const int head = it.kv_head * G + it.h0 + hh;
+    const int head = (it.kv_head + gi) * G + it.h0 + hh;
     OT* o = out + (token * Hq + head) * Dv;
     if (bad) {
       fill_nan(o, Dv);
@@ -233,7 +234,8 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
   const bool mla = P.kind == NA_MLA;
   const int G = Hq / Hkv;
   const int Dp = round_up(D, W), Dvp = round_up(Dv, W);
-  const int nh = it.h1 - it.h0, nq = it.q1 - it.q0, R = nh * nq;
+  const int nh = it.h1 - it.h0, nq = it.q1 - it.q0, R1 = nh * nq;
+  const int nkv = it.kv_head_end - it.kv_head, R = nkv * R1;
   const int req = it.req;
   const int qs = P.qo_indptr[req];
   const int q_len = P.qo_indptr[req + 1] - qs;
@@ -257,11 +259,11 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
   const uint8_t* mrow[na::kMaxRows];
   const float qscale = P.sm_scale * kLog2e;  // scores in log2 units: exp2 in the softmax
   const QT* qbase = static_cast<const QT*>(P.q);
-  for (int jj = 0; jj < nq; ++jj) {
-    for (int hh = 0; hh < nh; ++hh) {
-      const int r = jj * nh + hh;
+  for (int r = 0; r < R; ++r) {
+    {
+      const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
       const int64_t token = qs + it.q0 + jj;
-      const int head = it.kv_head * G + it.h0 + hh;
+      const int head = (it.kv_head + gi) * G + it.h0 + hh;
       float* qr = qb + size_t(r) * Dp;
       load_row(qr, qbase + (token * Hq + head) * D, D, Dp);
       bad[r] = row_not_finite(qbase + (token * Hq + head) * D, D);
@@ -277,6 +279,9 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
   const KT* vbase = static_cast<const KT*>(P.v);
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
     const int n = std::min(BK, it.k1 - k0);
+    // kv heads innermost: the block's tokens are read whole (all heads), in address order.
+    for (int gi = 0; gi < nkv; ++gi) {
+    const int g = it.kv_head + gi;
     // Gather and convert the block's rows once; every row of the tile reuses them.
     for (int t = 0; t < n; ++t) {
       const int pos = k0 + t;
@@ -284,14 +289,14 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
       if (mla) {
         load_row(kb + size_t(t) * Dp, kbase + slot * D, D, Dp);
       } else {
-        load_row(kb + size_t(t) * Dp, kbase + (slot * Hkv + it.kv_head) * D, D, Dp);
-        load_row(vb + size_t(t) * Dvp, vbase + (slot * Hkv + it.kv_head) * Dv, Dv, Dvp);
+        load_row(kb + size_t(t) * Dp, kbase + (slot * Hkv + g) * D, D, Dp);
+        load_row(vb + size_t(t) * Dvp, vbase + (slot * Hkv + g) * Dv, Dv, Dvp);
       }
     }
     // MLA: V is the first Dv columns of the same converted latent rows (read once).
     const float* V = mla ? kb : vb;
     const int vstride = mla ? Dp : Dvp;
-    for (int r = 0; r < R; ++r) {
+    for (int r = gi * R1; r < (gi + 1) * R1; ++r) {
       const float* qr = qb + size_t(r) * Dp;
       float* sr = S + size_t(r) * BK;
       int t = 0;
@@ -326,7 +331,7 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
       }
     }
     // Online softmax: one max/rescale per row per block, then acc += p . V.
-    for (int r = 0; r < R; ++r) {
+    for (int r = gi * R1; r < (gi + 1) * R1; ++r) {
       float* sr = S + size_t(r) * BK;
       vf mv = ld(sr);
       for (int t = W; t < BK; t += W) mv = vmax(mv, ld(sr + t));
@@ -359,15 +364,13 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
         st(ar + c, a);
       }
     }
+    }  // kv heads
   }
   // Finish: normalise; rows that saw no key at all give zeros, never NaN.
-  for (int jj = 0; jj < nq; ++jj) {
-    for (int hh = 0; hh < nh; ++hh) {
-      const int r = jj * nh + hh;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      const float* ar = acc + size_t(r) * Dvp;
-      finish_row(P, it, r, jj, hh, G, ar, inv, m[r], l[r], bad[r], static_cast<QT*>(P.out));
-    }
+  for (int r = 0; r < R; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const float* ar = acc + size_t(r) * Dvp;
+    finish_row(P, it, r, R1, nh, G, ar, inv, m[r], l[r], bad[r], static_cast<QT*>(P.out));
   }
   return 0;
 }
@@ -376,7 +379,8 @@ template <typename QT>
 static int merge_impl(const NaProblem& P, const NaMerge& mg) {
   const int Hq = P.num_q_heads, Hkv = P.num_kv_heads, Dv = P.v_head_dim;
   const int G = Hq / Hkv;
-  const int nh = mg.h1 - mg.h0, nq = mg.q1 - mg.q0, R = nh * nq;
+  const int nh = mg.h1 - mg.h0, nq = mg.q1 - mg.q0, R1 = nh * nq;
+  const int R = (mg.kv_head_end - mg.kv_head) * R1;
   const float* lse = P.scratch + P.scratch_rows * Dv;
   const int qs = P.qo_indptr[mg.req];
   Buffers& B = tls_buffers;
@@ -386,9 +390,9 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
     return -2;
   }
   float* tmp = B.acc.data();
-  for (int jj = 0; jj < nq; ++jj) {
-    for (int hh = 0; hh < nh; ++hh) {
-      const int r = jj * nh + hh;
+  for (int r = 0; r < R; ++r) {
+    {
+      const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
       float mx = kNegInf;
       bool bad = false;
       for (int s = 0; s < mg.nsplit; ++s) {
@@ -397,7 +401,7 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
         mx = std::max(mx, x);
       }
       const int64_t token = qs + mg.q0 + jj;
-      const int head = mg.kv_head * G + mg.h0 + hh;
+      const int head = (mg.kv_head + gi) * G + mg.h0 + hh;
       if (bad) {
         fill_nan(static_cast<QT*>(P.out) + (token * Hq + head) * Dv, Dv);
         continue;

@@ -268,9 +268,19 @@ int make_items(NaPlan& P) {
   const int n_hblocks = ceil_div(group, na::kMaxRows);
   const int hb = ceil_div(group, n_hblocks);
   const int qb = std::max(1, na::kMaxRows / hb);
+  // A request whose whole tile of one kv head is small (decode, short verify) takes several
+  // kv heads per tile: each block of tokens is then read whole, in address order (a token's
+  // heads are adjacent in the cache), instead of one head's 2 KB-strided rows per tile.
+  auto heads_per_tile = [&](int q_len) {
+    const int rows = group * q_len;
+    if (n_hblocks != 1 || rows > na::kMaxRows / 2) return 1;
+    return std::max(1, std::min(c.num_kv_heads, na::kMaxRows / rows));
+  };
   int64_t tiles = 0;
   for (int i = 0; i < B; ++i) {
-    tiles += int64_t(c.num_kv_heads) * n_hblocks * ceil_div(P.qo[i + 1] - P.qo[i], qb);
+    const int q_len = P.qo[i + 1] - P.qo[i];
+    tiles += int64_t(ceil_div(c.num_kv_heads, heads_per_tile(q_len))) * n_hblocks *
+             ceil_div(q_len, qb);
   }
   // Split the keys only when the tiles alone cannot keep every thread busy. The target is
   // chosen by the caller from a fixed floor, so small thread counts plan the same splits.
@@ -281,12 +291,14 @@ int make_items(NaPlan& P) {
   for (int i = 0; i < B; ++i) {
     const int q_len = P.qo[i + 1] - P.qo[i];
     const int kv_len = P.lens[i];
-    for (int g = 0; g < c.num_kv_heads; ++g) {
+    const int hpt = heads_per_tile(q_len);
+    for (int g = 0; g < c.num_kv_heads; g += hpt) {
+      const int g1 = std::min(c.num_kv_heads, g + hpt);
       for (int h0 = 0; h0 < group; h0 += hb) {
         const int h1 = std::min(group, h0 + hb);
         for (int q0 = 0; q0 < q_len; q0 += qb) {
           const int q1 = std::min(q_len, q0 + qb);
-          const int rows = (h1 - h0) * (q1 - q0);
+          const int rows = (g1 - g) * (h1 - h0) * (q1 - q0);
           // Causal: the tile's last query sees keys [0, kv_len - q_len + q1).
           const int kend =
               P.causal ? std::max(0, std::min(kv_len, kv_len - q_len + q1)) : kv_len;
@@ -297,15 +309,15 @@ int make_items(NaPlan& P) {
             nsplit = ceil_div(kend, chunk);
           }
           if (nsplit <= 1) {
-            P.items.push_back(NaItem{i, g, q0, q1, h0, h1, 0, kend, -1, 0});
+            P.items.push_back(NaItem{i, g, q0, q1, h0, h1, 0, kend, -1, g1});
             continue;
           }
           for (int s = 0; s < nsplit; ++s) {
             const int k0 = s * chunk, k1 = std::min(kend, k0 + chunk);
             P.items.push_back(
-                NaItem{i, g, q0, q1, h0, h1, k0, k1, int32_t(rows_used + int64_t(s) * rows), 0});
+                NaItem{i, g, q0, q1, h0, h1, k0, k1, int32_t(rows_used + int64_t(s) * rows), g1});
           }
-          P.merges.push_back(NaMerge{i, g, q0, q1, h0, h1, nsplit, int32_t(rows_used)});
+          P.merges.push_back(NaMerge{i, g, q0, q1, h0, h1, nsplit, int32_t(rows_used), g1, 0});
           rows_used += int64_t(nsplit) * rows;
           if (rows_used > INT32_MAX) return NA_E_TOO_LARGE;
         }
