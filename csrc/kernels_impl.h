@@ -227,6 +227,232 @@ static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int R
 #include "bf16_path.h"
 #endif
 
+static inline vf ldk(const float* p) { return ld(p); }
+static inline vf ldk(const uint16_t* p) { return ld_bf16(p); }
+static inline vf ldk(const f16* p) { return ld_f16(p); }
+
+// Scores of NR query rows (fp32, pre-scaled, row stride Dp) against two keys, the cache rows
+// widened to fp32 inside the loads: each key chunk is loaded once for all NR rows.
+template <int NR, typename KT>
+static inline void qk_pair(const float* q, int Dp, int D, const KT* k0, const KT* k1, float* s) {
+  vf a[NR][2];
+  for (int i = 0; i < NR; ++i) a[i][0] = a[i][1] = splat(0.0f);
+  for (int c = 0; c < D; c += W) {
+    const vf x0 = ldk(k0 + c), x1 = ldk(k1 + c);
+    for (int i = 0; i < NR; ++i) {
+      const vf qv = ld(q + size_t(i) * Dp + c);
+      a[i][0] += qv * x0;
+      a[i][1] += qv * x1;
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    s[size_t(i) * BK] = hsum(a[i][0]);
+    s[size_t(i) * BK + 1] = hsum(a[i][1]);
+  }
+}
+
+// acc (NR rows, stride Dvp) = acc * alpha + p . V over n keys; each V chunk is loaded (and
+// widened) once for all NR rows.
+template <int NR, typename KT>
+static inline void pv_tile(float* acc, int Dvp, int Dv, const float* p, const float* alpha,
+                           const KT* const* vp, int n) {
+  int c = 0;
+  for (; c + 2 * W <= Dv; c += 2 * W) {
+    vf a[NR][2];
+    for (int i = 0; i < NR; ++i) {
+      a[i][0] = ld(acc + size_t(i) * Dvp + c) * alpha[i];
+      a[i][1] = ld(acc + size_t(i) * Dvp + c + W) * alpha[i];
+    }
+    for (int t = 0; t < n; ++t) {
+      const vf x0 = ldk(vp[t] + c), x1 = ldk(vp[t] + c + W);
+      for (int i = 0; i < NR; ++i) {
+        const float pi = p[size_t(i) * BK + t];
+        a[i][0] += pi * x0;
+        a[i][1] += pi * x1;
+      }
+    }
+    for (int i = 0; i < NR; ++i) {
+      st(acc + size_t(i) * Dvp + c, a[i][0]);
+      st(acc + size_t(i) * Dvp + c + W, a[i][1]);
+    }
+  }
+  for (; c < Dv; c += W) {
+    vf a[NR];
+    for (int i = 0; i < NR; ++i) a[i] = ld(acc + size_t(i) * Dvp + c) * alpha[i];
+    for (int t = 0; t < n; ++t) {
+      const vf x = ldk(vp[t] + c);
+      for (int i = 0; i < NR; ++i) a[i] += p[size_t(i) * BK + t] * x;
+    }
+    for (int i = 0; i < NR; ++i) st(acc + size_t(i) * Dvp + c, a[i]);
+  }
+}
+
+template <typename KT>
+static inline void qk_rows(int nr, const float* q, int Dp, int D, const KT* k0, const KT* k1,
+                           float* s) {
+  switch (nr) {
+    case 4: qk_pair<4>(q, Dp, D, k0, k1, s); break;
+    case 3: qk_pair<3>(q, Dp, D, k0, k1, s); break;
+    case 2: qk_pair<2>(q, Dp, D, k0, k1, s); break;
+    default: qk_pair<1>(q, Dp, D, k0, k1, s); break;
+  }
+}
+
+template <typename KT>
+static inline void pv_rows(int nr, float* acc, int Dvp, int Dv, const float* p,
+                           const float* alpha, const KT* const* vp, int n) {
+  switch (nr) {
+    case 4: pv_tile<4>(acc, Dvp, Dv, p, alpha, vp, n); break;
+    case 3: pv_tile<3>(acc, Dvp, Dv, p, alpha, vp, n); break;
+    case 2: pv_tile<2>(acc, Dvp, Dv, p, alpha, vp, n); break;
+    default: pv_tile<1>(acc, Dvp, Dv, p, alpha, vp, n); break;
+  }
+}
+
+// The fast fp32-accumulating path (AVX2, AVX-512 without BF16, fp16/fp32 caches): head dims
+// multiples of the vector width. No conversion pass: K and V are read straight from the
+// paged cache and widened in registers, 4 rows x 2 keys per score tile, 4 rows per p.V
+// chunk, and whole rows prefetched two blocks ahead in address order.
+template <typename QT, typename KT>
+static int fused_item(const NaProblem& P, const NaItem& it) {
+  const int Hq = P.num_q_heads, Hkv = P.num_kv_heads, D = P.head_dim, Dv = P.v_head_dim;
+  const int ps = P.page_size;
+  const bool mla = P.kind == NA_MLA;
+  const int G = Hq / Hkv;
+  const int Dp = D, Dvp = Dv;
+  const int nh = it.h1 - it.h0, nq = it.q1 - it.q0, R1 = nh * nq;
+  const int nkv = it.kv_head_end - it.kv_head, R = nkv * R1;
+  const int req = it.req;
+  const int qs = P.qo_indptr[req];
+  const int q_len = P.qo_indptr[req + 1] - qs;
+  const int kv_len = P.kv_lens[req];
+  const int32_t* pages = P.kv_indices + P.kv_indptr[req];
+  Buffers& B = tls_buffers;
+  try {
+    B.ensure(R, Dp, Dvp);
+  } catch (const std::bad_alloc&) {
+    return -2;
+  }
+  float* qb = B.q.data();
+  float* S = B.s.data();
+  float* acc = B.acc.data();
+  float* m = B.m.data();
+  float* l = B.l.data();
+  float alpha[na::kMaxRows];
+  int lim[na::kMaxRows];
+  bool bad[na::kMaxRows];
+  const uint8_t* mrow[na::kMaxRows];
+  const float qscale = P.sm_scale * kLog2e;
+  const QT* qbase = static_cast<const QT*>(P.q);
+  for (int r = 0; r < R; ++r) {
+    const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
+    const int64_t token = qs + it.q0 + jj;
+    const int head = (it.kv_head + gi) * G + it.h0 + hh;
+    float* qr = qb + size_t(r) * Dp;
+    load_row(qr, qbase + (token * Hq + head) * D, D, Dp);
+    bad[r] = row_not_finite(qbase + (token * Hq + head) * D, D);
+    for (int c = 0; c < Dp; ++c) qr[c] *= qscale;
+    lim[r] = kv_len - q_len + it.q0 + jj;
+    mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+    std::memset(acc + size_t(r) * Dvp, 0, sizeof(float) * size_t(Dvp));
+  }
+  const KT* kbase = static_cast<const KT*>(P.k);
+  const KT* vbase = static_cast<const KT*>(mla ? P.k : P.v);
+  const int64_t kstride = mla ? D : int64_t(Hkv) * D;
+  const int64_t vstride = mla ? D : int64_t(Hkv) * Dv;
+  const int klines = int((kstride * int64_t(sizeof(KT)) + 63) / 64);
+  const int vlines = mla ? 0 : int((vstride * int64_t(sizeof(KT)) + 63) / 64);
+  const KT* kp0[BK];
+  const KT* vp0[BK];
+  const KT* kp[BK + 1];
+  const KT* vp[BK];
+  const KT* kpa[BK];
+  const KT* vpa[BK];
+  for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
+    const int n = std::min(BK, it.k1 - k0);
+    for (int t = 0; t < n; ++t) {
+      const int pos = k0 + t;
+      const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+      kp0[t] = kbase + slot * kstride;
+      vp0[t] = vbase + slot * vstride;
+    }
+    const int ka = k0 + 2 * BK;
+    const int na_ = std::max(0, std::min(BK, it.k1 - ka));
+    for (int t = 0; t < na_; ++t) {
+      const int pos = ka + t;
+      const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+      kpa[t] = kbase + slot * kstride;
+      vpa[t] = vbase + slot * vstride;
+    }
+    for (int gi = 0; gi < nkv; ++gi) {
+      const int64_t koff = mla ? 0 : int64_t(it.kv_head + gi) * D;
+      const int64_t voff = mla ? 0 : int64_t(it.kv_head + gi) * Dv;
+      for (int t = 0; t < n; ++t) {
+        kp[t] = kp0[t] + koff;
+        vp[t] = vp0[t] + voff;
+      }
+      kp[n] = kp[0];  // an odd block's last pair reads a real row; that score is dropped
+      // Rows two blocks ahead, whole (every head), in address order, a slice per head: one
+      // head's rows are 2 KB apart and pages lie at random places, which the hardware
+      // prefetchers do not follow.
+      for (int t = gi * na_ / nkv; t < (gi + 1) * na_ / nkv; ++t) {
+        const char* kr = reinterpret_cast<const char*>(kpa[t]);
+        for (int i = 0; i < klines; ++i) __builtin_prefetch(kr + 64 * i, 0, 1);
+        const char* vr = reinterpret_cast<const char*>(vpa[t]);
+        for (int i = 0; i < vlines; ++i) __builtin_prefetch(vr + 64 * i, 0, 1);
+      }
+      const int rb = gi * R1;
+      for (int r0 = 0; r0 < R1; r0 += 4) {
+        const int nr = std::min(4, R1 - r0);
+        const float* qg = qb + size_t(rb + r0) * Dp;
+        float* sg = S + size_t(rb + r0) * BK;
+        for (int t = 0; t < n; t += 2) qk_rows(nr, qg, Dp, D, kp[t], kp[t + 1], sg + t);
+      }
+      for (int r = rb; r < rb + R1; ++r) {
+        float* sr = S + size_t(r) * BK;
+        for (int t = n; t < BK; ++t) sr[t] = kNegInf;
+        if (P.causal) {
+          for (int t = std::max(0, lim[r] + 1 - k0); t < n; ++t) sr[t] = kNegInf;
+        } else {
+          const uint8_t* mk = mrow[r] + k0;
+          for (int t = 0; t < n; ++t)
+            if (!mk[t]) sr[t] = kNegInf;
+        }
+        vf mv = ld(sr);
+        for (int t = W; t < BK; t += W) mv = vmax(mv, ld(sr + t));
+        const float mn = std::max(m[r], hmax(mv));
+        if (mn == kNegInf) {  // every key so far masked for this row
+          std::memset(sr, 0, sizeof(float) * BK);
+          alpha[r] = 1.0f;
+          continue;
+        }
+        alpha[r] = std::exp2(m[r] - mn);
+        vf psum = splat(0.0f);
+        for (int t = 0; t < BK; t += W) {
+          const vf p = vexp2(ld(sr + t) - mn);
+          psum += p;
+          st(sr + t, p);
+        }
+        l[r] = l[r] * alpha[r] + hsum(psum);
+        m[r] = mn;
+      }
+      for (int r0 = 0; r0 < R1; r0 += 4) {
+        const int nr = std::min(4, R1 - r0);
+        pv_rows(nr, acc + size_t(rb + r0) * Dvp, Dvp, Dv, S + size_t(rb + r0) * BK,
+                alpha + rb + r0, vp, n);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    finish_row(P, it, r, R1, nh, G, acc + size_t(r) * Dvp, inv, m[r], l[r], bad[r],
+               static_cast<QT*>(P.out));
+  }
+  return 0;
+}
+
 template <typename QT, typename KT>
 static int item_impl(const NaProblem& P, const NaItem& it) {
   const int Hq = P.num_q_heads, Hkv = P.num_kv_heads, D = P.head_dim, Dv = P.v_head_dim;
@@ -427,6 +653,13 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
 
 template <typename QT>
 static int item_q(const NaProblem* p, const NaItem* it) {
+  if (p->head_dim % W == 0 && p->v_head_dim % W == 0) {
+    switch (p->kv_dtype) {
+      case NA_BF16: return fused_item<QT, uint16_t>(*p, *it);
+      case NA_F16: return fused_item<QT, f16>(*p, *it);
+      default: return fused_item<QT, float>(*p, *it);
+    }
+  }
   switch (p->kv_dtype) {
     case NA_BF16: return item_impl<QT, uint16_t>(*p, *it);
     case NA_F16: return item_impl<QT, f16>(*p, *it);
