@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <type_traits>
 #include <vector>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -245,6 +246,27 @@ static inline void qk_pair(const float* q, int Dp, int D, const KT* k0, const KT
       a[i][1] += qv * x1;
     }
   }
+#if NA_W == 8 && defined(__AVX2__)
+  if constexpr (NR == 4) {
+    // 8 horizontal sums at once (3 levels of hadd and one lane swap instead of 8 x 5 ops):
+    // lanes of the result: (r0k0, r0k1, r1k0, r1k1, r2k0, r2k1, r3k0, r3k1).
+    const __m256 h0 = _mm256_hadd_ps((__m256)a[0][0], (__m256)a[0][1]);
+    const __m256 h1 = _mm256_hadd_ps((__m256)a[1][0], (__m256)a[1][1]);
+    const __m256 h2 = _mm256_hadd_ps((__m256)a[2][0], (__m256)a[2][1]);
+    const __m256 h3 = _mm256_hadd_ps((__m256)a[3][0], (__m256)a[3][1]);
+    const __m256 g0 = _mm256_hadd_ps(h0, h1);  // per 128-bit lane: r0k0 r0k1 r1k0 r1k1
+    const __m256 g1 = _mm256_hadd_ps(h2, h3);
+    const __m256 lo = _mm256_permute2f128_ps(g0, g1, 0x20);
+    const __m256 hi = _mm256_permute2f128_ps(g0, g1, 0x31);
+    alignas(32) float r[8];
+    _mm256_store_ps(r, _mm256_add_ps(lo, hi));
+    for (int i = 0; i < 4; ++i) {
+      s[size_t(i) * BK] = r[2 * i];
+      s[size_t(i) * BK + 1] = r[2 * i + 1];
+    }
+    return;
+  }
+#endif
   for (int i = 0; i < NR; ++i) {
     s[size_t(i) * BK] = hsum(a[i][0]);
     s[size_t(i) * BK + 1] = hsum(a[i][1]);
@@ -370,6 +392,10 @@ static int fused_item(const NaProblem& P, const NaItem& it) {
   const KT* vp[BK];
   const KT* kpa[BK];
   const KT* vpa[BK];
+  const float* kf[BK + 1];
+  const float* vf_[BK];
+  float* kb = B.k.data();
+  float* vb = B.v.data();
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
     const int n = std::min(BK, it.k1 - k0);
     for (int t = 0; t < n; ++t) {
@@ -404,11 +430,31 @@ static int fused_item(const NaProblem& P, const NaItem& it) {
         for (int i = 0; i < vlines; ++i) __builtin_prefetch(vr + 64 * i, 0, 1);
       }
       const int rb = gi * R1;
+      // Many rows per head (prefill, MLA): widen the block's rows once into fp32 buffers
+      // that every 4-row group reuses; few rows (GQA decode): widen inside the loads.
+      const bool widen = !std::is_same<KT, float>::value && R1 > 4;
+      if (widen) {
+        for (int t = 0; t < n; ++t) {
+          load_row(kb + size_t(t) * Dp, kp[t], D, Dp);
+          kf[t] = kb + size_t(t) * Dp;
+          if (!mla) {
+            load_row(vb + size_t(t) * Dvp, vp[t], Dv, Dvp);
+            vf_[t] = vb + size_t(t) * Dvp;
+          } else {
+            vf_[t] = kf[t];
+          }
+        }
+        kf[n] = kf[0];
+      }
       for (int r0 = 0; r0 < R1; r0 += 4) {
         const int nr = std::min(4, R1 - r0);
         const float* qg = qb + size_t(rb + r0) * Dp;
         float* sg = S + size_t(rb + r0) * BK;
-        for (int t = 0; t < n; t += 2) qk_rows(nr, qg, Dp, D, kp[t], kp[t + 1], sg + t);
+        if (widen) {
+          for (int t = 0; t < n; t += 2) qk_rows(nr, qg, Dp, D, kf[t], kf[t + 1], sg + t);
+        } else {
+          for (int t = 0; t < n; t += 2) qk_rows(nr, qg, Dp, D, kp[t], kp[t + 1], sg + t);
+        }
       }
       for (int r = rb; r < rb + R1; ++r) {
         float* sr = S + size_t(r) * BK;
@@ -440,8 +486,13 @@ static int fused_item(const NaProblem& P, const NaItem& it) {
       }
       for (int r0 = 0; r0 < R1; r0 += 4) {
         const int nr = std::min(4, R1 - r0);
-        pv_rows(nr, acc + size_t(rb + r0) * Dvp, Dvp, Dv, S + size_t(rb + r0) * BK,
-                alpha + rb + r0, vp, n);
+        if (widen) {
+          pv_rows(nr, acc + size_t(rb + r0) * Dvp, Dvp, Dv, S + size_t(rb + r0) * BK,
+                  alpha + rb + r0, vf_, n);
+        } else {
+          pv_rows(nr, acc + size_t(rb + r0) * Dvp, Dvp, Dv, S + size_t(rb + r0) * BK,
+                  alpha + rb + r0, vp, n);
+        }
       }
     }
   }
