@@ -43,6 +43,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
 from attn_dispatch import Phase
+from attn_dispatch import attn_scope
+from attn_dispatch import bind
 from attn_dispatch._scope import format_table
 from attn_dispatch.backends.native._lib import load
 from attn_dispatch.backends.native.backend import NativeBackend
@@ -262,6 +264,20 @@ def gemm_peak(repeats: int) -> tuple[float, str]:
     return best, which
 
 
+def scope_cost(w: Workload, n: int = 2000) -> float:
+    """Microseconds of ``with attn_scope(binding, batch): pass`` (the per-forward host cost)."""
+    c = make_case(w)
+    binding = bind("native", c.config)
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n // 5):
+            with attn_scope(binding, c.batch):
+                pass
+        samples.append((time.perf_counter() - t0) / (n // 5) * 1e6)
+    return statistics.median(samples)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--isa", default=None, help="native path to force (default: the fastest)")
@@ -355,11 +371,20 @@ def main(argv: list[str] | None = None) -> int:
             rows,
         )
     )
+    scope_us = scope_cost(WORKLOADS[0])
+    print(f"\nattn_scope enter + plan + exit, {WORKLOADS[0].name}: {scope_us:.1f} us (median)")
     print("\nx <peer>: peer time / native time (> 1: native is faster)")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(
-            dict(isa=isa, read_bandwidth_gbs=bw, gemm_peak_macs=peak, load=load_avg, rows=records),
+            dict(
+                isa=isa,
+                read_bandwidth_gbs=bw,
+                gemm_peak_macs=peak,
+                load=load_avg,
+                scope_us=scope_us,
+                rows=records,
+            ),
             f,
             indent=2,
         )
