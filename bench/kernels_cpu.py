@@ -6,7 +6,9 @@ Every row is measured in one process, the contenders alternating call by call (m
 ``--repeats``), next to a read bandwidth and a GEMM peak measured in the same run, so the
 ratios hold on a noisy machine; absolute times mean little. Columns:
 
-- ``isa``: the native path that ran (``--isa`` or ``NATIVE_ATTN_ISA`` forces one).
+- ``isa``: the native path that ran (``--isa`` or ``NATIVE_ATTN_ISA`` forces one). ``--isa
+  avx2`` also keeps torch, MKL and oneDNN within AVX2 (the script re-executes itself with
+  ``ATEN_CPU_CAPABILITY=avx2`` and friends), so every contender runs as on an AVX2 machine.
 - ``KV GB/s``: bytes of K/V the layer must read once / native time.
 - ``roofline``: max(KV bytes / read bandwidth, multiply-adds / GEMM peak) over native time
   (GEMM peak: the faster of torch's fp32 and bf16 matmul here).
@@ -51,6 +53,10 @@ from attn_dispatch.backends.native.backend import NativeBackend
 from attn_dispatch.backends.reference.backend import TorchBackend
 
 VLLM_VERSION = "0.32.0"
+# What torch, MKL and oneDNN read to stay within an instruction set (set before torch loads).
+_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+         "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI_2"}  # fmt: skip
+AVX2_ENV = {"avx2": _AVX2, "generic": {**_AVX2, "ATEN_CPU_CAPABILITY": "default"}}
 VLLM_LIB = {"avx2": "_C_AVX2", "generic": "_C_AVX2", "avx512": "_C_AVX512", "avx512bf16": "_C"}
 
 
@@ -290,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         "--json", default=os.path.join(os.path.dirname(__file__), "results", "kernels_cpu.json")
     )
     args = p.parse_args(argv)
+    if args.isa in AVX2_ENV and argv is None and os.environ.get("ATEN_CPU_CAPABILITY") is None:
+        # Emulating an AVX2-only machine: torch's own kernels (SDPA, matmul, the torch
+        # reference) must not use AVX-512 either, or the ratios compare AVX2 with AVX-512.
+        os.environ.update(AVX2_ENV[args.isa])
+        os.execv(sys.executable, [sys.executable, *sys.argv])
 
     lib = load()
     if isinstance(lib, str):
@@ -306,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     load_avg = os.getloadavg()[0]
     print(
         f"native isa={isa}  threads={torch.get_num_threads()}  read bw {bw:.1f} GB/s  "
-        f"GEMM peak {peak / 1e9:.0f} GMAC/s ({peak_dtype})  load {load_avg:.1f}"
+        f"GEMM peak {peak / 1e9:.0f} GMAC/s ({peak_dtype})  load {load_avg:.1f}  "
+        f"torch cpu capability {torch.backends.cpu.get_cpu_capability()}"
         + (f"  peer {os.path.basename(peer.lib)}" if peer else "")
         + "\n"
     )
