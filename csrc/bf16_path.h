@@ -172,6 +172,14 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
   };
   next_block(it.k0);
   const int klines = int((kstride * 2 + 63) / 64), vlines = mla ? 0 : int((vstride * 2 + 63) / 64);
+  // The first two blocks, which the in-loop prefetch (two blocks ahead) never covers.
+  for (int pos = it.k0; pos < std::min(it.k1, it.k0 + 2 * BK); ++pos) {
+    const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+    const char* kr = reinterpret_cast<const char*>(kbase + slot * kstride);
+    for (int i = 0; i < klines; ++i) _mm_prefetch(kr + 64 * i, NA_PF_HINT);
+    const char* vr = reinterpret_cast<const char*>(vbase + slot * vstride);
+    for (int i = 0; i < vlines; ++i) _mm_prefetch(vr + 64 * i, NA_PF_HINT);
+  }
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
     const int n = std::min(BK, it.k1 - k0);
     for (int t = 0; t < BK; ++t) {

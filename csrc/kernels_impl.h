@@ -396,6 +396,14 @@ static int fused_item(const NaProblem& P, const NaItem& it) {
   const float* vf_[BK];
   float* kb = B.k.data();
   float* vb = B.v.data();
+  // The first two blocks, which the in-loop prefetch (two blocks ahead) never covers.
+  for (int pos = it.k0; pos < std::min(it.k1, it.k0 + 2 * BK); ++pos) {
+    const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+    const char* kr = reinterpret_cast<const char*>(kbase + slot * kstride);
+    for (int i = 0; i < klines; ++i) __builtin_prefetch(kr + 64 * i, 0, 1);
+    const char* vr = reinterpret_cast<const char*>(vbase + slot * vstride);
+    for (int i = 0; i < vlines; ++i) __builtin_prefetch(vr + 64 * i, 0, 1);
+  }
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
     const int n = std::min(BK, it.k1 - k0);
     for (int t = 0; t < n; ++t) {
