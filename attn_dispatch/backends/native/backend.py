@@ -1,7 +1,10 @@
-"""The native backend: host-side checks and planning in Python, kernels in C++ (ctypes).
+"""The native backend: the shared batch and tensor checks in Python, planning and kernels in
+C++ (ctypes).
 
-Every pointer handed to the library comes from a tensor whose device, dtype, shape,
-contiguity and index ranges were checked here first, so a bad batch or tensor is an
+``plan`` runs the shared validator (``backends/_common.py``), then ``na_plan_create``, which
+re-checks every index it will follow and keeps private copies of them; the plan is owned by
+the backend object that made it. Each layer call checks its tensors against the plan
+(``TensorChecks``) before one ``na_run``. A bad batch, tensor or plan is an
 ``InvalidBatchError`` naming the field, never a wild read in C++.
 """
 
