@@ -294,14 +294,15 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
   // Undo the lane order of the pair accumulation: in each 32-column chunk, lane j of the
   // first 16 holds column (j / 4) * 8 + j % 4 and lane j of the second 16 that plus 4.
   float* row = B.k.data();  // >= Dv floats (see the ensure above)
+  const __m512i un0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i un1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int r = 0; r < R; ++r) {
     const float* ar = acc + size_t(r) * Dv;
     for (int c = 0; c < Dv; c += 32) {
-      for (int j = 0; j < 16; ++j) {
-        const int d = c + (j / 4) * 8 + j % 4;
-        row[d] = ar[c + j];
-        row[d + 4] = ar[c + 16 + j];
-      }
+      const __m512 lo = _mm512_loadu_ps(ar + c), hi = _mm512_loadu_ps(ar + c + 16);
+      _mm512_storeu_ps(row + c, _mm512_permutex2var_ps(lo, un0, hi));
+      _mm512_storeu_ps(row + c + 16, _mm512_permutex2var_ps(lo, un1, hi));
     }
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
     finish_row(P, it, r, R1, nh, G, row, inv, m[r], l[r], bad[r],

@@ -151,17 +151,17 @@ static inline void store_row(f16* dst, const float* src, float s, int n) {
 // A row whose query holds NaN or inf: its output is NaN (as the reference's softmax gives).
 template <typename T>
 static inline bool row_not_finite(const T* src, int n) {
+  unsigned any = 0;
   for (int i = 0; i < n; ++i) {
     const float x = float(src[i]);
-    if (!(x - x == 0.0f)) return true;
+    any |= unsigned(!(x - x == 0.0f));
   }
-  return false;
+  return any != 0;
 }
 static inline bool row_not_finite(const uint16_t* src, int n) {  // bf16 bit patterns
-  for (int i = 0; i < n; ++i) {
-    if ((src[i] & 0x7f80u) == 0x7f80u) return true;
-  }
-  return false;
+  unsigned any = 0;  // no early exit: the loop vectorises
+  for (int i = 0; i < n; ++i) any |= unsigned((src[i] & 0x7f80u) == 0x7f80u);
+  return any != 0;
 }
 static inline void fill_nan(float* dst, int n) {
   std::fill(dst, dst + n, std::numeric_limits<float>::quiet_NaN());
@@ -173,8 +173,21 @@ static inline void fill_nan(f16* dst, int n) {
 static inline void store_row(float* dst, const float* src, float s, int n) {
   for (int i = 0; i < n; ++i) dst[i] = src[i] * s;
 }
+// Round to nearest even, NaN stays NaN: f2bf on W lanes at once (the scalar form is a branch
+// per element, which cost ~0.4 us per 128-wide output row).
 static inline void store_row(uint16_t* dst, const float* src, float s, int n) {
-  for (int i = 0; i < n; ++i) dst[i] = f2bf(src[i] * s);
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    const vf x = ld(src + i) * s;
+    vu u;
+    std::memcpy(&u, &x, sizeof u);
+    const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    const vu r = (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
+    const vh h = __builtin_convertvector(r, vh);
+    std::memcpy(dst + i, &h, sizeof h);
+  }
+  for (; i < n; ++i) dst[i] = f2bf(src[i] * s);
 }
 
 // Per-thread buffers, grown on demand and kept for the life of the thread.
