@@ -23,6 +23,15 @@ settings.register_profile("thorough", max_examples=5000, stateful_step_count=40,
 settings.register_profile("dev", max_examples=20, stateful_step_count=15, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# triton reads TRITON_INTERPRET when a @triton.jit function is *defined*. Some test modules
+# (torch.compile's) import triton's helpers before the triton tests would switch the
+# interpreter on, so on a machine without CUDA switch it on here, before any test module loads.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 @pytest.fixture
 def registry_snapshot() -> Iterator[RegistrySnapshot]:
