@@ -120,9 +120,20 @@ def reference(
     batch: Any,
     sm_scale: float,
     v_head_dim: int,
+    *,
+    window_left: int | None = None,
+    logit_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Plain attention: one request and one head at a time, dense boolean mask, fp32."""
-    q, k_cache = q.cpu().float(), k_cache.cpu().float()
+    """Plain attention: one request and one head at a time, dense boolean mask, float64.
+
+    Variants as DESIGN.md defines them: the query at position p sees keys p - window_left ..=
+    p; s = cap * tanh(s / cap); the sink logit joins the denominator; an FP8 cache holds
+    K / k_scale and V / v_scale (MLA: k_scale for the whole latent row).
+    """
+    q, k_cache = q.cpu().double(), k_cache.cpu().double() * k_scale
     page_size = k_cache.shape[1]
     mla = v_cache is None
     out = torch.zeros(q.shape[0], q.shape[1], v_head_dim)
@@ -136,8 +147,10 @@ def reference(
             m0 = int(batch.mask_indptr[i])
             allowed = batch.custom_mask.cpu()[m0 : m0 + q_len * kv_len].view(q_len, kv_len)
         else:
+            allowed = pos[None, :] <= (kv_len - q_len + torch.arange(q_len))[:, None]
+        if window_left is not None:
             q_pos = kv_len - q_len + torch.arange(q_len)
-            allowed = pos[None, :] <= q_pos[:, None]
+            allowed = allowed & (pos[None, :] >= (q_pos - window_left)[:, None])
         for h in range(q.shape[1]):
             if mla:
                 keys = k_cache[page, slot]
@@ -145,11 +158,16 @@ def reference(
             else:
                 kv_h = h // (q.shape[1] // k_cache.shape[2])
                 keys = k_cache[page, slot, kv_h]
-                values = v_cache.cpu().float()[page, slot, kv_h]  # type: ignore[union-attr]
+                values = v_cache.cpu().double()[page, slot, kv_h] * v_scale  # type: ignore[union-attr]
             scores = (q[q0:q1, h] @ keys.T) * sm_scale
+            if logit_cap:
+                scores = logit_cap * torch.tanh(scores / logit_cap)
             scores = scores.masked_fill(~allowed, float("-inf"))
+            if sinks is not None:
+                sink = torch.full((q1 - q0, 1), float(sinks[h]), dtype=torch.float64)
+                scores = torch.cat([scores, sink], dim=1)
             probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked row -> 0
-            out[q0:q1, h] = probs @ values
+            out[q0:q1, h] = (probs[:, :kv_len] @ values).float()
     return out
 
 
