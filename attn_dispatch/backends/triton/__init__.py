@@ -59,14 +59,38 @@ def _device_check(config: AttnConfig, phase: Phase) -> Iterable[str]:
 def _shape_check(config: AttnConfig, phase: Phase) -> Iterable[str]:
     assert config.v_head_dim is not None
     yield from dim_reasons(config.head_dim, config.v_head_dim)
-    if config.kv_dtype != config.dtype:
+    if config.kv_dtype != config.dtype and config.kv_dtype not in FP8_KV_DTYPES:
         yield (
             f"kv_dtype {config.kv_dtype!r} differs from dtype {config.dtype!r}: the triton "
-            "kernels feed q and the cache to one tl.dot, which needs one dtype"
+            "kernels take a cache in the compute dtype, or an FP8 cache "
+            f"({', '.join(FP8_KV_DTYPES)}) that they widen to it"
         )
 
 
-#: The form policy of MLA configs unless the ``form_policy`` option says otherwise.
+def _fp8_check(config: AttnConfig, phase: Phase) -> Iterable[str]:
+    # triton lowers float8_e4m3fn (its fp8e4nv) only for sm89+; e5m2 converts on sm80 too.
+    if config.kv_dtype != "float8_e4m3fn" or config.device_type != "cuda":
+        return
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        cc = torch.cuda.get_device_capability(torch.device(config.device))
+    except Exception:
+        return  # no CUDA here, or an unknown device index: reported elsewhere
+    if tuple(cc) < (8, 9):
+        yield (
+            f"kv_dtype 'float8_e4m3fn' needs sm89+ in triton (fp8e4nv); {config.device!r} is "
+            f"sm{cc[0]}{cc[1]}: use 'float8_e5m2' or a 16-bit cache"
+        )
+
+
+#: FP8 cache formats the kernels widen in registers (K / k_scale and V / v_scale stored).
+FP8_KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
+#: The form policy of MLA configs (registered with the backend; a ``form_policy`` option
+#: given to ``bind`` overrides it).
 DEFAULT_FORM_POLICY = FormPolicy.decompressed_without_prefix()
 
 CAPABILITIES = Capabilities(
@@ -74,6 +98,9 @@ CAPABILITIES = Capabilities(
     phases=frozenset(Phase),
     devices=frozenset({"cuda", "cpu"}),
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
+    kv_dtypes=frozenset({"float32", "float16", "bfloat16", *FP8_KV_DTYPES}),
+    # Every variant in every phase, MHA/GQA and MLA (kernels: _decode, _extend).
+    variants=frozenset({"window", "logit_cap", "sinks"}),
     custom_mask=True,
     # MLA: absorbed over the paged latent cache in every phase; prefill may also run the
     # decompressed MHA form (ragged K/V through a second instance of this backend). No
@@ -82,7 +109,7 @@ CAPABILITIES = Capabilities(
     requires=("torch", "triton"),
     # bf16 tl.dot needs Ampere; older GPUs are not served rather than served in part.
     min_compute_capability=(8, 0),
-    checks=(_device_check, _shape_check),
+    checks=(_device_check, _shape_check, _fp8_check),
     availability=(_runnable_here,),
     description=(
         "Triton kernels: split-KV paged decode, prefix + causal/tree-mask extend, MHA/GQA and "
@@ -90,4 +117,4 @@ CAPABILITIES = Capabilities(
     ),
 )
 
-__all__ = ["CAPABILITIES", "DEFAULT_FORM_POLICY", "interpreter_on"]
+__all__ = ["CAPABILITIES", "DEFAULT_FORM_POLICY", "FP8_KV_DTYPES", "interpreter_on"]
