@@ -35,6 +35,7 @@ from attn_dispatch import attention
 from attn_dispatch import attention_form
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
+from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch.backends.triton import CAPABILITIES
@@ -342,6 +343,232 @@ def test_bind_and_dispatch_through_attn_scope(kind: str) -> None:
             assert attention_form() is AttnForm.MLA  # absorbed form in every phase
     ref = reference(q, k_cache, v_cache, batch, 0.25, dv)
     torch.testing.assert_close(out.cpu(), ref, atol=TOL["float32"], rtol=TOL["float32"])
+
+
+# ---------------------------------------------------------------- layer variants and FP8
+
+FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def run_variant(
+    kind: str,
+    hq: int,
+    hkv: int,
+    d: int,
+    dv: int,
+    phase: Phase,
+    q_lens: list[int],
+    kv_lens: list[int],
+    page_size: int,
+    dtype: str,
+    *,
+    window: int | None = None,
+    cap: float | None = None,
+    sinks: bool = False,
+    fp8: str | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    mask: torch.Tensor | None = None,
+    poison_before: int | None = None,
+    tol: float | None = None,
+    **options: Any,
+) -> tuple[torch.Tensor, Any]:
+    """One variant case against the float64 reference; ``poison_before=n`` puts NaN in every
+    cached key and value at positions < kv_len - n of each request after the reference is
+    taken (the kernel must never load them)."""
+    torch.manual_seed(2)
+    cfg = AttnConfig(
+        kind,  # type: ignore[arg-type]
+        hq,
+        hkv,
+        d,
+        dv,
+        dtype=dtype,
+        kv_dtype=fp8,
+        page_size=page_size,
+        device=DEVICE,
+        tree_verify=mask is not None,
+        window_left=window,
+        logit_cap=cap,
+        sinks=sinks,
+    )
+    assert CAPABILITIES.reasons(cfg, phase) == []
+    backend = TritonBackend(cfg, **options)
+    batch, pages = make_batch(phase, q_lens, kv_lens, page_size, mask=mask)
+    tdt = DTYPES[dtype]
+    kdt = FP8[fp8] if fp8 else tdt
+    q = torch.randn(batch.num_tokens, hq, d).to(tdt).to(DEVICE)
+    # FP8: values spread over the format's range, stored as K / k_scale (DESIGN.md).
+    spread = 3.0 if fp8 else 1.0
+    if kind == "mla":
+        k_cache, v_cache = (torch.randn(pages, page_size, d) * spread).to(kdt).to(DEVICE), None
+    else:
+        k_cache = (torch.randn(pages, page_size, hkv, d) * spread).to(kdt).to(DEVICE)
+        v_cache = (torch.randn(pages, page_size, hkv, dv) * spread).to(kdt).to(DEVICE)
+    sink_t = (torch.randn(hq) * 2).to(DEVICE) if sinks else None
+    scale = 1.0 / math.sqrt(d)
+    ref = reference(
+        q, k_cache, v_cache, batch, scale, dv, window_left=window, logit_cap=cap, sinks=sink_t,
+        k_scale=k_scale, v_scale=k_scale if kind == "mla" else v_scale,
+    )  # fmt: skip
+    if poison_before is not None:
+        _poison_before(batch, k_cache, v_cache, page_size, poison_before)
+    extras: dict[str, Any] = {}
+    if sinks:
+        extras["sinks"] = sink_t
+    if fp8:
+        extras["k_scale"] = k_scale
+        if kind == "mha":
+            extras["v_scale"] = v_scale
+    plan = backend.plan(batch)
+    out = backend.handler(phase)(q, k_cache, v_cache, plan, scale, **extras)
+    assert out.shape == (batch.num_tokens, hq, dv) and out.dtype == tdt
+    t = tol if tol is not None else TOL[dtype]
+    torch.testing.assert_close(out.cpu().float(), ref, atol=t, rtol=t)
+    return out, plan
+
+
+def _poison_before(
+    batch: Any, k_cache: torch.Tensor, v_cache: torch.Tensor | None, page_size: int, keep: int
+) -> None:
+    nan_k = torch.tensor(float("nan")).to(k_cache.dtype)
+    for i in range(batch.num_requests):
+        kv_len = int(batch.kv_lens_host[i])
+        pages = batch.kv_indices.cpu()[int(batch.kv_indptr_host[i]) :].long()
+        for pos in range(max(0, kv_len - keep)):
+            page, slot = int(pages[pos // page_size]), pos % page_size
+            k_cache[page, slot] = nan_k
+            if v_cache is not None:
+                v_cache[page, slot] = nan_k
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "window", "cap", "sinks"),
+    [
+        ("mha", "float32", 10, None, False),
+        ("mha", "float32", 0, 5.0, True),  # window 0: the query sees only itself
+        ("mha", "bfloat16", 500, 2.0, True),  # window larger than the context
+        ("mla", "float32", 13, 4.0, True),
+    ],
+)
+def test_decode_variants(
+    kind: str, dtype: str, window: int | None, cap: float | None, sinks: bool
+) -> None:
+    hkv, d, dv = (2, 32, 32) if kind == "mha" else (1, 80, 64)
+    run_variant(kind, 4, hkv, d, dv, Phase.DECODE, [1, 1, 1], [37, 70, 5], 4, dtype,
+                window=window, cap=cap, sinks=sinks, num_kv_splits=3)  # fmt: skip
+
+
+def test_decode_window_never_loads_keys_before_the_window() -> None:
+    # NaN in every key and value before each request's window: had the split range begun
+    # before the window (and merely masked), NaN * 0 would reach the output.
+    out, plan = run_variant("mha", 4, 2, 32, 32, Phase.DECODE, [1, 1], [70, 9], 4, "float32",
+                            window=12, poison_before=13, num_kv_splits=2)  # fmt: skip
+    assert torch.isfinite(out).all()
+    assert plan.num_splits == 2
+
+
+def test_window_bounds_the_decode_split_count() -> None:
+    # The split rule sees at most window_left + 1 keys per request, not the context.
+    cfg = AttnConfig("mha", 4, 2, 32, 32, dtype="float32", page_size=4, device=DEVICE)
+    batch, _ = make_batch(Phase.DECODE, [1], [4000], 4)
+    full = TritonBackend(cfg).plan(batch)
+    windowed = TritonBackend(cfg.replace(window_left=31)).plan(batch)
+    assert isinstance(full, _ops.DecodePlan) and isinstance(windowed, _ops.DecodePlan)
+    assert full.num_splits > windowed.num_splits == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "window", "cap", "sinks"),
+    [("mha", 5, 1.5, True), ("mha", 0, None, False), ("mla", 9, 3.0, True)],
+)
+def test_prefill_with_prefix_variants(
+    kind: str, window: int | None, cap: float | None, sinks: bool
+) -> None:
+    hkv, d, dv = (2, 32, 32) if kind == "mha" else (1, 80, 64)
+    run_variant(kind, 4, hkv, d, dv, Phase.PREFILL, [5, 20], [40, 20], 4, "float32",
+                window=window, cap=cap, sinks=sinks)  # fmt: skip
+
+
+def test_extend_window_never_loads_keys_before_the_window() -> None:
+    # One query block per request: keys before (first query's position - window_left) are
+    # never loaded, so NaN there cannot reach the output.
+    q_lens, kv_lens, window = [6, 3], [50, 30], 7
+    out, _ = run_variant("mha", 2, 1, 32, 32, Phase.PREFILL, q_lens, kv_lens, 4, "float32",
+                         window=window, poison_before=max(q_lens) + window - 1)  # fmt: skip
+    assert torch.isfinite(out).all()
+
+
+def test_tree_verify_with_window_cap_and_sinks() -> None:
+    q_lens, kv_lens = [3, 2], [9, 20]
+    run_variant("mha", 4, 2, 32, 32, Phase.VERIFY, q_lens, kv_lens, 4, "float32",
+                mask=tree_mask(q_lens, kv_lens), window=6, cap=2.5, sinks=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize(
+    ("kind", "phase", "dtype"),
+    [
+        ("mha", Phase.DECODE, "bfloat16"),
+        ("mha", Phase.PREFILL, "float32"),
+        ("mla", Phase.DECODE, "float32"),
+        ("mla", Phase.VERIFY, "bfloat16"),
+    ],
+)
+def test_fp8_cache(fmt: str, kind: str, phase: Phase, dtype: str) -> None:
+    # The reference dequantises the same FP8 bytes in float64: what remains is the output's
+    # own rounding (bf16) and the fp32 accumulation.
+    hkv, d, dv = (2, 32, 32) if kind == "mha" else (1, 80, 64)
+    q_lens = [1, 1] if phase is Phase.DECODE else [4, 2]
+    tol = 4 * TOL[dtype] if dtype == "bfloat16" else 1e-4  # outputs are ~3x larger
+    run_variant(kind, 4, hkv, d, dv, phase, q_lens, [21, 40], 4, dtype, fp8=fmt,
+                k_scale=0.37, v_scale=2.5, tol=tol, num_kv_splits=2)  # fmt: skip
+
+
+def test_fp8_cache_with_every_variant() -> None:
+    run_variant("mha", 4, 1, 32, 32, Phase.PREFILL, [3, 7], [30, 12], 4, "float32",
+                fp8="float8_e4m3fn", k_scale=1.7, v_scale=0.3, window=8, cap=6.0,
+                sinks=True, tol=1e-4)  # fmt: skip
+
+
+def test_handler_checks_sinks_and_scales() -> None:
+    cfg = AttnConfig("mha", 4, 2, 32, 32, dtype="float32", page_size=4, device=DEVICE)
+    batch, pages = make_batch(Phase.DECODE, [1], [9], 4)
+    q = torch.randn(1, 4, 32, device=DEVICE)
+    k = torch.randn(pages, 4, 2, 32, device=DEVICE)
+    v = torch.randn(pages, 4, 2, 32, device=DEVICE)
+    with_sinks = TritonBackend(cfg.replace(sinks=True))
+    run = with_sinks.handler(Phase.DECODE)
+    plan = with_sinks.plan(batch)
+    for bad in (None, torch.zeros(3), torch.zeros(4, dtype=torch.float64), torch.zeros(2, 4)):
+        with pytest.raises(InvalidBatchError) as err:
+            run(q, k, v, plan, 0.2, sinks=bad)
+        assert err.value.field == "sinks"
+    plain = TritonBackend(cfg)
+    with pytest.raises(InvalidBatchError) as err:
+        plain.handler(Phase.DECODE)(q, k, v, plain.plan(batch), 0.2, sinks=torch.zeros(4))
+    assert err.value.field == "sinks"
+    with pytest.raises(InvalidBatchError) as err:
+        plain.handler(Phase.DECODE)(q, k, v, plain.plan(batch), 0.2, k_scale=2.0)
+    assert err.value.field == "k_scale"
+    # An FP8 config given a 16-bit cache: the cache dtype check names it.
+    fp8 = TritonBackend(cfg.replace(kv_dtype="float8_e5m2"))
+    with pytest.raises(InvalidBatchError) as err:
+        fp8.handler(Phase.DECODE)(q, k, v, fp8.plan(batch), 0.2, k_scale=1.0, v_scale=1.0)
+    assert err.value.field == "k_cache"
+
+
+def test_e4m3_needs_sm89_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = AttnConfig("mha", 8, 2, 64, 64, dtype="bfloat16", kv_dtype="float8_e4m3fn",
+                     device="cuda")  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    from attn_dispatch.backends.triton import _fp8_check
+
+    assert any("sm89" in r for r in _fp8_check(cfg, Phase.DECODE))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert list(_fp8_check(cfg, Phase.DECODE)) == []
+    assert list(_fp8_check(cfg.replace(kv_dtype="float8_e5m2"), Phase.DECODE)) == []
 
 
 # ---------------------------------------------------------------- planning
