@@ -215,28 +215,12 @@ class TritonBackend(TorchBackendBase):
         return self._launch(plan, q, k_cache, v_cache, sm_scale, sinks, ks, vs)
 
     def _check_sinks(self, q: torch.Tensor, sinks: Any) -> None:
-        # Attribute reads only: no host sync on CUDA.
-        hq = self.config.num_q_heads
         if not self._sinks:
             raise InvalidBatchError(
                 "sinks", "triton: sinks were passed but the bound config has sinks=False"
             )
-        if not isinstance(sinks, torch.Tensor):
-            raise InvalidBatchError(
-                "sinks",
-                f"triton: the config has sinks=True; pass a float32 tensor [{hq}] "
-                f"(got {type(sinks).__name__})",
-            )
-        if sinks.dtype != torch.float32 or tuple(sinks.shape) != (hq,):
-            raise InvalidBatchError(
-                "sinks",
-                f"triton: expected a float32 tensor of shape ({hq},), got {sinks.dtype} "
-                f"{tuple(sinks.shape)!r}",
-            )
-        if sinks.device != q.device:
-            raise InvalidBatchError(
-                "sinks", f"triton: sinks on {sinks.device}, q on {q.device}: same device needed"
-            )
+        self._checks.check_sinks(sinks, q)
+        # The kernels index sinks by head: a strided view would read the wrong logits.
         if sinks.stride(0) != 1:
             raise InvalidBatchError("sinks", "triton: sinks must be contiguous")
 
