@@ -354,6 +354,9 @@ CAPABILITIES = Capabilities(
     devices=frozenset({"cuda"}),
     dtypes=frozenset({"float16", "bfloat16"}),
     kv_dtypes=frozenset({"float16", "bfloat16", *_FP8}),
+    # window_left / logits_soft_cap of the paged prefill and decode plans (MHA; MLA refused
+    # in _check_variants). Sinks are not declared: see _check_variants.
+    variants=frozenset({"window", "logit_cap"}),
     head_dims=None,  # dims are checked in pairs below (MHA) or as latent/rope (MLA)
     v_head_dims=None,
     page_sizes=None,  # fa2/fa3 paged kernels take any positive page size at run time
