@@ -22,8 +22,8 @@ from typing import ClassVar
 import pytest
 
 from attn_dispatch import AttnConfig
-from attn_dispatch import InvalidBatchError
 from attn_dispatch import AttnForm
+from attn_dispatch import InvalidBatchError
 from attn_dispatch import Phase
 from attn_dispatch.backends import flashinfer as fi_caps
 

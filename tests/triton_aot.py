@@ -27,7 +27,6 @@ from attn_dispatch.backends.triton import _extend
 from attn_dispatch.backends.triton import _ops
 from attn_dispatch.backends.triton.backend import kernel_config
 
-
 _FLOATS = {"sm_scale_log2", "cap_in", "cap_out", "v_scale"}
 _FP8 = {"float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
 

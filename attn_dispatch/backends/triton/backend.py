@@ -235,8 +235,10 @@ class TritonBackend(TorchBackendBase):
         k_scale: float,
         v_scale: float,
     ) -> torch.Tensor:
-        run = _ops.run_decode if isinstance(plan, _ops.DecodePlan) else _ops.run_extend
-        return run(self._kc, plan, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale)
+        kc = self._kc
+        if isinstance(plan, _ops.DecodePlan):
+            return _ops.run_decode(kc, plan, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale)
+        return _ops.run_extend(kc, plan, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale)
 
 
 def kernel_config(
