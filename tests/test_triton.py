@@ -531,6 +531,27 @@ def test_fp8_cache_with_every_variant() -> None:
                 sinks=True, tol=1e-4)  # fmt: skip
 
 
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
+def test_variants_and_fp8_through_attention(phase: Phase) -> None:
+    # The registry path: bind checks the declarations, attention() passes sinks and scales.
+    cfg = AttnConfig("mha", 4, 2, 32, 32, dtype="float32", kv_dtype="float8_e5m2", page_size=4,
+                     device=DEVICE, window_left=6, logit_cap=3.0, sinks=True)  # fmt: skip
+    binding = bind(BackendSpec.uniform("triton"), cfg, label="target")
+    runner = SimpleNamespace(attn_binding=binding)
+    q_lens = [1, 1] if phase is Phase.DECODE else [4, 3]
+    batch, pages = make_batch(phase, q_lens, [19, 11], 4)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(batch.num_tokens, 4, 32, generator=gen).to(DEVICE)
+    k = (torch.randn(pages, 4, 2, 32, generator=gen) * 4).to(torch.float8_e5m2).to(DEVICE)
+    v = (torch.randn(pages, 4, 2, 32, generator=gen) * 4).to(torch.float8_e5m2).to(DEVICE)
+    sinks = torch.randn(4, generator=gen).to(DEVICE)
+    with attn_scope(runner, batch):
+        out = attention(q, k, v, sm_scale=0.2, sinks=sinks, k_scale=0.25, v_scale=0.5)
+    ref = reference(q, k, v, batch, 0.2, 32, window_left=6, logit_cap=3.0, sinks=sinks,
+                    k_scale=0.25, v_scale=0.5)  # fmt: skip
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
 def test_handler_checks_sinks_and_scales() -> None:
     cfg = AttnConfig("mha", 4, 2, 32, 32, dtype="float32", page_size=4, device=DEVICE)
     batch, pages = make_batch(Phase.DECODE, [1], [9], 4)
