@@ -15,6 +15,12 @@ Routes (one FlashInfer wrapper family each):
   with ``metadata=MLAPlanMetadata.csr(...)``; packed query ``[T, H, ckv+kpe]`` and packed
   latent cache ``[P, page_size, ckv+kpe]`` (our absorbed layout as is).
 
+Variants: ``window_left`` and ``logit_cap`` go to the MHA plans as ``window_left`` (-1 = full)
+and ``logits_soft_cap`` (0 = off); an FP8 cache plans with ``kv_data_type`` and runs with
+``k_scale``/``v_scale`` (MHA) or, MLA e4m3fn on SM90, ``scale_mode="kv-per-tensor"`` and
+``ckv_scale = kpe_scale = k_scale``. Sinks, and window / cap for MLA, are refused at bind (see
+the light module's ``_check_variants``).
+
 Example (needs a CUDA GPU)::
 
     from attn_dispatch import AttnConfig, BackendSpec, bind

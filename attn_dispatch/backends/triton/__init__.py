@@ -8,6 +8,15 @@ is first bound (triton reads it when the kernels are defined); tests set it at i
 Head widths: q/k width ``D`` is split into the largest power of two <= D plus the rest padded
 to a power of two >= 16 (576 = 512 + 64, 80 = 64 + 16, 96 = 64 + 32); v is padded to a power
 of two >= 16. Widths 16..1024 are served; see ``_dims``.
+
+Layer variants, every phase, MHA/GQA and MLA: ``window_left`` (pages before a request's window
+are never read: decode starts its split range at the window, extend starts each query block at
+its first row's window), ``logit_cap`` (cap * tanh on the scaled scores) and ``sinks`` (one
+logit per q head in the softmax denominator). FP8 caches (``float8_e4m3fn`` / ``float8_e5m2``,
+with ``dtype`` fp32/fp16/bf16): the kernels widen K/V in registers to q's dtype (exact), fold
+``k_scale`` into the score scale and apply ``v_scale`` to the output; e4m3fn needs sm89+ on CUDA.
+Under the CPU interpreter FP8 loads convert exactly for every finite value; the NaN/Inf bit
+patterns decode as large finite numbers there (compiled GPU kernels follow the formats).
 """
 
 from __future__ import annotations
@@ -113,7 +122,8 @@ CAPABILITIES = Capabilities(
     availability=(_runnable_here,),
     description=(
         "Triton kernels: split-KV paged decode, prefix + causal/tree-mask extend, MHA/GQA and "
-        "absorbed MLA; CUDA, or CPU under TRITON_INTERPRET=1"
+        "absorbed MLA, sliding window / soft cap / sinks, FP8 caches; CUDA, or CPU under "
+        "TRITON_INTERPRET=1"
     ),
 )
 
