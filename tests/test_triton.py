@@ -579,6 +579,28 @@ def test_handler_checks_sinks_and_scales() -> None:
     assert err.value.field == "k_cache"
 
 
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_loads_widen_exactly(fmt: str) -> None:
+    # The kernels widen FP8 loads with .to(): every finite code must come out as torch
+    # decodes it (under the interpreter too). The NaN/Inf codes are left out: the interpreter
+    # decodes them as large finite numbers (the module docstring says so).
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def widen(src, dst, n: tl.constexpr):  # type: ignore[no-untyped-def]
+        offs = tl.arange(0, n)
+        tl.store(dst + offs, tl.load(src + offs).to(tl.float32))
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8[fmt]).to(DEVICE)
+    got = torch.empty(256, device=DEVICE)
+    widen[(1,)](codes, got, n=256)
+    want = codes.float()
+    finite = torch.isfinite(want)
+    assert int(finite.sum()) >= 248
+    assert torch.equal(got[finite].cpu(), want[finite].cpu())
+
+
 def test_e4m3_needs_sm89_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = AttnConfig("mha", 8, 2, 64, 64, dtype="bfloat16", kv_dtype="float8_e4m3fn",
                      device="cuda")  # fmt: skip
