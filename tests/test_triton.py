@@ -38,6 +38,7 @@ from attn_dispatch import bind
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
+from attn_dispatch.backends._common import window_tree_mask
 from attn_dispatch.backends.triton import CAPABILITIES
 from attn_dispatch.backends.triton import _ops
 from attn_dispatch.backends.triton._dims import DimLayout
@@ -131,7 +132,8 @@ def reference(
     """Plain attention: one request and one head at a time, dense boolean mask, float64.
 
     Variants as DESIGN.md defines them: the query at position p sees keys p - window_left ..=
-    p; s = cap * tanh(s / cap); the sink logit joins the denominator; an FP8 cache holds
+    p (with a tree mask: the last window_left + 1 keys its mask allows, README "Window and
+    tree verify"); s = cap * tanh(s / cap); the sink logit joins the denominator; an FP8 cache holds
     K / k_scale and V / v_scale (MLA: k_scale for the whole latent row).
     """
     q, k_cache = q.cpu().double(), k_cache.cpu().double() * k_scale
@@ -149,7 +151,10 @@ def reference(
             allowed = batch.custom_mask.cpu()[m0 : m0 + q_len * kv_len].view(q_len, kv_len)
         else:
             allowed = pos[None, :] <= (kv_len - q_len + torch.arange(q_len))[:, None]
-        if window_left is not None:
+        if window_left is not None and batch.custom_mask is not None:
+            # A draft node sees the last window_left + 1 keys of its own sequence.
+            allowed = window_tree_mask(allowed, window_left)
+        elif window_left is not None:
             q_pos = kv_len - q_len + torch.arange(q_len)
             allowed = allowed & (pos[None, :] >= (q_pos - window_left)[:, None])
         for h in range(q.shape[1]):
@@ -497,6 +502,27 @@ def test_extend_window_never_loads_keys_before_the_window() -> None:
     out, _ = run_variant("mha", 2, 1, 32, 32, Phase.PREFILL, q_lens, kv_lens, 4, "float32",
                          window=window, poison_before=max(q_lens) + window)  # fmt: skip
     assert torch.isfinite(out).all()
+
+
+def test_tree_verify_window_counts_a_nodes_own_sequence() -> None:
+    # Drafts 0 <- 1, 0 <- 2 <- 3 after a prefix of 10. With window_left 3, node 3's sequence
+    # ends prefix[9], d0, d2, d3: it sees key 9, which a positional window (keys >= 13 - 3)
+    # would hide; node 1 (sequence ..., prefix[8], prefix[9], d0, d1) sees keys 8 and 9.
+    prefix, parents = 10, [-1, 0, 0, 2]
+    rows = []
+    for node in range(4):
+        row = torch.zeros(prefix + 4, dtype=torch.bool)
+        row[:prefix] = True
+        at = node
+        while at >= 0:
+            row[prefix + at] = True
+            at = parents[at]
+        rows.append(row)
+    mask = torch.stack(rows)
+    win = window_tree_mask(mask, 3)
+    assert win[3, 9] and not win[3, 8] and win[1, 8] and not win[1, 7]
+    run_variant("mha", 2, 1, 32, 32, Phase.VERIFY, [4], [prefix + 4], 4, "float32",
+                mask=mask.reshape(-1), window=3, extend_block_m=16)  # fmt: skip
 
 
 def test_tree_verify_with_window_cap_and_sinks() -> None:

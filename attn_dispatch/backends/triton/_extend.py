@@ -250,6 +250,7 @@ def _extend_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     WINDOW: tl.constexpr,
+    WINDOW_MASK: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     KV_SCALED: tl.constexpr,
@@ -299,7 +300,13 @@ def _extend_kernel(
         lo = 0
         new_start = prefix
         if WINDOW:
-            lo = tl.maximum(prefix + m0 - window_left, 0)
+            if USE_MASK:
+                # Tree verify: the window was folded into the mask at plan time (a node sees
+                # the last window_left + 1 keys of its own sequence, the prefix plus its
+                # ancestors), so no node sees a key before prefix - window_left.
+                lo = tl.maximum(prefix - window_left, 0)
+            else:
+                lo = tl.maximum(prefix + m0 - window_left, 0)
             new_start = tl.maximum(prefix, lo)
         # Pass 1: the cached prefix, visible to every new token unless a custom mask says no.
         for n0 in range(lo, prefix, BLOCK_N):
@@ -309,7 +316,7 @@ def _extend_kernel(
                 num_indices, num_mask, kv_head, sm_scale_log2, cap_in, cap_out, window_left,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, BLOCK_N,
-                False, USE_MASK, V_FROM_K, IEEE, WINDOW, SOFTCAP,
+                False, USE_MASK, V_FROM_K, IEEE, WINDOW_MASK, SOFTCAP,
             )  # fmt: skip
         # Pass 2: the new tokens. Causal: keys past this block's last query are never visited.
         if USE_MASK:
@@ -323,7 +330,7 @@ def _extend_kernel(
                 num_indices, num_mask, kv_head, sm_scale_log2, cap_in, cap_out, window_left,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, BLOCK_N,
-                not USE_MASK, USE_MASK, V_FROM_K, IEEE, WINDOW, SOFTCAP,
+                not USE_MASK, USE_MASK, V_FROM_K, IEEE, WINDOW_MASK, SOFTCAP,
             )  # fmt: skip
 
         if HAS_SINKS:

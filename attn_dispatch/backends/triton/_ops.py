@@ -16,6 +16,7 @@ import torch
 import triton
 
 from attn_dispatch.backends._common import BatchSnapshot
+from attn_dispatch.backends._common import window_flat_mask
 
 from ._decode import _decode_merge_kernel
 from ._decode import _decode_split_kernel
@@ -147,10 +148,28 @@ def plan_extend(kc: KernelConfig, owner: Any, snap: BatchSnapshot) -> ExtendPlan
         owner=owner,
         snap=snap,
         grid=(snap.num_requests, kc.num_q_heads, max(1, -(-snap.max_q_len // kc.extend_block_m))),
-        # Same bytes, read as uint8 in the kernel: a view, no copy.
-        mask=None if mask is None else mask.view(torch.uint8),
+        mask=None if mask is None else kernel_mask(kc, snap),
         constants=extend_constants(kc, mask is not None),
     )
+
+
+def kernel_mask(
+    kc: KernelConfig, snap: BatchSnapshot, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The custom mask as the kernel reads it (uint8): the snapshot's own bytes (a view, no
+    copy), or with a window the mask with the window folded in (``window_flat_mask``: a node
+    sees the last window_left + 1 keys its mask allows), written into ``out`` when given (a
+    captured plan's buffer). Device ops only: no host sync."""
+    mask = snap.custom_mask
+    assert mask is not None
+    if kc.window_left is None:
+        return mask.view(torch.uint8)
+    q_lens = (snap.qo_indptr_host[1:] - snap.qo_indptr_host[:-1]).tolist()
+    folded = window_flat_mask(mask, q_lens, snap.kv_lens_host.tolist(), kc.window_left)
+    # Same length as the snapshot's mask (which may hold capacity past the batch's part).
+    buf = torch.zeros_like(mask) if out is None else out.view(torch.bool)
+    buf[: folded.numel()].copy_(folded)
+    return buf.view(torch.uint8)
 
 
 def decode_constants(kc: KernelConfig) -> dict[str, Any]:
@@ -175,7 +194,10 @@ def extend_constants(kc: KernelConfig, use_mask: bool) -> dict[str, Any]:
         HEAD_DIM=lay.head_dim, V_DIM=lay.v_head_dim, D_MAIN=lay.main, D_REST=lay.rest,
         DV_BLOCK=lay.v_block, BLOCK_M=kc.extend_block_m, BLOCK_N=kc.extend_block_n,
         USE_MASK=use_mask, V_FROM_K=kc.v_from_k, UPCAST=kc.upcast, IEEE=kc.ieee,
-        WINDOW=kc.window_left is not None, SOFTCAP=bool(kc.logit_cap), HAS_SINKS=kc.sinks,
+        # WINDOW: skip keys before the window; WINDOW_MASK: mask the rest per row by position
+        # (without a custom mask; a tree mask carries its window, see plan_extend).
+        WINDOW=kc.window_left is not None, WINDOW_MASK=kc.window_left is not None and not use_mask,
+        SOFTCAP=bool(kc.logit_cap), HAS_SINKS=kc.sinks,
         KV_SCALED=kc.kv_scaled,
     )  # fmt: skip
 

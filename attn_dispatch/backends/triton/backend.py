@@ -174,6 +174,10 @@ class TritonBackend(TorchBackendBase):
                 "longest query length",
             )
         refill(plan.snap, snap)
+        if isinstance(plan, _ops.ExtendPlan) and plan.mask is not None:
+            if self._kc.window_left is not None:
+                # The kernel reads the window-folded copy, not the snapshot: refold into it.
+                _ops.kernel_mask(self._kc, snap, out=plan.mask)
 
     def handler(self, phase: Phase) -> Any:
         """The per-layer callable for ``phase`` (one for all phases: the plan picks the kernel)."""
