@@ -26,6 +26,7 @@ from attn_dispatch import AttnForm
 from attn_dispatch import InvalidBatchError
 from attn_dispatch import Phase
 from attn_dispatch.backends import flashinfer as fi_caps
+from attn_dispatch.backends._common import window_tree_mask
 
 torch = pytest.importorskip("torch")
 
@@ -557,7 +558,10 @@ def _reference(
             pos += n * kv_len
         else:
             allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
-        if cfg.window_left is not None:
+        if cfg.window_left is not None and batch.custom_mask is not None:
+            # a draft node sees the last window_left + 1 keys of its own sequence
+            allowed = window_tree_mask(allowed, cfg.window_left)
+        elif cfg.window_left is not None:
             q_pos = kv_len - n + torch.arange(n)
             allowed = allowed & (
                 torch.arange(kv_len)[None, :] >= (q_pos - cfg.window_left)[:, None]
@@ -781,7 +785,10 @@ def test_adapter_maps_window_with_a_verify_tree(fake_flashinfer: Any) -> None:
     q = torch.randn(sum(q_lens), 2, 64, generator=gen)
     backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125)
     out = backend.handler(Phase.VERIFY)(q, k_cache, v_cache, backend.plan(batch), 0.125)
-    assert _FakeWrapper.made[0].plans[0]["window_left"] == 2
+    planned = _FakeWrapper.made[0].plans[0]
+    # the window is folded into the mask (a node's own sequence), not applied by position
+    assert planned["window_left"] == -1
+    assert int(planned["custom_mask"].sum()) < int(batch.custom_mask.sum())
     torch.testing.assert_close(out, _reference(cfg, batch, q, k_cache, v_cache, 0.125))
 
 

@@ -52,6 +52,7 @@ from attn_dispatch import Phase
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
 from attn_dispatch.backends._common import check_owner
+from attn_dispatch.backends._common import window_flat_mask
 from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.flashinfer import CAPABILITIES
 
@@ -393,6 +394,14 @@ class _PrefillRoute(_MHARoute):
     def plan(self, wrapper: Any, batch: BatchSnapshot, table: _PageTable, sm_scale: float) -> None:
         cfg = self.config
         mask = batch.custom_mask
+        window = _window(cfg)
+        if mask is not None and window >= 0:
+            # FlashInfer windows a masked row by position; our contract windows a draft node's
+            # own sequence (the last window_left + 1 keys its mask allows): fold that into the
+            # mask (device ops, once per plan) and plan no positional window.
+            q_lens = (batch.qo_indptr_host[1:] - batch.qo_indptr_host[:-1]).tolist()
+            mask = window_flat_mask(mask, q_lens, batch.kv_lens_host.tolist(), window)
+            window = -1
         wrapper.plan(
             **_kw(
                 self.name,
@@ -409,7 +418,7 @@ class _PrefillRoute(_MHARoute):
                 custom_mask=None if mask is None else mask.reshape(-1),
                 causal=mask is None,
                 sm_scale=sm_scale,
-                window_left=_window(cfg),
+                window_left=window,
                 logits_soft_cap=_soft_cap(cfg),
                 q_data_type=self.backend.q_dtype,
                 kv_data_type=self.backend.kv_dtype,
