@@ -705,6 +705,36 @@ def test_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     assert any("TRITON_INTERPRET=1" in r for r in reasons), reasons
 
 
+def test_interpreter_switched_on_after_triton_was_imported_is_a_bind_reason() -> None:
+    # triton fixes "interpreted or compiled" per @jit function when it is defined: switched on
+    # after triton.language was imported, its own helpers stay compiled and the kernels would
+    # crash inside the interpreter. Bind says so instead (own process: import order matters).
+    code = (
+        "import os, sys\n"
+        "os.environ.pop('TRITON_INTERPRET', None)\n"
+        "import triton.language\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from attn_dispatch import AttnConfig, BackendSpec, bind\n"
+        "from attn_dispatch._errors import AttnDispatchError\n"
+        "cfg = AttnConfig('mha', 4, 2, 32, 32, dtype='float32', device='cpu')\n"
+        "try:\n"
+        "    bind(BackendSpec.uniform('triton'), cfg)\n"
+        "except AttnDispatchError as exc:\n"
+        "    print(exc)\n"
+        "    sys.exit(0)\n"
+        "sys.exit(1)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "before anything imports triton" in done.stdout, done.stdout
+
+
 def test_bad_options_raise() -> None:
     cfg = AttnConfig("mha", 8, 2, 64, 64, dtype="float32", device=DEVICE)
     with pytest.raises(InvalidSpecError, match="unknown triton backend options"):

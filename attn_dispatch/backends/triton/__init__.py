@@ -22,6 +22,7 @@ patterns decode as large finite numbers there (compiled GPU kernels follow the f
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,7 @@ def interpreter_on() -> bool:
 
 def _runnable_here() -> Iterable[str]:
     if interpreter_on():
+        yield from _interpreter_reasons()
         return
     try:
         import torch  # at call time only: this module stays torch-free at import
@@ -52,6 +54,22 @@ def _runnable_here() -> Iterable[str]:
         yield (
             "needs a CUDA device, or TRITON_INTERPRET=1 to run the kernels on CPU under "
             "triton's interpreter (for tests; set it before the backend is first bound)"
+        )
+
+
+def _interpreter_reasons() -> Iterable[str]:
+    # triton decides per @jit function, when it is defined, whether it is interpreted: if
+    # triton.language was imported before TRITON_INTERPRET=1 was set (torch.compile's
+    # inductor imports it, for one), its own helpers (tl.cdiv, tl.zeros, ...) stay compiled
+    # and the interpreter refuses to call them from our kernels. Only inspects what is loaded.
+    lang = sys.modules.get("triton.language")
+    helper = getattr(lang, "cdiv", None)
+    if helper is not None and type(helper).__name__ == "JITFunction":
+        yield (
+            "TRITON_INTERPRET=1 was set after triton.language had been imported (for example "
+            "by torch.compile), so triton's own helpers run compiled and the interpreter "
+            "cannot call them; set TRITON_INTERPRET=1 at process start, before anything "
+            "imports triton"
         )
 
 

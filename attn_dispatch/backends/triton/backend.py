@@ -27,6 +27,7 @@ from attn_dispatch.backends._common import TensorChecks
 from attn_dispatch.backends._common import check_owner
 from attn_dispatch.backends._common import refill
 from attn_dispatch.backends._torch_base import TorchBackendBase
+from attn_dispatch.backends.triton import _interpreter_reasons
 from attn_dispatch.backends.triton import _ops
 from attn_dispatch.backends.triton._dims import DimLayout
 from attn_dispatch.backends.triton._dims import dim_reasons
@@ -79,6 +80,9 @@ class TritonBackend(TorchBackendBase):
                 "kernels are first imported (they were imported without it); use a CUDA device "
                 "or set it at process start",
             )
+        stale = list(_interpreter_reasons()) if interp else []
+        if stale:
+            raise BackendUnavailableError(self.name, stale[0])
         if device.type not in ("cpu", "cuda"):
             raise BackendUnavailableError(
                 self.name, f"device {config.device!r} is not served (choose 'cuda' or 'cpu')"
