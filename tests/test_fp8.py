@@ -150,3 +150,52 @@ def test_huge_sink_empties_the_output_and_nan_slots_stay_unread() -> None:
         normal = attention(q, k8, k8, sm_scale=0.1, sinks=torch.full((4,), -1e4))
     assert torch.isfinite(out).all() and out.abs().max() < 1e-6
     assert torch.isfinite(normal).all() and normal.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("window", "cap"), [(None, None), (0, None), (4, 2.0), (9, None), (50, 1.0)]
+)
+def test_chunked_form_applies_the_variants(window: int | None, cap: float | None) -> None:
+    """The MLA 'mha_chunked' form (prefix in chunks, new tokens ragged) gives the paged MHA
+    numbers for the same K/V, with the window (by position), the cap and sinks."""
+    from attn_dispatch.backends.reference.backend import TorchBackend
+
+    h, d, dv = 4, 24, 16
+    cfg = AttnConfig(
+        "mha", h, h, d, dv, dtype="float32", page_size=1, window_left=window, logit_cap=cap,
+        sinks=True,
+    )  # fmt: skip
+    q_lens, prefix = [5, 3], [7, 20]
+    kv_lens = [q + p for q, p in zip(q_lens, prefix, strict=True)]
+    g = torch.Generator().manual_seed(3)
+    ks = [torch.randn(n, h, d, generator=g) for n in kv_lens]
+    vs = [torch.randn(n, h, dv, generator=g) for n in kv_lens]
+    q = torch.randn(sum(q_lens), h, d, generator=g)
+    sinks = torch.randn(h, generator=g)
+    starts = [0, kv_lens[0]]
+    b = AttnBatch.build(
+        Phase.PREFILL,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        page_tables=[list(range(s, s + n)) for s, n in zip(starts, kv_lens, strict=True)],
+        page_size=1,
+        num_pages=sum(kv_lens),
+    )
+    k_cache = torch.cat(ks)[:, None]
+    v_cache = torch.cat(vs)[:, None]
+    with attn_scope(bind("torch", cfg), b):
+        paged = attention(q, k_cache, v_cache, sm_scale=0.3, sinks=sinks)
+    # Prefix in chunks of up to 8 tokens per request, then the new tokens as ragged rows.
+    chunks = []
+    for c0 in range(0, max(prefix), 8):
+        kp, vp, ind = [], [], [0]
+        for i, p in enumerate(prefix):
+            lo, hi = min(c0, p), min(c0 + 8, p)
+            kp.append(ks[i][lo:hi])
+            vp.append(vs[i][lo:hi])
+            ind.append(ind[-1] + hi - lo)
+        chunks.append((torch.cat(kp), torch.cat(vp), ind))
+    k_new = torch.cat([k[p:] for k, p in zip(ks, prefix, strict=True)])
+    v_new = torch.cat([v[p:] for v, p in zip(vs, prefix, strict=True)])
+    out = TorchBackend(cfg).run_chunked(q, k_new, v_new, b, 0.3, chunks, sinks=sinks)
+    torch.testing.assert_close(out, paged, atol=1e-5, rtol=1e-5)
