@@ -11,6 +11,10 @@ and prints decode GB/s (KV bytes read per call / time) as ratios of the theoreti
 at batch 64, context 4096, 16 heads, bf16 >= 0.80 of peak. It also checks the output once
 against the torch reference backend. The first call of a case includes FlashInfer's JIT
 build when no prebuilt kernels are installed; it is reported apart and not timed.
+
+Variant rows: FP8 caches (k_scale / v_scale per call; MLA e4m3fn needs SM90) next to the bf16
+rows, and GQA at context 8192 with a 1024-key window next to full attention (GB/s counts the
+keys a request may see).
 """
 
 from __future__ import annotations
@@ -87,39 +91,55 @@ def run_case(name: str, cfg, batch_size: int, ctx: int, iters: int, peak, copy) 
         device=dev,
     )
     q = torch.randn(batch_size, cfg.num_q_heads, cfg.head_dim, device=dev, dtype=dt)
+    kv_dt = getattr(torch, str(cfg.kv_dtype))
+    fp8 = kv_dt != dt
+    # FP8: the cache holds K / k_scale and V / v_scale (scales chosen so values use the range)
+    extras = {"k_scale": 0.05} if fp8 else {}
     if cfg.kind == "mla":
         k_cache = torch.randn(total_pages, ps, cfg.head_dim, device=dev, dtype=dt)
+        k_cache = (k_cache / 0.05).to(kv_dt) if fp8 else k_cache
         v_cache = None
         bytes_per_token = cfg.head_dim * k_cache.element_size()
     else:
         shape = (total_pages, ps, cfg.num_kv_heads)
         k_cache = torch.randn(*shape, cfg.head_dim, device=dev, dtype=dt)
         v_cache = torch.randn(*shape, cfg.v_head_dim, device=dev, dtype=dt)
+        if fp8:
+            k_cache, v_cache = (k_cache / 0.05).to(kv_dt), (v_cache / 0.05).to(kv_dt)
+            extras["v_scale"] = 0.05
         width = cfg.head_dim + cfg.v_head_dim
         bytes_per_token = cfg.num_kv_heads * width * k_cache.element_size()
     scale = 1.0 / math.sqrt(192 if cfg.kind == "mla" else cfg.head_dim)
-    kv_bytes = batch_size * ctx * bytes_per_token
+    keys = ctx if cfg.window_left is None else min(ctx, cfg.window_left + 1)
+    kv_bytes = batch_size * keys * bytes_per_token
 
     t0 = time.perf_counter()
     binding = bind("flashinfer", cfg, label=name, options={"flashinfer": {"sm_scale": scale}})
     with attn_scope(binding, batch):
-        out = attention(q, k_cache, v_cache, sm_scale=scale)
+        out = attention(q, k_cache, v_cache, sm_scale=scale, **extras)
         torch.cuda.synchronize()
         first = time.perf_counter() - t0
-        t_ours = _time(lambda: attention(q, k_cache, v_cache, sm_scale=scale), iters)
+        t_ours = _time(lambda: attention(q, k_cache, v_cache, sm_scale=scale, **extras), iters)
         # the same wrapper, planned for this batch, called directly: the adapter's overhead
         backend = binding.backend(Phase.DECODE)
         plan = backend.plan(batch)
-        if cfg.kind == "mla":
+        if cfg.kind == "mla" and fp8:
+            ks = extras["k_scale"]
+            raw = lambda: plan.wrapper.run(  # noqa: E731
+                query=q, kv_cache=k_cache, ckv_scale=ks, kpe_scale=ks
+            )
+        elif cfg.kind == "mla":
             raw = lambda: plan.wrapper.run(query=q, kv_cache=k_cache)  # noqa: E731
         else:
-            raw = lambda: plan.wrapper.run(q=q, paged_kv_cache=(k_cache, v_cache))  # noqa: E731
+            raw = lambda: plan.wrapper.run(  # noqa: E731
+                q=q, paged_kv_cache=(k_cache, v_cache), **extras
+            )
         t_raw = _time(raw, iters)
         t_plan = _time(lambda: backend.plan(batch), 5)
 
     ref_binding = bind("torch", cfg, label=f"{name}-ref")
     with attn_scope(ref_binding, batch):
-        ref = attention(q, k_cache, v_cache, sm_scale=scale)
+        ref = attention(q, k_cache, v_cache, sm_scale=scale, **extras)
     err = (out.float() - ref.float()).abs().max().item()
 
     gbps = kv_bytes / t_ours / 1e9
@@ -187,9 +207,17 @@ def main(argv: list[str] | None = None) -> int:
             ),
         ),
     ]
-    for name, cfg in cases:
+    mla_cfg, gqa_cfg = cases[0][1], cases[1][1]
+    variant_cases = [
+        ("mla decode b64 ctx4096 h16 fp8e4m3", mla_cfg.replace(kv_dtype="float8_e4m3fn"), args.ctx),
+        ("gqa decode b64 ctx4096 fp8e4m3", gqa_cfg.replace(kv_dtype="float8_e4m3fn"), args.ctx),
+        ("gqa decode b64 ctx4096 fp8e5m2", gqa_cfg.replace(kv_dtype="float8_e5m2"), args.ctx),
+        ("gqa decode b64 ctx8192 full", gqa_cfg, 8192),
+        ("gqa decode b64 ctx8192 window1024", gqa_cfg.replace(window_left=1023), 8192),
+    ]
+    for name, cfg, ctx in [(n, c, args.ctx) for n, c in cases] + variant_cases:
         try:
-            run_case(name, cfg, args.batch, args.ctx, args.iters, peak, copy)
+            run_case(name, cfg, args.batch, ctx, args.iters, peak, copy)
         except Exception as exc:  # one failing case must not hide the other's numbers
             print(f"{name:<34} FAILED: {type(exc).__name__}: {exc}")
     return 0

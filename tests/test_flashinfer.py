@@ -23,8 +23,10 @@ import pytest
 
 from attn_dispatch import AttnConfig
 from attn_dispatch import AttnForm
+from attn_dispatch import InvalidBatchError
 from attn_dispatch import Phase
 from attn_dispatch.backends import flashinfer as fi_caps
+from attn_dispatch.backends._common import window_tree_mask
 
 torch = pytest.importorskip("torch")
 
@@ -321,7 +323,46 @@ def test_mla_plan_uses_the_metadata_form_not_the_deprecated_flat_one() -> None:
     param = inspect.signature(BatchMLAPagedAttentionWrapper.plan).parameters["metadata"]
     assert param.kind is param.KEYWORD_ONLY
     run_kw = WRAPPER_KEYWORDS[("BatchMLAPagedAttentionWrapper", "run")]
-    assert run_kw == {"query", "kv_cache"}  # not the deprecated q_nope/q_pe/ckv/kpe form
+    # packed query / cache (plus the FP8 per-tensor scales), not the deprecated
+    # q_nope/q_pe/ckv_cache/kpe_cache form
+    assert run_kw == {"query", "kv_cache", "ckv_scale", "kpe_scale"}
+
+
+@needs_flashinfer
+def test_variant_and_fp8_keywords_exist_where_the_adapter_passes_them() -> None:
+    # The keywords the variants map to, per wrapper, exist in the installed FlashInfer with
+    # the meaning the adapter relies on (defaults: no window, no cap, unit scales).
+    import flashinfer
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    from attn_dispatch.backends.flashinfer.backend import WRAPPER_KEYWORDS
+
+    wanted = {
+        ("BatchPrefillWithPagedKVCacheWrapper", "plan"): {"window_left", "logits_soft_cap"},
+        ("BatchDecodeWithPagedKVCacheWrapper", "plan"): {"window_left", "logits_soft_cap"},
+        ("BatchPrefillWithPagedKVCacheWrapper", "run"): {"k_scale", "v_scale"},
+        ("BatchDecodeWithPagedKVCacheWrapper", "run"): {"k_scale", "v_scale"},
+        ("BatchMLAPagedAttentionWrapper", "plan"): {"scale_mode"},
+        ("BatchMLAPagedAttentionWrapper", "run"): {"ckv_scale", "kpe_scale"},
+    }
+    owners = {
+        "BatchPrefillWithPagedKVCacheWrapper": flashinfer.BatchPrefillWithPagedKVCacheWrapper,
+        "BatchDecodeWithPagedKVCacheWrapper": flashinfer.BatchDecodeWithPagedKVCacheWrapper,
+        "BatchMLAPagedAttentionWrapper": BatchMLAPagedAttentionWrapper,
+    }
+    for (wrapper, method), names in wanted.items():
+        assert names <= WRAPPER_KEYWORDS[(wrapper, method)], (wrapper, method)
+        assert names <= _signature_names(owners[wrapper], method), (wrapper, method)
+    decode_plan = inspect.signature(
+        flashinfer.BatchDecodeWithPagedKVCacheWrapper._plan_impl
+    ).parameters
+    assert decode_plan["window_left"].default == -1
+    prefill_plan = inspect.signature(flashinfer.BatchPrefillWithPagedKVCacheWrapper.plan)
+    assert prefill_plan.parameters["window_left"].default == -1
+    # What is not mapped, and why the capabilities refuse it: the MLA wrapper plans no
+    # window and no soft cap.
+    mla_plan = _signature_names(BatchMLAPagedAttentionWrapper, "plan")
+    assert not {"window_left", "logits_soft_cap"} & mla_plan
 
 
 # ---------------------------------------------------------------------------------------
@@ -337,12 +378,15 @@ def _check_call(wrapper: str, method: str, kwargs: dict[str, Any]) -> None:
     assert not missing, f"{wrapper}.{method}: {sorted(missing)}"
 
 
-def _attend(q: Any, k: Any, v: Any, allowed: Any, scale: float) -> Any:
-    """q [n, H, D], k [m, Hkv, D], v [m, Hkv, Dv], allowed [n, m] -> [n, H, Dv] (fp32)."""
+def _attend(q: Any, k: Any, v: Any, allowed: Any, scale: float, cap: float = 0.0) -> Any:
+    """q [n, H, D], k [m, Hkv, D], v [m, Hkv, Dv], allowed [n, m] -> [n, H, Dv] (fp32);
+    ``cap > 0``: scores cap * tanh(s / cap)."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     s = torch.einsum("nhd,mhd->hnm", q.float(), k) * scale
+    if cap > 0:
+        s = cap * torch.tanh(s / cap)
     s = s.masked_fill(~allowed.unsqueeze(0), float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return torch.einsum("hnm,mhd->nhd", p, v)
@@ -371,6 +415,22 @@ class _FakeWrapper:
                 # host metadata only: FlashInfer would otherwise copy it device -> host
                 assert value.device.type == "cpu", name
         self.plans.append(kwargs)
+
+    @staticmethod
+    def _variants(
+        p: dict[str, Any], allowed: Any, kv_len: int, kwargs: dict[str, Any]
+    ) -> tuple[Any, float, float, float]:
+        """FlashInfer's definitions: window_left >= 0 keeps keys >= q_pos - window_left
+        (q_pos bottom-right aligned); logits_soft_cap > 0 caps; k_scale multiplies the
+        softmax scale and v_scale the output. Returns (allowed, scale, cap, v_scale)."""
+        n = allowed.shape[0]
+        window = p.get("window_left", -1)
+        if window >= 0:
+            q_pos = kv_len - n + torch.arange(n)
+            allowed = allowed & (torch.arange(kv_len)[None, :] >= (q_pos - window)[:, None])
+        k_scale = kwargs.get("k_scale") or 1.0
+        v_scale = kwargs.get("v_scale") or 1.0
+        return allowed, p["sm_scale"] * k_scale, p.get("logits_soft_cap") or 0.0, v_scale
 
     def _lens(self, p: dict[str, Any], page_size: int) -> list[int]:
         indptr = p.get("paged_kv_indptr", p.get("indptr"))
@@ -405,7 +465,8 @@ class _FakePrefill(_FakeWrapper):
                 allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
             else:
                 allowed = torch.ones(n, kv_len, dtype=torch.bool)
-            out.append(_attend(q[qo[i] : qo[i + 1]], k, v, allowed, p["sm_scale"]))
+            allowed, scale, cap, vs = self._variants(p, allowed, kv_len, kwargs)
+            out.append(_attend(q[qo[i] : qo[i + 1]], k, v, allowed, scale, cap) * vs)
         return torch.cat(out).to(q.dtype)
 
 
@@ -425,7 +486,8 @@ class _FakeDecode(_FakeWrapper):
             k = k_cache[pages].flatten(0, 1)[:kv_len]
             v = v_cache[pages].flatten(0, 1)[:kv_len]
             every_key = torch.ones(1, kv_len, dtype=torch.bool)
-            out.append(_attend(q[i : i + 1], k, v, every_key, p["sm_scale"]))
+            allowed, scale, cap, vs = self._variants(p, every_key, kv_len, kwargs)
+            out.append(_attend(q[i : i + 1], k, v, allowed, scale, cap) * vs)
         return torch.cat(out).to(q.dtype)
 
 
@@ -446,7 +508,14 @@ class _FakeMLA(_FakeWrapper):
         out = []
         for i, kv_len in enumerate(md.kv_len_arr.tolist()):
             pages = md.kv_indices[indptr[i] : indptr[i + 1]]
-            k = cache[pages].flatten(0, 1)[:kv_len].unsqueeze(1)
+            k = cache[pages].flatten(0, 1)[:kv_len].unsqueeze(1).float()
+            if p.get("scale_mode") == "kv-per-tensor":
+                # FP8 latent: ckv part times ckv_scale, rope part times kpe_scale
+                k = torch.cat(
+                    [k[..., :ckv] * kwargs["ckv_scale"], k[..., ckv:] * kwargs["kpe_scale"]], -1
+                )
+            else:
+                assert "ckv_scale" not in kwargs and "kpe_scale" not in kwargs
             n = qo[i + 1] - qo[i]
             if p["causal"]:
                 allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
@@ -457,9 +526,21 @@ class _FakeMLA(_FakeWrapper):
 
 
 def _reference(
-    cfg: AttnConfig, batch: Any, q: Any, k_cache: Any, v_cache: Any, scale: float
+    cfg: AttnConfig,
+    batch: Any,
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Any:
-    """Our contract, read directly (independent of the adapter's page-table code)."""
+    """Our contract, read directly (independent of the adapter's page-table code): the
+    config's window and cap; an FP8 cache holds K / k_scale and V / v_scale (MLA: k_scale
+    for the whole latent row)."""
+    k_cache = k_cache.float() * k_scale
+    if v_cache is not None:
+        v_cache = v_cache.float() * v_scale
     ps = cfg.page_size
     qo = batch.qo_indptr_host.tolist()
     kv_indptr = batch.kv_indptr_host.tolist()
@@ -477,7 +558,15 @@ def _reference(
             pos += n * kv_len
         else:
             allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
-        out.append(_attend(q[qo[i] : qo[i + 1]], k, v, allowed, scale))
+        if cfg.window_left is not None and batch.custom_mask is not None:
+            # a draft node sees the last window_left + 1 keys of its own sequence
+            allowed = window_tree_mask(allowed, cfg.window_left)
+        elif cfg.window_left is not None:
+            q_pos = kv_len - n + torch.arange(n)
+            allowed = allowed & (
+                torch.arange(kv_len)[None, :] >= (q_pos - cfg.window_left)[:, None]
+            )
+        out.append(_attend(q[qo[i] : qo[i + 1]], k, v, allowed, scale, cfg.logit_cap or 0.0))
     return torch.cat(out)
 
 
@@ -501,6 +590,7 @@ def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(fb, "_check_phase", lambda config, phase: None)
     # the stand-ins compute in fp32: the 16-bit configs run on fp32 tensors here
     monkeypatch.setattr(fb, "_DTYPES", {"float16": torch.float32, "bfloat16": torch.float32})
+    monkeypatch.setattr(fb, "_KV_DTYPES", {**fb._KV_DTYPES, **fb._DTYPES})
     _FakeWrapper.made = []
     return fb
 
@@ -643,7 +733,134 @@ def test_adapter_matches_contract(
         prefix = int(batch.kv_lens_host.sum()) - batch.num_tokens
         no_prefix_prefill = batch.phase is Phase.PREFILL and prefix == 0
         want = AttnForm.MHA if no_prefix_prefill else AttnForm.MLA
-        assert backend.form_policy.choose(batch) is want
+        assert fi_caps.DEFAULT_FORM_POLICY.choose(batch) is want
+
+
+@pytest.mark.parametrize(
+    ("phase", "q_lens", "kv_lens", "route"),
+    [
+        (Phase.PREFILL, [3, 5], [11, 5], "BatchPrefillWithPagedKVCacheWrapper"),
+        (Phase.DECODE, [1, 1, 1], [9, 1, 14], "BatchDecodeWithPagedKVCacheWrapper"),
+    ],
+)
+@pytest.mark.parametrize(("window", "cap"), [(None, None), (3, None), (0, 2.0), (50, 1.5)])
+def test_adapter_maps_window_and_soft_cap(
+    fake_flashinfer: Any,
+    phase: Phase,
+    q_lens: list[int],
+    kv_lens: list[int],
+    route: str,
+    window: int | None,
+    cap: float | None,
+) -> None:
+    cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4,
+              window_left=window, logit_cap=cap)  # fmt: skip
+    batch = _batch(phase, q_lens, kv_lens, cfg.page_size)
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    q = torch.randn(sum(q_lens), cfg.num_q_heads, cfg.head_dim, generator=gen) * 3
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=scale)
+    out = backend.handler(phase)(q, k_cache, v_cache, backend.plan(batch), scale)
+    (wrapper,) = _FakeWrapper.made
+    assert wrapper.kind == route
+    # FlashInfer's spelling of "no window" and "no cap"
+    assert wrapper.plans[0]["window_left"] == (-1 if window is None else window)
+    assert wrapper.plans[0]["logits_soft_cap"] == (cap or 0.0)
+    torch.testing.assert_close(out, _reference(cfg, batch, q, k_cache, v_cache, scale))
+
+
+def test_adapter_maps_window_with_a_verify_tree(fake_flashinfer: Any) -> None:
+    cfg = mha(num_q_heads=2, num_kv_heads=1, head_dim=64, v_head_dim=64, page_size=2,
+              tree_verify=True, window_left=2, logit_cap=4.0)  # fmt: skip
+    q_lens, kv_lens = [3, 2], [7, 4]
+    blocks = []
+    gen = torch.Generator().manual_seed(8)
+    for n, m in zip(q_lens, kv_lens, strict=True):
+        block = torch.ones(n, m, dtype=torch.bool)
+        block[:, m - n :] = (torch.rand(n, n, generator=gen) < 0.5) | torch.eye(n, dtype=torch.bool)
+        blocks.append(block.reshape(-1))
+    batch = _batch(Phase.VERIFY, q_lens, kv_lens, cfg.page_size, mask=torch.cat(blocks))
+    k_cache, v_cache = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    q = torch.randn(sum(q_lens), 2, 64, generator=gen)
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125)
+    out = backend.handler(Phase.VERIFY)(q, k_cache, v_cache, backend.plan(batch), 0.125)
+    planned = _FakeWrapper.made[0].plans[0]
+    # the window is folded into the mask (a node's own sequence), not applied by position
+    assert planned["window_left"] == -1
+    assert int(planned["custom_mask"].sum()) < int(batch.custom_mask.sum())
+    torch.testing.assert_close(out, _reference(cfg, batch, q, k_cache, v_cache, 0.125))
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize(
+    ("kind", "phase", "route"),
+    [
+        ("mha", Phase.PREFILL, "BatchPrefillWithPagedKVCacheWrapper"),
+        ("mha", Phase.DECODE, "BatchDecodeWithPagedKVCacheWrapper"),
+        ("mla", Phase.DECODE, "BatchMLAPagedAttentionWrapper"),
+    ],
+)
+def test_adapter_passes_fp8_scales(
+    fake_flashinfer: Any, fmt: str, kind: str, phase: Phase, route: str
+) -> None:
+    if kind == "mha":
+        cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4,
+                  kv_dtype=fmt)  # fmt: skip
+    else:
+        cfg = mla(num_q_heads=2, head_dim=192, v_head_dim=128, page_size=4, kv_dtype=fmt)
+    q_lens = [1, 1] if phase is Phase.DECODE else [3, 2]
+    batch = _batch(phase, q_lens, [9, 6], cfg.page_size)
+    gen = torch.Generator().manual_seed(6)
+    k16, v16 = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    k_cache = k16.to(getattr(torch, fmt))
+    v_cache = None if v16 is None else v16.to(getattr(torch, fmt))
+    q = torch.randn(sum(q_lens), cfg.num_q_heads, cfg.head_dim, generator=gen)
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=scale)
+    plan = backend.plan(batch)
+    scales = {"k_scale": 0.5} if kind == "mla" else {"k_scale": 0.5, "v_scale": 3.0}
+    out = backend.handler(phase)(q, k_cache, v_cache, plan, scale, **scales)
+    (wrapper,) = _FakeWrapper.made
+    assert wrapper.kind == route
+    assert wrapper.plans[0]["kv_data_type"] == getattr(torch, fmt)
+    if kind == "mla":
+        assert wrapper.plans[0]["scale_mode"] == "kv-per-tensor"
+    v_scale = 0.5 if kind == "mla" else 3.0
+    want = _reference(cfg, batch, q, k_cache, v_cache, scale, k_scale=0.5, v_scale=v_scale)
+    torch.testing.assert_close(out, want)
+    # a scale on a 16-bit config is refused, naming it
+    plain = fake_flashinfer.FlashInferBackend(cfg.replace(kv_dtype=cfg.dtype), sm_scale=scale)
+    with pytest.raises(InvalidBatchError) as err:
+        plain.handler(phase)(q, k16, v16, plain.plan(batch), scale, k_scale=0.5)
+    assert err.value.field == "k_scale"
+
+
+def test_capabilities_declare_exactly_the_mapped_variants() -> None:
+    from attn_dispatch.backends.flashinfer import CAPABILITIES
+
+    def reasons(cfg: AttnConfig, phase: Phase = Phase.DECODE) -> str:
+        return " | ".join(CAPABILITIES.reasons(cfg, phase))
+
+    for phase in Phase:
+        assert CAPABILITIES.variants_for(phase) == {"window", "logit_cap"}
+    base = mha(num_q_heads=8, num_kv_heads=1, head_dim=64, v_head_dim=64)
+    assert "sinks" not in reasons(base.replace(window_left=127, logit_cap=30.0))
+    assert "window" not in reasons(base.replace(window_left=127))
+    assert "trtllm-gen" in reasons(base.replace(sinks=True))  # says why, not only "no"
+    # MLA: the wrapper plans neither a window nor a cap
+    m = mla()
+    assert "window_left" in reasons(m.replace(window_left=10))
+    assert "logit_cap" in reasons(m.replace(logit_cap=5.0), Phase.PREFILL)
+    # FP8: both formats for MHA; MLA only e4m3fn bf16 512/64 (fa2/fa3 plan rule)
+    for fmt in ("float8_e4m3fn", "float8_e5m2"):
+        assert "FP8" not in reasons(base.replace(kv_dtype=fmt))
+        assert "kv_dtype" not in reasons(base.replace(kv_dtype=fmt))
+    assert "FP8" not in reasons(m.replace(kv_dtype="float8_e4m3fn"))
+    assert "FP8 latent" in reasons(m.replace(kv_dtype="float8_e5m2"))
+    assert "FP8 latent" in reasons(m.replace(kv_dtype="float8_e4m3fn", dtype="float16"))
+    odd = mla(head_dim=192, v_head_dim=128, kv_dtype="float8_e4m3fn")
+    assert "FP8 latent" in reasons(odd)
 
 
 def test_tree_verify_mask_passes_through(fake_flashinfer: Any) -> None:

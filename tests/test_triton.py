@@ -35,8 +35,10 @@ from attn_dispatch import attention
 from attn_dispatch import attention_form
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
+from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
+from attn_dispatch.backends._common import window_tree_mask
 from attn_dispatch.backends.triton import CAPABILITIES
 from attn_dispatch.backends.triton import _ops
 from attn_dispatch.backends.triton._dims import DimLayout
@@ -120,9 +122,21 @@ def reference(
     batch: Any,
     sm_scale: float,
     v_head_dim: int,
+    *,
+    window_left: int | None = None,
+    logit_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Plain attention: one request and one head at a time, dense boolean mask, fp32."""
-    q, k_cache = q.cpu().float(), k_cache.cpu().float()
+    """Plain attention: one request and one head at a time, dense boolean mask, float64.
+
+    Variants as DESIGN.md defines them: the query at position p sees keys p - window_left ..=
+    p (with a tree mask: the last window_left + 1 keys its mask allows, README "Window and
+    tree verify"); s = cap * tanh(s / cap); the sink logit joins the denominator; an FP8 cache holds
+    K / k_scale and V / v_scale (MLA: k_scale for the whole latent row).
+    """
+    q, k_cache = q.cpu().double(), k_cache.cpu().double() * k_scale
     page_size = k_cache.shape[1]
     mla = v_cache is None
     out = torch.zeros(q.shape[0], q.shape[1], v_head_dim)
@@ -136,8 +150,13 @@ def reference(
             m0 = int(batch.mask_indptr[i])
             allowed = batch.custom_mask.cpu()[m0 : m0 + q_len * kv_len].view(q_len, kv_len)
         else:
+            allowed = pos[None, :] <= (kv_len - q_len + torch.arange(q_len))[:, None]
+        if window_left is not None and batch.custom_mask is not None:
+            # A draft node sees the last window_left + 1 keys of its own sequence.
+            allowed = window_tree_mask(allowed, window_left)
+        elif window_left is not None:
             q_pos = kv_len - q_len + torch.arange(q_len)
-            allowed = pos[None, :] <= q_pos[:, None]
+            allowed = allowed & (pos[None, :] >= (q_pos - window_left)[:, None])
         for h in range(q.shape[1]):
             if mla:
                 keys = k_cache[page, slot]
@@ -145,11 +164,16 @@ def reference(
             else:
                 kv_h = h // (q.shape[1] // k_cache.shape[2])
                 keys = k_cache[page, slot, kv_h]
-                values = v_cache.cpu().float()[page, slot, kv_h]  # type: ignore[union-attr]
+                values = v_cache.cpu().double()[page, slot, kv_h] * v_scale  # type: ignore[union-attr]
             scores = (q[q0:q1, h] @ keys.T) * sm_scale
+            if logit_cap:
+                scores = logit_cap * torch.tanh(scores / logit_cap)
             scores = scores.masked_fill(~allowed, float("-inf"))
+            if sinks is not None:
+                sink = torch.full((q1 - q0, 1), float(sinks[h]), dtype=torch.float64)
+                scores = torch.cat([scores, sink], dim=1)
             probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked row -> 0
-            out[q0:q1, h] = probs @ values
+            out[q0:q1, h] = (probs[:, :kv_len] @ values).float()
     return out
 
 
@@ -326,6 +350,296 @@ def test_bind_and_dispatch_through_attn_scope(kind: str) -> None:
     torch.testing.assert_close(out.cpu(), ref, atol=TOL["float32"], rtol=TOL["float32"])
 
 
+# ---------------------------------------------------------------- layer variants and FP8
+
+FP8 = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+
+
+def run_variant(
+    kind: str,
+    hq: int,
+    hkv: int,
+    d: int,
+    dv: int,
+    phase: Phase,
+    q_lens: list[int],
+    kv_lens: list[int],
+    page_size: int,
+    dtype: str,
+    *,
+    window: int | None = None,
+    cap: float | None = None,
+    sinks: bool = False,
+    fp8: str | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    mask: torch.Tensor | None = None,
+    poison_before: int | None = None,
+    tol: float | None = None,
+    **options: Any,
+) -> tuple[torch.Tensor, Any]:
+    """One variant case against the float64 reference; ``poison_before=n`` puts NaN in every
+    cached key and value at positions < kv_len - n of each request after the reference is
+    taken (the kernel must never load them)."""
+    torch.manual_seed(2)
+    cfg = AttnConfig(
+        kind,  # type: ignore[arg-type]
+        hq,
+        hkv,
+        d,
+        dv,
+        dtype=dtype,
+        kv_dtype=fp8,
+        page_size=page_size,
+        device=DEVICE,
+        tree_verify=mask is not None,
+        window_left=window,
+        logit_cap=cap,
+        sinks=sinks,
+    )
+    assert CAPABILITIES.reasons(cfg, phase) == []
+    backend = TritonBackend(cfg, **options)
+    batch, pages = make_batch(phase, q_lens, kv_lens, page_size, mask=mask)
+    tdt = DTYPES[dtype]
+    kdt = FP8[fp8] if fp8 else tdt
+    q = torch.randn(batch.num_tokens, hq, d).to(tdt).to(DEVICE)
+    # FP8: values spread over the format's range, stored as K / k_scale (DESIGN.md).
+    spread = 3.0 if fp8 else 1.0
+    if kind == "mla":
+        k_cache, v_cache = (torch.randn(pages, page_size, d) * spread).to(kdt).to(DEVICE), None
+    else:
+        k_cache = (torch.randn(pages, page_size, hkv, d) * spread).to(kdt).to(DEVICE)
+        v_cache = (torch.randn(pages, page_size, hkv, dv) * spread).to(kdt).to(DEVICE)
+    sink_t = (torch.randn(hq) * 2).to(DEVICE) if sinks else None
+    scale = 1.0 / math.sqrt(d)
+    ref = reference(
+        q, k_cache, v_cache, batch, scale, dv, window_left=window, logit_cap=cap, sinks=sink_t,
+        k_scale=k_scale, v_scale=k_scale if kind == "mla" else v_scale,
+    )  # fmt: skip
+    if poison_before is not None:
+        _poison_before(batch, k_cache, v_cache, page_size, poison_before)
+    extras: dict[str, Any] = {}
+    if sinks:
+        extras["sinks"] = sink_t
+    if fp8:
+        extras["k_scale"] = k_scale
+        if kind == "mha":
+            extras["v_scale"] = v_scale
+    plan = backend.plan(batch)
+    out = backend.handler(phase)(q, k_cache, v_cache, plan, scale, **extras)
+    assert out.shape == (batch.num_tokens, hq, dv) and out.dtype == tdt
+    t = tol if tol is not None else TOL[dtype]
+    torch.testing.assert_close(out.cpu().float(), ref, atol=t, rtol=t)
+    return out, plan
+
+
+def _poison_before(
+    batch: Any, k_cache: torch.Tensor, v_cache: torch.Tensor | None, page_size: int, keep: int
+) -> None:
+    nan_k = torch.tensor(float("nan")).to(k_cache.dtype)
+    for i in range(batch.num_requests):
+        kv_len = int(batch.kv_lens_host[i])
+        pages = batch.kv_indices.cpu()[int(batch.kv_indptr_host[i]) :].long()
+        for pos in range(max(0, kv_len - keep)):
+            page, slot = int(pages[pos // page_size]), pos % page_size
+            k_cache[page, slot] = nan_k
+            if v_cache is not None:
+                v_cache[page, slot] = nan_k
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "window", "cap", "sinks"),
+    [
+        ("mha", "float32", 10, None, False),
+        ("mha", "float32", 0, 5.0, True),  # window 0: the query sees only itself
+        ("mha", "bfloat16", 500, 2.0, True),  # window larger than the context
+        ("mla", "float32", 13, 4.0, True),
+    ],
+)
+def test_decode_variants(
+    kind: str, dtype: str, window: int | None, cap: float | None, sinks: bool
+) -> None:
+    hkv, d, dv = (2, 32, 32) if kind == "mha" else (1, 80, 64)
+    run_variant(kind, 4, hkv, d, dv, Phase.DECODE, [1, 1, 1], [37, 70, 5], 4, dtype,
+                window=window, cap=cap, sinks=sinks, num_kv_splits=3)  # fmt: skip
+
+
+def test_decode_window_never_loads_keys_before_the_window() -> None:
+    # NaN in every key and value before each request's window: had the split range begun
+    # before the window (and merely masked), NaN * 0 would reach the output.
+    out, plan = run_variant("mha", 4, 2, 32, 32, Phase.DECODE, [1, 1], [70, 9], 4, "float32",
+                            window=12, poison_before=13, num_kv_splits=2)  # fmt: skip
+    assert torch.isfinite(out).all()
+    assert plan.num_splits == 2
+
+
+def test_window_bounds_the_decode_split_count() -> None:
+    # The split rule sees at most window_left + 1 keys per request, not the context.
+    cfg = AttnConfig("mha", 4, 2, 32, 32, dtype="float32", page_size=4, device=DEVICE)
+    batch, _ = make_batch(Phase.DECODE, [1], [4000], 4)
+    full = TritonBackend(cfg).plan(batch)
+    windowed = TritonBackend(cfg.replace(window_left=31)).plan(batch)
+    assert isinstance(full, _ops.DecodePlan) and isinstance(windowed, _ops.DecodePlan)
+    assert full.num_splits > windowed.num_splits == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "window", "cap", "sinks"),
+    [("mha", 5, 1.5, True), ("mha", 0, None, False), ("mla", 9, 3.0, True)],
+)
+def test_prefill_with_prefix_variants(
+    kind: str, window: int | None, cap: float | None, sinks: bool
+) -> None:
+    hkv, d, dv = (2, 32, 32) if kind == "mha" else (1, 80, 64)
+    run_variant(kind, 4, hkv, d, dv, Phase.PREFILL, [5, 20], [40, 20], 4, "float32",
+                window=window, cap=cap, sinks=sinks)  # fmt: skip
+
+
+def test_extend_window_never_loads_keys_before_the_window() -> None:
+    # One query block per request: keys before (first query's position - window_left) are
+    # never loaded, so NaN there cannot reach the output.
+    q_lens, kv_lens, window = [6, 3], [50, 30], 7
+    out, _ = run_variant("mha", 2, 1, 32, 32, Phase.PREFILL, q_lens, kv_lens, 4, "float32",
+                         window=window, poison_before=max(q_lens) + window)  # fmt: skip
+    assert torch.isfinite(out).all()
+
+
+def test_tree_verify_window_counts_a_nodes_own_sequence() -> None:
+    # Drafts 0 <- 1, 0 <- 2 <- 3 after a prefix of 10. With window_left 3, node 3's sequence
+    # ends prefix[9], d0, d2, d3: it sees key 9, which a positional window (keys >= 13 - 3)
+    # would hide; node 1 (sequence ..., prefix[8], prefix[9], d0, d1) sees keys 8 and 9.
+    prefix, parents = 10, [-1, 0, 0, 2]
+    rows = []
+    for node in range(4):
+        row = torch.zeros(prefix + 4, dtype=torch.bool)
+        row[:prefix] = True
+        at = node
+        while at >= 0:
+            row[prefix + at] = True
+            at = parents[at]
+        rows.append(row)
+    mask = torch.stack(rows)
+    win = window_tree_mask(mask, 3)
+    assert win[3, 9] and not win[3, 8] and win[1, 8] and not win[1, 7]
+    run_variant("mha", 2, 1, 32, 32, Phase.VERIFY, [4], [prefix + 4], 4, "float32",
+                mask=mask.reshape(-1), window=3, extend_block_m=16)  # fmt: skip
+
+
+def test_tree_verify_with_window_cap_and_sinks() -> None:
+    q_lens, kv_lens = [3, 2], [9, 20]
+    run_variant("mha", 4, 2, 32, 32, Phase.VERIFY, q_lens, kv_lens, 4, "float32",
+                mask=tree_mask(q_lens, kv_lens), window=6, cap=2.5, sinks=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize(
+    ("kind", "phase", "dtype"),
+    [
+        ("mha", Phase.DECODE, "bfloat16"),
+        ("mha", Phase.PREFILL, "float32"),
+        ("mla", Phase.DECODE, "float32"),
+        ("mla", Phase.VERIFY, "bfloat16"),
+    ],
+)
+def test_fp8_cache(fmt: str, kind: str, phase: Phase, dtype: str) -> None:
+    # The reference dequantises the same FP8 bytes in float64: what remains is the output's
+    # own rounding (bf16) and the fp32 accumulation.
+    hkv, d, dv = (2, 32, 32) if kind == "mha" else (1, 80, 64)
+    q_lens = [1, 1] if phase is Phase.DECODE else [4, 2]
+    tol = 4 * TOL[dtype] if dtype == "bfloat16" else 1e-4  # outputs are ~3x larger
+    run_variant(kind, 4, hkv, d, dv, phase, q_lens, [21, 40], 4, dtype, fp8=fmt,
+                k_scale=0.37, v_scale=2.5, tol=tol, num_kv_splits=2)  # fmt: skip
+
+
+def test_fp8_cache_with_every_variant() -> None:
+    run_variant("mha", 4, 1, 32, 32, Phase.PREFILL, [3, 7], [30, 12], 4, "float32",
+                fp8="float8_e4m3fn", k_scale=1.7, v_scale=0.3, window=8, cap=6.0,
+                sinks=True, tol=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
+def test_variants_and_fp8_through_attention(phase: Phase) -> None:
+    # The registry path: bind checks the declarations, attention() passes sinks and scales.
+    cfg = AttnConfig("mha", 4, 2, 32, 32, dtype="float32", kv_dtype="float8_e5m2", page_size=4,
+                     device=DEVICE, window_left=6, logit_cap=3.0, sinks=True)  # fmt: skip
+    binding = bind(BackendSpec.uniform("triton"), cfg, label="target")
+    runner = SimpleNamespace(attn_binding=binding)
+    q_lens = [1, 1] if phase is Phase.DECODE else [4, 3]
+    batch, pages = make_batch(phase, q_lens, [19, 11], 4)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(batch.num_tokens, 4, 32, generator=gen).to(DEVICE)
+    k = (torch.randn(pages, 4, 2, 32, generator=gen) * 4).to(torch.float8_e5m2).to(DEVICE)
+    v = (torch.randn(pages, 4, 2, 32, generator=gen) * 4).to(torch.float8_e5m2).to(DEVICE)
+    sinks = torch.randn(4, generator=gen).to(DEVICE)
+    with attn_scope(runner, batch):
+        out = attention(q, k, v, sm_scale=0.2, sinks=sinks, k_scale=0.25, v_scale=0.5)
+    ref = reference(q, k, v, batch, 0.2, 32, window_left=6, logit_cap=3.0, sinks=sinks,
+                    k_scale=0.25, v_scale=0.5)  # fmt: skip
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_handler_checks_sinks_and_scales() -> None:
+    cfg = AttnConfig("mha", 4, 2, 32, 32, dtype="float32", page_size=4, device=DEVICE)
+    batch, pages = make_batch(Phase.DECODE, [1], [9], 4)
+    q = torch.randn(1, 4, 32, device=DEVICE)
+    k = torch.randn(pages, 4, 2, 32, device=DEVICE)
+    v = torch.randn(pages, 4, 2, 32, device=DEVICE)
+    with_sinks = TritonBackend(cfg.replace(sinks=True))
+    run = with_sinks.handler(Phase.DECODE)
+    plan = with_sinks.plan(batch)
+    for bad in (None, torch.zeros(3), torch.zeros(4, dtype=torch.float64), torch.zeros(2, 4)):
+        with pytest.raises(InvalidBatchError) as err:
+            run(q, k, v, plan, 0.2, sinks=bad)
+        assert err.value.field == "sinks"
+    plain = TritonBackend(cfg)
+    with pytest.raises(InvalidBatchError) as err:
+        plain.handler(Phase.DECODE)(q, k, v, plain.plan(batch), 0.2, sinks=torch.zeros(4))
+    assert err.value.field == "sinks"
+    with pytest.raises(InvalidBatchError) as err:
+        plain.handler(Phase.DECODE)(q, k, v, plain.plan(batch), 0.2, k_scale=2.0)
+    assert err.value.field == "k_scale"
+    # An FP8 config given a 16-bit cache: the cache dtype check names it.
+    fp8 = TritonBackend(cfg.replace(kv_dtype="float8_e5m2"))
+    with pytest.raises(InvalidBatchError) as err:
+        fp8.handler(Phase.DECODE)(q, k, v, fp8.plan(batch), 0.2, k_scale=1.0, v_scale=1.0)
+    assert err.value.field == "k_cache"
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_loads_widen_exactly(fmt: str) -> None:
+    # The kernels widen FP8 loads with .to(): every finite code must come out as torch
+    # decodes it (under the interpreter too). The NaN/Inf codes are left out: the interpreter
+    # decodes them as large finite numbers (the module docstring says so).
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def widen(src, dst, n: tl.constexpr):  # type: ignore[no-untyped-def]
+        offs = tl.arange(0, n)
+        tl.store(dst + offs, tl.load(src + offs).to(tl.float32))
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8[fmt]).to(DEVICE)
+    got = torch.empty(256, device=DEVICE)
+    widen[(1,)](codes, got, n=256)
+    want = codes.float()
+    finite = torch.isfinite(want)
+    assert int(finite.sum()) >= 248
+    assert torch.equal(got[finite].cpu(), want[finite].cpu())
+
+
+def test_e4m3_needs_sm89_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = AttnConfig("mha", 8, 2, 64, 64, dtype="bfloat16", kv_dtype="float8_e4m3fn",
+                     device="cuda")  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    from attn_dispatch.backends.triton import _fp8_check
+
+    assert any("sm89" in r for r in _fp8_check(cfg, Phase.DECODE))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert list(_fp8_check(cfg, Phase.DECODE)) == []
+    assert list(_fp8_check(cfg.replace(kv_dtype="float8_e5m2"), Phase.DECODE)) == []
+
+
 # ---------------------------------------------------------------- planning
 
 
@@ -389,6 +703,36 @@ def test_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET")
     reasons = CAPABILITIES.reasons(cfg, Phase.DECODE)
     assert any("TRITON_INTERPRET=1" in r for r in reasons), reasons
+
+
+def test_interpreter_switched_on_after_triton_was_imported_is_a_bind_reason() -> None:
+    # triton fixes "interpreted or compiled" per @jit function when it is defined: switched on
+    # after triton.language was imported, its own helpers stay compiled and the kernels would
+    # crash inside the interpreter. Bind says so instead (own process: import order matters).
+    code = (
+        "import os, sys\n"
+        "os.environ.pop('TRITON_INTERPRET', None)\n"
+        "import triton.language\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from attn_dispatch import AttnConfig, BackendSpec, bind\n"
+        "from attn_dispatch._errors import AttnDispatchError\n"
+        "cfg = AttnConfig('mha', 4, 2, 32, 32, dtype='float32', device='cpu')\n"
+        "try:\n"
+        "    bind(BackendSpec.uniform('triton'), cfg)\n"
+        "except AttnDispatchError as exc:\n"
+        "    print(exc)\n"
+        "    sys.exit(0)\n"
+        "sys.exit(1)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "before anything imports triton" in done.stdout, done.stdout
 
 
 def test_bad_options_raise() -> None:
@@ -502,7 +846,7 @@ def test_kernels_compile_for_sm90() -> None:
         timeout=600,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count(": ok") == 6, done.stdout
+    assert done.stdout.count(": ok") == 12, done.stdout
 
 
 def test_upcast_switch_is_on_only_when_interpreting() -> None:

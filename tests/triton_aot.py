@@ -9,6 +9,7 @@ machine. Uses the launch constants the backend would use on a 132-SM CUDA device
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -26,13 +27,14 @@ from attn_dispatch.backends.triton import _extend
 from attn_dispatch.backends.triton import _ops
 from attn_dispatch.backends.triton.backend import kernel_config
 
+_FLOATS = {"sm_scale_log2", "cap_in", "cap_out", "v_scale"}
+_FP8 = {"float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
+
 
 def signature(fn: object, pointers: dict[str, str], constants: dict[str, object]) -> dict[str, str]:
     names: list[str] = fn.arg_names  # type: ignore[attr-defined]
     return {
-        n: "constexpr"
-        if n in constants
-        else pointers.get(n, "fp32" if n == "sm_scale_log2" else "i32")
+        n: "constexpr" if n in constants else pointers.get(n, "fp32" if n in _FLOATS else "i32")
         for n in names
     }
 
@@ -40,14 +42,34 @@ def signature(fn: object, pointers: dict[str, str], constants: dict[str, object]
 def main() -> int:
     arch = int(sys.argv[1]) if len(sys.argv) > 1 else 90
     target = GPUTarget("cuda", arch, 32)
+    # (label, config, variants and FP8 cache): every constexpr branch is compiled once.
+    none: dict[str, object] = {}
+    every = {"window_left": 127, "logit_cap": 30.0, "sinks": True, "kv_scaled": True}
     cases = [
-        ("mla 576/512", AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16", page_size=64)),
-        ("gqa 32/8x128", AttnConfig("mha", 32, 8, 128, 128, dtype="bfloat16", page_size=64)),
+        ("mla 576/512", AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16", page_size=64), none),
+        (
+            "gqa 32/8x128",
+            AttnConfig("mha", 32, 8, 128, 128, dtype="bfloat16", page_size=64),
+            none,
+        ),
+        (
+            "gqa 64/8x64 window+cap+sinks fp8e4m3",
+            AttnConfig("mha", 64, 8, 64, 64, dtype="bfloat16", page_size=64),
+            every | {"fp8": "float8_e4m3fn"},
+        ),
+        (
+            "mla 576/512 window+cap+sinks fp8e5m2",
+            AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16", page_size=64),
+            every | {"fp8": "float8_e5m2"},
+        ),
     ]
-    for label, cfg in cases:
+    for label, cfg, variant in cases:
         kc = kernel_config(cfg, {}, device=torch.device("cuda"), num_sms=132, interpreting=False)
+        fp8 = variant.pop("fp8", None)
+        kc = dataclasses.replace(kc, **variant)  # type: ignore[arg-type]
         dt = "*bf16"
-        cache = {"Q": dt, "K": dt, "V": dt, "kv_indptr": "*i32", "kv_indices": "*i32"}
+        kv = _FP8[str(fp8)] if fp8 else dt
+        cache = {"Q": dt, "K": kv, "V": kv, "kv_indptr": "*i32", "kv_indices": "*i32"}
         cache |= {"kv_lens": "*i32", "qo_indptr": "*i32"}
         jobs = [
             (
@@ -60,7 +82,7 @@ def main() -> int:
             (
                 "decode merge",
                 _decode._decode_merge_kernel,
-                {"Part_out": "*fp32", "Part_lse": "*fp32", "Out": dt},
+                {"Part_out": "*fp32", "Part_lse": "*fp32", "Out": dt, "Sinks": "*fp32"},
                 _ops.merge_constants(kc),
                 4,
             ),
@@ -68,7 +90,7 @@ def main() -> int:
                 # MLA with the tree mask, GQA causal: every constexpr branch is compiled once.
                 "extend " + ("tree mask" if kc.mla else "causal"),
                 _extend._extend_kernel,
-                cache | {"Out": dt, "Mask": "*u8", "mask_indptr": "*i64"},
+                cache | {"Out": dt, "Mask": "*u8", "mask_indptr": "*i64", "Sinks": "*fp32"},
                 _ops.extend_constants(kc, use_mask=kc.mla),
                 kc.extend_warps,
             ),

@@ -158,15 +158,93 @@ def _v_head_dim(config: AttnConfig) -> int:
     return config.v_head_dim
 
 
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
+# FP8 MLA (mla/_batch_mla/_backends/_fa_common.py: _validate_generated_fa_plan): e4m3fn
+# only, q bfloat16, latent 512 with rope 0 or 64, an SM90 device, per-tensor scales.
+MLA_FP8_KV_DTYPES = ("float8_e4m3fn",)
+MLA_FP8_CKV = 512
+MLA_FP8_KPE = (0, 64)
+MLA_FP8_MAJOR = 9
+
+
 def _check_kv_dtype(config: AttnConfig, phase: Phase) -> Iterable[str]:
     # fa2/fa3 take a non-fp8 KV cache only in the query's dtype
     # (_fa_common.py: "non-FP8 KV dtype must match query dtype"; the MHA templates are
-    # instantiated per (q, kv) dtype pair from the same set).
-    if config.kv_dtype != config.dtype:
+    # instantiated per (q, kv) dtype pair from the same set). An FP8 cache with a 16-bit
+    # query runs on fa2 (utils.py: is_fa3_backend_supported refuses fp8 kv with a 16-bit q,
+    # so 'auto' picks fa2) and on the decode kernels; k_scale / v_scale go to run().
+    if config.kv_dtype == config.dtype:
+        return
+    if config.kv_dtype not in _FP8:
         yield (
             f"FlashInfer needs kv_dtype equal to dtype for a 16-bit cache; got "
             f"dtype={config.dtype!r}, kv_dtype={config.kv_dtype!r}"
         )
+        return
+    if config.kind != "mla":
+        return
+    ckv = _v_head_dim(config)
+    kpe = config.head_dim - ckv
+    if (
+        config.kv_dtype not in MLA_FP8_KV_DTYPES
+        or config.dtype != "bfloat16"
+        or ckv != MLA_FP8_CKV
+        or kpe not in MLA_FP8_KPE
+    ):
+        yield (
+            f"FlashInfer {installed_version() or '0.7'} MLA serves an FP8 latent cache only "
+            f"as float8_e4m3fn with dtype 'bfloat16', latent width {MLA_FP8_CKV} and rope "
+            f"width in {MLA_FP8_KPE} (fa2/fa3 plan rule); got kv_dtype={config.kv_dtype!r}, "
+            f"dtype={config.dtype!r}, head_dim={config.head_dim}, v_head_dim={ckv} "
+            f"({_ALTERNATIVES})"
+        )
+    major = _cuda_major(config)
+    if major is not None and major != MLA_FP8_MAJOR:
+        yield (
+            f"FlashInfer MLA with an FP8 cache needs an SM90 (Hopper) GPU; {config.device!r} "
+            f"is SM{major}x ({_ALTERNATIVES})"
+        )
+
+
+def _cuda_major(config: AttnConfig) -> int | None:
+    """The compute-capability major of the config's CUDA device, or None when it cannot be
+    read here (no CUDA: the "needs CUDA" reasons already say it)."""
+    if config.device_type != "cuda" or importlib.util.find_spec("torch") is None:
+        return None
+    import torch  # lazy on purpose: the light module stays torch-free at import
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return int(torch.cuda.get_device_properties(torch.device(config.device)).major)
+    except Exception:
+        return None  # an unknown device index is reported by the core's CUDA check
+
+
+def _check_variants(config: AttnConfig, phase: Phase) -> Iterable[str]:
+    # Why these are not declared (the core's reason only names the variant).
+    if getattr(config, "sinks", False):
+        yield (
+            "FlashInfer 0.7 applies attention sinks only in its trtllm-gen (sm100), cuDNN and "
+            "XQA kernels; the fa2/fa3 kernels its 'auto' choice runs on sm80/sm90 have no sink "
+            "term (their sink variant is a separate JIT module this adapter does not build), "
+            f"so sinks=True is not served ({_ALTERNATIVES})"
+        )
+    if config.kind == "mla":
+        used = [
+            name
+            for name, on in (
+                ("window_left", getattr(config, "window_left", None) is not None),
+                ("logit_cap", bool(getattr(config, "logit_cap", None))),
+            )
+            if on
+        ]
+        if used:
+            yield (
+                f"FlashInfer MLA (BatchMLAPagedAttentionWrapper.plan) takes neither "
+                f"window_left nor logits_soft_cap, so {' and '.join(used)} cannot be served "
+                f"for MLA ({_ALTERNATIVES})"
+            )
 
 
 def _check_mha_dims(config: AttnConfig, phase: Phase) -> Iterable[str]:
@@ -266,7 +344,8 @@ def _fa2_mla_shared_bytes(config: AttnConfig, smem_per_sm: int) -> int | None:
     return max(q_bytes + kv_bytes + 32 + 2 * 64 * 4, 64 * ckv * 2)
 
 
-#: The form policy of MLA configs unless the ``form_policy`` option says otherwise.
+#: The form policy of MLA configs (registered with the backend; a ``form_policy`` option
+#: given to ``bind`` overrides it).
 DEFAULT_FORM_POLICY = FormPolicy.decompressed_without_prefix()
 
 CAPABILITIES = Capabilities(
@@ -274,7 +353,10 @@ CAPABILITIES = Capabilities(
     phases=frozenset(Phase),
     devices=frozenset({"cuda"}),
     dtypes=frozenset({"float16", "bfloat16"}),
-    kv_dtypes=frozenset({"float16", "bfloat16"}),
+    kv_dtypes=frozenset({"float16", "bfloat16", *_FP8}),
+    # window_left / logits_soft_cap of the paged prefill and decode plans (MHA; MLA refused
+    # in _check_variants). Sinks are not declared: see _check_variants.
+    variants=frozenset({"window", "logit_cap"}),
     head_dims=None,  # dims are checked in pairs below (MHA) or as latent/rope (MLA)
     v_head_dims=None,
     page_sizes=None,  # fa2/fa3 paged kernels take any positive page size at run time
@@ -286,6 +368,7 @@ CAPABILITIES = Capabilities(
     checks=(
         _check_device_type,
         _check_kv_dtype,
+        _check_variants,
         _check_mha_dims,
         _check_mla_dims,
         _check_mla_phase,

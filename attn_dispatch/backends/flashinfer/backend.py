@@ -15,6 +15,12 @@ Routes (one FlashInfer wrapper family each):
   with ``metadata=MLAPlanMetadata.csr(...)``; packed query ``[T, H, ckv+kpe]`` and packed
   latent cache ``[P, page_size, ckv+kpe]`` (our absorbed layout as is).
 
+Variants: ``window_left`` and ``logit_cap`` go to the MHA plans as ``window_left`` (-1 = full)
+and ``logits_soft_cap`` (0 = off); an FP8 cache plans with ``kv_data_type`` and runs with
+``k_scale``/``v_scale`` (MHA) or, MLA e4m3fn on SM90, ``scale_mode="kv-per-tensor"`` and
+``ckv_scale = kpe_scale = k_scale``. Sinks, and window / cap for MLA, are refused at bind (see
+the light module's ``_check_variants``).
+
 Example (needs a CUDA GPU)::
 
     from attn_dispatch import AttnConfig, BackendSpec, bind
@@ -43,20 +49,23 @@ from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import InvalidBatchError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
-from attn_dispatch._forms import FormPolicy
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
 from attn_dispatch.backends._common import check_owner
+from attn_dispatch.backends._common import window_flat_mask
 from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.flashinfer import CAPABILITIES
-from attn_dispatch.backends.flashinfer import DEFAULT_FORM_POLICY
-from attn_dispatch.backends.flashinfer import SUPPORTED_VERSIONS
 
 __all__ = ["WRAPPER_KEYWORDS", "FlashInferBackend", "FlashInferPlan"]
 
 Handler = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", object, float], torch.Tensor]
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_KV_DTYPES = {
+    **_DTYPES,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
 
 #: Group sizes FlashInfer's CUDA-core decode kernel is instantiated for
 #: (DISPATCH_GQA_GROUP_SIZE in data/include/flashinfer/utils.cuh); others need tensor cores.
@@ -95,12 +104,16 @@ WRAPPER_KEYWORDS: dict[tuple[str, str], frozenset[str]] = {
             "custom_mask",
             "causal",
             "sm_scale",
+            "window_left",
+            "logits_soft_cap",
             "q_data_type",
             "kv_data_type",
             "non_blocking",
         }
     ),
-    ("BatchPrefillWithPagedKVCacheWrapper", "run"): frozenset({"q", "paged_kv_cache"}),
+    ("BatchPrefillWithPagedKVCacheWrapper", "run"): frozenset(
+        {"q", "paged_kv_cache", "k_scale", "v_scale"}
+    ),
     ("BatchDecodeWithPagedKVCacheWrapper", "__init__"): frozenset(
         {
             "float_workspace_buffer",
@@ -125,10 +138,14 @@ WRAPPER_KEYWORDS: dict[tuple[str, str], frozenset[str]] = {
             "q_data_type",
             "kv_data_type",
             "sm_scale",
+            "window_left",
+            "logits_soft_cap",
             "non_blocking",
         }
     ),
-    ("BatchDecodeWithPagedKVCacheWrapper", "run"): frozenset({"q", "paged_kv_cache"}),
+    ("BatchDecodeWithPagedKVCacheWrapper", "run"): frozenset(
+        {"q", "paged_kv_cache", "k_scale", "v_scale"}
+    ),
     ("BatchMLAPagedAttentionWrapper", "__init__"): frozenset(
         {
             "float_workspace_buffer",
@@ -153,9 +170,12 @@ WRAPPER_KEYWORDS: dict[tuple[str, str], frozenset[str]] = {
             "kv_data_type",
             "query_layout",
             "kv_cache_layout",
+            "scale_mode",
         }
     ),
-    ("BatchMLAPagedAttentionWrapper", "run"): frozenset({"query", "kv_cache"}),
+    ("BatchMLAPagedAttentionWrapper", "run"): frozenset(
+        {"query", "kv_cache", "ckv_scale", "kpe_scale"}
+    ),
     ("MLAPlanMetadata", "csr"): frozenset({"qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"}),
 }
 
@@ -286,6 +306,30 @@ class _Route(abc.ABC):
         self, wrapper: Any, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None
     ) -> torch.Tensor: ...
 
+    @abc.abstractmethod
+    def run_scaled(
+        self,
+        wrapper: Any,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        k_scale: float,
+        v_scale: float,
+    ) -> torch.Tensor:
+        """``run`` over an FP8 cache holding K / k_scale and V / v_scale."""
+
+
+def _window(config: AttnConfig) -> int:
+    # FlashInfer's window_left has our meaning (keys p - window_left ..= p); -1 = full.
+    w = getattr(config, "window_left", None)
+    return -1 if w is None else int(w)
+
+
+def _soft_cap(config: AttnConfig) -> float:
+    # FlashInfer: logits_soft_cap * tanh(q.k * sm_scale / logits_soft_cap); 0 = off.
+    cap = getattr(config, "logit_cap", None)
+    return float(cap) if cap else 0.0
+
 
 class _MHARoute(_Route):
     """The paged MHA wrappers (prefill and decode) run the same way per layer."""
@@ -296,6 +340,23 @@ class _MHARoute(_Route):
         assert v_cache is not None
         # Per layer: a literal call, no keyword bookkeeping (names in WRAPPER_KEYWORDS).
         out: torch.Tensor = wrapper.run(q=q, paged_kv_cache=(k_cache, v_cache))
+        return out
+
+    def run_scaled(
+        self,
+        wrapper: Any,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        k_scale: float,
+        v_scale: float,
+    ) -> torch.Tensor:
+        assert v_cache is not None
+        # FlashInfer folds k_scale into sm_scale and multiplies the output by v_scale
+        # (python floats: no host sync).
+        out: torch.Tensor = wrapper.run(
+            q=q, paged_kv_cache=(k_cache, v_cache), k_scale=k_scale, v_scale=v_scale
+        )
         return out
 
 
@@ -333,6 +394,14 @@ class _PrefillRoute(_MHARoute):
     def plan(self, wrapper: Any, batch: BatchSnapshot, table: _PageTable, sm_scale: float) -> None:
         cfg = self.config
         mask = batch.custom_mask
+        window = _window(cfg)
+        if mask is not None and window >= 0:
+            # FlashInfer windows a masked row by position; our contract windows a draft node's
+            # own sequence (the last window_left + 1 keys its mask allows): fold that into the
+            # mask (device ops, once per plan) and plan no positional window.
+            q_lens = (batch.qo_indptr_host[1:] - batch.qo_indptr_host[:-1]).tolist()
+            mask = window_flat_mask(mask, q_lens, batch.kv_lens_host.tolist(), window)
+            window = -1
         wrapper.plan(
             **_kw(
                 self.name,
@@ -349,6 +418,8 @@ class _PrefillRoute(_MHARoute):
                 custom_mask=None if mask is None else mask.reshape(-1),
                 causal=mask is None,
                 sm_scale=sm_scale,
+                window_left=window,
+                logits_soft_cap=_soft_cap(cfg),
                 q_data_type=self.backend.q_dtype,
                 kv_data_type=self.backend.kv_dtype,
                 non_blocking=True,
@@ -421,6 +492,8 @@ class _DecodeRoute(_MHARoute):
                 q_data_type=self.backend.q_dtype,
                 kv_data_type=self.backend.kv_dtype,
                 sm_scale=sm_scale,
+                window_left=_window(cfg),
+                logits_soft_cap=_soft_cap(cfg),
                 non_blocking=True,
             )
         )
@@ -471,10 +544,13 @@ class _MLARoute(_Route):
                 kv_len_arr=table.kv_lens,
             )
         )
+        # An FP8 latent cache is dequantised per tensor (ckv_scale / kpe_scale at run).
+        fp8 = {"scale_mode": "kv-per-tensor"} if self.backend.kv_fp8 else {}
         wrapper.plan(
             **_kw(
                 self.name,
                 "plan",
+                **fp8,
                 metadata=metadata,
                 num_heads=cfg.num_q_heads,
                 head_dim_ckv=self.ckv,
@@ -497,6 +573,22 @@ class _MLARoute(_Route):
         # Our absorbed layout is FlashInfer's packed layout: q [T, H, ckv+kpe] and cache
         # [P, page_size, ckv+kpe]; V is the first ckv columns of the same cache.
         out: torch.Tensor = wrapper.run(query=q, kv_cache=k_cache)
+        return out
+
+    def run_scaled(
+        self,
+        wrapper: Any,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        k_scale: float,
+        v_scale: float,
+    ) -> torch.Tensor:
+        # Our k_scale covers the whole latent row: both the ckv part (which is V too) and
+        # the rope part.
+        out: torch.Tensor = wrapper.run(
+            query=q, kv_cache=k_cache, ckv_scale=k_scale, kpe_scale=k_scale
+        )
         return out
 
 
@@ -547,7 +639,6 @@ class FlashInferBackend(TorchBackendBase):
     """
 
     name = "flashinfer"
-    supported_versions = SUPPORTED_VERSIONS
 
     def __init__(
         self,
@@ -563,17 +654,14 @@ class FlashInferBackend(TorchBackendBase):
         decode_backend: str = "auto",
         mla_backend: str = "auto",
         decode_tensor_cores: bool | None = None,
-        form_policy: FormPolicy | None = None,
         validate: bool = False,
     ) -> None:
         _check_config(config)
-        # MLA prefill without a cached prefix runs decompressed (ragged MHA through the
-        # prefill wrapper); with a prefix, decode and verify stay absorbed (MLA wrapper).
-        self.form_policy = DEFAULT_FORM_POLICY if form_policy is None else form_policy
         self.config = config
         self.device = _device_for(config)
         self.q_dtype = _DTYPES[config.dtype]
-        self.kv_dtype = _DTYPES[config.kv_dtype or config.dtype]
+        self.kv_dtype = _KV_DTYPES[config.kv_dtype or config.dtype]
+        self.kv_fp8 = self.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         self.use_cuda_graph = use_cuda_graph
         self.max_batch_size = max_batch_size
         self.prefill_backend = prefill_backend
@@ -701,6 +789,9 @@ class FlashInferBackend(TorchBackendBase):
         v_cache: torch.Tensor | None,
         plan: object,
         sm_scale: float,
+        *,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
     ) -> torch.Tensor:
         check_owner(plan, self, "flashinfer")
         assert isinstance(plan, FlashInferPlan)
@@ -718,6 +809,16 @@ class FlashInferBackend(TorchBackendBase):
                 "bakes the scale in at plan time: bind with AttnConfig(sm_scale=...) equal to "
                 "the scale the model passes",
             )
+        if (k_scale is not None or v_scale is not None) and not self.kv_fp8:
+            raise InvalidBatchError(
+                "k_scale" if k_scale is not None else "v_scale",
+                f"flashinfer: a scale was passed but the bound config's kv_dtype is "
+                f"{self.config.kv_dtype!r}, not FP8",
+            )
         if plan.snap.num_requests == 0:  # SGLang's IDLE forward: nothing to launch
             return q.new_empty((0, self.config.num_q_heads, self.config.out_head_dim))
+        if self.kv_fp8:
+            ks = 1.0 if k_scale is None else float(k_scale)
+            vs = 1.0 if v_scale is None else float(v_scale)
+            return plan.route.run_scaled(plan.wrapper, q, k_cache, v_cache, ks, vs)
         return plan.route.run(plan.wrapper, q, k_cache, v_cache)

@@ -8,11 +8,21 @@ is first bound (triton reads it when the kernels are defined); tests set it at i
 Head widths: q/k width ``D`` is split into the largest power of two <= D plus the rest padded
 to a power of two >= 16 (576 = 512 + 64, 80 = 64 + 16, 96 = 64 + 32); v is padded to a power
 of two >= 16. Widths 16..1024 are served; see ``_dims``.
+
+Layer variants, every phase, MHA/GQA and MLA: ``window_left`` (pages before a request's window
+are never read: decode starts its split range at the window, extend starts each query block at
+its first row's window), ``logit_cap`` (cap * tanh on the scaled scores) and ``sinks`` (one
+logit per q head in the softmax denominator). FP8 caches (``float8_e4m3fn`` / ``float8_e5m2``,
+with ``dtype`` fp32/fp16/bf16): the kernels widen K/V in registers to q's dtype (exact), fold
+``k_scale`` into the score scale and apply ``v_scale`` to the output; e4m3fn needs sm89+ on CUDA.
+Under the CPU interpreter FP8 loads convert exactly for every finite value; the NaN/Inf bit
+patterns decode as large finite numbers there (compiled GPU kernels follow the formats).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -32,6 +42,7 @@ def interpreter_on() -> bool:
 
 def _runnable_here() -> Iterable[str]:
     if interpreter_on():
+        yield from _interpreter_reasons()
         return
     try:
         import torch  # at call time only: this module stays torch-free at import
@@ -43,6 +54,22 @@ def _runnable_here() -> Iterable[str]:
         yield (
             "needs a CUDA device, or TRITON_INTERPRET=1 to run the kernels on CPU under "
             "triton's interpreter (for tests; set it before the backend is first bound)"
+        )
+
+
+def _interpreter_reasons() -> Iterable[str]:
+    # triton decides per @jit function, when it is defined, whether it is interpreted: if
+    # triton.language was imported before TRITON_INTERPRET=1 was set (torch.compile's
+    # inductor imports it, for one), its own helpers (tl.cdiv, tl.zeros, ...) stay compiled
+    # and the interpreter refuses to call them from our kernels. Only inspects what is loaded.
+    lang = sys.modules.get("triton.language")
+    helper = getattr(lang, "cdiv", None)
+    if helper is not None and type(helper).__name__ == "JITFunction":
+        yield (
+            "TRITON_INTERPRET=1 was set after triton.language had been imported (for example "
+            "by torch.compile), so triton's own helpers run compiled and the interpreter "
+            "cannot call them; set TRITON_INTERPRET=1 at process start, before anything "
+            "imports triton"
         )
 
 
@@ -59,14 +86,38 @@ def _device_check(config: AttnConfig, phase: Phase) -> Iterable[str]:
 def _shape_check(config: AttnConfig, phase: Phase) -> Iterable[str]:
     assert config.v_head_dim is not None
     yield from dim_reasons(config.head_dim, config.v_head_dim)
-    if config.kv_dtype != config.dtype:
+    if config.kv_dtype != config.dtype and config.kv_dtype not in FP8_KV_DTYPES:
         yield (
             f"kv_dtype {config.kv_dtype!r} differs from dtype {config.dtype!r}: the triton "
-            "kernels feed q and the cache to one tl.dot, which needs one dtype"
+            "kernels take a cache in the compute dtype, or an FP8 cache "
+            f"({', '.join(FP8_KV_DTYPES)}) that they widen to it"
         )
 
 
-#: The form policy of MLA configs unless the ``form_policy`` option says otherwise.
+def _fp8_check(config: AttnConfig, phase: Phase) -> Iterable[str]:
+    # triton lowers float8_e4m3fn (its fp8e4nv) only for sm89+; e5m2 converts on sm80 too.
+    if config.kv_dtype != "float8_e4m3fn" or config.device_type != "cuda":
+        return
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        cc = torch.cuda.get_device_capability(torch.device(config.device))
+    except Exception:
+        return  # no CUDA here, or an unknown device index: reported elsewhere
+    if tuple(cc) < (8, 9):
+        yield (
+            f"kv_dtype 'float8_e4m3fn' needs sm89+ in triton (fp8e4nv); {config.device!r} is "
+            f"sm{cc[0]}{cc[1]}: use 'float8_e5m2' or a 16-bit cache"
+        )
+
+
+#: FP8 cache formats the kernels widen in registers (K / k_scale and V / v_scale stored).
+FP8_KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+
+#: The form policy of MLA configs (registered with the backend; a ``form_policy`` option
+#: given to ``bind`` overrides it).
 DEFAULT_FORM_POLICY = FormPolicy.decompressed_without_prefix()
 
 CAPABILITIES = Capabilities(
@@ -74,6 +125,9 @@ CAPABILITIES = Capabilities(
     phases=frozenset(Phase),
     devices=frozenset({"cuda", "cpu"}),
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
+    kv_dtypes=frozenset({"float32", "float16", "bfloat16", *FP8_KV_DTYPES}),
+    # Every variant in every phase, MHA/GQA and MLA (kernels: _decode, _extend).
+    variants=frozenset({"window", "logit_cap", "sinks"}),
     custom_mask=True,
     # MLA: absorbed over the paged latent cache in every phase; prefill may also run the
     # decompressed MHA form (ragged K/V through a second instance of this backend). No
@@ -82,12 +136,13 @@ CAPABILITIES = Capabilities(
     requires=("torch", "triton"),
     # bf16 tl.dot needs Ampere; older GPUs are not served rather than served in part.
     min_compute_capability=(8, 0),
-    checks=(_device_check, _shape_check),
+    checks=(_device_check, _shape_check, _fp8_check),
     availability=(_runnable_here,),
     description=(
         "Triton kernels: split-KV paged decode, prefix + causal/tree-mask extend, MHA/GQA and "
-        "absorbed MLA; CUDA, or CPU under TRITON_INTERPRET=1"
+        "absorbed MLA, sliding window / soft cap / sinks, FP8 caches; CUDA, or CPU under "
+        "TRITON_INTERPRET=1"
     ),
 )
 
-__all__ = ["CAPABILITIES", "DEFAULT_FORM_POLICY", "interpreter_on"]
+__all__ = ["CAPABILITIES", "DEFAULT_FORM_POLICY", "FP8_KV_DTYPES", "interpreter_on"]

@@ -21,6 +21,16 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _soft_cap(qk, cap_in, cap_out):
+    """``cap * tanh(qk * sm_scale / cap)`` in the log2 domain: ``cap_in = sm_scale / cap``
+    (k_scale folded in), ``cap_out = cap * log2(e)``. tanh(x) = 1 - 2 / (e^2x + 1) saturates
+    to +-1 without NaN for any finite x (e^2x -> inf or 0)."""
+    x = qk * cap_in
+    th = 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+    return th * cap_out
+
+
 # Sizes that vary between configs and batches are not specialised on (value 1, multiple of
 # 16): it would only multiply the compiled variants (a JIT compile costs seconds).
 @triton.jit(
@@ -31,6 +41,7 @@ import triton.language as tl
         "num_splits",
         "num_pages",
         "num_indices",
+        "window_left",
     ]
 )
 def _decode_split_kernel(
@@ -43,6 +54,10 @@ def _decode_split_kernel(
     Part_out,
     Part_lse,
     sm_scale_log2,
+    cap_in,
+    cap_out,
+    v_scale,
+    window_left,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -72,6 +87,8 @@ def _decode_split_kernel(
     V_FROM_K: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     b = tl.program_id(0)
     hg = tl.program_id(1)
@@ -84,9 +101,13 @@ def _decode_split_kernel(
 
     kv_len = tl.load(kv_lens + b)
     page_base = tl.load(kv_indptr + b)
+    # The query sits at position kv_len - 1 and sees keys from kv_len - 1 - window_left on
+    # (window_left is huge for full attention): the splits share only that range, so keys
+    # before the window are never loaded, not merely masked.
+    first = tl.maximum(kv_len - 1 - window_left, 0)
     # Every split gets the same whole number of blocks; trailing splits may be empty.
-    split_len = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    start = s * split_len
+    split_len = tl.cdiv(tl.cdiv(kv_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + s * split_len
     end = tl.minimum(start + split_len, kv_len)
 
     offs_d = tl.arange(0, D_MAIN)
@@ -119,8 +140,9 @@ def _decode_split_kernel(
         slot = offs_n % page_size
         k_row = K + page.to(tl.int64) * stride_kp + slot * stride_ks + kv_head * stride_kh
         k_main = tl.load(k_row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        if UPCAST:
-            k_main = k_main.to(tl.float32)
+        # To q's dtype: fp32 under the interpreter (UPCAST), and an exact widening of an FP8
+        # cache on the GPU (e4m3/e5m2 values are all representable in fp16/bf16).
+        k_main = k_main.to(q_main.dtype)
         if IEEE:
             qk = tl.dot(q_main, tl.trans(k_main), input_precision="ieee")
         else:
@@ -131,13 +153,15 @@ def _decode_split_kernel(
                 mask=n_mask[:, None] & r_mask[None, :],
                 other=0.0,
             )
-            if UPCAST:
-                k_rest = k_rest.to(tl.float32)
+            k_rest = k_rest.to(q_main.dtype)
             if IEEE:
                 qk += tl.dot(q_rest, tl.trans(k_rest), input_precision="ieee")
             else:
                 qk += tl.dot(q_rest, tl.trans(k_rest))
-        qk = qk * sm_scale_log2
+        if SOFTCAP:
+            qk = _soft_cap(qk, cap_in, cap_out)
+        else:
+            qk = qk * sm_scale_log2
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -153,8 +177,7 @@ def _decode_split_kernel(
             v = tl.load(
                 v_row[:, None] + offs_v[None, :], mask=n_mask[:, None] & v_mask[None, :], other=0.0
             )
-            if UPCAST:
-                v = v.to(tl.float32)
+            v = v.to(q_main.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -165,6 +188,9 @@ def _decode_split_kernel(
     # merge gives it no weight.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if KV_SCALED:
+        # FP8 cache: V was stored divided by v_scale; the output is linear in V.
+        out = out * v_scale
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     p_row = Part_out + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + s * stride_ps
     tl.store(p_row + offs_v[None, :], out, mask=h_mask[:, None] & v_mask[None, :])
@@ -176,6 +202,7 @@ def _decode_merge_kernel(
     Part_out,
     Part_lse,
     Out,
+    Sinks,
     num_heads,
     num_splits,
     stride_pb,
@@ -188,6 +215,7 @@ def _decode_merge_kernel(
     V_DIM: tl.constexpr,
     DV_BLOCK: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -211,6 +239,15 @@ def _decode_merge_kernel(
         acc = acc * scale[:, None] + w[:, None] * part
         total = total * scale + w
         m = m_new
+    if HAS_SINKS:
+        # The sink logit (natural log, one per head) joins the denominator only: a split
+        # with lse = sink * log2(e) and a zero partial output.
+        sink = tl.load(Sinks + heads, mask=h_mask, other=0.0) * 1.4426950408889634
+        m_new = tl.maximum(m, sink)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale = tl.exp2(m - m_safe)
+        acc = acc * scale[:, None]
+        total = total * scale + tl.exp2(sink - m_safe)
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     o_ptr = Out + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_v[None, :]
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=mask)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._decode import _soft_cap
+
 
 @triton.jit
 def _attend_block(
@@ -44,6 +46,9 @@ def _attend_block(
     num_mask,
     kv_head,
     sm_scale_log2,
+    cap_in,
+    cap_out,
+    window_left,
     stride_kp,
     stride_ks,
     stride_kh,
@@ -59,8 +64,9 @@ def _attend_block(
     CAUSAL: tl.constexpr,
     USE_MASK: tl.constexpr,
     V_FROM_K: tl.constexpr,
-    UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_end
@@ -71,22 +77,24 @@ def _attend_block(
         allowed = allowed & (bits != 0)
     if CAUSAL:
         allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
+    if WINDOW:
+        allowed = allowed & (offs_n[None, :] >= q_pos[:, None] - window_left)
     if USE_MASK:
         # Skip a tile no row may see before loading its K/V. Only with a custom mask: the
         # causal passes never visit such tiles, and a data-dependent branch costs registers.
         if tl.max(allowed.to(tl.int32)) > 0:
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, offs_n, n_mask,
-                allowed, page_size, num_pages, num_indices, kv_head, sm_scale_log2,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, UPCAST, IEEE,
+                allowed, page_size, num_pages, num_indices, kv_head, sm_scale_log2, cap_in,
+                cap_out, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, IEEE, SOFTCAP,
             )  # fmt: skip
     else:
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, offs_n, n_mask,
-            allowed, page_size, num_pages, num_indices, kv_head, sm_scale_log2,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, UPCAST, IEEE,
+            allowed, page_size, num_pages, num_indices, kv_head, sm_scale_log2, cap_in,
+            cap_out, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, IEEE, SOFTCAP,
         )  # fmt: skip
     return acc, m_i, l_i
 
@@ -110,6 +118,8 @@ def _attend_tile(
     num_indices,
     kv_head,
     sm_scale_log2,
+    cap_in,
+    cap_out,
     stride_kp,
     stride_ks,
     stride_kh,
@@ -122,8 +132,8 @@ def _attend_tile(
     D_REST: tl.constexpr,
     DV_BLOCK: tl.constexpr,
     V_FROM_K: tl.constexpr,
-    UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # Rows with nothing allowed in this tile get p = 0 and keep their state (see m_safe).
     offs_d = tl.arange(0, D_MAIN)
@@ -136,8 +146,8 @@ def _attend_tile(
     slot = offs_n % page_size
     k_row = K + page.to(tl.int64) * stride_kp + slot * stride_ks + kv_head * stride_kh
     k_main = tl.load(k_row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-    if UPCAST:
-        k_main = k_main.to(tl.float32)
+    # To q's dtype (fp32 under the interpreter; an exact widening of an FP8 cache).
+    k_main = k_main.to(q_main.dtype)
     if IEEE:
         qk = tl.dot(q_main, tl.trans(k_main), input_precision="ieee")
     else:
@@ -149,13 +159,16 @@ def _attend_tile(
             mask=n_mask[:, None] & (offs_r < HEAD_DIM)[None, :],
             other=0.0,
         )
-        if UPCAST:
-            k_rest = k_rest.to(tl.float32)
+        k_rest = k_rest.to(q_main.dtype)
         if IEEE:
             qk += tl.dot(q_rest, tl.trans(k_rest), input_precision="ieee")
         else:
             qk += tl.dot(q_rest, tl.trans(k_rest))
-    qk = tl.where(allowed, qk * sm_scale_log2, float("-inf"))
+    if SOFTCAP:
+        qk = _soft_cap(qk, cap_in, cap_out)
+    else:
+        qk = qk * sm_scale_log2
+    qk = tl.where(allowed, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     # A row with nothing allowed so far keeps m = -inf: shift by 0 instead (no inf - inf).
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -172,8 +185,7 @@ def _attend_tile(
             mask=n_mask[:, None] & (offs_v < V_DIM)[None, :],
             other=0.0,
         )
-        if UPCAST:
-            v = v.to(tl.float32)
+        v = v.to(q_main.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -190,6 +202,7 @@ def _attend_tile(
         "num_pages",
         "num_indices",
         "num_mask",
+        "window_left",
     ]
 )
 def _extend_kernel(
@@ -203,7 +216,12 @@ def _extend_kernel(
     kv_lens,
     Mask,
     mask_indptr,
+    Sinks,
     sm_scale_log2,
+    cap_in,
+    cap_out,
+    v_scale,
+    window_left,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -231,6 +249,11 @@ def _extend_kernel(
     V_FROM_K: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    WINDOW: tl.constexpr,
+    WINDOW_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    KV_SCALED: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -272,32 +295,55 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, DV_BLOCK], dtype=tl.float32)
 
+        # Keys before the window of the block's first row are never visited (the block's
+        # later rows see only later keys); partly visible tiles are masked per row.
+        lo = 0
+        new_start = prefix
+        if WINDOW:
+            if USE_MASK:
+                # Tree verify: the window was folded into the mask at plan time (a node sees
+                # the last window_left + 1 keys of its own sequence, the prefix plus its
+                # ancestors), so no node sees a key before prefix - window_left.
+                lo = tl.maximum(prefix - window_left, 0)
+            else:
+                lo = tl.maximum(prefix + m0 - window_left, 0)
+            new_start = tl.maximum(prefix, lo)
         # Pass 1: the cached prefix, visible to every new token unless a custom mask says no.
-        for n0 in range(0, prefix, BLOCK_N):
+        for n0 in range(lo, prefix, BLOCK_N):
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, n0, prefix,
                 rows, row_mask, q_pos, Mask, mask_base, kv_len, page_size, num_pages,
-                num_indices, num_mask, kv_head,
-                sm_scale_log2, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                num_indices, num_mask, kv_head, sm_scale_log2, cap_in, cap_out, window_left,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, BLOCK_N,
-                False, USE_MASK, V_FROM_K, UPCAST, IEEE,
+                False, USE_MASK, V_FROM_K, IEEE, WINDOW_MASK, SOFTCAP,
             )  # fmt: skip
         # Pass 2: the new tokens. Causal: keys past this block's last query are never visited.
         if USE_MASK:
             new_end = kv_len
         else:
             new_end = tl.minimum(kv_len, prefix + m0 + BLOCK_M)
-        for n0 in range(prefix, new_end, BLOCK_N):
+        for n0 in range(new_start, new_end, BLOCK_N):
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, n0, kv_len,
                 rows, row_mask, q_pos, Mask, mask_base, kv_len, page_size, num_pages,
-                num_indices, num_mask, kv_head,
-                sm_scale_log2, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                num_indices, num_mask, kv_head, sm_scale_log2, cap_in, cap_out, window_left,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, BLOCK_N,
-                not USE_MASK, USE_MASK, V_FROM_K, UPCAST, IEEE,
+                not USE_MASK, USE_MASK, V_FROM_K, IEEE, WINDOW_MASK, SOFTCAP,
             )  # fmt: skip
 
+        if HAS_SINKS:
+            # The head's sink logit joins the denominator only (no value).
+            sink = tl.load(Sinks + h) * 1.4426950408889634
+            m_new = tl.maximum(m_i, sink)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha + tl.exp2(sink - m_safe)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        if KV_SCALED:
+            out = out * v_scale
         offs_v = tl.arange(0, DV_BLOCK)
         o_ptr = Out + (q_start + rows)[:, None].to(tl.int64) * stride_ot + h * stride_oh
         tl.store(

@@ -16,6 +16,7 @@ import torch
 import triton
 
 from attn_dispatch.backends._common import BatchSnapshot
+from attn_dispatch.backends._common import window_flat_mask
 
 from ._decode import _decode_merge_kernel
 from ._decode import _decode_split_kernel
@@ -23,6 +24,9 @@ from ._dims import DimLayout
 from ._extend import _extend_kernel
 
 LOG2E = 1.4426950408889634
+#: window_left passed to the kernels for full attention: larger than any kv length, and
+#: small enough that ``kv_len - 1 - FULL_WINDOW`` stays in int32.
+FULL_WINDOW = 1 << 30
 
 
 def interpreting() -> bool:
@@ -80,6 +84,11 @@ class KernelConfig:
     min_split_tokens: int
     max_splits: int
     forced_splits: int | None
+    # Layer variants, planned from the config (never per call).
+    window_left: int | None = None
+    logit_cap: float | None = None
+    sinks: bool = False
+    kv_scaled: bool = False  # FP8 cache: k_scale / v_scale are applied
 
     @property
     def group_size(self) -> int:
@@ -139,10 +148,28 @@ def plan_extend(kc: KernelConfig, owner: Any, snap: BatchSnapshot) -> ExtendPlan
         owner=owner,
         snap=snap,
         grid=(snap.num_requests, kc.num_q_heads, max(1, -(-snap.max_q_len // kc.extend_block_m))),
-        # Same bytes, read as uint8 in the kernel: a view, no copy.
-        mask=None if mask is None else mask.view(torch.uint8),
+        mask=None if mask is None else kernel_mask(kc, snap),
         constants=extend_constants(kc, mask is not None),
     )
+
+
+def kernel_mask(
+    kc: KernelConfig, snap: BatchSnapshot, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The custom mask as the kernel reads it (uint8): the snapshot's own bytes (a view, no
+    copy), or with a window the mask with the window folded in (``window_flat_mask``: a node
+    sees the last window_left + 1 keys its mask allows), written into ``out`` when given (a
+    captured plan's buffer). Device ops only: no host sync."""
+    mask = snap.custom_mask
+    assert mask is not None
+    if kc.window_left is None:
+        return mask.view(torch.uint8)
+    q_lens = (snap.qo_indptr_host[1:] - snap.qo_indptr_host[:-1]).tolist()
+    folded = window_flat_mask(mask, q_lens, snap.kv_lens_host.tolist(), kc.window_left)
+    # Same length as the snapshot's mask (which may hold capacity past the batch's part).
+    buf = torch.zeros_like(mask) if out is None else out.view(torch.bool)
+    buf[: folded.numel()].copy_(folded)
+    return buf.view(torch.uint8)
 
 
 def decode_constants(kc: KernelConfig) -> dict[str, Any]:
@@ -152,12 +179,13 @@ def decode_constants(kc: KernelConfig) -> dict[str, Any]:
         HEAD_DIM=lay.head_dim, V_DIM=lay.v_head_dim, D_MAIN=lay.main, D_REST=lay.rest,
         DV_BLOCK=lay.v_block, BLOCK_H=kc.block_h, BLOCK_N=kc.decode_block_n,
         V_FROM_K=kc.v_from_k, UPCAST=kc.upcast, IEEE=kc.ieee,
+        SOFTCAP=bool(kc.logit_cap), KV_SCALED=kc.kv_scaled,
     )  # fmt: skip
 
 
 def merge_constants(kc: KernelConfig) -> dict[str, Any]:
     lay = kc.layout
-    return dict(V_DIM=lay.v_head_dim, DV_BLOCK=lay.v_block, BLOCK_H=kc.block_h)
+    return dict(V_DIM=lay.v_head_dim, DV_BLOCK=lay.v_block, BLOCK_H=kc.block_h, HAS_SINKS=kc.sinks)
 
 
 def extend_constants(kc: KernelConfig, use_mask: bool) -> dict[str, Any]:
@@ -166,7 +194,29 @@ def extend_constants(kc: KernelConfig, use_mask: bool) -> dict[str, Any]:
         HEAD_DIM=lay.head_dim, V_DIM=lay.v_head_dim, D_MAIN=lay.main, D_REST=lay.rest,
         DV_BLOCK=lay.v_block, BLOCK_M=kc.extend_block_m, BLOCK_N=kc.extend_block_n,
         USE_MASK=use_mask, V_FROM_K=kc.v_from_k, UPCAST=kc.upcast, IEEE=kc.ieee,
+        # WINDOW: skip keys before the window; WINDOW_MASK: mask the rest per row by position
+        # (without a custom mask; a tree mask carries its window, see plan_extend).
+        WINDOW=kc.window_left is not None, WINDOW_MASK=kc.window_left is not None and not use_mask,
+        SOFTCAP=bool(kc.logit_cap), HAS_SINKS=kc.sinks,
+        KV_SCALED=kc.kv_scaled,
     )  # fmt: skip
+
+
+def score_args(kc: KernelConfig, sm_scale: float, k_scale: float) -> tuple[float, float, float]:
+    """Runtime score arguments ``(sm_scale_log2, cap_in, cap_out)``.
+
+    k_scale multiplies every q.k of an FP8 cache, so it is folded into the score scale
+    (one multiply per score instead of one per loaded element).
+    """
+    scale = sm_scale * k_scale
+    cap = kc.logit_cap
+    if cap:
+        return scale * LOG2E, scale / cap, cap * LOG2E
+    return scale * LOG2E, 1.0, 1.0
+
+
+def kernel_window(kc: KernelConfig) -> int:
+    return FULL_WINDOW if kc.window_left is None else kc.window_left
 
 
 def _cache_strides(kc: KernelConfig, cache: torch.Tensor) -> tuple[int, int, int]:
@@ -182,6 +232,9 @@ def run_decode(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
     sm_scale: float,
+    sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     lay = kc.layout
     snap = plan.snap
@@ -196,7 +249,7 @@ def run_decode(
     part_lse = scratch[b * hq * splits * dv :].view(b, hq, splits)
     _decode_split_kernel[plan.split_grid](
         q, k_cache, v, snap.kv_indptr, snap.kv_indices, snap.kv_lens,
-        part_out, part_lse, sm_scale * LOG2E,
+        part_out, part_lse, *score_args(kc, sm_scale, k_scale), v_scale, kernel_window(kc),
         q.stride(0), q.stride(1),
         *_cache_strides(kc, k_cache), *_cache_strides(kc, v),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
@@ -206,7 +259,8 @@ def run_decode(
         **plan.constants, num_warps=kc.decode_warps, num_stages=kc.num_stages,
     )  # fmt: skip
     _decode_merge_kernel[plan.merge_grid](
-        part_out, part_lse, out, kc.num_q_heads, splits,
+        # Without sinks the kernel never reads the Sinks argument; any device tensor will do.
+        part_out, part_lse, out, part_lse if sinks is None else sinks, kc.num_q_heads, splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
@@ -222,6 +276,9 @@ def run_extend(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
     sm_scale: float,
+    sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     lay = kc.layout
     snap = plan.snap
@@ -232,7 +289,8 @@ def run_extend(
     mask_indptr = snap.mask_indptr if snap.mask_indptr is not None else snap.kv_indptr
     _extend_kernel[plan.grid](
         q, k_cache, v, out, snap.qo_indptr, snap.kv_indptr, snap.kv_indices, snap.kv_lens,
-        mask, mask_indptr, sm_scale * LOG2E,
+        mask, mask_indptr, snap.kv_lens if sinks is None else sinks,
+        *score_args(kc, sm_scale, k_scale), v_scale, kernel_window(kc),
         q.stride(0), q.stride(1),
         *_cache_strides(kc, k_cache), *_cache_strides(kc, v),
         out.stride(0), out.stride(1),

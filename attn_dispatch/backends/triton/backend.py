@@ -27,12 +27,13 @@ from attn_dispatch.backends._common import TensorChecks
 from attn_dispatch.backends._common import check_owner
 from attn_dispatch.backends._common import refill
 from attn_dispatch.backends._torch_base import TorchBackendBase
-from attn_dispatch.backends.triton import DEFAULT_FORM_POLICY
+from attn_dispatch.backends.triton import _interpreter_reasons
 from attn_dispatch.backends.triton import _ops
 from attn_dispatch.backends.triton._dims import DimLayout
 from attn_dispatch.backends.triton._dims import dim_reasons
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
 
 # Options a caller may pass through ``BackendSpec``/``bind`` (all ints, all optional).
 _INT_OPTIONS = (
@@ -79,6 +80,9 @@ class TritonBackend(TorchBackendBase):
                 "kernels are first imported (they were imported without it); use a CUDA device "
                 "or set it at process start",
             )
+        stale = list(_interpreter_reasons()) if interp else []
+        if stale:
+            raise BackendUnavailableError(self.name, stale[0])
         if device.type not in ("cpu", "cuda"):
             raise BackendUnavailableError(
                 self.name, f"device {config.device!r} is not served (choose 'cuda' or 'cpu')"
@@ -92,7 +96,12 @@ class TritonBackend(TorchBackendBase):
                 self.name,
                 f"dtype {config.dtype!r} is not served (choose one of {sorted(_DTYPES)!r})",
             )
-        form_policy = options.pop("form_policy", None)
+        if config.kv_dtype not in (config.dtype, *_FP8):
+            raise BackendUnavailableError(
+                self.name,
+                f"kv_dtype {config.kv_dtype!r} is not served with dtype {config.dtype!r} "
+                f"(choose {config.dtype!r} or one of {list(_FP8)!r})",
+            )
         validate = options.pop("validate", False)
         if not isinstance(validate, bool):
             raise InvalidSpecError("validate", validate, "must be a bool")
@@ -108,10 +117,8 @@ class TritonBackend(TorchBackendBase):
         self._checks = TensorChecks.of(config, backend="triton", layout="rows")
         self._interpreting = device.type == "cpu"
         self._handlers = {phase: self._run for phase in Phase}
-        # MLA: absorbed form over the paged latent cache, except prefill without a cached
-        # prefix, which runs decompressed (ragged MHA through a second instance of this backend,
-        # built by bind for config.decompressed()). There is no chunked-prefix entry point.
-        self.form_policy = DEFAULT_FORM_POLICY if form_policy is None else form_policy
+        self._sinks = bool(getattr(config, "sinks", False))
+        self._fp8 = str(config.kv_dtype) in _FP8
 
     @property
     def kernel_config(self) -> _ops.KernelConfig:
@@ -130,10 +137,14 @@ class TritonBackend(TorchBackendBase):
             # One query token per request: the split-KV kernel (any phase; a one-token verify
             # with a mask goes to the extend kernel, which reads the mask).
             kc = self._kc
+            # A window bounds the keys each request reads: split that, not the context.
+            longest = snap.max_kv_len
+            if kc.window_left is not None:
+                longest = min(longest, kc.window_left + 1)
             splits = kc.forced_splits or _ops.choose_num_splits(
                 snap.num_requests,
                 kc.num_kv_heads * kc.groups_per_kv,
-                snap.max_kv_len,
+                longest,
                 target_programs=kc.target_programs,
                 min_split_tokens=kc.min_split_tokens,
                 max_splits=kc.max_splits,
@@ -167,6 +178,10 @@ class TritonBackend(TorchBackendBase):
                 "longest query length",
             )
         refill(plan.snap, snap)
+        if isinstance(plan, _ops.ExtendPlan) and plan.mask is not None:
+            if self._kc.window_left is not None:
+                # The kernel reads the window-folded copy, not the snapshot: refold into it.
+                _ops.kernel_mask(self._kc, snap, out=plan.mask)
 
     def handler(self, phase: Phase) -> Any:
         """The per-layer callable for ``phase`` (one for all phases: the plan picks the kernel)."""
@@ -179,9 +194,24 @@ class TritonBackend(TorchBackendBase):
         v_cache: torch.Tensor | None,
         plan: _ops.DecodePlan | _ops.ExtendPlan,
         sm_scale: float,
+        *,
+        sinks: torch.Tensor | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
     ) -> torch.Tensor:
         check_owner(plan, self, "triton")
         self._checks.check(plan.snap, q, k_cache, v_cache)
+        if self._sinks or sinks is not None:
+            self._check_sinks(q, sinks)
+        ks = 1.0 if k_scale is None else k_scale
+        # MLA: V is part of the latent row, so k_scale covers it.
+        vs = ks if self._kc.mla else (1.0 if v_scale is None else v_scale)
+        if (k_scale is not None or v_scale is not None) and not self._fp8:
+            raise InvalidBatchError(
+                "k_scale" if k_scale is not None else "v_scale",
+                f"triton: a scale was passed but the bound config's kv_dtype is "
+                f"{self.config.kv_dtype!r}, not FP8",
+            )
         if plan.snap.num_requests == 0:  # SGLang's IDLE forward: no grid to launch
             return q.new_empty((0, self.config.num_q_heads, self._kc.layout.v_head_dim))
         if self._kc.mla:
@@ -189,8 +219,18 @@ class TritonBackend(TorchBackendBase):
         if self._interpreting:
             # triton's CPU interpreter keeps the running grid in globals: one launch at a time.
             with _INTERPRETER_LOCK:
-                return self._launch(plan, q, k_cache, v_cache, sm_scale)
-        return self._launch(plan, q, k_cache, v_cache, sm_scale)
+                return self._launch(plan, q, k_cache, v_cache, sm_scale, sinks, ks, vs)
+        return self._launch(plan, q, k_cache, v_cache, sm_scale, sinks, ks, vs)
+
+    def _check_sinks(self, q: torch.Tensor, sinks: Any) -> None:
+        if not self._sinks:
+            raise InvalidBatchError(
+                "sinks", "triton: sinks were passed but the bound config has sinks=False"
+            )
+        self._checks.check_sinks(sinks, q)
+        # The kernels index sinks by head: a strided view would read the wrong logits.
+        if sinks.stride(0) != 1:
+            raise InvalidBatchError("sinks", "triton: sinks must be contiguous")
 
     def _launch(
         self,
@@ -199,10 +239,14 @@ class TritonBackend(TorchBackendBase):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor | None,
         sm_scale: float,
+        sinks: torch.Tensor | None,
+        k_scale: float,
+        v_scale: float,
     ) -> torch.Tensor:
+        kc = self._kc
         if isinstance(plan, _ops.DecodePlan):
-            return _ops.run_decode(self._kc, plan, q, k_cache, v_cache, sm_scale)
-        return _ops.run_extend(self._kc, plan, q, k_cache, v_cache, sm_scale)
+            return _ops.run_decode(kc, plan, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale)
+        return _ops.run_extend(kc, plan, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale)
 
 
 def kernel_config(
@@ -251,6 +295,10 @@ def kernel_config(
         min_split_tokens=opts.get("min_split_tokens", min_split),
         max_splits=opts.get("max_splits", 32),
         forced_splits=opts.get("num_kv_splits"),
+        window_left=getattr(config, "window_left", None),
+        logit_cap=getattr(config, "logit_cap", None) or None,
+        sinks=bool(getattr(config, "sinks", False)),
+        kv_scaled=str(config.kv_dtype) in _FP8,
     )
 
 
