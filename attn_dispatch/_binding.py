@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from attn_dispatch._capabilities import Capabilities
+from attn_dispatch._config import VARIANTS
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import BackendUnavailableError
@@ -38,6 +39,7 @@ class Binding:
         "_backends",
         "_caps",
         "_choosers",
+        "_extras",
         "_form_table",
         "_handler_map",
         "_handlers",
@@ -54,6 +56,9 @@ class Binding:
     label: str | None
     _handlers: tuple[Handler, Handler, Handler]
     _sm_scale: float | None
+    # None for a config whose handlers take no per-call extras (the fast path of attention),
+    # else (sinks, fp8, mla): which keywords attention() checks and passes on.
+    _extras: tuple[bool, bool, bool] | None
     # Phase -> handler: what a scope frame holds, so that resolve() is one dict lookup, which
     # no foreign int or IntEnum can pass (Phase hashes by identity).
     _handler_map: dict[Phase, Handler]
@@ -90,6 +95,8 @@ class Binding:
         put(self, "_caps", types.MappingProxyType(dict(caps)))
         put(self, "_handlers", handlers)
         put(self, "_sm_scale", config.sm_scale)  # read by every attn_scope: one load, not two
+        extras = (config.sinks, config.kv_fp8, config.kind == "mla")
+        put(self, "_extras", extras if extras[0] or extras[1] else None)
         put(self, "_handler_map", dict(zip(Phase, handlers, strict=True)))
         phase_backends = tuple(backends[n] for n in spec.names)
         put(self, "_phase_backends", phase_backends)
@@ -217,6 +224,7 @@ def bind(
     if config.kind == "mla":
         policies = _check_forms(spec, config, entries, override_policies, reasons)
     if reasons:
+        _add_served_by(config, entries, reasons, registry)
         raise IncompatibleBackendError(label, reasons, config=config)
 
     factories = {name: entry.load_factory(runner=label) for name, entry in entries.items()}
@@ -244,6 +252,34 @@ def bind(
         choosers,
         form_table,
     )
+
+
+def _add_served_by(
+    config: AttnConfig,
+    entries: Mapping[str, BackendEntry],
+    reasons: dict[Phase, tuple[str, list[str]]],
+    registry: Registry,
+) -> None:
+    """Name, for every variant or FP8 cache a phase's backend refuses, the registered backends
+    that serve it for this config in that phase (so the refusal says what to bind instead)."""
+    others: dict[str, BackendEntry] | None = None
+    for phase, (name, why) in reasons.items():
+        missing = entries[name].capabilities.missing(config, phase)
+        if not missing:
+            continue
+        if others is None:
+            others = registry.entries()
+        for what in missing:
+            served = [
+                n
+                for n, e in others.items()
+                if n != name and what not in e.capabilities.missing(config, phase)
+            ]
+            label = f"variant {what!r}" if what in VARIANTS else f"kv_dtype {what!r}"
+            why.append(
+                f"{label} is served in phase {phase.name.lower()!r} by: "
+                f"{', '.join(map(repr, served)) if served else 'no registered backend'}"
+            )
 
 
 def _split_options(
@@ -345,8 +381,10 @@ def _check_forms(
         name = spec.names[phase]
         entry = entries[name]
         policy = overrides.get(name, entry.form_policy)
-        if policy is None or not config.has_decompressed_form:
+        if policy is None or not config.has_decompressed_form or config.kv_fp8:
             # A form the config cannot describe is never chosen (documented on FormPolicy).
+            # An FP8 latent cache is read in the absorbed form only: the decompressed forms
+            # run on K/V the model decompresses itself, which carry no cache scales.
             policy = FormPolicy.absorbed_only()
         policies[phase] = policy
         served = entry.capabilities.forms_for(phase)
@@ -410,7 +448,7 @@ def _bind_forms(
 def _ragged(handler: Handler) -> Handler:
     """Serve ragged ``[rows, H, D]`` K/V through a paged handler with one token per page."""
 
-    def run(q: Any, k: Any, v: Any, plan: Any, sm_scale: float) -> Any:
-        return handler(q, k.unsqueeze(1), v.unsqueeze(1), plan, sm_scale)
+    def run(q: Any, k: Any, v: Any, plan: Any, sm_scale: float, **extras: Any) -> Any:
+        return handler(q, k.unsqueeze(1), v.unsqueeze(1), plan, sm_scale, **extras)
 
     return run

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
@@ -93,7 +94,10 @@ class attn_scope:
         "_token",
         "batch",
         "binding",
+        "extras",
         "form",
+        "group",
+        "groups",
         "handlers",
         "parent",
         "plan",
@@ -108,6 +112,9 @@ class attn_scope:
     run: Handler | None
     form: AttnForm | None
     sm_scale: float | None
+    extras: tuple[bool, bool, bool] | None
+    group: str | None
+    groups: dict[str, Any] | None
     parent: attn_scope | None
     _token: contextvars.Token[attn_scope | None] | None
     _closed: bool
@@ -129,6 +136,8 @@ class attn_scope:
         self.binding = binding
         self.handlers = binding._handler_map
         self.sm_scale = binding._sm_scale
+        self.extras = binding._extras
+        self.group = self.groups = None
         self.batch = batch
         self._token = None
         if batch is None:
@@ -358,6 +367,10 @@ def attention(
     *,
     sm_scale: float | None = None,
     prefix: Any = None,
+    sinks: Any = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    group: str | None = None,
 ) -> Any:
     """Run attention for one layer with the active runner's handler for the scope's batch.
 
@@ -367,15 +380,22 @@ def attention(
     ``sm_scale`` defaults to the bound ``AttnConfig.sm_scale``; given both, they must agree
     (``InvalidBatchError`` otherwise); given neither, ``InvalidBatchError`` says to pass one.
     ``prefix`` is only for MLA layers in the ``AttnForm.MHA_CHUNKED`` form: the cached prefix
-    as decompressed chunks (see ``attn_dispatch.mla.latent_prefix_chunks``). Under
-    ``torch.compile`` the same call is traced as one opaque op (``attn_dispatch.compile``).
+    as decompressed chunks (see ``attn_dispatch.mla.latent_prefix_chunks``).
+    ``sinks``: the layer's sink logits (float32 ``[num_q_heads]``), exactly when the config
+    has ``sinks=True``. ``k_scale``/``v_scale``: the FP8 cache's scales (floats > 0, default
+    1.0), only for an FP8 ``kv_dtype``; MLA passes ``k_scale`` alone (it covers the latent,
+    V included). ``group``: the layer's group, exactly when the runner was bound with groups
+    (``bind(spec, {"sliding": cfg_a, "full": cfg_b})``). Under ``torch.compile`` the same call
+    is traced as one opaque op (``attn_dispatch.compile``).
     """
     frame = _CURRENT.get()
     if frame is None:
         raise NoActiveScopeError("attention")
+    if group is not None:
+        frame = _group_frame(frame, group)
     run = frame.run
     if run is None:
-        raise _no_batch("attention")
+        raise _no_run(frame)
     scale = frame.sm_scale
     if scale is None:
         if sm_scale is None:
@@ -383,19 +403,57 @@ def attention(
         scale = sm_scale
     elif sm_scale is not None and sm_scale != scale:
         _check_scale(sm_scale, scale)
-    if _call_hook is None and prefix is None:
+    if (
+        _call_hook is None
+        and frame.extras is None
+        and prefix is None
+        and sinks is None
+        and k_scale is None
+        and v_scale is None
+    ):
         return run(q, k_cache, v_cache, frame.plan, scale)
-    return _attention_slow(frame, run, q, k_cache, v_cache, scale, prefix)
+    return _attention_slow(frame, run, q, k_cache, v_cache, scale, prefix, sinks, k_scale, v_scale)
+
+
+def _group_frame(frame: attn_scope, group: Any) -> Any:
+    groups = frame.groups
+    if groups is not None:
+        try:
+            return groups[group]
+        except (KeyError, TypeError):
+            pass
+        names = ", ".join(map(repr, groups))
+        problem = f"runner {_label(frame)} has no group {group!r} (its groups: {names})"
+    else:
+        problem = (
+            f"runner {_label(frame)} was bound without groups; call attention() without "
+            "group=, or bind one config per group: bind(spec, {'sliding': cfg_a, 'full': cfg_b})"
+        )
+    raise InvalidBatchError("group", problem)
+
+
+def _no_run(frame: attn_scope) -> Exception:
+    if frame.groups is not None:
+        names = ", ".join(map(repr, frame.groups))
+        return InvalidBatchError(
+            "group",
+            f"runner {_label(frame)} was bound with groups ({names}); every attention() call "
+            "names its layer's group: attention(..., group=<name>)",
+        )
+    return _no_batch("attention")
 
 
 def _attention_slow(
-    frame: attn_scope,
+    frame: Any,
     run: Handler,
     q: Any,
     k_cache: Any,
     v_cache: Any,
     scale: float,
     prefix: Any,
+    sinks: Any,
+    k_scale: Any,
+    v_scale: Any,
 ) -> Any:
     args: tuple[Any, ...]
     if prefix is None:
@@ -408,8 +466,67 @@ def _attention_slow(
                 f"{getattr(frame.form, 'value', 'a non-MLA config')!r} (see attention_form())",
             )
         args = (q, k_cache, v_cache, frame.plan, scale, prefix)
+    kw = _extra_keywords(frame, sinks, k_scale, v_scale)
+    call: Callable[..., Any] = run if not kw else functools.partial(run, **kw)
     hook = _call_hook
-    return run(*args) if hook is None else hook(frame, run, args)
+    return call(*args) if hook is None else hook(frame, call, args)
+
+
+def _extra_keywords(frame: Any, sinks: Any, k_scale: Any, v_scale: Any) -> dict[str, Any]:
+    """The keywords the handler takes for this config (contract: only those that apply),
+    after the cheap core checks; the backend checks the sinks tensor itself."""
+    has_sinks, fp8, mla = frame.extras or (False, False, False)
+    kw: dict[str, Any] = {}
+    if has_sinks:
+        if sinks is None:
+            raise InvalidBatchError(
+                "sinks",
+                f"runner {_label(frame)}'s AttnConfig has sinks=True: pass the layer's sink "
+                "logits, attention(..., sinks=tensor[num_q_heads] float32)",
+            )
+        kw["sinks"] = sinks
+    elif sinks is not None:
+        raise InvalidBatchError(
+            "sinks",
+            f"runner {_label(frame)}'s AttnConfig has sinks=False, so the layer has no sink "
+            "logits; drop sinks= or bind a config with AttnConfig(sinks=True)",
+        )
+    if fp8:
+        kw["k_scale"] = _fp8_scale("k_scale", k_scale)
+        if not mla:
+            kw["v_scale"] = _fp8_scale("v_scale", v_scale)
+        elif v_scale is not None:
+            raise InvalidBatchError(
+                "v_scale",
+                f"got {v_scale!r}, but an MLA layer's k_scale covers the whole latent (V is part "
+                "of it); pass k_scale only",
+            )
+    else:
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is not None:
+                raise InvalidBatchError(
+                    name,
+                    f"got {value!r}, but runner {_label(frame)}'s kv_dtype is not FP8; scales "
+                    "apply only to kv_dtype 'float8_e4m3fn' / 'float8_e5m2'",
+                )
+    return kw
+
+
+def _fp8_scale(name: str, value: Any) -> float:
+    if value is None:
+        return 1.0
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise InvalidBatchError(
+            name,
+            f"got {value!r}; an FP8 cache scale is a finite Python float > 0 (the cache holds "
+            f"K / k_scale and V / v_scale; default 1.0)",
+        )
+    return float(value)
 
 
 def _no_scale(frame: attn_scope) -> InvalidBatchError:

@@ -9,7 +9,9 @@ Three layers, from the most to the least expensive:
   holds the snapshot, so editing the batch's tensors after planning never reaches a kernel,
   and a batch built without ``page_size`` is still checked against the pages it names.
 - ``TensorChecks.check(snap, q, k_cache, v_cache)``: per call, attribute reads only: shapes,
-  dtypes, devices, layout, and the largest page index against the cache given at this call.
+  dtypes, devices, layout, and the largest page index against the cache given at this call
+  (an FP8 config's cache must have the FP8 dtype itself); ``check_sinks(sinks, q)`` for
+  configs with sinks.
 
 >>> snap = BatchSnapshot.of(batch, config.page_size)          # once per forward
 >>> checks = TensorChecks.of(config, layout="rows")           # once per backend object
@@ -492,6 +494,31 @@ class TensorChecks:
         if self.layout != "any" and not self._layout_ok(q, k_cache, v_cache):
             self._explain_layout(q, k_cache, v_cache)
         return int(pages)
+
+    def check_sinks(self, sinks: Any, q: torch.Tensor) -> None:
+        """Raise ``InvalidBatchError("sinks", ...)`` unless ``sinks`` is a float32
+        ``[num_q_heads]`` tensor on ``q``'s device (attribute reads only)."""
+        heads = self.q_tail[0]
+        try:
+            ok = (
+                sinks.dtype == torch.float32
+                and sinks.dim() == 1
+                and sinks.shape[0] == heads
+                and sinks.device == q.device
+            )
+        except AttributeError:
+            ok = False
+        if ok:
+            return
+        if not isinstance(sinks, torch.Tensor):
+            problem = f"expected a torch.Tensor, got {type(sinks)!r}"
+        elif sinks.dtype != torch.float32:
+            problem = f"dtype {sinks.dtype} != torch.float32 (one sink logit per query head)"
+        elif sinks.dim() != 1 or sinks.shape[0] != heads:
+            problem = f"shape {tuple(sinks.shape)} != [num_q_heads={heads}]"
+        else:
+            problem = f"on {sinks.device}, q on {q.device}"
+        raise InvalidBatchError("sinks", f"{self.backend}: {problem}")
 
     def _layout_ok(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> bool:
         if self.layout == "contiguous":
