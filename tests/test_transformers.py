@@ -17,6 +17,7 @@ from attn_dispatch import record_dispatch  # noqa: E402
 from attn_dispatch import register_backend  # noqa: E402
 from attn_dispatch import unregister_backend  # noqa: E402
 from attn_dispatch.backends.reference import CAPABILITIES as TORCH_CAPS  # noqa: E402
+from attn_dispatch.integrations.transformers import FP8_MAX  # noqa: E402
 from attn_dispatch.integrations.transformers import IMPLEMENTATION  # noqa: E402
 from attn_dispatch.integrations.transformers import UnsupportedModelError  # noqa: E402
 from attn_dispatch.integrations.transformers import attn_config_for  # noqa: E402
@@ -461,18 +462,49 @@ def last_logits(model: Any, ids: Any, mask: Any) -> Any:
         return model(input_ids=ids[:, -3:], attention_mask=mask, cache=first.past_key_values).logits
 
 
-FP8_TOLERANCE = {"float8_e4m3fn": 0.05, "float8_e5m2": 0.1}  # max |logit diff| / max |logit|
+# Max |logit difference| / max |logit| against the same model with full-precision pages, on
+# these deliberately sensitive tiny models (initializer_range 0.2: errors grow layer to layer).
+# Measured: e4m3fn 0.081, e5m2 0.141 (with initializer_range 0.02: 0.026, 0.033).
+FP8_TOLERANCE = {"float8_e4m3fn": 0.10, "float8_e5m2": 0.20}
+
+
+def register_fp8_eager(kv_dtype: str) -> str:
+    """transformers' eager attention on K/V rounded as use(kv_dtype=...) documents it: one
+    scale per layer and forward, amax / FP8_MAX, the values stored as x / scale in FP8."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import eager_mask
+    from transformers.models.mistral.modeling_mistral import eager_attention_forward
+
+    limit, fp8 = FP8_MAX[kv_dtype], getattr(torch, kv_dtype)
+
+    def rounded(x: Any) -> Any:
+        scale = float(x.abs().amax()) / limit
+        return ((x / scale).clamp(-limit, limit).to(fp8).float() * scale).to(x.dtype)
+
+    def fn(module: Any, query: Any, key: Any, value: Any, mask: Any, **kw: Any) -> Any:
+        return eager_attention_forward(module, query, rounded(key), rounded(value), mask, **kw)
+
+    name = f"eager_{kv_dtype}"
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, eager_mask)
+    return name
 
 
 @pytest.mark.parametrize("kv_dtype", sorted(FP8_TOLERANCE))
-def test_fp8_pages_stay_close_to_full_precision(kv_dtype: str) -> None:
+def test_fp8_pages_are_eager_on_rounded_kv_and_close_to_full_precision(kv_dtype: str) -> None:
     ids, mask, _ = left_padded([10, 6], seed=4)
-    model = gemma2()
-    use(model, "torch")
+    model = mistral()
+    model.set_attn_implementation(register_fp8_eager(kv_dtype))
+    expected = last_logits(model, ids, mask)
+    bound = use(model, "torch")
     full = last_logits(model, ids, mask)
-    model.attn_dispatch.remove()
+    bound.remove()
     bound = use(model, "torch", kv_dtype=kv_dtype)
-    assert {c.kv_dtype for c in bound.binding.configs.values()} == {kv_dtype}
-    fp8 = last_logits(model, ids, mask)
-    rel = float((fp8 - full).abs().max() / full.abs().max())
+    assert bound.binding.config.kv_dtype == kv_dtype
+    got = last_logits(model, ids, mask)
+    # Exactly what the documented rounding gives (up to fp32 summation order)...
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # ...which is a real rounding, within the stated tolerance of full precision.
+    rel = float((got - full).abs().max() / full.abs().max())
     assert 0.0 < rel <= FP8_TOLERANCE[kv_dtype], rel

@@ -599,6 +599,7 @@ def _register() -> None:
 
 
 __all__ = [
+    "FP8_MAX",
     "GROUP_FULL",
     "GROUP_SLIDING",
     "IMPLEMENTATION",
