@@ -70,7 +70,8 @@ def _row_bound(w: torch.Tensor, width: int, pairs: bool) -> float:
     """A bound on ``|h @ w.T|`` per element for an RMS-normalised ``h`` (``||h|| = sqrt(width)``):
     Cauchy-Schwarz, times sqrt(2) when rotary pairs mix two rows, plus 5% for rounding."""
     row = float(w.float().norm(dim=-1).max())
-    return row * width**0.5 * (2**0.5 if pairs else 1.0) * 1.05
+    bound: float = row * width**0.5 * (2**0.5 if pairs else 1.0) * 1.05
+    return bound
 
 
 def _store(x: torch.Tensor, scale: float | None, kv_dtype: torch.dtype) -> torch.Tensor:

@@ -284,9 +284,9 @@ def use(
     if isinstance(spec, Mapping) and not grouped:
         spec = spec[next(iter(configs))]
     binding = bind(spec, target, label=label, options=options)  # type: ignore[arg-type]
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
-    window = getattr(text or model.config, "sliding_window", None)
-    mapped = _ModelMap(configs, grouped, int(window) if GROUP_SLIDING in configs else None)
+    sliding = configs.get(GROUP_SLIDING)
+    window = None if sliding is None or sliding.window_left is None else sliding.window_left + 1
+    mapped = _ModelMap(configs, grouped, window)
     _register()
     previous = model.config._attn_implementation
     model.set_attn_implementation(IMPLEMENTATION)
