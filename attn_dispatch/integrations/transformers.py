@@ -369,8 +369,8 @@ def _view_for(
             if int(keys[-1] - keys[0]) + 1 != keys.numel():
                 raise UnsupportedModelError(
                     f"row {i} of attention_mask has padding between real tokens; a sliding "
-                    f"window (sliding_window={mapped.window!r}) is served with left (or right) "
-                    "padding only. Choices: left-pad the batch"
+                    f"window (sliding_window={mapped.window!r}) is served with left padding only "
+                    "(transformers windows positions, padding included). Choices: left-pad"
                 )
         tables.append((keys + i * s).tolist())
         kv_lens.append(int(keys.numel()))
