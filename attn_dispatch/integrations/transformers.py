@@ -9,8 +9,9 @@
   ``"attn_dispatch"`` (``AttentionInterface`` / ``AttentionMaskInterface``). A custom attention
   name without a mask function makes transformers skip mask creation (``attention_mask=None``),
   which silently drops causal masking of multi-token steps; ours receives the mask request,
-  refuses patterns it does not represent (sliding window, bidirectional, packed sequences,
-  custom or/and masks) and lets the attention function apply causality itself.
+  accepts transformers' causal and sliding-window causal masks, refuses patterns it does not
+  represent (chunked, bidirectional, packed sequences, custom or/and masks) and lets the
+  attention function apply causality and the window itself.
 - switches the model to that implementation (``set_attn_implementation``) and wraps its
   ``forward`` so that every forward of this model runs inside its own ``attn_scope`` with an
   ``AttnBatch`` made for that forward. Two models (a target and its assistant) therefore use
@@ -27,10 +28,19 @@ rule is then exactly transformers' causal + padding mask. Padding query rows ret
 Phase from the shapes: no cached tokens -> PREFILL; one new token on a cache -> DECODE;
 several new tokens on a cache (assisted generation's candidate check) -> VERIFY.
 
-Supported: decoder-only models with full attention in every layer and a ``DynamicCache`` (or
-no cache): Llama family, Qwen2 family (without sliding windows), DeepSeek-V3 (the
-non-absorbed 192/128 q/k vs v form). The KV layout change costs one copy of each layer's K/V
-per forward; the 2-D mask is read on the host once per forward.
+Layer variants: a sliding layer (``config.layer_types`` or, without it, ``sliding_window``)
+gets ``window_left = sliding_window - 1``; ``attn_logit_softcapping`` is every layer's
+``logit_cap``; attention modules holding ``sinks`` (gpt-oss, passed as ``s_aux``) make
+``sinks=True``. A model with both kinds of layer gets one grouped binding (``"sliding"``,
+``"full"``), each layer passing ``group=``. A sliding layer's ``DynamicSlidingWindowLayer``
+returns only the window's keys (a suffix of the sequence): they are placed at their
+positions in the same one-token pages, so every group shares the forward's ``AttnBatch``.
+
+Supported: decoder-only models with full and sliding-window attention layers and a
+``DynamicCache`` (or no cache): Llama, Qwen2 (with or without sliding layers), Mistral,
+Gemma 2, Gemma 3 (text), Cohere 2, gpt-oss, DeepSeek-V3 (the non-absorbed 192/128 q/k vs v
+form). The KV layout change costs one copy of each layer's K/V per forward; the 2-D mask is
+read on the host once per forward.
 """
 
 from __future__ import annotations
