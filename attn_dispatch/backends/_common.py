@@ -43,6 +43,8 @@ __all__ = [
     "check_owner",
     "mask_offsets",
     "refill",
+    "window_flat_mask",
+    "window_tree_mask",
 ]
 
 _I32 = torch.int32
@@ -600,6 +602,37 @@ class TensorChecks:
                 "every page index must name a page of the k_cache/v_cache given to this call",
             )
         raise AssertionError("TensorChecks flagged tensors that break no rule")  # pragma: no cover
+
+
+def window_tree_mask(mask: torch.Tensor, window_left: int) -> torch.Tensor:
+    """Apply a sliding window to a custom (tree) mask ``[..., queries, keys]`` (bool).
+
+    A query sees the ``window_left + 1`` most recent keys *its mask allows* (in cache order):
+    for a draft node that is the prefix plus its ancestors, so tree verify sees exactly what
+    decoding that path token by token would see; for a causal mask it is the positional
+    window ``p - window_left ..= p``. Backends with a mask-taking kernel can fold the window
+    into the mask with this once per plan.
+
+    >>> window_tree_mask(torch.ones(1, 3, dtype=torch.bool), 1)
+    tensor([[False,  True,  True]])
+    """
+    # Count the allowed keys at or after each key: its rank from the query's end.
+    rank = mask.flip(-1).to(torch.int32).cumsum(-1).flip(-1)
+    return mask & (rank <= window_left + 1)
+
+
+def window_flat_mask(
+    custom_mask: torch.Tensor, q_lens: list[int], kv_lens: list[int], window_left: int
+) -> torch.Tensor:
+    """``window_tree_mask`` on a flat batch mask (request ``i``'s ``q_len x kv_len`` rows,
+    one after the other, as ``AttnBatch.custom_mask``); returns a new flat mask."""
+    parts = []
+    off = 0
+    for ql, kl in zip(q_lens, kv_lens, strict=True):
+        block = custom_mask[off : off + ql * kl].view(ql, kl)
+        parts.append(window_tree_mask(block, window_left).reshape(-1))
+        off += ql * kl
+    return torch.cat(parts) if parts else custom_mask[:0].clone()
 
 
 def refill(dst: BatchSnapshot, src: BatchSnapshot) -> None:
