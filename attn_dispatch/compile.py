@@ -37,10 +37,12 @@ Capture decode steps with :mod:`attn_dispatch.cuda_graph`, which follows that ru
 from __future__ import annotations
 
 from typing import Any
+from typing import Unpack
 
 import torch
 
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._scope import AttentionExtras
 from attn_dispatch._scope import attention as _scope_attention
 
 __all__ = ["OP_NAME", "attention_op"]
@@ -208,35 +210,27 @@ def _attention_in_graph(
     v_cache: Any = None,
     *,
     sm_scale: float | None = None,
-    prefix: Any = None,
-    sinks: Any = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
     group: str | None = None,
+    **extras: Unpack[AttentionExtras],
 ) -> Any:
     # What Dynamo traces in place of attn_dispatch.attention (eager calls never come here).
-    if prefix is not None or v_cache is None:
+    if extras.get("prefix") is not None or v_cache is None or extras.keys() - _EXTRAS_IN_OP:
         return _attention_outside_graph(
-            q,
-            k_cache,
-            v_cache,
-            sm_scale=sm_scale,
-            prefix=prefix,
-            sinks=sinks,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            group=group,
+            q, k_cache, v_cache, sm_scale=sm_scale, group=group, **extras
         )
     return attention_op(
         q,
         k_cache,
         v_cache,
         sm_scale=sm_scale,
-        sinks=sinks,
-        k_scale=k_scale,
-        v_scale=v_scale,
+        sinks=extras.get("sinks"),
+        k_scale=extras.get("k_scale"),
+        v_scale=extras.get("v_scale"),
         group=group,
     )
+
+
+_EXTRAS_IN_OP = frozenset({"sinks", "k_scale", "v_scale"})
 
 
 # The signature check stays on: compiled and eager `attention` take exactly the same arguments.

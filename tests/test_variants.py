@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from typing import Any
+from typing import ClassVar
 
 import pytest
 from hypothesis import given
@@ -332,3 +333,177 @@ def test_tensor_checks_sinks() -> None:
         with pytest.raises(InvalidBatchError) as info:
             checks.check_sinks(bad, q)
         assert info.value.field == "sinks" and words in str(info.value)
+
+
+# -- E: groups ------------------------------------------------------------------------------------
+
+
+class _Counting(_Recorder):
+    """Counts plans; handlers return (config window, plan)."""
+
+    made: ClassVar[list[_Counting]] = []
+
+    def __init__(self, config: AttnConfig, **options: Any) -> None:
+        super().__init__(config)
+        self.plans = 0
+        _Counting.made.append(self)
+
+    def plan(self, batch: Any) -> Any:
+        self.plans += 1
+        return ("plan", self.config.window_left, self.plans)
+
+    def handler(self, phase: Phase) -> Any:
+        def run(q: Any, k: Any, v: Any, plan: Any, scale: float, **kw: Any) -> Any:
+            return (self.config.window_left, plan, kw)
+
+        return run
+
+
+@pytest.fixture
+def counting(registry_snapshot: object) -> type[_Counting]:
+    _Counting.made = []
+    register_backend("cnt", capabilities=EVERYTHING, factory=_Counting)
+    register_backend("cnt2", capabilities=EVERYTHING, factory=_Counting)
+    return _Counting
+
+
+GEMMA = {
+    "sliding": mha_config(window_left=4095, logit_cap=50.0),
+    "full": mha_config(logit_cap=50.0),
+}
+
+
+def test_groups_plan_once_and_dispatch(counting: type[_Counting]) -> None:
+    binding = bind("cnt", GEMMA, label="gemma")
+    assert set(binding.groups) == {"sliding", "full"}
+    assert binding.groups["sliding"].config.window_left == 4095
+    assert len(counting.made) == 2  # one backend object per group
+    with attn_scope(binding, FakeBatch(Phase.DECODE)):
+        for _ in range(3):
+            assert attention(1, 2, 3, sm_scale=1.0, group="sliding")[:2] == (
+                4095,
+                ("plan", 4095, 1),
+            )
+            assert attention(1, 2, 3, sm_scale=1.0, group="full")[:2] == (None, ("plan", None, 1))
+    assert [b.plans for b in counting.made] == [1, 1]
+    with attn_scope(binding, FakeBatch(Phase.PREFILL)):
+        attention(1, 2, 3, sm_scale=1.0, group="full")
+    assert [b.plans for b in counting.made] == [2, 2]
+    assert "groups: sliding=" in repr(binding)
+
+
+def test_group_spec_mapping(counting: type[_Counting]) -> None:
+    binding = bind({"sliding": "cnt", "full": "prefill=cnt,decode=cnt2"}, GEMMA)
+    assert binding.groups["full"].backend_name(Phase.DECODE) == "cnt2"
+    assert binding.groups["sliding"].backend_name(Phase.DECODE) == "cnt"
+    with pytest.raises(InvalidSpecError, match="missing: \\['full'\\]"):
+        bind({"sliding": "cnt"}, GEMMA)
+    with pytest.raises(InvalidSpecError, match="unknown: \\['x'\\]"):
+        bind({"sliding": "cnt", "full": "cnt", "x": "cnt"}, GEMMA)
+    with pytest.raises(InvalidSpecError, match="mapping group -> config"):
+        bind({"sliding": "cnt"}, mha_config())
+    with pytest.raises(InvalidSpecError, match="at least one group"):
+        bind("cnt", {})
+
+
+def test_groups_checked_before_any_factory(counting: type[_Counting]) -> None:
+    register_backend("nowin", capabilities=Capabilities(), factory=_Counting)
+    with pytest.raises(IncompatibleBackendError) as info:
+        bind({"full": "cnt", "sliding": "nowin"}, GEMMA)
+    text = str(info.value)
+    assert "group 'sliding': layer variant 'window'" in text
+    assert "group 'full'" not in text  # 'cnt' serves it
+    with pytest.raises(IncompatibleBackendError) as info:
+        bind({"sliding": "prefill=cnt,decode=nowin", "full": "nowin"}, GEMMA)
+    decode = info.value.reasons[Phase.DECODE]
+    assert decode[0] == "nowin"
+    assert any(r.startswith("group 'sliding': layer variant 'window'") for r in decode[1])
+    assert any(r.startswith("group 'full': layer variant 'logit_cap'") for r in decode[1])
+    assert counting.made == []
+
+
+def test_group_errors(counting: type[_Counting]) -> None:
+    binding = bind("cnt", GEMMA, label="g")
+    with attn_scope(binding, FakeBatch(Phase.DECODE)):
+        with pytest.raises(InvalidBatchError) as info:
+            attention(1, 2, 3, sm_scale=1.0)
+        assert info.value.field == "group" and "'sliding', 'full'" in str(info.value)
+        with pytest.raises(InvalidBatchError) as info:
+            attention(1, 2, 3, sm_scale=1.0, group="global")
+        assert "no group 'global'" in str(info.value) and "'sliding', 'full'" in str(info.value)
+        with pytest.raises(InvalidBatchError):
+            attention(1, 2, 3, sm_scale=1.0, group=["sliding"])  # type: ignore[arg-type]
+        from attn_dispatch import resolve
+
+        with pytest.raises(InvalidBatchError, match="groups"):
+            resolve(Phase.DECODE)
+    with pytest.raises(InvalidBatchError, match="groups"):
+        binding.prepare(FakeBatch(Phase.DECODE))
+    with pytest.raises(InvalidBatchError, match="groups"):
+        binding.handler(Phase.DECODE)
+    with attn_scope(binding), pytest.raises(InvalidBatchError, match="with a batch"):
+        attention(1, 2, 3, sm_scale=1.0, group="full")
+
+
+def test_group_extras_follow_the_group(counting: type[_Counting]) -> None:
+    cfgs = {"oss": mha_config(sinks=True, window_left=127), "fp8": mha_config(kv_dtype="fp8")}
+    binding = bind("cnt", cfgs)
+    with attn_scope(binding, FakeBatch(Phase.DECODE)):
+        assert attention(1, 2, 3, sm_scale=1.0, group="oss", sinks="S")[2] == {"sinks": "S"}
+        assert attention(1, 2, 3, sm_scale=1.0, group="fp8", k_scale=2.0)[2] == {
+            "k_scale": 2.0,
+            "v_scale": 1.0,
+        }
+        with pytest.raises(InvalidBatchError, match="sinks=False"):
+            attention(1, 2, 3, sm_scale=1.0, group="fp8", sinks="S")
+        with pytest.raises(InvalidBatchError, match="sinks=True"):
+            attention(1, 2, 3, sm_scale=1.0, group="oss")
+
+
+def test_record_dispatch_records_groups(counting: type[_Counting]) -> None:
+    from attn_dispatch import record_dispatch
+
+    binding = bind({"sliding": "cnt", "full": "cnt2"}, GEMMA, label="gemma")
+    with record_dispatch() as rec, attn_scope(binding, FakeBatch(Phase.DECODE)):
+        attention(1, 2, 3, sm_scale=1.0, group="sliding")
+        attention(1, 2, 3, sm_scale=1.0, group="full")
+        attention(1, 2, 3, sm_scale=1.0, group="full")
+    assert rec.group_counts() == {
+        ("gemma", "sliding", "decode", "cnt"): 1,
+        ("gemma", "full", "decode", "cnt2"): 2,
+    }
+    assert [e.group for e in rec.events] == ["sliding", "full", "full"]
+    assert rec.events[0].range_name() == "attn_dispatch/gemma:sliding/decode/cnt"
+    assert rec.summary().splitlines()[0].split()[:2] == ["runner", "group"]
+
+
+def test_grouped_torch_runner_matches_each_config() -> None:
+    """A Gemma-2-style runner on the torch backend: each group's output is exactly what a
+    binding of that group's config alone gives."""
+    torch = pytest.importorskip("torch")
+    from attn_dispatch import AttnBatch
+
+    cfgs = {
+        "sliding": mha_config(window_left=5, logit_cap=3.0, page_size=4),
+        "full": mha_config(logit_cap=3.0, page_size=4),
+    }
+    g = torch.Generator().manual_seed(0)
+    batch = AttnBatch.build(
+        Phase.DECODE,
+        q_lens=[1, 1],
+        kv_lens=[19, 7],
+        page_tables=[[0, 1, 2, 3, 4], [5, 6]],
+        page_size=4,
+        num_pages=8,
+    )
+    q = torch.randn(2, 8, 64, generator=g)
+    k = torch.randn(8, 4, 2, 64, generator=g)
+    v = torch.randn(8, 4, 2, 64, generator=g)
+    grouped = bind("torch", cfgs)
+    with attn_scope(grouped, batch):
+        outs = {n: attention(q, k, v, sm_scale=0.125, group=n) for n in cfgs}
+    for name, cfg in cfgs.items():
+        with attn_scope(bind("torch", cfg), batch):
+            alone = attention(q, k, v, sm_scale=0.125)
+        assert torch.equal(outs[name], alone)
+    assert not torch.allclose(outs["sliding"], outs["full"])
