@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from attn_dispatch import IncompatibleBackendError  # noqa: E402
+from attn_dispatch import InvalidSpecError  # noqa: E402
 from attn_dispatch import UnknownBackendError  # noqa: E402
 from attn_dispatch import record_dispatch  # noqa: E402
 from attn_dispatch import register_backend  # noqa: E402
@@ -335,18 +336,26 @@ def test_variant_family_generates_eagers_tokens_on_a_left_padded_batch(name: str
     got_groups = {g: (c.window_left, c.logit_cap) for g, c in configs.items()}
     assert got_groups == {g: v[:2] for g, v in EXPECTED_GROUPS[name].items()}
     bound = use(model, "torch", label=name)
-    cfgs = (
-        bound.binding.configs
-        if len(EXPECTED_GROUPS[name]) > 1
-        else {"sliding": bound.binding.config}
-    )
-    assert {g: (c.window_left, c.logit_cap, c.sinks) for g, c in cfgs.items()} == EXPECTED_GROUPS[
-        name
-    ]
+    groups = bound.binding.groups
+    if len(EXPECTED_GROUPS[name]) > 1:  # one grouped binding, a group per layer type
+        cfgs = {g: b.config for g, b in groups.items()}
+    else:  # every layer alike (Mistral: all sliding): a plain binding
+        assert not groups
+        cfgs = {"sliding": bound.binding.config}
+    got_cfgs = {g: (c.window_left, c.logit_cap, c.sinks) for g, c in cfgs.items()}
+    assert got_cfgs == EXPECTED_GROUPS[name]
     with record_dispatch() as rec:
         got = generate(model, ids, mask, new=8)
     assert torch.equal(got, expected)
-    assert {phase for _, phase, _ in rec.counts()} == {"prefill", "decode"}
+    # Every layer dispatched in its own group: each group once per layer of its type and forward.
+    layer_types = list(getattr(model.config, "layer_types", None) or ["sliding_attention"] * 2)
+    per_group = {g: layer_types.count(f"{g}_attention") for g in EXPECTED_GROUPS[name]}
+    want = {}
+    for g, n in per_group.items():
+        key = g if groups else None
+        want[(name, key, "prefill", "torch")] = n
+        want[(name, key, "decode", "torch")] = 7 * n
+    assert rec.group_counts() == want
     bound.remove()
 
 
@@ -383,8 +392,10 @@ def test_assisted_generation_with_sliding_window_models(torch2: str) -> None:
     with record_dispatch() as rec:
         assisted = generate(target, ids, new=10, assistant_model=assistant)
     assert torch.equal(assisted, plain)
-    phases = {(str(label), phase) for label, phase, _ in rec.counts()}
-    assert {("target", "prefill"), ("target", "verify"), ("assistant", "decode")} <= phases
+    seen = {(str(label), group, phase, b) for label, group, phase, b in rec.group_counts()}
+    for group in ("sliding", "full"):
+        assert {("target", group, "prefill", "torch"), ("target", group, "verify", "torch")} <= seen
+        assert ("assistant", group, "decode", torch2) in seen
 
 
 def test_native_refuses_variant_models_at_bind_with_the_reason() -> None:
@@ -508,3 +519,19 @@ def test_fp8_pages_are_eager_on_rounded_kv_and_close_to_full_precision(kv_dtype:
     # ...which is a real rounding, within the stated tolerance of full precision.
     rel = float((got - full).abs().max() / full.abs().max())
     assert 0.0 < rel <= FP8_TOLERANCE[kv_dtype], rel
+
+
+def test_each_group_may_have_its_own_spec(torch2: str) -> None:
+    model = eager(gemma2())
+    ids, mask, _ = left_padded([8, 4])
+    expected = generate(model, ids, mask, new=4)
+    use(model, {"sliding": "torch", "full": torch2}, label="g")
+    with record_dispatch() as rec:
+        got = generate(model, ids, mask, new=4)
+    assert torch.equal(got, expected)
+    assert {(group, backend) for _, group, _, backend in rec.group_counts()} == {
+        ("sliding", "torch"),
+        ("full", torch2),
+    }
+    with pytest.raises(InvalidSpecError, match="one group"):
+        use(mistral(), {"full": "torch"})

@@ -61,6 +61,7 @@ from attn_dispatch._binding import bind
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import NoActiveScopeError
 from attn_dispatch._phase import Phase
 from attn_dispatch._scope import attention
@@ -290,10 +291,18 @@ def use(
         kv_dtype=kv_dtype,
     )
     grouped = len(configs) > 1
-    target: Any = configs if grouped else next(iter(configs.values()))
-    if isinstance(spec, Mapping) and not grouped:
-        spec = spec[next(iter(configs))]
-    binding = bind(spec, target, label=label, options=options)  # type: ignore[arg-type]
+    target: AttnConfig | dict[str, AttnConfig] = configs
+    if not grouped:
+        ((only, target),) = configs.items()
+        if isinstance(spec, Mapping):
+            if only not in spec:
+                raise InvalidSpecError(
+                    "spec",
+                    dict(spec),
+                    f"this model has one group, {only!r}: name it or pass one spec",
+                )
+            spec = spec[only]
+    binding = bind(spec, target, label=label, options=options)
     sliding = configs.get(GROUP_SLIDING)
     window = None if sliding is None or sliding.window_left is None else sliding.window_left + 1
     mapped = _ModelMap(configs, grouped, window)
