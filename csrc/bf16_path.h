@@ -5,6 +5,12 @@
 // output will be). On Zen 4 this halves the instruction count of the fp32 path, which is
 // what bounds MLA decode (16 heads share every latent row).
 #include <immintrin.h>
+#ifndef NA_PF_AHEAD
+#define NA_PF_AHEAD 4
+#endif
+#ifndef NA_PF_HINT
+#define NA_PF_HINT _MM_HINT_T2
+#endif
 
 static inline bool bf16_path_applies(const NaProblem& P, const NaItem&) {
   return P.head_dim % 32 == 0 && P.v_head_dim % 32 == 0;
@@ -94,8 +100,10 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
   const int ps = P.page_size;
   const bool mla = P.kind == NA_MLA;
   const int G = Hq / Hkv;
-  const int nh = it.h1 - it.h0, nq = it.q1 - it.q0, R = nh * nq;
-  const int Rp = (R + 3) / 4 * 4;  // score tiles are 4 rows high; padded rows have q = 0
+  const int nh = it.h1 - it.h0, nq = it.q1 - it.q0, R1 = nh * nq;
+  const int nkv = it.kv_head_end - it.kv_head, R = nkv * R1;
+  const int Rp1 = (R1 + 3) / 4 * 4;  // score tiles are 4 rows high; padded rows have q = 0
+  const int Rp = nkv * Rp1;
   const int req = it.req;
   const int qs = P.qo_indptr[req];
   const int q_len = P.qo_indptr[req + 1] - qs;
@@ -118,130 +126,187 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
   uint32_t* pb = reinterpret_cast<uint32_t*>(B.v.data());
   float alpha[na::kMaxRows];
   int lim[na::kMaxRows];
+  bool bad[na::kMaxRows];
   const uint8_t* mrow[na::kMaxRows];
   const float qscale = P.sm_scale * kLog2e;
   const uint16_t* qbase = static_cast<const uint16_t*>(P.q);
-  for (int r = 0; r < Rp; ++r) {
-    uint16_t* qr = qb + size_t(r) * D;
-    if (r >= R) {
-      std::memset(qr, 0, sizeof(uint16_t) * size_t(D));
-      continue;
+  for (int gi = 0; gi < nkv; ++gi) {
+    for (int lr = 0; lr < Rp1; ++lr) {
+      uint16_t* qr = qb + size_t(gi * Rp1 + lr) * D;
+      if (lr >= R1) {
+        std::memset(qr, 0, sizeof(uint16_t) * size_t(D));
+        continue;
+      }
+      const int r = gi * R1 + lr;
+      const int jj = lr / nh, hh = lr % nh;
+      const int64_t token = qs + it.q0 + jj;
+      const int head = (it.kv_head + gi) * G + it.h0 + hh;
+      std::memcpy(qr, qbase + (token * Hq + head) * D, sizeof(uint16_t) * size_t(D));
+      bad[r] = row_not_finite(qr, D);
+      lim[r] = kv_len - q_len + it.q0 + jj;
+      mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+      std::memset(acc + size_t(r) * Dv, 0, sizeof(float) * size_t(Dv));
     }
-    const int jj = r / nh, hh = r % nh;
-    const int64_t token = qs + it.q0 + jj;
-    const int head = it.kv_head * G + it.h0 + hh;
-    std::memcpy(qr, qbase + (token * Hq + head) * D, sizeof(uint16_t) * size_t(D));
-    lim[r] = kv_len - q_len + it.q0 + jj;
-    mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
-    m[r] = kNegInf;
-    l[r] = 0.0f;
-    std::memset(acc + size_t(r) * Dv, 0, sizeof(float) * size_t(Dv));
   }
   const uint16_t* kbase = static_cast<const uint16_t*>(P.k);
   const uint16_t* vbase = static_cast<const uint16_t*>(mla ? P.k : P.v);
   const int64_t kstride = mla ? D : int64_t(Hkv) * D;  // elements between tokens' rows
   const int64_t vstride = mla ? D : int64_t(Hkv) * Dv;
-  const int64_t koff = mla ? 0 : int64_t(it.kv_head) * D;
-  const int64_t voff = mla ? 0 : int64_t(it.kv_head) * Dv;
+  const uint16_t* kp0[BK];
+  const uint16_t* vp0[BK];
   const uint16_t* kp[BK];
   const uint16_t* vp[BK];
+  const uint16_t* kpn[BK];
+  const uint16_t* vpn[BK];
+  int nn = 0;  // tokens in the next block
+  auto next_block = [&](int k0) {
+    nn = std::max(0, std::min(BK, it.k1 - k0));
+    for (int t = 0; t < nn; ++t) {
+      const int pos = k0 + t;
+      const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+      kpn[t] = kbase + slot * kstride;
+      vpn[t] = vbase + slot * vstride;
+    }
+  };
+  next_block(it.k0);
+  const int klines = int((kstride * 2 + 63) / 64), vlines = mla ? 0 : int((vstride * 2 + 63) / 64);
+  // The first two blocks, which the in-loop prefetch (two blocks ahead) never covers.
+  for (int pos = it.k0; pos < std::min(it.k1, it.k0 + 2 * BK); ++pos) {
+    const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+    const char* kr = reinterpret_cast<const char*>(kbase + slot * kstride);
+    for (int i = 0; i < klines; ++i) _mm_prefetch(kr + 64 * i, NA_PF_HINT);
+    const char* vr = reinterpret_cast<const char*>(vbase + slot * vstride);
+    for (int i = 0; i < vlines; ++i) _mm_prefetch(vr + 64 * i, NA_PF_HINT);
+  }
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
     const int n = std::min(BK, it.k1 - k0);
     for (int t = 0; t < BK; ++t) {
       // Keys past the block's end reuse the first key's row (valid memory); their scores
       // are masked below, so their weights are exactly 0.
-      const int pos = k0 + (t < n ? t : 0);
-      const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
-      kp[t] = kbase + slot * kstride + koff;
-      vp[t] = vbase + slot * vstride + voff;
+      kp0[t] = kpn[t < n ? t : 0];
+      vp0[t] = vpn[t < n ? t : 0];
+    }
+    next_block(k0 + BK);
+    // Rows to prefetch: NA_PF_AHEAD blocks ahead.
+    const uint16_t* kpa[BK];
+    const uint16_t* vpa[BK];
+    int na_ = 0;
+    {
+      const int ka = k0 + NA_PF_AHEAD * BK;
+      na_ = std::max(0, std::min(BK, it.k1 - ka));
+      for (int t = 0; t < na_; ++t) {
+        const int pos = ka + t;
+        const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+        kpa[t] = kbase + slot * kstride;
+        vpa[t] = vbase + slot * vstride;
+      }
     }
     const int nt = (n + 3) / 4 * 4;
-    for (int r0 = 0; r0 < Rp; r0 += 4) {
-      for (int t0 = 0; t0 < nt; t0 += 4) {
-        __m512 a[16];
-        for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-        for (int c = 0; c < D; c += 32) {
-          const __m512bh k0v = as_bh(_mm512_loadu_si512(kp[t0] + c));
-          const __m512bh k1v = as_bh(_mm512_loadu_si512(kp[t0 + 1] + c));
-          const __m512bh k2v = as_bh(_mm512_loadu_si512(kp[t0 + 2] + c));
-          const __m512bh k3v = as_bh(_mm512_loadu_si512(kp[t0 + 3] + c));
-          for (int i = 0; i < 4; ++i) {
-            const __m512bh qv = as_bh(_mm512_loadu_si512(qb + size_t(r0 + i) * D + c));
-            a[4 * i] = _mm512_dpbf16_ps(a[4 * i], qv, k0v);
-            a[4 * i + 1] = _mm512_dpbf16_ps(a[4 * i + 1], qv, k1v);
-            a[4 * i + 2] = _mm512_dpbf16_ps(a[4 * i + 2], qv, k2v);
-            a[4 * i + 3] = _mm512_dpbf16_ps(a[4 * i + 3], qv, k3v);
+    // kv heads innermost: the block's tokens are read whole (every head), in address order.
+    for (int gi = 0; gi < nkv; ++gi) {
+      const int64_t koff = mla ? 0 : int64_t(it.kv_head + gi) * D;
+      const int64_t voff = mla ? 0 : int64_t(it.kv_head + gi) * Dv;
+      for (int t = 0; t < BK; ++t) {
+        kp[t] = kp0[t] + koff;
+        vp[t] = vp0[t] + voff;
+      }
+      // The same head's rows of the next block: the rows of one head are 2 KB apart (GQA)
+      // and pages lie at random places, which the hardware prefetchers do not follow.
+      {
+        // The next block, whole rows (every head) in address order, a slice per head step:
+        // one head's rows are 2 KB apart and pages lie at random places, which the hardware
+        // prefetchers do not follow; whole rows are sequential runs they and we can stream.
+        const int t0 = gi * na_ / nkv, t1 = (gi + 1) * na_ / nkv;
+        for (int t = t0; t < t1; ++t) {
+          const char* kr = reinterpret_cast<const char*>(kpa[t]);
+          for (int i = 0; i < klines; ++i) _mm_prefetch(kr + 64 * i, NA_PF_HINT);
+          const char* vr = reinterpret_cast<const char*>(vpa[t]);
+          for (int i = 0; i < vlines; ++i) _mm_prefetch(vr + 64 * i, NA_PF_HINT);
+        }
+      }
+      const uint16_t* qg = qb + size_t(gi * Rp1) * D;
+      float* Sg = S + size_t(gi * R1) * BK;
+      for (int r0 = 0; r0 < Rp1; r0 += 4) {
+        for (int t0 = 0; t0 < nt; t0 += 4) {
+          __m512 a[16];
+          for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+          for (int c = 0; c < D; c += 32) {
+            const __m512bh k0v = as_bh(_mm512_loadu_si512(kp[t0] + c));
+            const __m512bh k1v = as_bh(_mm512_loadu_si512(kp[t0 + 1] + c));
+            const __m512bh k2v = as_bh(_mm512_loadu_si512(kp[t0 + 2] + c));
+            const __m512bh k3v = as_bh(_mm512_loadu_si512(kp[t0 + 3] + c));
+            for (int i = 0; i < 4; ++i) {
+              const __m512bh qv = as_bh(_mm512_loadu_si512(qg + size_t(r0 + i) * D + c));
+              a[4 * i] = _mm512_dpbf16_ps(a[4 * i], qv, k0v);
+              a[4 * i + 1] = _mm512_dpbf16_ps(a[4 * i + 1], qv, k1v);
+              a[4 * i + 2] = _mm512_dpbf16_ps(a[4 * i + 2], qv, k2v);
+              a[4 * i + 3] = _mm512_dpbf16_ps(a[4 * i + 3], qv, k3v);
+            }
+          }
+          alignas(64) float s16[16];
+          _mm512_store_ps(s16, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(qscale)));
+          for (int i = 0; i < 4 && r0 + i < R1; ++i) {
+            std::memcpy(Sg + size_t(r0 + i) * BK + t0, s16 + 4 * i, 4 * sizeof(float));
           }
         }
-        alignas(64) float s16[16];
-        _mm512_store_ps(s16, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(qscale)));
-        for (int i = 0; i < 4 && r0 + i < R; ++i) {
-          std::memcpy(S + size_t(r0 + i) * BK + t0, s16 + 4 * i, 4 * sizeof(float));
+      }
+      for (int r = gi * R1; r < (gi + 1) * R1; ++r) {
+        float* sr = S + size_t(r) * BK;
+        for (int t = n; t < BK; ++t) sr[t] = kNegInf;
+        if (P.causal) {
+          for (int t = std::max(0, lim[r] + 1 - k0); t < n; ++t) sr[t] = kNegInf;
+        } else {
+          const uint8_t* mk = mrow[r] + k0;
+          for (int t = 0; t < n; ++t)
+            if (!mk[t]) sr[t] = kNegInf;
         }
+        const __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
+        const float bm = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+        const float mn = std::max(m[r], bm);
+        uint32_t* pr = pb + size_t(r) * (BK / 2);
+        if (mn == kNegInf) {  // every key so far masked for this row
+          std::memset(pr, 0, sizeof(uint32_t) * (BK / 2));
+          alpha[r] = 1.0f;
+          continue;
+        }
+        alpha[r] = std::exp2(m[r] - mn);
+        const __m512 p0 = vexp2(s0 - mn), p1 = vexp2(s1 - mn);
+        const __m512i pbh = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+        _mm512_storeu_si512(pr, pbh);
+        // The normaliser sums the rounded weights that the accumulation uses.
+        const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm512_castsi512_si256(pbh)), 16));
+        const __m512 w1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm512_extracti64x4_epi64(pbh, 1)), 16));
+        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(w0, w1));
+        m[r] = mn;
       }
-    }
-    for (int r = 0; r < R; ++r) {
-      float* sr = S + size_t(r) * BK;
-      for (int t = n; t < BK; ++t) sr[t] = kNegInf;
-      if (P.causal) {
-        for (int t = std::max(0, lim[r] + 1 - k0); t < n; ++t) sr[t] = kNegInf;
-      } else {
-        const uint8_t* mk = mrow[r] + k0;
-        for (int t = 0; t < n; ++t)
-          if (!mk[t]) sr[t] = kNegInf;
+      const int npairs = (n + 1) / 2;
+      for (int r0 = gi * R1; r0 < (gi + 1) * R1; r0 += 8) {
+        const int nr = std::min(8, (gi + 1) * R1 - r0);
+        pv_dispatch(nr, acc + size_t(r0) * Dv, Dv, pb + size_t(r0) * (BK / 2), alpha + r0, vp,
+                    npairs);
       }
-      const __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
-      const float bm = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-      const float mn = std::max(m[r], bm);
-      uint32_t* pr = pb + size_t(r) * (BK / 2);
-      if (mn == kNegInf) {  // every key so far masked for this row
-        std::memset(pr, 0, sizeof(uint32_t) * (BK / 2));
-        alpha[r] = 1.0f;
-        continue;
-      }
-      alpha[r] = std::exp2(m[r] - mn);
-      const __m512 p0 = vexp2(s0 - mn), p1 = vexp2(s1 - mn);
-      const __m512i pbh = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-      _mm512_storeu_si512(pr, pbh);
-      // The normaliser sums the rounded weights that the accumulation uses.
-      const __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-          _mm512_castsi512_si256(pbh)), 16));
-      const __m512 r1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-          _mm512_extracti64x4_epi64(pbh, 1)), 16));
-      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(r0, r1));
-      m[r] = mn;
-    }
-    const int npairs = (n + 1) / 2;
-    for (int r0 = 0; r0 < R; r0 += 8) {
-      const int nr = std::min(8, R - r0);
-      pv_dispatch(nr, acc + size_t(r0) * Dv, Dv, pb + size_t(r0) * (BK / 2), alpha + r0, vp,
-                  npairs);
     }
   }
   // Undo the lane order of the pair accumulation: in each 32-column chunk, lane j of the
   // first 16 holds column (j / 4) * 8 + j % 4 and lane j of the second 16 that plus 4.
   float* row = B.k.data();  // >= Dv floats (see the ensure above)
+  const __m512i un0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i un1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int r = 0; r < R; ++r) {
     const float* ar = acc + size_t(r) * Dv;
     for (int c = 0; c < Dv; c += 32) {
-      for (int j = 0; j < 16; ++j) {
-        const int d = c + (j / 4) * 8 + j % 4;
-        row[d] = ar[c + j];
-        row[d + 4] = ar[c + 16 + j];
-      }
+      const __m512 lo = _mm512_loadu_ps(ar + c), hi = _mm512_loadu_ps(ar + c + 16);
+      _mm512_storeu_ps(row + c, _mm512_permutex2var_ps(lo, un0, hi));
+      _mm512_storeu_ps(row + c + 16, _mm512_permutex2var_ps(lo, un1, hi));
     }
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    const int jj = r / nh, hh = r % nh;
-    if (it.slot < 0) {
-      const int64_t token = qs + it.q0 + jj;
-      const int head = it.kv_head * G + it.h0 + hh;
-      store_row(static_cast<uint16_t*>(P.out) + (token * Hq + head) * Dv, row, inv, Dv);
-    } else {
-      const int64_t srow = int64_t(it.slot) + r;
-      store_row(P.scratch + srow * Dv, row, inv, Dv);
-      float* lse = P.scratch + P.scratch_rows * Dv;
-      lse[srow] = l[r] > 0.0f ? m[r] + std::log2(l[r]) : kNegInf;
-    }
+    finish_row(P, it, r, R1, nh, G, row, inv, m[r], l[r], bad[r],
+               static_cast<uint16_t*>(P.out));
   }
   return 0;
 }

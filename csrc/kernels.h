@@ -4,6 +4,41 @@
 #define NATIVE_ATTN_KERNELS_H
 #include "native_attn.h"
 
+// One work item: a tile of rows (query tokens x heads of one kv head) against a key range.
+// slot < 0: write the output directly; slot >= 0: write a partial result (normalised
+// output + log2-sum-exp) at scratch row `slot`, merged afterwards.
+// Rows are ordered (kv head, query, head): r = (g - kv_head) * nq * nh + jj * nh + hh. A
+// decode tile spans every kv head of its request, so each page is read whole, in order.
+typedef struct {
+  int32_t req, kv_head, q0, q1, h0, h1, k0, k1, slot, kv_head_end;
+} NaItem;
+
+// Merge of the `nsplit` partial results of one tile; split s lives at rows slot0 + s * rows.
+typedef struct {
+  int32_t req, kv_head, q0, q1, h0, h1, nsplit, slot0, kv_head_end, pad;
+} NaMerge;
+
+// One layer's call as the kernels see it: the plan's (validated, private) metadata plus
+// this call's tensors and the calling thread's own scratch.
+typedef struct {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  int32_t q_dtype, kv_dtype, kind;
+  int32_t num_q_heads, num_kv_heads, head_dim, v_head_dim, page_size;
+  float sm_scale;
+  int32_t causal;  // 1: bottom-right causal; 0: custom mask
+  const int32_t* qo_indptr;
+  const int32_t* kv_indptr;
+  const int32_t* kv_indices;
+  const int32_t* kv_lens;
+  const uint8_t* mask;
+  const int64_t* mask_indptr;
+  float* scratch;  // rows * Dv partial outputs, then rows log2-sum-exp values
+  int64_t scratch_rows;
+} NaProblem;
+
 namespace na {
 
 // Keys per block: the softmax statistics are updated once per block.

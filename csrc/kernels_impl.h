@@ -9,7 +9,11 @@
 #include <cstring>
 #include <limits>
 #include <new>
+#include <type_traits>
 #include <vector>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 #include "kernels.h"
 
@@ -48,6 +52,19 @@ static inline vf ld_bf16(const uint16_t* p) {
   vf f;
   std::memcpy(&f, &w, sizeof f);
   return f;
+}
+// fp16 -> fp32: F16C's vcvtph2ps where the unit has it, else the compiler's conversion.
+typedef _Float16 f16;
+static inline vf ld_f16(const f16* p) {
+#if defined(__AVX512F__) && NA_W == 16
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__) && NA_W == 8
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vf f;
+  for (int i = 0; i < W; ++i) f[i] = float(p[i]);
+  return f;
+#endif
 }
 static inline float hsum(vf v) {
 #if NA_W == 16
@@ -122,11 +139,55 @@ static inline void load_row(float* dst, const uint16_t* src, int n, int np) {
   for (; i < n; ++i) dst[i] = bf2f(src[i]);
   for (; i < np; ++i) dst[i] = 0.0f;
 }
+static inline void load_row(float* dst, const f16* src, int n, int np) {
+  int i = 0;
+  for (; i + W <= n; i += W) st(dst + i, ld_f16(src + i));
+  for (; i < n; ++i) dst[i] = float(src[i]);
+  for (; i < np; ++i) dst[i] = 0.0f;
+}
+static inline void store_row(f16* dst, const float* src, float s, int n) {
+  for (int i = 0; i < n; ++i) dst[i] = f16(src[i] * s);
+}
+// A row whose query holds NaN or inf: its output is NaN (as the reference's softmax gives).
+template <typename T>
+static inline bool row_not_finite(const T* src, int n) {
+  unsigned any = 0;
+  for (int i = 0; i < n; ++i) {
+    const float x = float(src[i]);
+    any |= unsigned(!(x - x == 0.0f));
+  }
+  return any != 0;
+}
+static inline bool row_not_finite(const uint16_t* src, int n) {  // bf16 bit patterns
+  unsigned any = 0;  // no early exit: the loop vectorises
+  for (int i = 0; i < n; ++i) any |= unsigned((src[i] & 0x7f80u) == 0x7f80u);
+  return any != 0;
+}
+static inline void fill_nan(float* dst, int n) {
+  std::fill(dst, dst + n, std::numeric_limits<float>::quiet_NaN());
+}
+static inline void fill_nan(uint16_t* dst, int n) { std::fill(dst, dst + n, uint16_t(0x7fc0)); }
+static inline void fill_nan(f16* dst, int n) {
+  std::fill(dst, dst + n, f16(std::numeric_limits<float>::quiet_NaN()));
+}
 static inline void store_row(float* dst, const float* src, float s, int n) {
   for (int i = 0; i < n; ++i) dst[i] = src[i] * s;
 }
+// Round to nearest even, NaN stays NaN: f2bf on W lanes at once (the scalar form is a branch
+// per element, which cost ~0.4 us per 128-wide output row).
 static inline void store_row(uint16_t* dst, const float* src, float s, int n) {
-  for (int i = 0; i < n; ++i) dst[i] = f2bf(src[i] * s);
+  int i = 0;
+  for (; i + W <= n; i += W) {
+    const vf x = ld(src + i) * s;
+    vu u;
+    std::memcpy(&u, &x, sizeof u);
+    const vu rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    const vu r = (nan & ((u >> 16) | 0x40u)) | (~nan & rounded);
+    const vh h = __builtin_convertvector(r, vh);
+    std::memcpy(dst + i, &h, sizeof h);
+  }
+  for (; i < n; ++i) dst[i] = f2bf(src[i] * s);
 }
 
 // Per-thread buffers, grown on demand and kept for the life of the thread.
@@ -147,9 +208,322 @@ struct Buffers {
 };
 static thread_local Buffers tls_buffers;
 
+// Writes row r of a finished tile: the output (direct) or a partial result and its
+// log2-sum-exp (split-KV). A NaN row stays NaN through the merge.
+template <typename OT>
+static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int R1, int nh, int G,
+                              const float* row, float inv, float m, float l, bool bad, OT* out) {
+  const int Hq = P.num_q_heads, Dv = P.v_head_dim;
+  if (it.slot < 0) {
+    const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
+    const int64_t token = P.qo_indptr[it.req] + it.q0 + jj;
+    const int head = (it.kv_head + gi) * G + it.h0 + hh;
+    OT* o = out + (token * Hq + head) * Dv;
+    if (bad) {
+      fill_nan(o, Dv);
+    } else {
+      store_row(o, row, inv, Dv);
+    }
+  } else {
+    const int64_t srow = int64_t(it.slot) + r;
+    float* lse = P.scratch + P.scratch_rows * Dv;
+    if (bad) {
+      fill_nan(P.scratch + srow * Dv, Dv);
+      lse[srow] = std::numeric_limits<float>::quiet_NaN();
+    } else {
+      store_row(P.scratch + srow * Dv, row, inv, Dv);
+      lse[srow] = l > 0.0f ? m + std::log2(l) : kNegInf;
+    }
+  }
+}
+
 #ifdef NA_HAVE_BF16_PATH
 #include "bf16_path.h"
 #endif
+
+static inline vf ldk(const float* p) { return ld(p); }
+static inline vf ldk(const uint16_t* p) { return ld_bf16(p); }
+static inline vf ldk(const f16* p) { return ld_f16(p); }
+
+// Scores of NR query rows (fp32, pre-scaled, row stride Dp) against two keys, the cache rows
+// widened to fp32 inside the loads: each key chunk is loaded once for all NR rows.
+template <int NR, typename KT>
+static inline void qk_pair(const float* q, int Dp, int D, const KT* k0, const KT* k1, float* s) {
+  vf a[NR][2];
+  for (int i = 0; i < NR; ++i) a[i][0] = a[i][1] = splat(0.0f);
+  for (int c = 0; c < D; c += W) {
+    const vf x0 = ldk(k0 + c), x1 = ldk(k1 + c);
+    for (int i = 0; i < NR; ++i) {
+      const vf qv = ld(q + size_t(i) * Dp + c);
+      a[i][0] += qv * x0;
+      a[i][1] += qv * x1;
+    }
+  }
+#if NA_W == 8 && defined(__AVX2__)
+  if constexpr (NR == 4) {
+    // 8 horizontal sums at once (3 levels of hadd and one lane swap instead of 8 x 5 ops):
+    // lanes of the result: (r0k0, r0k1, r1k0, r1k1, r2k0, r2k1, r3k0, r3k1).
+    const __m256 h0 = _mm256_hadd_ps((__m256)a[0][0], (__m256)a[0][1]);
+    const __m256 h1 = _mm256_hadd_ps((__m256)a[1][0], (__m256)a[1][1]);
+    const __m256 h2 = _mm256_hadd_ps((__m256)a[2][0], (__m256)a[2][1]);
+    const __m256 h3 = _mm256_hadd_ps((__m256)a[3][0], (__m256)a[3][1]);
+    const __m256 g0 = _mm256_hadd_ps(h0, h1);  // per 128-bit lane: r0k0 r0k1 r1k0 r1k1
+    const __m256 g1 = _mm256_hadd_ps(h2, h3);
+    const __m256 lo = _mm256_permute2f128_ps(g0, g1, 0x20);
+    const __m256 hi = _mm256_permute2f128_ps(g0, g1, 0x31);
+    alignas(32) float r[8];
+    _mm256_store_ps(r, _mm256_add_ps(lo, hi));
+    for (int i = 0; i < 4; ++i) {
+      s[size_t(i) * BK] = r[2 * i];
+      s[size_t(i) * BK + 1] = r[2 * i + 1];
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < NR; ++i) {
+    s[size_t(i) * BK] = hsum(a[i][0]);
+    s[size_t(i) * BK + 1] = hsum(a[i][1]);
+  }
+}
+
+// acc (NR rows, stride Dvp) = acc * alpha + p . V over n keys; each V chunk is loaded (and
+// widened) once for all NR rows.
+template <int NR, typename KT>
+static inline void pv_tile(float* acc, int Dvp, int Dv, const float* p, const float* alpha,
+                           const KT* const* vp, int n) {
+  int c = 0;
+  for (; c + 2 * W <= Dv; c += 2 * W) {
+    vf a[NR][2];
+    for (int i = 0; i < NR; ++i) {
+      a[i][0] = ld(acc + size_t(i) * Dvp + c) * alpha[i];
+      a[i][1] = ld(acc + size_t(i) * Dvp + c + W) * alpha[i];
+    }
+    for (int t = 0; t < n; ++t) {
+      const vf x0 = ldk(vp[t] + c), x1 = ldk(vp[t] + c + W);
+      for (int i = 0; i < NR; ++i) {
+        const float pi = p[size_t(i) * BK + t];
+        a[i][0] += pi * x0;
+        a[i][1] += pi * x1;
+      }
+    }
+    for (int i = 0; i < NR; ++i) {
+      st(acc + size_t(i) * Dvp + c, a[i][0]);
+      st(acc + size_t(i) * Dvp + c + W, a[i][1]);
+    }
+  }
+  for (; c < Dv; c += W) {
+    vf a[NR];
+    for (int i = 0; i < NR; ++i) a[i] = ld(acc + size_t(i) * Dvp + c) * alpha[i];
+    for (int t = 0; t < n; ++t) {
+      const vf x = ldk(vp[t] + c);
+      for (int i = 0; i < NR; ++i) a[i] += p[size_t(i) * BK + t] * x;
+    }
+    for (int i = 0; i < NR; ++i) st(acc + size_t(i) * Dvp + c, a[i]);
+  }
+}
+
+template <typename KT>
+static inline void qk_rows(int nr, const float* q, int Dp, int D, const KT* k0, const KT* k1,
+                           float* s) {
+  switch (nr) {
+    case 4: qk_pair<4>(q, Dp, D, k0, k1, s); break;
+    case 3: qk_pair<3>(q, Dp, D, k0, k1, s); break;
+    case 2: qk_pair<2>(q, Dp, D, k0, k1, s); break;
+    default: qk_pair<1>(q, Dp, D, k0, k1, s); break;
+  }
+}
+
+template <typename KT>
+static inline void pv_rows(int nr, float* acc, int Dvp, int Dv, const float* p,
+                           const float* alpha, const KT* const* vp, int n) {
+  switch (nr) {
+    case 4: pv_tile<4>(acc, Dvp, Dv, p, alpha, vp, n); break;
+    case 3: pv_tile<3>(acc, Dvp, Dv, p, alpha, vp, n); break;
+    case 2: pv_tile<2>(acc, Dvp, Dv, p, alpha, vp, n); break;
+    default: pv_tile<1>(acc, Dvp, Dv, p, alpha, vp, n); break;
+  }
+}
+
+// The fast fp32-accumulating path (AVX2, AVX-512 without BF16, fp16/fp32 caches): head dims
+// multiples of the vector width. No conversion pass: K and V are read straight from the
+// paged cache and widened in registers, 4 rows x 2 keys per score tile, 4 rows per p.V
+// chunk, and whole rows prefetched two blocks ahead in address order.
+template <typename QT, typename KT>
+static int fused_item(const NaProblem& P, const NaItem& it) {
+  const int Hq = P.num_q_heads, Hkv = P.num_kv_heads, D = P.head_dim, Dv = P.v_head_dim;
+  const int ps = P.page_size;
+  const bool mla = P.kind == NA_MLA;
+  const int G = Hq / Hkv;
+  const int Dp = D, Dvp = Dv;
+  const int nh = it.h1 - it.h0, nq = it.q1 - it.q0, R1 = nh * nq;
+  const int nkv = it.kv_head_end - it.kv_head, R = nkv * R1;
+  const int req = it.req;
+  const int qs = P.qo_indptr[req];
+  const int q_len = P.qo_indptr[req + 1] - qs;
+  const int kv_len = P.kv_lens[req];
+  const int32_t* pages = P.kv_indices + P.kv_indptr[req];
+  Buffers& B = tls_buffers;
+  try {
+    B.ensure(R, Dp, Dvp);
+  } catch (const std::bad_alloc&) {
+    return -2;
+  }
+  float* qb = B.q.data();
+  float* S = B.s.data();
+  float* acc = B.acc.data();
+  float* m = B.m.data();
+  float* l = B.l.data();
+  float alpha[na::kMaxRows];
+  int lim[na::kMaxRows];
+  bool bad[na::kMaxRows];
+  const uint8_t* mrow[na::kMaxRows];
+  const float qscale = P.sm_scale * kLog2e;
+  const QT* qbase = static_cast<const QT*>(P.q);
+  for (int r = 0; r < R; ++r) {
+    const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
+    const int64_t token = qs + it.q0 + jj;
+    const int head = (it.kv_head + gi) * G + it.h0 + hh;
+    float* qr = qb + size_t(r) * Dp;
+    load_row(qr, qbase + (token * Hq + head) * D, D, Dp);
+    bad[r] = row_not_finite(qbase + (token * Hq + head) * D, D);
+    for (int c = 0; c < Dp; ++c) qr[c] *= qscale;
+    lim[r] = kv_len - q_len + it.q0 + jj;
+    mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+    std::memset(acc + size_t(r) * Dvp, 0, sizeof(float) * size_t(Dvp));
+  }
+  const KT* kbase = static_cast<const KT*>(P.k);
+  const KT* vbase = static_cast<const KT*>(mla ? P.k : P.v);
+  const int64_t kstride = mla ? D : int64_t(Hkv) * D;
+  const int64_t vstride = mla ? D : int64_t(Hkv) * Dv;
+  const int klines = int((kstride * int64_t(sizeof(KT)) + 63) / 64);
+  const int vlines = mla ? 0 : int((vstride * int64_t(sizeof(KT)) + 63) / 64);
+  const KT* kp0[BK];
+  const KT* vp0[BK];
+  const KT* kp[BK + 1];
+  const KT* vp[BK];
+  const KT* kpa[BK];
+  const KT* vpa[BK];
+  const float* kf[BK + 1];
+  const float* vf_[BK];
+  float* kb = B.k.data();
+  float* vb = B.v.data();
+  // The first two blocks, which the in-loop prefetch (two blocks ahead) never covers.
+  for (int pos = it.k0; pos < std::min(it.k1, it.k0 + 2 * BK); ++pos) {
+    const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+    const char* kr = reinterpret_cast<const char*>(kbase + slot * kstride);
+    for (int i = 0; i < klines; ++i) __builtin_prefetch(kr + 64 * i, 0, 1);
+    const char* vr = reinterpret_cast<const char*>(vbase + slot * vstride);
+    for (int i = 0; i < vlines; ++i) __builtin_prefetch(vr + 64 * i, 0, 1);
+  }
+  for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
+    const int n = std::min(BK, it.k1 - k0);
+    for (int t = 0; t < n; ++t) {
+      const int pos = k0 + t;
+      const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+      kp0[t] = kbase + slot * kstride;
+      vp0[t] = vbase + slot * vstride;
+    }
+    const int ka = k0 + 2 * BK;
+    const int na_ = std::max(0, std::min(BK, it.k1 - ka));
+    for (int t = 0; t < na_; ++t) {
+      const int pos = ka + t;
+      const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+      kpa[t] = kbase + slot * kstride;
+      vpa[t] = vbase + slot * vstride;
+    }
+    for (int gi = 0; gi < nkv; ++gi) {
+      const int64_t koff = mla ? 0 : int64_t(it.kv_head + gi) * D;
+      const int64_t voff = mla ? 0 : int64_t(it.kv_head + gi) * Dv;
+      for (int t = 0; t < n; ++t) {
+        kp[t] = kp0[t] + koff;
+        vp[t] = vp0[t] + voff;
+      }
+      kp[n] = kp[0];  // an odd block's last pair reads a real row; that score is dropped
+      // Rows two blocks ahead, whole (every head), in address order, a slice per head: one
+      // head's rows are 2 KB apart and pages lie at random places, which the hardware
+      // prefetchers do not follow.
+      for (int t = gi * na_ / nkv; t < (gi + 1) * na_ / nkv; ++t) {
+        const char* kr = reinterpret_cast<const char*>(kpa[t]);
+        for (int i = 0; i < klines; ++i) __builtin_prefetch(kr + 64 * i, 0, 1);
+        const char* vr = reinterpret_cast<const char*>(vpa[t]);
+        for (int i = 0; i < vlines; ++i) __builtin_prefetch(vr + 64 * i, 0, 1);
+      }
+      const int rb = gi * R1;
+      // Many rows per head (prefill, MLA): widen the block's rows once into fp32 buffers
+      // that every 4-row group reuses; few rows (GQA decode): widen inside the loads.
+      const bool widen = !std::is_same<KT, float>::value && R1 > 4;
+      if (widen) {
+        for (int t = 0; t < n; ++t) {
+          load_row(kb + size_t(t) * Dp, kp[t], D, Dp);
+          kf[t] = kb + size_t(t) * Dp;
+          if (!mla) {
+            load_row(vb + size_t(t) * Dvp, vp[t], Dv, Dvp);
+            vf_[t] = vb + size_t(t) * Dvp;
+          } else {
+            vf_[t] = kf[t];
+          }
+        }
+        kf[n] = kf[0];
+      }
+      for (int r0 = 0; r0 < R1; r0 += 4) {
+        const int nr = std::min(4, R1 - r0);
+        const float* qg = qb + size_t(rb + r0) * Dp;
+        float* sg = S + size_t(rb + r0) * BK;
+        if (widen) {
+          for (int t = 0; t < n; t += 2) qk_rows(nr, qg, Dp, D, kf[t], kf[t + 1], sg + t);
+        } else {
+          for (int t = 0; t < n; t += 2) qk_rows(nr, qg, Dp, D, kp[t], kp[t + 1], sg + t);
+        }
+      }
+      for (int r = rb; r < rb + R1; ++r) {
+        float* sr = S + size_t(r) * BK;
+        for (int t = n; t < BK; ++t) sr[t] = kNegInf;
+        if (P.causal) {
+          for (int t = std::max(0, lim[r] + 1 - k0); t < n; ++t) sr[t] = kNegInf;
+        } else {
+          const uint8_t* mk = mrow[r] + k0;
+          for (int t = 0; t < n; ++t)
+            if (!mk[t]) sr[t] = kNegInf;
+        }
+        vf mv = ld(sr);
+        for (int t = W; t < BK; t += W) mv = vmax(mv, ld(sr + t));
+        const float mn = std::max(m[r], hmax(mv));
+        if (mn == kNegInf) {  // every key so far masked for this row
+          std::memset(sr, 0, sizeof(float) * BK);
+          alpha[r] = 1.0f;
+          continue;
+        }
+        alpha[r] = std::exp2(m[r] - mn);
+        vf psum = splat(0.0f);
+        for (int t = 0; t < BK; t += W) {
+          const vf p = vexp2(ld(sr + t) - mn);
+          psum += p;
+          st(sr + t, p);
+        }
+        l[r] = l[r] * alpha[r] + hsum(psum);
+        m[r] = mn;
+      }
+      for (int r0 = 0; r0 < R1; r0 += 4) {
+        const int nr = std::min(4, R1 - r0);
+        if (widen) {
+          pv_rows(nr, acc + size_t(rb + r0) * Dvp, Dvp, Dv, S + size_t(rb + r0) * BK,
+                  alpha + rb + r0, vf_, n);
+        } else {
+          pv_rows(nr, acc + size_t(rb + r0) * Dvp, Dvp, Dv, S + size_t(rb + r0) * BK,
+                  alpha + rb + r0, vp, n);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    finish_row(P, it, r, R1, nh, G, acc + size_t(r) * Dvp, inv, m[r], l[r], bad[r],
+               static_cast<QT*>(P.out));
+  }
+  return 0;
+}
 
 template <typename QT, typename KT>
 static int item_impl(const NaProblem& P, const NaItem& it) {
@@ -158,7 +532,8 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
   const bool mla = P.kind == NA_MLA;
   const int G = Hq / Hkv;
   const int Dp = round_up(D, W), Dvp = round_up(Dv, W);
-  const int nh = it.h1 - it.h0, nq = it.q1 - it.q0, R = nh * nq;
+  const int nh = it.h1 - it.h0, nq = it.q1 - it.q0, R1 = nh * nq;
+  const int nkv = it.kv_head_end - it.kv_head, R = nkv * R1;
   const int req = it.req;
   const int qs = P.qo_indptr[req];
   const int q_len = P.qo_indptr[req + 1] - qs;
@@ -178,16 +553,18 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
   float* m = B.m.data();
   float* l = B.l.data();
   int lim[na::kMaxRows];
+  bool bad[na::kMaxRows];
   const uint8_t* mrow[na::kMaxRows];
   const float qscale = P.sm_scale * kLog2e;  // scores in log2 units: exp2 in the softmax
   const QT* qbase = static_cast<const QT*>(P.q);
-  for (int jj = 0; jj < nq; ++jj) {
-    for (int hh = 0; hh < nh; ++hh) {
-      const int r = jj * nh + hh;
+  for (int r = 0; r < R; ++r) {
+    {
+      const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
       const int64_t token = qs + it.q0 + jj;
-      const int head = it.kv_head * G + it.h0 + hh;
+      const int head = (it.kv_head + gi) * G + it.h0 + hh;
       float* qr = qb + size_t(r) * Dp;
       load_row(qr, qbase + (token * Hq + head) * D, D, Dp);
+      bad[r] = row_not_finite(qbase + (token * Hq + head) * D, D);
       for (int c = 0; c < Dp; ++c) qr[c] *= qscale;
       lim[r] = kv_len - q_len + it.q0 + jj;
       mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
@@ -200,6 +577,9 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
   const KT* vbase = static_cast<const KT*>(P.v);
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
     const int n = std::min(BK, it.k1 - k0);
+    // kv heads innermost: the block's tokens are read whole (all heads), in address order.
+    for (int gi = 0; gi < nkv; ++gi) {
+    const int g = it.kv_head + gi;
     // Gather and convert the block's rows once; every row of the tile reuses them.
     for (int t = 0; t < n; ++t) {
       const int pos = k0 + t;
@@ -207,14 +587,14 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
       if (mla) {
         load_row(kb + size_t(t) * Dp, kbase + slot * D, D, Dp);
       } else {
-        load_row(kb + size_t(t) * Dp, kbase + (slot * Hkv + it.kv_head) * D, D, Dp);
-        load_row(vb + size_t(t) * Dvp, vbase + (slot * Hkv + it.kv_head) * Dv, Dv, Dvp);
+        load_row(kb + size_t(t) * Dp, kbase + (slot * Hkv + g) * D, D, Dp);
+        load_row(vb + size_t(t) * Dvp, vbase + (slot * Hkv + g) * Dv, Dv, Dvp);
       }
     }
     // MLA: V is the first Dv columns of the same converted latent rows (read once).
     const float* V = mla ? kb : vb;
     const int vstride = mla ? Dp : Dvp;
-    for (int r = 0; r < R; ++r) {
+    for (int r = gi * R1; r < (gi + 1) * R1; ++r) {
       const float* qr = qb + size_t(r) * Dp;
       float* sr = S + size_t(r) * BK;
       int t = 0;
@@ -249,7 +629,7 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
       }
     }
     // Online softmax: one max/rescale per row per block, then acc += p . V.
-    for (int r = 0; r < R; ++r) {
+    for (int r = gi * R1; r < (gi + 1) * R1; ++r) {
       float* sr = S + size_t(r) * BK;
       vf mv = ld(sr);
       for (int t = W; t < BK; t += W) mv = vmax(mv, ld(sr + t));
@@ -282,25 +662,13 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
         st(ar + c, a);
       }
     }
+    }  // kv heads
   }
   // Finish: normalise; rows that saw no key at all give zeros, never NaN.
-  for (int jj = 0; jj < nq; ++jj) {
-    for (int hh = 0; hh < nh; ++hh) {
-      const int r = jj * nh + hh;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-      const float* ar = acc + size_t(r) * Dvp;
-      if (it.slot < 0) {
-        const int64_t token = qs + it.q0 + jj;
-        const int head = it.kv_head * G + it.h0 + hh;
-        QT* o = static_cast<QT*>(P.out) + (token * Hq + head) * Dv;
-        store_row(o, ar, inv, Dv);
-      } else {
-        const int64_t row = int64_t(it.slot) + r;
-        store_row(P.scratch + row * Dv, ar, inv, Dv);
-        float* lse = P.scratch + P.scratch_rows * Dv;
-        lse[row] = l[r] > 0.0f ? m[r] + std::log2(l[r]) : kNegInf;
-      }
-    }
+  for (int r = 0; r < R; ++r) {
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    const float* ar = acc + size_t(r) * Dvp;
+    finish_row(P, it, r, R1, nh, G, ar, inv, m[r], l[r], bad[r], static_cast<QT*>(P.out));
   }
   return 0;
 }
@@ -309,7 +677,8 @@ template <typename QT>
 static int merge_impl(const NaProblem& P, const NaMerge& mg) {
   const int Hq = P.num_q_heads, Hkv = P.num_kv_heads, Dv = P.v_head_dim;
   const int G = Hq / Hkv;
-  const int nh = mg.h1 - mg.h0, nq = mg.q1 - mg.q0, R = nh * nq;
+  const int nh = mg.h1 - mg.h0, nq = mg.q1 - mg.q0, R1 = nh * nq;
+  const int R = (mg.kv_head_end - mg.kv_head) * R1;
   const float* lse = P.scratch + P.scratch_rows * Dv;
   const int qs = P.qo_indptr[mg.req];
   Buffers& B = tls_buffers;
@@ -319,11 +688,22 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
     return -2;
   }
   float* tmp = B.acc.data();
-  for (int jj = 0; jj < nq; ++jj) {
-    for (int hh = 0; hh < nh; ++hh) {
-      const int r = jj * nh + hh;
+  for (int r = 0; r < R; ++r) {
+    {
+      const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
       float mx = kNegInf;
-      for (int s = 0; s < mg.nsplit; ++s) mx = std::max(mx, lse[int64_t(mg.slot0) + s * R + r]);
+      bool bad = false;
+      for (int s = 0; s < mg.nsplit; ++s) {
+        const float x = lse[int64_t(mg.slot0) + s * R + r];
+        bad |= x != x;
+        mx = std::max(mx, x);
+      }
+      const int64_t token = qs + mg.q0 + jj;
+      const int head = (mg.kv_head + gi) * G + mg.h0 + hh;
+      if (bad) {
+        fill_nan(static_cast<QT*>(P.out) + (token * Hq + head) * Dv, Dv);
+        continue;
+      }
       std::fill(tmp, tmp + Dv, 0.0f);
       float wsum = 0.0f;
       if (mx != kNegInf) {
@@ -337,27 +717,47 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
         }
       }
       const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
-      const int64_t token = qs + mg.q0 + jj;
-      const int head = mg.kv_head * G + mg.h0 + hh;
       store_row(static_cast<QT*>(P.out) + (token * Hq + head) * Dv, tmp, inv, Dv);
     }
   }
   return 0;
 }
 
-static int item(const NaProblem* p, const NaItem* it) {
-  const bool qbf = p->q_dtype == NA_BF16, kbf = p->kv_dtype == NA_BF16;
-#ifdef NA_HAVE_BF16_PATH
-  if (qbf && kbf && bf16_path_applies(*p, *it)) return bf16_item(*p, *it);
-#endif
-  if (qbf) {
-    return kbf ? item_impl<uint16_t, uint16_t>(*p, *it) : item_impl<uint16_t, float>(*p, *it);
+template <typename QT>
+static int item_q(const NaProblem* p, const NaItem* it) {
+  if (p->head_dim % W == 0 && p->v_head_dim % W == 0) {
+    switch (p->kv_dtype) {
+      case NA_BF16: return fused_item<QT, uint16_t>(*p, *it);
+      case NA_F16: return fused_item<QT, f16>(*p, *it);
+      default: return fused_item<QT, float>(*p, *it);
+    }
   }
-  return kbf ? item_impl<float, uint16_t>(*p, *it) : item_impl<float, float>(*p, *it);
+  switch (p->kv_dtype) {
+    case NA_BF16: return item_impl<QT, uint16_t>(*p, *it);
+    case NA_F16: return item_impl<QT, f16>(*p, *it);
+    default: return item_impl<QT, float>(*p, *it);
+  }
+}
+
+static int item(const NaProblem* p, const NaItem* it) {
+#ifdef NA_HAVE_BF16_PATH
+  if (p->q_dtype == NA_BF16 && p->kv_dtype == NA_BF16 && bf16_path_applies(*p, *it)) {
+    return bf16_item(*p, *it);
+  }
+#endif
+  switch (p->q_dtype) {
+    case NA_BF16: return item_q<uint16_t>(p, it);
+    case NA_F16: return item_q<f16>(p, it);
+    default: return item_q<float>(p, it);
+  }
 }
 
 static int merge(const NaProblem* p, const NaMerge* m) {
-  return p->q_dtype == NA_BF16 ? merge_impl<uint16_t>(*p, *m) : merge_impl<float>(*p, *m);
+  switch (p->q_dtype) {
+    case NA_BF16: return merge_impl<uint16_t>(*p, *m);
+    case NA_F16: return merge_impl<f16>(*p, *m);
+    default: return merge_impl<float>(*p, *m);
+  }
 }
 
 }  // namespace NA_NS

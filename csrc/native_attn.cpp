@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "kernels.h"
 
@@ -146,7 +147,7 @@ int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
 extern "C" {
 
-int32_t na_abi_version(void) { return 1; }
+int32_t na_abi_version(void) { return 2; }
 
 const char* na_isa(void) { return kernels()->name; }
 
@@ -170,40 +171,137 @@ const char* na_isa_list(void) {
   return list.c_str();
 }
 
-int na_plan(int32_t num_requests, const int32_t* qo_indptr, const int32_t* kv_lens,
-            int32_t kind, int32_t num_q_heads, int32_t num_kv_heads, int32_t causal,
-            int32_t split_target, NaItem* items, int64_t cap_items, NaMerge* merges,
-            int64_t cap_merges, int64_t* num_items, int64_t* num_merges,
-            int64_t* scratch_rows) {
-  if (num_requests < 0 || num_q_heads <= 0 || num_kv_heads <= 0 ||
-      num_q_heads % num_kv_heads != 0 || (kind == NA_MLA && num_kv_heads != 1)) {
-    return -1;
+}  // extern "C"
+
+struct NaPlan {
+  NaConfig cfg;
+  int32_t causal = 1;
+  int32_t num_requests = 0;
+  int64_t num_tokens = 0, max_page = -1, scratch_rows = 0;
+  std::vector<int32_t> qo, kvp, idx, lens;
+  std::vector<uint8_t> mask;
+  std::vector<int64_t> mask_indptr;
+  std::vector<NaItem> items;
+  std::vector<NaMerge> merges;
+};
+
+namespace {
+
+bool same_config(const NaConfig& a, const NaConfig& b) {
+  return a.kind == b.kind && a.q_dtype == b.q_dtype && a.kv_dtype == b.kv_dtype &&
+         a.num_q_heads == b.num_q_heads && a.num_kv_heads == b.num_kv_heads &&
+         a.head_dim == b.head_dim && a.v_head_dim == b.v_head_dim && a.page_size == b.page_size;
+}
+
+bool config_ok(const NaConfig& c) {
+  auto dtype_ok = [](int d) { return d == NA_F32 || d == NA_BF16 || d == NA_F16; };
+  if (c.kind != NA_MHA && c.kind != NA_MLA) return false;
+  if (!dtype_ok(c.q_dtype) || !dtype_ok(c.kv_dtype)) return false;
+  if (c.num_q_heads <= 0 || c.num_kv_heads <= 0 || c.num_q_heads % c.num_kv_heads) return false;
+  if (c.head_dim <= 0 || c.head_dim > na::kMaxHeadDim || c.v_head_dim <= 0 ||
+      c.v_head_dim > na::kMaxHeadDim || c.page_size <= 0) {
+    return false;
   }
+  return c.kind != NA_MLA || (c.num_kv_heads == 1 && c.v_head_dim <= c.head_dim);
+}
+
+int fail(NaError* err, int field, int request, int64_t a = 0, int64_t b = 0) {
+  if (err) *err = NaError{field, request, a, b};
+  return field;
+}
+
+// Every check the kernels rely on, in one pass over the host arrays; copies what it reads.
+int validate(NaPlan& P, const int32_t* qo, const int32_t* kvp, const int32_t* idx,
+             int64_t num_indices, const int32_t* lens, const uint8_t* mask, int64_t mask_len,
+             int32_t decode, NaError* err) {
+  const int B = P.num_requests;
+  const int ps = P.cfg.page_size;
+  if (qo[0] != 0) return fail(err, NA_E_QO_INDPTR, -1, qo[0]);
+  if (kvp[0] != 0) return fail(err, NA_E_KV_INDPTR, -1, kvp[0]);
+  int64_t mask_total = 0;
+  for (int i = 0; i < B; ++i) {
+    const int64_t q_len = int64_t(qo[i + 1]) - qo[i];
+    if (q_len < 0) return fail(err, NA_E_QO_INDPTR, i, qo[i], qo[i + 1]);
+    const int64_t n_pages = int64_t(kvp[i + 1]) - kvp[i];
+    if (n_pages < 0) return fail(err, NA_E_KV_INDPTR, i, kvp[i], kvp[i + 1]);
+    if (kvp[i + 1] > num_indices) return fail(err, NA_E_KV_INDPTR, i, kvp[i + 1], num_indices);
+    const int64_t kv_len = lens[i];
+    if (kv_len < q_len) return fail(err, NA_E_KV_LENS, i, kv_len, q_len);
+    if ((kv_len + ps - 1) / ps > n_pages) return fail(err, NA_E_KV_LENS, i, kv_len, n_pages);
+    if (decode && q_len != 1) return fail(err, NA_E_DECODE_QLEN, i, q_len);
+    mask_total += q_len * kv_len;
+  }
+  if (mask != nullptr && mask_total != mask_len) {
+    return fail(err, NA_E_MASK, -1, mask_len, mask_total);
+  }
+  const int64_t used = B > 0 ? kvp[B] : 0;
+  int32_t mx = -1;
+  for (int i = 0; i < B; ++i) {
+    for (int64_t j = kvp[i]; j < kvp[i + 1]; ++j) {
+      if (idx[j] < 0) return fail(err, NA_E_KV_INDICES, i, idx[j], j);
+      mx = std::max(mx, idx[j]);
+    }
+  }
+  P.max_page = mx;
+  P.num_tokens = B > 0 ? qo[B] : 0;
+  P.qo.assign(qo, qo + B + 1);
+  P.kvp.assign(kvp, kvp + B + 1);
+  P.lens.assign(lens, lens + B);
+  P.idx.assign(idx, idx + used);
+  if (mask != nullptr) {
+    P.causal = 0;
+    P.mask.assign(mask, mask + mask_len);
+    P.mask_indptr.resize(size_t(B) + 1);
+    P.mask_indptr[0] = 0;
+    for (int i = 0; i < B; ++i) {
+      P.mask_indptr[i + 1] = P.mask_indptr[i] + int64_t(qo[i + 1] - qo[i]) * lens[i];
+    }
+  }
+  return 0;
+}
+
+int make_items(NaPlan& P) {
+  const NaConfig& c = P.cfg;
+  const int B = P.num_requests;
   // A tile is (request, kv head, head block, query block); its rows share every K/V row read.
-  const int group = num_q_heads / num_kv_heads;
+  const int group = c.num_q_heads / c.num_kv_heads;
   const int n_hblocks = ceil_div(group, na::kMaxRows);
   const int hb = ceil_div(group, n_hblocks);
   const int qb = std::max(1, na::kMaxRows / hb);
+  // A request whose whole tile of one kv head is small (decode, short verify) takes several
+  // kv heads per tile: each block of tokens is then read whole, in address order (a token's
+  // heads are adjacent in the cache), instead of one head's 2 KB-strided rows per tile.
+  auto heads_per_tile = [&](int q_len) {
+    const int rows = group * q_len;
+    if (n_hblocks != 1 || rows > na::kMaxRows / 2) return 1;
+    return std::max(1, std::min(c.num_kv_heads, na::kMaxRows / rows));
+  };
   int64_t tiles = 0;
-  for (int i = 0; i < num_requests; ++i) {
-    const int q_len = qo_indptr[i + 1] - qo_indptr[i];
-    tiles += int64_t(num_kv_heads) * n_hblocks * ceil_div(q_len, qb);
+  for (int i = 0; i < B; ++i) {
+    const int q_len = P.qo[i + 1] - P.qo[i];
+    tiles += int64_t(ceil_div(c.num_kv_heads, heads_per_tile(q_len))) * n_hblocks *
+             ceil_div(q_len, qb);
   }
   // Split the keys only when the tiles alone cannot keep every thread busy. The target is
   // chosen by the caller from a fixed floor, so small thread counts plan the same splits.
-  const int want = tiles > 0 && tiles < split_target ? ceil_div(split_target, tiles) : 1;
-  int64_t ni = 0, nm = 0, rows_used = 0;
-  for (int i = 0; i < num_requests; ++i) {
-    const int q_len = qo_indptr[i + 1] - qo_indptr[i];
-    const int kv_len = kv_lens[i];
-    for (int g = 0; g < num_kv_heads; ++g) {
+  const int64_t target = std::max(1, c.split_target);
+  const int want = tiles > 0 && tiles < target ? ceil_div(target, tiles) : 1;
+  int64_t rows_used = 0;
+  P.items.reserve(size_t(tiles) * size_t(want));
+  for (int i = 0; i < B; ++i) {
+    const int q_len = P.qo[i + 1] - P.qo[i];
+    const int kv_len = P.lens[i];
+    const int hpt = heads_per_tile(q_len);
+    for (int g = 0; g < c.num_kv_heads; g += hpt) {
+      const int g1 = std::min(c.num_kv_heads, g + hpt);
       for (int h0 = 0; h0 < group; h0 += hb) {
         const int h1 = std::min(group, h0 + hb);
         for (int q0 = 0; q0 < q_len; q0 += qb) {
           const int q1 = std::min(q_len, q0 + qb);
-          const int rows = (h1 - h0) * (q1 - q0);
+          const int rows = (g1 - g) * (h1 - h0) * (q1 - q0);
           // Causal: the tile's last query sees keys [0, kv_len - q_len + q1).
-          const int kend = causal ? std::max(0, std::min(kv_len, kv_len - q_len + q1)) : kv_len;
+          const int kend =
+              P.causal ? std::max(0, std::min(kv_len, kv_len - q_len + q1)) : kv_len;
           int nsplit = std::max(1, std::min(want, ceil_div(kend, na::kMinSplitKeys)));
           int chunk = kend;
           if (nsplit > 1) {
@@ -211,49 +309,119 @@ int na_plan(int32_t num_requests, const int32_t* qo_indptr, const int32_t* kv_le
             nsplit = ceil_div(kend, chunk);
           }
           if (nsplit <= 1) {
-            if (ni < cap_items) items[ni] = NaItem{i, g, q0, q1, h0, h1, 0, kend, -1, 0};
-            ++ni;
+            P.items.push_back(NaItem{i, g, q0, q1, h0, h1, 0, kend, -1, g1});
             continue;
           }
-          const int64_t slot0 = rows_used;
           for (int s = 0; s < nsplit; ++s) {
             const int k0 = s * chunk, k1 = std::min(kend, k0 + chunk);
-            if (ni < cap_items) {
-              items[ni] = NaItem{i, g, q0, q1, h0, h1, k0, k1, int32_t(slot0 + int64_t(s) * rows), 0};
-            }
-            ++ni;
+            P.items.push_back(
+                NaItem{i, g, q0, q1, h0, h1, k0, k1, int32_t(rows_used + int64_t(s) * rows), g1});
           }
-          if (nm < cap_merges) merges[nm] = NaMerge{i, g, q0, q1, h0, h1, nsplit, int32_t(slot0)};
-          ++nm;
+          P.merges.push_back(NaMerge{i, g, q0, q1, h0, h1, nsplit, int32_t(rows_used), g1, 0});
           rows_used += int64_t(nsplit) * rows;
-          if (rows_used > INT32_MAX) return -1;
+          if (rows_used > INT32_MAX) return NA_E_TOO_LARGE;
         }
       }
     }
   }
-  *num_items = ni;
-  *num_merges = nm;
-  *scratch_rows = rows_used;
+  P.scratch_rows = rows_used;
   return 0;
 }
 
-int na_run(const NaProblem* p) {
-  if (p == nullptr || p->q == nullptr || p->k == nullptr || p->out == nullptr) return -1;
-  if (p->kind != NA_MHA && p->kind != NA_MLA) return -1;
-  if (p->kind == NA_MHA && p->v == nullptr) return -1;
-  if (p->num_q_heads <= 0 || p->num_kv_heads <= 0 || p->num_q_heads % p->num_kv_heads) return -1;
-  if (p->head_dim <= 0 || p->head_dim > na::kMaxHeadDim || p->v_head_dim <= 0 ||
-      p->v_head_dim > na::kMaxHeadDim || p->page_size <= 0) {
-    return -1;
+// The calling thread's scratch for split-KV partial results: each call has its own, so
+// threads sharing one plan never share it.
+thread_local std::vector<float> tls_scratch;
+
+}  // namespace
+
+extern "C" {
+
+NaPlan* na_plan_create(const NaConfig* cfg, int32_t num_requests, const int32_t* qo_indptr,
+                       const int32_t* kv_indptr, const int32_t* kv_indices, int64_t num_indices,
+                       const int32_t* kv_lens, const uint8_t* mask, int64_t mask_len,
+                       int32_t decode, NaError* err) {
+  if (err) *err = NaError{0, -1, 0, 0};
+  if (cfg == nullptr || !config_ok(*cfg) || num_requests < 0 || num_indices < 0 ||
+      qo_indptr == nullptr || kv_indptr == nullptr ||
+      (num_requests > 0 && kv_lens == nullptr) || (num_indices > 0 && kv_indices == nullptr) ||
+      (mask == nullptr && mask_len != 0) || mask_len < 0) {
+    fail(err, NA_E_CONFIG, -1);
+    return nullptr;
   }
-  if (p->kind == NA_MLA && (p->num_kv_heads != 1 || p->v_head_dim > p->head_dim)) return -1;
-  if (!p->causal && (p->mask == nullptr || p->mask_indptr == nullptr)) return -1;
-  if (p->num_merges > 0 && p->scratch == nullptr) return -1;
-  const na::Kernels* k = kernels();
+  NaPlan* P = nullptr;
+  try {
+    P = new NaPlan();
+    P->cfg = *cfg;
+    P->num_requests = num_requests;
+    int rc = validate(*P, qo_indptr, kv_indptr, kv_indices, num_indices, kv_lens, mask,
+                      mask_len, decode, err);
+    if (rc == 0) {
+      rc = make_items(*P);
+      if (rc != 0) fail(err, rc, -1);
+    }
+    if (rc != 0) {
+      delete P;
+      return nullptr;
+    }
+  } catch (const std::bad_alloc&) {
+    delete P;
+    fail(err, NA_E_NO_MEMORY, -1);
+    return nullptr;
+  }
+  return P;
+}
+
+void na_plan_free(NaPlan* plan) { delete plan; }
+
+void na_plan_info(const NaPlan* P, NaPlanInfo* info) {
+  *info = NaPlanInfo{P->num_tokens, P->num_requests, P->max_page, int64_t(P->items.size()),
+                     int64_t(P->merges.size()), P->scratch_rows};
+}
+
+int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, const void* k, const void* v,
+           void* out, int64_t k_pages, int64_t v_pages, float sm_scale, int32_t num_threads) {
+  if (plan == nullptr || cfg == nullptr || !same_config(plan->cfg, *cfg)) return -1;
+  const NaConfig& c = plan->cfg;
+  const bool mla = c.kind == NA_MLA;
+  if (plan->items.empty()) return 0;
+  if (q == nullptr || k == nullptr || out == nullptr || (!mla && v == nullptr)) return -1;
+  if (plan->max_page >= k_pages || (!mla && plan->max_page >= v_pages)) return -1;
+  NaProblem p{};
+  p.q = q;
+  p.k = k;
+  p.v = mla ? nullptr : v;
+  p.out = out;
+  p.q_dtype = c.q_dtype;
+  p.kv_dtype = c.kv_dtype;
+  p.kind = c.kind;
+  p.num_q_heads = c.num_q_heads;
+  p.num_kv_heads = c.num_kv_heads;
+  p.head_dim = c.head_dim;
+  p.v_head_dim = c.v_head_dim;
+  p.page_size = c.page_size;
+  p.sm_scale = sm_scale;
+  p.causal = plan->causal;
+  p.qo_indptr = plan->qo.data();
+  p.kv_indptr = plan->kvp.data();
+  p.kv_indices = plan->idx.data();
+  p.kv_lens = plan->lens.data();
+  p.mask = plan->causal ? nullptr : plan->mask.data();
+  p.mask_indptr = plan->causal ? nullptr : plan->mask_indptr.data();
+  p.scratch_rows = plan->scratch_rows;
+  if (!plan->merges.empty()) {
+    try {
+      const size_t need = size_t(plan->scratch_rows) * (size_t(c.v_head_dim) + 1);
+      if (tls_scratch.size() < need) tls_scratch.resize(need);
+    } catch (const std::bad_alloc&) {
+      return -2;
+    }
+    p.scratch = tls_scratch.data();
+  }
+  const na::Kernels* kern = kernels();
   std::atomic<int> status{0};
   auto parallel = [&](int count, auto&& body) {
     if (count <= 0) return;
-    const int n = std::max(1, std::min(p->num_threads, count));
+    const int n = std::max(1, std::min(num_threads, count));
     std::atomic<int> next{0};
     pool().run(n, [&](int) {
       for (;;) {
@@ -263,9 +431,9 @@ int na_run(const NaProblem* p) {
       }
     });
   };
-  parallel(p->num_items, [&](int i) { return k->item(p, &p->items[i]); });
+  parallel(int(plan->items.size()), [&](int i) { return kern->item(&p, &plan->items[i]); });
   if (status.load() != 0) return status.load();
-  parallel(p->num_merges, [&](int i) { return k->merge(p, &p->merges[i]); });
+  parallel(int(plan->merges.size()), [&](int i) { return kern->merge(&p, &plan->merges[i]); });
   return status.load();
 }
 

@@ -1,6 +1,7 @@
 // Plain C ABI of the native CPU attention kernels (loaded from Python with ctypes).
-// Every pointer is host memory; Python validates shapes, dtypes and index ranges first,
-// the kernels trust what they are given.
+// Every pointer is host memory. na_plan_create validates the batch (every index it will
+// follow) and keeps private copies of it; na_run checks the tensors' page counts against the
+// plan, so the kernels only ever read memory inside the tensors they are given.
 #ifndef NATIVE_ATTN_H
 #define NATIVE_ATTN_H
 #include <stdint.h>
@@ -15,59 +16,58 @@
 extern "C" {
 #endif
 
-enum { NA_F32 = 0, NA_BF16 = 1 };
+enum { NA_F32 = 0, NA_BF16 = 1, NA_F16 = 2 };
 enum { NA_MHA = 0, NA_MLA = 1 };
 
-// One work item: a tile of rows (query tokens x heads of one kv head) against a key range.
-// slot < 0: write the output directly; slot >= 0: write a partial result (normalised
-// output + log2-sum-exp) at scratch row `slot`, merged afterwards.
+// What one backend object serves (fixed at bind): checked again by na_run.
 typedef struct {
-  int32_t req, kv_head, q0, q1, h0, h1, k0, k1, slot, pad;
-} NaItem;
-
-// Merge of the `nsplit` partial results of one tile; split s lives at rows slot0 + s * rows.
-typedef struct {
-  int32_t req, kv_head, q0, q1, h0, h1, nsplit, slot0;
-} NaMerge;
-
-typedef struct {
-  // tensors (contiguous, see DESIGN.md): q [T, Hq, D], k [P, ps, Hkv, D] (MLA: [P, ps, D]),
-  // v [P, ps, Hkv, Dv] (MLA: NULL, V = first Dv columns of k), out [T, Hq, Dv]
-  const void* q;
-  const void* k;
-  const void* v;
-  void* out;
-  int32_t q_dtype, kv_dtype, kind;
+  int32_t kind, q_dtype, kv_dtype;
   int32_t num_q_heads, num_kv_heads, head_dim, v_head_dim, page_size;
-  float sm_scale;
-  int32_t causal;  // 1: bottom-right causal; 0: custom mask
-  // batch metadata (host)
-  const int32_t* qo_indptr;
-  const int32_t* kv_indptr;
-  const int32_t* kv_indices;
-  const int32_t* kv_lens;
-  const uint8_t* mask;
-  const int64_t* mask_indptr;
-  // plan
-  const NaItem* items;
-  int32_t num_items;
-  const NaMerge* merges;
-  int32_t num_merges;
-  float* scratch;  // rows * Dv partial outputs, then rows log2-sum-exp values
-  int64_t scratch_rows;
-  int32_t num_threads;
-} NaProblem;
+  int32_t split_target;  // split-KV aims for at least this many work items
+} NaConfig;
 
-// Plan: fill up to `cap_items` / `cap_merges` entries; returns 0 and sets the needed counts
-// (call again with more room when they exceed the capacity).
-NA_API int na_plan(int32_t num_requests, const int32_t* qo_indptr, const int32_t* kv_lens,
-            int32_t kind, int32_t num_q_heads, int32_t num_kv_heads, int32_t causal,
-            int32_t split_target, NaItem* items, int64_t cap_items, NaMerge* merges,
-            int64_t cap_merges, int64_t* num_items, int64_t* num_merges,
-            int64_t* scratch_rows);
+// Why na_plan_create refused a batch: `field` (NA_E_*), the request (-1: none) and values.
+enum {
+  NA_E_NONE = 0,
+  NA_E_CONFIG = 1,
+  NA_E_QO_INDPTR = 2,
+  NA_E_KV_INDPTR = 3,
+  NA_E_KV_LENS = 4,
+  NA_E_KV_INDICES = 5,
+  NA_E_DECODE_QLEN = 6,
+  NA_E_MASK = 7,
+  NA_E_TOO_LARGE = 8,
+  NA_E_NO_MEMORY = 9,
+};
+typedef struct {
+  int32_t field, request;
+  int64_t a, b;
+} NaError;
 
-// Run attention for one layer; returns 0 on success, a negative code on bad arguments.
-NA_API int na_run(const NaProblem* problem);
+typedef struct NaPlan NaPlan;  // opaque; owns copies of every index array it uses
+
+typedef struct {
+  int64_t num_tokens, num_requests, max_page, num_items, num_merges, scratch_rows;
+} NaPlanInfo;
+
+// Validates and plans one batch. qo_indptr, kv_indptr [B+1], kv_lens [B], kv_indices
+// [num_indices], mask (bytes, NULL: causal) [mask_len]. decode: every request has one query.
+// Returns NULL and fills *err when the batch is refused.
+NA_API NaPlan* na_plan_create(const NaConfig* cfg, int32_t num_requests,
+                              const int32_t* qo_indptr, const int32_t* kv_indptr,
+                              const int32_t* kv_indices, int64_t num_indices,
+                              const int32_t* kv_lens, const uint8_t* mask, int64_t mask_len,
+                              int32_t decode, NaError* err);
+NA_API void na_plan_free(NaPlan* plan);
+NA_API void na_plan_info(const NaPlan* plan, NaPlanInfo* info);
+
+// Runs one layer. q [T, Hq, D], k [k_pages, ps, Hkv, D] (MLA: [k_pages, ps, D]),
+// v [v_pages, ps, Hkv, Dv] (MLA: NULL), out [T, Hq, Dv], all contiguous, dtypes as cfg.
+// Returns 0; -1 bad arguments (config differs from the plan's, a page past the cache);
+// -2 out of memory.
+NA_API int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, const void* k,
+                  const void* v, void* out, int64_t k_pages, int64_t v_pages, float sm_scale,
+                  int32_t num_threads);
 
 // Instruction-set path: name of the one in use, and forcing one ("generic", "avx2",
 // "avx512", "avx512bf16"); returns 0 when set, -1 when this CPU/build lacks it.

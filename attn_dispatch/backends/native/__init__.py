@@ -3,9 +3,9 @@ driven from ``backend.py``).
 
 Head dims: any ``head_dim`` and ``v_head_dim`` from 1 to 2048 (rows are zero-padded to the
 vector width in registers, so no multiple is required; the bound sizes the per-thread
-buffers). Dtypes: q float32 or bfloat16 with a float32 or bfloat16 cache, any of the four
-pairs; the output has q's dtype; accumulation is fp32. float16 is not served (no fp16
-conversion path is built). Any page size.
+buffers). Dtypes: q float32, bfloat16 or float16 with a cache of any of the three; the
+output has q's dtype; accumulation is fp32 (16-bit values are widened in registers). Any
+page size.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ DEFAULT_FORM_POLICY = FormPolicy.decompressed_without_prefix()
 CAPABILITIES = Capabilities(
     kinds={"mha", "mla"},
     devices={"cpu"},
-    dtypes={"float32", "bfloat16"},
-    kv_dtypes={"float32", "bfloat16"},
+    dtypes={"float32", "bfloat16", "float16"},
+    kv_dtypes={"float32", "bfloat16", "float16"},
     custom_mask=True,
     requires=("torch",),
     checks=(_check_dims,),
@@ -54,6 +54,6 @@ CAPABILITIES = Capabilities(
     forms={"prefill": {"mla", "mha"}, "decode": {"mla"}, "verify": {"mla"}},
     description=(
         "C++ CPU kernels (csrc/): paged decode and prefix+causal/custom-mask extend, split-KV, "
-        "bf16 caches converted in registers, AVX2/AVX-512/AVX-512-BF16 chosen at run time"
+        "bf16/fp16 caches converted in registers, AVX2/AVX-512/AVX-512-BF16 chosen at run time"
     ),
 )

@@ -17,58 +17,37 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LIB_STEM = "_native_attn"
 BUILD_ERROR_FILE = HERE / f"{LIB_STEM}.build-error.txt"
-ABI_VERSION = 1
+ABI_VERSION = 2
 # Points the loader at another library file (development, or tests of the "not built" path).
 ENV_LIBRARY = "ATTN_DISPATCH_NATIVE_LIB"
 
 
-class NaItem(ctypes.Structure):
+class NaConfig(ctypes.Structure):
     _fields_ = [
         (n, ctypes.c_int32)
-        for n in ("req", "kv_head", "q0", "q1", "h0", "h1", "k0", "k1", "slot", "pad")
-    ]
+        for n in (
+            "kind", "q_dtype", "kv_dtype", "num_q_heads", "num_kv_heads", "head_dim",
+            "v_head_dim", "page_size", "split_target",
+        )
+    ]  # fmt: skip
 
 
-class NaMerge(ctypes.Structure):
+class NaError(ctypes.Structure):
     _fields_ = [
-        (n, ctypes.c_int32) for n in ("req", "kv_head", "q0", "q1", "h0", "h1", "nsplit", "slot0")
+        ("field", ctypes.c_int32),
+        ("request", ctypes.c_int32),
+        ("a", ctypes.c_int64),
+        ("b", ctypes.c_int64),
     ]
 
 
-class NaProblem(ctypes.Structure):
+class NaPlanInfo(ctypes.Structure):
     _fields_ = [
-        ("q", ctypes.c_void_p),
-        ("k", ctypes.c_void_p),
-        ("v", ctypes.c_void_p),
-        ("out", ctypes.c_void_p),
-        ("q_dtype", ctypes.c_int32),
-        ("kv_dtype", ctypes.c_int32),
-        ("kind", ctypes.c_int32),
-        ("num_q_heads", ctypes.c_int32),
-        ("num_kv_heads", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32),
-        ("v_head_dim", ctypes.c_int32),
-        ("page_size", ctypes.c_int32),
-        ("sm_scale", ctypes.c_float),
-        ("causal", ctypes.c_int32),
-        ("qo_indptr", ctypes.c_void_p),
-        ("kv_indptr", ctypes.c_void_p),
-        ("kv_indices", ctypes.c_void_p),
-        ("kv_lens", ctypes.c_void_p),
-        ("mask", ctypes.c_void_p),
-        ("mask_indptr", ctypes.c_void_p),
-        ("items", ctypes.c_void_p),
-        ("num_items", ctypes.c_int32),
-        ("merges", ctypes.c_void_p),
-        ("num_merges", ctypes.c_int32),
-        ("scratch", ctypes.c_void_p),
-        ("scratch_rows", ctypes.c_int64),
-        ("num_threads", ctypes.c_int32),
-    ]
-
-
-ITEM_INTS = ctypes.sizeof(NaItem) // 4
-MERGE_INTS = ctypes.sizeof(NaMerge) // 4
+        (n, ctypes.c_int64)
+        for n in (
+            "num_tokens", "num_requests", "max_page", "num_items", "num_merges", "scratch_rows",
+        )
+    ]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,13 +100,18 @@ def _declare(cdll: ctypes.CDLL) -> None:
     cdll.na_isa_list.argtypes = []
     cdll.na_set_isa.restype = ctypes.c_int
     cdll.na_set_isa.argtypes = [ctypes.c_char_p]
+    cdll.na_plan_create.restype = vp
+    cdll.na_plan_create.argtypes = [
+        ctypes.POINTER(NaConfig), c_i32, vp, vp, vp, c_i64, vp, vp, c_i64, c_i32,
+        ctypes.POINTER(NaError),
+    ]  # fmt: skip
+    cdll.na_plan_free.restype = None
+    cdll.na_plan_free.argtypes = [vp]
+    cdll.na_plan_info.restype = None
+    cdll.na_plan_info.argtypes = [vp, ctypes.POINTER(NaPlanInfo)]
     cdll.na_run.restype = ctypes.c_int
-    cdll.na_run.argtypes = [ctypes.POINTER(NaProblem)]
-    cdll.na_plan.restype = ctypes.c_int
-    cdll.na_plan.argtypes = [
-        c_i32, vp, vp, c_i32, c_i32, c_i32, c_i32, c_i32,
-        vp, c_i64, vp, c_i64,
-        ctypes.POINTER(c_i64), ctypes.POINTER(c_i64), ctypes.POINTER(c_i64),
+    cdll.na_run.argtypes = [
+        vp, ctypes.POINTER(NaConfig), vp, vp, vp, vp, c_i64, c_i64, ctypes.c_float, c_i32,
     ]  # fmt: skip
 
 

@@ -1,7 +1,10 @@
-"""The native backend: host-side checks and planning in Python, kernels in C++ (ctypes).
+"""The native backend: the shared batch and tensor checks in Python, planning and kernels in
+C++ (ctypes).
 
-Every pointer handed to the library comes from a tensor whose device, dtype, shape,
-contiguity and index ranges were checked here first, so a bad batch or tensor is an
+``plan`` runs the shared validator (``backends/_common.py``), then ``na_plan_create``, which
+re-checks every index it will follow and keeps private copies of them; the plan is owned by
+the backend object that made it. Each layer call checks its tensors against the plan
+(``TensorChecks``) before one ``na_run``. A bad batch, tensor or plan is an
 ``InvalidBatchError`` naming the field, never a wild read in C++.
 """
 
@@ -22,55 +25,63 @@ from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
+from attn_dispatch.backends._common import BatchSnapshot
+from attn_dispatch.backends._common import TensorChecks
+from attn_dispatch.backends._common import check_owner
 from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.native import DEFAULT_FORM_POLICY
 from attn_dispatch.backends.native import MAX_HEAD_DIM
-from attn_dispatch.backends.native._lib import ITEM_INTS
-from attn_dispatch.backends.native._lib import MERGE_INTS
-from attn_dispatch.backends.native._lib import NaProblem
+from attn_dispatch.backends.native._lib import NaConfig
+from attn_dispatch.backends.native._lib import NaError
+from attn_dispatch.backends.native._lib import NaPlanInfo
 from attn_dispatch.backends.native._lib import NativeLibrary
 from attn_dispatch.backends.native._lib import load
 
-_NA_F32, _NA_BF16 = 0, 1
 _NA_MHA, _NA_MLA = 0, 1
-_DTYPE_CODES = {torch.float32: _NA_F32, torch.bfloat16: _NA_BF16}
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# csrc/native_attn.h NA_E_*: the batch field each refusal of na_plan_create names.
+_E_FIELDS = {
+    2: "qo_indptr", 3: "kv_indptr", 4: "kv_lens", 5: "kv_indices", 6: "qo_indptr",
+    7: "custom_mask", 8: "kv_lens",
+}  # fmt: skip
 # Split-KV aims for at least this many work items whatever the thread count, so plans (and
 # therefore results, bit for bit) are the same for 1..8 threads; more threads raise it.
 SPLIT_FLOOR = 32
 
 
+class _PlanHandle:
+    """Owns one C++ plan (private copies of the batch's index arrays and the work items)."""
+
+    __slots__ = ("_free", "ptr")
+
+    def __init__(self, ptr: int, free: Any) -> None:
+        self.ptr = ptr
+        self._free = free
+
+    def __del__(self) -> None:
+        free, self._free = self._free, None
+        if free is not None:
+            free(self.ptr)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class NativePlan:
-    """What ``NativeBackend.plan`` computed for one forward (shared by every layer)."""
+    """What ``NativeBackend.plan`` computed for one forward (shared by every layer).
 
-    batch: AttnBatch
+    Immutable: the C++ side holds private copies of every index array the kernels read, so
+    later edits to the batch's tensors never reach them. Only the backend object that made a
+    plan accepts it (``owner``).
+    """
+
+    owner: NativeBackend
+    phase: Phase
     num_tokens: int
+    num_requests: int
     max_page: int  # largest page index referenced, -1 when none
     num_items: int
     num_merges: int
-    template: NaProblem  # batch fields filled in; each call copies it and adds tensors
-    # Host tensors whose addresses the template holds: kept alive with the plan.
-    keep: tuple[torch.Tensor | None, ...]
-
-
-def _host_int(batch: AttnBatch, name: str, tensor: Any, dtype: torch.dtype) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise InvalidBatchError(name, f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu":
-        raise InvalidBatchError(
-            name, f"must be on the CPU for the native backend, got device {str(tensor.device)!r}"
-        )
-    if tensor.dtype != dtype or tensor.dim() != 1:
-        raise InvalidBatchError(
-            name, f"must be a 1-D {dtype} tensor, got {tensor.dtype} of shape {tuple(tensor.shape)}"
-        )
-    # A private copy: the kernels read it for the whole forward, and a caller editing the
-    # batch's tensors in place after planning must not move reads outside the checked ranges.
-    return tensor.clone(memory_format=torch.contiguous_format)
-
-
-def _first(flags: torch.Tensor) -> int | None:
-    return int(flags.int().argmax()) if bool(flags.any()) else None
+    handle: _PlanHandle
+    snapshot: BatchSnapshot  # the shared validator's view (per-call tensor checks read it)
 
 
 class NativeBackend(TorchBackendBase):
@@ -121,12 +132,29 @@ class NativeBackend(TorchBackendBase):
         self.q_dtype: torch.dtype = getattr(torch, config.dtype)
         self.kv_dtype: torch.dtype = getattr(torch, str(config.kv_dtype))
         if self.q_dtype not in _DTYPE_CODES or self.kv_dtype not in _DTYPE_CODES:
-            raise ValueError(
-                f"the native backend serves float32 and bfloat16, got dtype {config.dtype!r} "
-                f"and kv_dtype {config.kv_dtype!r}"
+            raise InvalidSpecError(
+                "dtype",
+                (config.dtype, config.kv_dtype),
+                "the native backend serves float32, bfloat16 and float16 (q and cache)",
             )
         self.mla = config.kind == "mla"
+        self._cfg = NaConfig(
+            _NA_MLA if self.mla else _NA_MHA,
+            _DTYPE_CODES[self.q_dtype],
+            _DTYPE_CODES[self.kv_dtype],
+            config.num_q_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            self.v_head_dim,
+            config.page_size,
+            0,
+        )
+        self._cfg_ref = ctypes.byref(self._cfg)
+        self._checks = TensorChecks.of(config, backend="native", layout="contiguous")
         self._run = lib.cdll.na_run
+        self._create = lib.cdll.na_plan_create
+        self._free = lib.cdll.na_plan_free
+        self._info = lib.cdll.na_plan_info
 
     def threads(self) -> int:
         return self.num_threads if self.num_threads is not None else max(1, torch.get_num_threads())
@@ -134,158 +162,67 @@ class NativeBackend(TorchBackendBase):
     # -- planning (once per forward) ----------------------------------------------------------
 
     def plan(self, batch: AttnBatch) -> NativePlan:
-        cfg = self.config
-        ps = cfg.page_size
-        if getattr(batch, "page_size", None) not in (None, ps):
+        # The shared contract check (with private copies); the C++ planner then copies the
+        # snapshot once more into memory it owns and re-checks every index it will follow.
+        snap = BatchSnapshot.of(batch, self.config.page_size)
+        if snap.device.type != "cpu":
             raise InvalidBatchError(
-                "page_size", f"batch page_size {batch.page_size!r} != bound config page_size {ps!r}"
+                "kv_indices",
+                f"must be on the CPU for the native backend, got device {str(snap.device)!r}",
             )
-        qo = _host_int(batch, "qo_indptr", batch.qo_indptr_host, torch.int32)
-        kv_indptr = _host_int(batch, "kv_indptr", batch.kv_indptr_host, torch.int32)
-        kv_lens = _host_int(batch, "kv_lens", batch.kv_lens_host, torch.int32)
-        kv_indices = _host_int(batch, "kv_indices", batch.kv_indices, torch.int32)
-        b = kv_lens.numel()
-        for name, ptr in (("qo_indptr", qo), ("kv_indptr", kv_indptr)):
-            if ptr.numel() != b + 1:
-                raise InvalidBatchError(name, f"length {ptr.numel()} != len(kv_lens) + 1 = {b + 1}")
-            if int(ptr[0]) != 0:
-                raise InvalidBatchError(name, f"must start at 0, starts at {int(ptr[0])}")
-            bad = _first(ptr[1:] < ptr[:-1])
-            if bad is not None:
-                raise InvalidBatchError(name, "must be non-decreasing", request=bad)
-        if int(kv_indptr[-1]) > kv_indices.numel():
-            raise InvalidBatchError(
-                "kv_indptr",
-                f"last value {int(kv_indptr[-1])} > len(kv_indices) = {kv_indices.numel()}",
-            )
-        q_lens = (qo[1:] - qo[:-1]).long()
-        lens = kv_lens.long()
-        bad = _first(lens < q_lens)
-        if bad is not None:
-            raise InvalidBatchError(
-                "kv_lens",
-                f"kv_len {int(lens[bad])} < q_len {int(q_lens[bad])}: the cache must hold the "
-                "new tokens too",
-                request=bad,
-            )
-        need = (lens + ps - 1) // ps
-        bad = _first((kv_indptr[1:] - kv_indptr[:-1]).long() < need)
-        if bad is not None:
-            have = int(kv_indptr[bad + 1] - kv_indptr[bad])
-            raise InvalidBatchError(
-                "kv_lens",
-                f"kv_len {int(lens[bad])} needs {int(need[bad])} pages of {ps} tokens, "
-                f"kv_indptr gives {have}",
-                request=bad,
-            )
-        max_page = -1
-        if kv_indices.numel():
-            lo = int(kv_indices.min())
-            if lo < 0:
-                req = (
-                    int(
-                        torch.searchsorted(
-                            kv_indptr, int((kv_indices < 0).int().argmax()), right=True
-                        )
-                    )
-                    - 1
-                )
-                raise InvalidBatchError(
-                    "kv_indices", f"page index {lo} is negative", request=max(req, 0)
-                )
-            max_page = int(kv_indices.max())
-        if batch.phase is Phase.DECODE:
-            bad = _first(q_lens != 1)
-            if bad is not None:
-                raise InvalidBatchError(
-                    "qo_indptr",
-                    f"DECODE needs exactly one query per request, got {int(q_lens[bad])}",
-                    request=bad,
-                )
-        mask = mask_indptr = None
-        if batch.custom_mask is not None:
-            mask = batch.custom_mask
-            if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
-                raise InvalidBatchError("custom_mask", "must be a flat 1-D torch.bool tensor")
-            if mask.device.type != "cpu":
-                raise InvalidBatchError(
-                    "custom_mask", f"must be on the CPU, got device {str(mask.device)!r}"
-                )
-            mask = mask.clone(memory_format=torch.contiguous_format)
-            mask_indptr = torch.zeros(b + 1, dtype=torch.int64)
-            torch.cumsum(q_lens * lens, 0, out=mask_indptr[1:])
-            if int(mask_indptr[-1]) != mask.numel():
-                raise InvalidBatchError(
-                    "custom_mask",
-                    f"length {mask.numel()} != sum(q_len * kv_len) = {int(mask_indptr[-1])}",
-                )
-            given = getattr(batch, "mask_indptr", None)
-            if given is not None and not torch.equal(given.cpu().long(), mask_indptr):
-                raise InvalidBatchError(
-                    "mask_indptr", "does not match the cumulative sum of q_len * kv_len"
-                )
-        items, merges, rows = self._make_plan(qo, kv_lens, causal=mask is None)
-        scratch = None
-        if rows:
-            scratch = torch.empty(rows * self.v_head_dim + rows, dtype=torch.float32)
-        t = NaProblem()
-        t.q_dtype = _DTYPE_CODES[self.q_dtype]
-        t.kv_dtype = _DTYPE_CODES[self.kv_dtype]
-        t.kind = _NA_MLA if self.mla else _NA_MHA
-        t.num_q_heads = cfg.num_q_heads
-        t.num_kv_heads = cfg.num_kv_heads
-        t.head_dim = cfg.head_dim
-        t.v_head_dim = self.v_head_dim
-        t.page_size = ps
-        t.causal = 1 if mask is None else 0
-        t.qo_indptr = qo.data_ptr()
-        t.kv_indptr = kv_indptr.data_ptr()
-        t.kv_indices = kv_indices.data_ptr() if kv_indices.numel() else None
-        t.kv_lens = kv_lens.data_ptr()
-        t.mask = mask.data_ptr() if mask is not None and mask.numel() else None
-        t.mask_indptr = mask_indptr.data_ptr() if mask_indptr is not None else None
-        t.items = items.data_ptr() if items.numel() else None
-        t.num_items = items.shape[0]
-        t.merges = merges.data_ptr() if merges.numel() else None
-        t.num_merges = merges.shape[0]
-        t.scratch = scratch.data_ptr() if scratch is not None else None
-        t.scratch_rows = rows
+        qo, kv_indptr, kv_lens, kv_indices = (
+            snap.qo_indptr, snap.kv_indptr, snap.kv_lens, snap.kv_indices,
+        )  # fmt: skip
+        mask = snap.custom_mask
+        mask_ptr, mask_len = (None, 0) if mask is None else (mask.data_ptr(), mask.numel())
+        self._cfg.split_target = max(SPLIT_FLOOR, 4 * self.threads())
+        err = NaError()
+        ptr = self._create(
+            self._cfg_ref, snap.num_requests, qo.data_ptr(), kv_indptr.data_ptr(),
+            kv_indices.data_ptr(), kv_indices.numel(), kv_lens.data_ptr(), mask_ptr, mask_len,
+            1 if snap.phase is Phase.DECODE else 0, ctypes.byref(err),
+        )  # fmt: skip
+        if not ptr:
+            raise self._plan_error(err)
+        handle = _PlanHandle(ptr, self._free)
+        info = NaPlanInfo()
+        self._info(ptr, ctypes.byref(info))
         return NativePlan(
-            batch=batch,
-            num_tokens=int(qo[-1]),
-            max_page=max_page,
-            num_items=items.shape[0],
-            num_merges=merges.shape[0],
-            template=t,
-            keep=(qo, kv_indptr, kv_lens, kv_indices, mask, mask_indptr, items, merges, scratch),
+            owner=self,
+            phase=snap.phase,
+            num_tokens=info.num_tokens,
+            num_requests=info.num_requests,
+            max_page=info.max_page,
+            num_items=info.num_items,
+            num_merges=info.num_merges,
+            handle=handle,
+            snapshot=snap,
         )
 
-    def _make_plan(
-        self, qo: torch.Tensor, kv_lens: torch.Tensor, *, causal: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        cfg = self.config
-        target = max(SPLIT_FLOOR, 4 * self.threads())
-        counts = [ctypes.c_int64(0) for _ in range(3)]
-        items = torch.empty(0, ITEM_INTS, dtype=torch.int32)
-        merges = torch.empty(0, MERGE_INTS, dtype=torch.int32)
-        for _ in range(2):  # first pass counts, second fills
-            rc = self.library.cdll.na_plan(
-                kv_lens.numel(), qo.data_ptr(), kv_lens.data_ptr(), int(self.mla),
-                cfg.num_q_heads, cfg.num_kv_heads, 1 if causal else 0, target,
-                items.data_ptr() if items.numel() else None, items.shape[0],
-                merges.data_ptr() if merges.numel() else None, merges.shape[0],
-                *(ctypes.byref(c) for c in counts),
-            )  # fmt: skip
-            if rc != 0:
-                raise InvalidBatchError(
-                    "kv_lens", "the native planner rejected the batch (too large)"
-                )
-            n_items, n_merges, rows = (c.value for c in counts)
-            if n_items <= items.shape[0] and n_merges <= merges.shape[0]:
-                break
-            items = torch.empty(n_items, ITEM_INTS, dtype=torch.int32)
-            merges = torch.empty(n_merges, MERGE_INTS, dtype=torch.int32)
-        return items, merges, rows
+    @staticmethod
+    def _plan_error(err: NaError) -> InvalidBatchError:
+        field = _E_FIELDS.get(err.field)
+        req = err.request if err.request >= 0 else None
+        a, b = err.a, err.b
+        problem = {
+            "qo_indptr": f"must start at 0 and be non-decreasing (values {a!r}, {b!r})",
+            "kv_indptr": (
+                f"must start at 0, be non-decreasing and stay within kv_indices "
+                f"(values {a!r}, {b!r})"
+            ),
+            "kv_lens": f"kv_len {a!r} is shorter than q_len or needs more pages than given ({b!r})",
+            "kv_indices": f"page index {a!r} (at position {b!r}) is negative",
+            "custom_mask": f"length {a!r} != sum(q_len * kv_len) = {b!r}",
+        }.get(field or "", "")
+        if err.field == 6:
+            problem = f"DECODE needs exactly one query per request, got {a!r}"
+        elif err.field == 8:
+            problem = "the batch is too large for the native planner (over 2^31 scratch rows)"
+        elif err.field == 9:
+            raise MemoryError("native attention: no memory for the plan")
+        elif field is None:
+            raise InvalidSpecError("config", err.field, "the native planner refused the config")
+        return InvalidBatchError(field or "batch", problem, request=req)
 
     # -- per layer ----------------------------------------------------------------------------
 
@@ -299,72 +236,28 @@ class NativeBackend(TorchBackendBase):
 
         return native_attention
 
-    def _check_tensor(
-        self, name: str, t: Any, dtype: torch.dtype, shape: tuple[int | None, ...]
-    ) -> torch.Tensor:
-        if not isinstance(t, torch.Tensor):
-            raise InvalidBatchError(name, f"expected a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
-            raise InvalidBatchError(name, f"must be on the CPU, got device {str(t.device)!r}")
-        if t.dtype != dtype:
-            raise InvalidBatchError(name, f"dtype must be {dtype} (bound config), got {t.dtype}")
-        if t.dim() != len(shape) or any(
-            want is not None and got != want for got, want in zip(t.shape, shape, strict=True)
-        ):
-            want_s = ", ".join("*" if s is None else str(s) for s in shape)
-            raise InvalidBatchError(name, f"shape must be [{want_s}], got {list(t.shape)}")
-        if not t.is_contiguous():
-            raise InvalidBatchError(name, "must be contiguous (call .contiguous())")
-        return t
-
     def _forward(
         self, phase: Phase, q: Any, k_cache: Any, v_cache: Any, plan: Any, sm_scale: float
     ) -> torch.Tensor:
         cfg = self.config
-        if not isinstance(plan, NativePlan):
-            raise InvalidBatchError(
-                "plan",
-                f"expected the NativePlan from NativeBackend.plan, got {type(plan).__name__}",
-            )
-        if plan.batch.phase is not phase:
+        check_owner(plan, self, "native")
+        if plan.phase is not phase:
             raise InvalidBatchError(
                 "phase",
-                f"the plan is for {plan.batch.phase.name}, this handler serves {phase.name}",
+                f"the plan is for {plan.phase.name}, this handler serves {phase.name}",
             )
-        hq, hkv, d, dv, ps = (
-            cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, self.v_head_dim, cfg.page_size,
-        )  # fmt: skip
-        q = self._check_tensor("q", q, self.q_dtype, (plan.num_tokens, hq, d))
-        if self.mla:
-            k_cache = self._check_tensor("k_cache", k_cache, self.kv_dtype, (None, ps, d))
-            if v_cache is not None:
-                raise InvalidBatchError(
-                    "v_cache", "must be None for MLA (V is the first v_head_dim columns of k_cache)"
-                )
-            pages = k_cache.shape[0]
-        else:
-            k_cache = self._check_tensor("k_cache", k_cache, self.kv_dtype, (None, ps, hkv, d))
-            v_cache = self._check_tensor("v_cache", v_cache, self.kv_dtype, (None, ps, hkv, dv))
-            pages = min(k_cache.shape[0], v_cache.shape[0])
-        if plan.max_page >= pages:
-            raise InvalidBatchError(
-                "kv_indices",
-                f"page index {plan.max_page} out of range for a cache of {pages} pages",
-            )
+        pages = self._checks.check(plan.snapshot, q, k_cache, v_cache)
+        v_ptr = None if self.mla else v_cache.data_ptr()
         scale = float(sm_scale)
         if not math.isfinite(scale):
             raise InvalidBatchError("sm_scale", f"must be finite, got {sm_scale!r}")
-        out = torch.empty((plan.num_tokens, hq, dv), dtype=self.q_dtype)
+        out = torch.empty((plan.num_tokens, cfg.num_q_heads, self.v_head_dim), dtype=self.q_dtype)
         if plan.num_items == 0:
             return out
-        prob = NaProblem.from_buffer_copy(plan.template)
-        prob.q = q.data_ptr()
-        prob.k = k_cache.data_ptr()
-        prob.v = None if self.mla else v_cache.data_ptr()
-        prob.out = out.data_ptr()
-        prob.sm_scale = scale
-        prob.num_threads = self.threads()
-        rc = self._run(ctypes.byref(prob))
+        rc = self._run(
+            plan.handle.ptr, self._cfg_ref, q.data_ptr(), k_cache.data_ptr(), v_ptr,
+            out.data_ptr(), pages, pages, scale, self.threads(),
+        )  # fmt: skip
         if rc != 0:
             if rc == -2:
                 raise MemoryError("native attention: a per-thread buffer could not be allocated")
