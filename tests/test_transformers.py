@@ -535,3 +535,12 @@ def test_each_group_may_have_its_own_spec(torch2: str) -> None:
     }
     with pytest.raises(InvalidSpecError, match="one group"):
         use(mistral(), {"full": "torch"})
+
+
+def test_a_layer_that_differs_from_its_group_config_is_refused() -> None:
+    # The binding is made from the config; a layer changed after use() cannot be served.
+    model = gemma2()
+    use(model, "torch")
+    model.model.layers[1].self_attn.attn_logit_softcapping = 7.0
+    with pytest.raises(UnsupportedModelError, match=r"layer 1: softcap=7\.0"):
+        generate(model, torch.randint(0, VOCAB, (1, 4)), new=1)
