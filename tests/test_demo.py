@@ -369,8 +369,62 @@ def test_bfloat16_target_keeps_fp32_attention_and_exact_tokens() -> None:
     rc, text = run_demo("--dtype", "bfloat16", "--max-new-tokens", "12")
     assert rc == 0, text
     assert "dtype bfloat16" in text
-    assert "target attention and latent cache float32" in text
+    assert "target attention float32, kv dtype target float32" in text
     assert "identical to target greedy: yes" in text
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_kv_cache_picks_a_backend_that_serves_it(kv_dtype: str) -> None:
+    rc, text = run_demo("--kv-dtype", kv_dtype)
+    assert rc == 0, text
+    assert f"kv dtype target {kv_dtype}, draft {kv_dtype} (--kv-dtype)" in text
+    # native has no FP8 kernels: the default target backend is the next that binds.
+    assert re.search(r"target +torch +torch +torch", text), text
+    assert "identical to target greedy: yes" in text
+
+
+def test_fp8_kv_cache_with_a_forced_native_target_is_the_bind_error() -> None:
+    rc, text = run_demo("--kv-dtype", "float8_e4m3fn", "--target-spec", "native")
+    assert rc == 2, text
+    assert text.startswith("error:") and "float8_e4m3fn" in text, text
+
+
+def test_fp8_caches_hold_fp8_with_per_layer_scales_that_never_clip() -> None:
+    from attn_dispatch.demo.engine import DemoOptions
+    from attn_dispatch.demo.factory import build
+    from attn_dispatch.demo.models import FP8_MAX
+
+    target, draft = build(
+        DemoOptions(size="tiny"),
+        device="cpu",
+        dtype="float32",
+        target_spec=None,
+        draft_spec=None,
+        kv_dtype="float8_e4m3fn",
+    )
+    tm, dm = target.model, draft.model
+    assert tm.make_caches(2, 4, "cpu")[0][0].dtype == torch.float8_e4m3fn
+    assert {c.dtype for pair in dm.make_caches(2, 1, "cpu") for c in pair} == {torch.float8_e4m3fn}
+    assert all(s is not None and s > 0 for s in tm.k_scales)
+    assert len(set(tm.k_scales)) == len(tm.k_scales)  # one per layer
+    # The scale bounds what a layer writes: no stored value reaches the format's edge.
+    from attn_dispatch import AttnBatch
+    from attn_dispatch import Phase
+
+    tokens = torch.randint(0, tm.shape.vocab, (24,), generator=torch.Generator().manual_seed(0))
+    pages = list(range(24 // target.page_size))
+    batch = AttnBatch.build(
+        Phase.PREFILL,
+        q_lens=[24],
+        kv_lens=[24],
+        page_tables=[pages],
+        page_size=target.page_size,
+        num_pages=target.num_pages,
+    )
+    with torch.inference_mode():
+        target.forward(batch, tokens.tolist(), list(range(24)), target.rows(pages, range(24)))
+    peak = max(float(k.float().abs().max()) for k, _ in target.caches)
+    assert 0.0 < peak < FP8_MAX[torch.float8_e4m3fn]
 
 
 def test_report_shows_per_forward_times_and_the_speedup() -> None:

@@ -19,11 +19,14 @@ from typing import Any
 import pytest
 
 from attn_dispatch import BackendSpec
+from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
 from attn_dispatch import UnknownPhaseError
 from attn_dispatch import phase_of
+from attn_dispatch.integrations.sglang import attn_config_from_layer
 from attn_dispatch.integrations.sglang import forward_phase
 from attn_dispatch.integrations.sglang import spec_from_server_args
+from attn_dispatch.integrations.sglang import variant_fields
 
 
 class ForwardMode(enum.IntEnum):  # the shape of SGLang's enum (names matter, not values)
@@ -201,3 +204,73 @@ def test_grid_against_installed_sglang() -> None:
     proc = _run_grid_tool("--check")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "'target_mismatch': 0" in proc.stdout and "'draft_mismatch': 0" in proc.stdout
+
+
+# --- Layer variants as RadixAttention spells them --------------------------------------------
+
+
+def radix_layer(**fields: Any) -> types.SimpleNamespace:
+    """The public fields of SGLang's RadixAttention (as its __init__ stores them)."""
+    base = dict(
+        tp_q_head_num=8,
+        tp_k_head_num=2,
+        tp_v_head_num=2,
+        head_dim=64,
+        qk_head_dim=64,
+        v_head_dim=64,
+        scaling=0.125,
+        layer_id=0,
+        logit_cap=0.0,
+        sliding_window_size=-1,
+        is_cross_attention=False,
+        logit_capping_method="tanh",
+    )
+    return types.SimpleNamespace(**{**base, **fields})
+
+
+def test_sliding_window_size_is_window_left_and_logit_cap_is_logit_cap() -> None:
+    # Gemma 2 in SGLang: sliding_window_size = HF sliding_window - 1 = 4095, logit_cap 50.
+    cfg = attn_config_from_layer(
+        radix_layer(sliding_window_size=4095, logit_cap=50.0), dtype="bfloat16", page_size=16
+    )
+    assert (cfg.window_left, cfg.logit_cap, cfg.sinks) == (4095, 50.0, False)
+    assert (cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sm_scale) == (8, 2, 64, 0.125)
+    full = attn_config_from_layer(radix_layer(), dtype="bfloat16", page_size=16)
+    assert (full.window_left, full.logit_cap) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("size", "window"), [(-1, None), (0, None), (None, None), (1, 1), (127, 127)]
+)
+def test_sliding_window_size_follows_radix_attentions_none_values(
+    size: int | None, window: int | None
+) -> None:
+    # RadixAttention stores `sliding_window_size or -1`: 0 and None are "no window" there.
+    assert variant_fields(sliding_window_size=size)["window_left"] == window
+
+
+def test_sglang_names_reach_a_binding_and_sinks_are_a_flag() -> None:
+    from attn_dispatch import bind
+
+    cfg = attn_config_from_layer(
+        radix_layer(sliding_window_size=3, logit_cap=30.0), dtype="float32", page_size=4, sinks=True
+    )
+    binding = bind("torch", cfg)
+    assert binding.config.window_left == 3 and binding.config.sinks
+
+
+@pytest.mark.parametrize(
+    ("fields", "name"),
+    [
+        ({"logit_capping_method": "clamp"}, "logit_capping_method"),
+        ({"is_cross_attention": True}, "is_cross_attention"),
+        ({"sliding_window_size": 2.5}, "sliding_window_size"),
+        ({"logit_cap": -1.0}, "logit_cap"),
+    ],
+)
+def test_sglang_values_we_do_not_serve_are_refused_by_name(
+    fields: dict[str, Any], name: str
+) -> None:
+    with pytest.raises(InvalidSpecError) as info:
+        attn_config_from_layer(radix_layer(**fields), dtype="bfloat16", page_size=16)
+    assert info.value.field == name

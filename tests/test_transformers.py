@@ -11,14 +11,18 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from attn_dispatch import IncompatibleBackendError  # noqa: E402
+from attn_dispatch import InvalidSpecError  # noqa: E402
 from attn_dispatch import UnknownBackendError  # noqa: E402
 from attn_dispatch import record_dispatch  # noqa: E402
 from attn_dispatch import register_backend  # noqa: E402
 from attn_dispatch import unregister_backend  # noqa: E402
 from attn_dispatch.backends.reference import CAPABILITIES as TORCH_CAPS  # noqa: E402
+from attn_dispatch.integrations.transformers import FP8_MAX  # noqa: E402
 from attn_dispatch.integrations.transformers import IMPLEMENTATION  # noqa: E402
 from attn_dispatch.integrations.transformers import UnsupportedModelError  # noqa: E402
 from attn_dispatch.integrations.transformers import attn_config_for  # noqa: E402
+from attn_dispatch.integrations.transformers import attn_configs_for  # noqa: E402
 from attn_dispatch.integrations.transformers import dispatch_mask  # noqa: E402
 from attn_dispatch.integrations.transformers import use  # noqa: E402
 
@@ -110,21 +114,23 @@ def generate(model: Any, ids: Any, mask: Any = None, new: int = 6, **kw: Any) ->
     return out[:, ids.shape[1] :]
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_greedy_generate_matches_sdpa_with_left_padding(name: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "backend"), [(n, "torch") for n in sorted(MODELS)] + [("llama", "native")]
+)
+def test_greedy_generate_matches_sdpa_with_left_padding(name: str, backend: str) -> None:
     model = MODELS[name]()
     model.set_attn_implementation("sdpa")
     ids, mask, _ = left_padded([7, 4])
     expected = generate(model, ids, mask)
-    bound = use(model, "torch", label=name)
+    bound = use(model, backend, label=name)
     assert model.config._attn_implementation == IMPLEMENTATION
     with record_dispatch() as rec:
         got = generate(model, ids, mask)
     assert torch.equal(got, expected)
     layers = model.config.num_hidden_layers
     assert rec.counts() == {
-        (name, "prefill", "torch"): layers,
-        (name, "decode", "torch"): 5 * layers,
+        (name, "prefill", backend): layers,
+        (name, "decode", backend): 5 * layers,
     }
     bound.remove()
     assert model.config._attn_implementation == "sdpa"
@@ -219,18 +225,11 @@ def test_binding_twice_is_refused() -> None:
         use(model, "torch")
 
 
-def test_sliding_window_models_are_refused() -> None:
-    cfg = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=4)
-    model = transformers.Qwen2ForCausalLM(cfg).eval()
-    with pytest.raises(UnsupportedModelError, match="full-attention layers only"):
-        use(model, "torch")
-
-
 def test_mask_function_refuses_patterns_it_cannot_represent() -> None:
-    from transformers.masking_utils import sliding_window_causal_mask_function
+    from transformers.masking_utils import chunked_causal_mask_function
 
     with pytest.raises(UnsupportedModelError, match="beyond causal"):
-        dispatch_mask(1, 4, 4, mask_function=sliding_window_causal_mask_function(2))
+        dispatch_mask(1, 4, 4, mask_function=chunked_causal_mask_function(2, torch.zeros(1)))
 
 
 def test_calling_outside_a_wrapped_forward_is_an_error() -> None:
@@ -240,3 +239,308 @@ def test_calling_outside_a_wrapped_forward_is_an_error() -> None:
 
     with pytest.raises(NoActiveScopeError, match="use\\(model, spec\\)"):
         dispatch_mask(1, 4, 4, mask_function=causal_mask_function)
+
+
+# --- Layer variants: sliding windows, soft-caps, sinks, mixed layer groups -------------------
+
+WINDOW = 3  # transformers' sliding_window: 3 keys, the query's own included
+VARIANT = dict(COMMON, num_key_value_heads=2, initializer_range=0.2)
+MIXED = ["sliding_attention", "full_attention"]
+
+
+def mistral(seed: int = 0, window: int | None = WINDOW) -> Any:
+    torch.manual_seed(seed)
+    return transformers.MistralForCausalLM(
+        transformers.MistralConfig(**VARIANT, sliding_window=window)
+    ).eval()
+
+
+def qwen2_sliding(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2Config(
+        **VARIANT, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+    )
+    return transformers.Qwen2ForCausalLM(cfg).eval()
+
+
+def gemma2(seed: int = 0, cap: float | None = 0.5) -> Any:
+    torch.manual_seed(seed)
+    cfg = transformers.Gemma2Config(
+        **VARIANT,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=WINDOW,
+        attn_logit_softcapping=cap,
+        tie_word_embeddings=False,  # tied + scaled embeddings echo the input token
+    )
+    return transformers.Gemma2ForCausalLM(cfg).eval()
+
+
+def gemma3(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    cfg = transformers.Gemma3TextConfig(
+        **VARIANT,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=WINDOW,
+        layer_types=MIXED,
+        tie_word_embeddings=False,
+    )
+    return transformers.Gemma3ForCausalLM(cfg).eval()
+
+
+def cohere2(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    cfg = transformers.Cohere2Config(**VARIANT, sliding_window=WINDOW, layer_types=MIXED)
+    return transformers.Cohere2ForCausalLM(cfg).eval()
+
+
+def gpt_oss(seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    cfg = transformers.GptOssConfig(
+        **VARIANT, head_dim=16, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2
+    )
+    return transformers.GptOssForCausalLM(cfg).eval()
+
+
+FAMILIES: dict[str, Callable[..., Any]] = {
+    "mistral": mistral,
+    "qwen2_sliding": qwen2_sliding,
+    "gemma2": gemma2,
+    "gemma3": gemma3,
+    "cohere2": cohere2,
+    "gpt_oss": gpt_oss,
+}
+# What each family's binding must say: groups, and the variants of each.
+EXPECTED_GROUPS = {
+    "mistral": {"sliding": (2, None, False)},
+    "qwen2_sliding": {"sliding": (2, None, False), "full": (None, None, False)},
+    "gemma2": {"sliding": (2, 0.5, False), "full": (None, 0.5, False)},
+    "gemma3": {"sliding": (2, None, False), "full": (None, None, False)},
+    "cohere2": {"sliding": (2, None, False), "full": (None, None, False)},
+    "gpt_oss": {"sliding": (2, None, True), "full": (None, None, True)},
+}
+
+
+def eager(model: Any) -> Any:
+    model.set_attn_implementation("eager")
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_variant_family_generates_eagers_tokens_on_a_left_padded_batch(name: str) -> None:
+    model = eager(FAMILIES[name]())
+    ids, mask, _ = left_padded([8, 4])
+    expected = generate(model, ids, mask, new=8)
+    configs = attn_configs_for(model.config, dtype=torch.float32, device="cpu", sinks=True)
+    got_groups = {g: (c.window_left, c.logit_cap) for g, c in configs.items()}
+    assert got_groups == {g: v[:2] for g, v in EXPECTED_GROUPS[name].items()}
+    bound = use(model, "torch", label=name)
+    groups = bound.binding.groups
+    if len(EXPECTED_GROUPS[name]) > 1:  # one grouped binding, a group per layer type
+        cfgs = {g: b.config for g, b in groups.items()}
+    else:  # every layer alike (Mistral: all sliding): a plain binding
+        assert not groups
+        cfgs = {"sliding": bound.binding.config}
+    got_cfgs = {g: (c.window_left, c.logit_cap, c.sinks) for g, c in cfgs.items()}
+    assert got_cfgs == EXPECTED_GROUPS[name]
+    with record_dispatch() as rec:
+        got = generate(model, ids, mask, new=8)
+    assert torch.equal(got, expected)
+    # Every layer dispatched in its own group: each group once per layer of its type and forward.
+    layer_types = list(getattr(model.config, "layer_types", None) or ["sliding_attention"] * 2)
+    per_group = {g: layer_types.count(f"{g}_attention") for g in EXPECTED_GROUPS[name]}
+    want = {}
+    for g, n in per_group.items():
+        key = g if groups else None
+        want[(name, key, "prefill", "torch")] = n
+        want[(name, key, "decode", "torch")] = 7 * n
+    assert rec.group_counts() == want
+    bound.remove()
+
+
+def test_the_variants_change_these_tiny_models_tokens() -> None:
+    # So the test above can fail: without its window / cap / sinks each model decodes otherwise.
+    ids, mask, _ = left_padded([8, 4])
+    assert not torch.equal(
+        generate(eager(mistral()), ids, mask, new=8),
+        generate(eager(mistral(window=None)), ids, mask, new=8),
+    )
+    assert not torch.equal(
+        generate(eager(gemma2()), ids, mask, new=8),
+        generate(eager(gemma2(cap=None)), ids, mask, new=8),
+    )
+    with_sinks, without = eager(gpt_oss()), eager(gpt_oss())
+    with torch.no_grad():
+        for m in without.modules():
+            if hasattr(m, "sinks"):
+                m.sinks.fill_(-1e4)  # e^(sink) = 0: no sink at all
+    assert not torch.equal(
+        generate(with_sinks, ids, mask, new=8), generate(without, ids, mask, new=8)
+    )
+
+
+def test_assisted_generation_with_sliding_window_models(torch2: str) -> None:
+    target, assistant = eager(gemma2(seed=0)), eager(gemma2(seed=1))
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(7))
+    plain = generate(target, ids, new=10)
+    use(target, "torch", label="target")
+    use(assistant, torch2, label="assistant")
+    assistant.generation_config.num_assistant_tokens = 3
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    with record_dispatch() as rec:
+        assisted = generate(target, ids, new=10, assistant_model=assistant)
+    assert torch.equal(assisted, plain)
+    seen = {(str(label), group, phase, b) for label, group, phase, b in rec.group_counts()}
+    for group in ("sliding", "full"):
+        assert {("target", group, "prefill", "torch"), ("target", group, "verify", "torch")} <= seen
+        assert ("assistant", group, "decode", torch2) in seen
+
+
+def test_native_refuses_variant_models_at_bind_with_the_reason() -> None:
+    model = gemma2()
+    before = model.config._attn_implementation
+    with pytest.raises(IncompatibleBackendError, match="window") as info:
+        use(model, "native")
+    assert "logit_cap" in str(info.value)
+    assert model.config._attn_implementation == before
+    assert "forward" not in model.__dict__
+
+
+def test_padding_inside_a_row_is_refused_for_windowed_models() -> None:
+    model = mistral()
+    use(model, "torch")
+    ids = torch.randint(0, VOCAB, (1, 6))
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1]])
+    with pytest.raises(UnsupportedModelError, match="padding between real tokens"):
+        generate(model, ids, mask, new=2)
+
+
+def test_sliding_mask_of_another_width_is_refused() -> None:
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    model = mistral()
+    use(model, "torch")
+    seen: list[BaseException] = []
+
+    def probe(*args: Any, **kwargs: Any) -> Any:
+        try:
+            dispatch_mask(
+                1, 4, 4, mask_function=sliding_window_causal_mask_function(5), local_size=5
+            )
+        except UnsupportedModelError as err:
+            seen.append(err)
+        return None
+
+    # A mask request is only valid inside a wrapped forward: check from within one.
+    handle = model.model.layers[0].register_forward_pre_hook(probe)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, VOCAB, (1, 4)))
+    handle.remove()
+    assert seen and "sliding_window=3" in str(seen[0])
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda: transformers.Gemma3ForCausalLM(
+                transformers.Gemma3TextConfig(
+                    **VARIANT, head_dim=16, layer_types=MIXED, use_bidirectional_attention=True
+                )
+            ),
+            "bidirectional",
+        ),
+        (
+            lambda: transformers.Qwen2ForCausalLM(
+                transformers.Qwen2Config(
+                    **VARIANT, layer_types=["full_attention", "chunked_attention"]
+                )
+            ),
+            "chunked_attention",
+        ),
+    ],
+)
+def test_what_is_not_served_is_refused_by_name(make: Callable[[], Any], match: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=match):
+        use(make().eval(), "torch")
+
+
+def last_logits(model: Any, ids: Any, mask: Any) -> Any:
+    with torch.no_grad():
+        first = model(input_ids=ids[:, :-3], attention_mask=mask[:, :-3], use_cache=True)
+        return model(input_ids=ids[:, -3:], attention_mask=mask, cache=first.past_key_values).logits
+
+
+# Max |logit difference| / max |logit| against the same model with full-precision pages, on
+# these deliberately sensitive tiny models (initializer_range 0.2: errors grow layer to layer).
+# Measured: e4m3fn 0.081, e5m2 0.141 (with initializer_range 0.02: 0.026, 0.033).
+FP8_TOLERANCE = {"float8_e4m3fn": 0.10, "float8_e5m2": 0.20}
+
+
+def register_fp8_eager(kv_dtype: str) -> str:
+    """transformers' eager attention on K/V rounded as use(kv_dtype=...) documents it: one
+    scale per layer and forward, amax / FP8_MAX, the values stored as x / scale in FP8."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import eager_mask
+    from transformers.models.mistral.modeling_mistral import eager_attention_forward
+
+    limit, fp8 = FP8_MAX[kv_dtype], getattr(torch, kv_dtype)
+
+    def rounded(x: Any) -> Any:
+        scale = float(x.abs().amax()) / limit
+        return ((x / scale).clamp(-limit, limit).to(fp8).float() * scale).to(x.dtype)
+
+    def fn(module: Any, query: Any, key: Any, value: Any, mask: Any, **kw: Any) -> Any:
+        return eager_attention_forward(module, query, rounded(key), rounded(value), mask, **kw)
+
+    name = f"eager_{kv_dtype}"
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, eager_mask)
+    return name
+
+
+@pytest.mark.parametrize("kv_dtype", sorted(FP8_TOLERANCE))
+def test_fp8_pages_are_eager_on_rounded_kv_and_close_to_full_precision(kv_dtype: str) -> None:
+    ids, mask, _ = left_padded([10, 6], seed=4)
+    model = mistral()
+    model.set_attn_implementation(register_fp8_eager(kv_dtype))
+    expected = last_logits(model, ids, mask)
+    bound = use(model, "torch")
+    full = last_logits(model, ids, mask)
+    bound.remove()
+    bound = use(model, "torch", kv_dtype=kv_dtype)
+    assert bound.binding.config.kv_dtype == kv_dtype
+    got = last_logits(model, ids, mask)
+    # Exactly what the documented rounding gives (up to fp32 summation order)...
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # ...which is a real rounding, within the stated tolerance of full precision.
+    rel = float((got - full).abs().max() / full.abs().max())
+    assert 0.0 < rel <= FP8_TOLERANCE[kv_dtype], rel
+
+
+def test_each_group_may_have_its_own_spec(torch2: str) -> None:
+    model = eager(gemma2())
+    ids, mask, _ = left_padded([8, 4])
+    expected = generate(model, ids, mask, new=4)
+    use(model, {"sliding": "torch", "full": torch2}, label="g")
+    with record_dispatch() as rec:
+        got = generate(model, ids, mask, new=4)
+    assert torch.equal(got, expected)
+    assert {(group, backend) for _, group, _, backend in rec.group_counts()} == {
+        ("sliding", "torch"),
+        ("full", torch2),
+    }
+    with pytest.raises(InvalidSpecError, match="one group"):
+        use(mistral(), {"full": "torch"})
+
+
+def test_a_layer_that_differs_from_its_group_config_is_refused() -> None:
+    # The binding is made from the config; a layer changed after use() cannot be served.
+    model = gemma2()
+    use(model, "torch")
+    model.model.layers[1].self_attn.attn_logit_softcapping = 7.0
+    with pytest.raises(UnsupportedModelError, match=r"layer 1: softcap=7\.0"):
+        generate(model, torch.randint(0, VOCAB, (1, 4)), new=1)

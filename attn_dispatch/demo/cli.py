@@ -132,6 +132,18 @@ def parser() -> argparse.ArgumentParser:
         "target's attention and latent cache stay float32 so that its verify and decode "
         "forwards round alike and the tokens match exactly",
     )
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=("auto", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"),
+        help="KV cache format (default auto: each runner's attention dtype). An FP8 format "
+        "stores both runners' caches in FP8 with a scale per layer (a bound on the layer's "
+        "|K| and |V| mapped onto the format's largest value) passed as attention(..., "
+        "k_scale=, v_scale=); the default target backend is then the first that serves FP8 "
+        "(torch: native has no FP8 kernels yet); a --target-spec that cannot serve it is an "
+        "error, never replaced. bfloat16/float32: the target's attention and latent cache "
+        "dtype",
+    )
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument(
         "--threads",
@@ -246,6 +258,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     # Reduced-precision attention differs between the verify and decode kernels by a rounding
     # step, enough to flip a near-tie in the target's greedy choice: keep it fp32.
     attn_dtype = "float32" if dtype in ("bfloat16", "float16") and device == "cpu" else None
+    kv_dtype = None if args.kv_dtype == "auto" else args.kv_dtype
     legacy = None
     if args.legacy_global:
         from attn_dispatch.demo.legacy import LegacyGlobals
@@ -262,6 +275,7 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
             device=device,
             dtype=dtype,
             attn_dtype=attn_dtype,
+            kv_dtype=kv_dtype,
             target_spec=tspec,
             draft_spec=dspec,
             legacy=legacy,
@@ -273,9 +287,11 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
             f"(dispatch: {mode})"
         )
         isa = torch.backends.cpu.get_cpu_capability() if device == "cpu" else device
+        tcfg, dcfg = target.attn_binding.config, draft.attn_binding.config
         say(
             f"device {device} ({isa}), {torch.get_num_threads()} thread(s); dtype {dtype} ({why})"
-            + (f"; target attention and latent cache {attn_dtype}" if attn_dtype else "")
+            + f"; target attention {tcfg.dtype}, kv dtype target {tcfg.kv_dtype}, draft "
+            + f"{dcfg.kv_dtype} ({'--kv-dtype' if kv_dtype else 'auto'})"
             + f"; start-up {startup:.1f} s"
         )
         say("\nrunners")

@@ -169,8 +169,13 @@ def build(
     target_shape: TargetShape | None = None,
     draft_shape: DraftShape | None = None,
     attn_dtype: str | None = None,
+    kv_dtype: str | None = None,
 ) -> tuple[Runner, Runner]:
     """Seeded models and their runners, each with its own binding and cache.
+
+    ``kv_dtype``: None keeps each cache in its runner's attention dtype; an FP8 format
+    (``"float8_e4m3fn"``/``"float8_e5m2"``) stores both runners' caches in it with per-layer
+    scales; another dtype is the target's attention and latent cache dtype.
 
     >>> target, draft = build(DemoOptions(), device="cpu", dtype="float32",
     ...                       target_spec=None, draft_spec=None)
@@ -181,6 +186,9 @@ def build(
     from attn_dispatch.demo.runner import Runner
 
     size = sizes()[opts.size]
+    fp8 = kv_dtype is not None and kv_dtype.startswith("float8")
+    if kv_dtype is not None and not fp8:
+        attn_dtype, kv_dtype = kv_dtype, None
     tmodel, dmodel = build_models(
         size.target if target_shape is None else target_shape,
         size.draft if draft_shape is None else draft_shape,
@@ -188,6 +196,7 @@ def build(
         dtype=getattr(torch, dtype),
         device=device,
         attn_dtype=None if attn_dtype is None else getattr(torch, attn_dtype),
+        kv_dtype=None if kv_dtype is None else getattr(torch, kv_dtype),
     )
     tcfg = tmodel.attn_config(page_size=opts.page_size, device=device)
     dcfg = dmodel.attn_config(page_size=1, device=device)

@@ -54,6 +54,39 @@ def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
 
 
+#: Largest finite value of each FP8 cache format.
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _kv_scale(bound: float, kv_dtype: torch.dtype) -> float | None:
+    """The per-layer scale of an FP8 cache whose values never exceed ``bound`` (None when the
+    cache is not FP8): the cache holds ``x / scale``, so ``bound`` maps onto the format's max."""
+    if kv_dtype not in FP8_MAX:
+        return None
+    return max(bound, 1e-6) / FP8_MAX[kv_dtype]
+
+
+def _row_bound(w: torch.Tensor, width: int, pairs: bool) -> float:
+    """A bound on ``|h @ w.T|`` per element for an RMS-normalised ``h`` (``||h|| = sqrt(width)``):
+    Cauchy-Schwarz, times sqrt(2) when rotary pairs mix two rows, plus 5% for rounding."""
+    row = float(w.float().norm(dim=-1).max())
+    bound: float = row * width**0.5 * (2**0.5 if pairs else 1.0) * 1.05
+    return bound
+
+
+def _store(x: torch.Tensor, scale: float | None, kv_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the cache stores it: ``x / scale`` in FP8 (clamped to the format), else ``x``."""
+    if scale is None:
+        return x.to(kv_dtype)
+    limit = FP8_MAX[kv_dtype]
+    return (x.float() / scale).clamp_(-limit, limit).to(kv_dtype)
+
+
+def _load(x: torch.Tensor, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """What the cache's rows mean in ``dtype`` (dequantised when FP8)."""
+    return x.to(dtype) if scale is None else (x.float() * scale).to(dtype)
+
+
 def _norm_in(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """RMS-normalised residual (fp32) as the input of the next matmuls (``dtype``)."""
     return _rms(x).to(dtype)
@@ -108,11 +141,13 @@ class TargetModel:
         gen: torch.Generator,
         dtype: torch.dtype,
         attn_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         s = shape
         self.shape = s
         self.dtype = dtype
         self.attn_dtype = dtype if attn_dtype is None else attn_dtype
+        self.kv_dtype = self.attn_dtype if kv_dtype is None else kv_dtype
         self.shared = Shared(s.vocab, s.hidden, s.rank, gen, dtype)
         w = _weights(gen, dtype)
         self.layers = []
@@ -129,12 +164,26 @@ class TargetModel:
                 }
             )
         self.sm_scale = (s.qk_nope + s.qk_rope) ** -0.5
+        # FP8 cache: one scale per layer for the latent row (MLA: V is part of it). c_kv is
+        # RMS-normalised (|c| <= sqrt(kv_lora_rank)); k_rope is bounded by its weights.
+        self.k_scales = [
+            _kv_scale(
+                max(
+                    s.kv_lora_rank**0.5 * 1.05,
+                    _row_bound(layer["wdkv"][s.kv_lora_rank :], s.hidden, True),
+                ),
+                self.kv_dtype,
+            )
+            for layer in self.layers
+        ]
 
     def attn_config(self, *, page_size: int, device: str) -> AttnConfig:
         s = self.shape
         extra: dict[str, Any] = {}
         if "sm_scale" in AttnConfig.__dataclass_fields__:
             extra["sm_scale"] = self.sm_scale
+        if self.kv_dtype in FP8_MAX:
+            extra["kv_dtype"] = str(self.kv_dtype).removeprefix("torch.")
         return AttnConfig(
             kind="mla",
             num_q_heads=s.heads,
@@ -155,7 +204,7 @@ class TargetModel:
     def make_caches(self, num_pages: int, page_size: int, device: str) -> Caches:
         width = self.shape.cache_width
         return [
-            (torch.zeros(num_pages, page_size, width, dtype=self.attn_dtype, device=device), None)
+            (torch.zeros(num_pages, page_size, width, dtype=self.kv_dtype, device=device), None)
             for _ in self.layers
         ]
 
@@ -176,7 +225,7 @@ class TargetModel:
         t = tokens.numel()
         dt, adt = self.dtype, self.attn_dtype
         x = self.shared.embed[tokens].float()
-        for layer, (k_cache, _) in zip(self.layers, caches, strict=True):
+        for layer, (k_cache, _), k_scale in zip(self.layers, caches, self.k_scales, strict=True):
             h = _norm_in(x, dt)
             q = F.linear(h, layer["wq"]).view(t, s.heads, s.qk_nope + s.qk_rope)
             q_nope, q_rope = q[..., : s.qk_nope], _rope(q[..., s.qk_nope :].to(adt), positions)
@@ -184,15 +233,20 @@ class TargetModel:
             c_kv = _norm_in(kv[:, : s.kv_lora_rank].float(), adt)
             k_rope = _rope(kv[:, None, s.kv_lora_rank :].to(adt), positions)[:, 0]
             # Write the new tokens' latent rows before attention (the data contract).
-            k_cache.view(-1, s.cache_width)[rows] = torch.cat((c_kv, k_rope), dim=-1)
+            stored = _store(torch.cat((c_kv, k_rope), dim=-1), k_scale, self.kv_dtype)
+            k_cache.view(-1, s.cache_width)[rows] = stored
+            scales: dict[str, float] = {} if k_scale is None else {"k_scale": k_scale}
+            if k_scale is not None:  # the decompressed forms see what the cache holds
+                latent = _load(stored, k_scale, adt)
+                c_kv, k_rope = latent[:, : s.kv_lora_rank], latent[:, s.kv_lora_rank :]
             if form is AttnForm.MLA:
                 q_latent = torch.einsum("thn,hnl->thl", q_nope, layer["wuk"])
                 q_abs = torch.cat((q_latent.to(adt), q_rope), dim=-1).contiguous()
-                o_latent = attend(q_abs, k_cache, None, sm_scale=self.sm_scale)
+                o_latent = attend(q_abs, k_cache, None, sm_scale=self.sm_scale, **scales)
                 o = torch.einsum("thl,hvl->thv", o_latent.to(dt), layer["wuv"])
             else:
                 o = self._decompressed(
-                    layer, q_nope, q_rope, c_kv, k_rope, k_cache, attend, form, batch
+                    layer, q_nope, q_rope, c_kv, k_rope, k_cache, attend, form, batch, k_scale
                 )
             x = x + F.linear(o.reshape(t, -1).to(dt), layer["wo"]).float()
             x = x + _mlp(x, layer["up"], layer["down"])
@@ -222,6 +276,7 @@ class TargetModel:
         attend: AttendFn,
         form: AttnForm,
         batch: AttnBatch | None,
+        k_scale: float | None = None,
     ) -> torch.Tensor:
         from attn_dispatch.mla import gather_latent
         from attn_dispatch.mla import latent_prefix_chunks
@@ -231,10 +286,15 @@ class TargetModel:
         q = torch.cat((q_nope.to(self.attn_dtype), q_rope), dim=-1).contiguous()
         if form is AttnForm.MHA:
             # Whole sequences (prefix and new tokens), request after request.
-            k, v = self._up_proj(layer, gather_latent(k_cache, batch))
+            latent = _load(gather_latent(k_cache, batch), k_scale, self.attn_dtype)
+            k, v = self._up_proj(layer, latent)
             return attend(q, k, v, sm_scale=self.sm_scale)
         k_new, v_new = self._up_proj(layer, torch.cat((c_kv, k_rope), dim=-1))
-        chunks = latent_prefix_chunks(k_cache, batch, lambda rows: self._up_proj(layer, rows))
+        chunks = latent_prefix_chunks(
+            k_cache,
+            batch,
+            lambda rows: self._up_proj(layer, _load(rows, k_scale, self.attn_dtype)),
+        )
         return attend(q, k_new, v_new, sm_scale=self.sm_scale, prefix=chunks)
 
 
@@ -248,11 +308,17 @@ class DraftModel:
     kind = "mha"
 
     def __init__(
-        self, shape: DraftShape, target: TargetModel, gen: torch.Generator, dtype: torch.dtype
+        self,
+        shape: DraftShape,
+        target: TargetModel,
+        gen: torch.Generator,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         s = shape
         self.shape = s
         self.dtype = dtype
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         shared = target.shared
         self.width = shared.proj.shape[0]
         self.embed = (shared.embed.float() @ shared.proj.t()).to(dtype)
@@ -271,6 +337,14 @@ class DraftModel:
                 }
             )
         self.sm_scale = s.head_dim**-0.5
+        # FP8 cache: per-layer K and V scales from bounds on |K|, |V| (RMS-normalised input).
+        self.kv_scales = [
+            (
+                _kv_scale(_row_bound(layer["wk"], self.width, True), self.kv_dtype),
+                _kv_scale(_row_bound(layer["wv"], self.width, False), self.kv_dtype),
+            )
+            for layer in self.layers
+        ]
 
     @property
     def params(self) -> int:
@@ -287,6 +361,7 @@ class DraftModel:
             num_kv_heads=s.kv_heads,
             head_dim=s.head_dim,
             dtype=str(self.dtype).removeprefix("torch."),
+            kv_dtype=str(self.kv_dtype).removeprefix("torch."),
             page_size=page_size,
             device=device,
             **extra,
@@ -297,8 +372,8 @@ class DraftModel:
         dims = (num_pages, page_size, s.kv_heads, s.head_dim)
         return [
             (
-                torch.zeros(dims, dtype=self.dtype, device=device),
-                torch.zeros(dims, dtype=self.dtype, device=device),
+                torch.zeros(dims, dtype=self.kv_dtype, device=device),
+                torch.zeros(dims, dtype=self.kv_dtype, device=device),
             )
             for _ in self.layers
         ]
@@ -314,15 +389,20 @@ class DraftModel:
         s = self.shape
         t = tokens.numel()
         x = self.embed[tokens].float()
-        for layer, (k_cache, v_cache) in zip(self.layers, caches, strict=True):
+        for layer, (k_cache, v_cache), (k_scale, v_scale) in zip(
+            self.layers, caches, self.kv_scales, strict=True
+        ):
             assert v_cache is not None
             h = _norm_in(x, self.dtype)
             q = _rope(F.linear(h, layer["wq"]).view(t, s.heads, s.head_dim), positions)
             k = _rope(F.linear(h, layer["wk"]).view(t, s.kv_heads, s.head_dim), positions)
             v = F.linear(h, layer["wv"]).view(t, s.kv_heads, s.head_dim)
-            k_cache.view(-1, s.kv_heads, s.head_dim)[rows] = k
-            v_cache.view(-1, s.kv_heads, s.head_dim)[rows] = v
-            o = attend(q.contiguous(), k_cache, v_cache, sm_scale=self.sm_scale)
+            k_cache.view(-1, s.kv_heads, s.head_dim)[rows] = _store(k, k_scale, self.kv_dtype)
+            v_cache.view(-1, s.kv_heads, s.head_dim)[rows] = _store(v, v_scale, self.kv_dtype)
+            scales: dict[str, float] = {}
+            if k_scale is not None and v_scale is not None:
+                scales = {"k_scale": k_scale, "v_scale": v_scale}
+            o = attend(q.contiguous(), k_cache, v_cache, sm_scale=self.sm_scale, **scales)
             x = x + F.linear(o.reshape(t, -1), layer["wo"]).float()
             x = x + _mlp(x, layer["up"], layer["down"])
         return F.linear(_rms(x), self.lm_head)
@@ -346,11 +426,13 @@ def build_models(
     dtype: torch.dtype,
     device: str,
     attn_dtype: torch.dtype | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> tuple[TargetModel, DraftModel]:
-    """The seeded target and the draft derived from it, on ``device``."""
+    """The seeded target and the draft derived from it, on ``device``; ``kv_dtype`` (e.g.
+    ``torch.float8_e4m3fn``) is both runners' cache format (default: their compute dtype)."""
     gen = torch.Generator().manual_seed(seed)
-    target = TargetModel(target_shape, gen, dtype, attn_dtype)
-    draft = DraftModel(draft_shape, target, gen, dtype)
+    target = TargetModel(target_shape, gen, dtype, attn_dtype, kv_dtype)
+    draft = DraftModel(draft_shape, target, gen, dtype, kv_dtype)
     if device != "cpu":
         _target_to(target, device)
         draft.to(device)

@@ -7,12 +7,22 @@
 
 The mapping itself lives in the core (``phase_of``, ``BackendSpec.from_server_args``) so that
 it is tested once; this module names the SGLang-shaped entry points.
+
+Layer variants as SGLang spells them (``RadixAttention``'s fields): ``sliding_window_size``
+is already FlashInfer's ``window_left`` (SGLang models pass HF's ``sliding_window - 1``;
+``-1``, ``0`` or None = no window, as ``RadixAttention`` stores ``sliding_window_size or -1``)
+and ``logit_cap`` (``0.0`` = off, tanh capping) is ``AttnConfig.logit_cap``:
+
+    >>> cfg = attn_config_from_layer(layer, dtype="bfloat16", page_size=16)
+    >>> AttnConfig(..., **variant_fields(sliding_window_size=4095, logit_cap=30.0))
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from attn_dispatch._config import AttnConfig
+from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch._phase import phase_of
 from attn_dispatch._spec import BackendSpec
@@ -38,4 +48,82 @@ def forward_phase(forward_batch: Any) -> Phase:
     return phase_of(getattr(forward_batch, "forward_mode", forward_batch))
 
 
-__all__ = ["forward_phase", "phase_of", "spec_from_server_args"]
+def variant_fields(
+    *,
+    sliding_window_size: int | None = -1,
+    logit_cap: float | None = 0.0,
+    logit_capping_method: str = "tanh",
+) -> dict[str, Any]:
+    """``AttnConfig`` keyword arguments (``window_left``, ``logit_cap``) from SGLang's names.
+
+    >>> variant_fields(sliding_window_size=4095, logit_cap=50.0)
+    {'window_left': 4095, 'logit_cap': 50.0}
+    """
+    if isinstance(sliding_window_size, bool) or not isinstance(sliding_window_size, int | None):
+        raise InvalidSpecError(
+            "sliding_window_size",
+            sliding_window_size,
+            "must be an int (SGLang's window_left: HF's sliding_window - 1; -1 = no window)",
+        )
+    if logit_capping_method != "tanh":
+        raise InvalidSpecError(
+            "logit_capping_method",
+            logit_capping_method,
+            "only SGLang's 'tanh' capping (cap * tanh(s / cap)) is served",
+        )
+    # RadixAttention keeps ``sliding_window_size or -1``: 0 and None mean no window there too.
+    window = sliding_window_size if sliding_window_size and sliding_window_size > 0 else None
+    return {"window_left": window, "logit_cap": logit_cap or None}
+
+
+def attn_config_from_layer(
+    layer: Any,
+    *,
+    dtype: str,
+    page_size: int,
+    device: str = "cpu",
+    kv_dtype: str | None = None,
+    sinks: bool = False,
+    tree_verify: bool = False,
+) -> AttnConfig:
+    """The MHA ``AttnConfig`` of one SGLang ``RadixAttention`` layer (read by attribute:
+    ``tp_q_head_num``, ``tp_k_head_num``, ``qk_head_dim``, ``v_head_dim``, ``scaling``,
+    ``sliding_window_size``, ``logit_cap``, ``logit_capping_method``). Sinks are a forward
+    argument in SGLang (gpt-oss), so say ``sinks=True`` for such layers.
+
+    >>> cfg = attn_config_from_layer(self.attn, dtype="bfloat16", page_size=16)
+    """
+    if getattr(layer, "is_cross_attention", False):
+        raise InvalidSpecError(
+            "is_cross_attention", True, "cross attention has no paged self-attention config"
+        )
+    head_dim = int(getattr(layer, "qk_head_dim", None) or layer.head_dim)
+    v_head_dim = getattr(layer, "v_head_dim", -1)
+    return AttnConfig(
+        kind="mha",
+        num_q_heads=int(layer.tp_q_head_num),
+        num_kv_heads=int(layer.tp_k_head_num),
+        head_dim=head_dim,
+        v_head_dim=head_dim if v_head_dim in (None, -1) else int(v_head_dim),
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        page_size=page_size,
+        device=device,
+        tree_verify=tree_verify,
+        sm_scale=float(layer.scaling) if getattr(layer, "scaling", None) else None,
+        sinks=sinks,
+        **variant_fields(
+            sliding_window_size=getattr(layer, "sliding_window_size", -1),
+            logit_cap=getattr(layer, "logit_cap", 0.0),
+            logit_capping_method=getattr(layer, "logit_capping_method", "tanh"),
+        ),
+    )
+
+
+__all__ = [
+    "attn_config_from_layer",
+    "forward_phase",
+    "phase_of",
+    "spec_from_server_args",
+    "variant_fields",
+]
