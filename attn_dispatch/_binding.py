@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from attn_dispatch._capabilities import Capabilities
+from attn_dispatch._config import VARIANTS
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import BackendUnavailableError
@@ -38,7 +39,9 @@ class Binding:
         "_backends",
         "_caps",
         "_choosers",
+        "_extras",
         "_form_table",
+        "_groups",
         "_handler_map",
         "_handlers",
         "_per_phase",
@@ -54,6 +57,9 @@ class Binding:
     label: str | None
     _handlers: tuple[Handler, Handler, Handler]
     _sm_scale: float | None
+    # None for a config whose handlers take no per-call extras (the fast path of attention),
+    # else (sinks, fp8, mla): which keywords attention() checks and passes on.
+    _extras: tuple[bool, bool, bool] | None
     # Phase -> handler: what a scope frame holds, so that resolve() is one dict lookup, which
     # no foreign int or IntEnum can pass (Phase hashes by identity).
     _handler_map: dict[Phase, Handler]
@@ -64,6 +70,8 @@ class Binding:
     _caps: Mapping[str, Capabilities]
     _choosers: tuple[Callable[[Any], AttnForm] | None, ...]
     _form_table: Mapping[tuple[Phase, AttnForm], tuple[AttentionBackend | None, Handler]]
+    # None, or group -> the group's own Binding (a grouped binding: bind(spec, {name: cfg})).
+    _groups: Mapping[str, Binding] | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Binding objects are made by attn_dispatch.bind(spec, config)")
@@ -90,6 +98,8 @@ class Binding:
         put(self, "_caps", types.MappingProxyType(dict(caps)))
         put(self, "_handlers", handlers)
         put(self, "_sm_scale", config.sm_scale)  # read by every attn_scope: one load, not two
+        extras = (config.sinks, config.kv_fp8, config.kind == "mla")
+        put(self, "_extras", extras if extras[0] or extras[1] else None)
         put(self, "_handler_map", dict(zip(Phase, handlers, strict=True)))
         phase_backends = tuple(backends[n] for n in spec.names)
         put(self, "_phase_backends", phase_backends)
@@ -100,7 +110,29 @@ class Binding:
             {p: (choosers[p], phase_backends[p], handlers[p]) for p in Phase},
         )
         put(self, "_form_table", types.MappingProxyType(dict(form_table or {})))
+        put(self, "_groups", None)
         return self
+
+    @classmethod
+    def _grouped(cls, groups: dict[str, Binding], label: str | None) -> Binding:
+        """A binding of groups: ``spec``/``config``/``backends`` are the first group's (for
+        display); each group's own are in ``groups``. ``resolve``/``handler`` need a group."""
+        first = next(iter(groups.values()))
+        self = object.__new__(cls)
+        for name in cls.__slots__:
+            object.__setattr__(self, name, getattr(first, name))
+        put = object.__setattr__
+        put(self, "label", label)
+        # No per-phase handler: every layer names its group (attention(..., group=)).
+        put(self, "_handler_map", {})
+        put(self, "_extras", None)
+        put(self, "_groups", types.MappingProxyType(dict(groups)))
+        return self
+
+    @property
+    def groups(self) -> Mapping[str, Binding]:
+        """Group -> that group's Binding (empty for a binding made without groups)."""
+        return self._groups if self._groups is not None else types.MappingProxyType({})
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"Binding is immutable; cannot set {name!r} (bind a new one)")
@@ -114,6 +146,8 @@ class Binding:
 
     def handler(self, phase: Phase) -> Handler:
         """The precomputed handler of ``phase``."""
+        if self._groups is not None:
+            raise _grouped_error("handler(phase)", self._groups)
         return self._handlers[Phase.parse(phase)]
 
     def backend(self, phase: Phase) -> AttentionBackend:
@@ -138,6 +172,8 @@ class Binding:
 
     def prepare(self, batch: Any) -> tuple[Any, Handler, AttnForm | None]:
         """``(plan, handler, form)`` for one forward: called once per scope with a batch."""
+        if self._groups is not None:
+            raise _grouped_error("prepare(batch)", self._groups)
         try:
             chooser, backend, run = self._per_phase[batch.phase]
         except (KeyError, TypeError, AttributeError):
@@ -162,12 +198,15 @@ class Binding:
 
     def __repr__(self) -> str:
         label = f"{self.label!r}, " if self.label is not None else ""
+        if self._groups is not None:
+            inner = ", ".join(f"{n}={b.spec!s}" for n, b in self._groups.items())
+            return f"<Binding {label}groups: {inner}>"
         return f"<Binding {label}{self.spec!s} kind={self.config.kind!r}>"
 
 
 def bind(
-    spec: BackendSpec | str,
-    config: AttnConfig,
+    spec: BackendSpec | str | Mapping[str, BackendSpec | str],
+    config: AttnConfig | Mapping[str, AttnConfig],
     *,
     label: str | None = None,
     options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -188,7 +227,51 @@ def bind(
     Nothing is ever substituted. ``registry``: where the names are looked up (default: the
     process-wide one); each name is looked up once, so a re-registration during ``bind`` cannot
     mix two versions of a backend in one binding.
+
+    Groups: a runner whose layers differ (sliding and full layers) binds one config per group,
+    ``bind(spec, {"sliding": cfg_a, "full": cfg_b})``, with one spec for all or a mapping
+    group -> spec; its layers call ``attention(..., group="sliding")``, and ``attn_scope``
+    plans each group once per forward. Every group is checked before any factory runs.
     """
+    if isinstance(config, Mapping):
+        return _bind_groups(spec, config, label, options, registry)
+    if isinstance(spec, Mapping):
+        raise InvalidSpecError(
+            "spec",
+            dict(spec),
+            "a mapping group -> spec needs a mapping group -> config too: "
+            "bind({'sliding': s1, 'full': s2}, {'sliding': cfg_a, 'full': cfg_b})",
+        )
+    checked = _check(spec, config, label, options, registry)
+    return _build_checked(checked, config, label)
+
+
+_Checked = tuple[
+    BackendSpec, dict[str, BackendEntry], dict[Phase, FormPolicy], dict[str, dict[str, Any]]
+]
+
+
+def _grouped_error(what: str, groups: Mapping[str, Binding]) -> InvalidBatchError:
+    names = ", ".join(map(repr, groups))
+    return InvalidBatchError(
+        "group",
+        f"this binding has groups ({names}): call {what} on one of them, "
+        f"binding.groups[name].{what}",
+    )
+
+
+def _check(
+    spec: BackendSpec | str,
+    config: AttnConfig,
+    label: str | None,
+    options: Mapping[str, Mapping[str, Any]] | None,
+    registry: Registry | None,
+    *,
+    group: str | None = None,
+    reasons: dict[Phase, tuple[str, list[str]]] | None = None,
+) -> _Checked:
+    """Every check of ``bind`` (no factory runs). With ``reasons`` given, a refusal is added
+    to it (prefixed with the group) instead of raised."""
     if isinstance(spec, str):
         spec = BackendSpec.parse(spec)
     if not isinstance(spec, BackendSpec):
@@ -201,24 +284,37 @@ def bind(
         raise InvalidSpecError("registry", registry, "pass an attn_dispatch.Registry or None")
     factory_options, override_policies = _split_options(spec, options)
     who = f"runner {label!r}" if label is not None else "bind"
+    if group is not None:
+        who += f", group {group!r}"
     # One lookup per name: everything below (checks, both factories) uses this entry.
     entries: dict[str, BackendEntry] = {}
     for phase in Phase:
         name = spec.names[phase]
         if name not in entries:
             entries[name] = registry.get(name, context=f"{who}, phase {phase.name.lower()!r}")
-    reasons: dict[Phase, tuple[str, list[str]]] = {}
+    found: dict[Phase, tuple[str, list[str]]] = {}
     for phase in Phase:
         name = spec.names[phase]
         why = entries[name].capabilities.reasons(config, phase)
         if why:
-            reasons[phase] = (name, why)
+            found[phase] = (name, why)
     policies: dict[Phase, FormPolicy] = {}
     if config.kind == "mla":
-        policies = _check_forms(spec, config, entries, override_policies, reasons)
-    if reasons:
-        raise IncompatibleBackendError(label, reasons, config=config)
+        policies = _check_forms(spec, config, entries, override_policies, found)
+    if found:
+        _add_served_by(config, entries, found, registry)
+        if reasons is None:
+            raise IncompatibleBackendError(label, found, config=config)
+        for phase, (name, why) in found.items():
+            # One error for all groups: each line names its group and that group's backend.
+            head = reasons.setdefault(phase, (name, []))[0]
+            who = f"group {group!r}" if head == name else f"group {group!r} (backend {name!r})"
+            reasons[phase][1].extend(f"{who}: {r}" for r in why)
+    return spec, entries, policies, factory_options
 
+
+def _build_checked(checked: _Checked, config: AttnConfig, label: str | None) -> Binding:
+    spec, entries, policies, factory_options = checked
     factories = {name: entry.load_factory(runner=label) for name, entry in entries.items()}
     backends = {
         name: _build(name, factories[name], config, factory_options.get(name, {}), label)
@@ -244,6 +340,71 @@ def bind(
         choosers,
         form_table,
     )
+
+
+def _bind_groups(
+    spec: BackendSpec | str | Mapping[str, BackendSpec | str],
+    configs: Mapping[str, AttnConfig],
+    label: str | None,
+    options: Mapping[str, Mapping[str, Any]] | None,
+    registry: Registry | None,
+) -> Binding:
+    names = list(configs)
+    if not names:
+        raise InvalidSpecError("config", {}, "a grouped binding needs at least one group")
+    bad = [n for n in names if not isinstance(n, str) or not n.strip()]
+    if bad:
+        raise InvalidSpecError("config", bad, "group names must be non-empty strings")
+    if isinstance(spec, Mapping):
+        missing = [n for n in names if n not in spec]
+        unknown = [n for n in spec if n not in configs]
+        if missing or unknown:
+            raise InvalidSpecError(
+                "spec",
+                dict(spec),
+                f"the spec mapping must name the same groups as the configs ({names!r}); "
+                f"missing: {missing!r}, unknown: {unknown!r}",
+            )
+        specs = {n: spec[n] for n in names}
+    else:
+        specs = dict.fromkeys(names, spec)
+    reasons: dict[Phase, tuple[str, list[str]]] = {}
+    checked = {
+        n: _check(specs[n], configs[n], label, options, registry, group=n, reasons=reasons)
+        for n in names
+    }
+    if reasons:
+        raise IncompatibleBackendError(label, reasons, config=dict(configs))
+    groups = {n: _build_checked(checked[n], configs[n], label) for n in names}
+    return Binding._grouped(groups, label)
+
+
+def _add_served_by(
+    config: AttnConfig,
+    entries: Mapping[str, BackendEntry],
+    reasons: dict[Phase, tuple[str, list[str]]],
+    registry: Registry,
+) -> None:
+    """Name, for every variant or FP8 cache a phase's backend refuses, the registered backends
+    that serve it for this config in that phase (so the refusal says what to bind instead)."""
+    others: dict[str, BackendEntry] | None = None
+    for phase, (name, why) in reasons.items():
+        missing = entries[name].capabilities.missing(config, phase)
+        if not missing:
+            continue
+        if others is None:
+            others = registry.entries()
+        for what in missing:
+            served = [
+                n
+                for n, e in others.items()
+                if n != name and what not in e.capabilities.missing(config, phase)
+            ]
+            label = f"variant {what!r}" if what in VARIANTS else f"kv_dtype {what!r}"
+            why.append(
+                f"{label} is served in phase {phase.name.lower()!r} by: "
+                f"{', '.join(map(repr, served)) if served else 'no registered backend'}"
+            )
 
 
 def _split_options(
@@ -345,8 +506,10 @@ def _check_forms(
         name = spec.names[phase]
         entry = entries[name]
         policy = overrides.get(name, entry.form_policy)
-        if policy is None or not config.has_decompressed_form:
+        if policy is None or not config.has_decompressed_form or config.kv_fp8:
             # A form the config cannot describe is never chosen (documented on FormPolicy).
+            # An FP8 latent cache is read in the absorbed form only: the decompressed forms
+            # run on K/V the model decompresses itself, which carry no cache scales.
             policy = FormPolicy.absorbed_only()
         policies[phase] = policy
         served = entry.capabilities.forms_for(phase)
@@ -410,7 +573,7 @@ def _bind_forms(
 def _ragged(handler: Handler) -> Handler:
     """Serve ragged ``[rows, H, D]`` K/V through a paged handler with one token per page."""
 
-    def run(q: Any, k: Any, v: Any, plan: Any, sm_scale: float) -> Any:
-        return handler(q, k.unsqueeze(1), v.unsqueeze(1), plan, sm_scale)
+    def run(q: Any, k: Any, v: Any, plan: Any, sm_scale: float, **extras: Any) -> Any:
+        return handler(q, k.unsqueeze(1), v.unsqueeze(1), plan, sm_scale, **extras)
 
     return run

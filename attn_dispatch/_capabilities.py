@@ -83,6 +83,40 @@ def _phases(values: object) -> frozenset[Phase]:
 
 _KINDS = frozenset({"mha", "mla"})
 _FORMS = frozenset({"mla", "mha", "mha_chunked"})
+_VARIANTS = frozenset({"window", "logit_cap", "sinks"})
+
+
+def _variants(field: str, values: object) -> frozenset[str]:
+    names = _strings(field, values)
+    if not names <= _VARIANTS:
+        raise InvalidSpecError(
+            field,
+            values,
+            f"unknown variants {sorted(names - _VARIANTS)!r}; choose from {sorted(_VARIANTS)!r}",
+        )
+    return names
+
+
+def _per_phase(
+    field: str,
+    values: AbstractSet[str] | Mapping[Phase | str, AbstractSet[str]],
+    parse: Callable[[str, object], frozenset[str]],
+) -> tuple[AbstractSet[str] | Mapping[Phase, frozenset[str]], tuple[frozenset[str], ...]]:
+    """A set for every phase, or a mapping phase -> set: (the stored value, one set per phase)."""
+    if isinstance(values, Mapping):
+        by_phase = {Phase.parse(p): parse(f"{field}[{p!r}]", fs) for p, fs in values.items()}
+        per = tuple(by_phase.get(p, frozenset()) for p in Phase)
+        return types.MappingProxyType(dict(zip(Phase, per, strict=True))), per
+    one = parse(field, values)
+    return one, (one,) * len(Phase)
+
+
+def _variant_detail(config: AttnConfig, variant: str) -> str:
+    if variant == "window":
+        return f"window_left={config.window_left!r}"
+    if variant == "logit_cap":
+        return f"logit_cap={config.logit_cap!r}"
+    return "sinks=True"
 
 
 def _forms(field: str, values: object) -> frozenset[str]:
@@ -112,8 +146,12 @@ class Capabilities:
     ``AttnForm``) this backend serves for MLA configs: one set for every phase, or a mapping
     phase -> set; declaring ``"mha_chunked"`` means the backend object has a
     ``chunked_handler``. ``plans_scale``: the backend fixes the softmax scale when it plans
-    (FlashInfer's wrappers), so a config must carry ``sm_scale``. A field given the wrong
-    shape (``kinds="mha"`` instead of ``{"mha"}``) raises ``InvalidSpecError``.
+    (FlashInfer's wrappers), so a config must carry ``sm_scale``. ``variants``: the layer
+    variants served (``"window"``, ``"logit_cap"``, ``"sinks"``; see ``AttnConfig``), one set
+    for every phase or a mapping phase -> set, like ``forms``; a backend that declares none
+    serves none. FP8 caches are declared in ``kv_dtypes`` (``"float8_e4m3fn"``,
+    ``"float8_e5m2"``). A field given the wrong shape (``kinds="mha"`` instead of
+    ``{"mha"}``) raises ``InvalidSpecError``.
     """
 
     kinds: AbstractSet[str] = frozenset({"mha", "mla"})
@@ -135,7 +173,13 @@ class Capabilities:
         default=frozenset({"mla"}), compare=False
     )
     description: str = ""
+    variants: AbstractSet[str] | Mapping[Phase | str, AbstractSet[str]] = dataclasses.field(
+        default=frozenset(), compare=False
+    )
     _forms_by_phase: tuple[frozenset[str], ...] = dataclasses.field(
+        init=False, repr=False, default=()
+    )
+    _variants_by_phase: tuple[frozenset[str], ...] = dataclasses.field(
         init=False, repr=False, default=()
     )
 
@@ -175,18 +219,29 @@ class Capabilities:
             raise InvalidSpecError(
                 "min_compute_capability", cc, "must be None or (major, minor), e.g. (8, 0)"
             )
-        if isinstance(self.forms, Mapping):
-            by_phase = {Phase.parse(p): _forms(f"forms[{p!r}]", fs) for p, fs in self.forms.items()}
-            per = tuple(by_phase.get(p, frozenset()) for p in Phase)
-            put(self, "forms", types.MappingProxyType(dict(zip(Phase, per, strict=True))))
-        else:
-            per = (_forms("forms", self.forms),) * len(Phase)
-            put(self, "forms", per[0])
+        stored, per = _per_phase("forms", self.forms, _forms)
+        put(self, "forms", stored)
         put(self, "_forms_by_phase", per)
+        stored, per = _per_phase("variants", self.variants, _variants)
+        put(self, "variants", stored)
+        put(self, "_variants_by_phase", per)
 
     def forms_for(self, phase: Phase) -> frozenset[str]:
         """The attention forms (``AttnForm`` values) this backend serves in ``phase``."""
         return self._forms_by_phase[phase]
+
+    def variants_for(self, phase: Phase) -> frozenset[str]:
+        """The layer variants (``"window"``, ``"logit_cap"``, ``"sinks"``) served in ``phase``."""
+        return self._variants_by_phase[phase]
+
+    def missing(self, config: AttnConfig, phase: Phase) -> list[str]:
+        """What ``config`` uses of the variants and FP8 caches that is not served in ``phase``:
+        variant names, plus the FP8 ``kv_dtype`` name when that is refused."""
+        out = sorted(config.variants - self._variants_by_phase[phase])
+        kv_ok = self.dtypes if self.kv_dtypes is None else self.kv_dtypes
+        if config.kv_fp8 and config.kv_dtype not in kv_ok:
+            out.append(str(config.kv_dtype))
+        return out
 
     def availability_reasons(self, device: str | None = None) -> list[str]:
         """Why the backend cannot run here at all (empty when it can)."""
@@ -239,6 +294,13 @@ class Capabilities:
         kv_ok = self.dtypes if self.kv_dtypes is None else self.kv_dtypes
         if config.kv_dtype not in kv_ok:
             out.append(f"kv_dtype {config.kv_dtype!r} is not supported (supported: {_fmt(kv_ok)})")
+        for variant in sorted(config.variants - self._variants_by_phase[phase]):
+            served = self._variants_by_phase[phase]
+            out.append(
+                f"layer variant {variant!r} ({_variant_detail(config, variant)}) is not "
+                f"implemented in phase {phase.name.lower()!r} (this backend serves: "
+                f"{_fmt(served) or 'no variants'})"
+            )
         if self.head_dims is not None and config.head_dim not in self.head_dims:
             out.append(
                 f"head_dim {config.head_dim!r} is not supported (supported: {_fmt(self.head_dims)})"

@@ -13,6 +13,10 @@ from attn_dispatch._errors import InvalidSpecError
 
 Kind = Literal["mha", "mla"]
 _KINDS = ("mha", "mla")
+#: The FP8 KV cache formats (``kv_dtype``); the compute ``dtype`` is never one of them.
+FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
+#: The names capabilities declare for the layer variants (``Capabilities.variants``).
+VARIANTS = ("window", "logit_cap", "sinks")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -31,6 +35,15 @@ class AttnConfig:
     ``attention(...)`` then needs no ``sm_scale`` argument (one given must equal it), and
     backends that fix the scale when they plan (FlashInfer) can be bound. ``None`` (the
     default) means each call passes its own ``sm_scale``.
+
+    Layer variants (see the README, "Layer variants and groups"): ``window_left`` (int >= 0;
+    a query at position p sees keys p - window_left ..= p; None = full attention; HF's
+    ``sliding_window = W`` is ``window_left = W - 1``), ``logit_cap`` (finite > 0: scores are
+    ``cap * tanh(q.k * sm_scale / cap)``; None or 0.0 = off, stored as None) and ``sinks``
+    (one learned sink logit per query head, passed per call: ``attention(..., sinks=t)``).
+    ``kv_dtype`` is the compute ``dtype`` (the default) or an FP8 format,
+    ``"float8_e4m3fn"``/``"float8_e5m2"``: the cache then holds ``K / k_scale`` and
+    ``V / v_scale``, with the scales passed per call (``attention(..., k_scale=, v_scale=)``).
     """
 
     kind: Kind
@@ -46,6 +59,9 @@ class AttnConfig:
     mha_head_dim: int | None = None
     mha_v_head_dim: int | None = None
     sm_scale: float | None = None
+    window_left: int | None = None
+    logit_cap: float | None = None
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -68,8 +84,16 @@ class AttnConfig:
                 f"must be a multiple of num_kv_heads={self.num_kv_heads!r} (grouped-query)",
             )
         object.__setattr__(self, "dtype", dtype_name(self.dtype, field="dtype"))
+        if self.dtype in FP8_DTYPES:
+            raise InvalidSpecError(
+                "dtype",
+                self.dtype,
+                "FP8 is a KV cache format, not a compute dtype: use dtype='bfloat16' (or "
+                f"'float16'/'float32') with kv_dtype={self.dtype!r}",
+            )
         kv = self.dtype if self.kv_dtype is None else dtype_name(self.kv_dtype, field="kv_dtype")
         object.__setattr__(self, "kv_dtype", kv)
+        self._check_variants()
         object.__setattr__(self, "device", str(self.device).strip().lower())
         if not self.device:
             raise InvalidSpecError("device", self.device, "name a device such as 'cpu' or 'cuda:0'")
@@ -113,6 +137,47 @@ class AttnConfig:
             _positive("mha_head_dim", self.mha_head_dim)
             _positive("mha_v_head_dim", self.mha_v_head_dim)
 
+    def _check_variants(self) -> None:
+        w = self.window_left
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise InvalidSpecError(
+                "window_left",
+                w,
+                "must be an int >= 0 (keys p - window_left ..= p are visible; HF's "
+                "sliding_window W is window_left W - 1) or None for full attention",
+            )
+        cap = self.logit_cap
+        if cap is not None:
+            if (
+                isinstance(cap, bool)
+                or not isinstance(cap, (int, float))
+                or not math.isfinite(cap)
+                or cap < 0
+            ):
+                raise InvalidSpecError(
+                    "logit_cap", cap, "must be a finite float > 0 (e.g. 50.0), or None/0.0 for off"
+                )
+            object.__setattr__(self, "logit_cap", float(cap) if cap > 0 else None)
+        if not isinstance(self.sinks, bool):
+            raise InvalidSpecError("sinks", self.sinks, "must be a bool")
+
+    @property
+    def variants(self) -> frozenset[str]:
+        """The layer variants this config uses: a subset of ``{"window", "logit_cap", "sinks"}``."""
+        used = set()
+        if self.window_left is not None:
+            used.add("window")
+        if self.logit_cap is not None:
+            used.add("logit_cap")
+        if self.sinks:
+            used.add("sinks")
+        return frozenset(used)
+
+    @property
+    def kv_fp8(self) -> bool:
+        """True when the cache is FP8 (``attention`` then takes ``k_scale``/``v_scale``)."""
+        return self.kv_dtype in FP8_DTYPES
+
     @property
     def device_type(self) -> str:
         """``"cuda"`` for ``"cuda:1"``."""
@@ -135,7 +200,10 @@ class AttnConfig:
     def decompressed(self) -> AttnConfig:
         """The MHA config of the decompressed form (ragged K/V: one token per page).
 
-        Only for an MLA config with ``mha_head_dim``/``mha_v_head_dim``.
+        Only for an MLA config with ``mha_head_dim``/``mha_v_head_dim``. The layer variants
+        (window, cap, sinks) carry over: the decompressed form computes the same attention.
+        ``kv_dtype`` becomes ``dtype``: its K/V are the model's own decompressed tensors, not
+        the cache (and an FP8 MLA config is served in the absorbed form only).
         """
         if self.mha_head_dim is None or self.mha_v_head_dim is None:
             raise InvalidSpecError(
@@ -153,6 +221,9 @@ class AttnConfig:
             device=self.device,
             tree_verify=self.tree_verify,
             sm_scale=self.sm_scale,
+            window_left=self.window_left,
+            logit_cap=self.logit_cap,
+            sinks=self.sinks,
         )
 
     def replace(self, **changes: Any) -> AttnConfig:

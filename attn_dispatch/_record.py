@@ -24,17 +24,20 @@ from attn_dispatch._table import format_table
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DispatchEvent:
-    """One ``attention`` call: which runner, phase, backend and form served it."""
+    """One ``attention`` call: which runner, phase, backend, form and group served it."""
 
     label: str | None
     phase: Phase
     backend: str
     form: str | None = None
+    group: str | None = None
 
     def range_name(self) -> str:
-        """The torch.profiler range name: ``attn_dispatch/<runner>/<phase>/<backend>[/<form>]``."""
+        """The torch.profiler range name:
+        ``attn_dispatch/<runner>[:<group>]/<phase>/<backend>[/<form>]``."""
         tail = f"/{self.form}" if self.form is not None else ""
-        return f"attn_dispatch/{self.label}/{self.phase.name.lower()}/{self.backend}{tail}"
+        who = self.label if self.group is None else f"{self.label}:{self.group}"
+        return f"attn_dispatch/{who}/{self.phase.name.lower()}/{self.backend}{tail}"
 
 
 class DispatchRecorder:
@@ -55,12 +58,27 @@ class DispatchRecorder:
         """``(label, phase, backend) -> calls``."""
         return collections.Counter((e.label, e.phase.name.lower(), e.backend) for e in self.events)
 
-    def summary(self) -> str:
-        """A plain-text table runner x phase x backend (x form) -> calls."""
-        rows = collections.Counter(
-            (str(e.label), e.phase.name.lower(), e.backend, e.form or "-") for e in self.events
+    def group_counts(self) -> collections.Counter[tuple[str | None, str | None, str, str]]:
+        """``(label, group, phase, backend) -> calls`` (group None: a binding without groups)."""
+        return collections.Counter(
+            (e.label, e.group, e.phase.name.lower(), e.backend) for e in self.events
         )
-        header = ("runner", "phase", "backend", "form", "calls")
+
+    def summary(self) -> str:
+        """A plain-text table runner x phase x backend x form -> calls (with a group column
+        after the runner when any call named a group)."""
+        grouped = any(e.group is not None for e in self.events)
+        rows = collections.Counter(
+            (
+                str(e.label),
+                *((e.group or "-",) if grouped else ()),
+                e.phase.name.lower(),
+                e.backend,
+                e.form or "-",
+            )
+            for e in self.events
+        )
+        header = ("runner", *(("group",) if grouped else ()), "phase", "backend", "form", "calls")
         body = [(*k, str(v)) for k, v in sorted(rows.items())]
         return format_table(header, body)
 
@@ -73,16 +91,21 @@ _open = 0
 _open_lock = threading.Lock()
 
 
-def _event(frame: _scope.attn_scope) -> DispatchEvent:
+def _event(frame: Any) -> DispatchEvent:
+    # frame: an attn_scope, or a group's part of one (same fields, plus its group name).
     binding = frame.binding
     phase = frame.batch.phase
     form = frame.form
     return DispatchEvent(
-        binding.label, phase, binding.spec.names[phase], None if form is None else form.value
+        binding.label,
+        phase,
+        binding.spec.names[phase],
+        None if form is None else form.value,
+        frame.group,
     )
 
 
-def _recorded_call(frame: _scope.attn_scope, run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+def _recorded_call(frame: Any, run: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     recorders = _RECORDERS.get()
     if not recorders:  # open elsewhere (another thread or task), not here
         return run(*args)
@@ -111,7 +134,7 @@ def record_events(events: Iterable[DispatchEvent]) -> None:
 
 
 class record_dispatch:
-    """Record (label, phase, backend, form) of every ``attention`` call in this context.
+    """Record (label, phase, backend, form, group) of every ``attention`` call in this context.
 
     >>> with record_dispatch() as rec:
     ...     run_forward()

@@ -23,11 +23,14 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
 from typing import ParamSpec
+from typing import TypedDict
 from typing import TypeVar
+from typing import Unpack
 
 from attn_dispatch._binding import Binding
 from attn_dispatch._errors import InvalidBatchError
@@ -49,11 +52,11 @@ _CURRENT: contextvars.ContextVar[attn_scope | None] = contextvars.ContextVar(
 #: Set by ``attn_dispatch._record`` while any ``record_dispatch`` is open in the process:
 #: ``hook(frame, run, args) -> out`` runs the handler (recording, profiling). ``None`` costs
 #: the hot path one global read.
-_call_hook: Callable[[attn_scope, Callable[..., Any], tuple[Any, ...]], Any] | None = None
+_call_hook: Callable[[Any, Callable[..., Any], tuple[Any, ...]], Any] | None = None
 
 
 def _set_call_hook(
-    hook: Callable[[attn_scope, Callable[..., Any], tuple[Any, ...]], Any] | None,
+    hook: Callable[[Any, Callable[..., Any], tuple[Any, ...]], Any] | None,
 ) -> None:
     global _call_hook
     _call_hook = hook
@@ -93,7 +96,11 @@ class attn_scope:
         "_token",
         "batch",
         "binding",
+        "extras",
+        "fast",
         "form",
+        "group",
+        "groups",
         "handlers",
         "parent",
         "plan",
@@ -108,6 +115,12 @@ class attn_scope:
     run: Handler | None
     form: AttnForm | None
     sm_scale: float | None
+    extras: tuple[bool, bool, bool] | None
+    # ``run`` when a call without extras may go straight to it (the config takes no sinks or
+    # scales), else None: attention()'s fast path tests this one attribute.
+    fast: Handler | None
+    group: str | None
+    groups: dict[str, Any] | None
     parent: attn_scope | None
     _token: contextvars.Token[attn_scope | None] | None
     _closed: bool
@@ -129,10 +142,16 @@ class attn_scope:
         self.binding = binding
         self.handlers = binding._handler_map
         self.sm_scale = binding._sm_scale
+        self.extras = binding._extras
+        self.group = self.groups = None
         self.batch = batch
         self._token = None
+        if binding._groups is not None and prepared is not None:
+            raise InvalidBatchError(
+                "prepared", "a grouped binding plans each group itself; pass no prepared plan"
+            )
         if batch is None:
-            self.plan = self.run = self.form = None
+            self.plan = self.run = self.form = self.fast = None
             self._plans = False
             if prepared is not None:
                 raise InvalidBatchError("batch", "a prepared plan needs the batch it was made for")
@@ -148,10 +167,11 @@ class attn_scope:
                 f"(got {phase!r}); map framework modes with phase_of()",
             )
         if prepared is None:
-            self.run = None  # until __enter__ plans
+            self.run = self.fast = None  # until __enter__ plans
             self._plans = True
         else:
             self.plan, self.run, self.form = prepared
+            self.fast = self.run if self.extras is None else None
             self._plans = False
 
     def __enter__(self) -> Binding:
@@ -160,7 +180,17 @@ class attn_scope:
                 "this attn_scope is already active; create a new attn_scope(...) to nest"
             )
         if self._plans:
-            self.plan, self.run, self.form = self.binding.prepare(self.batch)
+            if self.binding._groups is None:
+                self.plan, self.run, self.form = self.binding.prepare(self.batch)
+                self.fast = self.run if self.extras is None else None
+            else:
+                # Every group planned once per forward, before any layer runs; the frame
+                # itself has no handler (each layer names its group).
+                self.groups = {
+                    name: _GroupFrame(name, child, self.batch)
+                    for name, child in self.binding._groups.items()
+                }
+                self.plan = self.run = self.form = None
         self.parent = _CURRENT.get()
         self._closed = False
         self._token = _CURRENT.set(self)
@@ -254,6 +284,34 @@ class attn_scope:
         return f"<attn_scope {_label(self)} {state}>"
 
 
+class _GroupFrame:
+    """One group's part of a scope: what ``attention(..., group=name)`` reads. Built once per
+    forward (planning the group's batch); read-only afterwards."""
+
+    __slots__ = (
+        "batch",
+        "binding",
+        "extras",
+        "fast",
+        "form",
+        "group",
+        "groups",
+        "plan",
+        "run",
+        "sm_scale",
+    )
+
+    def __init__(self, group: str, binding: Binding, batch: Any) -> None:
+        self.group = group
+        self.groups = None
+        self.binding = binding
+        self.batch = batch
+        self.sm_scale = binding._sm_scale
+        self.extras = binding._extras
+        self.plan, self.run, self.form = binding.prepare(batch)
+        self.fast = self.run if self.extras is None else None
+
+
 def _not_open(frame: attn_scope) -> str:
     return (
         f"attn_scope({_label(frame)}) is not open in this context: it is being exited in "
@@ -261,7 +319,7 @@ def _not_open(frame: attn_scope) -> str:
     )
 
 
-def _label(frame: attn_scope | None) -> str:
+def _label(frame: attn_scope | _GroupFrame | None) -> str:
     if frame is None:
         return "none"
     binding = frame.binding
@@ -286,8 +344,16 @@ def resolve(phase: Phase) -> Handler:
 
 
 def _resolve_error(phase: object) -> Exception:
-    if _CURRENT.get() is None:
+    frame = _CURRENT.get()
+    if frame is None:
         return NoActiveScopeError("resolve")
+    if frame.binding._groups is not None and type(phase) is Phase:
+        names = ", ".join(map(repr, frame.binding._groups))
+        return InvalidBatchError(
+            "group",
+            f"runner {_label(frame)} has groups ({names}): resolve() has no single handler; "
+            "call attention(..., group=name), or resolve through binding.groups[name]",
+        )
     return UnknownPhaseError(
         repr(phase),
         tuple(p.name for p in Phase),
@@ -314,15 +380,18 @@ def current_batch() -> Any:
     return frame.batch
 
 
-def attention_form() -> Any:
+def attention_form(group: str | None = None) -> Any:
     """The attention form (``AttnForm``) the active backend chose for the scope's batch.
 
     Model code branches on it the way DeepSeek's ``dispatch_attn_forward_method`` does, but
-    the choice belongs to the runner's own backend, never to a global.
+    the choice belongs to the runner's own backend, never to a global. ``group``: the layer's
+    group, for a runner bound with groups.
     """
-    frame = _CURRENT.get()
+    frame: Any = _CURRENT.get()
     if frame is None:
         raise NoActiveScopeError("attention_form")
+    if group is not None:
+        frame = _group_frame(frame, group)
     form = frame.form
     if form is None:
         if frame.batch is None:
@@ -351,13 +420,26 @@ def _no_batch(what: str) -> InvalidBatchError:
     )
 
 
+class AttentionExtras(TypedDict, total=False):
+    """The per-call keywords of ``attention`` beyond ``sm_scale`` and ``group`` (see there)."""
+
+    prefix: Any
+    sinks: Any
+    k_scale: float | None
+    v_scale: float | None
+
+
+_EXTRA_NAMES = frozenset(AttentionExtras.__annotations__)
+
+
 def attention(
     q: Any,
     k_cache: Any,
     v_cache: Any = None,
     *,
     sm_scale: float | None = None,
-    prefix: Any = None,
+    group: str | None = None,
+    **extras: Unpack[AttentionExtras],
 ) -> Any:
     """Run attention for one layer with the active runner's handler for the scope's batch.
 
@@ -366,16 +448,108 @@ def attention(
 
     ``sm_scale`` defaults to the bound ``AttnConfig.sm_scale``; given both, they must agree
     (``InvalidBatchError`` otherwise); given neither, ``InvalidBatchError`` says to pass one.
-    ``prefix`` is only for MLA layers in the ``AttnForm.MHA_CHUNKED`` form: the cached prefix
-    as decompressed chunks (see ``attn_dispatch.mla.latent_prefix_chunks``). Under
-    ``torch.compile`` the same call is traced as one opaque op (``attn_dispatch.compile``).
+    ``group``: the layer's group, exactly when the runner was bound with groups
+    (``bind(spec, {"sliding": cfg_a, "full": cfg_b})``). Keywords (``AttentionExtras``):
+
+    - ``prefix``: only for MLA layers in the ``AttnForm.MHA_CHUNKED`` form: the cached prefix
+      as decompressed chunks (see ``attn_dispatch.mla.latent_prefix_chunks``).
+    - ``sinks``: the layer's sink logits (float32 ``[num_q_heads]``), exactly when the config
+      has ``sinks=True``.
+    - ``k_scale``/``v_scale``: the FP8 cache's scales (floats > 0, default 1.0), only for an
+      FP8 ``kv_dtype``; MLA passes ``k_scale`` alone (it covers the latent, V included).
+
+    Under ``torch.compile`` the same call is traced as one opaque op
+    (``attn_dispatch.compile``).
     """
+    # Why **extras: each keyword-only parameter a call leaves out costs CPython a dict lookup
+    # of its default (four more cost ~55 ns, a third of this function); an empty **extras
+    # costs a third of that. The fast path reads one frame attribute (``fast``: None without a
+    # batch, for a grouped frame, or when the config takes per-call extras); every other case,
+    # and every error, is decided in _attention_slow.
     frame = _CURRENT.get()
+    if group is not None:
+        try:
+            frame = frame.groups[group]  # type: ignore[union-attr,index]
+        except (AttributeError, KeyError, TypeError):
+            frame = _group_frame(frame, group)
+    try:
+        run = frame.fast  # type: ignore[union-attr]
+    except AttributeError:
+        raise NoActiveScopeError("attention") from None
+    if run is not None and not extras and _call_hook is None:
+        scale = frame.sm_scale  # type: ignore[union-attr]
+        if scale is None:
+            if sm_scale is None:
+                raise _no_scale(frame)  # type: ignore[arg-type]
+            scale = sm_scale
+        elif sm_scale is not None and sm_scale != scale:
+            _check_scale(sm_scale, scale)
+        return run(q, k_cache, v_cache, frame.plan, scale)  # type: ignore[union-attr]
+    unknown = extras.keys() - _EXTRA_NAMES
+    if unknown:
+        raise TypeError(
+            f"attention() got an unexpected keyword argument {sorted(unknown)[0]!r} "
+            f"(its keywords: sm_scale, group, {', '.join(sorted(_EXTRA_NAMES))})"
+        )
+    return _attention_slow(
+        frame,
+        q,
+        k_cache,
+        v_cache,
+        sm_scale,
+        extras.get("prefix"),
+        extras.get("sinks"),
+        extras.get("k_scale"),
+        extras.get("v_scale"),
+    )
+
+
+def _group_frame(frame: attn_scope | None, group: Any) -> Any:
     if frame is None:
         raise NoActiveScopeError("attention")
+    groups = frame.groups
+    if groups is None and frame.binding._groups is not None:
+        raise _no_batch("attention")
+    if groups is not None:
+        try:
+            return groups[group]
+        except (KeyError, TypeError):
+            pass
+        names = ", ".join(map(repr, groups))
+        problem = f"runner {_label(frame)} has no group {group!r} (its groups: {names})"
+    else:
+        problem = (
+            f"runner {_label(frame)} was bound without groups; call attention() without "
+            "group=, or bind one config per group: bind(spec, {'sliding': cfg_a, 'full': cfg_b})"
+        )
+    raise InvalidBatchError("group", problem)
+
+
+def _no_run(frame: attn_scope) -> Exception:
+    if frame.groups is not None:
+        names = ", ".join(map(repr, frame.groups))
+        return InvalidBatchError(
+            "group",
+            f"runner {_label(frame)} was bound with groups ({names}); every attention() call "
+            "names its layer's group: attention(..., group=<name>)",
+        )
+    return _no_batch("attention")
+
+
+def _attention_slow(
+    frame: Any,
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    sm_scale: float | None,
+    prefix: Any,
+    sinks: Any,
+    k_scale: Any,
+    v_scale: Any,
+) -> Any:
     run = frame.run
     if run is None:
-        raise _no_batch("attention")
+        raise _no_run(frame)
     scale = frame.sm_scale
     if scale is None:
         if sm_scale is None:
@@ -383,20 +557,6 @@ def attention(
         scale = sm_scale
     elif sm_scale is not None and sm_scale != scale:
         _check_scale(sm_scale, scale)
-    if _call_hook is None and prefix is None:
-        return run(q, k_cache, v_cache, frame.plan, scale)
-    return _attention_slow(frame, run, q, k_cache, v_cache, scale, prefix)
-
-
-def _attention_slow(
-    frame: attn_scope,
-    run: Handler,
-    q: Any,
-    k_cache: Any,
-    v_cache: Any,
-    scale: float,
-    prefix: Any,
-) -> Any:
     args: tuple[Any, ...]
     if prefix is None:
         args = (q, k_cache, v_cache, frame.plan, scale)
@@ -408,8 +568,67 @@ def _attention_slow(
                 f"{getattr(frame.form, 'value', 'a non-MLA config')!r} (see attention_form())",
             )
         args = (q, k_cache, v_cache, frame.plan, scale, prefix)
+    kw = _extra_keywords(frame, sinks, k_scale, v_scale)
+    call: Callable[..., Any] = run if not kw else functools.partial(run, **kw)
     hook = _call_hook
-    return run(*args) if hook is None else hook(frame, run, args)
+    return call(*args) if hook is None else hook(frame, call, args)
+
+
+def _extra_keywords(frame: Any, sinks: Any, k_scale: Any, v_scale: Any) -> dict[str, Any]:
+    """The keywords the handler takes for this config (contract: only those that apply),
+    after the cheap core checks; the backend checks the sinks tensor itself."""
+    has_sinks, fp8, mla = frame.extras or (False, False, False)
+    kw: dict[str, Any] = {}
+    if has_sinks:
+        if sinks is None:
+            raise InvalidBatchError(
+                "sinks",
+                f"runner {_label(frame)}'s AttnConfig has sinks=True: pass the layer's sink "
+                "logits, attention(..., sinks=tensor[num_q_heads] float32)",
+            )
+        kw["sinks"] = sinks
+    elif sinks is not None:
+        raise InvalidBatchError(
+            "sinks",
+            f"runner {_label(frame)}'s AttnConfig has sinks=False, so the layer has no sink "
+            "logits; drop sinks= or bind a config with AttnConfig(sinks=True)",
+        )
+    if fp8:
+        kw["k_scale"] = _fp8_scale("k_scale", k_scale)
+        if not mla:
+            kw["v_scale"] = _fp8_scale("v_scale", v_scale)
+        elif v_scale is not None:
+            raise InvalidBatchError(
+                "v_scale",
+                f"got {v_scale!r}, but an MLA layer's k_scale covers the whole latent (V is part "
+                "of it); pass k_scale only",
+            )
+    else:
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is not None:
+                raise InvalidBatchError(
+                    name,
+                    f"got {value!r}, but runner {_label(frame)}'s kv_dtype is not FP8; scales "
+                    "apply only to kv_dtype 'float8_e4m3fn' / 'float8_e5m2'",
+                )
+    return kw
+
+
+def _fp8_scale(name: str, value: Any) -> float:
+    if value is None:
+        return 1.0
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise InvalidBatchError(
+            name,
+            f"got {value!r}; an FP8 cache scale is a finite Python float > 0 (the cache holds "
+            f"K / k_scale and V / v_scale; default 1.0)",
+        )
+    return float(value)
 
 
 def _no_scale(frame: attn_scope) -> InvalidBatchError:

@@ -37,10 +37,12 @@ Capture decode steps with :mod:`attn_dispatch.cuda_graph`, which follows that ru
 from __future__ import annotations
 
 from typing import Any
+from typing import Unpack
 
 import torch
 
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._scope import AttentionExtras
 from attn_dispatch._scope import attention as _scope_attention
 
 __all__ = ["OP_NAME", "attention_op"]
@@ -58,8 +60,8 @@ _TAGS: tuple[Any, ...] = tuple(
 # the module.
 _LIB = torch.library.Library("attn_dispatch", "FRAGMENT")  # type: ignore[no-untyped-call]
 _LIB.define(  # type: ignore[no-untyped-call]
-    "attention(Tensor q, Tensor k_cache, Tensor? v_cache, float? sm_scale, int v_head_dim) "
-    "-> Tensor",
+    "attention(Tensor q, Tensor k_cache, Tensor? v_cache, float? sm_scale, int v_head_dim, "
+    "Tensor? sinks=None, float? k_scale=None, float? v_scale=None, str? group=None) -> Tensor",
     tags=_TAGS,
 )
 
@@ -70,9 +72,22 @@ def _attention_impl(
     v_cache: torch.Tensor | None,
     sm_scale: float | None,
     v_head_dim: int,
+    sinks: torch.Tensor | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    group: str | None = None,
 ) -> torch.Tensor:
     # Resolved here, at run time, in the caller's context: never at trace time.
-    out: torch.Tensor = _scope_attention(q, k_cache, v_cache, sm_scale=sm_scale)
+    out: torch.Tensor = _scope_attention(
+        q,
+        k_cache,
+        v_cache,
+        sm_scale=sm_scale,
+        sinks=sinks,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        group=group,
+    )
     if (
         out.dim() != 3
         or out.shape[0] != q.shape[0]
@@ -106,6 +121,10 @@ def _attention_fake(
     v_cache: torch.Tensor | None,
     sm_scale: float | None,
     v_head_dim: int,
+    sinks: torch.Tensor | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    group: str | None = None,
 ) -> torch.Tensor:
     return q.new_empty((q.shape[0], q.shape[1], v_head_dim))
 
@@ -137,6 +156,10 @@ def attention_op(
     *,
     sm_scale: float | None = None,
     v_head_dim: int | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    group: str | None = None,
 ) -> torch.Tensor:
     """``attention(...)`` as the opaque op ``torch.ops.attn_dispatch.attention``.
 
@@ -145,12 +168,26 @@ def attention_op(
     ...                                                    v_head_dim=512), fullgraph=True)(q, k)
 
     ``v_head_dim`` defaults to ``v_cache.shape[-1]``; MLA (``v_cache=None``) must pass it.
-    ``sm_scale`` defaults to the bound config's. Eagerly it costs one trip through the torch
+    ``sm_scale`` defaults to the bound config's; ``sinks``/``k_scale``/``v_scale``/``group``
+    are ``attention``'s. Eagerly it costs one trip through the torch
     dispatcher more than ``attention``.
     """
     dv = _value_width(k_cache, v_cache, v_head_dim)
     scale = None if sm_scale is None else float(sm_scale)
-    return _OP(q, k_cache, v_cache, scale, dv)  # type: ignore[no-any-return]
+    if sinks is None and k_scale is None and v_scale is None and group is None:
+        return _OP(q, k_cache, v_cache, scale, dv)  # type: ignore[no-any-return]
+    # The schema takes floats; attention() checks the values (finite, > 0).
+    return _OP(  # type: ignore[no-any-return]
+        q,
+        k_cache,
+        v_cache,
+        scale,
+        dv,
+        sinks,
+        None if k_scale is None else float(k_scale),
+        None if v_scale is None else float(v_scale),
+        group,
+    )
 
 
 _OP = torch.ops.attn_dispatch.attention.default
@@ -173,12 +210,27 @@ def _attention_in_graph(
     v_cache: Any = None,
     *,
     sm_scale: float | None = None,
-    prefix: Any = None,
+    group: str | None = None,
+    **extras: Unpack[AttentionExtras],
 ) -> Any:
     # What Dynamo traces in place of attn_dispatch.attention (eager calls never come here).
-    if prefix is not None or v_cache is None:
-        return _attention_outside_graph(q, k_cache, v_cache, sm_scale=sm_scale, prefix=prefix)
-    return attention_op(q, k_cache, v_cache, sm_scale=sm_scale)
+    if extras.get("prefix") is not None or v_cache is None or extras.keys() - _EXTRAS_IN_OP:
+        return _attention_outside_graph(
+            q, k_cache, v_cache, sm_scale=sm_scale, group=group, **extras
+        )
+    return attention_op(
+        q,
+        k_cache,
+        v_cache,
+        sm_scale=sm_scale,
+        sinks=extras.get("sinks"),
+        k_scale=extras.get("k_scale"),
+        v_scale=extras.get("v_scale"),
+        group=group,
+    )
+
+
+_EXTRAS_IN_OP = frozenset({"sinks", "k_scale", "v_scale"})
 
 
 # The signature check stays on: compiled and eager `attention` take exactly the same arguments.

@@ -13,6 +13,10 @@ Cases:
   resolve           attn_dispatch.resolve(phase) inside a scope
   attention         attn_dispatch.attention(..., sm_scale=1.0) with a no-op handler
   attention_cfg_scale  the same without sm_scale: the bound AttnConfig carries it
+  attention_before  the attention() of the release before layer variants and groups (its body
+                    copied here), on the same binding: the baseline of the 1.3x target
+  attention_group   attention(..., group="sliding") on a runner bound with two groups
+  scope_groups      `with attn_scope(grouped, batch): pass` (plans both groups)
   sglang_global     SGLang's old pattern: read the global server args, look the name up
   hf_interface      transformers' ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
   scope             `with attn_scope(binding): pass` (construct, enter, exit)
@@ -48,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 from attn_dispatch import BackendBase  # noqa: E402
 from attn_dispatch import Capabilities  # noqa: E402
 from attn_dispatch import Phase  # noqa: E402
+from attn_dispatch import _scope  # noqa: E402
 from attn_dispatch import attention  # noqa: E402
 from attn_dispatch import attn_scope  # noqa: E402
 from attn_dispatch import bind  # noqa: E402
@@ -55,9 +60,36 @@ from attn_dispatch import register_backend  # noqa: E402
 from attn_dispatch import resolve  # noqa: E402
 from attn_dispatch._config import AttnConfig  # noqa: E402
 
-CAPS = Capabilities(kinds={"mha"}, devices={"cpu"})
+CAPS = Capabilities(kinds={"mha"}, devices={"cpu"}, variants={"window", "logit_cap"})
 CONFIG = AttnConfig("mha", 8, 8, 64, dtype="float32")
 SCALED_CONFIG = CONFIG.replace(sm_scale=0.125)
+# A Gemma-2-style runner: sliding and full layers, both capped.
+GROUPS = {
+    "sliding": CONFIG.replace(window_left=4095, logit_cap=50.0),
+    "full": CONFIG.replace(logit_cap=50.0),
+}
+
+
+def attention_before(
+    q: Any, k_cache: Any, v_cache: Any = None, *, sm_scale: float | None = None, prefix: Any = None
+) -> Any:
+    """attention() as it was before variants and groups (the slow paths are not reached)."""
+    frame = _scope._CURRENT.get()
+    if frame is None:
+        raise RuntimeError("no scope")
+    run = frame.run
+    if run is None:
+        raise RuntimeError("no batch")
+    scale = frame.sm_scale
+    if scale is None:
+        if sm_scale is None:
+            raise RuntimeError("no scale")
+        scale = sm_scale
+    elif sm_scale is not None and sm_scale != scale:
+        raise RuntimeError("scale differs")
+    if _scope._call_hook is None and prefix is None:
+        return run(q, k_cache, v_cache, frame.plan, scale)
+    raise RuntimeError("slow path")
 
 
 def _noop(q: Any, k: Any, v: Any, plan: Any, sm_scale: float) -> None:
@@ -128,6 +160,31 @@ def build_cases() -> list[Case]:
             "f(None, None, None, sm_scale=1.0)",
             {"f": attention},
             enter(binding, Batch(Phase.DECODE)),
+        )
+    )
+    cases.append(
+        Case(
+            "attention_before",
+            "f(None, None, None, sm_scale=1.0)",
+            {"f": attention_before},
+            enter(binding, Batch(Phase.DECODE)),
+        )
+    )
+    grouped = bind("bench_noop", GROUPS, label="bench")
+    cases.append(
+        Case(
+            "attention_group",
+            "f(None, None, None, sm_scale=1.0, group='sliding')",
+            {"f": attention},
+            enter(grouped, Batch(Phase.DECODE)),
+        )
+    )
+    group_batch = Batch(Phase.DECODE)
+    cases.append(
+        Case(
+            "scope_groups",
+            "with S(b, x): pass",
+            {"S": attn_scope, "b": grouped, "x": group_batch},
         )
     )
     scaled = bind("bench_noop", SCALED_CONFIG, label="bench")
@@ -249,6 +306,10 @@ TARGETS = [
     ("resolve / floor", "resolve", "floor", 1.25, "<="),
     ("attention / floor", "attention", "floor", None, ""),
     ("attention_cfg_scale / floor", "attention_cfg_scale", "floor", None, ""),
+    ("attention / before variants", "attention", "attention_before", 1.3, "<="),
+    ("attention group / before", "attention_group", "attention_before", 1.3, "<="),
+    ("attention group / no group", "attention_group", "attention", None, ""),
+    ("scope_groups / scope_batch", "scope_groups", "scope_batch", None, ""),
     ("sglang_global / floor", "sglang_global", "floor", None, ""),
     ("hf_interface / floor", "hf_interface", "floor", None, ""),
     ("scope enter+exit (ns)", "scope", None, 600.0, "<="),

@@ -67,6 +67,13 @@ class KernelCase:
     trees: tuple[tuple[int, ...], ...] | None
     extra_pages: int
     seed: int
+    # Layer variants and the FP8 cache (defaults: none; see variant_cases).
+    window_left: int | None = None
+    logit_cap: float | None = None
+    sinks: bool = False
+    kv_dtype: str | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @property
     def kv_lens(self) -> tuple[int, ...]:
@@ -114,6 +121,44 @@ def kernel_cases(
         trees=tree,
         extra_pages=draw(st.integers(0, 5)),
         seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What of the variants and FP8 formats one backend serves for one (kind, phase)."""
+
+    variants: frozenset[str] = frozenset()
+    fp8: tuple[str, ...] = ()
+
+
+@st.composite
+def variant_cases(
+    draw: Any, *, kind: str, phase: Phase, served: Served, limits: Limits = DEFAULT_LIMITS
+) -> KernelCase:
+    """``kernel_cases`` plus the variants and FP8 caches in ``served``: windows from 0 to
+    larger than any context, caps from tight (0.5, most scores saturate) to loose, sinks,
+    and FP8 caches in both formats with scales other than 1."""
+    base = draw(kernel_cases(kind=kind, phase=phase, limits=limits))
+    window = cap = None
+    if "window" in served.variants and draw(st.booleans()):
+        window = draw(st.sampled_from((0, 1, 3)) | st.integers(0, 64) | st.just(100_000))
+    if "logit_cap" in served.variants and draw(st.booleans()):
+        cap = draw(st.sampled_from((0.5, 2.0, 30.0)))
+    sinks = "sinks" in served.variants and draw(st.booleans())
+    kv_dtype, k_scale, v_scale = None, 1.0, 1.0
+    if served.fp8 and draw(st.booleans()):
+        kv_dtype = draw(st.sampled_from(served.fp8))
+        k_scale = draw(st.sampled_from((0.25, 0.5, 1.0, 3.0)))
+        v_scale = k_scale if kind == "mla" else draw(st.sampled_from((0.125, 1.0, 2.0)))
+    return dataclasses.replace(
+        base,
+        window_left=window,
+        logit_cap=cap,
+        sinks=sinks,
+        kv_dtype=kv_dtype,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 

@@ -243,7 +243,7 @@ def test_compiled_and_eager_attention_take_the_same_arguments() -> None:
 
     eager = inspect.signature(attention)
     assert inspect.signature(adc._attention_in_graph) == eager
-    assert list(eager.parameters) == ["q", "k_cache", "v_cache", "sm_scale", "prefix"]
+    assert list(eager.parameters) == ["q", "k_cache", "v_cache", "sm_scale", "group", "extras"]
 
 
 def test_compiled_call_takes_the_scale_from_the_config() -> None:

@@ -42,13 +42,20 @@ def test_mla_deepseek() -> None:
         ("fp32", "float32"),
         ("torch.bfloat16", "bfloat16"),
         ("FLOAT32", "float32"),
-        ("fp8", "float8_e4m3fn"),
     ],
 )
 def test_dtype_aliases(alias: str, name: str) -> None:
     c = mha_config(dtype=alias)
     assert c.dtype == name
     assert c.kv_dtype == name
+
+
+@pytest.mark.parametrize(("alias", "name"), [("fp8", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")])
+def test_fp8_alias_is_a_kv_dtype_only(alias: str, name: str) -> None:
+    assert mha_config(kv_dtype=alias).kv_dtype == name
+    with pytest.raises(InvalidSpecError) as info:
+        mha_config(dtype=alias)
+    assert info.value.field == "dtype" and info.value.value == name
 
 
 def test_torch_dtypes_and_devices_normalised() -> None:

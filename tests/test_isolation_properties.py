@@ -6,7 +6,10 @@ The machine keeps a model of the scope stack of one "main" context (a private
 * every ``resolve(phase)`` returns the handler of the innermost scope of its own context (and
   that handler's identifying value names the binding's backend for that phase);
 * outside every scope ``resolve``/``current_binding`` raise ``NoActiveScopeError``;
-* no Binding ever changes, whatever happens to the registry.
+* no Binding ever changes, whatever happens to the registry;
+* a runner bound with groups, opened anywhere in the stack (or carried into a thread), serves
+  ``attention(..., group=g)`` with group g's own handler and plan, each group planned exactly
+  once per forward, and a call naming no group or an unknown one changes nothing.
 
 ContextVar semantics are modelled exactly: a plain (or async) generator shares its caller's
 context, so a scope it opens and leaves open across a ``yield`` is the caller's innermost scope
@@ -33,9 +36,11 @@ from hypothesis.stateful import rule
 
 from attn_dispatch import BackendSpec
 from attn_dispatch import Binding
+from attn_dispatch import InvalidBatchError
 from attn_dispatch import NoActiveScopeError
 from attn_dispatch import Phase
 from attn_dispatch import ScopeError
+from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
 from attn_dispatch import carry_scope
@@ -43,7 +48,9 @@ from attn_dispatch import current_binding
 from attn_dispatch import register_backend
 from attn_dispatch import resolve
 from tests.strategies import ANY_CAPS
+from tests.strategies import EchoBackend
 from tests.strategies import EchoHandler
+from tests.strategies import FakeBatch
 from tests.strategies import RegistrySnapshot
 from tests.strategies import echo_factory
 from tests.strategies import mha_config
@@ -118,6 +125,7 @@ class IsolationMachine(RuleBasedStateMachine):
         self.stack: list[Entry] = []
         self.dead: list[Entry] = []  # scopes closed under them by an out-of-order exit
         self.counter = 0
+        self.grouped: list[Binding] = []
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -223,6 +231,87 @@ class IsolationMachine(RuleBasedStateMachine):
             assert binding.handler(phase).backend == spec.backend_for(phase)
         self.runners.append(binding)
         self.snapshots[id(binding)] = snapshot(binding)
+
+    @rule(
+        picks_=st.lists(picks, min_size=1, max_size=4),
+        shared=st.booleans(),
+    )
+    def new_grouped_runner(self, picks_: list[int], shared: bool) -> None:
+        pick = lambda i: self.names[i % len(self.names)]  # noqa: E731
+        groups = {f"g{i}": mha_config(head_dim=32 * (i + 1)) for i in range(len(picks_))}
+        spec: Any = (
+            pick(picks_[0]) if shared else {g: pick(i) for g, i in zip(groups, picks_, strict=True)}
+        )
+        try:
+            binding = bind(spec, groups, label=f"grouped{len(self.grouped)}")
+        except Exception as exc:
+            from attn_dispatch import IncompatibleBackendError
+
+            assert isinstance(exc, IncompatibleBackendError)
+            assert "kind 'mha' is not supported" in str(exc)
+            return
+        assert list(binding.groups) == list(groups)
+        self.grouped.append(binding)
+
+    @precondition(lambda self: self.grouped)
+    @rule(
+        r=picks,
+        phase=st.sampled_from(list(Phase)),
+        calls=st.lists(picks, min_size=1, max_size=8),
+        thread=st.booleans(),
+    )
+    def grouped_forward(self, r: int, phase: Phase, calls: list[int], thread: bool) -> None:
+        binding = self.grouped[r % len(self.grouped)]
+        names = list(binding.groups)
+        outer = self.top()
+
+        def plans(b: Binding) -> int:
+            backend = b.backend(phase)
+            assert isinstance(backend, EchoBackend)
+            return len(backend.plans)
+
+        before = {g: plans(b) for g, b in binding.groups.items()}
+
+        def layers() -> None:
+            for c in calls:
+                g = names[c % len(names)]
+                child = binding.groups[g]
+                out = attention(None, None, None, sm_scale=1.0, group=g)
+                assert out[:3] == (child.spec.names[phase], phase, child.handler(phase).instance)
+                assert out[3][1:3] == (child.spec.names[phase], child.backend(phase).instance)
+            for bad in (None, "nope"):
+                try:
+                    attention(None, None, None, sm_scale=1.0, group=bad)
+                except InvalidBatchError as exc:
+                    assert exc.field == "group"
+                else:
+                    raise AssertionError(f"group={bad!r} on a grouped runner did not raise")
+
+        def body() -> None:
+            with attn_scope(binding, FakeBatch(phase)):
+                if thread:
+                    errors: list[BaseException] = []
+
+                    def work() -> None:
+                        try:
+                            layers()
+                        except BaseException as exc:  # re-raised in the main thread
+                            errors.append(exc)
+
+                    worker = threading.Thread(target=carry_scope(work))
+                    worker.start()
+                    worker.join()
+                    if errors:
+                        raise errors[0]
+                else:
+                    layers()
+            expect(outer)
+
+        self.run(body)
+        for g, b in binding.groups.items():
+            # Each group's backend planned once for this forward (a backend object may serve
+            # several phases of its group, but only this phase's one planned).
+            assert plans(b) == before[g] + 1
 
     # -- scopes in the main context ------------------------------------------------------------
 

@@ -9,7 +9,9 @@ Three layers, from the most to the least expensive:
   holds the snapshot, so editing the batch's tensors after planning never reaches a kernel,
   and a batch built without ``page_size`` is still checked against the pages it names.
 - ``TensorChecks.check(snap, q, k_cache, v_cache)``: per call, attribute reads only: shapes,
-  dtypes, devices, layout, and the largest page index against the cache given at this call.
+  dtypes, devices, layout, and the largest page index against the cache given at this call
+  (an FP8 config's cache must have the FP8 dtype itself); ``check_sinks(sinks, q)`` for
+  configs with sinks.
 
 >>> snap = BatchSnapshot.of(batch, config.page_size)          # once per forward
 >>> checks = TensorChecks.of(config, layout="rows")           # once per backend object
@@ -41,6 +43,8 @@ __all__ = [
     "check_owner",
     "mask_offsets",
     "refill",
+    "window_flat_mask",
+    "window_tree_mask",
 ]
 
 _I32 = torch.int32
@@ -493,6 +497,31 @@ class TensorChecks:
             self._explain_layout(q, k_cache, v_cache)
         return int(pages)
 
+    def check_sinks(self, sinks: Any, q: torch.Tensor) -> None:
+        """Raise ``InvalidBatchError("sinks", ...)`` unless ``sinks`` is a float32
+        ``[num_q_heads]`` tensor on ``q``'s device (attribute reads only)."""
+        heads = self.q_tail[0]
+        try:
+            ok = (
+                sinks.dtype == torch.float32
+                and sinks.dim() == 1
+                and sinks.shape[0] == heads
+                and sinks.device == q.device
+            )
+        except AttributeError:
+            ok = False
+        if ok:
+            return
+        if not isinstance(sinks, torch.Tensor):
+            problem = f"expected a torch.Tensor, got {type(sinks)!r}"
+        elif sinks.dtype != torch.float32:
+            problem = f"dtype {sinks.dtype} != torch.float32 (one sink logit per query head)"
+        elif sinks.dim() != 1 or sinks.shape[0] != heads:
+            problem = f"shape {tuple(sinks.shape)} != [num_q_heads={heads}]"
+        else:
+            problem = f"on {sinks.device}, q on {q.device}"
+        raise InvalidBatchError("sinks", f"{self.backend}: {problem}")
+
     def _layout_ok(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> bool:
         if self.layout == "contiguous":
             return q.is_contiguous() and k.is_contiguous() and (v is None or v.is_contiguous())
@@ -573,6 +602,37 @@ class TensorChecks:
                 "every page index must name a page of the k_cache/v_cache given to this call",
             )
         raise AssertionError("TensorChecks flagged tensors that break no rule")  # pragma: no cover
+
+
+def window_tree_mask(mask: torch.Tensor, window_left: int) -> torch.Tensor:
+    """Apply a sliding window to a custom (tree) mask ``[..., queries, keys]`` (bool).
+
+    A query sees the ``window_left + 1`` most recent keys *its mask allows* (in cache order):
+    for a draft node that is the prefix plus its ancestors, so tree verify sees exactly what
+    decoding that path token by token would see; for a causal mask it is the positional
+    window ``p - window_left ..= p``. Backends with a mask-taking kernel can fold the window
+    into the mask with this once per plan.
+
+    >>> window_tree_mask(torch.ones(1, 3, dtype=torch.bool), 1)
+    tensor([[False,  True,  True]])
+    """
+    # Count the allowed keys at or after each key: its rank from the query's end.
+    rank = mask.flip(-1).to(torch.int32).cumsum(-1).flip(-1)
+    return mask & (rank <= window_left + 1)
+
+
+def window_flat_mask(
+    custom_mask: torch.Tensor, q_lens: list[int], kv_lens: list[int], window_left: int
+) -> torch.Tensor:
+    """``window_tree_mask`` on a flat batch mask (request ``i``'s ``q_len x kv_len`` rows,
+    one after the other, as ``AttnBatch.custom_mask``); returns a new flat mask."""
+    parts = []
+    off = 0
+    for ql, kl in zip(q_lens, kv_lens, strict=True):
+        block = custom_mask[off : off + ql * kl].view(ql, kl)
+        parts.append(window_tree_mask(block, window_left).reshape(-1))
+        off += ql * kl
+    return torch.cat(parts) if parts else custom_mask[:0].clone()
 
 
 def refill(dst: BatchSnapshot, src: BatchSnapshot) -> None:

@@ -23,6 +23,20 @@ class Materialised:
     sm_scale: float
     page_tables: list[list[int]]
     masks: list[torch.Tensor] | None
+    sinks: torch.Tensor | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def extras(self) -> dict[str, object]:
+        """The per-call keywords of ``attention`` this case needs."""
+        kw: dict[str, object] = {}
+        if self.sinks is not None:
+            kw["sinks"] = self.sinks
+        if self.config.kv_fp8:
+            kw["k_scale"] = self.k_scale
+            if self.config.kind != "mla":
+                kw["v_scale"] = self.v_scale
+        return kw
 
 
 def config_of(case: KernelCase, device: str = "cpu") -> AttnConfig:
@@ -36,6 +50,10 @@ def config_of(case: KernelCase, device: str = "cpu") -> AttnConfig:
         page_size=case.page_size,
         device=device,
         tree_verify=case.trees is not None,
+        window_left=case.window_left,
+        logit_cap=case.logit_cap,
+        sinks=case.sinks,
+        kv_dtype=case.kv_dtype,
     )
 
 
@@ -53,12 +71,21 @@ def materialise(case: KernelCase, device: str = "cpu") -> Materialised:
     dtype = getattr(torch, case.dtype)
     t = sum(case.q_lens)
     q = torch.randn(t, case.num_q_heads, case.head_dim, generator=g).to(dtype)
+    # An FP8 cache holds K / k_scale and V / v_scale (values from the same random draw).
+    kv_dtype = dtype if case.kv_dtype is None else getattr(torch, case.kv_dtype)
+    k_div = case.k_scale if case.kv_dtype is not None else 1.0
+    v_div = case.v_scale if case.kv_dtype is not None else 1.0
     if case.kind == "mla":
-        k_cache = torch.randn(total, ps, case.head_dim, generator=g).to(dtype)
+        k_cache = (torch.randn(total, ps, case.head_dim, generator=g) / k_div).to(kv_dtype)
         v_cache = None
     else:
-        k_cache = torch.randn(total, ps, case.num_kv_heads, case.head_dim, generator=g).to(dtype)
-        v_cache = torch.randn(total, ps, case.num_kv_heads, case.v_head_dim, generator=g).to(dtype)
+        k_cache = torch.randn(total, ps, case.num_kv_heads, case.head_dim, generator=g)
+        k_cache = (k_cache / k_div).to(kv_dtype)
+        v_cache = torch.randn(total, ps, case.num_kv_heads, case.v_head_dim, generator=g)
+        v_cache = (v_cache / v_div).to(kv_dtype)
+    sinks = None
+    if case.sinks:
+        sinks = torch.randn(case.num_q_heads, generator=g) * 2.0
     masks = None
     if case.trees is not None:
         masks = [tree_mask(list(tr), p) for tr, p in zip(case.trees, case.prefix_lens, strict=True)]
@@ -80,22 +107,32 @@ def materialise(case: KernelCase, device: str = "cpu") -> Materialised:
         sm_scale=1.0 / math.sqrt(case.head_dim),
         page_tables=tables,
         masks=masks,
+        sinks=sinks,
+        k_scale=case.k_scale,
+        v_scale=case.v_scale,
     )
     if device != "cpu":
         m.batch = batch.to(device)
         m.q = q.to(device)
         m.k_cache = k_cache.to(device)
         m.v_cache = None if v_cache is None else v_cache.to(device)
+        m.sinks = None if sinks is None else sinks.to(device)
     return m
 
 
 def naive_attention(m: Materialised) -> torch.Tensor:
-    """Plain per-request, per-head attention in float64 with a dense mask."""
+    """Plain per-request, per-head attention in float64 with a dense mask, on the dequantised
+    cache, with the layer variants written out the simplest way (DESIGN.md, "Layer
+    variants"): the window keeps the last ``window_left + 1`` keys each query's mask allows
+    (for a causal mask: positions ``p - window_left ..= p``), the cap is
+    ``cap * tanh(s / cap)``, and a sink is one more logit in the softmax's denominator."""
     c = m.config
     ps = c.page_size
     q = m.q.cpu().double()
-    k_cache = m.k_cache.cpu().double()
-    v_cache = None if m.v_cache is None else m.v_cache.cpu().double()
+    k_scale = m.k_scale if c.kv_fp8 else 1.0
+    v_scale = m.v_scale if c.kv_fp8 else 1.0
+    k_cache = m.k_cache.cpu().double() * k_scale
+    v_cache = None if m.v_cache is None else m.v_cache.cpu().double() * v_scale
     dv = int(c.v_head_dim or c.head_dim)
     out = torch.zeros(q.shape[0], c.num_q_heads, dv, dtype=torch.float64)
     qo = m.batch.qo_indptr_host.tolist()
@@ -111,6 +148,11 @@ def naive_attention(m: Materialised) -> torch.Tensor:
             allowed = torch.zeros(ql, kl, dtype=torch.bool)
             for j in range(ql):
                 allowed[j, : kl - ql + j + 1] = True
+        if c.window_left is not None:
+            allowed = allowed.clone()
+            for j in range(ql):
+                seen = allowed[j].nonzero().flatten()
+                allowed[j, seen[: max(0, len(seen) - (c.window_left + 1))]] = False
         for h in range(c.num_q_heads):
             kvh = h // c.group_size
             if c.kind == "mla":
@@ -122,7 +164,13 @@ def naive_attention(m: Materialised) -> torch.Tensor:
                 vals = v_cache[pages, slots, kvh]
             qi = q[qo[i] : qo[i + 1], h]
             s = (qi @ keys.T) * m.sm_scale
+            if c.logit_cap is not None:
+                s = c.logit_cap * torch.tanh(s / c.logit_cap)
             s = s.masked_fill(~allowed, -math.inf)
+            if m.sinks is not None:
+                sink = torch.full((ql, 1), float(m.sinks[h]), dtype=torch.float64)
+                s = torch.cat((s, sink), dim=1)
+                vals = torch.cat((vals, torch.zeros(1, dv, dtype=torch.float64)))
             out[qo[i] : qo[i + 1], h] = torch.softmax(s, dim=-1) @ vals
     return out
 

@@ -8,6 +8,7 @@ what the backend really supports.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -30,7 +31,9 @@ from tests.contract.cases import tolerance
 from tests.strategies import DEFAULT_LIMITS
 from tests.strategies import KernelCase
 from tests.strategies import Limits
+from tests.strategies import Served
 from tests.strategies import kernel_cases
+from tests.strategies import variant_cases
 
 # The triton backend runs on CPU only under triton's interpreter, which triton reads when the
 # kernels are defined (first bind): switch it on before any test binds it.
@@ -71,6 +74,8 @@ EXAMPLES = 500 if THOROUGH else 100
 # may JIT-compile new kernel variants (seconds each).
 FEW_EXAMPLES = {"triton"}
 FEW = 100 if THOROUGH else 20
+# The variant cases draw on top of the plain ones, which the other tests cover already.
+VARIANT_EXAMPLES = 300 if THOROUGH else 50
 
 
 def device_for(backend: str) -> str:
@@ -100,7 +105,7 @@ def run_case(backend: str, case: KernelCase) -> tuple[torch.Tensor, object]:
     m = materialise(case, device_for(backend))
     binding = bind(backend, m.config, label=f"contract-{backend}")
     with attn_scope(binding, m.batch):
-        out = attention(m.q, m.k_cache, m.v_cache, sm_scale=m.sm_scale)
+        out = attention(m.q, m.k_cache, m.v_cache, sm_scale=m.sm_scale, **m.extras())
     return out, m
 
 
@@ -130,6 +135,41 @@ def test_matches_naive_reference(backend: str, kind: str, phase: Phase) -> None:
         check_against_naive(backend, case)
 
     check()
+
+
+FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")
+
+
+def served(backend: str, kind: str, phase: Phase) -> tuple[Served, list[str]]:
+    """What ``backend`` declares of the variants and FP8 formats for (kind, phase), probed
+    one at a time on a small config of that kind; and the reasons for what it refuses."""
+    limits = LIMITS.get(backend, DEFAULT_LIMITS)
+    if kind == "mla":
+        hd, dv = limits.mla_dims[0]
+        dims = dict(num_q_heads=limits.mla_heads[-1], num_kv_heads=1, head_dim=hd, v_head_dim=dv)
+    else:
+        hd, dv = limits.mha_dims[0]
+        dims = dict(num_q_heads=2, num_kv_heads=1, head_dim=hd, v_head_dim=dv)
+    base = _case(
+        kind=kind, phase=phase, page_size=limits.page_sizes[0], dtype=limits.dtypes[-1], **dims
+    )
+    caps = list_backends()[backend]
+    probes: dict[str, dict[str, object]] = {
+        "window": dict(window_left=4),
+        "logit_cap": dict(logit_cap=5.0),
+        "sinks": dict(sinks=True),
+        **{f: dict(kv_dtype=f) for f in FP8_FORMATS},
+    }
+    ok: list[str] = []
+    why: list[str] = []
+    for name, over in probes.items():
+        cfg = config_of(dataclasses.replace(base, **over), device_for(backend))  # type: ignore[arg-type]
+        found = caps.config_reasons(cfg, phase)
+        (why.extend(found) if found else ok.append(name))
+    return Served(
+        variants=frozenset(ok) & {"window", "logit_cap", "sinks"},
+        fp8=tuple(f for f in FP8_FORMATS if f in ok),
+    ), why
 
 
 def _case(**over: object) -> KernelCase:
@@ -278,3 +318,127 @@ def test_reference_long_context_is_chunked() -> None:
     finally:
         ref._OnlineSoftmax.update = real_update  # type: ignore[method-assign]
     assert len(seen) == 16 and max(seen) == ref.CHUNK_TOKENS
+
+
+# -- layer variants and FP8 caches --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.name.lower())
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_variants_match_naive_reference(backend: str, kind: str, phase: Phase) -> None:
+    """Windows (0, small, beyond the context), caps, sinks and FP8 caches (both formats,
+    scales other than 1), alone and together, for what each backend declares."""
+    skip_if_unavailable(backend)
+    serves, why = served(backend, kind, phase)
+    if not serves.variants and not serves.fp8:
+        pytest.skip(f"{backend!r} declares no variant or FP8 cache here: {'; '.join(why)}")
+    limits = LIMITS.get(backend, DEFAULT_LIMITS)
+
+    @settings(
+        max_examples=FEW if backend in FEW_EXAMPLES else VARIANT_EXAMPLES,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(case=variant_cases(kind=kind, phase=phase, served=serves, limits=limits))
+    def check(case: KernelCase) -> None:
+        check_against_naive(backend, case)
+
+    check()
+
+
+VARIANT_EDGES = {
+    "window-0-prefill": _case(q_lens=(5,), prefix_lens=(20,), window_left=0),
+    "window-beyond-context": _case(q_lens=(3, 1), prefix_lens=(40, 2), window_left=10_000),
+    "window-decode-skips-pages": _case(
+        phase=Phase.DECODE, q_lens=(1, 1), prefix_lens=(300, 17), window_left=31
+    ),
+    "window-tree": _case(
+        phase=Phase.VERIFY,
+        q_lens=(5,),
+        prefix_lens=(9,),
+        trees=((-1, 0, 0, 1, 2),),
+        window_left=3,
+    ),
+    "cap-and-sinks": _case(
+        phase=Phase.DECODE, q_lens=(1, 1), prefix_lens=(30, 0), logit_cap=1.0, sinks=True
+    ),
+    "fp8-e4m3-mha": _case(
+        q_lens=(4,),
+        prefix_lens=(25,),
+        kv_dtype="float8_e4m3fn",
+        k_scale=0.5,
+        v_scale=2.0,
+        dtype="bfloat16",
+    ),
+    "fp8-e5m2-mla": _case(
+        kind="mla",
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=80,
+        v_head_dim=64,
+        phase=Phase.DECODE,
+        q_lens=(1, 1),
+        prefix_lens=(20, 47),
+        kv_dtype="float8_e5m2",
+        k_scale=3.0,
+        v_scale=3.0,
+    ),
+    "everything-verify": _case(
+        phase=Phase.VERIFY,
+        q_lens=(4, 3),
+        prefix_lens=(33, 5),
+        trees=((-1, 0, 1, 1), (-1, -1, 1)),
+        window_left=6,
+        logit_cap=2.0,
+        sinks=True,
+        kv_dtype="float8_e4m3fn",
+        k_scale=0.25,
+        v_scale=0.5,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANT_EDGES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_variant_edge_cases(backend: str, name: str) -> None:
+    skip_if_unavailable(backend)
+    skip_if_refused(backend, VARIANT_EDGES[name])
+    check_against_naive(backend, VARIANT_EDGES[name])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_beyond_context_equals_full(backend: str) -> None:
+    skip_if_unavailable(backend)
+    wide = _case(q_lens=(4, 2), prefix_lens=(50, 3), window_left=54)
+    full = _case(q_lens=(4, 2), prefix_lens=(50, 3))
+    skip_if_refused(backend, wide)
+    a, _ = run_case(backend, wide)
+    b, _ = run_case(backend, full)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_slots_outside_are_unread(backend: str) -> None:
+    """Keys before a decode's window never reach the output, whatever they hold (NaN)."""
+    skip_if_unavailable(backend)
+    case = _case(
+        phase=Phase.DECODE,
+        q_lens=(1,),
+        prefix_lens=(99,),
+        window_left=20,
+        page_size=16,
+        extra_pages=0,
+    )
+    skip_if_refused(backend, case)
+    m = materialise(case, device_for(backend))
+    ref = naive_attention(m)
+    table = m.page_tables[0]
+    for t in range(0, 100 - 21):  # positions 0..78 are outside the window of position 99
+        m.k_cache[table[t // 16], t % 16] = float("nan")
+        assert m.v_cache is not None
+        m.v_cache[table[t // 16], t % 16] = float("nan")
+    binding = bind(backend, m.config)
+    with attn_scope(binding, m.batch):
+        out = attention(m.q, m.k_cache, m.v_cache, sm_scale=m.sm_scale)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-4, rtol=2e-4)

@@ -3,6 +3,18 @@
 Requests are padded into one batch; keys are walked in chunks of pages with an online softmax,
 so no more than one chunk of scores exists at a time (a 32k decode never materialises 32k
 scores per head), and queries are blocked so long prefills stay bounded too.
+
+Layer variants: a sliding window is planned per (query block, request) as the first page any
+of those queries can see, so chunks wholly outside the window are never gathered (a decode
+reads ``window_left + 1`` keys per request, rounded out to pages); the logit cap applies to the
+scores of each chunk; sinks join the normaliser at the end. An FP8 cache is dequantised one
+chunk at a time (gathered pages only, never the whole cache).
+
+Window semantics, including tree verify: a query sees the ``window_left + 1`` most recent keys
+*of its own sequence*. Without a custom mask that is keys at positions ``p - window_left ..= p``
+(DESIGN.md). With a tree mask, the sequence of a draft node is the prefix plus its ancestors
+(the keys its mask allows, in cache order), so the node sees the last ``window_left + 1`` of
+those: exactly what decoding that path token by token would see.
 """
 
 from __future__ import annotations
@@ -18,14 +30,13 @@ import torch
 from attn_dispatch._batch import AttnBatch
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
-from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
 from attn_dispatch.backends._common import check_owner
+from attn_dispatch.backends._common import window_tree_mask
 from attn_dispatch.backends._torch_base import TorchBackendBase
-from attn_dispatch.backends.reference import DEFAULT_FORM_POLICY
 
 # Max fp32 score elements alive at once (64 MiB): bounds memory for any context length.
 SCORE_BUDGET = 1 << 24
@@ -47,6 +58,9 @@ class TorchPlan:
     mask: torch.Tensor | None  # bool [B, max_q, max_kv] (tree verify), else None
     chunk_pages: int
     q_block: int
+    # Per query block: (first page column any query of the block may see, per request [B];
+    # page columns to walk from there; first key position visible, per request [B]).
+    blocks: tuple[tuple[torch.Tensor, int, torch.Tensor], ...]
 
 
 class TorchBackend(TorchBackendBase):
@@ -64,16 +78,12 @@ class TorchBackend(TorchBackendBase):
         config: AttnConfig,
         *,
         score_budget: int = SCORE_BUDGET,
-        form_policy: FormPolicy | None = None,
         validate: bool = False,
     ) -> None:
-        """``score_budget``: max fp32 scores alive at once; ``form_policy``: how MLA layers
-        choose between absorbed and decompressed forms (default ``FormPolicy()``);
-        ``validate``: on CUDA, read the page indices back at plan time to check them (a
-        host sync per forward)."""
+        """``score_budget``: max fp32 scores alive at once; ``validate``: on CUDA, read the
+        page indices back at plan time to check them (a host sync per forward)."""
         self.config = config
         self.score_budget = int(score_budget)
-        self.form_policy = DEFAULT_FORM_POLICY if form_policy is None else form_policy
         self.validate = bool(validate)
         self.q_dtype = getattr(torch, config.dtype)
         self.kv_dtype = getattr(torch, str(config.kv_dtype))
@@ -108,6 +118,7 @@ class TorchBackend(TorchBackendBase):
         kv_lens = snap.kv_lens_host.long()
         q_pos = kv_lens[:, None] - q_lens[:, None] + slots[None, :]
         mask = None
+        window = self.config.window_left
         if snap.custom_mask is not None:
             assert snap.mask_indptr is not None
             mask = torch.zeros(b, max_q, max_pages * ps, dtype=torch.bool, device=dev)
@@ -117,10 +128,15 @@ class TorchBackend(TorchBackendBase):
                 ql, kl = qo[i + 1] - qo[i], lens[i]
                 mask[i, :ql, :kl] = snap.custom_mask[off : off + ql * kl].view(ql, kl)
                 off += ql * kl
+            if window is not None:
+                mask = window_tree_mask(mask, window)
         heads = self.config.num_q_heads
         chunk_pages = max(1, CHUNK_TOKENS // ps)
         chunk_tokens = chunk_pages * ps
         q_block = max(1, min(max_q, self.score_budget // max(1, b * heads * chunk_tokens)))
+        blocks = _blocks(
+            counts, kv_lens.tolist(), q_lens.tolist(), max_q, q_block, ps, window, mask, dev
+        )
         return TorchPlan(
             owner=self,
             snap=snap,
@@ -135,6 +151,7 @@ class TorchBackend(TorchBackendBase):
             mask=mask,
             chunk_pages=chunk_pages,
             q_block=q_block,
+            blocks=blocks,
         )
 
     def handler(self, phase: Phase) -> Handler:
@@ -149,10 +166,16 @@ class TorchBackend(TorchBackendBase):
         v_cache: torch.Tensor | None,
         plan: TorchPlan,
         sm_scale: float,
+        *,
+        sinks: torch.Tensor | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         check_owner(plan, self, "torch")
         num_pages = self._checks.check(plan.snap, q, k_cache, v_cache)
         c = self.config
+        if c.sinks:
+            self._checks.check_sinks(sinks, q)
         mla = c.kind == "mla"
         hkv, dv = c.num_kv_heads, int(c.out_head_dim)
         if plan.snap.num_requests == 0:  # SGLang's IDLE forward: nothing to attend
@@ -165,36 +188,54 @@ class TorchBackend(TorchBackendBase):
             # Page indices never read on the host (CUDA without validate): keep every gather
             # inside this call's cache; an out-of-range index gives wrong numbers, not a fault.
             table = table.clamp(0, max(num_pages - 1, 0))
+        window = c.window_left
+        fp8 = c.kv_fp8
         out = torch.empty(b, max_q, c.num_q_heads, dv, dtype=torch.float32, device=q.device)
         qp = self._padded_q(q, plan.q_rows)
-        for q0 in range(0, max_q, plan.q_block):
+        in_page = torch.arange(ps, device=q.device)
+        for blk, q0 in enumerate(range(0, max_q, plan.q_block)):
             q1 = min(max_q, q0 + plan.q_block)
-            acc = _OnlineSoftmax(qp[:, :, :, q0:q1], dv)
+            first, span, lo = plan.blocks[blk]
+            acc = _OnlineSoftmax(qp[:, :, :, q0:q1], dv, c.logit_cap)
             pos = plan.q_pos[:, q0:q1]
-            for p0 in range(0, max_pages, plan.chunk_pages):
-                p1 = min(max_pages, p0 + plan.chunk_pages)
-                pages = table[:, p0:p1]
+            for p0 in range(0, span, plan.chunk_pages):
+                p1 = min(span, p0 + plan.chunk_pages)
+                cols = first[:, None] + torch.arange(p0, p1, device=q.device)  # [B, np]
+                pages = table.gather(1, cols.clamp(max=max_pages - 1))
                 n = (p1 - p0) * ps
+                # Key positions per request; columns past the table are past kv_len (masked).
+                kpos = (cols[:, :, None] * ps + in_page).reshape(b, n)
                 kc = k_cache[pages]
-                kpos = torch.arange(p0 * ps, p0 * ps + n, device=q.device)
-                # Slots past kv_len (and the pads of short page tables) are unread: zero their
-                # V so 0 * NaN never reaches the output.
-                unread = (kpos[None, :] >= plan.kv_lens[:, None])[:, None, :, None]
+                # Slots no query of this block reads (past kv_len, before the window, the pads
+                # of short page tables): zero their V so 0 * NaN never reaches the output.
+                unread = (kpos >= plan.kv_lens[:, None]) | (kpos < lo[:, None])
+                unread = unread[:, None, :, None]
                 if mla:
                     k = kc.reshape(b, 1, n, -1).float()
+                    if fp8 and k_scale != 1.0:
+                        k = k * k_scale
                     v = k[..., :dv].masked_fill(unread, 0.0)
                 else:
                     assert v_cache is not None
                     k = kc.reshape(b, n, hkv, -1).transpose(1, 2).float()
                     v = v_cache[pages].reshape(b, n, hkv, dv).transpose(1, 2).float()
+                    if fp8:
+                        if k_scale != 1.0:
+                            k = k * k_scale
+                        if v_scale != 1.0:
+                            v = v * v_scale
                     v = v.masked_fill(unread, 0.0)
-                allowed = kpos[None, None, :] < plan.kv_lens[:, None, None]
+                allowed = (kpos < plan.kv_lens[:, None])[:, None, :]
                 if plan.mask is not None:
-                    allowed = allowed & plan.mask[:, q0:q1, p0 * ps : p0 * ps + n]
+                    cols_k = kpos.clamp(max=plan.mask.shape[2] - 1)
+                    sub = plan.mask[:, q0:q1].gather(2, cols_k[:, None, :].expand(-1, q1 - q0, -1))
+                    allowed = allowed & sub
                 else:
-                    allowed = allowed & (kpos[None, None, :] <= pos[:, :, None])
+                    allowed = allowed & (kpos[:, None, :] <= pos[:, :, None])
+                    if window is not None:
+                        allowed = allowed & (kpos[:, None, :] >= pos[:, :, None] - window)
                 acc.update(k, v, allowed, sm_scale)
-            out[:, q0:q1] = acc.result(c.num_q_heads)
+            out[:, q0:q1] = acc.result(c.num_q_heads, sinks)
         return out.view(b * max_q, c.num_q_heads, dv).index_select(0, plan.out_rows).to(q.dtype)
 
     def _padded_q(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -225,8 +266,12 @@ class TorchBackend(TorchBackendBase):
         batch: AttnBatch,
         sm_scale: float,
         prefix: Iterable[tuple[torch.Tensor, torch.Tensor, Sequence[int]]] | None = None,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         c = self.config
+        if c.sinks:
+            self._checks.check_sinks(sinks, q)
         if prefix is None:
             raise InvalidBatchError(
                 "prefix",
@@ -262,8 +307,11 @@ class TorchBackend(TorchBackendBase):
         valid = slots[None, :] < q_lens[:, None]
         rows = torch.where(valid, torch.tensor(qo[:-1])[:, None] + slots[None, :], 0).to(dev)
         valid = valid.to(dev)
-        acc = _OnlineSoftmax(self._padded_q(q, rows), dv)
+        acc = _OnlineSoftmax(self._padded_q(q, rows), dv, c.logit_cap)
         prefix_lens = (snap.kv_lens_host.long() - q_lens).tolist()
+        window = c.window_left
+        # Query positions (the prefix comes first, in chunk order): for the window.
+        qpos = torch.tensor(prefix_lens)[:, None] + slots[None, :]
         seen = [0] * b
         for k_c, v_c, indptr in prefix:
             ind = [int(x) for x in indptr]
@@ -276,12 +324,15 @@ class TorchBackend(TorchBackendBase):
             clen = torch.tensor([ind[i + 1] - ind[i] for i in range(b)])
             cvalid = cs[None, :] < clen[:, None]
             crow = torch.where(cvalid, torch.tensor(ind[:-1])[:, None] + cs[None, :], 0).to(dev)
+            kpos = torch.tensor(seen)[:, None] + cs[None, :]
             for i in range(b):
                 seen[i] += ind[i + 1] - ind[i]
             k = k_c[crow].float().transpose(1, 2)  # [B, H, n, D]
             v = v_c[crow].float().transpose(1, 2)
-            allowed = cvalid.to(dev)[:, None, :].expand(b, max_q, n)
-            acc.update(k, v, allowed, sm_scale)
+            allowed = cvalid[:, None, :].expand(b, max_q, n)
+            if window is not None:
+                allowed = allowed & (kpos[:, None, :] >= qpos[:, :, None] - window)
+            acc.update(k, v, allowed.to(dev), sm_scale)
         bad = next((i for i in range(b) if seen[i] != prefix_lens[i]), None)
         if bad is not None:
             raise InvalidBatchError(
@@ -291,20 +342,74 @@ class TorchBackend(TorchBackendBase):
             )
         k = k_new[rows].float().transpose(1, 2)
         v = v_new[rows].float().transpose(1, 2)
-        causal = slots[None, :, None].to(dev) >= slots[None, None, :].to(dev)
-        acc.update(k, v, causal & valid[:, None, :], sm_scale)
-        return acc.result(c.num_q_heads)[valid].to(q.dtype)
+        causal = slots[None, :, None] >= slots[None, None, :]
+        if window is not None:
+            causal = causal & (slots[None, None, :] >= slots[None, :, None] - window)
+        acc.update(k, v, causal.to(dev) & valid[:, None, :], sm_scale)
+        return acc.result(c.num_q_heads, sinks)[valid].to(q.dtype)
+
+
+def _blocks(
+    counts: list[int],
+    kv_lens: list[int],
+    q_lens: list[int],
+    max_q: int,
+    q_block: int,
+    ps: int,
+    window: int | None,
+    mask: torch.Tensor | None,
+    dev: torch.device,
+) -> tuple[tuple[torch.Tensor, int, torch.Tensor], ...]:
+    """For each query block: the first page column each request's queries may see, how many
+    columns to walk, and the first visible key position (host ints, made once per plan).
+
+    The column count depends on the config and the table width only (never on the lengths),
+    so a CUDA graph captured with one batch replays another of the same shape."""
+    max_pages = max(max(counts, default=0), 1)
+    out = []
+    for q0 in range(0, max_q, q_block):
+        q1 = min(max_q, q0 + q_block)
+        if window is None:
+            zeros = torch.zeros(len(counts), dtype=torch.int64, device=dev)
+            out.append((zeros, max_pages, zeros))
+            continue
+        # Visible positions of one request's block span at most window + (q1 - q0) keys
+        # (a tree: the prefix's last window_left + 1 plus the draft tokens).
+        width = window + (q1 - q0 if mask is None else max_q)
+        span = min(max_pages, -(-width // ps) + 1)
+        firsts, los = [], []
+        for count, kl, ql in zip(counts, kv_lens, q_lens, strict=True):
+            prefix = kl - ql
+            if q0 >= ql:  # no query of this request in the block
+                lo = kl
+            elif mask is not None:
+                # A draft node's sequence is the prefix plus its ancestors: its window
+                # starts at or after prefix - window_left (see the module docstring).
+                lo = max(0, prefix - window)
+            else:
+                lo = max(0, prefix + q0 - window)
+            firsts.append(min(lo // ps, count))
+            los.append(lo)
+        out.append(
+            (
+                torch.tensor(firsts, dtype=torch.int64, device=dev),
+                span,
+                torch.tensor(los, dtype=torch.int64, device=dev),
+            )
+        )
+    return tuple(out)
 
 
 class _OnlineSoftmax:
     """Running max/sum/accumulator over key chunks for padded queries ``[B, Hkv, G, Mq, D]``.
 
     Rows that have seen no visible key keep max = -inf and contribute exp(-inf) = 0, so fully
-    masked padding never produces NaN.
+    masked padding never produces NaN. ``cap``: the logit soft-cap (None = off).
     """
 
-    def __init__(self, q: torch.Tensor, dv: int) -> None:
+    def __init__(self, q: torch.Tensor, dv: int, cap: float | None = None) -> None:
         self.q = q
+        self.cap = cap
         self.m = torch.full(q.shape[:-1], -math.inf, device=q.device)
         self.l_sum = torch.zeros_like(self.m)
         self.acc = torch.zeros(*q.shape[:-1], dv, device=q.device)
@@ -314,6 +419,8 @@ class _OnlineSoftmax:
     ) -> None:
         """``k``/``v``: ``[B, Hkv, N, D]``; ``allowed``: ``[B, Mq, N]``."""
         s = torch.einsum("bhgqd,bhnd->bhgqn", self.q, k) * sm_scale
+        if self.cap is not None:
+            s = torch.tanh(s / self.cap) * self.cap
         s = s.masked_fill(~allowed[:, None, None], -math.inf)
         m_new = torch.maximum(self.m, s.amax(dim=-1))
         shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -323,12 +430,18 @@ class _OnlineSoftmax:
         self.acc = self.acc * alpha[..., None] + torch.einsum("bhgqn,bhnd->bhgqd", p, v)
         self.m = m_new
 
-    def result(self, heads: int) -> torch.Tensor:
-        """``[B, Mq, Hq, Dv]`` in fp32."""
-        res = self.acc / self.l_sum.clamp_min(1e-30)[..., None]
+    def result(self, heads: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, Mq, Hq, Dv]`` in fp32; ``sinks`` (``[Hq]``) join the normaliser:
+        ``sum_j e^(s_j - M) v_j / (sum_j e^(s_j - M) + e^(sink - M))``."""
+        if sinks is None:
+            res = self.acc / self.l_sum.clamp_min(1e-30)[..., None]
+        else:
+            hkv, g = self.m.shape[1], self.m.shape[2]
+            sink = sinks.to(self.m.device, torch.float32).view(1, hkv, g, 1)
+            big = torch.maximum(self.m, sink)
+            big = torch.where(torch.isinf(big), torch.zeros_like(big), big)
+            alpha = torch.exp(self.m - big)
+            denom = (self.l_sum * alpha + torch.exp(sink - big)).clamp_min(1e-30)
+            res = self.acc * (alpha / denom)[..., None]
         b, _, _, mq, dv = res.shape
         return res.permute(0, 3, 1, 2, 4).reshape(b, mq, heads, dv)
-
-
-def make(config: AttnConfig, **options: Any) -> TorchBackend:
-    return TorchBackend(config, **options)
