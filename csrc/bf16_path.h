@@ -254,14 +254,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
       }
       for (int r = gi * R1; r < (gi + 1) * R1; ++r) {
         float* sr = S + size_t(r) * BK;
-        for (int t = n; t < BK; ++t) sr[t] = kNegInf;
-        if (P.causal) {
-          for (int t = std::max(0, lim[r] + 1 - k0); t < n; ++t) sr[t] = kNegInf;
-        } else {
-          const uint8_t* mk = mrow[r] + k0;
-          for (int t = 0; t < n; ++t)
-            if (!mk[t]) sr[t] = kNegInf;
-        }
+        post_scores(P, sr, n, k0, lim[r], mrow[r]);
         const __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
         const float bm = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
         const float mn = std::max(m[r], bm);
