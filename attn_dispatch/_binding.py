@@ -116,7 +116,8 @@ class Binding:
     @classmethod
     def _grouped(cls, groups: dict[str, Binding], label: str | None) -> Binding:
         """A binding of groups: ``spec``/``config``/``backends`` are the first group's (for
-        display); each group's own are in ``groups``. ``resolve``/``handler`` need a group."""
+        display); each group's own are in ``groups``. ``prepare``, ``handler``, ``backend``
+        and ``backend_name`` (and ``resolve`` in its scope) need a group: they raise."""
         first = next(iter(groups.values()))
         self = object.__new__(cls)
         for name in cls.__slots__:
@@ -152,9 +153,13 @@ class Binding:
 
     def backend(self, phase: Phase) -> AttentionBackend:
         """The backend object serving ``phase``."""
+        if self._groups is not None:
+            raise _grouped_error("backend(phase)", self._groups)
         return self._phase_backends[Phase.parse(phase)]
 
     def backend_name(self, phase: Phase) -> str:
+        if self._groups is not None:
+            raise _grouped_error("backend_name(phase)", self._groups)
         return self.spec.names[Phase.parse(phase)]
 
     @property

@@ -441,6 +441,10 @@ def test_group_errors(counting: type[_Counting]) -> None:
         binding.prepare(FakeBatch(Phase.DECODE))
     with pytest.raises(InvalidBatchError, match="groups"):
         binding.handler(Phase.DECODE)
+    with pytest.raises(InvalidBatchError, match=r"binding\.groups\[name\]\.backend\(phase\)"):
+        binding.backend(Phase.DECODE)
+    with pytest.raises(InvalidBatchError, match="groups"):
+        binding.backend_name(Phase.DECODE)
     with attn_scope(binding), pytest.raises(InvalidBatchError, match="with a batch"):
         attention(1, 2, 3, sm_scale=1.0, group="full")
 
