@@ -731,7 +731,8 @@ _ISA_CHECK = """
 @pytest.mark.parametrize("isa", ISAS)
 def test_contract_cases_on_every_instruction_set_path(isa: str) -> None:
     """NATIVE_ATTN_ISA forces each path this CPU has; under it, the contract suite's edge cases
-    and this module's reference comparisons (every dtype, phase and shape) pass."""
+    (variants and FP8 included) and this module's reference comparisons (every dtype, phase,
+    shape, variant and FP8 format) pass."""
     env = {"NATIVE_ATTN_ISA": isa}
     forced = _run_child(_ISA_CHECK.replace("sys.argv[1]", repr(isa)), env)
     assert forced.returncode == 0, forced.stderr[-2000:]
@@ -739,6 +740,7 @@ def test_contract_cases_on_every_instruction_set_path(isa: str) -> None:
         [
             sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
             "tests/contract/test_contract.py::test_edge_cases",
+            "tests/contract/test_contract.py::test_variant_edge_cases",
             "tests/test_native.py::test_matches_naive_reference",
             "tests/test_native.py::test_variants_match_naive_reference",
             "-k", "native or not contract",
