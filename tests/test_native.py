@@ -497,11 +497,13 @@ def test_capabilities_reasons() -> None:
         assert CAPABILITIES.reasons(mla, phase) == []
     fp16 = AttnConfig("mha", 8, 8, 128, 128, dtype="float16", page_size=16, device="cpu")
     assert CAPABILITIES.reasons(fp16, Phase.DECODE) == []
-    fp8 = AttnConfig(
-        "mha", 8, 8, 128, 128, dtype="bfloat16", kv_dtype="float8_e4m3fn", page_size=16,
-        device="cpu",
-    )  # fmt: skip
-    assert any("float8_e4m3fn" in r for r in CAPABILITIES.reasons(fp8, Phase.DECODE))
+    for fmt in ("float8_e4m3fn", "float8_e5m2"):
+        fp8 = AttnConfig(
+            "mha", 8, 8, 128, 128, dtype="bfloat16", kv_dtype=fmt, page_size=16, device="cpu",
+            window_left=7, logit_cap=30.0, sinks=True,
+        )  # fmt: skip
+        for phase in Phase:
+            assert CAPABILITIES.reasons(fp8, phase) == []
     wide = AttnConfig("mha", 2, 2, 4096, 128, dtype="float32", page_size=16, device="cpu")
     assert any("head_dim 4096" in r for r in CAPABILITIES.reasons(wide, Phase.PREFILL))
 
