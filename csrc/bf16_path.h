@@ -149,7 +149,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
   int lim[na::kMaxRows];
   bool bad[na::kMaxRows];
   const uint8_t* mrow[na::kMaxRows];
-  const float qscale = P.sm_scale * kLog2e * P.k_scale;
+  const float qscale = P.sm_scale * kLog2e * P.k_scale * f8_unit(P);
   const uint16_t* qbase = static_cast<const uint16_t*>(P.q);
   for (int gi = 0; gi < nkv; ++gi) {
     for (int lr = 0; lr < Rp1; ++lr) {

@@ -141,8 +141,9 @@ static inline vf ld_fp8(const e4m3* p) {
   const hvec nan = NA_H(cmpeq_epi16)(h_or(h, NA_H(set1_epi16)(short(0x8000))),
                                      NA_H(set1_epi16)(short(0xbf80)));
   h = h_or(h_and(h, NA_H(set1_epi16)(short(0xbfff))), nan);
-  return half_to_f32(h) * 256.0f;
+  return half_to_f32(h);  // 2^-8 x the value: kF8Unit folds the 2^8 into the scales
 }
+constexpr float kF8Unit = 256.0f;
 #undef NA_H
 #else
 template <typename F8>
@@ -151,11 +152,18 @@ static inline vf ld_fp8(const F8* p) {
   std::memcpy(&b, p, sizeof b);
   return fp8_to_f32(__builtin_convertvector(b, vu), F8{});
 }
+constexpr float kF8Unit = 1.0f;
 #endif
+// What an e4m3fn value loads as, times this, is its value (a power of two: exact); k_scale
+// and v_scale absorb it once per call instead of a multiply per vector.
+static inline float f8_unit(const NaProblem& P) {
+  return P.kv_dtype == NA_E4M3 ? kF8Unit : 1.0f;
+}
 template <typename F8>
 static inline float fp8_scalar(F8 x) {
   vu b = vu{} + uint32_t(uint8_t(x));
-  return fp8_to_f32(b, F8{})[0];
+  const float f = fp8_to_f32(b, F8{})[0];
+  return std::is_same<F8, e4m3>::value ? f * (1.0f / kF8Unit) : f;  // as ld_fp8 loads it
 }
 
 static inline float hsum(vf v) {
@@ -313,7 +321,8 @@ template <typename OT>
 static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int R1, int nh, int G,
                               const float* row, float inv, float m, float l, bool bad, OT* out) {
   const int Hq = P.num_q_heads, Dv = P.v_head_dim;
-  inv *= P.v_scale;  // FP8: V's dequantisation factor, applied once per output row
+  const float vscale = P.v_scale * f8_unit(P);
+  inv *= vscale;  // FP8: V's dequantisation factor, applied once per output row
   if (it.slot < 0) {
     const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
     const int64_t token = P.qo_indptr[it.req] + it.q0 + jj;
@@ -327,7 +336,7 @@ static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int R
         inv = 0.0f;
       } else {
         const float a = std::exp2(m - big);  // 0 when the row saw no key
-        inv = a / (l * a + std::exp2(sk - big)) * P.v_scale;
+        inv = a / (l * a + std::exp2(sk - big)) * vscale;
       }
     }
     if (bad) {
@@ -527,7 +536,7 @@ static int fused_item(const NaProblem& P, const NaItem& it) {
   int lim[na::kMaxRows];
   bool bad[na::kMaxRows];
   const uint8_t* mrow[na::kMaxRows];
-  const float qscale = P.sm_scale * kLog2e * P.k_scale;
+  const float qscale = P.sm_scale * kLog2e * P.k_scale * f8_unit(P);
   const QT* qbase = static_cast<const QT*>(P.q);
   for (int r = 0; r < R; ++r) {
     const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
@@ -699,7 +708,7 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
   bool bad[na::kMaxRows];
   const uint8_t* mrow[na::kMaxRows];
   // Scores in log2 units (exp2 in the softmax); an FP8 cache's k_scale folds into q.
-  const float qscale = P.sm_scale * kLog2e * P.k_scale;
+  const float qscale = P.sm_scale * kLog2e * P.k_scale * f8_unit(P);
   const QT* qbase = static_cast<const QT*>(P.q);
   for (int r = 0; r < R; ++r) {
     {
