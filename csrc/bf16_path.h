@@ -16,6 +16,24 @@ static inline bool bf16_path_applies(const NaProblem& P, const NaItem&) {
   return P.head_dim % 32 == 0 && P.v_head_dim % 32 == 0;
 }
 
+// FP8 MLA caches also take this path: each block's latent rows are widened once to bf16
+// (exact: both FP8 formats fit in bf16) into a per-thread double buffer, which the
+// vdpbf16ps tiles then read like cache rows. (MLA is compute-bound: the fp32 path would
+// cost twice the bf16 one.)
+static inline bool fp8_mla_path_applies(const NaProblem& P) {
+  return P.kind == NA_MLA && (P.kv_dtype == NA_E4M3 || P.kv_dtype == NA_E5M2) &&
+         P.head_dim % 32 == 0 && P.v_head_dim % 32 == 0;
+}
+static thread_local std::vector<uint16_t> tls_fp8_rows;
+template <typename F8>
+static inline void fp8_row_to_bf16(uint16_t* dst, const F8* src, int n) {
+  for (int c = 0; c < n; c += 16) {
+    const __m512 x = (__m512)ld_fp8(src + c);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+  }
+}
+
 struct Reduce16Index {
   __m512i a[4], b[4];
   Reduce16Index() {
@@ -95,7 +113,9 @@ static inline void pv_dispatch(int nr, float* acc, int Dv, const uint32_t* pb,
   }
 }
 
+template <typename KT = uint16_t>
 static int bf16_item(const NaProblem& P, const NaItem& it) {
+  constexpr bool f8 = !std::is_same<KT, uint16_t>::value;
   const int Hq = P.num_q_heads, Hkv = P.num_kv_heads, D = P.head_dim, Dv = P.v_head_dim;
   const int ps = P.page_size;
   const bool mla = P.kind == NA_MLA;
@@ -115,6 +135,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
     B.ensure(Rp, D / 2 + W, Dv);
     if (B.v.size() < size_t(R) * (BK / 2) + W) B.v.resize(size_t(R) * (BK / 2) + W);
     if (B.k.size() < size_t(Dv)) B.k.resize(size_t(Dv));
+    if (f8 && tls_fp8_rows.size() < size_t(2) * BK * D) tls_fp8_rows.resize(size_t(2) * BK * D);
   } catch (const std::bad_alloc&) {
     return -2;
   }
@@ -128,7 +149,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
   int lim[na::kMaxRows];
   bool bad[na::kMaxRows];
   const uint8_t* mrow[na::kMaxRows];
-  const float qscale = P.sm_scale * kLog2e;
+  const float qscale = P.sm_scale * kLog2e * P.k_scale * f8_unit(P);
   const uint16_t* qbase = static_cast<const uint16_t*>(P.q);
   for (int gi = 0; gi < nkv; ++gi) {
     for (int lr = 0; lr < Rp1; ++lr) {
@@ -150,8 +171,10 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
       std::memset(acc + size_t(r) * Dv, 0, sizeof(float) * size_t(Dv));
     }
   }
-  const uint16_t* kbase = static_cast<const uint16_t*>(P.k);
-  const uint16_t* vbase = static_cast<const uint16_t*>(mla ? P.k : P.v);
+  const KT* kbase = static_cast<const KT*>(P.k);
+  const KT* vbase = static_cast<const KT*>(mla ? P.k : P.v);
+  uint16_t* f8rows = f8 ? tls_fp8_rows.data() : nullptr;
+  int f8half = 0;  // which half of the double buffer the next block is widened into
   const int64_t kstride = mla ? D : int64_t(Hkv) * D;  // elements between tokens' rows
   const int64_t vstride = mla ? D : int64_t(Hkv) * Dv;
   const uint16_t* kp0[BK];
@@ -166,12 +189,20 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
     for (int t = 0; t < nn; ++t) {
       const int pos = k0 + t;
       const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
-      kpn[t] = kbase + slot * kstride;
-      vpn[t] = vbase + slot * vstride;
+      if constexpr (f8) {  // MLA only: one latent row serves as K and V
+        uint16_t* row = f8rows + (size_t(f8half) * BK + t) * D;
+        fp8_row_to_bf16(row, kbase + slot * kstride, D);
+        kpn[t] = vpn[t] = row;
+      } else {
+        kpn[t] = kbase + slot * kstride;
+        vpn[t] = vbase + slot * vstride;
+      }
     }
+    f8half ^= 1;
   };
   next_block(it.k0);
-  const int klines = int((kstride * 2 + 63) / 64), vlines = mla ? 0 : int((vstride * 2 + 63) / 64);
+  const int klines = int((kstride * int64_t(sizeof(KT)) + 63) / 64);
+  const int vlines = mla ? 0 : int((vstride * int64_t(sizeof(KT)) + 63) / 64);
   // The first two blocks, which the in-loop prefetch (two blocks ahead) never covers.
   for (int pos = it.k0; pos < std::min(it.k1, it.k0 + 2 * BK); ++pos) {
     const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
@@ -190,8 +221,8 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
     }
     next_block(k0 + BK);
     // Rows to prefetch: NA_PF_AHEAD blocks ahead.
-    const uint16_t* kpa[BK];
-    const uint16_t* vpa[BK];
+    const KT* kpa[BK];
+    const KT* vpa[BK];
     int na_ = 0;
     {
       const int ka = k0 + NA_PF_AHEAD * BK;
@@ -254,14 +285,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
       }
       for (int r = gi * R1; r < (gi + 1) * R1; ++r) {
         float* sr = S + size_t(r) * BK;
-        for (int t = n; t < BK; ++t) sr[t] = kNegInf;
-        if (P.causal) {
-          for (int t = std::max(0, lim[r] + 1 - k0); t < n; ++t) sr[t] = kNegInf;
-        } else {
-          const uint8_t* mk = mrow[r] + k0;
-          for (int t = 0; t < n; ++t)
-            if (!mk[t]) sr[t] = kNegInf;
-        }
+        post_scores(P, sr, n, k0, lim[r], mrow[r]);
         const __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
         const float bm = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
         const float mn = std::max(m[r], bm);

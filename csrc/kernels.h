@@ -28,6 +28,10 @@ typedef struct {
   int32_t q_dtype, kv_dtype, kind;
   int32_t num_q_heads, num_kv_heads, head_dim, v_head_dim, page_size;
   float sm_scale;
+  int32_t window_left;  // -1: off (causal rows only; a custom mask has the window folded in)
+  float logit_cap;      // 0: off
+  const float* sinks;   // NULL or [Hq], natural-log units
+  float k_scale, v_scale;
   int32_t causal;  // 1: bottom-right causal; 0: custom mask
   const int32_t* qo_indptr;
   const int32_t* kv_indptr;

@@ -66,6 +66,106 @@ static inline vf ld_f16(const f16* p) {
   return f;
 #endif
 }
+// FP8 caches: distinct one-byte types so the kernels' templates tell the formats apart.
+enum class e4m3 : uint8_t {};
+enum class e5m2 : uint8_t {};
+typedef uint8_t vb8 __attribute__((vector_size(W)));
+static inline vf as_vf(vu u) {
+  vf f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+// FP8 -> fp32 in registers: bytes widened to 32-bit lanes, the exponent rebiased with one
+// add, subnormals (exponent 0) through an int -> float convert and a power-of-two scale
+// (never a denormal float, so FTZ/DAZ modes cannot change them), the specials selected.
+// e4m3fn: bias 7, no inf, S.1111.111 is NaN. e5m2: bias 15, IEEE inf/NaN (exponent 31).
+static inline vf fp8_to_f32(vu b, e4m3) {
+  const vu u = b & 0x7fu;
+  const vu sign = (b & 0x80u) << 24;
+  const vu normal = (u << 20) + (120u << 23);
+  const vf sub = __builtin_convertvector((vi)(u & 7u), vf) * 0x1p-9f;
+  const vu is_sub = (vu)((u >> 3) == 0u);
+  const vu is_nan = (vu)(u == 0x7fu);
+  vu bits;
+  std::memcpy(&bits, &sub, sizeof bits);
+  bits = (is_sub & bits) | (~is_sub & normal);
+  bits = (is_nan & 0x7fc00000u) | (~is_nan & bits);
+  return as_vf(bits | sign);
+}
+static inline vf fp8_to_f32(vu b, e5m2) {
+  const vu u = b & 0x7fu;
+  const vu sign = (b & 0x80u) << 24;
+  const vu normal = (u << 21) + (112u << 23);
+  const vf sub = __builtin_convertvector((vi)(u & 3u), vf) * 0x1p-16f;
+  const vu is_sub = (vu)((u >> 2) == 0u);
+  const vu is_special = (vu)((u >> 2) == 31u);
+  const vu special = 0x7f800000u | ((u & 3u) << 21);
+  vu bits;
+  std::memcpy(&bits, &sub, sizeof bits);
+  bits = (is_sub & bits) | (~is_sub & normal);
+  bits = (is_special & special) | (~is_special & bits);
+  return as_vf(bits | sign);
+}
+#if (defined(__AVX512F__) && NA_W == 16) || (defined(__F16C__) && NA_W == 8)
+// With F16C the conversion goes through fp16, whose vcvtph2ps widens subnormals exactly:
+// e5m2 is the top byte of an fp16; e4m3fn sign-extended and shifted by 7 is an fp16 with the
+// exponent bias 8 too high (bit 14, a copy of the sign, cleared), undone by one multiply.
+// 3 (e5m2) / 8 (e4m3fn) integer ops per vector instead of the 12 of the portable form.
+#if NA_W == 16
+typedef __m256i hvec;
+static inline hvec load_bytes_u16(const void* p, bool sign_extend) {
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return sign_extend ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b);
+}
+static inline vf half_to_f32(hvec h) { return (vf)_mm512_cvtph_ps(h); }
+static inline hvec h_or(hvec a, hvec b) { return _mm256_or_si256(a, b); }
+static inline hvec h_and(hvec a, hvec b) { return _mm256_and_si256(a, b); }
+#define NA_H(op) _mm256_##op
+#else
+typedef __m128i hvec;
+static inline hvec load_bytes_u16(const void* p, bool sign_extend) {
+  const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+  return sign_extend ? _mm_cvtepi8_epi16(b) : _mm_cvtepu8_epi16(b);
+}
+static inline vf half_to_f32(hvec h) { return (vf)_mm256_cvtph_ps(h); }
+static inline hvec h_or(hvec a, hvec b) { return _mm_or_si128(a, b); }
+static inline hvec h_and(hvec a, hvec b) { return _mm_and_si128(a, b); }
+#define NA_H(op) _mm_##op
+#endif
+static inline vf ld_fp8(const e5m2* p) {
+  return half_to_f32(NA_H(slli_epi16)(load_bytes_u16(p, false), 8));
+}
+static inline vf ld_fp8(const e4m3* p) {
+  hvec h = NA_H(slli_epi16)(load_bytes_u16(p, true), 7);
+  // S.1111.111 (NaN): 0x3f80 | sign after the shift; all-ones is an fp16 NaN.
+  const hvec nan = NA_H(cmpeq_epi16)(h_or(h, NA_H(set1_epi16)(short(0x8000))),
+                                     NA_H(set1_epi16)(short(0xbf80)));
+  h = h_or(h_and(h, NA_H(set1_epi16)(short(0xbfff))), nan);
+  return half_to_f32(h);  // 2^-8 x the value: kF8Unit folds the 2^8 into the scales
+}
+constexpr float kF8Unit = 256.0f;
+#undef NA_H
+#else
+template <typename F8>
+static inline vf ld_fp8(const F8* p) {
+  vb8 b;
+  std::memcpy(&b, p, sizeof b);
+  return fp8_to_f32(__builtin_convertvector(b, vu), F8{});
+}
+constexpr float kF8Unit = 1.0f;
+#endif
+// What an e4m3fn value loads as, times this, is its value (a power of two: exact); k_scale
+// and v_scale absorb it once per call instead of a multiply per vector.
+static inline float f8_unit(const NaProblem& P) {
+  return P.kv_dtype == NA_E4M3 ? kF8Unit : 1.0f;
+}
+template <typename F8>
+static inline float fp8_scalar(F8 x) {
+  vu b = vu{} + uint32_t(uint8_t(x));
+  const float f = fp8_to_f32(b, F8{})[0];
+  return std::is_same<F8, e4m3>::value ? f * (1.0f / kF8Unit) : f;  // as ld_fp8 loads it
+}
+
 static inline float hsum(vf v) {
 #if NA_W == 16
   typedef float vf8 __attribute__((vector_size(32)));
@@ -145,6 +245,13 @@ static inline void load_row(float* dst, const f16* src, int n, int np) {
   for (; i < n; ++i) dst[i] = float(src[i]);
   for (; i < np; ++i) dst[i] = 0.0f;
 }
+template <typename F8, typename = std::enable_if_t<std::is_enum<F8>::value>>
+static inline void load_row(float* dst, const F8* src, int n, int np) {
+  int i = 0;
+  for (; i + W <= n; i += W) st(dst + i, ld_fp8(src + i));
+  for (; i < n; ++i) dst[i] = fp8_scalar(src[i]);
+  for (; i < np; ++i) dst[i] = 0.0f;
+}
 static inline void store_row(f16* dst, const float* src, float s, int n) {
   for (int i = 0; i < n; ++i) dst[i] = f16(src[i] * s);
 }
@@ -214,11 +321,24 @@ template <typename OT>
 static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int R1, int nh, int G,
                               const float* row, float inv, float m, float l, bool bad, OT* out) {
   const int Hq = P.num_q_heads, Dv = P.v_head_dim;
+  const float vscale = P.v_scale * f8_unit(P);
+  inv *= vscale;  // FP8: V's dequantisation factor, applied once per output row
   if (it.slot < 0) {
     const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
     const int64_t token = P.qo_indptr[it.req] + it.q0 + jj;
     const int head = (it.kv_head + gi) * G + it.h0 + hh;
     OT* o = out + (token * Hq + head) * Dv;
+    if (P.sinks != nullptr) {
+      // The sink joins the denominator only: acc / (l + e^(sink - m)), in a common frame.
+      const float sk = P.sinks[head] * kLog2e;
+      const float big = std::max(m, sk);
+      if (big == kNegInf) {
+        inv = 0.0f;
+      } else {
+        const float a = std::exp2(m - big);  // 0 when the row saw no key
+        inv = a / (l * a + std::exp2(sk - big)) * vscale;
+      }
+    }
     if (bad) {
       fill_nan(o, Dv);
     } else {
@@ -237,6 +357,43 @@ static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int R
   }
 }
 
+// Soft-cap (s = cap * tanh(s / cap), here in log2 units) on W lanes: tanh from one exp2 of
+// -2|x| (no overflow), the sign put back in the bits.
+static inline vf vcap(vf s, float cap2) {
+  const vf x = s * (1.0f / cap2);
+  vu xb;
+  std::memcpy(&xb, &x, sizeof xb);
+  const vu sign = xb & 0x80000000u;
+  const vf ax = as_vf(xb & 0x7fffffffu);
+  const vf t = vexp2(ax * (-2.0f * kLog2e));
+  const vf th = (1.0f - t) / (1.0f + t);
+  vu tb;
+  std::memcpy(&tb, &th, sizeof tb);
+  return as_vf(tb | sign) * cap2;
+}
+
+// A block's scores of one row after q.k: the logit cap, then -inf for keys past the block,
+// past the row's causal limit, before its window, or outside its custom mask.
+static inline void post_scores(const NaProblem& P, float* sr, int n, int k0, int lim,
+                               const uint8_t* mrow) {
+  if (P.logit_cap > 0.0f) {
+    const float cap2 = P.logit_cap * kLog2e;
+    for (int t = 0; t < BK; t += W) st(sr + t, vcap(ld(sr + t), cap2));
+  }
+  for (int t = n; t < BK; ++t) sr[t] = kNegInf;
+  if (P.causal) {
+    for (int t = std::max(0, lim + 1 - k0); t < n; ++t) sr[t] = kNegInf;
+    if (P.window_left >= 0) {
+      const int lo = lim - P.window_left;  // first visible key
+      for (int t = 0, e = std::min(n, lo - k0); t < e; ++t) sr[t] = kNegInf;
+    }
+  } else {
+    const uint8_t* mk = mrow + k0;
+    for (int t = 0; t < n; ++t)
+      if (!mk[t]) sr[t] = kNegInf;
+  }
+}
+
 #ifdef NA_HAVE_BF16_PATH
 #include "bf16_path.h"
 #endif
@@ -244,6 +401,8 @@ static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int R
 static inline vf ldk(const float* p) { return ld(p); }
 static inline vf ldk(const uint16_t* p) { return ld_bf16(p); }
 static inline vf ldk(const f16* p) { return ld_f16(p); }
+static inline vf ldk(const e4m3* p) { return ld_fp8(p); }
+static inline vf ldk(const e5m2* p) { return ld_fp8(p); }
 
 // Scores of NR query rows (fp32, pre-scaled, row stride Dp) against two keys, the cache rows
 // widened to fp32 inside the loads: each key chunk is loaded once for all NR rows.
@@ -377,7 +536,7 @@ static int fused_item(const NaProblem& P, const NaItem& it) {
   int lim[na::kMaxRows];
   bool bad[na::kMaxRows];
   const uint8_t* mrow[na::kMaxRows];
-  const float qscale = P.sm_scale * kLog2e;
+  const float qscale = P.sm_scale * kLog2e * P.k_scale * f8_unit(P);
   const QT* qbase = static_cast<const QT*>(P.q);
   for (int r = 0; r < R; ++r) {
     const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
@@ -479,14 +638,7 @@ static int fused_item(const NaProblem& P, const NaItem& it) {
       }
       for (int r = rb; r < rb + R1; ++r) {
         float* sr = S + size_t(r) * BK;
-        for (int t = n; t < BK; ++t) sr[t] = kNegInf;
-        if (P.causal) {
-          for (int t = std::max(0, lim[r] + 1 - k0); t < n; ++t) sr[t] = kNegInf;
-        } else {
-          const uint8_t* mk = mrow[r] + k0;
-          for (int t = 0; t < n; ++t)
-            if (!mk[t]) sr[t] = kNegInf;
-        }
+        post_scores(P, sr, n, k0, lim[r], mrow[r]);
         vf mv = ld(sr);
         for (int t = W; t < BK; t += W) mv = vmax(mv, ld(sr + t));
         const float mn = std::max(m[r], hmax(mv));
@@ -555,7 +707,8 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
   int lim[na::kMaxRows];
   bool bad[na::kMaxRows];
   const uint8_t* mrow[na::kMaxRows];
-  const float qscale = P.sm_scale * kLog2e;  // scores in log2 units: exp2 in the softmax
+  // Scores in log2 units (exp2 in the softmax); an FP8 cache's k_scale folds into q.
+  const float qscale = P.sm_scale * kLog2e * P.k_scale * f8_unit(P);
   const QT* qbase = static_cast<const QT*>(P.q);
   for (int r = 0; r < R; ++r) {
     {
@@ -619,14 +772,7 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
         for (int c = 0; c < Dp; c += W) a += ld(qr + c) * ld(kp + c);
         sr[t] = hsum(a);
       }
-      for (t = n; t < BK; ++t) sr[t] = kNegInf;
-      if (P.causal) {
-        for (t = std::max(0, lim[r] + 1 - k0); t < n; ++t) sr[t] = kNegInf;
-      } else {
-        const uint8_t* mk = mrow[r] + k0;
-        for (t = 0; t < n; ++t)
-          if (!mk[t]) sr[t] = kNegInf;
-      }
+      post_scores(P, sr, n, k0, lim[r], mrow[r]);
     }
     // Online softmax: one max/rescale per row per block, then acc += p . V.
     for (int r = gi * R1; r < (gi + 1) * R1; ++r) {
@@ -706,7 +852,11 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
       }
       std::fill(tmp, tmp + Dv, 0.0f);
       float wsum = 0.0f;
+      // The sink joins the denominator once, here (the splits' partials have none).
+      const float sk = P.sinks != nullptr ? P.sinks[head] * kLog2e : kNegInf;
+      mx = std::max(mx, sk);
       if (mx != kNegInf) {
+        if (P.sinks != nullptr) wsum = std::exp2(sk - mx);
         for (int s = 0; s < mg.nsplit; ++s) {
           const int64_t row = int64_t(mg.slot0) + int64_t(s) * R + r;
           const float w = std::exp2(lse[row] - mx);  // 0 for a split that saw no key
@@ -729,12 +879,16 @@ static int item_q(const NaProblem* p, const NaItem* it) {
     switch (p->kv_dtype) {
       case NA_BF16: return fused_item<QT, uint16_t>(*p, *it);
       case NA_F16: return fused_item<QT, f16>(*p, *it);
+      case NA_E4M3: return fused_item<QT, e4m3>(*p, *it);
+      case NA_E5M2: return fused_item<QT, e5m2>(*p, *it);
       default: return fused_item<QT, float>(*p, *it);
     }
   }
   switch (p->kv_dtype) {
     case NA_BF16: return item_impl<QT, uint16_t>(*p, *it);
     case NA_F16: return item_impl<QT, f16>(*p, *it);
+    case NA_E4M3: return item_impl<QT, e4m3>(*p, *it);
+    case NA_E5M2: return item_impl<QT, e5m2>(*p, *it);
     default: return item_impl<QT, float>(*p, *it);
   }
 }
@@ -743,6 +897,9 @@ static int item(const NaProblem* p, const NaItem* it) {
 #ifdef NA_HAVE_BF16_PATH
   if (p->q_dtype == NA_BF16 && p->kv_dtype == NA_BF16 && bf16_path_applies(*p, *it)) {
     return bf16_item(*p, *it);
+  }
+  if (p->q_dtype == NA_BF16 && fp8_mla_path_applies(*p)) {
+    return p->kv_dtype == NA_E4M3 ? bf16_item<e4m3>(*p, *it) : bf16_item<e5m2>(*p, *it);
   }
 #endif
   switch (p->q_dtype) {

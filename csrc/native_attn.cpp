@@ -147,7 +147,7 @@ int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
 extern "C" {
 
-int32_t na_abi_version(void) { return 2; }
+int32_t na_abi_version(void) { return 3; }
 
 const char* na_isa(void) { return kernels()->name; }
 
@@ -190,13 +190,17 @@ namespace {
 bool same_config(const NaConfig& a, const NaConfig& b) {
   return a.kind == b.kind && a.q_dtype == b.q_dtype && a.kv_dtype == b.kv_dtype &&
          a.num_q_heads == b.num_q_heads && a.num_kv_heads == b.num_kv_heads &&
-         a.head_dim == b.head_dim && a.v_head_dim == b.v_head_dim && a.page_size == b.page_size;
+         a.head_dim == b.head_dim && a.v_head_dim == b.v_head_dim && a.page_size == b.page_size &&
+         a.window_left == b.window_left && a.logit_cap == b.logit_cap;
 }
 
 bool config_ok(const NaConfig& c) {
   auto dtype_ok = [](int d) { return d == NA_F32 || d == NA_BF16 || d == NA_F16; };
   if (c.kind != NA_MHA && c.kind != NA_MLA) return false;
-  if (!dtype_ok(c.q_dtype) || !dtype_ok(c.kv_dtype)) return false;
+  if (!dtype_ok(c.q_dtype)) return false;
+  if (!dtype_ok(c.kv_dtype) && c.kv_dtype != NA_E4M3 && c.kv_dtype != NA_E5M2) return false;
+  if (c.window_left < -1) return false;
+  if (!(c.logit_cap >= 0.0f && c.logit_cap <= 3.0e38f)) return false;  // also refuses NaN
   if (c.num_q_heads <= 0 || c.num_kv_heads <= 0 || c.num_q_heads % c.num_kv_heads) return false;
   if (c.head_dim <= 0 || c.head_dim > na::kMaxHeadDim || c.v_head_dim <= 0 ||
       c.v_head_dim > na::kMaxHeadDim || c.page_size <= 0) {
@@ -256,8 +260,44 @@ int validate(NaPlan& P, const int32_t* qo, const int32_t* kvp, const int32_t* id
     for (int i = 0; i < B; ++i) {
       P.mask_indptr[i + 1] = P.mask_indptr[i] + int64_t(qo[i + 1] - qo[i]) * lens[i];
     }
+    // A window on a custom (tree) mask: each query keeps the window_left + 1 most recent keys
+    // its mask allows (the reference's window_tree_mask), folded in once per plan.
+    const int64_t w = P.cfg.window_left;
+    if (w >= 0) {
+      for (int i = 0; i < B; ++i) {
+        const int64_t kl = lens[i];
+        for (int64_t j = 0; j < int64_t(qo[i + 1] - qo[i]); ++j) {
+          uint8_t* row = P.mask.data() + P.mask_indptr[i] + j * kl;
+          int64_t seen = 0;
+          for (int64_t t = kl - 1; t >= 0; --t) {
+            if (!row[t]) continue;
+            if (++seen > w + 1) row[t] = 0;
+          }
+        }
+      }
+    }
   }
   return 0;
+}
+
+// The first key any query in [q0, q1) of request i may see: 0 without a window.
+int first_key(const NaPlan& P, int i, int q0, int q1) {
+  const int64_t w = P.cfg.window_left;
+  if (w < 0) return 0;
+  const int q_len = P.qo[i + 1] - P.qo[i];
+  const int kv_len = P.lens[i];
+  if (P.causal) return int(std::max<int64_t>(0, int64_t(kv_len) - q_len + q0 - w));
+  int first = kv_len;
+  for (int j = q0; j < q1; ++j) {
+    const uint8_t* row = P.mask.data() + P.mask_indptr[i] + int64_t(j) * kv_len;
+    for (int t = 0; t < first; ++t) {
+      if (row[t]) {
+        first = t;
+        break;
+      }
+    }
+  }
+  return first;
 }
 
 int make_items(NaPlan& P) {
@@ -302,18 +342,22 @@ int make_items(NaPlan& P) {
           // Causal: the tile's last query sees keys [0, kv_len - q_len + q1).
           const int kend =
               P.causal ? std::max(0, std::min(kv_len, kv_len - q_len + q1)) : kv_len;
-          int nsplit = std::max(1, std::min(want, ceil_div(kend, na::kMinSplitKeys)));
-          int chunk = kend;
+          // Sliding window: keys before the first one any row of the tile may see are never
+          // read (whole pages outside the window are skipped; decode reads window_left + 1).
+          const int kstart = std::min(kend, first_key(P, i, q0, q1));
+          const int span = kend - kstart;
+          int nsplit = std::max(1, std::min(want, ceil_div(span, na::kMinSplitKeys)));
+          int chunk = span;
           if (nsplit > 1) {
-            chunk = ceil_div(ceil_div(kend, nsplit), na::kBlockKeys) * na::kBlockKeys;
-            nsplit = ceil_div(kend, chunk);
+            chunk = ceil_div(ceil_div(span, nsplit), na::kBlockKeys) * na::kBlockKeys;
+            nsplit = ceil_div(span, chunk);
           }
           if (nsplit <= 1) {
-            P.items.push_back(NaItem{i, g, q0, q1, h0, h1, 0, kend, -1, g1});
+            P.items.push_back(NaItem{i, g, q0, q1, h0, h1, kstart, kend, -1, g1});
             continue;
           }
           for (int s = 0; s < nsplit; ++s) {
-            const int k0 = s * chunk, k1 = std::min(kend, k0 + chunk);
+            const int k0 = kstart + s * chunk, k1 = std::min(kend, k0 + chunk);
             P.items.push_back(
                 NaItem{i, g, q0, q1, h0, h1, k0, k1, int32_t(rows_used + int64_t(s) * rows), g1});
           }
@@ -379,7 +423,8 @@ void na_plan_info(const NaPlan* P, NaPlanInfo* info) {
 }
 
 int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, const void* k, const void* v,
-           void* out, int64_t k_pages, int64_t v_pages, float sm_scale, int32_t num_threads) {
+           void* out, int64_t k_pages, int64_t v_pages, float sm_scale, const float* sinks,
+           float k_scale, float v_scale, int32_t num_threads) {
   if (plan == nullptr || cfg == nullptr || !same_config(plan->cfg, *cfg)) return -1;
   const NaConfig& c = plan->cfg;
   const bool mla = c.kind == NA_MLA;
@@ -400,6 +445,12 @@ int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, const void* k
   p.v_head_dim = c.v_head_dim;
   p.page_size = c.page_size;
   p.sm_scale = sm_scale;
+  p.window_left = c.window_left;
+  p.logit_cap = c.logit_cap;
+  p.sinks = sinks;
+  const bool fp8 = c.kv_dtype == NA_E4M3 || c.kv_dtype == NA_E5M2;
+  p.k_scale = fp8 ? k_scale : 1.0f;
+  p.v_scale = fp8 ? (mla ? k_scale : v_scale) : 1.0f;
   p.causal = plan->causal;
   p.qo_indptr = plan->qo.data();
   p.kv_indptr = plan->kvp.data();

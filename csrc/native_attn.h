@@ -16,7 +16,8 @@
 extern "C" {
 #endif
 
-enum { NA_F32 = 0, NA_BF16 = 1, NA_F16 = 2 };
+// FP8 codes are cache dtypes only (q is one of the first three).
+enum { NA_F32 = 0, NA_BF16 = 1, NA_F16 = 2, NA_E4M3 = 3, NA_E5M2 = 4 };
 enum { NA_MHA = 0, NA_MLA = 1 };
 
 // What one backend object serves (fixed at bind): checked again by na_run.
@@ -24,6 +25,8 @@ typedef struct {
   int32_t kind, q_dtype, kv_dtype;
   int32_t num_q_heads, num_kv_heads, head_dim, v_head_dim, page_size;
   int32_t split_target;  // split-KV aims for at least this many work items
+  int32_t window_left;   // -1: full attention; else a query at p sees keys p-window_left ..= p
+  float logit_cap;       // 0: off; else s = cap * tanh(s / cap) after scaling
 } NaConfig;
 
 // Why na_plan_create refused a batch: `field` (NA_E_*), the request (-1: none) and values.
@@ -63,11 +66,14 @@ NA_API void na_plan_info(const NaPlan* plan, NaPlanInfo* info);
 
 // Runs one layer. q [T, Hq, D], k [k_pages, ps, Hkv, D] (MLA: [k_pages, ps, D]),
 // v [v_pages, ps, Hkv, Dv] (MLA: NULL), out [T, Hq, Dv], all contiguous, dtypes as cfg.
+// sinks: NULL or float32 [Hq] (one logit per q head, joins the softmax denominator only).
+// k_scale / v_scale: FP8 caches' dequantisation factors (1 otherwise; MLA uses k_scale for
+// the latent, V included).
 // Returns 0; -1 bad arguments (config differs from the plan's, a page past the cache);
 // -2 out of memory.
 NA_API int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, const void* k,
                   const void* v, void* out, int64_t k_pages, int64_t v_pages, float sm_scale,
-                  int32_t num_threads);
+                  const float* sinks, float k_scale, float v_scale, int32_t num_threads);
 
 // Instruction-set path: name of the one in use, and forcing one ("generic", "avx2",
 // "avx512", "avx512bf16"); returns 0 when set, -1 when this CPU/build lacks it.

@@ -54,6 +54,11 @@ def make_case(
     kv_dtype: Any = torch.float32,
     tree: bool = False,
     seed: int = 0,
+    window: int | None = None,
+    cap: float | None = None,
+    sinks: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> dict[str, Any]:
     """Random paged cache with shuffled page tables (pages of different requests interleave)."""
     gen = torch.Generator().manual_seed(seed)
@@ -81,26 +86,42 @@ def make_case(
     )  # fmt: skip
     t = sum(q_lens)
     q = torch.randn(t, hq, d, generator=gen).to(dtype)
+    # Larger scores than randn gives, so a logit cap changes the result.
+    q = q * 3 if cap is not None else q
     if kind == "mla":
         k_cache = torch.randn(num_pages, page_size, d, generator=gen).to(kv_dtype)
         v_cache = None
     else:
         k_cache = torch.randn(num_pages, page_size, hkv, d, generator=gen).to(kv_dtype)
         v_cache = torch.randn(num_pages, page_size, hkv, dv, generator=gen).to(kv_dtype)
+    sink_t = torch.randn(hq, generator=gen) * 2 if sinks else None
     config = AttnConfig(
         kind, hq, hkv, d, dv, dtype=str(dtype).removeprefix("torch."),
         kv_dtype=str(kv_dtype).removeprefix("torch."), page_size=page_size, device="cpu",
-        tree_verify=tree,
+        tree_verify=tree, window_left=window, logit_cap=cap, sinks=sinks,
     )  # fmt: skip
+    extras: dict[str, Any] = {}
+    if sinks:
+        extras["sinks"] = sink_t
+    if config.kv_fp8:
+        extras["k_scale"] = k_scale
+        if kind != "mla":
+            extras["v_scale"] = v_scale
     return dict(
         config=config, batch=batch, q=q, k_cache=k_cache, v_cache=v_cache, tables=tables,
-        masks=masks, q_lens=q_lens, kv_lens=kv_lens, scale=1.0 / math.sqrt(d),
+        masks=masks, q_lens=q_lens, kv_lens=kv_lens, scale=1.0 / math.sqrt(d), extras=extras,
     )  # fmt: skip
 
 
 def naive(case: dict[str, Any]) -> torch.Tensor:
-    """Dense fp64 attention, one request and one head at a time."""
+    """Dense fp64 attention, one request and one head at a time (window, cap, sinks and FP8
+    scales as AttnConfig defines them; a window on a tree mask keeps each query's
+    window_left + 1 most recent allowed keys)."""
     cfg = case["config"]
+    extras = case.get("extras", {})
+    ks = extras.get("k_scale", 1.0)
+    vs = extras.get("v_scale", ks) if cfg.kind == "mla" else extras.get("v_scale", 1.0)
+    sinks = extras.get("sinks")
     ps = cfg.page_size
     q = case["q"].double()
     outs = []
@@ -109,24 +130,39 @@ def naive(case: dict[str, Any]) -> torch.Tensor:
         pages = torch.tensor(case["tables"][i], dtype=torch.long)
         pos = torch.arange(kl)
         page_of, slot_of = pages[pos // ps], pos % ps
-        k = case["k_cache"][page_of, slot_of].double()
+        k = case["k_cache"][page_of, slot_of].double() * ks
         if cfg.kind == "mla":
             v = k[..., : cfg.v_head_dim]
         else:
-            v = case["v_cache"][page_of, slot_of].double()
+            v = case["v_cache"][page_of, slot_of].double() * vs
+        w = cfg.window_left
         if case["masks"] is not None:
             allowed = case["masks"][i]
+            if w is not None:
+                # rank of each allowed key counted from the row's end
+                rank = allowed.flip(-1).long().cumsum(-1).flip(-1)
+                allowed = allowed & (rank <= w + 1)
         else:
             qpos = kl - ql + torch.arange(ql)
             allowed = pos[None, :] <= qpos[:, None]
+            if w is not None:
+                allowed = allowed & (pos[None, :] >= qpos[:, None] - w)
         out = torch.zeros(ql, cfg.num_q_heads, cfg.v_head_dim, dtype=torch.float64)
         group = cfg.num_q_heads // cfg.num_kv_heads
         for h in range(cfg.num_q_heads):
             kh = k if cfg.kind == "mla" else k[:, h // group]
             vh = v if cfg.kind == "mla" else v[:, h // group]
             s = q[row : row + ql, h] @ kh.T * case["scale"]
+            if cfg.logit_cap:
+                s = cfg.logit_cap * torch.tanh(s / cfg.logit_cap)
             s = s.masked_fill(~allowed, -math.inf)
-            out[:, h] = torch.softmax(s, dim=-1) @ vh
+            if sinks is not None:
+                sink = torch.full((ql, 1), float(sinks[h]), dtype=torch.float64)
+                e = torch.softmax(torch.cat([s, sink], dim=1), dim=-1)[:, :-1]
+                out[:, h] = e @ vh
+            else:
+                p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: zeros
+                out[:, h] = p @ vh
         outs.append(out)
         row += ql
     return torch.cat(outs)
@@ -136,7 +172,9 @@ def run_native(case: dict[str, Any], **options: Any) -> torch.Tensor:
     backend = NativeBackend(case["config"], **options)
     plan = backend.plan(case["batch"])
     handler = backend.handler(case["batch"].phase)
-    return handler(case["q"], case["k_cache"], case["v_cache"], plan, case["scale"])
+    return handler(
+        case["q"], case["k_cache"], case["v_cache"], plan, case["scale"], **case.get("extras", {})
+    )
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -459,11 +497,13 @@ def test_capabilities_reasons() -> None:
         assert CAPABILITIES.reasons(mla, phase) == []
     fp16 = AttnConfig("mha", 8, 8, 128, 128, dtype="float16", page_size=16, device="cpu")
     assert CAPABILITIES.reasons(fp16, Phase.DECODE) == []
-    fp8 = AttnConfig(
-        "mha", 8, 8, 128, 128, dtype="bfloat16", kv_dtype="float8_e4m3fn", page_size=16,
-        device="cpu",
-    )  # fmt: skip
-    assert any("float8_e4m3fn" in r for r in CAPABILITIES.reasons(fp8, Phase.DECODE))
+    for fmt in ("float8_e4m3fn", "float8_e5m2"):
+        fp8 = AttnConfig(
+            "mha", 8, 8, 128, 128, dtype="bfloat16", kv_dtype=fmt, page_size=16, device="cpu",
+            window_left=7, logit_cap=30.0, sinks=True,
+        )  # fmt: skip
+        for phase in Phase:
+            assert CAPABILITIES.reasons(fp8, phase) == []
     wide = AttnConfig("mha", 2, 2, 4096, 128, dtype="float32", page_size=16, device="cpu")
     assert any("head_dim 4096" in r for r in CAPABILITIES.reasons(wide, Phase.PREFILL))
 
@@ -693,7 +733,8 @@ _ISA_CHECK = """
 @pytest.mark.parametrize("isa", ISAS)
 def test_contract_cases_on_every_instruction_set_path(isa: str) -> None:
     """NATIVE_ATTN_ISA forces each path this CPU has; under it, the contract suite's edge cases
-    and this module's reference comparisons (every dtype, phase and shape) pass."""
+    (variants and FP8 included) and this module's reference comparisons (every dtype, phase,
+    shape, variant and FP8 format) pass."""
     env = {"NATIVE_ATTN_ISA": isa}
     forced = _run_child(_ISA_CHECK.replace("sys.argv[1]", repr(isa)), env)
     assert forced.returncode == 0, forced.stderr[-2000:]
@@ -701,7 +742,9 @@ def test_contract_cases_on_every_instruction_set_path(isa: str) -> None:
         [
             sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
             "tests/contract/test_contract.py::test_edge_cases",
+            "tests/contract/test_contract.py::test_variant_edge_cases",
             "tests/test_native.py::test_matches_naive_reference",
+            "tests/test_native.py::test_variants_match_naive_reference",
             "-k", "native or not contract",
         ],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd(), **env},
@@ -709,3 +752,190 @@ def test_contract_cases_on_every_instruction_set_path(isa: str) -> None:
     )  # fmt: skip
     assert child.returncode == 0, child.stdout[-3000:]
     assert " passed" in child.stdout and "failed" not in child.stdout
+
+
+# -- layer variants and FP8 caches (issues 14, 15) -----------------------------------------------
+
+VARIANTS = {
+    # window_left, logit_cap, sinks, kv dtype (None: q's dtype), k_scale, v_scale
+    "window": dict(window=37),
+    "window0": dict(window=0),
+    "cap": dict(cap=5.0),
+    "sinks": dict(sinks=True),
+    "all": dict(window=100, cap=8.0, sinks=True),
+    "e4m3": dict(kv_dtype=torch.float8_e4m3fn, k_scale=0.7, v_scale=1.9),
+    "e5m2": dict(kv_dtype=torch.float8_e5m2, k_scale=1.3, v_scale=0.4),
+    "e4m3-all": dict(kv_dtype=torch.float8_e4m3fn, k_scale=0.5, window=70, cap=6.0, sinks=True),
+}
+VARIANT_PHASES = {
+    # decode long enough to split (sinks enter in the merge) next to a short unsplit request
+    "decode": (Phase.DECODE, [1, 1, 1], [2100, 40, 700], False),
+    "prefill": (Phase.PREFILL, [50, 3], [300, 3], False),
+    "verify-tree": (Phase.VERIFY, [4, 6], [400, 90], True),
+}
+
+
+def _variant_case(
+    kind: str, phase: str, variant: str, dtype: Any = torch.float32, seed: int = 0
+) -> dict[str, Any]:
+    shape = ("mla", 16, 1, 96, 64) if kind == "mla" else ("mha", 8, 2, 64, 64)
+    ph, q_lens, kv_lens, tree = VARIANT_PHASES[phase]
+    opts = dict(VARIANTS[variant])
+    kv_dtype = opts.pop("kv_dtype", dtype)
+    return make_case(
+        shape[0], ph, q_lens=q_lens, kv_lens=kv_lens, page_size=16, hq=shape[1], hkv=shape[2],
+        d=shape[3], dv=shape[4], dtype=dtype, kv_dtype=kv_dtype, tree=tree, seed=seed, **opts,
+    )  # fmt: skip
+
+
+@needs_lib
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("phase", VARIANT_PHASES)
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_variants_match_naive_reference(kind: str, phase: str, variant: str) -> None:
+    case = _variant_case(kind, phase, variant)
+    out = run_native(case, num_threads=2)
+    assert_close(out, naive(case))
+
+
+@needs_lib
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_variants_on_every_instruction_set_path(isa: str, kind: str) -> None:
+    """Window, cap, sinks and both FP8 formats on each compiled path, with bf16 q (which takes
+    the AVX-512-BF16 kernel where it applies), fp16 q, and dims off the vector width."""
+    assert not isinstance(LIB, str)
+    before = LIB.isa
+    LIB.set_isa(isa)
+    try:
+        for phase in VARIANT_PHASES:
+            for variant in ("all", "e4m3-all", "e5m2"):
+                for dtype in (torch.bfloat16, torch.float16):
+                    case = _variant_case(kind, phase, variant, dtype=dtype)
+                    assert_close(run_native(case, num_threads=2), naive(case))
+        odd = make_case(
+            "mha", Phase.PREFILL, q_lens=[20], kv_lens=[90], page_size=8, hq=3, hkv=3, d=40,
+            dv=24, kv_dtype=torch.float8_e5m2, window=11, cap=4.0, sinks=True, k_scale=2.0,
+            v_scale=0.5,
+        )  # fmt: skip
+        assert_close(run_native(odd, num_threads=2), naive(odd))
+    finally:
+        LIB.set_isa(before)
+
+
+@needs_lib
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_fp8_conversion_is_exact(kind: str) -> None:
+    """Every FP8 bit pattern (subnormals, the largest finite values) is converted exactly: a
+    one-key cache returns that key's V row times v_scale."""
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        bits = torch.arange(256, dtype=torch.uint8)
+        vals = bits.view(fmt).float()
+        finite = bits[torch.isfinite(vals)]
+        d = 64
+        dv = 32 if kind == "mla" else d  # MLA: V is the latent's first dv columns
+        rows = torch.cat([finite, finite[: (-len(finite)) % d]]).view(-1, d)
+        for row in rows:
+            case = make_case(
+                kind, Phase.DECODE, q_lens=[1], kv_lens=[1], page_size=1, hq=4,
+                hkv=1 if kind == "mla" else 2, d=d, dv=dv, kv_dtype=fmt, k_scale=1.0, v_scale=3.0,
+            )  # fmt: skip
+            target = "k_cache" if kind == "mla" else "v_cache"
+            cache = case[target].clone()
+            cache.view(torch.uint8)[case["tables"][0][0], 0] = row
+            out = run_native({**case, target: cache}, num_threads=1)
+            scale = 1.0 if kind == "mla" else 3.0
+            expect = row.view(fmt).float()[:dv] * scale
+            assert torch.equal(out[0, 0], expect), fmt
+
+
+@needs_lib
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("phase", ["decode", "prefill"])
+def test_slots_outside_the_window_are_never_read(kind: str, phase: str) -> None:
+    """NaN in every slot before the first query's window (whole pages and the partial page
+    before it): bitwise the same output; decode plans read at most window_left + 1 keys."""
+    case = _variant_case(kind, phase, "window")
+    clean = run_native(case, num_threads=2)
+    w = case["config"].window_left
+    poisoned = {
+        name: case[name].clone() for name in ("k_cache", "v_cache") if case[name] is not None
+    }
+    for table, ql, kl in zip(case["tables"], case["q_lens"], case["kv_lens"], strict=True):
+        for t in range(max(0, kl - ql - w)):
+            for tensor in poisoned.values():
+                tensor[table[t // 16], t % 16] = math.nan
+    out = run_native({**case, **poisoned}, num_threads=2)
+    assert torch.equal(out, clean)
+
+
+@needs_lib
+def test_decode_with_a_window_reads_fewer_keys() -> None:
+    """The plan of a windowed decode covers window_left + 1 keys per request: fewer work items
+    than the same batch without a window (the split is over the window only)."""
+    full = make_case("mha", Phase.DECODE, q_lens=[1] * 2, kv_lens=[8192] * 2, page_size=64,
+                     hq=8, hkv=2, d=64, dv=64)  # fmt: skip
+    win = make_case("mha", Phase.DECODE, q_lens=[1] * 2, kv_lens=[8192] * 2, page_size=64,
+                    hq=8, hkv=2, d=64, dv=64, window=300)  # fmt: skip
+    p_full = NativeBackend(full["config"], num_threads=2).plan(full["batch"])
+    p_win = NativeBackend(win["config"], num_threads=2).plan(win["batch"])
+    assert p_win.num_items < p_full.num_items
+
+
+@needs_lib
+def test_variant_call_checks_name_the_field() -> None:
+    case = _variant_case("mha", "decode", "e4m3-all")
+    backend = NativeBackend(case["config"])
+    plan = backend.plan(case["batch"])
+    handler = backend.handler(Phase.DECODE)
+    args = (case["q"], case["k_cache"], case["v_cache"], plan, 0.1)
+    extras = case["extras"]
+    for field, bad in (
+        ("sinks", {"sinks": None}),
+        ("sinks", {"sinks": torch.zeros(3)}),
+        ("sinks", {"sinks": torch.zeros(8, dtype=torch.float64)}),
+        ("k_scale", {"k_scale": 0.0}),
+        ("k_scale", {"k_scale": math.nan}),
+        ("v_scale", {"v_scale": -1.0}),
+    ):
+        with pytest.raises(InvalidBatchError) as err:
+            handler(*args, **{**extras, **bad})
+        assert err.value.field == field
+    plain = _variant_case("mha", "decode", "window")
+    pb = NativeBackend(plain["config"])
+    with pytest.raises(InvalidBatchError) as err:
+        pb.handler(Phase.DECODE)(
+            plain["q"], plain["k_cache"], plain["v_cache"], pb.plan(plain["batch"]), 0.1,
+            sinks=torch.zeros(8),
+        )  # fmt: skip
+    assert err.value.field == "sinks"
+
+
+@needs_lib
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_threads_sharing_a_plan_with_variants_and_fp8(kind: str) -> None:
+    """Threads carried into one scope, FP8 cache, window, cap and sinks: the serial results."""
+    import concurrent.futures
+
+    from attn_dispatch import attention
+    from attn_dispatch import attn_scope
+    from attn_dispatch import bind
+    from attn_dispatch import carry_scope
+
+    case = _variant_case(kind, "decode", "e4m3-all", dtype=torch.bfloat16)
+    binding = bind("native", case["config"], options={"native": {"num_threads": 2}})
+    gen = torch.Generator().manual_seed(7)
+    layers = [case["q"] + torch.randn(case["q"].shape, generator=gen).bfloat16() for _ in range(4)]
+    extras = case["extras"]
+    with attn_scope(binding, case["batch"]):
+
+        def layer(i: int) -> torch.Tensor:
+            return attention(
+                layers[i % 4], case["k_cache"], case["v_cache"], sm_scale=0.1, **extras
+            )
+
+        serial = [layer(i) for i in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(carry_scope(layer), range(32)))
+    for i, out in enumerate(results):
+        assert torch.equal(out, serial[i % 4]), i

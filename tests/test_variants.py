@@ -180,10 +180,25 @@ def test_torch_declares_everything() -> None:
             assert torch_caps.config_reasons(cfg, phase) == []
 
 
-def test_native_refuses_with_served_by() -> None:
+def test_native_declares_everything() -> None:
+    native_caps = list_backends()["native"]
+    for phase in Phase:
+        assert native_caps.variants_for(phase) == ALL
+    for cfg in (
+        mha_config(window_left=0, logit_cap=1.0, sinks=True, kv_dtype="float8_e4m3fn"),
+        mla_config(window_left=9, logit_cap=1.0, sinks=True, kv_dtype="float8_e5m2"),
+    ):
+        for phase in Phase:
+            assert native_caps.config_reasons(cfg, phase) == []
+
+
+def test_refusal_names_who_serves(registry_snapshot: object) -> None:
+    register_backend(
+        "plain", capabilities=Capabilities(kinds={"mha"}, devices={"cpu"}), factory=_Recorder
+    )
     cfg = mha_config(window_left=1023, kv_dtype="float8_e4m3fn")
     with pytest.raises(IncompatibleBackendError) as info:
-        bind("prefill=torch,decode=native", cfg)
+        bind("prefill=torch,decode=plain", cfg)
     text = str(info.value)
     assert "window_left=1023" in text
     assert "variant 'window' is served in phase 'decode' by:" in text

@@ -4,8 +4,11 @@ driven from ``backend.py``).
 Head dims: any ``head_dim`` and ``v_head_dim`` from 1 to 2048 (rows are zero-padded to the
 vector width in registers, so no multiple is required; the bound sizes the per-thread
 buffers). Dtypes: q float32, bfloat16 or float16 with a cache of any of the three; the
-output has q's dtype; accumulation is fp32 (16-bit values are widened in registers). Any
-page size.
+output has q's dtype; accumulation is fp32 (16-bit values are widened in registers). FP8
+caches (``float8_e4m3fn``, ``float8_e5m2``) with per-call ``k_scale``/``v_scale``, MHA/GQA and
+MLA, every phase, converted to fp32 in registers. Layer variants ``window``, ``logit_cap`` and
+``sinks`` in every phase (a window skips the pages wholly outside it; on a tree-verify mask it
+keeps the ``window_left + 1`` most recent keys each query's mask allows). Any page size.
 """
 
 from __future__ import annotations
@@ -46,14 +49,16 @@ CAPABILITIES = Capabilities(
     kinds={"mha", "mla"},
     devices={"cpu"},
     dtypes={"float32", "bfloat16", "float16"},
-    kv_dtypes={"float32", "bfloat16", "float16"},
+    kv_dtypes={"float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"},
     custom_mask=True,
     requires=("torch",),
     checks=(_check_dims,),
     availability=(_availability,),
     forms={"prefill": {"mla", "mha"}, "decode": {"mla"}, "verify": {"mla"}},
+    variants={"window", "logit_cap", "sinks"},
     description=(
         "C++ CPU kernels (csrc/): paged decode and prefix+causal/custom-mask extend, split-KV, "
-        "bf16/fp16 caches converted in registers, AVX2/AVX-512/AVX-512-BF16 chosen at run time"
+        "bf16/fp16/FP8 caches converted in registers, sliding window, logit cap, sinks, "
+        "AVX2/AVX-512/AVX-512-BF16 chosen at run time"
     ),
 )

@@ -17,18 +17,21 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LIB_STEM = "_native_attn"
 BUILD_ERROR_FILE = HERE / f"{LIB_STEM}.build-error.txt"
-ABI_VERSION = 2
+ABI_VERSION = 3
 # Points the loader at another library file (development, or tests of the "not built" path).
 ENV_LIBRARY = "ATTN_DISPATCH_NATIVE_LIB"
 
 
 class NaConfig(ctypes.Structure):
     _fields_ = [
-        (n, ctypes.c_int32)
-        for n in (
-            "kind", "q_dtype", "kv_dtype", "num_q_heads", "num_kv_heads", "head_dim",
-            "v_head_dim", "page_size", "split_target",
-        )
+        *(
+            (n, ctypes.c_int32)
+            for n in (
+                "kind", "q_dtype", "kv_dtype", "num_q_heads", "num_kv_heads", "head_dim",
+                "v_head_dim", "page_size", "split_target", "window_left",
+            )
+        ),
+        ("logit_cap", ctypes.c_float),
     ]  # fmt: skip
 
 
@@ -111,7 +114,8 @@ def _declare(cdll: ctypes.CDLL) -> None:
     cdll.na_plan_info.argtypes = [vp, ctypes.POINTER(NaPlanInfo)]
     cdll.na_run.restype = ctypes.c_int
     cdll.na_run.argtypes = [
-        vp, ctypes.POINTER(NaConfig), vp, vp, vp, vp, c_i64, c_i64, ctypes.c_float, c_i32,
+        vp, ctypes.POINTER(NaConfig), vp, vp, vp, vp, c_i64, c_i64, ctypes.c_float, vp,
+        ctypes.c_float, ctypes.c_float, c_i32,
     ]  # fmt: skip
 
 

@@ -22,14 +22,12 @@ from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
-from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
 from attn_dispatch.backends._common import check_owner
 from attn_dispatch.backends._torch_base import TorchBackendBase
-from attn_dispatch.backends.native import DEFAULT_FORM_POLICY
 from attn_dispatch.backends.native import MAX_HEAD_DIM
 from attn_dispatch.backends.native._lib import NaConfig
 from attn_dispatch.backends.native._lib import NaError
@@ -39,6 +37,8 @@ from attn_dispatch.backends.native._lib import load
 
 _NA_MHA, _NA_MLA = 0, 1
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# csrc/native_attn.h NA_E4M3 / NA_E5M2: FP8 is a cache dtype only.
+_KV_DTYPE_CODES = {**_DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 # csrc/native_attn.h NA_E_*: the batch field each refusal of na_plan_create names.
 _E_FIELDS = {
     2: "qo_indptr", 3: "kv_indptr", 4: "kv_lens", 5: "kv_indices", 6: "qo_indptr",
@@ -94,8 +94,9 @@ class NativeBackend(TorchBackendBase):
 
     ``num_threads`` defaults to ``torch.get_num_threads()``, read at every call. MLA runs in
     the absorbed form, except prefill without a cached prefix, which runs decompressed (ragged
-    MHA through a second instance built for ``config.decompressed()``); ``form_policy``
-    changes that.
+    MHA through a second instance built for ``config.decompressed()``). Layer variants
+    (``window_left``, ``logit_cap``, ``sinks``) and FP8 caches (``k_scale``/``v_scale`` per
+    call) are served in every phase.
     ``library`` loads the kernels from another file (development).
     """
 
@@ -106,7 +107,6 @@ class NativeBackend(TorchBackendBase):
         config: AttnConfig,
         *,
         num_threads: int | None = None,
-        form_policy: FormPolicy | None = None,
         library: str | None = None,
     ) -> None:
         lib = load(library)
@@ -122,7 +122,6 @@ class NativeBackend(TorchBackendBase):
                     field, getattr(config, field), f"must be in [1, {MAX_HEAD_DIM}]"
                 )
         self.config = config
-        self.form_policy = DEFAULT_FORM_POLICY if form_policy is None else form_policy
         # AttnConfig fills v_head_dim in on construction (head_dim when not given).
         self.v_head_dim: int = (
             config.v_head_dim if config.v_head_dim is not None else config.head_dim
@@ -131,23 +130,27 @@ class NativeBackend(TorchBackendBase):
         self.num_threads = num_threads
         self.q_dtype: torch.dtype = getattr(torch, config.dtype)
         self.kv_dtype: torch.dtype = getattr(torch, str(config.kv_dtype))
-        if self.q_dtype not in _DTYPE_CODES or self.kv_dtype not in _DTYPE_CODES:
+        if self.q_dtype not in _DTYPE_CODES or self.kv_dtype not in _KV_DTYPE_CODES:
             raise InvalidSpecError(
                 "dtype",
                 (config.dtype, config.kv_dtype),
-                "the native backend serves float32, bfloat16 and float16 (q and cache)",
+                "the native backend serves float32, bfloat16 and float16 (q and cache) and "
+                "float8_e4m3fn / float8_e5m2 caches",
             )
+        self.fp8 = config.kv_fp8
         self.mla = config.kind == "mla"
         self._cfg = NaConfig(
             _NA_MLA if self.mla else _NA_MHA,
             _DTYPE_CODES[self.q_dtype],
-            _DTYPE_CODES[self.kv_dtype],
+            _KV_DTYPE_CODES[self.kv_dtype],
             config.num_q_heads,
             config.num_kv_heads,
             config.head_dim,
             self.v_head_dim,
             config.page_size,
             0,
+            -1 if config.window_left is None else config.window_left,
+            float(config.logit_cap or 0.0),
         )
         self._cfg_ref = ctypes.byref(self._cfg)
         self._checks = TensorChecks.of(config, backend="native", layout="contiguous")
@@ -230,14 +233,34 @@ class NativeBackend(TorchBackendBase):
         phase = Phase(phase)
 
         def native_attention(
-            q: Any, k_cache: Any, v_cache: Any, plan: Any, sm_scale: float, /
+            q: Any,
+            k_cache: Any,
+            v_cache: Any,
+            plan: Any,
+            sm_scale: float,
+            /,
+            *,
+            sinks: Any = None,
+            k_scale: float = 1.0,
+            v_scale: float = 1.0,
         ) -> torch.Tensor:
-            return self._forward(phase, q, k_cache, v_cache, plan, sm_scale)
+            return self._forward(
+                phase, q, k_cache, v_cache, plan, sm_scale, sinks, k_scale, v_scale
+            )
 
         return native_attention
 
     def _forward(
-        self, phase: Phase, q: Any, k_cache: Any, v_cache: Any, plan: Any, sm_scale: float
+        self,
+        phase: Phase,
+        q: Any,
+        k_cache: Any,
+        v_cache: Any,
+        plan: Any,
+        sm_scale: float,
+        sinks: Any = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         cfg = self.config
         check_owner(plan, self, "native")
@@ -247,6 +270,20 @@ class NativeBackend(TorchBackendBase):
                 f"the plan is for {plan.phase.name}, this handler serves {phase.name}",
             )
         pages = self._checks.check(plan.snapshot, q, k_cache, v_cache)
+        sinks_ptr = None
+        if cfg.sinks:
+            self._checks.check_sinks(sinks, q)
+            sinks = sinks.contiguous()  # kept alive until the kernel returns
+            sinks_ptr = sinks.data_ptr()
+        elif sinks is not None:
+            raise InvalidBatchError("sinks", "given to a layer whose config has sinks=False")
+        ks, vs = float(k_scale), float(v_scale)
+        if self.fp8:
+            for name, value in (("k_scale", ks), ("v_scale", vs)):
+                if not (math.isfinite(value) and value > 0.0):
+                    raise InvalidBatchError(name, f"must be finite and > 0, got {value!r}")
+        elif (ks, vs) != (1.0, 1.0):
+            raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
         v_ptr = None if self.mla else v_cache.data_ptr()
         scale = float(sm_scale)
         if not math.isfinite(scale):
@@ -256,7 +293,7 @@ class NativeBackend(TorchBackendBase):
             return out
         rc = self._run(
             plan.handle.ptr, self._cfg_ref, q.data_ptr(), k_cache.data_ptr(), v_ptr,
-            out.data_ptr(), pages, pages, scale, self.threads(),
+            out.data_ptr(), pages, pages, scale, sinks_ptr, ks, vs, self.threads(),
         )  # fmt: skip
         if rc != 0:
             if rc == -2:
