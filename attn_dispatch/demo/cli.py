@@ -140,8 +140,8 @@ def parser() -> argparse.ArgumentParser:
         "stores both runners' caches in FP8 with a scale per layer (a bound on the layer's "
         "|K| and |V| mapped onto the format's largest value) passed as attention(..., "
         "k_scale=, v_scale=); the default target backend is then the first that serves FP8 "
-        "(torch: native has no FP8 kernels yet); a --target-spec that cannot serve it is an "
-        "error, never replaced. bfloat16/float32: the target's attention and latent cache "
+        "(native on a CPU); a --target-spec that cannot serve it is an error, never "
+        "replaced. bfloat16/float32: the target's attention and latent cache "
         "dtype",
     )
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
