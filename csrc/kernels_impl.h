@@ -503,39 +503,18 @@ static inline void pv_rows(int nr, float* acc, int Dvp, int Dv, const float* p,
   }
 }
 
-// The fast fp32-accumulating path (AVX2, AVX-512 without BF16, fp16/fp32 caches): head dims
-// multiples of the vector width. No conversion pass: K and V are read straight from the
-// paged cache and widened in registers, 4 rows x 2 keys per score tile, 4 rows per p.V
-// chunk, and whole rows prefetched two blocks ahead in address order.
-template <typename QT, typename KT>
-static int fused_item(const NaProblem& P, const NaItem& it) {
-  const int Hq = P.num_q_heads, Hkv = P.num_kv_heads, D = P.head_dim, Dv = P.v_head_dim;
-  const int ps = P.page_size;
-  const bool mla = P.kind == NA_MLA;
-  const int G = Hq / Hkv;
-  const int Dp = D, Dvp = Dv;
-  const int nh = it.h1 - it.h0, nq = it.q1 - it.q0, R1 = nh * nq;
-  const int nkv = it.kv_head_end - it.kv_head, R = nkv * R1;
+// The prologue both item kernels share: each row's q (scaled into log2 units, where an FP8
+// cache's k_scale also folds in), whether it holds a NaN/inf, its causal limit and mask row,
+// and a fresh softmax state.
+template <typename QT>
+static void init_rows(const NaProblem& P, const NaItem& it, int R, int R1, int nh, int G, int Dp,
+                      int Dvp, float* qb, float* m, float* l, float* acc, int* lim, bool* bad,
+                      const uint8_t** mrow) {
+  const int Hq = P.num_q_heads, D = P.head_dim;
   const int req = it.req;
   const int qs = P.qo_indptr[req];
   const int q_len = P.qo_indptr[req + 1] - qs;
   const int kv_len = P.kv_lens[req];
-  const int32_t* pages = P.kv_indices + P.kv_indptr[req];
-  Buffers& B = tls_buffers;
-  try {
-    B.ensure(R, Dp, Dvp);
-  } catch (const std::bad_alloc&) {
-    return -2;
-  }
-  float* qb = B.q.data();
-  float* S = B.s.data();
-  float* acc = B.acc.data();
-  float* m = B.m.data();
-  float* l = B.l.data();
-  float alpha[na::kMaxRows];
-  int lim[na::kMaxRows];
-  bool bad[na::kMaxRows];
-  const uint8_t* mrow[na::kMaxRows];
   const float qscale = P.sm_scale * kLog2e * P.k_scale * f8_unit(P);
   const QT* qbase = static_cast<const QT*>(P.q);
   for (int r = 0; r < R; ++r) {
@@ -552,6 +531,39 @@ static int fused_item(const NaProblem& P, const NaItem& it) {
     l[r] = 0.0f;
     std::memset(acc + size_t(r) * Dvp, 0, sizeof(float) * size_t(Dvp));
   }
+}
+
+// The fast fp32-accumulating path (AVX2, AVX-512 without BF16, fp16/fp32 caches): head dims
+// multiples of the vector width. No conversion pass: K and V are read straight from the
+// paged cache and widened in registers, 4 rows x 2 keys per score tile, 4 rows per p.V
+// chunk, and whole rows prefetched two blocks ahead in address order.
+template <typename QT, typename KT>
+static int fused_item(const NaProblem& P, const NaItem& it) {
+  const int Hq = P.num_q_heads, Hkv = P.num_kv_heads, D = P.head_dim, Dv = P.v_head_dim;
+  const int ps = P.page_size;
+  const bool mla = P.kind == NA_MLA;
+  const int G = Hq / Hkv;
+  const int Dp = D, Dvp = Dv;
+  const int nh = it.h1 - it.h0, nq = it.q1 - it.q0, R1 = nh * nq;
+  const int nkv = it.kv_head_end - it.kv_head, R = nkv * R1;
+  const int req = it.req;
+  const int32_t* pages = P.kv_indices + P.kv_indptr[req];
+  Buffers& B = tls_buffers;
+  try {
+    B.ensure(R, Dp, Dvp);
+  } catch (const std::bad_alloc&) {
+    return -2;
+  }
+  float* qb = B.q.data();
+  float* S = B.s.data();
+  float* acc = B.acc.data();
+  float* m = B.m.data();
+  float* l = B.l.data();
+  float alpha[na::kMaxRows];
+  int lim[na::kMaxRows];
+  bool bad[na::kMaxRows];
+  const uint8_t* mrow[na::kMaxRows];
+  init_rows<QT>(P, it, R, R1, nh, G, Dp, Dvp, qb, m, l, acc, lim, bad, mrow);
   const KT* kbase = static_cast<const KT*>(P.k);
   const KT* vbase = static_cast<const KT*>(mla ? P.k : P.v);
   const int64_t kstride = mla ? D : int64_t(Hkv) * D;
@@ -687,9 +699,6 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
   const int nh = it.h1 - it.h0, nq = it.q1 - it.q0, R1 = nh * nq;
   const int nkv = it.kv_head_end - it.kv_head, R = nkv * R1;
   const int req = it.req;
-  const int qs = P.qo_indptr[req];
-  const int q_len = P.qo_indptr[req + 1] - qs;
-  const int kv_len = P.kv_lens[req];
   const int32_t* pages = P.kv_indices + P.kv_indptr[req];
   Buffers& B = tls_buffers;
   try {
@@ -707,25 +716,7 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
   int lim[na::kMaxRows];
   bool bad[na::kMaxRows];
   const uint8_t* mrow[na::kMaxRows];
-  // Scores in log2 units (exp2 in the softmax); an FP8 cache's k_scale folds into q.
-  const float qscale = P.sm_scale * kLog2e * P.k_scale * f8_unit(P);
-  const QT* qbase = static_cast<const QT*>(P.q);
-  for (int r = 0; r < R; ++r) {
-    {
-      const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
-      const int64_t token = qs + it.q0 + jj;
-      const int head = (it.kv_head + gi) * G + it.h0 + hh;
-      float* qr = qb + size_t(r) * Dp;
-      load_row(qr, qbase + (token * Hq + head) * D, D, Dp);
-      bad[r] = row_not_finite(qbase + (token * Hq + head) * D, D);
-      for (int c = 0; c < Dp; ++c) qr[c] *= qscale;
-      lim[r] = kv_len - q_len + it.q0 + jj;
-      mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
-      m[r] = kNegInf;
-      l[r] = 0.0f;
-      std::memset(acc + size_t(r) * Dvp, 0, sizeof(float) * size_t(Dvp));
-    }
-  }
+  init_rows<QT>(P, it, R, R1, nh, G, Dp, Dvp, qb, m, l, acc, lim, bad, mrow);
   const KT* kbase = static_cast<const KT*>(P.k);
   const KT* vbase = static_cast<const KT*>(P.v);
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
