@@ -20,6 +20,7 @@ from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import MEMBERS
 from attn_dispatch._protocol import AttentionBackend
+from attn_dispatch._protocol import BackendBase
 from attn_dispatch._protocol import Handler
 from attn_dispatch._registry import DEFAULT_REGISTRY
 from attn_dispatch._registry import BackendEntry
@@ -472,6 +473,14 @@ def _build(
             f"{what} returned {type(backend).__name__}, which is not an AttentionBackend "
             f"(missing: {', '.join(missing)}); subclass attn_dispatch.BackendBase and define "
             "name, plan(batch) and handler(phase)",
+            runner=label,
+        )
+    if isinstance(backend, BackendBase) and type(backend).plan is BackendBase.plan:
+        # Caught here, not at the first attn_scope: the base's plan() only raises.
+        raise BackendUnavailableError(
+            name,
+            f"{what} returned {type(backend).__name__}, which subclasses BackendBase but "
+            "defines no plan(batch); define plan(batch) (the per-forward metadata)",
             runner=label,
         )
     return backend

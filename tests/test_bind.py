@@ -237,12 +237,18 @@ class NoHandler:
 class HandlerRaises(BackendBase):
     name = "raises"
 
+    def plan(self, batch: Any) -> Any:
+        return None
+
     def handler(self, phase: Phase) -> Any:
         raise RuntimeError(f"no kernel for {phase.name}")
 
 
 class HandlerNotCallable(BackendBase):
     name = "notcallable"
+
+    def plan(self, batch: Any) -> Any:
+        return None
 
     def handler(self, phase: Phase) -> Any:
         return 42
@@ -266,6 +272,24 @@ def test_bad_backend_objects_are_backend_unavailable(factory: Any, words: str) -
     assert err.name == "odd" and err.runner == "target"
     assert words in str(err), str(err)
     assert "runner 'target'" in str(err)
+
+
+def test_a_backend_base_subclass_without_plan_is_refused_at_bind() -> None:
+    from attn_dispatch import BackendBase
+
+    class NoPlan(BackendBase):
+        name = "noplan"
+
+        def handler(self, phase: Any) -> Any:
+            return lambda *a: None
+
+    register_backend("noplan", capabilities=ANY_CAPS, factory=lambda config, **o: NoPlan())
+    with pytest.raises(BackendUnavailableError) as info:
+        bind("noplan", mha_config(), label="target")
+    assert info.value.runner == "target"
+    assert "returned NoPlan, which subclasses BackendBase but defines no plan(batch)" in str(
+        info.value
+    )
 
 
 def test_missing_members_are_named() -> None:
