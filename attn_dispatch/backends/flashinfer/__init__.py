@@ -223,7 +223,7 @@ def _cuda_major(config: AttnConfig) -> int | None:
 
 def _check_variants(config: AttnConfig, phase: Phase) -> Iterable[str]:
     # Why these are not declared (the core's reason only names the variant).
-    if getattr(config, "sinks", False):
+    if config.sinks:
         yield (
             "FlashInfer 0.7 applies attention sinks only in its trtllm-gen (sm100), cuDNN and "
             "XQA kernels; the fa2/fa3 kernels its 'auto' choice runs on sm80/sm90 have no sink "
@@ -234,8 +234,8 @@ def _check_variants(config: AttnConfig, phase: Phase) -> Iterable[str]:
         used = [
             name
             for name, on in (
-                ("window_left", getattr(config, "window_left", None) is not None),
-                ("logit_cap", bool(getattr(config, "logit_cap", None))),
+                ("window_left", config.window_left is not None),
+                ("logit_cap", bool(config.logit_cap)),
             )
             if on
         ]

@@ -321,13 +321,13 @@ class _Route(abc.ABC):
 
 def _window(config: AttnConfig) -> int:
     # FlashInfer's window_left has our meaning (keys p - window_left ..= p); -1 = full.
-    w = getattr(config, "window_left", None)
+    w = config.window_left
     return -1 if w is None else int(w)
 
 
 def _soft_cap(config: AttnConfig) -> float:
     # FlashInfer: logits_soft_cap * tanh(q.k * sm_scale / logits_soft_cap); 0 = off.
-    cap = getattr(config, "logit_cap", None)
+    cap = config.logit_cap
     return float(cap) if cap else 0.0
 
 
@@ -689,7 +689,7 @@ class FlashInferBackend(TorchBackendBase):
             self.graph_indices = torch.zeros(max_num_pages, dtype=torch.int32, device=self.device)
             if config.tree_verify:
                 self.graph_mask = torch.zeros(max_mask_bytes, dtype=torch.uint8, device=self.device)
-        planned = getattr(config, "sm_scale", None)
+        planned = config.sm_scale
         if sm_scale is not None and planned is not None and sm_scale != planned:
             raise InvalidSpecError(
                 "sm_scale",

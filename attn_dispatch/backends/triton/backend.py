@@ -117,7 +117,7 @@ class TritonBackend(TorchBackendBase):
         self._checks = TensorChecks.of(config, backend="triton", layout="rows")
         self._interpreting = device.type == "cpu"
         self._handlers = {phase: self._run for phase in Phase}
-        self._sinks = bool(getattr(config, "sinks", False))
+        self._sinks = bool(config.sinks)
         self._fp8 = str(config.kv_dtype) in _FP8
 
     @property
@@ -295,9 +295,9 @@ def kernel_config(
         min_split_tokens=opts.get("min_split_tokens", min_split),
         max_splits=opts.get("max_splits", 32),
         forced_splits=opts.get("num_kv_splits"),
-        window_left=getattr(config, "window_left", None),
-        logit_cap=getattr(config, "logit_cap", None) or None,
-        sinks=bool(getattr(config, "sinks", False)),
+        window_left=config.window_left,
+        logit_cap=config.logit_cap or None,
+        sinks=bool(config.sinks),
         kv_scaled=str(config.kv_dtype) in _FP8,
     )
 
