@@ -1,18 +1,33 @@
-"""Command line: `python -m attn_dispatch list | explain | demo`."""
+"""Command line: ``python -m attn_dispatch list | matrix | explain | demo``.
+
+Exit status: 0 ok, 1 a refusal (a spec that cannot serve the config or model), 2 bad input
+(usage, unknown backend, a bad value, a model config that cannot be read). Bad input is one
+``error:`` line on stderr, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
+from collections.abc import Mapping
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-from attn_dispatch._binding import _check_forms
+from attn_dispatch._binding import _check
 from attn_dispatch._binding import bind
 from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import IncompatibleBackendError
+from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._matrix import FIELDS
+from attn_dispatch._matrix import FORMATS
+from attn_dispatch._matrix import format_matrix
+from attn_dispatch._matrix import render_blocks
+from attn_dispatch._matrix import support_matrix
 from attn_dispatch._phase import Phase
 from attn_dispatch._registry import DEFAULT_REGISTRY
 from attn_dispatch._registry import Registry
@@ -47,6 +62,115 @@ def cmd_list(args: argparse.Namespace, registry: Registry) -> int:
     return 0
 
 
+# -- matrix -------------------------------------------------------------------------------------
+
+
+def _words(text: str) -> list[str]:
+    return [w.strip() for w in text.split(",") if w.strip()]
+
+
+def matrix_text(args: argparse.Namespace, registry: Registry) -> str:
+    """What ``matrix`` prints for ``args``."""
+    names = _words(args.backends) if args.backends else None
+    fields = _words(args.fields) if args.fields else None
+    return format_matrix(support_matrix(registry, backends=names), args.format, fields=fields)
+
+
+def render_readme(text: str, registry: Registry) -> str:
+    """``text`` (a README) with every generated matrix block rebuilt from ``registry``."""
+    parser = argparse.ArgumentParser(prog="python -m attn_dispatch matrix")
+    _matrix_args(parser)
+    return render_blocks(text, lambda argv: matrix_text(parser.parse_args(argv), registry))
+
+
+def cmd_matrix(args: argparse.Namespace, registry: Registry) -> int:
+    if args.update_readme is None:
+        print(matrix_text(args, registry))
+        return 0
+    path = Path(args.update_readme)
+    try:
+        old = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InvalidSpecError("--update-readme", str(path), f"cannot read it: {exc}") from None
+    new = render_readme(old, registry)
+    if new != old:
+        path.write_text(new, encoding="utf-8")
+    print(f"{path}: {'updated' if new != old else 'up to date'}")
+    return 0
+
+
+# -- explain ------------------------------------------------------------------------------------
+
+_DEVICE = re.compile(r"[a-z][a-z0-9_]*(:\d+)?")
+
+
+def _device(text: str) -> str:
+    """A device name as torch writes one ("cpu", "cuda", "cuda:1"); checked here because a
+    config may be meant for another machine, whose devices this one cannot list."""
+    if not _DEVICE.fullmatch(text.strip().lower()):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a device name; use a type with an optional index: 'cpu', "
+            "'cuda', 'cuda:1'"
+        )
+    return text.strip().lower()
+
+
+def _value(text: str) -> object:
+    """A ``--group`` value: none/true/false, an int, a float, else the text."""
+    low = text.strip().lower()
+    if low in ("none", "null", ""):
+        return None
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    for kind in (int, float):
+        try:
+            return kind(low)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def _group_arg(text: str) -> tuple[str, dict[str, object]]:
+    """``NAME[:FIELD=VALUE,...]`` -> (name, AttnConfig changes)."""
+    name, _, rest = text.partition(":")
+    changes: dict[str, object] = {}
+    for item in _words(rest):
+        field, eq, value = item.partition("=")
+        field = field.strip().replace("-", "_")
+        if not eq or field not in AttnConfig.__dataclass_fields__:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} in --group {text!r}: write FIELD=VALUE with an AttnConfig field "
+                "(e.g. window_left=4095, logit_cap=50, sinks=true, kv_dtype=fp8)"
+            )
+        changes[field] = _value(value)
+    if not name.strip():
+        raise argparse.ArgumentTypeError(f"--group {text!r} names no group (e.g. 'sliding')")
+    return name.strip(), changes
+
+
+def _spec_of(
+    items: Sequence[str], groups: Sequence[str] | None
+) -> BackendSpec | dict[str, BackendSpec]:
+    """``--spec torch`` for every group, or ``--spec GROUP:SPEC`` once per group."""
+    pairs = []
+    for item in items:
+        head, colon, rest = item.partition(":")
+        pairs.append((head.strip(), rest) if colon and "=" not in head else (None, item))
+    if len(pairs) == 1 and pairs[0][0] is None:
+        return BackendSpec.parse(pairs[0][1])
+    named = {g: BackendSpec.parse(s) for g, s in pairs if g is not None}
+    if len(named) != len(pairs) or groups is None or sorted(named) != sorted(groups):
+        raise InvalidSpecError(
+            "--spec",
+            list(items),
+            "give one spec for all groups, or GROUP:SPEC once for each group "
+            f"({', '.join(groups or ['no groups here'])})",
+        )
+    return named
+
+
 def _config_of(args: argparse.Namespace) -> AttnConfig:
     kv_heads = (
         args.kv_heads if args.kv_heads is not None else (1 if args.kind == "mla" else args.heads)
@@ -57,7 +181,7 @@ def _config_of(args: argparse.Namespace) -> AttnConfig:
         num_kv_heads=kv_heads,
         head_dim=args.head_dim,
         v_head_dim=args.v_head_dim,
-        dtype=args.dtype,
+        dtype=args.dtype or "bfloat16",
         kv_dtype=args.kv_dtype,
         page_size=args.page_size,
         device=args.device,
@@ -65,58 +189,161 @@ def _config_of(args: argparse.Namespace) -> AttnConfig:
         mha_head_dim=args.mha_head_dim,
         mha_v_head_dim=args.mha_v_head_dim,
         sm_scale=args.sm_scale,
+        window_left=args.window_left,
+        logit_cap=args.logit_cap,
+        sinks=bool(args.sinks),
     )
 
 
-def _verdict(why: list[str]) -> str:
+def _configs(args: argparse.Namespace) -> dict[str, AttnConfig]:
+    """Group -> config for ``--group``s, or ``{"": config}`` for one config."""
+    base = _config_of(args)
+    if not args.group:
+        return {"": base}
+    groups: dict[str, AttnConfig] = {}
+    for name, changes in args.group:
+        if name in groups:
+            raise InvalidSpecError("--group", name, "each group is named once")
+        groups[name] = base.replace(**changes)
+    return groups
+
+
+def _transformers_integration() -> Any:
+    """``attn_dispatch.integrations.transformers`` (imports torch and transformers)."""
+    try:
+        return importlib.import_module("attn_dispatch.integrations.transformers")
+    except ImportError as exc:
+        raise InvalidSpecError(
+            "--model",
+            None,
+            f"reading a model config needs torch and transformers ({exc}); "
+            "pip install 'attn_dispatch[transformers]'",
+        ) from None
+
+
+def model_configs(args: argparse.Namespace) -> tuple[dict[str, AttnConfig], list[str]]:
+    """Group -> AttnConfig of the model config at ``args.model``, mapped by the code ``use()``
+    runs (``layer_groups``, ``attn_configs_for``), and lines that describe it.
+
+    The config is read from the local file system only (``local_files_only``): a path that
+    does not exist is an error, never a Hub download. Sinks are a property of the attention
+    modules, not of the config: like ``use()``, this looks at the modules of the model built
+    on the meta device (no memory, no weights), unless ``--sinks``/``--no-sinks`` says.
+    """
+    path = Path(args.model).expanduser()
+    if not path.exists():
+        raise InvalidSpecError(
+            "--model",
+            str(path),
+            "no such file or directory; pass a model directory holding config.json, or the "
+            "config.json itself (read locally, never downloaded)",
+        )
+    tf = _transformers_integration()
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:
+        raise InvalidSpecError(
+            "--model", str(path), f"transformers cannot read this config: {exc}"
+        ) from None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = tf.layer_groups(config)  # what use() refuses by layer type, refused here too
+    dtype = args.dtype or str(getattr(text, "dtype", None) or "float32")
+    sinks = _model_has_sinks(config, tf) if args.sinks is None else args.sinks
+    configs: dict[str, AttnConfig] = tf.attn_configs_for(
+        config,
+        dtype=dtype,
+        device=args.device,
+        page_size=args.page_size,
+        tree_verify=args.tree_verify,
+        sinks=sinks,
+        kv_dtype=args.kv_dtype,
+    )
+    if args.sm_scale is not None:
+        configs = {g: c.replace(sm_scale=args.sm_scale) for g, c in configs.items()}
+    counts = ", ".join(f"{layers.count(g)} {g}" for g in configs)
+    header = [
+        f"model:  {path} (model_type {getattr(text, 'model_type', '?')!r}, "
+        f"{len(layers)} layers: {counts}; dtype {dtype}"
+        f"{'' if args.dtype else ' from the config'}, sinks {'yes' if sinks else 'no'})"
+    ]
+    return configs, header
+
+
+def _model_has_sinks(config: Any, tf: Any) -> bool:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    except Exception as exc:
+        raise InvalidSpecError(
+            "--model",
+            type(config).__name__,
+            f"cannot build the model on the meta device to look for attention sinks "
+            f"({type(exc).__name__}: {exc}); say it with --sinks or --no-sinks",
+        ) from None
+    return bool(tf._has_sinks(model))
+
+
+def _verdict(why: Sequence[str]) -> str:
     return "ok" if not why else f"no ({len(why)})"
 
 
 def cmd_explain(args: argparse.Namespace, registry: Registry) -> int:
-    """Which backend serves each phase, and every reason one cannot, split by origin.
+    """Which backend serves each group and phase, and every reason one cannot, by origin.
 
     Reasons "from the config" hold on every machine; reasons "from this machine" (a module
     that is not importable, no CUDA, a GPU too old) say nothing about the machine the config
     is meant for. ``--static`` checks a config for another machine: only the first kind
-    decides the exit status, and no backend is built.
+    decides the exit status, and no backend is built. The checks are ``bind``'s own.
     """
-    spec = BackendSpec.parse(args.spec)
-    config = _config_of(args)
-    print(f"config: {config}")
-    print(f"spec:   {spec}")
+    header: list[str] = []
+    if args.model is not None:
+        tf = _transformers_integration()
+        try:
+            targets, header = model_configs(args)
+        except tf.UnsupportedModelError as exc:
+            print(f"model: {args.model}\ncannot serve this model: {exc}")
+            return 1
+    else:
+        targets = _configs(args)
+    grouped = "" not in targets
+    spec = _spec_of(args.spec, list(targets) if grouped else None)
+    for line in header:
+        print(line)
+    for name, cfg in targets.items():
+        print(f"group {name!r}: {cfg}" if grouped else f"config: {cfg}")
+    print(f"spec:   {_spec_text(spec)}")
     rows = []
-    from_config: list[str] = []
-    from_machine: list[str] = []
-    entries = {}
-    counts: list[int] = []
-    for phase in Phase:
-        name = spec.names[phase]
-        if name not in entries:
-            entries[name] = registry.get(name, context=f"phase {phase.name.lower()!r}")
-        caps = entries[name].capabilities
-        c_why = caps.config_reasons(config, phase)
-        m_why = caps.machine_reasons(config)
-        rows.append((phase.name.lower(), name, _verdict(c_why), _verdict(m_why)))
-        counts.append(len(c_why))
-        label = f"{phase.name.lower()} -> {name!r}"
-        from_config += [f"  - {label}: {r}" for r in c_why]
-        from_machine += [f"  - {label}: {r}" for r in dict.fromkeys(m_why)]
-    if config.kind == "mla":
-        # The form policies: what each may choose must be served (from the entries alone).
-        form_why: dict[Phase, tuple[str, list[str]]] = {}
-        _check_forms(spec, config, entries, {}, form_why, machine=False)
-        for phase, (name, why) in form_why.items():
-            from_config += [f"  - {phase.name.lower()} -> {name!r}: {r}" for r in why]
-            i = list(Phase).index(phase)
-            counts[i] += len(why)
-            rows[i] = (rows[i][0], rows[i][1], _verdict(["x"] * counts[i]), rows[i][3])
-    print(format_table(("phase", "backend", "config", "this machine"), rows))
+    # (group, backend, reason) -> the phases it holds in: one line for all of them.
+    from_config: dict[tuple[str, str, str], list[str]] = {}
+    from_machine: dict[tuple[str, str], None] = {}
+    for group, cfg in targets.items():
+        gspec = spec[group] if isinstance(spec, dict) else spec
+        found = _config_reasons(gspec, cfg, args.label, registry, group or None)
+        for phase in Phase:
+            name, why = found.get(phase, (gspec.names[phase], []))
+            # The machine's reasons depend on the backend and the device, not on the phase.
+            m_why = registry.get(name).capabilities.machine_reasons(cfg)
+            cells = (phase.name.lower(), name, _verdict(why), _verdict(m_why))
+            rows.append((group, *cells) if group else cells)
+            for r in why:
+                from_config.setdefault((group, name, r), []).append(phase.name.lower())
+            from_machine.update(dict.fromkeys((name, r) for r in m_why))
+    head = ("phase", "backend", "config", "this machine")
+    print(format_table(("group", *head) if grouped else head, rows))
     if from_config:
         print("\nfrom the config (hold on every machine):")
-        print("\n".join(from_config))
+        for (group, name, r), phases in from_config.items():
+            who = f"[{group}] " if group else ""
+            print(f"  - {who}{','.join(phases)} -> {name!r}: {r}")
     if from_machine:
         print("\nfrom this machine's runtime (modules, CUDA, compute capability):")
-        print("\n".join(dict.fromkeys(from_machine)))
+        for name, r in from_machine:
+            print(f"  - {name!r}: {r}")
     if args.static:
         verdict = "cannot" if from_config else "can"
         print(
@@ -126,13 +353,48 @@ def cmd_explain(args: argparse.Namespace, registry: Registry) -> int:
         return 1 if from_config else 0
     if from_config or from_machine:
         return 1
+    return _bind_here(spec, targets, args.label, registry)
+
+
+def _spec_text(spec: BackendSpec | Mapping[str, BackendSpec]) -> str:
+    if isinstance(spec, BackendSpec):
+        return str(spec)
+    return "; ".join(f"{g}: {s}" for g, s in spec.items())
+
+
+def _config_reasons(
+    spec: BackendSpec, config: AttnConfig, label: str | None, registry: Registry, group: str | None
+) -> dict[Phase, tuple[str, list[str]]]:
+    """Phase -> (backend, reasons from the config): bind's own checks, with the machine's
+    left out (``explain`` lists those apart)."""
     try:
-        binding = bind(spec, config, label=args.label, registry=registry)
+        _check(spec, config, label, None, registry, group=group, machine=False)
+    except IncompatibleBackendError as exc:
+        return {p: (name, list(why)) for p, (name, why) in exc.reasons.items()}
+    return {}
+
+
+def _bind_here(
+    spec: BackendSpec | dict[str, BackendSpec],
+    targets: dict[str, AttnConfig],
+    label: str | None,
+    registry: Registry,
+) -> int:
+    try:
+        if len(targets) == 1 and isinstance(spec, BackendSpec):
+            # One group binds plain, as use() binds a model whose layers are all alike.
+            binding = bind(spec, next(iter(targets.values())), label=label, registry=registry)
+            table: list[tuple[str, ...]] = list(binding.table())
+            head: tuple[str, ...] = ("phase", "backend")
+        else:
+            binding = bind(spec, targets, label=label, registry=registry)
+            table = [(g, p, b) for g, sub in binding.groups.items() for p, b in sub.table()]
+            head = ("group", "phase", "backend")
     except IncompatibleBackendError as exc:
         print(str(exc))
         return 1
     print("\nbinds on this machine:")
-    print(format_table(("phase", "backend"), binding.table()))
+    print(format_table(head, table))
     return 0
 
 
@@ -148,23 +410,79 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="list registered backends and whether they can run here")
-    e = sub.add_parser("explain", help="show which backend serves each phase, or every reason")
-    e.add_argument(
-        "--spec", required=True, help="e.g. 'prefill=triton,decode=flashinfer' or 'torch'"
+    m = sub.add_parser(
+        "matrix",
+        help="what every registered backend declares (its Capabilities), as a table",
+        description="The support matrix: one row per Capabilities field, one column per "
+        "registered backend (third-party ones included), read from their declarations.",
     )
-    e.add_argument("--kind", choices=("mha", "mla"), required=True)
-    e.add_argument("--heads", type=int, required=True, help="query heads")
+    _matrix_args(m)
+    _explain_parser(sub)
+    sub.add_parser(
+        "demo", help="run the speculative-decoding demo (see --help of demo)", add_help=False
+    )
+    return p
+
+
+def _matrix_args(m: argparse.ArgumentParser) -> None:
+    m.add_argument("--format", choices=FORMATS, default="text")
+    m.add_argument("--fields", help=f"comma-separated rows, in order (any of: {', '.join(FIELDS)})")
+    m.add_argument("--backends", help="comma-separated backend names (default: every one)")
+    m.add_argument(
+        "--update-readme",
+        metavar="PATH",
+        help="rewrite the generated matrix blocks of a README in place (for maintainers)",
+    )
+
+
+def _explain_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    e = sub.add_parser(
+        "explain",
+        help="show which backend serves each phase (and group), or every reason",
+        description="Check a spec against one layer shape (--kind, --heads, --head-dim, ...) "
+        "or against a transformers model config (--model), with bind's own checks.",
+    )
+    e.add_argument(
+        "--spec",
+        required=True,
+        action="append",
+        help="e.g. 'prefill=triton,decode=flashinfer' or 'torch'; with groups, one for all or "
+        "GROUP:SPEC once per group ('sliding:native')",
+    )
+    e.add_argument(
+        "--model",
+        help="a transformers model directory or its config.json (read locally, the way use() "
+        "maps it); replaces --kind/--heads/--head-dim and the variant flags",
+    )
+    e.add_argument("--kind", choices=("mha", "mla"))
+    e.add_argument("--heads", type=int, help="query heads")
     e.add_argument("--kv-heads", type=int, default=None, help="KV heads (MLA: 1)")
-    e.add_argument("--head-dim", type=int, required=True, help="q/k head dim (MLA: latent + rope)")
+    e.add_argument("--head-dim", type=int, help="q/k head dim (MLA: latent + rope)")
     e.add_argument("--v-head-dim", type=int, default=None, help="v head dim (MLA: latent)")
-    e.add_argument("--dtype", default="bfloat16")
-    e.add_argument("--kv-dtype", default=None)
+    e.add_argument("--dtype", default=None, help="default bfloat16 (--model: the config's)")
+    e.add_argument("--kv-dtype", default=None, help="e.g. float8_e4m3fn (default: --dtype)")
     e.add_argument("--page-size", type=int, default=1)
-    e.add_argument("--device", default="cpu")
+    e.add_argument("--device", type=_device, default="cpu")
     e.add_argument("--tree-verify", action="store_true", help="verify uses a tree mask")
     e.add_argument("--mha-head-dim", type=int, default=None, help="MLA: decompressed q/k dim")
     e.add_argument("--mha-v-head-dim", type=int, default=None, help="MLA: decompressed v dim")
     e.add_argument("--sm-scale", type=float, default=None, help="the planned softmax scale")
+    e.add_argument("--window-left", type=int, default=None, help="sliding window: keys p-W..p")
+    e.add_argument("--logit-cap", type=float, default=None, help="soft-cap of the logits")
+    e.add_argument(
+        "--sinks",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="learned attention sinks per head (--model: found as use() finds them)",
+    )
+    e.add_argument(
+        "--group",
+        type=_group_arg,
+        action="append",
+        metavar="NAME[:FIELD=VALUE,...]",
+        help="a layer group: the config above with these AttnConfig fields changed; repeat "
+        "for each group (e.g. --group sliding:window_left=4095 --group full)",
+    )
     e.add_argument("--label", default=None)
     e.add_argument(
         "--static",
@@ -172,10 +490,26 @@ def _parser() -> argparse.ArgumentParser:
         help="check the config for another machine: only reasons from the config decide; "
         "this machine's (no CUDA, missing modules) are listed apart; nothing is built",
     )
-    sub.add_parser(
-        "demo", help="run the speculative-decoding demo (see --help of demo)", add_help=False
-    )
-    return p
+
+
+# Flags that describe one layer shape: --model derives them from the model config instead.
+_SHAPE_FLAGS = (
+    *("kind", "heads", "kv_heads", "head_dim", "v_head_dim", "mha_head_dim", "mha_v_head_dim"),
+    *("window_left", "logit_cap", "group"),
+)
+
+
+def _check_explain_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.model is not None:
+        given = [f for f in _SHAPE_FLAGS if getattr(args, f) not in (None, [])]
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            parser.error(f"explain: --model derives the layer shapes; drop {flags}")
+        return
+    missing = [f for f in ("kind", "heads", "head_dim") if getattr(args, f) is None]
+    if missing:
+        flags = ", ".join("--" + f.replace("_", "-") for f in missing)
+        parser.error(f"explain: the following arguments are required: {flags} (or --model)")
 
 
 def main(argv: Sequence[str] | None = None, *, registry: Registry | None = None) -> int:
@@ -184,10 +518,15 @@ def main(argv: Sequence[str] | None = None, *, registry: Registry | None = None)
         return cmd_demo(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "explain":
+        _check_explain_args(parser, args)
+    registry = DEFAULT_REGISTRY if registry is None else registry
     try:
         if args.command == "list":
-            return cmd_list(args, DEFAULT_REGISTRY if registry is None else registry)
-        return cmd_explain(args, DEFAULT_REGISTRY if registry is None else registry)
+            return cmd_list(args, registry)
+        if args.command == "matrix":
+            return cmd_matrix(args, registry)
+        return cmd_explain(args, registry)
     except AttnDispatchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
