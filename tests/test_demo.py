@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,8 +21,8 @@ from attn_dispatch import register_backend  # noqa: E402
 from attn_dispatch import unregister_backend  # noqa: E402
 from attn_dispatch._spec import BackendSpec  # noqa: E402
 from attn_dispatch.backends.reference import CAPABILITIES as TORCH_CAPS  # noqa: E402
-from attn_dispatch.demo.models import DraftShape  # noqa: E402
-from attn_dispatch.demo.models import TargetShape  # noqa: E402
+from attn_dispatch.demo.shapes import DraftShape  # noqa: E402
+from attn_dispatch.demo.shapes import TargetShape  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--size", "tiny", "--dtype", "float32", "--max-new-tokens", "7", "--depth", "2"]
@@ -51,7 +52,7 @@ def _one_thread() -> Iterator[None]:
 
 def run_demo(*argv: str) -> tuple[int, str]:
     out = io.StringIO()
-    rc = demo.main([*TINY, *argv], out=out)
+    rc = demo.main([*TINY, *argv], out=out, err=out)
     return rc, out.getvalue()
 
 
@@ -223,7 +224,7 @@ def test_target_forms_give_the_same_tokens(policy: str, forms: set[str]) -> None
     from attn_dispatch import FormPolicy
     from attn_dispatch import Phase
     from attn_dispatch.backends.reference.backend import TorchBackend
-    from attn_dispatch.demo.models import greedy
+    from attn_dispatch.demo.layers import greedy
     from attn_dispatch.demo.runner import SeqKV
 
     chunked = AttnForm.MHA_CHUNKED
@@ -393,7 +394,7 @@ def test_fp8_kv_cache_on_a_forced_backend_that_cannot_run_is_the_bind_error() ->
 def test_fp8_caches_hold_fp8_with_per_layer_scales_that_never_clip() -> None:
     from attn_dispatch.demo.engine import DemoOptions
     from attn_dispatch.demo.factory import build
-    from attn_dispatch.demo.models import FP8_MAX
+    from attn_dispatch.demo.layers import FP8_MAX
 
     target, draft = build(
         DemoOptions(size="tiny"),
@@ -505,7 +506,7 @@ def test_legacy_runner_reads_the_global_at_forward_time(torch2: str) -> None:
 
 
 def test_progress_bar_draws_on_its_stream_after_the_delay() -> None:
-    from attn_dispatch.demo.cli import Bar
+    from attn_dispatch.demo.report import Bar
 
     stream = io.StringIO()
     bar = Bar(stream, enabled=True, delay=0.0)
@@ -562,3 +563,119 @@ def test_a_full_cache_is_an_error_with_its_numbers() -> None:
     rc, text = run_demo("--num-pages", "3")
     assert rc == 2
     assert "pages requested" in text and "--num-pages" in text
+
+
+def test_isolation_line_says_no_when_a_runner_dispatches_outside_its_spec(
+    torch2: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The target's spec names torch, but its layers reach a binding on torch2: the report reads
+    # the target's own record_dispatch events, so it says no (and the exit status is 1).
+    from attn_dispatch.demo import factory
+
+    real_bind = factory.bind
+
+    def leaky_bind(spec: Any, config: Any, **kwargs: Any) -> Any:
+        return real_bind(torch2 if kwargs.get("label") == "target" else spec, config, **kwargs)
+
+    monkeypatch.setattr(factory, "bind", leaky_bind)
+    rc, text = run_demo("--target-spec", "torch", "--draft-spec", "torch")
+    assert rc == 1, text
+    assert "each runner dispatched only to its own backends: no" in text
+    assert re.search(r"runner 'target' verify: \d+ calls to 'torch2' as 'target' \(its spec", text)
+    assert "runner 'draft'" not in text  # the draft stayed on its own backend
+
+
+def test_isolation_is_read_per_runner_forward_not_from_the_event_label(torch2: str) -> None:
+    # Runner "a" opens runner "b"'s scope: every event says "b" on b's backend, which agrees
+    # with b's spec; only attributing events to the forward that made them catches it.
+    from attn_dispatch import Phase
+    from attn_dispatch import attn_scope
+    from attn_dispatch import bind
+    from attn_dispatch.demo.report import isolation_line
+    from attn_dispatch.demo.report import leaks
+    from attn_dispatch.demo.runner import Runner
+    from attn_dispatch.demo.runner import SeqKV
+
+    opts = demo.DemoOptions()
+    with torch.inference_mode():
+        _, draft = demo.build(
+            opts, device="cpu", dtype="float32", target_spec=None, draft_spec=None
+        )
+        cfg = draft.attn_binding.config
+        a = Runner("a", draft.model, bind("torch", cfg, label="a"), num_pages=16)
+        b = Runner("b", draft.model, bind(torch2, cfg, label="b"), num_pages=16)
+        seq = SeqKV()
+        a.reserve(seq, 3)
+        req = demo.Request(list(seq.pages), 0, [1, 2, 3], [0, 1, 2])
+        demo.step(a, Phase.PREFILL, [req])
+        assert leaks([a, b]) == []
+        assert isolation_line([]).endswith(": yes")
+        a.scope = lambda batch: attn_scope(b, batch)  # type: ignore[method-assign]
+        demo.step(a, Phase.PREFILL, [req])
+    found = leaks([a, b])
+    assert len(found) == 1
+    assert found[0].startswith("runner 'a' prefill:") and "'torch2' as 'b'" in found[0]
+    assert isolation_line(found).startswith("each runner dispatched only to its own backends: no")
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--device", "cuda:abc"], "--device='cuda:abc': not a device name"),
+        (["--device", "meta"], "the demo runs on 'cpu' or 'cuda[:N]'"),
+        (["--seed", "99999999999999999999999"], "must be in [0, 2**62)"),
+        (["--target-spec", "prefill="], "no backend for decode"),
+        (["--num-pages", "1"], "pages requested"),
+    ],
+)
+def test_bad_input_is_one_error_line_without_a_traceback(
+    tmp_path: Path, argv: list[str], words: str
+) -> None:
+    proc = _demo_subprocess(tmp_path, *TINY, *argv)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert words in proc.stderr, proc.stderr
+
+
+def test_cuda_device_without_cuda_is_our_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the device is valid here")
+    rc, text = run_demo("--device", "cuda")
+    assert rc == 2
+    assert text.startswith("error: --device='cuda': CUDA is not available on this machine")
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Every attn_dispatch.demo module ``path`` imports, at any level (function bodies too)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            # `from pkg import sub` imports the submodule when there is one.
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in found if m == package or m.startswith(package + ".")}
+
+
+def test_demo_modules_are_small_and_import_no_cycle() -> None:
+    package = "attn_dispatch.demo"
+    folder = ROOT / "attn_dispatch" / "demo"
+    modules = {
+        (package if p.stem == "__init__" else f"{package}.{p.stem}"): p for p in folder.glob("*.py")
+    }
+    for name, path in modules.items():
+        assert len(path.read_text().splitlines()) <= 400, name
+    graph = {name: _imports(path, package) & set(modules) for name, path in modules.items()}
+    assert "attn_dispatch.demo.cli" in graph[package]  # the package re-exports main
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in graph[start]:
+            if nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})):
+                return True
+        return False
+
+    cycles = [name for name in graph if reaches(name, name, {name})]
+    assert cycles == [], {n: sorted(graph[n]) for n in cycles}

@@ -150,7 +150,7 @@ def greedy_steps(
 ) -> Iterator[list[list[int]]]:
     """The target alone, one forward per step: a PREFILL, then one DECODE per token. Yields
     the tokens so far after each forward (the lists grow in place)."""
-    from attn_dispatch.demo.models import greedy
+    from attn_dispatch.demo.layers import greedy
     from attn_dispatch.demo.runner import SeqKV
 
     target.reset()
@@ -184,8 +184,8 @@ def propose(
     draft: Runner, seqs: list[SeqKV], contexts: list[list[int]], depth: int, branch: int
 ) -> list[Tree]:
     """Draft one tree per request: ``branch`` first tokens, then a chain of ``depth`` each."""
-    from attn_dispatch.demo.models import greedy
-    from attn_dispatch.demo.models import top_k
+    from attn_dispatch.demo.layers import greedy
+    from attn_dispatch.demo.layers import top_k
 
     # Feed what the draft has not cached yet: the last committed token (two after a fully
     # accepted chain, then it is a short PREFILL), and take the top-`branch` next tokens.
@@ -221,7 +221,7 @@ def propose(
 def verify(target: Runner, seqs: list[SeqKV], roots: list[int], trees: list[Tree]) -> list[Verdict]:
     """Check every request's tree in ONE target VERIFY forward (tree mask), then walk it."""
     from attn_dispatch import tree_mask
-    from attn_dispatch.demo.models import greedy
+    from attn_dispatch.demo.layers import greedy
 
     reqs, flat = [], []
     for seq, root, tree in zip(seqs, roots, trees, strict=True):
@@ -293,7 +293,7 @@ def speculative_steps(
 ) -> Iterator[list[list[int]]]:
     """Speculative decoding one round at a time: prefill both runners, then per round
     propose, verify, commit. Yields the tokens so far after the prefill and each round."""
-    from attn_dispatch.demo.models import greedy
+    from attn_dispatch.demo.layers import greedy
     from attn_dispatch.demo.runner import SeqKV
 
     if draft.page_size != 1:

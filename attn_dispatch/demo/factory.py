@@ -205,8 +205,8 @@ def build(
     tbind = bind(tspec, tcfg, label="target")
     dbind = bind(dspec, dcfg, label="draft")
     if legacy is None:
-        target = Runner("target", tmodel, tbind, num_pages=pages)
-        draft = Runner("draft", dmodel, dbind, num_pages=pages * opts.page_size)
+        target = Runner("target", tmodel, tbind, num_pages=pages, spec=tspec)
+        draft = Runner("draft", dmodel, dbind, num_pages=pages * opts.page_size, spec=dspec)
     else:
         from attn_dispatch.demo.legacy import LegacyRunner
 

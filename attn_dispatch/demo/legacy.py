@@ -20,8 +20,14 @@ from attn_dispatch import AttnBatch
 from attn_dispatch import AttnForm
 from attn_dispatch import Binding
 from attn_dispatch import Phase
-from attn_dispatch.demo.models import DraftModel
+from attn_dispatch._table import format_table
+from attn_dispatch.demo.draft import DraftModel
+from attn_dispatch.demo.engine import DemoOptions
+from attn_dispatch.demo.engine import speculative
+from attn_dispatch.demo.engine import target_greedy
 from attn_dispatch.demo.models import TargetModel
+from attn_dispatch.demo.report import Say
+from attn_dispatch.demo.report import prefix_equal
 from attn_dispatch.demo.runner import Runner
 
 
@@ -94,3 +100,58 @@ class LegacyRunner(Runner):
 
     def form(self) -> AttnForm:
         return AttnForm.MLA  # no scope to ask: the layers assume their usual form
+
+
+def run_legacy(
+    say: Say,
+    legacy: LegacyGlobals,
+    target: Runner,
+    draft: Runner,
+    prompts: list[list[int]],
+    opts: DemoOptions,
+) -> int:
+    say("\nlegacy pattern: one process-wide setting, written at start-up, read at forward time")
+    for line in legacy.history:
+        say(f"  {line}")
+    failure = None
+    outputs: list[list[int]] = []
+    try:
+        outputs, _ = speculative(target, draft, prompts, opts)
+    except Exception as exc:
+        failure = exc
+    say("\nwhat the layers actually ran (runner x phase x backend -> calls)")
+    rows: list[tuple[str, ...]] = [(*k, str(v)) for k, v in sorted(legacy.log.items())]
+    say(format_table(("runner", "phase", "backend", "result", "calls"), rows))
+    tname = target.attn_binding.backend_name(Phase.PREFILL)
+    dname = draft.attn_binding.backend_name(Phase.DECODE)
+    wrong = sum(v for k, v in legacy.log.items() if k[0] == "target" and k[2] != tname)
+    dc = draft.attn_binding.config
+    built_for = (
+        f"built for the draft's {dc.kind.upper()} config: {dc.num_q_heads} q / "
+        f"{dc.num_kv_heads} kv heads, head_dim {dc.head_dim}, page_size {dc.page_size}"
+    )
+    if failure is not None:
+        say(
+            f"\nthe target's MLA layers read the global at forward time and got backend "
+            f"{legacy.attention_backend!r} as the draft set it up ({built_for}); the target had "
+            f"chosen {tname!r} for MLA (head_dim {target.attn_binding.config.head_dim}). "
+            "Its first forward failed in the draft's backend:\n"
+            f"  {type(failure).__name__}: {failure}"
+        )
+    elif wrong:
+        say(
+            f"\nthe target's MLA layers ran the draft's backend {dname!r} in {wrong} calls "
+            f"(it chose {tname!r})"
+        )
+    # The reference (the target alone) is computed only when the legacy run got anywhere.
+    same = False
+    if failure is None and outputs:
+        scoped = Runner("target", target.model, target.attn_binding, num_pages=target.num_pages)
+        same = prefix_equal(outputs, target_greedy(scoped, prompts, opts.max_new_tokens))
+    say(f"identical to target greedy: {'yes' if same else 'no'}")
+    say(
+        "This is SGLang issue 28528 (draft start-up overwrote the global backend; the target's "
+        "DeepSeek MLA layers then hit a head-dim assertion in the wrong kernel). Without "
+        "--legacy-global each runner dispatches through its own binding in attn_scope."
+    )
+    return 0 if same else 1

@@ -14,12 +14,15 @@ import torch
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnDispatchError
 from attn_dispatch import AttnForm
+from attn_dispatch import BackendSpec
 from attn_dispatch import Binding
+from attn_dispatch import DispatchEvent
 from attn_dispatch import Phase
 from attn_dispatch import attention
 from attn_dispatch import attention_form
 from attn_dispatch import attn_scope
-from attn_dispatch.demo.models import DraftModel
+from attn_dispatch import record_dispatch
+from attn_dispatch.demo.draft import DraftModel
 from attn_dispatch.demo.models import TargetModel
 
 
@@ -70,14 +73,25 @@ class Runner:
     """One model runner: a model, its own paged cache and its own ``attn_binding``.
 
     Every forward opens ``attn_scope(self, batch)``; the model's layers call
-    ``attention(...)``, which runs this runner's backend for ``batch.phase``."""
+    ``attention(...)``, which runs this runner's backend for ``batch.phase``. ``spec`` is the
+    choice this runner was given (default: its binding's); ``dispatched`` counts the
+    ``record_dispatch`` events of its own forwards, whatever binding they reached, so the
+    report can check them against ``spec``."""
 
     def __init__(
-        self, label: str, model: TargetModel | DraftModel, binding: Binding, *, num_pages: int
+        self,
+        label: str,
+        model: TargetModel | DraftModel,
+        binding: Binding,
+        *,
+        num_pages: int,
+        spec: BackendSpec | None = None,
     ) -> None:
         self.label = label
         self.model = model
         self.attn_binding = binding
+        self.spec = binding.spec if spec is None else spec
+        self.dispatched: collections.Counter[DispatchEvent] = collections.Counter()
         cfg = binding.config
         self.page_size = cfg.page_size
         self.device = cfg.device
@@ -151,13 +165,14 @@ class Runner:
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         row = torch.tensor(rows, dtype=torch.long, device=dev)
         self.forwards += 1
-        with self.scope(batch):
+        with record_dispatch() as rec, self.scope(batch):
             if isinstance(self.model, TargetModel):
                 logits = self.model.forward(
                     tok, pos, row, self.caches, self.attend, form=self.form(), batch=batch
                 )
             else:
                 logits = self.model.forward(tok, pos, row, self.caches, self.attend)
+        self.dispatched.update(rec.events)
         if logits.device.type == "cuda":
             torch.cuda.synchronize()
         self.timing[(batch.phase, "forwards")] += 1
