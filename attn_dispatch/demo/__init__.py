@@ -8,10 +8,13 @@ verifies it in one forward, the output is checked against the target's own greed
     $ python -m attn_dispatch demo --size tiny --target-spec torch --draft-spec native
     $ python -m attn_dispatch demo --legacy-global
 
-Modules: ``models`` (the two models, torch), ``runner`` (a runner: model, paged cache, binding),
-``engine`` (greedy and speculative decoding, one function per step of a round), ``legacy``
-(the old global-setting pattern, for ``--legacy-global``), ``factory`` (sizes, dtype, default
-backends), ``cli`` (options and report). Importing this package does not import torch.
+Modules: ``shapes`` (model sizes), ``layers`` (norm, rotary, MLP, FP8 storage, greedy/top-k),
+``models`` (the MLA target, torch), ``draft`` (the GQA draft), ``runner`` (a runner: model,
+paged cache, binding, its own dispatch record), ``engine`` (greedy and speculative decoding,
+one function per step of a round), ``factory`` (sizes, dtype, default backends), ``report``
+(progress, the isolation check, the numbers), ``legacy`` (the old global-setting pattern and
+its run, for ``--legacy-global``), ``cli`` (options and the run). Importing this package does
+not import torch.
 """
 
 from __future__ import annotations
