@@ -33,15 +33,23 @@ FORMATS = ("text", "markdown", "json")
 
 _HEAD = ("kinds", "phases", "devices", "dtypes", "kv_dtypes", "variants", "forms", "form_policy")
 _TAIL = ("requires", "min_compute_capability", "availability", "checks", "description")
-_DECLARED = tuple(f.name for f in dataclasses.fields(Capabilities) if not f.name.startswith("_"))
-#: Every public field of Capabilities (and the registry entry's ``form_policy``): what users
-#: ask first, then the rest in declaration order (fields added later land here), then what
-#: the backend needs to run and the prose.
-FIELDS: tuple[str, ...] = (
-    *(f for f in _HEAD if f in _DECLARED or f == "form_policy"),
-    *(f for f in _DECLARED if f not in _HEAD and f not in _TAIL),
-    *(f for f in _TAIL if f in _DECLARED),
-)
+
+
+def fields_of(caps_type: type[Capabilities] = Capabilities) -> tuple[str, ...]:
+    """The matrix rows of a ``Capabilities`` class: every public dataclass field, plus the
+    registry entry's ``form_policy``. What users ask first comes first, then the rest in
+    declaration order (so a field added to ``Capabilities`` appears without a change here),
+    then what the backend needs to run, and the prose."""
+    declared = [f.name for f in dataclasses.fields(caps_type) if not f.name.startswith("_")]
+    return (
+        *(f for f in _HEAD if f in declared or f == "form_policy"),
+        *(f for f in declared if f not in _HEAD and f not in _TAIL),
+        *(f for f in _TAIL if f in declared),
+    )
+
+
+#: The rows of the ``Capabilities`` class itself.
+FIELDS = fields_of()
 #: Shown unless asked for by name (long prose; in the JSON output always).
 _ON_REQUEST = frozenset({"description"})
 # What None means in the fields where it is not "nothing" (see Capabilities).
@@ -73,7 +81,7 @@ def support_matrix(
 
 def _row(entry: BackendEntry) -> dict[str, Any]:
     caps = entry.capabilities
-    row = {f: _value(getattr(caps, f)) for f in FIELDS if f != "form_policy"}
+    row = {f: _value(getattr(caps, f, None)) for f in fields_of(type(caps))}
     row["form_policy"] = _policy(entry.form_policy)
     return row
 
@@ -110,13 +118,15 @@ def _policy(policy: FormPolicy | None) -> dict[str, Any] | None:
     return out
 
 
-def _select(fields: Sequence[str] | None) -> list[str]:
+def _select(matrix: Matrix, fields: Sequence[str] | None) -> list[str]:
+    # Every row any backend has, in the first order seen (a subclass may add fields).
+    known = list(dict.fromkeys([*FIELDS, *(f for row in matrix.values() for f in row)]))
     if fields is None:
-        return [f for f in FIELDS if f not in _ON_REQUEST]
-    unknown = [f for f in fields if f not in FIELDS]
+        return [f for f in known if f not in _ON_REQUEST]
+    unknown = [f for f in fields if f not in known]
     if unknown:
         raise InvalidSpecError(
-            "fields", ",".join(unknown), f"unknown matrix field; choose from {', '.join(FIELDS)}"
+            "fields", ",".join(unknown), f"unknown matrix field; choose from {', '.join(known)}"
         )
     return list(fields)
 
@@ -128,12 +138,13 @@ def format_matrix(matrix: Matrix, fmt: str = "text", *, fields: Sequence[str] | 
     if fmt not in FORMATS:
         raise InvalidSpecError("format", fmt, f"choose one of {', '.join(FORMATS)}")
     if fmt == "json":
-        keep = list(FIELDS) if fields is None else _select(fields)
-        data = {b: {f: row[f] for f in keep} for b, row in matrix.items()}
-        return json.dumps(data, indent=2)
-    keep = _select(fields)
+        if fields is None:
+            return json.dumps(matrix, indent=2)
+        keep = _select(matrix, fields)
+        return json.dumps({b: {f: row.get(f) for f in keep} for b, row in matrix.items()}, indent=2)
+    keep = _select(matrix, fields)
     names = list(matrix)
-    rows = [(f, *(render(f, matrix[b][f]) for b in names)) for f in keep]
+    rows = [(f, *(render(f, matrix[b].get(f)) for b in names)) for f in keep]
     if fmt == "text":
         return format_table(("", *names), _wrapped(rows))
     return _markdown(("", *(f"`{b}`" for b in names)), [(f"`{r[0]}`", *r[1:]) for r in rows])
@@ -230,6 +241,7 @@ __all__ = [
     "FIELDS",
     "FORMATS",
     "block_commands",
+    "fields_of",
     "format_matrix",
     "render",
     "render_blocks",
