@@ -249,7 +249,7 @@ def model_configs(args: argparse.Namespace) -> tuple[dict[str, AttnConfig], list
         ) from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = tf.layer_groups(config)  # what use() refuses by layer type, refused here too
-    dtype = args.dtype or str(getattr(text, "dtype", None) or "float32")
+    dtype = args.dtype or str(getattr(text, "dtype", None) or "float32").removeprefix("torch.")
     sinks = _model_has_sinks(config, tf) if args.sinks is None else args.sinks
     configs: dict[str, AttnConfig] = tf.attn_configs_for(
         config,
