@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -232,3 +233,318 @@ def test_module_entry_point_subprocess() -> None:
     assert bad.returncode == 2 and "required" in bad.stderr
     unknown = run("explain", "--spec", "nope", *MLA_ARGS)
     assert unknown.returncode == 2 and "unknown attention backend 'nope'" in unknown.stderr
+
+
+# --- explain: variants, groups, whole models ---------------------------------------------------
+
+MHA_ARGS = ["--kind", "mha", "--heads", "8", "--kv-heads", "2", "--head-dim", "64"]
+MHA_ARGS += ["--dtype", "float32"]
+
+
+def _configs_printed(out: str) -> dict[str, str]:
+    """group -> the AttnConfig repr explain printed for it."""
+    return {
+        line.split("'")[1]: line.split(": ", 1)[1]
+        for line in out.splitlines()
+        if line.startswith("group '")
+    }
+
+
+def test_explain_variant_flags_reach_the_config(capsys: pytest.CaptureFixture[str]) -> None:
+    from attn_dispatch import Capabilities
+
+    register_echo("plain", Capabilities(kinds={"mha"}, devices={"cpu"}))
+    args = [*MHA_ARGS, "--window-left", "7", "--logit-cap", "30", "--sinks"]
+    assert main(["explain", "--spec", "torch", *args, "--kv-dtype", "fp8_e5m2"]) == 0
+    out = capsys.readouterr().out
+    assert "window_left=7, logit_cap=30.0, sinks=True" in out
+    assert "kv_dtype='float8_e5m2'" in out
+    assert main(["explain", "--spec", "plain", *args]) == 1
+    out = capsys.readouterr().out
+    for variant in ("'window' (window_left=7)", "'logit_cap' (logit_cap=30.0)", "'sinks'"):
+        assert f"prefill -> 'plain': layer variant {variant}" in out, out
+    assert "variant 'sinks' is served in phase 'decode' by: " in out and "'torch'" in out
+
+
+def test_explain_groups_with_a_spec_per_group(capsys: pytest.CaptureFixture[str]) -> None:
+    from attn_dispatch import Capabilities
+
+    register_echo("nowindow", Capabilities(kinds={"mha"}, devices={"cpu"}))
+    groups = ["--group", "sliding:window_left=15,kv_dtype=fp8", "--group", "full"]
+    ok = ["--spec", "sliding:torch", "--spec", "full:nowindow"]
+    assert main(["explain", *MHA_ARGS, *groups, *ok]) == 0
+    out = capsys.readouterr().out
+    configs = _configs_printed(out)
+    assert "window_left=15, " in configs["sliding"]
+    assert "kv_dtype='float8_e4m3fn'" in configs["sliding"]
+    assert "window_left=None" in configs["full"] and "kv_dtype='float32'" in configs["full"]
+    assert "spec:   sliding: torch; full: nowindow" in out
+    bound = out.split("binds on this machine:")[1].splitlines()
+    assert "sliding  decode   torch" in bound and "full     verify   nowindow" in bound
+    # The same spec for both: the window group is refused, the full group is not.
+    assert main(["explain", *MHA_ARGS, *groups, "--spec", "nowindow"]) == 1
+    out = capsys.readouterr().out
+    assert "[sliding] prefill -> 'nowindow': layer variant 'window'" in out
+    assert "[full]" not in out.split("from the config (hold")[1]
+    rows = [line.split() for line in out.splitlines() if line.startswith(("sliding ", "full "))]
+    # window and FP8 refused, each with the backends that serve it
+    assert rows[0] == ["sliding", "prefill", "nowindow", "no", "(4)", "ok"]
+    assert "[sliding] prefill -> 'nowindow': kv_dtype 'float8_e4m3fn' is served in" in out
+    assert rows[3] == ["full", "prefill", "nowindow", "ok", "ok"]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--spec", "sliding:torch", *MHA_ARGS], "GROUP:SPEC once for each group"),
+        (
+            ["--spec", "torch", *MHA_ARGS, "--group", "a", "--group", "a"],
+            "each group is named once",
+        ),
+        (["--spec", "torch", *MHA_ARGS, "--group", "a:window_left=-1"], "window_left"),
+        (["--spec", "torch", "--model", "/no/such/model"], "no such file or directory"),
+    ],
+)
+def test_explain_bad_group_and_model_input_exit_2(
+    args: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["explain", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err, err
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--group", "a:nosuchfield=1"], "AttnConfig field"),
+        (["--group", ":window_left=3"], "names no group"),
+        (["--device", "cuda:abc"], "not a device name"),
+        (["--model", ".", "--kind", "mha"], "--model derives the layer shapes; drop --kind"),
+        (["--heads", "8"], "required: --kind, --head-dim (or --model)"),
+    ],
+)
+def test_explain_usage_errors_exit_2(
+    args: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = [] if "--model" in args or "--heads" in args else MHA_ARGS
+    with pytest.raises(SystemExit) as info:
+        main(["explain", "--spec", "torch", *base, *args])
+    assert info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+# Tiny configs of every family use() serves (README "Using with transformers"), saved with
+# save_pretrained at test time: name -> (config factory, group -> (window_left, cap, sinks)).
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+MIXED = ["sliding_attention", "full_attention"]
+
+
+def _families() -> dict[str, tuple[Any, dict[str, tuple[int | None, float | None, bool]]]]:
+    t = pytest.importorskip("transformers")
+    full = {"full": (None, None, False)}
+    both = {"sliding": (2, None, False), "full": (None, None, False)}
+    return {
+        "llama": (lambda: t.LlamaConfig(**TINY), full),
+        "qwen2": (lambda: t.Qwen2Config(**TINY), full),
+        "deepseek_v3": (
+            lambda: t.DeepseekV3Config(
+                **{**TINY, "num_key_value_heads": 4},
+                kv_lora_rank=32,
+                q_lora_rank=None,
+                qk_nope_head_dim=16,
+                qk_rope_head_dim=8,
+                v_head_dim=16,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                n_group=1,
+                topk_group=1,
+                first_k_dense_replace=1,
+                moe_intermediate_size=32,
+            ),
+            full,
+        ),
+        "mistral": (
+            lambda: t.MistralConfig(**TINY, sliding_window=3),
+            {"sliding": both["sliding"]},
+        ),
+        "qwen2_sliding": (
+            lambda: t.Qwen2Config(
+                **TINY, use_sliding_window=True, sliding_window=3, max_window_layers=1
+            ),
+            both,
+        ),
+        "gemma2": (
+            lambda: t.Gemma2Config(
+                **TINY, head_dim=16, sliding_window=3, attn_logit_softcapping=0.5
+            ),
+            {"sliding": (2, 0.5, False), "full": (None, 0.5, False)},
+        ),
+        "gemma3": (
+            lambda: t.Gemma3TextConfig(**TINY, head_dim=16, sliding_window=3, layer_types=MIXED),
+            both,
+        ),
+        "cohere2": (lambda: t.Cohere2Config(**TINY, sliding_window=3, layer_types=MIXED), both),
+        "gpt_oss": (
+            lambda: t.GptOssConfig(
+                **TINY, head_dim=16, sliding_window=3, num_local_experts=4, num_experts_per_tok=2
+            ),
+            {"sliding": (2, None, True), "full": (None, None, True)},
+        ),
+    }
+
+
+def _saved(tmp_path: Path, name: str, config: Any) -> Path:
+    folder = tmp_path / name
+    config.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama",
+        "qwen2",
+        "deepseek_v3",
+        "mistral",
+        "qwen2_sliding",
+        "gemma2",
+        "gemma3",
+        "cohere2",
+        "gpt_oss",
+    ],
+)
+def test_explain_model_maps_each_family_as_use_does(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers import AutoConfig
+
+    from attn_dispatch.integrations.transformers import attn_configs_for
+
+    make, expected = _families()[name]
+    folder = _saved(tmp_path, name, make())
+    # A directory and its config.json read alike.
+    for where in (folder, folder / "config.json"):
+        assert main(["explain", "--model", str(where), "--spec", "torch"]) == 0
+        out = capsys.readouterr().out
+        printed = _configs_printed(out)
+        assert set(printed) == set(expected), out
+        mapped = attn_configs_for(
+            AutoConfig.from_pretrained(folder),
+            dtype="float32",
+            device="cpu",
+            sinks=expected[next(iter(expected))][2],
+        )
+        assert printed == {g: str(c) for g, c in mapped.items()}  # use()'s own mapping
+        for group, (window, cap, sinks) in expected.items():
+            cfg = mapped[group]
+            assert (cfg.window_left, cfg.logit_cap, cfg.sinks) == (window, cap, sinks)
+        assert f"model_type {AutoConfig.from_pretrained(folder).model_type!r}" in out
+        assert "binds on this machine:" in out
+        bound = out.split("binds on this machine:")[1].split()
+        assert bound.count("torch") == 3 * len(expected)
+
+
+def test_explain_model_refusals_set_the_exit_status(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attn_dispatch import Capabilities
+
+    families = _families()
+    gpt = _saved(tmp_path, "gpt_oss", families["gpt_oss"][0]())
+    llama = _saved(tmp_path, "llama", families["llama"][0]())
+    register_echo(
+        "windowonly",
+        Capabilities(kinds={"mha"}, devices={"cpu"}, dtypes={"float32"}, variants={"window"}),
+    )
+    # gpt-oss has sinks: a backend without them is refused with the backends that serve them.
+    assert main(["explain", "--model", str(gpt), "--spec", "windowonly"]) == 1
+    out = capsys.readouterr().out
+    assert "sinks yes" in out
+    assert "[sliding] prefill -> 'windowonly': layer variant 'sinks' (sinks=True)" in out
+    assert "[full] decode -> 'windowonly': variant 'sinks' is served in phase 'decode' by: " in out
+    assert "binds on this machine" not in out
+    # Told there are no sinks, the same spec serves it (nothing is built on the meta device).
+    assert main(["explain", "--model", str(gpt), "--spec", "windowonly", "--no-sinks"]) == 0
+    assert "sinks no" in capsys.readouterr().out
+    # One group on another backend: only the refused group's lines.
+    args = ["--spec", "sliding:windowonly", "--spec", "full:torch"]
+    assert main(["explain", "--model", str(gpt), *args]) == 1
+    reasons = capsys.readouterr().out.split("from the config (hold")[1]
+    assert "[sliding]" in reasons and "[full]" not in reasons
+    # FP8 pages on a backend that declares no FP8 cache; --static for a GPU machine.
+    fp8 = ["--kv-dtype", "float8_e4m3fn", "--static"]
+    assert main(["explain", "--model", str(llama), "--spec", "windowonly", *fp8]) == 1
+    out = capsys.readouterr().out
+    assert "[full] prefill,decode,verify -> 'windowonly': kv_dtype 'float8_e4m3fn' is not" in out
+    assert "static check: the config cannot be served" in out
+    assert main(["explain", "--model", str(llama), "--spec", "torch", *fp8]) == 0
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (
+            lambda t: t.Gemma3TextConfig(
+                **TINY, head_dim=16, layer_types=MIXED, use_bidirectional_attention=True
+            ),
+            "bidirectional",
+        ),
+        (
+            lambda t: t.Qwen2Config(**TINY, layer_types=["full_attention", "chunked_attention"]),
+            "chunked_attention",
+        ),
+    ],
+)
+def test_explain_model_use_refuses_is_refused_by_name(
+    make: Any, words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    t = pytest.importorskip("transformers")
+    folder = _saved(tmp_path, "refused", make(t))
+    assert main(["explain", "--model", str(folder), "--spec", "torch"]) == 1
+    out = capsys.readouterr().out
+    assert "cannot serve this model: " in out and words in out
+
+
+def test_explain_model_unreadable_config_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"model_type": "no_such_family"}')
+    for folder in ("empty", "bad"):
+        assert main(["explain", "--model", str(tmp_path / folder), "--spec", "torch"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --model=") and "transformers cannot read this config" in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["explain", "--spec", "torch", "--model", "/no/such/dir"],
+        ["explain", "--spec", "torch", *MHA_ARGS, "--device", "cuda:abc"],
+        ["explain", "--spec", "torch", *MHA_ARGS, "--group", "x:y"],
+        ["matrix", "--format", "yaml"],
+        ["matrix", "--fields", "nope"],
+        ["demo", "--device", "cuda:abc", "--size", "tiny"],
+    ],
+)  # fmt: skip
+def test_bad_input_never_prints_a_traceback(args: list[str]) -> None:
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "attn_dispatch", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1"},
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "error:" in proc.stderr
