@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,9 +78,6 @@ class DraftModel:
 
     def attn_config(self, *, page_size: int, device: str) -> AttnConfig:
         s = self.shape
-        extra: dict[str, Any] = {}
-        if "sm_scale" in AttnConfig.__dataclass_fields__:
-            extra["sm_scale"] = self.sm_scale
         return AttnConfig(
             kind="mha",
             num_q_heads=s.heads,
@@ -91,7 +87,7 @@ class DraftModel:
             kv_dtype=str(self.kv_dtype).removeprefix("torch."),
             page_size=page_size,
             device=device,
-            **extra,
+            sm_scale=self.sm_scale,
         )
 
     def make_caches(self, num_pages: int, page_size: int, device: str) -> Caches:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +31,6 @@ from attn_dispatch import AttnConfig
 from attn_dispatch import AttnForm
 from attn_dispatch import InvalidBatchError
 from attn_dispatch.demo.draft import DraftModel
-from attn_dispatch.demo.layers import FP8_MAX
 from attn_dispatch.demo.layers import Shared
 from attn_dispatch.demo.layers import kv_scale
 from attn_dispatch.demo.layers import load
@@ -102,11 +100,6 @@ class TargetModel:
 
     def attn_config(self, *, page_size: int, device: str) -> AttnConfig:
         s = self.shape
-        extra: dict[str, Any] = {}
-        if "sm_scale" in AttnConfig.__dataclass_fields__:
-            extra["sm_scale"] = self.sm_scale
-        if self.kv_dtype in FP8_MAX:
-            extra["kv_dtype"] = str(self.kv_dtype).removeprefix("torch.")
         return AttnConfig(
             kind="mla",
             num_q_heads=s.heads,
@@ -121,7 +114,8 @@ class TargetModel:
             # (e.g. for a prefill without cached prefix); the model follows attention_form().
             mha_head_dim=s.qk_nope + s.qk_rope,
             mha_v_head_dim=s.v_head,
-            **extra,
+            kv_dtype=str(self.kv_dtype).removeprefix("torch."),
+            sm_scale=self.sm_scale,
         )
 
     def make_caches(self, num_pages: int, page_size: int, device: str) -> Caches:
