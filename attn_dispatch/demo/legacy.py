@@ -21,11 +21,9 @@ from attn_dispatch import AttnForm
 from attn_dispatch import Binding
 from attn_dispatch import Phase
 from attn_dispatch._table import format_table
-from attn_dispatch.demo.draft import DraftModel
 from attn_dispatch.demo.engine import DemoOptions
 from attn_dispatch.demo.engine import speculative
 from attn_dispatch.demo.engine import target_greedy
-from attn_dispatch.demo.models import TargetModel
 from attn_dispatch.demo.report import Say
 from attn_dispatch.demo.report import prefix_equal
 from attn_dispatch.demo.runner import Runner
@@ -56,20 +54,13 @@ class LegacyGlobals:
 class LegacyRunner(Runner):
     """A runner whose layers find their kernel through ``LegacyGlobals``, not ``attn_scope``.
 
-    It registers its backend at construction (start-up order is construction order)."""
+    It takes ``Runner``'s arguments and the globals it writes to, and registers its backend at
+    construction (start-up order is construction order)."""
 
-    def __init__(
-        self,
-        label: str,
-        model: TargetModel | DraftModel,
-        binding: Binding,
-        *,
-        num_pages: int,
-        globals_: LegacyGlobals,
-    ) -> None:
-        super().__init__(label, model, binding, num_pages=num_pages)
+    def __init__(self, *args: Any, globals_: LegacyGlobals, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.globals = globals_
-        globals_.start_runner(label, binding)
+        globals_.start_runner(self.label, self.attn_binding)
 
     @contextlib.contextmanager
     def scope(self, batch: AttnBatch) -> Iterator[None]:
