@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from collections.abc import Iterable
@@ -75,7 +76,8 @@ def leaks(runners: Iterable[Runner]) -> list[str]:
     leak, whichever binding the layers actually reached."""
     found = []
     for runner in runners:
-        for event, calls in sorted(runner.dispatched.items(), key=lambda kv: repr(kv[0])):
+        counted = collections.Counter(runner.dispatched)
+        for event, calls in sorted(counted.items(), key=lambda kv: repr(kv[0])):
             own = runner.spec.backend_for(event.phase)
             if event.backend != own or event.label != runner.label:
                 found.append(

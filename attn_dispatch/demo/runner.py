@@ -74,7 +74,7 @@ class Runner:
 
     Every forward opens ``attn_scope(self, batch)``; the model's layers call
     ``attention(...)``, which runs this runner's backend for ``batch.phase``. ``spec`` is the
-    choice this runner was given (default: its binding's); ``dispatched`` counts the
+    choice this runner was given (default: its binding's); ``dispatched`` holds the
     ``record_dispatch`` events of its own forwards, whatever binding they reached, so the
     report can check them against ``spec``."""
 
@@ -91,7 +91,8 @@ class Runner:
         self.model = model
         self.attn_binding = binding
         self.spec = binding.spec if spec is None else spec
-        self.dispatched: collections.Counter[DispatchEvent] = collections.Counter()
+        # A list, counted once by the report: hashing each event per forward costs more.
+        self.dispatched: list[DispatchEvent] = []
         cfg = binding.config
         self.page_size = cfg.page_size
         self.device = cfg.device
@@ -172,7 +173,7 @@ class Runner:
                 )
             else:
                 logits = self.model.forward(tok, pos, row, self.caches, self.attend)
-        self.dispatched.update(rec.events)
+        self.dispatched.extend(rec.events)
         if logits.device.type == "cuda":
             torch.cuda.synchronize()
         self.timing[(batch.phase, "forwards")] += 1
