@@ -229,3 +229,19 @@ def test_update_readme_rewrites_stale_blocks(
     assert page.read_text().startswith("intro\n") and page.read_text().endswith("end\n")
     assert main(["matrix", "--update-readme", str(page)]) == 0
     assert capsys.readouterr().out.strip().endswith("up to date")
+
+
+def test_matrix_imports_no_torch() -> None:
+    # The matrix reads declarations only: the core's light modules, never a kernel module.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from attn_dispatch._cli import main; rc = main(['matrix']); "
+        "assert rc == 0 and 'torch' not in sys.modules, sorted(sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "kv_dtypes" in proc.stdout
