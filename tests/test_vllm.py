@@ -72,7 +72,7 @@ def test_step_parts_split_and_extend() -> None:
     from attn_dispatch.integrations.vllm._steps import step_parts
 
     # Two decodes, one verify-sized chunk (no speculation: prefill), one prompt; block size 4.
-    q_lens, kv_lens = [1, 1, 3, 6], [9, 2, 7, 6]
+    kv_lens = [9, 2, 7, 6]  # query lengths 1, 1, 3, 6
     qsl = torch.tensor([0, 1, 2, 5, 11], dtype=torch.int32)
     table = torch.tensor([[3, 5, 8], [1, 0, 0], [2, 4, 0], [6, 7, 0]], dtype=torch.int32)
     seq = torch.tensor(kv_lens, dtype=torch.int32)
@@ -334,7 +334,10 @@ def test_start_up_refusals(models: dict[str, str]) -> None:
     bad, no_draft_spec, no_draft_model = _run(
         [
             # flashinfer serves neither CPU nor fp32: every reason, before anything runs.
-            {"model": models["llama"], "attn_dispatch": {"target": "prefill=native,decode=flashinfer"}},
+            {
+                "model": models["llama"],
+                "attn_dispatch": {"target": "prefill=native,decode=flashinfer"},
+            },
             {
                 "model": models["llama"],
                 "attn_dispatch": {"target": "native"},

@@ -15,7 +15,8 @@ attention: the registered classes subclass vLLM's and hand every call to it.
 
 Keys of ``additional_config["attn_dispatch"]`` (``Settings.parse``):
 
-- ``"target"``: the target model's ``BackendSpec`` (``"native"``, ``"prefill=torch,decode=native"``).
+- ``"target"``: the target model's ``BackendSpec`` string (``"native"``,
+  ``"prefill=torch,decode=native"``).
 - ``"draft"``: the draft model's spec; required when the engine runs a draft model
   (``speculative_config`` method ``draft_model``, EAGLE-style heads), refused when it has none.
   Never copied from the target: the draft's choice is its own.
@@ -91,7 +92,9 @@ class Settings:
         if mixed not in MIXED_MODES:
             raise InvalidSpecError("mixed", mixed, f"choose one of {MIXED_MODES!r}")
         draft = raw.get("draft")
-        return cls(_spec("target", raw["target"]), None if draft is None else _spec("draft", draft), mixed)
+        return cls(
+            _spec("target", raw["target"]), None if draft is None else _spec("draft", draft), mixed
+        )
 
     def spec_for(self, label: str) -> BackendSpec:
         """The spec of runner ``label``; the draft's must have been named."""
@@ -126,11 +129,13 @@ def settings_of(vllm_config: Any) -> Settings | None:
     return Settings.parse(extra[CONFIG_KEY])
 
 
-def request_phase(q_len: int, kv_len: int, num_speculative_tokens: int, *, draft: bool = False) -> Phase:
+def request_phase(
+    q_len: int, kv_len: int, num_speculative_tokens: int, *, draft: bool = False
+) -> Phase:
     """The phase of one request of a vLLM step (see the module docstring).
 
-    >>> [p.name for p in (request_phase(1, 70, 0), request_phase(4, 70, 3), request_phase(64, 64, 3))]
-    ['DECODE', 'VERIFY', 'PREFILL']
+    >>> request_phase(1, 70, 0).name, request_phase(4, 70, 3).name, request_phase(9, 9, 3).name
+    ('DECODE', 'VERIFY', 'PREFILL')
 
     VERIFY is a multi-token step on a cache no longer than speculation makes it: the target
     verifies at most ``1 + k`` tokens (the last accepted one and ``k`` drafts); the draft's

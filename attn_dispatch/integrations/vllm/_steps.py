@@ -23,7 +23,6 @@ class StepPart:
     rows: slice | torch.Tensor
 
 
-
 def step_parts(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,

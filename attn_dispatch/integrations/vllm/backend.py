@@ -128,7 +128,9 @@ def layer_config(
     """
     reasons = []
     if alibi_slopes is not None:
-        reasons.append("ALiBi position biases (alibi_slopes) are not part of the attn_dispatch contract")
+        reasons.append(
+            "ALiBi position biases (alibi_slopes) are not part of the attn_dispatch contract"
+        )
     if attn_type != AttentionType.DECODER:
         reasons.append(
             f"attention type {str(attn_type)!r}: only causal decoder self-attention is served "
@@ -165,7 +167,9 @@ def layer_config(
         page_size=int(block_size),  # type: ignore[arg-type]
         device="cpu",
         sm_scale=float(scale),
-        window_left=None if sliding_window is None or sliding_window < 0 else int(sliding_window) - 1,
+        window_left=None
+        if sliding_window is None or sliding_window < 0
+        else int(sliding_window) - 1,
         logit_cap=float(logits_soft_cap) if logits_soft_cap else None,
         sinks=sinks is not None,
     )
@@ -258,7 +262,9 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         """Bind again for the kernel block size vLLM settled on (still at start-up)."""
         d = self.dispatch
         if d is not None and d.config.page_size != page_size:
-            self.dispatch = _make_dispatch(d.label, self._settings, d.config.replace(page_size=page_size))
+            self.dispatch = _make_dispatch(
+                d.label, self._settings, d.config.replace(page_size=page_size)
+            )
 
     # -- per step ------------------------------------------------------------------------
 
@@ -275,8 +281,8 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
             raise UnsupportedModelError(
                 f"vLLM handed this layer a KV cache of shape {tuple(kv_cache.shape)} (contiguous: "
                 f"{kv_cache.is_contiguous()}); attn_dispatch stores its own pages in a contiguous "
-                f"[blocks, {cfg.num_kv_heads}, {cfg.page_size}, {2 * cfg.head_dim}] tensor per layer "
-                "(vLLM's LBHNC layout). Choices: the default KV cache layout, no KV connector"
+                f"[blocks, {cfg.num_kv_heads}, {cfg.page_size}, {2 * cfg.head_dim}] tensor per "
+                "layer (vLLM's LBHNC layout). Choices: the default KV cache layout, no KV connector"
             )
         flat = kv_cache.view(-1).view(d.kv_torch_dtype)
         page = block * heads * cfg.head_dim
@@ -288,7 +294,7 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
 
     def do_kv_cache_update(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
@@ -315,8 +321,12 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         rows_v = v_cache.view(-1, d.config.num_kv_heads, d.config.head_dim)
         if d.fp8:
             # index_copy_ has no float8 kernel on CPU: copy the bytes.
-            rows_k.view(torch.uint8).index_copy_(0, rows, key.to(d.kv_torch_dtype).view(torch.uint8))
-            rows_v.view(torch.uint8).index_copy_(0, rows, value.to(d.kv_torch_dtype).view(torch.uint8))
+            rows_k.view(torch.uint8).index_copy_(
+                0, rows, key.to(d.kv_torch_dtype).view(torch.uint8)
+            )
+            rows_v.view(torch.uint8).index_copy_(
+                0, rows, value.to(d.kv_torch_dtype).view(torch.uint8)
+            )
         else:
             rows_k.index_copy_(0, rows, key.to(d.kv_torch_dtype))
             rows_v.index_copy_(0, rows, value.to(d.kv_torch_dtype))
