@@ -224,7 +224,25 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             num_key_value_heads=1,
         )
     )
+    torch.manual_seed(3)
+    # Gemma 2: a sliding layer (window 48 < most prompts) and a full one, logit soft-cap 20.
+    gemma2 = transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(
+            **common,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=48,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=None,
+            query_pre_attn_scalar=32,
+            initializer_range=0.1,
+        )
+    )
     return {
+        "gemma2": _save(gemma2.eval(), root / "gemma2"),
         "llama": _save(llama.eval(), root / "llama"),
         "qwen3": _save(qwen3.eval(), root / "qwen3"),
         "draft": _save(draft.eval(), root / "draft"),
@@ -326,6 +344,41 @@ def test_qwen3_tokens_identical_to_vllm_cpu_attention(models: dict[str, str]) ->
     )
     assert ours["tokens"] == own["tokens"]
     assert _counts(ours)[("target", "decode", "native")] == 2 * (NEW_TOKENS - 1)
+
+
+@needs_vllm
+def test_gemma2_sliding_window_and_soft_cap(models: dict[str, str]) -> None:
+    own, ours, unbounded = _run(
+        [
+            {"model": models["gemma2"]},
+            {"model": models["gemma2"], "attn_dispatch": {"target": "native"}},
+            # The same weights with the window wider than any request: other tokens, so the
+            # window decides the output (the test above would notice one served as full).
+            {"model": models["gemma2"], "kwargs": {"hf_overrides": {"sliding_window": 4096}}},
+        ]
+    )
+    assert ours["tokens"] == own["tokens"]
+    assert unbounded["tokens"] != own["tokens"]
+    # One sliding and one full layer, each its own binding (and vLLM KV group), one label.
+    assert _counts(ours)[("target", "decode", "native")] == 2 * (NEW_TOKENS - 1)
+
+
+@needs_vllm
+def test_fp8_kv_cache(models: dict[str, str]) -> None:
+    fp8 = {"kv_cache_dtype": "fp8"}
+    native, torch_ref, own = _run(
+        [
+            {"model": models["llama"], "attn_dispatch": {"target": "native"}, "kwargs": fp8},
+            {"model": models["llama"], "attn_dispatch": {"target": "torch"}, "kwargs": fp8},
+            {"model": models["llama"], "kwargs": fp8},
+        ]
+    )
+    # Two independent kernels over the same FP8 pages (e4m3fn, vLLM's per-layer scales).
+    assert native["tokens"] == torch_ref["tokens"]
+    assert all(len(t) == NEW_TOKENS for t in native["tokens"])
+    assert set(_counts(native)) == {("target", "prefill", "native"), ("target", "decode", "native")}
+    if "error" in own:  # vLLM's own CPU attention serves FP8 only with AVX-512 or AMX
+        assert "AVX-512" in own["error"][1]
 
 
 @needs_vllm
