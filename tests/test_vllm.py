@@ -145,12 +145,24 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
             results.append({"error": [type(exc).__name__, str(exc)]})
             continue
         prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
-        params = vllm.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+        params = vllm.SamplingParams(
+            max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0
+        )
         with record_dispatch() as rec:
             outs = llm.generate(prompts, params, use_tqdm=False)
         results.append(
             {
                 "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                # The log-probability of each chosen token: finer than tokens alone.
+                "logprobs": [
+                    [
+                        step[t].logprob
+                        for step, t in zip(
+                            o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True
+                        )
+                    ]
+                    for o in outs
+                ],
                 "counts": [[*k, n] for k, n in sorted(rec.counts().items())],
                 "summary": rec.summary(),
             }
@@ -238,7 +250,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             attn_logit_softcapping=20.0,
             final_logit_softcapping=None,
             query_pre_attn_scalar=32,
-            initializer_range=0.1,
         )
     )
     return {
@@ -247,6 +258,15 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "qwen3": _save(qwen3.eval(), root / "qwen3"),
         "draft": _save(draft.eval(), root / "draft"),
     }
+
+
+def _logprob_gap(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Largest |difference| of the chosen tokens' log-probabilities of two runs."""
+    return max(
+        abs(x - y)
+        for ra, rb in zip(a["logprobs"], b["logprobs"], strict=True)
+        for x, y in zip(ra, rb, strict=True)
+    )
 
 
 def _counts(result: dict[str, Any]) -> dict[tuple[str, str, str], int]:
@@ -292,6 +312,7 @@ def test_llama_tokens_identical_to_vllm_cpu_attention(llama_runs: list[dict[str,
     own, ours = llama_runs[0], llama_runs[1]
     assert own["counts"] == []  # without the key nothing dispatches through attn_dispatch
     assert ours["tokens"] == own["tokens"]
+    assert _logprob_gap(ours, own) < 1e-3
     assert all(len(t) == NEW_TOKENS for t in ours["tokens"])
     counts = _counts(ours)
     layers = 2
@@ -352,13 +373,14 @@ def test_gemma2_sliding_window_and_soft_cap(models: dict[str, str]) -> None:
         [
             {"model": models["gemma2"]},
             {"model": models["gemma2"], "attn_dispatch": {"target": "native"}},
-            # The same weights with the window wider than any request: other tokens, so the
-            # window decides the output (the test above would notice one served as full).
+            # The same weights with the window wider than any request: other log-probabilities,
+            # so the window shapes the output (a window served as full attention would show).
             {"model": models["gemma2"], "kwargs": {"hf_overrides": {"sliding_window": 4096}}},
         ]
     )
     assert ours["tokens"] == own["tokens"]
-    assert unbounded["tokens"] != own["tokens"]
+    assert _logprob_gap(ours, own) < 1e-3
+    assert _logprob_gap(unbounded, own) > 1e-2
     # One sliding and one full layer, each its own binding (and vLLM KV group), one label.
     assert _counts(ours)[("target", "decode", "native")] == 2 * (NEW_TOKENS - 1)
 
