@@ -404,6 +404,54 @@ def test_fp8_kv_cache(models: dict[str, str]) -> None:
 
 
 @needs_vllm
+def test_layer_config_maps_and_refuses() -> None:
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from attn_dispatch.integrations.transformers import UnsupportedModelError
+    from attn_dispatch.integrations.vllm.backend import layer_config
+
+    cfg = SimpleNamespace(
+        model_config=SimpleNamespace(dtype=torch.bfloat16),
+        cache_config=SimpleNamespace(block_size=32),
+    )
+    base = dict(num_heads=8, head_size=64, scale=0.125, num_kv_heads=2, alibi_slopes=None)
+    c = layer_config(
+        cfg,
+        **base,
+        sliding_window=48,
+        kv_cache_dtype="fp8_e5m2",
+        logits_soft_cap=20.0,
+        attn_type="decoder",
+        sinks=torch.zeros(8),
+    )
+    assert (c.window_left, c.logit_cap, c.sinks) == (47, 20.0, True)  # W keys = window_left + 1
+    assert (c.dtype, c.kv_dtype, c.page_size, c.sm_scale) == ("bfloat16", "float8_e5m2", 32, 0.125)
+    c = layer_config(
+        cfg,
+        **base,
+        sliding_window=None,
+        kv_cache_dtype="auto",
+        logits_soft_cap=None,
+        attn_type="decoder",
+        sinks=None,
+    )
+    assert (c.window_left, c.logit_cap, c.sinks, c.kv_dtype) == (None, None, False, "bfloat16")
+    with pytest.raises(UnsupportedModelError) as err:
+        layer_config(
+            cfg,
+            **{**base, "alibi_slopes": [0.5] * 8},
+            sliding_window=None,
+            kv_cache_dtype="int8_per_token_head",
+            logits_soft_cap=None,
+            attn_type="encoder_only",
+            sinks=None,
+        )
+    text = str(err.value)  # every reason at once
+    assert "ALiBi" in text and "encoder_only" in text and "int8_per_token_head" in text
+
+
+@needs_vllm
 def test_start_up_refusals(models: dict[str, str]) -> None:
     spec = {"method": "draft_model", "model": models["draft"], "num_speculative_tokens": 2}
     bad, no_draft_spec, no_draft_model = _run(
