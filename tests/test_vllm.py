@@ -452,9 +452,12 @@ def test_layer_config_maps_and_refuses() -> None:
 
 
 @needs_vllm
-def test_start_up_refusals(models: dict[str, str]) -> None:
+def test_start_up_refusals_and_ngram(
+    models: dict[str, str], llama_runs: list[dict[str, Any]]
+) -> None:
     spec = {"method": "draft_model", "model": models["draft"], "num_speculative_tokens": 2}
-    bad, no_draft_spec, no_draft_model = _run(
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    bad, no_draft_spec, no_draft_model, ngram_draft, ngram_run = _run(
         [
             # flashinfer serves neither CPU nor fp32: every reason, before anything runs.
             {
@@ -467,6 +470,18 @@ def test_start_up_refusals(models: dict[str, str]) -> None:
                 "kwargs": {"speculative_config": spec},
             },
             {"model": models["llama"], "attn_dispatch": {"target": "native", "draft": "torch"}},
+            {
+                "model": models["llama"],
+                "attn_dispatch": {"target": "native", "draft": "torch"},
+                "kwargs": {"speculative_config": ngram},
+            },
+            # ngram speculation has no draft model: the target verifies its proposals. (Last in
+            # the process: vLLM 0.32 fails to build a second ngram engine in one process.)
+            {
+                "model": models["llama"],
+                "attn_dispatch": {"target": "native"},
+                "kwargs": {"speculative_config": ngram},
+            },
         ]
     )
     kind, text = bad["error"]
@@ -474,8 +489,13 @@ def test_start_up_refusals(models: dict[str, str]) -> None:
     assert "flashinfer" in text and "float32" in text and "cpu" in text
     kind, text = no_draft_spec["error"]
     assert kind == "InvalidSpecError" and "draft" in text and "never copied" in text
-    kind, text = no_draft_model["error"]
-    assert kind == "InvalidSpecError" and "runs no draft model" in text
+    for result in (no_draft_model, ngram_draft):
+        kind, text = result["error"]
+        assert kind == "InvalidSpecError" and "runs no draft model" in text
+    assert ngram_run["tokens"] == llama_runs[0]["tokens"]  # vLLM's own, without speculation
+    counts = _counts(ngram_run)
+    assert counts[("target", "verify", "native")] > 0
+    assert {label for label, _, _ in counts} == {"target"}
 
 
 if __name__ == "__main__":

@@ -80,18 +80,24 @@ def _binding_for(label: str, settings: Settings, config: AttnConfig) -> Binding:
     return found
 
 
-def _runner_of(vllm_config: Any) -> str:
-    """``"draft"`` while vLLM builds the draft model (its config is the draft's), else target."""
+def _draft_model_config(vllm_config: Any) -> Any:
+    """The draft model's ``ModelConfig``, or None when speculation runs no draft model (none,
+    ``ngram``, ``suffix``, custom classes: vLLM then sets the draft config to the target's)."""
     spec = getattr(vllm_config, "speculative_config", None)
     draft = getattr(spec, "draft_model_config", None)
-    if draft is not None and vllm_config.model_config is draft:
-        return DRAFT
-    return TARGET
+    if draft is None or draft is getattr(spec, "target_model_config", None):
+        return None
+    return draft
+
+
+def _runner_of(vllm_config: Any) -> str:
+    """``"draft"`` while vLLM builds the draft model (its config is the draft's), else target."""
+    draft = _draft_model_config(vllm_config)
+    return DRAFT if draft is not None and vllm_config.model_config is draft else TARGET
 
 
 def _has_draft_model(vllm_config: Any) -> bool:
-    spec = getattr(vllm_config, "speculative_config", None)
-    return getattr(spec, "draft_model_config", None) is not None
+    return _draft_model_config(vllm_config) is not None
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
