@@ -1,0 +1,519 @@
+"""The vLLM classes behind ``attn_dispatch.integrations.vllm`` (imports vLLM and torch).
+
+``AttnDispatchCPUBackend`` is what vLLM's CPU platform loads for CPU_ATTN once the plugin ran.
+Its impl and metadata builder subclass vLLM's CPU ones and hand every call to them unless the
+engine's ``additional_config`` has ``"attn_dispatch"``; when it has, they:
+
+- bind at construction (model load, i.e. engine start-up): each attention layer's
+  ``AttnConfig`` (heads, head size, dtype, KV dtype, block size, scale, window, soft-cap, sinks)
+  against its runner's spec, through one ``Binding`` per runner and config, labelled
+  ``"target"`` or ``"draft"``. What the integration cannot serve (ALiBi, encoder attention,
+  other KV formats, ...) and what the spec's backends cannot serve fail there, with every reason.
+- build one ``AttnBatch`` per phase (or one for the step, ``"mixed": "extend"``) when vLLM
+  builds the step's metadata; each binding plans it once per forward, at its first layer.
+- run every layer's attention inside ``attn_scope(binding, batch, prepared=plan)``: the
+  runner's own backend for the phase, whatever other runners chose.
+
+KV cache: vLLM hands each layer a tensor of ``[blocks, kv_heads, block_size, 2 * head_size]``
+whose inner layout its own kernels define per ISA. Each block's bytes are used here as two
+pages of the attn_dispatch contract, ``[block_size, kv_heads, head_size]`` K then V: over the
+layer's memory seen as ``2 * blocks`` pages, K of block b is page ``2b`` and V of block b is
+page ``2b + 1``, so ``k_cache`` (pages ``0 ..``) and ``v_cache`` (the same memory shifted by one
+page) are contiguous tensors read with page indices ``2 * block_id``. No copy, and a block's
+bytes stay its own (vLLM zeroes whole blocks when it hands them out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionMetadataBuilder
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+from attn_dispatch._binding import Binding
+from attn_dispatch._binding import bind
+from attn_dispatch._config import AttnConfig
+from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._phase import Phase
+from attn_dispatch._scope import attention
+from attn_dispatch._scope import attn_scope
+from attn_dispatch.integrations.transformers import UnsupportedModelError
+from attn_dispatch.integrations.vllm import DRAFT
+from attn_dispatch.integrations.vllm import TARGET
+from attn_dispatch.integrations.vllm import Settings
+from attn_dispatch.integrations.vllm import settings_of
+from attn_dispatch.integrations.vllm._steps import StepPart
+from attn_dispatch.integrations.vllm._steps import step_parts
+
+#: vLLM ``kv_cache_dtype`` -> the ``AttnConfig.kv_dtype`` it stores (``"auto"``: the model's).
+KV_DTYPES = {
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+}
+_FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Start-up: one binding per runner and layer config
+
+
+_BINDINGS: dict[tuple[str, str, AttnConfig], Binding] = {}
+
+
+def _binding_for(label: str, settings: Settings, config: AttnConfig) -> Binding:
+    """One ``Binding`` per (runner, spec, config), shared by the layers that are alike."""
+    spec = settings.spec_for(label)
+    key = (label, str(spec), config)
+    found = _BINDINGS.get(key)
+    if found is None:
+        found = _BINDINGS[key] = bind(spec, config, label=label)
+    return found
+
+
+def _draft_model_config(vllm_config: Any) -> Any:
+    """The draft model's ``ModelConfig``, or None when speculation runs no draft model (none,
+    ``ngram``, ``suffix``, custom classes: vLLM then sets the draft config to the target's)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is None or draft is getattr(spec, "target_model_config", None):
+        return None
+    return draft
+
+
+def _runner_of(vllm_config: Any) -> str:
+    """``"draft"`` while vLLM builds the draft model (its config is the draft's), else target."""
+    draft = _draft_model_config(vllm_config)
+    return DRAFT if draft is not None and vllm_config.model_config is draft else TARGET
+
+
+def _has_draft_model(vllm_config: Any) -> bool:
+    return _draft_model_config(vllm_config) is not None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class LayerDispatch:
+    """What one attention layer dispatches through (fixed at start-up)."""
+
+    label: str
+    binding: Binding
+    config: AttnConfig
+    kv_torch_dtype: torch.dtype
+    fp8: bool
+
+
+def layer_config(
+    vllm_config: Any,
+    *,
+    num_heads: int,
+    head_size: int,
+    scale: float,
+    num_kv_heads: int,
+    alibi_slopes: Any,
+    sliding_window: int | None,
+    kv_cache_dtype: str,
+    logits_soft_cap: float | None,
+    attn_type: str,
+    sinks: Any,
+    block_size: int | None = None,
+) -> AttnConfig:
+    """The ``AttnConfig`` of one vLLM attention layer, or ``UnsupportedModelError`` naming
+    everything this integration does not serve.
+
+    vLLM's ``sliding_window`` counts the query itself (W keys), so ``window_left = W - 1``;
+    ``logits_soft_cap`` is ``logit_cap``; a ``sinks`` tensor makes ``sinks=True``.
+    """
+    reasons = []
+    if alibi_slopes is not None:
+        reasons.append(
+            "ALiBi position biases (alibi_slopes) are not part of the attn_dispatch contract"
+        )
+    if attn_type != AttentionType.DECODER:
+        reasons.append(
+            f"attention type {str(attn_type)!r}: only causal decoder self-attention is served "
+            "(encoder, encoder-only and cross attention keep vLLM's own backend)"
+        )
+    model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    if kv_cache_dtype == "auto":
+        kv_dtype = model_dtype
+    elif kv_cache_dtype in KV_DTYPES:
+        kv_dtype = KV_DTYPES[kv_cache_dtype]
+    else:
+        kv_dtype = None
+        reasons.append(
+            f"kv_cache_dtype {kv_cache_dtype!r}: served are 'auto', "
+            f"{', '.join(map(repr, KV_DTYPES))}"
+        )
+    if block_size is None:
+        block_size = vllm_config.cache_config.block_size
+    if not isinstance(block_size, int) or block_size < 1:
+        reasons.append(f"cache block size {block_size!r} is not known at start-up")
+    if reasons:
+        raise UnsupportedModelError(
+            f"attn_dispatch cannot serve this vLLM layer ({num_heads} query / {num_kv_heads} "
+            f"KV heads x {head_size}): " + "; ".join(reasons) + ". Choices: run this engine "
+            'without additional_config["attn_dispatch"] (vLLM\'s own CPU attention)'
+        )
+    return AttnConfig(
+        kind="mha",
+        num_q_heads=int(num_heads),
+        num_kv_heads=int(num_kv_heads),
+        head_dim=int(head_size),
+        dtype=model_dtype,
+        kv_dtype=kv_dtype,
+        page_size=int(block_size),  # type: ignore[arg-type]
+        device="cpu",
+        sm_scale=float(scale),
+        window_left=None
+        if sliding_window is None or sliding_window < 0
+        else int(sliding_window) - 1,
+        logit_cap=float(logits_soft_cap) if logits_soft_cap else None,
+        sinks=sinks is not None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend, the impl (per layer) and the metadata builder (per KV group)
+
+
+class AttnDispatchCPUBackend(CPUAttentionBackend):  # type: ignore[misc]
+    """vLLM's CPU_ATTN, with per-runner dispatch when the engine asks for attn_dispatch.
+
+    Class-level answers (dtypes, head sizes, block sizes, layouts) stay vLLM's own: they are
+    read before any engine config is known. ``get_name`` stays ``"CPU_ATTN"`` (vLLM maps the
+    name back to its enum).
+    """
+
+    @staticmethod
+    def get_impl_cls() -> type[AttnDispatchCPUImpl]:
+        return AttnDispatchCPUImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttnDispatchCPUBuilder]:
+        return AttnDispatchCPUBuilder
+
+
+class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
+    """One attention layer. Inactive (``dispatch is None``): vLLM's own CPU attention."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            sinks,
+        )
+        self.dispatch: LayerDispatch | None = None
+        self._views: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        vllm_config = get_current_vllm_config()
+        settings = settings_of(vllm_config)
+        if settings is None:
+            return
+        label = _runner_of(vllm_config)
+        if label == TARGET and settings.draft is not None and not _has_draft_model(vllm_config):
+            from attn_dispatch._errors import InvalidSpecError
+
+            raise InvalidSpecError(
+                "draft",
+                str(settings.draft),
+                "this engine runs no draft model (speculative_config names none: ngram and no "
+                'speculation have none); drop "draft" from additional_config["attn_dispatch"]',
+            )
+        config = layer_config(
+            vllm_config,
+            num_heads=num_heads,
+            head_size=head_size,
+            scale=scale,
+            num_kv_heads=num_kv_heads,
+            alibi_slopes=alibi_slopes,
+            sliding_window=sliding_window,
+            kv_cache_dtype=kv_cache_dtype,
+            logits_soft_cap=logits_soft_cap,
+            attn_type=attn_type,
+            sinks=sinks,
+        )
+        self._settings = settings
+        self.dispatch = _make_dispatch(label, settings, config)
+
+    def rebind_page_size(self, page_size: int) -> None:
+        """Bind again for the kernel block size vLLM settled on (still at start-up)."""
+        d = self.dispatch
+        if d is not None and d.config.page_size != page_size:
+            self.dispatch = _make_dispatch(
+                d.label, self._settings, d.config.replace(page_size=page_size)
+            )
+
+    # -- per step ------------------------------------------------------------------------
+
+    def _pages(self, kv_cache: torch.Tensor, d: LayerDispatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k_cache, v_cache)``: this layer's memory as contract pages (see the module doc)."""
+        views = self._views
+        if views is not None and views[0] == kv_cache.data_ptr():
+            return views[1], views[2]
+        cfg = d.config
+        blocks, heads, block, width = kv_cache.shape
+        if (heads, block, width) != (cfg.num_kv_heads, cfg.page_size, 2 * cfg.head_dim) or not (
+            kv_cache.is_contiguous()
+        ):
+            raise UnsupportedModelError(
+                f"vLLM handed this layer a KV cache of shape {tuple(kv_cache.shape)} (contiguous: "
+                f"{kv_cache.is_contiguous()}); attn_dispatch stores its own pages in a contiguous "
+                f"[blocks, {cfg.num_kv_heads}, {cfg.page_size}, {2 * cfg.head_dim}] tensor per "
+                "layer (vLLM's LBHNC layout). Choices: the default KV cache layout, no KV connector"
+            )
+        flat = kv_cache.view(-1).view(d.kv_torch_dtype)
+        page = block * heads * cfg.head_dim
+        count = 2 * blocks - 1
+        k = flat[: count * page].view(count, block, heads, cfg.head_dim)
+        v = flat[page : page + count * page].view(count, block, heads, cfg.head_dim)
+        self._views = (kv_cache.data_ptr(), k, v)
+        return k, v
+
+    def do_kv_cache_update(
+        self,
+        layer: Any,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        d = self.dispatch
+        if d is None:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)  # type: ignore[no-any-return]
+        k_cache, v_cache = self._pages(kv_cache, d)
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.to(torch.int64)
+        key, value = key[:n], value[:n]
+        valid = slots >= 0  # vLLM pads with slot -1
+        if not bool(valid.all()):
+            slots, key, value = slots[valid], key[valid], value[valid]
+        bs = d.config.page_size
+        # Token slot s of block b = s // bs lives in page 2b (K) and page 2b + 1 (V), row s % bs.
+        rows = (slots // bs) * (2 * bs) + slots % bs
+        if d.fp8:
+            limit = _FP8_MAX[str(d.config.kv_dtype)]
+            key = (key.float() / float(layer._k_scale_float)).clamp_(-limit, limit)
+            value = (value.float() / float(layer._v_scale_float)).clamp_(-limit, limit)
+        rows_k = k_cache.view(-1, d.config.num_kv_heads, d.config.head_dim)
+        rows_v = v_cache.view(-1, d.config.num_kv_heads, d.config.head_dim)
+        if d.fp8:
+            # index_copy_ has no float8 kernel on CPU: copy the bytes.
+            rows_k.view(torch.uint8).index_copy_(
+                0, rows, key.to(d.kv_torch_dtype).view(torch.uint8)
+            )
+            rows_v.view(torch.uint8).index_copy_(
+                0, rows, value.to(d.kv_torch_dtype).view(torch.uint8)
+            )
+        else:
+            rows_k.index_copy_(0, rows, key.to(d.kv_torch_dtype))
+            rows_v.index_copy_(0, rows, value.to(d.kv_torch_dtype))
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        d = self.dispatch
+        if d is None:
+            return super().forward(  # type: ignore[no-any-return]
+                layer,
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata,
+                output,
+                output_scale,
+                output_block_scale,
+            )
+        if output_scale is not None or output_block_scale is not None:
+            raise UnsupportedModelError("fused output quantization is not served by attn_dispatch")
+        if attn_metadata is None:  # vLLM's dummy runs
+            return output
+        if not isinstance(attn_metadata, DispatchMetadata):
+            raise InvalidBatchError(
+                "attn_metadata",
+                f"layer {getattr(layer, 'layer_name', '?')!r} got {type(attn_metadata).__name__}; "
+                "its metadata builder is not attn_dispatch's (a KV group mixing backends)",
+            )
+        k_cache, v_cache = self._pages(kv_cache, d)
+        extras: dict[str, Any] = {}
+        if d.config.sinks:
+            extras["sinks"] = self.sinks.to(torch.float32)
+        if d.fp8:
+            extras["k_scale"] = float(layer._k_scale_float)
+            extras["v_scale"] = float(layer._v_scale_float)
+        binding = d.binding
+        out = output.view(output.shape[0], d.config.num_q_heads, d.config.head_dim)
+        for part in attn_metadata.parts:
+            prepared = attn_metadata.prepared(binding, part)
+            q = query[part.rows]
+            if not q.is_contiguous():
+                q = q.contiguous()
+            with attn_scope(binding, part.batch, prepared):
+                result = attention(q, k_cache, v_cache, **extras)
+            out[part.rows] = result
+        return output
+
+
+def _make_dispatch(label: str, settings: Settings, config: AttnConfig) -> LayerDispatch:
+    kv = str(config.kv_dtype)
+    return LayerDispatch(
+        label=label,
+        binding=_binding_for(label, settings, config),
+        config=config,
+        kv_torch_dtype=getattr(torch, kv),
+        fp8=kv in _FP8_MAX,
+    )
+
+
+@dataclasses.dataclass(eq=False)
+class DispatchMetadata:
+    """One step's attention metadata for every layer of a KV group (what vLLM calls
+    ``attn_metadata``). ``parts``: one per phase present (``"split"``) or one (``"extend"``).
+    Each binding plans each part once, at its first layer (``prepared``)."""
+
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    parts: tuple[StepPart, ...]
+    causal: bool = True
+    _plans: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+
+    def prepared(self, binding: Binding, part: StepPart) -> Any:
+        key = (id(binding), part.index)
+        found = self._plans.get(key)
+        if found is None:
+            found = self._plans[key] = binding.prepare(part.batch)
+        return found
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        return tuple(p.batch.phase for p in self.parts)
+
+
+class AttnDispatchCPUBuilder(CPUAttentionMetadataBuilder):  # type: ignore[misc]
+    """Builds a step's ``DispatchMetadata`` (inactive: vLLM's own CPU metadata)."""
+
+    def __init__(
+        self,
+        kv_cache_spec: Any,
+        layer_names: list[str],
+        vllm_config: Any,
+        device: torch.device,
+    ) -> None:
+        settings = settings_of(vllm_config)
+        self._settings = settings
+        if settings is None:
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            return
+        # vLLM's own builder picks its kernel ISA here (and refuses FP8 caches on AVX2): none
+        # of that applies to our kernels.
+        AttentionMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = int(kv_cache_spec.block_size)
+        spec = vllm_config.speculative_config
+        self.num_speculative_tokens = int(getattr(spec, "num_speculative_tokens", None) or 0)
+        self.mixed = settings.mixed
+        if self.mixed == "split":
+            # Decodes (and verifies) first: each phase's rows are then one slice of q.
+            self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        labels = set()
+        for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
+            impl = layer.impl
+            if not isinstance(impl, AttnDispatchCPUImpl) or impl.dispatch is None:
+                raise UnsupportedModelError(
+                    f"layer {name!r} runs {type(impl).__name__} in a KV group served by "
+                    "attn_dispatch; every layer of the group must be attn_dispatch's"
+                )
+            impl.rebind_page_size(self.block_size)
+            labels.add(impl.dispatch.label)
+        # The draft's KV group has only draft layers (vLLM gives it its own builders).
+        self.draft = labels == {DRAFT}
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: Any,
+        fast_build: bool = False,
+    ) -> Any:
+        if self._settings is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        cm = common_attn_metadata
+        if isinstance(cm.causal, torch.Tensor) or not cm.causal:
+            raise UnsupportedModelError("non-causal attention is not served by attn_dispatch")
+        n = int(cm.num_reqs)
+        qsl = cm.query_start_loc[: n + 1]
+        seq_lens = cm.seq_lens[:n]
+        parts = step_parts(
+            qsl.cpu(),
+            seq_lens.cpu(),
+            cm.block_table_tensor[:n],
+            block_size=self.block_size,
+            num_speculative_tokens=self.num_speculative_tokens,
+            mixed=self.mixed,
+            draft=self.draft,
+        )
+        return DispatchMetadata(
+            num_actual_tokens=int(cm.num_actual_tokens),
+            max_query_len=int(cm.max_query_len),
+            max_seq_len=int(cm.max_seq_len),
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            parts=parts,
+        )
+
+
+__all__ = [
+    "KV_DTYPES",
+    "AttnDispatchCPUBackend",
+    "AttnDispatchCPUBuilder",
+    "AttnDispatchCPUImpl",
+    "DispatchMetadata",
+    "LayerDispatch",
+    "layer_config",
+]
