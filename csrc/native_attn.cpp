@@ -147,7 +147,7 @@ int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
 extern "C" {
 
-int32_t na_abi_version(void) { return 3; }
+int32_t na_abi_version(void) { return 4; }
 
 const char* na_isa(void) { return kernels()->name; }
 
@@ -422,15 +422,28 @@ void na_plan_info(const NaPlan* P, NaPlanInfo* info) {
                      int64_t(P->merges.size()), P->scratch_rows};
 }
 
-int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, const void* k, const void* v,
-           void* out, int64_t k_pages, int64_t v_pages, float sm_scale, const float* sinks,
+int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, int64_t q_numel,
+           const void* k, int64_t k_numel, const void* v, int64_t v_numel, void* out,
+           int64_t out_numel, float sm_scale, const float* sinks, int64_t sinks_numel,
            float k_scale, float v_scale, int32_t num_threads) {
   if (plan == nullptr || cfg == nullptr || !same_config(plan->cfg, *cfg)) return -1;
   const NaConfig& c = plan->cfg;
   const bool mla = c.kind == NA_MLA;
   if (plan->items.empty()) return 0;
   if (q == nullptr || k == nullptr || out == nullptr || (!mla && v == nullptr)) return -1;
-  if (plan->max_page >= k_pages || (!mla && plan->max_page >= v_pages)) return -1;
+  // Every row and page the plan names must lie inside the tensors given (64-bit products:
+  // the factors are int32, so no overflow).
+  const int64_t T = plan->num_tokens, Hq = c.num_q_heads;
+  if (q_numel < 0 || T * Hq * c.head_dim > q_numel) return -1;
+  if (out_numel < 0 || T * Hq * c.v_head_dim > out_numel) return -1;
+  const int64_t pages = plan->max_page + 1;
+  const int64_t k_page = int64_t(c.page_size) * (mla ? 1 : c.num_kv_heads) * c.head_dim;
+  if (k_numel < 0 || pages * k_page > k_numel) return -1;
+  if (!mla && (v_numel < 0 || pages * int64_t(c.page_size) * c.num_kv_heads * c.v_head_dim >
+                                  v_numel)) {
+    return -1;
+  }
+  if (sinks != nullptr && sinks_numel < Hq) return -1;
   NaProblem p{};
   p.q = q;
   p.k = k;

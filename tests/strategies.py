@@ -74,6 +74,9 @@ class KernelCase:
     kv_dtype: str | None = None
     k_scale: float = 1.0
     v_scale: float = 1.0
+    # With trees: per request, prefix positions its custom mask hides from every draft node
+    # (a mask that is not a plain tree; the window then counts only the keys it allows).
+    hidden_prefix: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def kv_lens(self) -> tuple[int, ...]:
@@ -160,6 +163,32 @@ def variant_cases(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+
+
+@st.composite
+def poisoned_cases(
+    draw: Any, *, kind: str, limits: Limits = DEFAULT_LIMITS
+) -> tuple[KernelCase, tuple[int, ...], float | None, float | None]:
+    """A kernel case in any phase with any variant (window, cap, sinks, FP8), trees whose
+    mask may hide prefix keys, one protected query row per request, and the poison written
+    into K and V of every slot that row cannot see (None: that tensor left clean)."""
+    phase = draw(st.sampled_from(list(Phase)))
+    served = Served(
+        variants=frozenset({"window", "logit_cap", "sinks"}),
+        fp8=("float8_e4m3fn", "float8_e5m2"),
+    )
+    case = draw(variant_cases(kind=kind, phase=phase, served=served, limits=limits))
+    if case.trees is not None and draw(st.booleans()):
+        hidden = tuple(
+            tuple(sorted(draw(st.sets(st.integers(0, p - 1), max_size=p)))) if p else ()
+            for p in case.prefix_lens
+        )
+        case = dataclasses.replace(case, hidden_prefix=hidden)
+    protect = tuple(draw(st.integers(0, q - 1)) for q in case.q_lens)
+    values = st.sampled_from((float("nan"), float("inf"), float("-inf")))
+    k_val = draw(st.none() | values)
+    v_val = draw(values) if k_val is None else draw(st.none() | values)
+    return case, protect, k_val, v_val
 
 
 # ---------------------------------------------------------------------------------------------

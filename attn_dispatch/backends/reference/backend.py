@@ -367,6 +367,15 @@ def _blocks(
     so a CUDA graph captured with one batch replays another of the same shape."""
     max_pages = max(max(counts, default=0), 1)
     out = []
+    first_seen: list[list[int]] | None = None
+    if window is not None and mask is not None and mask.device.type == "cpu":
+        # A custom mask may hide prefix keys, so the last window_left + 1 keys a node sees can
+        # start anywhere: the first key each row's (window-folded) mask allows, read on the
+        # host. On a device mask that would be a sync: walk from key 0 there.
+        big = mask.shape[2]
+        first_seen = torch.where(
+            mask.any(dim=-1), mask.int().argmax(dim=-1), torch.full((), big)
+        ).tolist()
     for q0 in range(0, max_q, q_block):
         q1 = min(max_q, q0 + q_block)
         if window is None:
@@ -375,17 +384,20 @@ def _blocks(
             continue
         # Visible positions of one request's block span at most window + (q1 - q0) keys
         # (a tree: the prefix's last window_left + 1 plus the draft tokens).
-        width = window + (q1 - q0 if mask is None else max_q)
-        span = min(max_pages, -(-width // ps) + 1)
+        # With a mask the visible keys of a row need not be contiguous: walk every column
+        # from the first one.
+        width = window + (q1 - q0)
+        span = max_pages if mask is not None else min(max_pages, -(-width // ps) + 1)
         firsts, los = [], []
-        for count, kl, ql in zip(counts, kv_lens, q_lens, strict=True):
+        for i, (count, kl, ql) in enumerate(zip(counts, kv_lens, q_lens, strict=True)):
             prefix = kl - ql
             if q0 >= ql:  # no query of this request in the block
                 lo = kl
             elif mask is not None:
-                # A draft node's sequence is the prefix plus its ancestors: its window
-                # starts at or after prefix - window_left (see the module docstring).
-                lo = max(0, prefix - window)
+                # A draft node sees the last window_left + 1 keys its mask allows (the
+                # module docstring), which a mask hiding prefix keys can push before
+                # prefix - window_left.
+                lo = 0 if first_seen is None else min(min(first_seen[i][q0 : min(q1, ql)]), kl)
             else:
                 lo = max(0, prefix + q0 - window)
             firsts.append(min(lo // ps, count))
@@ -405,6 +417,12 @@ class _OnlineSoftmax:
 
     Rows that have seen no visible key keep max = -inf and contribute exp(-inf) = 0, so fully
     masked padding never produces NaN. ``cap``: the logit soft-cap (None = off).
+
+    Non-finite values follow one rule (README "Safety guarantees"): a key a row does not see
+    never reaches it, whatever it holds (its weight is exactly 0, and its value row is zeroed
+    where it is not finite, since 0 * NaN is NaN); a row that sees a key whose score is not
+    finite (NaN or inf in q or the key, or an overflow) or a value row holding NaN or inf
+    gives NaN.
     """
 
     def __init__(self, q: torch.Tensor, dv: int, cap: float | None = None) -> None:
@@ -413,26 +431,37 @@ class _OnlineSoftmax:
         self.m = torch.full(q.shape[:-1], -math.inf, device=q.device)
         self.l_sum = torch.zeros_like(self.m)
         self.acc = torch.zeros(*q.shape[:-1], dv, device=q.device)
+        self.bad = torch.zeros(q.shape[:-1], dtype=torch.bool, device=q.device)
 
     def update(
         self, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, sm_scale: float
     ) -> None:
         """``k``/``v``: ``[B, Hkv, N, D]``; ``allowed``: ``[B, Mq, N]``."""
         s = torch.einsum("bhgqd,bhnd->bhgqn", self.q, k) * sm_scale
+        seen = allowed[:, None, None]  # [B, 1, 1, Mq, N]
+        s_bad = ~torch.isfinite(s)
+        v_fin = torch.isfinite(v)
+        v_bad = ~v_fin.all(dim=-1)  # [B, Hkv, N]
+        read_bad = (s_bad | v_bad[:, :, None, None, :]) & seen
+        self.bad |= read_bad.any(dim=-1)
+        s = s.masked_fill(s_bad, 0.0)
         if self.cap is not None:
             s = torch.tanh(s / self.cap) * self.cap
-        s = s.masked_fill(~allowed[:, None, None], -math.inf)
+        s = s.masked_fill(~seen, -math.inf)
         m_new = torch.maximum(self.m, s.amax(dim=-1))
         shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(s - shift[..., None])
         alpha = torch.exp(self.m - shift)
         self.l_sum = self.l_sum * alpha + p.sum(dim=-1)
+        v = torch.where(v_fin, v, 0.0)  # rows that read such a value are marked bad above
         self.acc = self.acc * alpha[..., None] + torch.einsum("bhgqn,bhnd->bhgqd", p, v)
         self.m = m_new
 
     def result(self, heads: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, Mq, Hq, Dv]`` in fp32; ``sinks`` (``[Hq]``) join the normaliser:
-        ``sum_j e^(s_j - M) v_j / (sum_j e^(s_j - M) + e^(sink - M))``."""
+        ``sum_j e^(s_j - M) v_j / (sum_j e^(s_j - M) + e^(sink - M))``. A NaN sink gives NaN
+        rows, a +inf sink takes all the weight (rows of 0), a -inf sink is no sink."""
+        bad = self.bad
         if sinks is None:
             res = self.acc / self.l_sum.clamp_min(1e-30)[..., None]
         else:
@@ -443,5 +472,8 @@ class _OnlineSoftmax:
             alpha = torch.exp(self.m - big)
             denom = (self.l_sum * alpha + torch.exp(sink - big)).clamp_min(1e-30)
             res = self.acc * (alpha / denom)[..., None]
+            res = torch.where((sink == math.inf)[..., None], 0.0, res)
+            bad = bad | torch.isnan(sink)
+        res = torch.where(bad[..., None], math.nan, res)
         b, _, _, mq, dv = res.shape
         return res.permute(0, 3, 1, 2, 4).reshape(b, mq, heads, dv)
