@@ -240,14 +240,20 @@ def run_decode(
     snap = plan.snap
     v = k_cache if v_cache is None else v_cache
     out = q.new_empty((q.shape[0], kc.num_q_heads, lay.v_head_dim))
-    b, hq, splits, dv = snap.num_requests, kc.num_q_heads, plan.num_splits, lay.v_head_dim
+    if snap.kv_lens.numel() == 0:  # no request: nothing to launch
+        return out
+    # The grid's request count, not the snapshot's: the scratch then always covers what the
+    # kernels write, and the kernels bound each request by q's rows and the index tensors.
+    b, hq, splits, dv = plan.split_grid[0], kc.num_q_heads, plan.num_splits, lay.v_head_dim
     # Scratch per call, not per plan: calls sharing one plan from several threads (or
     # streams) never write each other's partial results. Under CUDA-graph capture it comes
     # from the graph's pool, so every replay sees the same memory.
     scratch = torch.empty(b * hq * splits * (dv + 1), dtype=torch.float32, device=q.device)
     part_out = scratch[: b * hq * splits * dv].view(b, hq, splits, dv)
     part_lse = scratch[b * hq * splits * dv :].view(b, hq, splits)
-    _decode_split_kernel[plan.split_grid](
+    # Head axes from this backend's constants, not the plan: only the request axis may vary.
+    split_grid = (b, kc.num_kv_heads * kc.groups_per_kv, splits)
+    _decode_split_kernel[split_grid](
         q, k_cache, v, snap.kv_indptr, snap.kv_indices, snap.kv_lens,
         part_out, part_lse, *score_args(kc, sm_scale, k_scale), v_scale, kernel_window(kc),
         q.stride(0), q.stride(1),
@@ -255,12 +261,13 @@ def run_decode(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         k_cache.shape[1], kc.group_size, kc.groups_per_kv, splits,
-        k_cache.shape[0], snap.kv_indices.numel(),
+        k_cache.shape[0], snap.kv_indices.numel(), q.shape[0], snap.kv_lens.numel(),
         **plan.constants, num_warps=kc.decode_warps, num_stages=kc.num_stages,
     )  # fmt: skip
-    _decode_merge_kernel[plan.merge_grid](
+    _decode_merge_kernel[(b, -(-kc.num_q_heads // kc.block_h))](
         # Without sinks the kernel never reads the Sinks argument; any device tensor will do.
         part_out, part_lse, out, part_lse if sinks is None else sinks, kc.num_q_heads, splits,
+        out.shape[0],
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
@@ -287,7 +294,9 @@ def run_extend(
     # Without a mask the kernel never reads these; any device tensor will do as the argument.
     mask = plan.mask if plan.mask is not None else snap.kv_indices
     mask_indptr = snap.mask_indptr if snap.mask_indptr is not None else snap.kv_indptr
-    _extend_kernel[plan.grid](
+    if snap.kv_lens.numel() == 0:  # no request: nothing to launch
+        return out
+    _extend_kernel[(plan.grid[0], kc.num_q_heads, plan.grid[2])](
         q, k_cache, v, out, snap.qo_indptr, snap.kv_indptr, snap.kv_indices, snap.kv_lens,
         mask, mask_indptr, snap.kv_lens if sinks is None else sinks,
         *score_args(kc, sm_scale, k_scale), v_scale, kernel_window(kc),
@@ -296,6 +305,7 @@ def run_extend(
         out.stride(0), out.stride(1),
         k_cache.shape[1], kc.group_size,
         q.shape[0], k_cache.shape[0], snap.kv_indices.numel(), mask.numel(),
+        snap.kv_lens.numel(),
         **plan.constants, num_warps=kc.extend_warps, num_stages=kc.num_stages,
     )  # fmt: skip
     return out
