@@ -166,9 +166,7 @@ def _poison_and_check(
     keep = ~expect_nan
     torch.testing.assert_close(out[keep], ref[keep], atol=atol, rtol=rtol)
     # e4m3fn has no inf: +-inf is stored as +-448, a finite value that rows may read.
-    stored = [
-        torch.tensor(x).to(m.k_cache.dtype).float() for x in (k_val, v_val) if x is not None
-    ]
+    stored = [torch.tensor(x).to(m.k_cache.dtype).float() for x in (k_val, v_val) if x is not None]
     if not all(bool(x.isfinite()) for x in stored):
         assert out[expect_nan].isnan().all(), "a row that reads a poisoned key must be NaN"
     for i, row in enumerate(protect):
@@ -184,7 +182,12 @@ INVISIBLE = {
     "causal-future-mla": (_mla(), (0, 0)),
     # tree verify: node 1 of [-1, 0, 0] must not see its sibling, node 2 (a bad draft)
     "tree-sibling": (
-        _case(phase=Phase.VERIFY, q_lens=(3, 4), prefix_lens=(5, 2), trees=((-1, 0, 0), (-1, -1, 1, 1))),
+        _case(
+            phase=Phase.VERIFY,
+            q_lens=(3, 4),
+            prefix_lens=(5, 2),
+            trees=((-1, 0, 0), (-1, -1, 1, 1)),
+        ),
         (1, 2),
     ),
     "tree-sibling-mla": (
@@ -199,19 +202,26 @@ INVISIBLE = {
     ),
     "window-tree": (
         _case(
-            phase=Phase.VERIFY, window_left=4, q_lens=(4,), prefix_lens=(12,),
+            phase=Phase.VERIFY,
+            window_left=4,
+            q_lens=(4,),
+            prefix_lens=(12,),
             trees=((-1, 0, 1, 0),),
         ),
         (2,),
-    ),  # fmt: skip
+    ),
     # a window on a mask that hides prefix keys: the last window_left + 1 keys it allows
     "window-hidden-prefix": (
         _case(
-            phase=Phase.VERIFY, window_left=3, q_lens=(3,), prefix_lens=(40,),
-            trees=((-1, 0, 0),), hidden_prefix=((36, 37, 38, 39),),
+            phase=Phase.VERIFY,
+            window_left=3,
+            q_lens=(3,),
+            prefix_lens=(40,),
+            trees=((-1, 0, 0),),
+            hidden_prefix=((36, 37, 38, 39),),
         ),
         (1,),
-    ),  # fmt: skip
+    ),
     # long decode (native splits it): only past-kv_len slots and unused pages are poisoned
     "past-kv-len-decode": (
         _case(phase=Phase.DECODE, q_lens=(1, 1), prefix_lens=(700, 5), page_size=16),
@@ -219,10 +229,16 @@ INVISIBLE = {
     ),
     "fp8-causal": (_case(kv_dtype="float8_e5m2", k_scale=0.5, v_scale=2.0), (1, 0)),
     "bf16-gqa-window": (
-        _case(dtype="bfloat16", num_q_heads=8, num_kv_heads=2, window_left=2), (3, 1),
-    ),  # fmt: skip
+        _case(dtype="bfloat16", num_q_heads=8, num_kv_heads=2, window_left=2),
+        (3, 1),
+    ),
 }
-POISONS = {"nan": (NAN, NAN), "inf": (INF, -INF), "v-only-nan": (None, NAN), "k-only-inf": (INF, None)}
+POISONS = {
+    "nan": (NAN, NAN),
+    "inf": (INF, -INF),
+    "v-only-nan": (None, NAN),
+    "k-only-inf": (INF, None),
+}
 
 
 @pytest.mark.parametrize("poison", sorted(POISONS))
@@ -409,7 +425,7 @@ def test_native_rules_on_every_instruction_set_path(isa: str) -> None:
     assert " passed" in child.stdout and "failed" not in child.stdout
 
 
-# -- 1. bounds: forged and mismatched plans (child processes) ---------------------------------------
+# -- 1. bounds: forged and mismatched plans (child processes) ------------------------------------
 
 
 def _child(code: str) -> subprocess.CompletedProcess[str]:

@@ -321,8 +321,9 @@ class _Route(abc.ABC):
 
 def _window(config: AttnConfig) -> int:
     # FlashInfer's window_left has our meaning (keys p - window_left ..= p); -1 = full.
+    # FlashInfer holds it as int32: a window reaching past any int32 position is full.
     w = config.window_left
-    return -1 if w is None else int(w)
+    return -1 if w is None or w >= 2**31 - 1 else int(w)
 
 
 def _soft_cap(config: AttnConfig) -> float:

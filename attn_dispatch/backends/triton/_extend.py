@@ -252,7 +252,8 @@ def _extend_kernel(
 
         if HAS_SINKS:
             # The head's sink logit joins the denominator only (no value).
-            sink = tl.load(Sinks + h) * 1.4426950408889634
+            # (a vector per row: the interpreter mixes no scalar bool into a vector one)
+            sink = tl.load(Sinks + h) * 1.4426950408889634 + tl.zeros([BLOCK_M], tl.float32)
             # NaN: a NaN row; +inf: all the weight, a row of 0; -inf: no sink.
             bad = bad | (sink != sink)
             sink_all = sink == float("inf")
@@ -262,7 +263,7 @@ def _extend_kernel(
             alpha = tl.exp2(m_i - m_safe)
             acc = acc * alpha[:, None]
             l_i = l_i * alpha + tl.exp2(sink - m_safe)
-            acc = tl.where(sink_all, 0.0, acc)
+            acc = tl.where(sink_all[:, None], 0.0, acc)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out = tl.where(bad[:, None], float("nan"), out)
         if KV_SCALED:

@@ -216,7 +216,8 @@ def score_args(kc: KernelConfig, sm_scale: float, k_scale: float) -> tuple[float
 
 
 def kernel_window(kc: KernelConfig) -> int:
-    return FULL_WINDOW if kc.window_left is None else kc.window_left
+    # The kernels take it as int32; any window wider than FULL_WINDOW is full attention.
+    return FULL_WINDOW if kc.window_left is None else min(kc.window_left, FULL_WINDOW)
 
 
 def _cache_strides(kc: KernelConfig, cache: torch.Tensor) -> tuple[int, int, int]:
