@@ -77,6 +77,9 @@ class KernelCase:
     # With trees: per request, prefix positions its custom mask hides from every draft node
     # (a mask that is not a plain tree; the window then counts only the keys it allows).
     hidden_prefix: tuple[tuple[int, ...], ...] | None = None
+    # Attention types: non-causal (every key of the request) and chunked local attention.
+    causal: bool = True
+    chunk: int | None = None
 
     @property
     def kv_lens(self) -> tuple[int, ...]:

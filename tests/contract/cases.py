@@ -54,6 +54,8 @@ def config_of(case: KernelCase, device: str = "cpu") -> AttnConfig:
         logit_cap=case.logit_cap,
         sinks=case.sinks,
         kv_dtype=case.kv_dtype,
+        causal=case.causal,
+        attention_chunk_size=case.chunk,
     )
 
 
@@ -131,10 +133,18 @@ def visible_keys(m: Materialised, i: int) -> torch.Tensor:
     ql = qo[i + 1] - qo[i]
     if m.masks is not None:
         allowed = m.masks[i].clone()
+    elif not c.causal:
+        allowed = torch.ones(ql, kl, dtype=torch.bool)
     else:
         allowed = torch.zeros(ql, kl, dtype=torch.bool)
         for j in range(ql):
             allowed[j, : kl - ql + j + 1] = True
+    if c.attention_chunk_size is not None:
+        # A query at sequence position p (its allowed keys - 1) sees (p // C) * C ..= p.
+        for j in range(ql):
+            seen = allowed[j].nonzero().flatten()
+            p = len(seen) - 1
+            allowed[j, seen[: p - p % c.attention_chunk_size]] = False
     if c.window_left is not None:
         for j in range(ql):
             seen = allowed[j].nonzero().flatten()

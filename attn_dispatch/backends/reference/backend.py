@@ -35,6 +35,7 @@ from attn_dispatch._protocol import Handler
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
 from attn_dispatch.backends._common import check_owner
+from attn_dispatch.backends._chunked import chunk_tree_mask
 from attn_dispatch.backends._common import window_tree_mask
 from attn_dispatch.backends._torch_base import TorchBackendBase
 
@@ -119,6 +120,7 @@ class TorchBackend(TorchBackendBase):
         q_pos = kv_lens[:, None] - q_lens[:, None] + slots[None, :]
         mask = None
         window = self.config.window_left
+        chunk = self.config.attention_chunk_size
         if snap.custom_mask is not None:
             assert snap.mask_indptr is not None
             mask = torch.zeros(b, max_q, max_pages * ps, dtype=torch.bool, device=dev)
@@ -128,6 +130,8 @@ class TorchBackend(TorchBackendBase):
                 ql, kl = qo[i + 1] - qo[i], lens[i]
                 mask[i, :ql, :kl] = snap.custom_mask[off : off + ql * kl].view(ql, kl)
                 off += ql * kl
+            if chunk is not None:  # the chunk first, then the window (see _chunked)
+                mask = chunk_tree_mask(mask, chunk)
             if window is not None:
                 mask = window_tree_mask(mask, window)
         heads = self.config.num_q_heads
@@ -135,8 +139,9 @@ class TorchBackend(TorchBackendBase):
         chunk_tokens = chunk_pages * ps
         q_block = max(1, min(max_q, self.score_budget // max(1, b * heads * chunk_tokens)))
         blocks = _blocks(
-            counts, kv_lens.tolist(), q_lens.tolist(), max_q, q_block, ps, window, mask, dev
-        )
+            counts, kv_lens.tolist(), q_lens.tolist(), max_q, q_block, ps, window, chunk, mask,
+            dev,
+        )  # fmt: skip
         return TorchPlan(
             owner=self,
             snap=snap,
@@ -189,6 +194,7 @@ class TorchBackend(TorchBackendBase):
             # inside this call's cache; an out-of-range index gives wrong numbers, not a fault.
             table = table.clamp(0, max(num_pages - 1, 0))
         window = c.window_left
+        chunk = c.attention_chunk_size
         fp8 = c.kv_fp8
         out = torch.empty(b, max_q, c.num_q_heads, dv, dtype=torch.float32, device=q.device)
         qp = self._padded_q(q, plan.q_rows)
@@ -230,10 +236,14 @@ class TorchBackend(TorchBackendBase):
                     cols_k = kpos.clamp(max=plan.mask.shape[2] - 1)
                     sub = plan.mask[:, q0:q1].gather(2, cols_k[:, None, :].expand(-1, q1 - q0, -1))
                     allowed = allowed & sub
-                else:
+                elif c.causal:
                     allowed = allowed & (kpos[:, None, :] <= pos[:, :, None])
                     if window is not None:
                         allowed = allowed & (kpos[:, None, :] >= pos[:, :, None] - window)
+                    if chunk is not None:
+                        start = pos - pos % chunk
+                        allowed = allowed & (kpos[:, None, :] >= start[:, :, None])
+                # causal=False: every key of the request (kv_len bounds it above)
                 acc.update(k, v, allowed, sm_scale)
             out[:, q0:q1] = acc.result(c.num_q_heads, sinks)
         return out.view(b * max_q, c.num_q_heads, dv).index_select(0, plan.out_rows).to(q.dtype)
@@ -310,8 +320,10 @@ class TorchBackend(TorchBackendBase):
         acc = _OnlineSoftmax(self._padded_q(q, rows), dv, c.logit_cap)
         prefix_lens = (snap.kv_lens_host.long() - q_lens).tolist()
         window = c.window_left
-        # Query positions (the prefix comes first, in chunk order): for the window.
+        chunk = c.attention_chunk_size
+        # Query positions (the prefix comes first, in chunk order): for the window / chunk.
         qpos = torch.tensor(prefix_lens)[:, None] + slots[None, :]
+        qstart = qpos - qpos % chunk if chunk is not None else None
         seen = [0] * b
         for k_c, v_c, indptr in prefix:
             ind = [int(x) for x in indptr]
@@ -332,6 +344,8 @@ class TorchBackend(TorchBackendBase):
             allowed = cvalid[:, None, :].expand(b, max_q, n)
             if window is not None:
                 allowed = allowed & (kpos[:, None, :] >= qpos[:, :, None] - window)
+            if qstart is not None:
+                allowed = allowed & (kpos[:, None, :] >= qstart[:, :, None])
             acc.update(k, v, allowed.to(dev), sm_scale)
         bad = next((i for i in range(b) if seen[i] != prefix_lens[i]), None)
         if bad is not None:
@@ -343,8 +357,13 @@ class TorchBackend(TorchBackendBase):
         k = k_new[rows].float().transpose(1, 2)
         v = v_new[rows].float().transpose(1, 2)
         causal = slots[None, :, None] >= slots[None, None, :]
+        if not c.causal:
+            causal = torch.ones_like(causal)
         if window is not None:
             causal = causal & (slots[None, None, :] >= slots[None, :, None] - window)
+        if qstart is not None:  # new key j sits at position prefix + j
+            kpos_new = torch.tensor(prefix_lens)[:, None] + slots[None, :]
+            causal = causal & (kpos_new[:, None, :] >= qstart[:, :, None])
         acc.update(k, v, causal.to(dev) & valid[:, None, :], sm_scale)
         return acc.result(c.num_q_heads, sinks)[valid].to(q.dtype)
 
@@ -357,6 +376,7 @@ def _blocks(
     q_block: int,
     ps: int,
     window: int | None,
+    chunk: int | None,
     mask: torch.Tensor | None,
     dev: torch.device,
 ) -> tuple[tuple[torch.Tensor, int, torch.Tensor], ...]:
@@ -368,7 +388,8 @@ def _blocks(
     max_pages = max(max(counts, default=0), 1)
     out = []
     first_seen: list[list[int]] | None = None
-    if window is not None and mask is not None and mask.device.type == "cpu":
+    limited = window is not None or chunk is not None
+    if limited and mask is not None and mask.device.type == "cpu":
         # A custom mask may hide prefix keys, so the last window_left + 1 keys a node sees can
         # start anywhere: the first key each row's (window-folded) mask allows, read on the
         # host. On a device mask that would be a sync: walk from key 0 there.
@@ -378,15 +399,15 @@ def _blocks(
         ).tolist()
     for q0 in range(0, max_q, q_block):
         q1 = min(max_q, q0 + q_block)
-        if window is None:
+        if not limited:
             zeros = torch.zeros(len(counts), dtype=torch.int64, device=dev)
             out.append((zeros, max_pages, zeros))
             continue
-        # Visible positions of one request's block span at most window + (q1 - q0) keys
-        # (a tree: the prefix's last window_left + 1 plus the draft tokens).
-        # With a mask the visible keys of a row need not be contiguous: walk every column
-        # from the first one.
-        width = window + (q1 - q0)
+        # Visible positions of one request's block span at most window + (q1 - q0) keys, or
+        # chunk - 1 + (q1 - q0). With a mask the visible keys of a row need not be
+        # contiguous: walk every column from the first one.
+        reach = min(x for x in (window, None if chunk is None else chunk - 1) if x is not None)
+        width = reach + (q1 - q0)
         span = max_pages if mask is not None else min(max_pages, -(-width // ps) + 1)
         firsts, los = [], []
         for i, (count, kl, ql) in enumerate(zip(counts, kv_lens, q_lens, strict=True)):
@@ -399,7 +420,14 @@ def _blocks(
                 # prefix - window_left.
                 lo = 0 if first_seen is None else min(min(first_seen[i][q0 : min(q1, ql)]), kl)
             else:
-                lo = max(0, prefix + q0 - window)
+                # Pages before the window or the chunk of the block's first query are
+                # skipped, not masked (later queries see no earlier key).
+                first_pos = prefix + q0
+                lo = 0
+                if window is not None:
+                    lo = max(lo, first_pos - window)
+                if chunk is not None:
+                    lo = max(lo, first_pos - first_pos % chunk)
             firsts.append(min(lo // ps, count))
             los.append(lo)
         out.append(
