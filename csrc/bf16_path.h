@@ -164,7 +164,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
       const int head = (it.kv_head + gi) * G + it.h0 + hh;
       std::memcpy(qr, qbase + (token * Hq + head) * D, sizeof(uint16_t) * size_t(D));
       bad[r] = row_not_finite(qr, D);
-      lim[r] = kv_len - q_len + it.q0 + jj;
+      lim[r] = P.noncausal ? kv_len - 1 : kv_len - q_len + it.q0 + jj;
       mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
       m[r] = kNegInf;
       l[r] = 0.0f;

@@ -396,10 +396,18 @@ static inline vf vcap(vf s, float cap2) {
   return as_vf(tb | sign) * cap2;
 }
 
+// The first key a causal row with limit lim sees: its window's or its chunk's start.
+static inline int64_t row_lo(const NaProblem& P, int lim) {
+  int64_t lo = 0;
+  if (P.window_left >= 0) lo = std::max<int64_t>(lo, int64_t(lim) - P.window_left);
+  if (P.chunk_size > 0) lo = std::max<int64_t>(lo, lim - lim % P.chunk_size);
+  return lo;
+}
+
 // Whether a row (causal limit lim, or custom mask row mrow) sees the key at position pos.
 static inline bool sees(const NaProblem& P, int lim, const uint8_t* mrow, int pos) {
   if (!P.causal) return mrow[pos] != 0;
-  return pos <= lim && (P.window_left < 0 || int64_t(pos) >= int64_t(lim) - P.window_left);
+  return pos <= lim && int64_t(pos) >= row_lo(P, lim);
 }
 
 // A block's scores of one row after q.k: the logit cap, then -inf for keys past the block,
@@ -433,8 +441,8 @@ static inline bool post_scores(const NaProblem& P, float* sr, int n, int k0, int
   for (int t = n; t < BK; ++t) sr[t] = kNegInf;
   if (P.causal) {
     for (int t = std::max(0, lim + 1 - k0); t < n; ++t) sr[t] = kNegInf;
-    if (P.window_left >= 0) {
-      const int64_t lo = int64_t(lim) - P.window_left;  // first visible key
+    if (P.window_left >= 0 || P.chunk_size > 0) {
+      const int64_t lo = row_lo(P, lim);  // first visible key
       for (int t = 0, e = int(std::min<int64_t>(n, lo - k0)); t < e; ++t) sr[t] = kNegInf;
     }
   } else {
@@ -458,9 +466,9 @@ static inline void guard_values(const NaProblem& P, const int* lim, const uint8_
       lo_lim = std::min(lo_lim, lim[r]);
       hi_lim = std::max(hi_lim, lim[r]);
     }
-    const int64_t w = P.window_left;
-    // Every key of the block seen by every row: nothing to guard (the common case).
-    if (k0 + n - 1 <= lo_lim && (w < 0 || int64_t(k0) >= int64_t(hi_lim) - w)) return;
+    // Every key of the block seen by every row: nothing to guard (the common case). row_lo
+    // grows with the limit, so the latest row has the latest first key.
+    if (k0 + n - 1 <= lo_lim && int64_t(k0) >= row_lo(P, hi_lim)) return;
   }
   for (int t = 0; t < n; ++t) {
     const int pos = k0 + t;
@@ -606,7 +614,7 @@ static void init_rows(const NaProblem& P, const NaItem& it, int R, int R1, int n
     load_row(qr, qbase + (token * Hq + head) * D, D, Dp);
     bad[r] = row_not_finite(qbase + (token * Hq + head) * D, D);
     for (int c = 0; c < Dp; ++c) qr[c] *= qscale;
-    lim[r] = kv_len - q_len + it.q0 + jj;
+    lim[r] = P.noncausal ? kv_len - 1 : kv_len - q_len + it.q0 + jj;
     mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
     m[r] = kNegInf;
     l[r] = 0.0f;

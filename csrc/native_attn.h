@@ -27,6 +27,8 @@ typedef struct {
   int32_t split_target;  // split-KV aims for at least this many work items
   int32_t window_left;   // -1: full attention; else a query at p sees keys p-window_left ..= p
   float logit_cap;       // 0: off; else s = cap * tanh(s / cap) after scaling
+  int32_t causal;        // 1: bottom-right causal (without a custom mask); 0: every key
+  int32_t chunk_size;    // 0: off; else a query at p sees keys (p / chunk) * chunk ..= p
 } NaConfig;
 
 // Why na_plan_create refused a batch: `field` (NA_E_*), the request (-1: none) and values.

@@ -32,6 +32,8 @@ class NaConfig(ctypes.Structure):
             )
         ),
         ("logit_cap", ctypes.c_float),
+        ("causal", ctypes.c_int32),
+        ("chunk_size", ctypes.c_int32),
     ]  # fmt: skip
 
 

@@ -145,6 +145,9 @@ class NativeBackend(TorchBackendBase):
         # would silently change the layer, so it is refused.
         window = config.window_left
         window_c = -1 if window is None or window >= _INT32_MAX else window
+        # Likewise a chunk wider than any int32 position: every query is in chunk 0 (causal).
+        chunk = config.attention_chunk_size
+        chunk_c = 0 if chunk is None or chunk >= _INT32_MAX else chunk
         cap = float(config.logit_cap or 0.0)
         cap_c = ctypes.c_float(cap).value
         if cap and not (0.0 < cap_c < math.inf):
@@ -163,6 +166,8 @@ class NativeBackend(TorchBackendBase):
             0,
             window_c,
             cap_c,
+            1 if config.causal else 0,
+            chunk_c,
         )
         self._cfg_ref = ctypes.byref(self._cfg)
         self._checks = TensorChecks.of(config, backend="native", layout="contiguous")
