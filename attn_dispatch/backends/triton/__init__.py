@@ -127,7 +127,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     kv_dtypes=frozenset({"float32", "float16", "bfloat16", *FP8_KV_DTYPES}),
     # Every variant in every phase, MHA/GQA and MLA (kernels: _decode, _extend).
-    variants=frozenset({"window", "logit_cap", "sinks"}),
+    variants=frozenset({"window", "logit_cap", "sinks", "non_causal", "chunked"}),
     custom_mask=True,
     # MLA: absorbed over the paged latent cache in every phase; prefill may also run the
     # decompressed MHA form (ragged K/V through a second instance of this backend). No

@@ -34,6 +34,7 @@ from ._tile import _attend_tile
         "num_pages",
         "num_indices",
         "window_left",
+        "chunk_size",
         "num_rows",
         "num_requests",
     ]
@@ -52,6 +53,7 @@ def _decode_split_kernel(
     cap_out,
     v_scale,
     window_left,
+    chunk_size,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -107,7 +109,10 @@ def _decode_split_kernel(
     # The query sits at position kv_len - 1 and sees keys from kv_len - 1 - window_left on
     # (window_left is huge for full attention): the splits share only that range, so keys
     # before the window are never loaded, not merely masked.
+    # Chunked local attention likewise starts at the query's chunk (chunk_size is huge when
+    # off, making that 0): the pages before it are skipped.
     first = tl.maximum(kv_len - 1 - window_left, 0)
+    first = tl.maximum(first, (kv_len - 1) - (kv_len - 1) % chunk_size)
     # Every split gets the same whole number of blocks; trailing splits may be empty.
     split_len = tl.cdiv(tl.cdiv(kv_len - first, num_splits), BLOCK_N) * BLOCK_N
     start = first + s * split_len

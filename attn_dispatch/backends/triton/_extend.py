@@ -50,6 +50,7 @@ def _attend_block(
     cap_in,
     cap_out,
     window_left,
+    chunk_size,
     stride_kp,
     stride_ks,
     stride_kh,
@@ -67,6 +68,7 @@ def _attend_block(
     V_FROM_K: tl.constexpr,
     IEEE: tl.constexpr,
     WINDOW: tl.constexpr,
+    CHUNK: tl.constexpr,
     SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -81,6 +83,8 @@ def _attend_block(
         allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
     if WINDOW:
         allowed = allowed & (offs_n[None, :] >= q_pos[:, None] - window_left)
+    if CHUNK:
+        allowed = allowed & (offs_n[None, :] >= q_pos[:, None] - q_pos[:, None] % chunk_size)
     if USE_MASK:
         # Skip a tile no row may see before loading its K/V. Only with a custom mask: the
         # causal passes never visit such tiles, and a data-dependent branch costs registers.
@@ -111,6 +115,7 @@ def _attend_block(
         "num_indices",
         "num_mask",
         "window_left",
+        "chunk_size",
         "num_requests",
     ]
 )
@@ -131,6 +136,7 @@ def _extend_kernel(
     cap_out,
     v_scale,
     window_left,
+    chunk_size,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -161,6 +167,9 @@ def _extend_kernel(
     IEEE: tl.constexpr,
     WINDOW: tl.constexpr,
     WINDOW_MASK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    CHUNK_MASK: tl.constexpr,
+    NON_CAUSAL: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     KV_SCALED: tl.constexpr,
@@ -225,18 +234,25 @@ def _extend_kernel(
             else:
                 lo = tl.maximum(prefix + m0 - window_left, 0)
             new_start = tl.maximum(prefix, lo)
+        if CHUNK:
+            if not USE_MASK:
+                # Keys before the chunk of the block's first row are skipped, not masked
+                # (a tree mask carries its chunk, folded in at plan time).
+                first_pos = prefix + m0
+                lo = tl.maximum(lo, first_pos - first_pos % chunk_size)
+                new_start = tl.maximum(prefix, lo)
         # Pass 1: the cached prefix, visible to every new token unless a custom mask says no.
         for n0 in range(lo, prefix, BLOCK_N):
             acc, m_i, l_i, bad = _attend_block(
                 acc, m_i, l_i, bad, q_main, q_rest, K, V, kv_indices, page_base, n0, prefix,
                 rows, row_mask, q_pos, Mask, mask_base, kv_len, page_size, num_pages,
                 num_indices, num_mask, kv_head, sm_scale_log2, cap_in, cap_out, window_left,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                chunk_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, BLOCK_N,
-                False, USE_MASK, V_FROM_K, IEEE, WINDOW_MASK, SOFTCAP, UPCAST,
+                False, USE_MASK, V_FROM_K, IEEE, WINDOW_MASK, CHUNK_MASK, SOFTCAP, UPCAST,
             )  # fmt: skip
         # Pass 2: the new tokens. Causal: keys past this block's last query are never visited.
-        if USE_MASK:
+        if USE_MASK or NON_CAUSAL:
             new_end = kv_len
         else:
             new_end = tl.minimum(kv_len, prefix + m0 + BLOCK_M)
@@ -245,9 +261,10 @@ def _extend_kernel(
                 acc, m_i, l_i, bad, q_main, q_rest, K, V, kv_indices, page_base, n0, kv_len,
                 rows, row_mask, q_pos, Mask, mask_base, kv_len, page_size, num_pages,
                 num_indices, num_mask, kv_head, sm_scale_log2, cap_in, cap_out, window_left,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                chunk_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, BLOCK_N,
-                not USE_MASK, USE_MASK, V_FROM_K, IEEE, WINDOW_MASK, SOFTCAP, UPCAST,
+                not USE_MASK and not NON_CAUSAL, USE_MASK, V_FROM_K, IEEE, WINDOW_MASK,
+                CHUNK_MASK, SOFTCAP, UPCAST,
             )  # fmt: skip
 
         if HAS_SINKS:
