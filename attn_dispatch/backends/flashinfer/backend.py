@@ -417,7 +417,9 @@ class _PrefillRoute(_MHARoute):
                 head_dim_vo=cfg.v_head_dim,
                 page_size=cfg.page_size,
                 custom_mask=None if mask is None else mask.reshape(-1),
-                causal=mask is None,
+                # causal=False (encoder layers): every key of the request, FlashInfer's own
+                # non-causal prefill.
+                causal=mask is None and cfg.causal,
                 sm_scale=sm_scale,
                 window_left=window,
                 logits_soft_cap=_soft_cap(cfg),
@@ -731,7 +733,7 @@ class FlashInferBackend(TorchBackendBase):
                 for other, r in self._routes.items():
                     if other is not Phase.DECODE:
                         return r
-            return _MLARoute(self, causal=phase is not Phase.DECODE)
+            return _MLARoute(self, causal=phase is not Phase.DECODE and cfg.causal)
         if phase is Phase.DECODE and cfg.head_dim == cfg.v_head_dim:
             return _DecodeRoute(self)
         for r in self._routes.values():
