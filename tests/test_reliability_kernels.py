@@ -535,3 +535,27 @@ def test_bounds_triton_plan_with_more_requests_than_rows(backend: str) -> None:
     child = _child(_TRITON_BOUNDS)
     assert child.returncode == 0, child.stderr[-3000:]
     assert "decode bounded" in child.stdout and "extend bounded" in child.stdout
+
+
+# -- values the native kernels hold in int32 / float32 ---------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["native", "torch", "triton"])
+def test_window_and_chunk_past_int32_are_full_attention(backend: str) -> None:
+    """A window or chunk wider than any int32 position is full (causal) attention, never a
+    truncated int32 (2^32 once behaved as window 0 on native)."""
+    _skip_unavailable(backend)
+    full = _run(backend, materialise(_case()))
+    for over in (dict(window_left=2**32), dict(window_left=2**31), dict(chunk=2**32)):
+        m = materialise(_case(**over))
+        torch.testing.assert_close(_run(backend, m), full, atol=1e-6, rtol=1e-6)
+
+
+def test_native_refuses_a_cap_float32_cannot_hold() -> None:
+    _skip_unavailable("native")
+    from attn_dispatch import InvalidSpecError
+    from attn_dispatch.backends.native.backend import NativeBackend
+
+    with pytest.raises(InvalidSpecError) as info:
+        NativeBackend(materialise(_case(logit_cap=1e-300)).config)
+    assert info.value.field == "logit_cap"
