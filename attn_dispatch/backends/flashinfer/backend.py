@@ -19,7 +19,8 @@ Variants: ``window_left`` and ``logit_cap`` go to the MHA plans as ``window_left
 and ``logits_soft_cap`` (0 = off); an FP8 cache plans with ``kv_data_type`` and runs with
 ``k_scale``/``v_scale`` (MHA) or, MLA e4m3fn on SM90, ``scale_mode="kv-per-tensor"`` and
 ``ckv_scale = kpe_scale = k_scale``. Sinks, and window / cap for MLA, are refused at bind (see
-the light module's ``_check_variants``).
+the light module's ``_check_variants``). ``causal=False`` plans prefill and verify with
+``causal=False`` (MHA and MLA); ``attention_chunk_size`` is refused at bind.
 
 Example (needs a CUDA GPU)::
 
