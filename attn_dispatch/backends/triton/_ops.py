@@ -273,7 +273,8 @@ def run_decode(
     split_grid = (b, kc.num_kv_heads * kc.groups_per_kv, splits)
     _decode_split_kernel[split_grid](
         q, k_cache, v, snap.kv_indptr, snap.kv_indices, snap.kv_lens,
-        part_out, part_lse, *score_args(kc, sm_scale, k_scale), v_scale, kernel_window(kc), kernel_chunk(kc),
+        part_out, part_lse, *score_args(kc, sm_scale, k_scale), v_scale, kernel_window(kc),
+        kernel_chunk(kc),
         q.stride(0), q.stride(1),
         *_cache_strides(kc, k_cache), *_cache_strides(kc, v),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
