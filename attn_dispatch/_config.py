@@ -49,7 +49,8 @@ class AttnConfig:
     ``"chunked"``): ``causal=False`` makes prefill and verify attend to every key of the
     request (encoders, vision towers; decode is unchanged); ``attention_chunk_size=C``
     (int >= 1, Llama 4's chunked local attention) lets a query at position p see keys
-    ``(p // C) * C ..= p`` only. Neither combines with the other or (non-causal) with a window.
+    ``(p // C) * C ..= p`` only (with a window too, both bounds apply). A non-causal config
+    takes no window or chunk.
     """
 
     kind: Kind
