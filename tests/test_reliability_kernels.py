@@ -526,6 +526,24 @@ _TRITON_BOUNDS = """
     out = _ops.run_extend(be._kc, forged, torch.randn(2, 2, 16), k, v, 0.25)
     assert out.shape == (2, 2, 16) and torch.isfinite(out).all()
     print("extend bounded")
+
+    # Issue 21: decode and extend share one tile step, so decode drops a page index outside
+    # the cache like extend does (it used to give NaN): the snapshot's private copy is edited
+    # here to stand for unchecked device metadata.
+    two = AttnBatch.build(Phase.DECODE, q_lens=[1, 1], kv_lens=[8, 8],
+                          page_tables=[[0, 1], [2, 3]], page_size=4, num_pages=4)
+    one = AttnBatch.build(Phase.DECODE, q_lens=[1, 1], kv_lens=[4, 4],
+                          page_tables=[[0], [2]], page_size=4, num_pages=4)
+    k4, v4, q2 = k[:4], v[:4], torch.randn(2, 2, 16)
+    dp = be.plan(two)
+    dp.snap.kv_indices[1] = 10**6  # request 0's second page: outside the cache
+    dp.snap.kv_indices[2:] = -5  # request 1: no page inside the cache at all
+    got = _ops.run_decode(be._kc, dp, q2, k4, v4, 0.25)
+    want = _ops.run_decode(be._kc, be.plan(one), q2, k4, v4, 0.25)
+    assert torch.isfinite(got).all(), got
+    torch.testing.assert_close(got[0], want[0])
+    assert (got[1] == 0).all()
+    print("decode drops pages")
 """
 
 
@@ -535,6 +553,7 @@ def test_bounds_triton_plan_with_more_requests_than_rows(backend: str) -> None:
     child = _child(_TRITON_BOUNDS)
     assert child.returncode == 0, child.stderr[-3000:]
     assert "decode bounded" in child.stdout and "extend bounded" in child.stdout
+    assert "decode drops pages" in child.stdout
 
 
 # -- values the native kernels hold in int32 / float32 ---------------------------------------------
