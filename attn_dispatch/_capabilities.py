@@ -83,7 +83,7 @@ def _phases(values: object) -> frozenset[Phase]:
 
 _KINDS = frozenset({"mha", "mla"})
 _FORMS = frozenset({"mla", "mha", "mha_chunked"})
-_VARIANTS = frozenset({"window", "logit_cap", "sinks"})
+_VARIANTS = frozenset({"window", "logit_cap", "sinks", "non_causal", "chunked"})
 
 
 def _variants(field: str, values: object) -> frozenset[str]:
@@ -116,6 +116,10 @@ def _variant_detail(config: AttnConfig, variant: str) -> str:
         return f"window_left={config.window_left!r}"
     if variant == "logit_cap":
         return f"logit_cap={config.logit_cap!r}"
+    if variant == "non_causal":
+        return "causal=False"
+    if variant == "chunked":
+        return f"attention_chunk_size={config.attention_chunk_size!r}"
     return "sinks=True"
 
 
@@ -147,7 +151,8 @@ class Capabilities:
     phase -> set; declaring ``"mha_chunked"`` means the backend object has a
     ``chunked_handler``. ``plans_scale``: the backend fixes the softmax scale when it plans
     (FlashInfer's wrappers), so a config must carry ``sm_scale``. ``variants``: the layer
-    variants served (``"window"``, ``"logit_cap"``, ``"sinks"``; see ``AttnConfig``), one set
+    variants served (``"window"``, ``"logit_cap"``, ``"sinks"``, and the attention types
+    ``"non_causal"``, ``"chunked"``; see ``AttnConfig``), one set
     for every phase or a mapping phase -> set, like ``forms``; a backend that declares none
     serves none. FP8 caches are declared in ``kv_dtypes`` (``"float8_e4m3fn"``,
     ``"float8_e5m2"``). A field given the wrong shape (``kinds="mha"`` instead of

@@ -16,7 +16,7 @@ _KINDS = ("mha", "mla")
 #: The FP8 KV cache formats (``kv_dtype``); the compute ``dtype`` is never one of them.
 FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
 #: The names capabilities declare for the layer variants (``Capabilities.variants``).
-VARIANTS = ("window", "logit_cap", "sinks")
+VARIANTS = ("window", "logit_cap", "sinks", "non_causal", "chunked")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,6 +44,13 @@ class AttnConfig:
     ``kv_dtype`` is the compute ``dtype`` (the default) or an FP8 format,
     ``"float8_e4m3fn"``/``"float8_e5m2"``: the cache then holds ``K / k_scale`` and
     ``V / v_scale``, with the scales passed per call (``attention(..., k_scale=, v_scale=)``).
+
+    Attention types (declared by backends as the variants ``"non_causal"`` and
+    ``"chunked"``): ``causal=False`` makes prefill and verify attend to every key of the
+    request (encoders, vision towers; decode is unchanged); ``attention_chunk_size=C``
+    (int >= 1, Llama 4's chunked local attention) lets a query at position p see keys
+    ``(p // C) * C ..= p`` only (with a window too, both bounds apply). A non-causal config
+    takes no window or chunk.
     """
 
     kind: Kind
@@ -62,6 +69,8 @@ class AttnConfig:
     window_left: int | None = None
     logit_cap: float | None = None
     sinks: bool = False
+    causal: bool = True
+    attention_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -160,10 +169,26 @@ class AttnConfig:
             object.__setattr__(self, "logit_cap", float(cap) if cap > 0 else None)
         if not isinstance(self.sinks, bool):
             raise InvalidSpecError("sinks", self.sinks, "must be a bool")
+        if not isinstance(self.causal, bool):
+            raise InvalidSpecError("causal", self.causal, "must be a bool")
+        c = self.attention_chunk_size
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise InvalidSpecError(
+                "attention_chunk_size",
+                c,
+                "must be an int >= 1 (a query at p sees keys (p // C) * C ..= p) or None",
+            )
+        if not self.causal and (c is not None or w is not None):
+            raise InvalidSpecError(
+                "causal",
+                self.causal,
+                "a non-causal layer attends to every key of its request: it takes no "
+                "window_left or attention_chunk_size",
+            )
 
     @property
     def variants(self) -> frozenset[str]:
-        """The layer variants this config uses: a subset of ``{"window", "logit_cap", "sinks"}``."""
+        """The layer variants this config uses: a subset of ``VARIANTS``."""
         used = set()
         if self.window_left is not None:
             used.add("window")
@@ -171,6 +196,10 @@ class AttnConfig:
             used.add("logit_cap")
         if self.sinks:
             used.add("sinks")
+        if not self.causal:
+            used.add("non_causal")
+        if self.attention_chunk_size is not None:
+            used.add("chunked")
         return frozenset(used)
 
     @property
@@ -224,6 +253,8 @@ class AttnConfig:
             window_left=self.window_left,
             logit_cap=self.logit_cap,
             sinks=self.sinks,
+            causal=self.causal,
+            attention_chunk_size=self.attention_chunk_size,
         )
 
     def replace(self, **changes: Any) -> AttnConfig:

@@ -6,6 +6,8 @@
 1. Sliding-window decode vs full decode at the same context (GQA 32/8 x 128, bf16, page 64):
    interleaved repeats, median ms, and window / full. A backend that does not declare the
    window prints its bind reason instead.
+   The same for chunked local attention (``attention_chunk_size``, Llama 4) at a longer
+   context: chunked / full, pages before the query's chunk skipped.
 2. FP8 accuracy: max |error| against a float64 reference computed on the unquantised values,
    for a bf16 cache and for FP8 caches (e4m3fn, e5m2) with per-layer scales calibrated as
    SGLang does (amax / format max), MHA/GQA and MLA, every phase, on the torch backend.
@@ -54,9 +56,27 @@ def isa() -> str:
 # -- 1. window vs full decode -------------------------------------------------------------------
 
 
+def backend_label(name: str) -> str:
+    """The backend with the instruction-set path it runs (native's kernels pick one)."""
+    if name == "native":
+        from attn_dispatch.backends.native._lib import load
+
+        lib = load()
+        return f"native ({lib.isa})" if not isinstance(lib, str) else "native"
+    return name
+
+
 def decode_rows(
-    backends: list[str], context: int, window: int, repeats: int, batch: int
+    backends: list[str],
+    context: int,
+    window: int,
+    repeats: int,
+    batch: int,
+    *,
+    variant: str = "window",
 ) -> list[dict[str, Any]]:
+    """``variant`` "window" (``window_left=window``) or "chunked" (``attention_chunk_size=
+    window``) against full attention on the same context, interleaved."""
     ps, hq, hkv, d = 64, 32, 8, 128
     pages = batch * math.ceil(context / ps)
     g = torch.Generator().manual_seed(0)
@@ -77,7 +97,12 @@ def decode_rows(
     rows = []
     for name in backends:
         runs: dict[str, Any] = {}
-        for label, cfg in (("full", base), ("window", base.replace(window_left=window))):
+        limited = (
+            base.replace(window_left=window)
+            if variant == "window"
+            else base.replace(attention_chunk_size=window)
+        )
+        for label, cfg in (("full", base), ("window", limited)):
             try:
                 binding = bind(name, cfg)
             except IncompatibleBackendError as exc:
@@ -87,7 +112,7 @@ def decode_rows(
             runs[label] = binding
         if not all(not isinstance(r, str) for r in runs.values()):
             reason = next(r for r in runs.values() if isinstance(r, str))
-            rows.append({"backend": name, "skipped": reason})
+            rows.append({"backend": backend_label(name), "skipped": reason})
             continue
         times: dict[str, list[float]] = {"full": [], "window": []}
         for _ in range(repeats + 1):  # the first round warms up
@@ -100,7 +125,8 @@ def decode_rows(
         win = statistics.median(times["window"][1:]) * 1e3
         rows.append(
             {
-                "backend": name,
+                "backend": backend_label(name),
+                "variant": variant,
                 "context": context,
                 "window_left": window,
                 "batch": batch,
@@ -226,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--chunk", type=int, default=8192, help="attention_chunk_size (Llama 4)")
+    ap.add_argument("--chunk-context", type=int, default=32768)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -253,6 +281,30 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
     print(format_table(("backend", "full ms", "window ms", "window/full"), body))
+    crows = decode_rows(
+        args.backends.split(","), args.chunk_context, args.chunk, args.repeats, args.batch,
+        variant="chunked",
+    )  # fmt: skip
+    last = args.chunk_context - 1
+    print(
+        f"\nDecode, same shapes, context {args.chunk_context}: attention_chunk_size "
+        f"{args.chunk} (the query at {last} reads {last % args.chunk + 1} keys) vs full "
+        f"(median of {args.repeats})"
+    )
+    body = []
+    for r in crows:
+        if "skipped" in r:
+            body.append((r["backend"], "-", "-", f"refused: {r['skipped']}"))
+        else:
+            body.append(
+                (
+                    r["backend"],
+                    f"{r['full_ms']:.2f}",
+                    f"{r['window_ms']:.2f}",
+                    f"{r['window/full']:.3f}",
+                )
+            )
+    print(format_table(("backend", "full ms", "chunked ms", "chunked/full"), body))
     arows = accuracy_rows(args.seeds)
     print(
         "\nMax |error| vs float64 on the unquantised cache (torch backend, bf16 compute; FP8 "
@@ -275,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"isa": isa(), "decode": drows, "accuracy": arows}, f, indent=2)
+            json.dump(
+                {"isa": isa(), "decode": drows, "chunked": crows, "accuracy": arows}, f, indent=2
+            )
     return 0
 
 

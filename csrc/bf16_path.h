@@ -164,7 +164,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
       const int head = (it.kv_head + gi) * G + it.h0 + hh;
       std::memcpy(qr, qbase + (token * Hq + head) * D, sizeof(uint16_t) * size_t(D));
       bad[r] = row_not_finite(qr, D);
-      lim[r] = kv_len - q_len + it.q0 + jj;
+      lim[r] = P.noncausal ? kv_len - 1 : kv_len - q_len + it.q0 + jj;
       mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
       m[r] = kNegInf;
       l[r] = 0.0f;
@@ -285,7 +285,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
       }
       for (int r = gi * R1; r < (gi + 1) * R1; ++r) {
         float* sr = S + size_t(r) * BK;
-        post_scores(P, sr, n, k0, lim[r], mrow[r]);
+        if (post_scores(P, sr, n, k0, lim[r], mrow[r])) bad[r] = true;
         const __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
         const float bm = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
         const float mn = std::max(m[r], bm);
@@ -307,6 +307,10 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
         l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(w0, w1));
         m[r] = mn;
       }
+      guard_values<uint16_t>(P, lim, mrow, bad, gi * R1, (gi + 1) * R1, k0, n, vp, Dv);
+      // An odd block's last pair reads one key past the block (weight 0): a zero row, so a
+      // non-finite value there cannot reach any row.
+      if (n % 2) vp[n] = zero_row<uint16_t>();
       const int npairs = (n + 1) / 2;
       for (int r0 = gi * R1; r0 < (gi + 1) * R1; r0 += 8) {
         const int nr = std::min(8, (gi + 1) * R1 - r0);

@@ -32,7 +32,9 @@ typedef struct {
   float logit_cap;      // 0: off
   const float* sinks;   // NULL or [Hq], natural-log units
   float k_scale, v_scale;
-  int32_t causal;  // 1: bottom-right causal; 0: custom mask
+  int32_t causal;  // 1: bottom-right causal (or every key: noncausal); 0: custom mask
+  int32_t noncausal;   // without a mask: every row sees keys [0, kv_len)
+  int32_t chunk_size;  // 0: off (causal rows only; a custom mask has the chunk folded in)
   const int32_t* qo_indptr;
   const int32_t* kv_indptr;
   const int32_t* kv_indices;

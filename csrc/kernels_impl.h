@@ -137,10 +137,11 @@ static inline vf ld_fp8(const e5m2* p) {
 }
 static inline vf ld_fp8(const e4m3* p) {
   hvec h = NA_H(slli_epi16)(load_bytes_u16(p, true), 7);
-  // S.1111.111 (NaN): 0x3f80 | sign after the shift; all-ones is an fp16 NaN.
+  h = h_and(h, NA_H(set1_epi16)(short(0xbfff)));  // bit 14: a copy of the sign
+  // S.1111.111 (NaN, either sign): 0x3f80 | sign after the shift; all-ones is an fp16 NaN.
   const hvec nan = NA_H(cmpeq_epi16)(h_or(h, NA_H(set1_epi16)(short(0x8000))),
                                      NA_H(set1_epi16)(short(0xbf80)));
-  h = h_or(h_and(h, NA_H(set1_epi16)(short(0xbfff))), nan);
+  h = h_or(h, nan);
   return half_to_f32(h);  // 2^-8 x the value: kF8Unit folds the 2^8 into the scales
 }
 constexpr float kF8Unit = 256.0f;
@@ -270,6 +271,24 @@ static inline bool row_not_finite(const uint16_t* src, int n) {  // bf16 bit pat
   for (int i = 0; i < n; ++i) any |= unsigned((src[i] & 0x7f80u) == 0x7f80u);
   return any != 0;
 }
+static inline bool row_not_finite(const e4m3* src, int n) {  // S.1111.111 is NaN
+  unsigned any = 0;
+  for (int i = 0; i < n; ++i) any |= unsigned((uint8_t(src[i]) & 0x7fu) == 0x7fu);
+  return any != 0;
+}
+static inline bool row_not_finite(const e5m2* src, int n) {  // exponent 31: inf or NaN
+  unsigned any = 0;
+  for (int i = 0; i < n; ++i) any |= unsigned((uint8_t(src[i]) & 0x7cu) == 0x7cu);
+  return any != 0;
+}
+// A row of zeros in every element type (all-zero bits are +0 in each): what a key that some
+// row of a tile may not see contributes in place of its value row when that row is not
+// finite (p = 0 times NaN or inf would still be NaN).
+alignas(64) static const unsigned char kZeroRow[size_t(na::kMaxHeadDim) * sizeof(float)] = {};
+template <typename T>
+static inline const T* zero_row() {
+  return reinterpret_cast<const T*>(kZeroRow);
+}
 static inline void fill_nan(float* dst, int n) {
   std::fill(dst, dst + n, std::numeric_limits<float>::quiet_NaN());
 }
@@ -323,6 +342,8 @@ static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int R
   const int Hq = P.num_q_heads, Dv = P.v_head_dim;
   const float vscale = P.v_scale * f8_unit(P);
   inv *= vscale;  // FP8: V's dequantisation factor, applied once per output row
+  // A value row the row read held NaN or inf (invisible keys never reach acc: guard_values).
+  bad = bad || row_not_finite(row, Dv);
   if (it.slot < 0) {
     const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
     const int64_t token = P.qo_indptr[it.req] + it.q0 + jj;
@@ -330,9 +351,12 @@ static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int R
     OT* o = out + (token * Hq + head) * Dv;
     if (P.sinks != nullptr) {
       // The sink joins the denominator only: acc / (l + e^(sink - m)), in a common frame.
+      // A NaN sink gives a NaN row; +inf takes all the weight (the row is 0); -inf is no sink.
       const float sk = P.sinks[head] * kLog2e;
       const float big = std::max(m, sk);
-      if (big == kNegInf) {
+      if (sk != sk) {
+        bad = true;
+      } else if (sk == -kNegInf || big == kNegInf) {
         inv = 0.0f;
       } else {
         const float a = std::exp2(m - big);  // 0 when the row saw no key
@@ -372,10 +396,44 @@ static inline vf vcap(vf s, float cap2) {
   return as_vf(tb | sign) * cap2;
 }
 
+// The first key a causal row with limit lim sees: its window's or its chunk's start.
+static inline int64_t row_lo(const NaProblem& P, int lim) {
+  int64_t lo = 0;
+  if (P.window_left >= 0) lo = std::max<int64_t>(lo, int64_t(lim) - P.window_left);
+  if (P.chunk_size > 0) lo = std::max<int64_t>(lo, lim - lim % P.chunk_size);
+  return lo;
+}
+
+// Whether a row (causal limit lim, or custom mask row mrow) sees the key at position pos.
+static inline bool sees(const NaProblem& P, int lim, const uint8_t* mrow, int pos) {
+  if (!P.causal) return mrow[pos] != 0;
+  return pos <= lim && int64_t(pos) >= row_lo(P, lim);
+}
+
 // A block's scores of one row after q.k: the logit cap, then -inf for keys past the block,
-// past the row's causal limit, before its window, or outside its custom mask.
-static inline void post_scores(const NaProblem& P, float* sr, int n, int k0, int lim,
+// past the row's causal limit, before its window, or outside its custom mask. Returns true
+// when a key the row sees has a score that is not finite (NaN or inf in the key, or in q, or
+// an overflow): that row's output is NaN. Such scores become -inf first, so a key the row
+// does not see never reaches its softmax, whatever it holds.
+static inline bool post_scores(const NaProblem& P, float* sr, int n, int k0, int lim,
                                const uint8_t* mrow) {
+  bool bad = false;
+  {
+    vu nf = vu{};
+    for (int t = 0; t < BK; t += W) {
+      const vf x = ld(sr + t);
+      nf |= (vu)(!(x - x == 0.0f));
+    }
+    unsigned any = 0;
+    for (int i = 0; i < W; ++i) any |= nf[i];
+    if (any) {  // rare: find which, among the first n keys
+      for (int t = 0; t < n; ++t) {
+        if (sr[t] - sr[t] == 0.0f) continue;
+        bad = bad || sees(P, lim, mrow, k0 + t);
+        sr[t] = kNegInf;
+      }
+    }
+  }
   if (P.logit_cap > 0.0f) {
     const float cap2 = P.logit_cap * kLog2e;
     for (int t = 0; t < BK; t += W) st(sr + t, vcap(ld(sr + t), cap2));
@@ -383,14 +441,45 @@ static inline void post_scores(const NaProblem& P, float* sr, int n, int k0, int
   for (int t = n; t < BK; ++t) sr[t] = kNegInf;
   if (P.causal) {
     for (int t = std::max(0, lim + 1 - k0); t < n; ++t) sr[t] = kNegInf;
-    if (P.window_left >= 0) {
-      const int lo = lim - P.window_left;  // first visible key
-      for (int t = 0, e = std::min(n, lo - k0); t < e; ++t) sr[t] = kNegInf;
+    if (P.window_left >= 0 || P.chunk_size > 0) {
+      const int64_t lo = row_lo(P, lim);  // first visible key
+      for (int t = 0, e = int(std::min<int64_t>(n, lo - k0)); t < e; ++t) sr[t] = kNegInf;
     }
   } else {
     const uint8_t* mk = mrow + k0;
     for (int t = 0; t < n; ++t)
       if (!mk[t]) sr[t] = kNegInf;
+  }
+  return bad;
+}
+
+// Before p . V of one block for rows [r0, r1) (one kv head): a key that some of these rows
+// do not see has weight 0 for them, and 0 * NaN is NaN, so its value row is replaced by zeros
+// when it is not finite (keys no row sees: always), and the rows that do see it are marked
+// bad (NaN output, the rule for a value row read). vp[t]: key t's value row, of type T.
+template <typename T>
+static inline void guard_values(const NaProblem& P, const int* lim, const uint8_t* const* mrow,
+                                bool* bad, int r0, int r1, int k0, int n, const T** vp, int Dv) {
+  int lo_lim = INT32_MAX, hi_lim = INT32_MIN;
+  if (P.causal) {
+    for (int r = r0; r < r1; ++r) {
+      lo_lim = std::min(lo_lim, lim[r]);
+      hi_lim = std::max(hi_lim, lim[r]);
+    }
+    // Every key of the block seen by every row: nothing to guard (the common case). row_lo
+    // grows with the limit, so the latest row has the latest first key.
+    if (k0 + n - 1 <= lo_lim && int64_t(k0) >= row_lo(P, hi_lim)) return;
+  }
+  for (int t = 0; t < n; ++t) {
+    const int pos = k0 + t;
+    int seen = 0;
+    for (int r = r0; r < r1; ++r) seen += sees(P, lim[r], mrow[r], pos);
+    if (seen == r1 - r0) continue;
+    if (seen > 0) {
+      if (!row_not_finite(vp[t], Dv)) continue;
+      for (int r = r0; r < r1; ++r) bad[r] = bad[r] || sees(P, lim[r], mrow[r], pos);
+    }
+    vp[t] = zero_row<T>();
   }
 }
 
@@ -525,7 +614,7 @@ static void init_rows(const NaProblem& P, const NaItem& it, int R, int R1, int n
     load_row(qr, qbase + (token * Hq + head) * D, D, Dp);
     bad[r] = row_not_finite(qbase + (token * Hq + head) * D, D);
     for (int c = 0; c < Dp; ++c) qr[c] *= qscale;
-    lim[r] = kv_len - q_len + it.q0 + jj;
+    lim[r] = P.noncausal ? kv_len - 1 : kv_len - q_len + it.q0 + jj;
     mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
     m[r] = kNegInf;
     l[r] = 0.0f;
@@ -650,7 +739,7 @@ static int fused_item(const NaProblem& P, const NaItem& it) {
       }
       for (int r = rb; r < rb + R1; ++r) {
         float* sr = S + size_t(r) * BK;
-        post_scores(P, sr, n, k0, lim[r], mrow[r]);
+        if (post_scores(P, sr, n, k0, lim[r], mrow[r])) bad[r] = true;
         vf mv = ld(sr);
         for (int t = W; t < BK; t += W) mv = vmax(mv, ld(sr + t));
         const float mn = std::max(m[r], hmax(mv));
@@ -668,6 +757,11 @@ static int fused_item(const NaProblem& P, const NaItem& it) {
         }
         l[r] = l[r] * alpha[r] + hsum(psum);
         m[r] = mn;
+      }
+      if (widen) {
+        guard_values<float>(P, lim, mrow, bad, rb, rb + R1, k0, n, vf_, Dv);
+      } else {
+        guard_values<KT>(P, lim, mrow, bad, rb, rb + R1, k0, n, vp, Dv);
       }
       for (int r0 = 0; r0 < R1; r0 += 4) {
         const int nr = std::min(4, R1 - r0);
@@ -763,8 +857,11 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
         for (int c = 0; c < Dp; c += W) a += ld(qr + c) * ld(kp + c);
         sr[t] = hsum(a);
       }
-      post_scores(P, sr, n, k0, lim[r], mrow[r]);
+      if (post_scores(P, sr, n, k0, lim[r], mrow[r])) bad[r] = true;
     }
+    const float* vrows[BK];
+    for (int t = 0; t < n; ++t) vrows[t] = V + size_t(t) * vstride;
+    guard_values<float>(P, lim, mrow, bad, gi * R1, (gi + 1) * R1, k0, n, vrows, Dv);
     // Online softmax: one max/rescale per row per block, then acc += p . V.
     for (int r = gi * R1; r < (gi + 1) * R1; ++r) {
       float* sr = S + size_t(r) * BK;
@@ -786,7 +883,7 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
       for (; c + 2 * W <= Dvp; c += 2 * W) {
         vf a0 = ld(ar + c) * alpha, a1 = ld(ar + c + W) * alpha;
         for (int t = 0; t < n; ++t) {
-          const float* vp = V + size_t(t) * vstride + c;
+          const float* vp = vrows[t] + c;
           a0 += sr[t] * ld(vp);
           a1 += sr[t] * ld(vp + W);
         }
@@ -795,7 +892,7 @@ static int item_impl(const NaProblem& P, const NaItem& it) {
       }
       for (; c < Dvp; c += W) {
         vf a = ld(ar + c) * alpha;
-        for (int t = 0; t < n; ++t) a += sr[t] * ld(V + size_t(t) * vstride + c);
+        for (int t = 0; t < n; ++t) a += sr[t] * ld(vrows[t] + c);
         st(ar + c, a);
       }
     }
@@ -845,7 +942,14 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
       float wsum = 0.0f;
       // The sink joins the denominator once, here (the splits' partials have none).
       const float sk = P.sinks != nullptr ? P.sinks[head] * kLog2e : kNegInf;
+      if (sk != sk) {  // a NaN sink: a NaN row (the rule of finish_row)
+        fill_nan(static_cast<QT*>(P.out) + (token * Hq + head) * Dv, Dv);
+        continue;
+      }
       mx = std::max(mx, sk);
+      if (sk == -kNegInf) {  // a +inf sink takes all the weight: the row is 0
+        mx = kNegInf;
+      }
       if (mx != kNegInf) {
         if (P.sinks != nullptr) wsum = std::exp2(sk - mx);
         for (int s = 0; s < mg.nsplit; ++s) {

@@ -147,7 +147,7 @@ int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
 extern "C" {
 
-int32_t na_abi_version(void) { return 3; }
+int32_t na_abi_version(void) { return 4; }
 
 const char* na_isa(void) { return kernels()->name; }
 
@@ -191,7 +191,8 @@ bool same_config(const NaConfig& a, const NaConfig& b) {
   return a.kind == b.kind && a.q_dtype == b.q_dtype && a.kv_dtype == b.kv_dtype &&
          a.num_q_heads == b.num_q_heads && a.num_kv_heads == b.num_kv_heads &&
          a.head_dim == b.head_dim && a.v_head_dim == b.v_head_dim && a.page_size == b.page_size &&
-         a.window_left == b.window_left && a.logit_cap == b.logit_cap;
+         a.window_left == b.window_left && a.logit_cap == b.logit_cap &&
+         a.causal == b.causal && a.chunk_size == b.chunk_size;
 }
 
 bool config_ok(const NaConfig& c) {
@@ -199,7 +200,9 @@ bool config_ok(const NaConfig& c) {
   if (c.kind != NA_MHA && c.kind != NA_MLA) return false;
   if (!dtype_ok(c.q_dtype)) return false;
   if (!dtype_ok(c.kv_dtype) && c.kv_dtype != NA_E4M3 && c.kv_dtype != NA_E5M2) return false;
-  if (c.window_left < -1) return false;
+  if (c.window_left < -1 || c.chunk_size < 0 || (c.causal != 0 && c.causal != 1)) return false;
+  // A non-causal layer sees every key: no window or chunk (AttnConfig refuses them too).
+  if (!c.causal && (c.window_left >= 0 || c.chunk_size > 0)) return false;
   if (!(c.logit_cap >= 0.0f && c.logit_cap <= 3.0e38f)) return false;  // also refuses NaN
   if (c.num_q_heads <= 0 || c.num_kv_heads <= 0 || c.num_q_heads % c.num_kv_heads) return false;
   if (c.head_dim <= 0 || c.head_dim > na::kMaxHeadDim || c.v_head_dim <= 0 ||
@@ -260,6 +263,26 @@ int validate(NaPlan& P, const int32_t* qo, const int32_t* kvp, const int32_t* id
     for (int i = 0; i < B; ++i) {
       P.mask_indptr[i + 1] = P.mask_indptr[i] + int64_t(qo[i + 1] - qo[i]) * lens[i];
     }
+    // A chunk on a custom (tree) mask: a query at sequence position p (its allowed keys - 1)
+    // keeps the keys of its own chunk, the last p % chunk + 1 it allows (the reference's
+    // chunk_tree_mask); folded in before the window, once per plan.
+    const int64_t ck = P.cfg.chunk_size;
+    if (ck > 0) {
+      for (int i = 0; i < B; ++i) {
+        const int64_t kl = lens[i];
+        for (int64_t j = 0; j < int64_t(qo[i + 1] - qo[i]); ++j) {
+          uint8_t* row = P.mask.data() + P.mask_indptr[i] + j * kl;
+          int64_t count = 0;
+          for (int64_t t = 0; t < kl; ++t) count += row[t] != 0;
+          const int64_t keep = count > 0 ? (count - 1) % ck + 1 : 0;
+          int64_t seen = 0;
+          for (int64_t t = kl - 1; t >= 0; --t) {
+            if (!row[t]) continue;
+            if (++seen > keep) row[t] = 0;
+          }
+        }
+      }
+    }
     // A window on a custom (tree) mask: each query keeps the window_left + 1 most recent keys
     // its mask allows (the reference's window_tree_mask), folded in once per plan.
     const int64_t w = P.cfg.window_left;
@@ -280,13 +303,20 @@ int validate(NaPlan& P, const int32_t* qo, const int32_t* kvp, const int32_t* id
   return 0;
 }
 
-// The first key any query in [q0, q1) of request i may see: 0 without a window.
+// The first key any query in [q0, q1) of request i may see: 0 without a window or chunk.
 int first_key(const NaPlan& P, int i, int q0, int q1) {
-  const int64_t w = P.cfg.window_left;
-  if (w < 0) return 0;
+  const int64_t w = P.cfg.window_left, ck = P.cfg.chunk_size;
+  if (w < 0 && ck <= 0) return 0;
   const int q_len = P.qo[i + 1] - P.qo[i];
   const int kv_len = P.lens[i];
-  if (P.causal) return int(std::max<int64_t>(0, int64_t(kv_len) - q_len + q0 - w));
+  if (P.causal) {
+    // The block's first query has the earliest limit: its window or chunk start.
+    const int64_t lim = int64_t(kv_len) - q_len + q0;
+    int64_t lo = 0;
+    if (w >= 0) lo = std::max(lo, lim - w);
+    if (ck > 0) lo = std::max(lo, lim - lim % ck);
+    return int(lo);
+  }
   int first = kv_len;
   for (int j = q0; j < q1; ++j) {
     const uint8_t* row = P.mask.data() + P.mask_indptr[i] + int64_t(j) * kv_len;
@@ -340,8 +370,9 @@ int make_items(NaPlan& P) {
           const int q1 = std::min(q_len, q0 + qb);
           const int rows = (g1 - g) * (h1 - h0) * (q1 - q0);
           // Causal: the tile's last query sees keys [0, kv_len - q_len + q1).
-          const int kend =
-              P.causal ? std::max(0, std::min(kv_len, kv_len - q_len + q1)) : kv_len;
+          const int kend = P.causal && P.cfg.causal
+                               ? std::max(0, std::min(kv_len, kv_len - q_len + q1))
+                               : kv_len;
           // Sliding window: keys before the first one any row of the tile may see are never
           // read (whole pages outside the window are skipped; decode reads window_left + 1).
           const int kstart = std::min(kend, first_key(P, i, q0, q1));
@@ -422,15 +453,28 @@ void na_plan_info(const NaPlan* P, NaPlanInfo* info) {
                      int64_t(P->merges.size()), P->scratch_rows};
 }
 
-int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, const void* k, const void* v,
-           void* out, int64_t k_pages, int64_t v_pages, float sm_scale, const float* sinks,
+int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, int64_t q_numel,
+           const void* k, int64_t k_numel, const void* v, int64_t v_numel, void* out,
+           int64_t out_numel, float sm_scale, const float* sinks, int64_t sinks_numel,
            float k_scale, float v_scale, int32_t num_threads) {
   if (plan == nullptr || cfg == nullptr || !same_config(plan->cfg, *cfg)) return -1;
   const NaConfig& c = plan->cfg;
   const bool mla = c.kind == NA_MLA;
   if (plan->items.empty()) return 0;
   if (q == nullptr || k == nullptr || out == nullptr || (!mla && v == nullptr)) return -1;
-  if (plan->max_page >= k_pages || (!mla && plan->max_page >= v_pages)) return -1;
+  // Every row and page the plan names must lie inside the tensors given (64-bit products:
+  // the factors are int32, so no overflow).
+  const int64_t T = plan->num_tokens, Hq = c.num_q_heads;
+  if (q_numel < 0 || T * Hq * c.head_dim > q_numel) return -1;
+  if (out_numel < 0 || T * Hq * c.v_head_dim > out_numel) return -1;
+  const int64_t pages = plan->max_page + 1;
+  const int64_t k_page = int64_t(c.page_size) * (mla ? 1 : c.num_kv_heads) * c.head_dim;
+  if (k_numel < 0 || pages * k_page > k_numel) return -1;
+  if (!mla && (v_numel < 0 || pages * int64_t(c.page_size) * c.num_kv_heads * c.v_head_dim >
+                                  v_numel)) {
+    return -1;
+  }
+  if (sinks != nullptr && sinks_numel < Hq) return -1;
   NaProblem p{};
   p.q = q;
   p.k = k;
@@ -452,6 +496,8 @@ int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, const void* k
   p.k_scale = fp8 ? k_scale : 1.0f;
   p.v_scale = fp8 ? (mla ? k_scale : v_scale) : 1.0f;
   p.causal = plan->causal;
+  p.noncausal = plan->causal && !c.causal;
+  p.chunk_size = c.chunk_size;
   p.qo_indptr = plan->qo.data();
   p.kv_indptr = plan->kvp.data();
   p.kv_indices = plan->idx.data();

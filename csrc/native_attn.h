@@ -27,6 +27,8 @@ typedef struct {
   int32_t split_target;  // split-KV aims for at least this many work items
   int32_t window_left;   // -1: full attention; else a query at p sees keys p-window_left ..= p
   float logit_cap;       // 0: off; else s = cap * tanh(s / cap) after scaling
+  int32_t causal;        // 1: bottom-right causal (without a custom mask); 0: every key
+  int32_t chunk_size;    // 0: off; else a query at p sees keys (p / chunk) * chunk ..= p
 } NaConfig;
 
 // Why na_plan_create refused a batch: `field` (NA_E_*), the request (-1: none) and values.
@@ -66,14 +68,18 @@ NA_API void na_plan_info(const NaPlan* plan, NaPlanInfo* info);
 
 // Runs one layer. q [T, Hq, D], k [k_pages, ps, Hkv, D] (MLA: [k_pages, ps, D]),
 // v [v_pages, ps, Hkv, Dv] (MLA: NULL), out [T, Hq, Dv], all contiguous, dtypes as cfg.
-// sinks: NULL or float32 [Hq] (one logit per q head, joins the softmax denominator only).
-// k_scale / v_scale: FP8 caches' dequantisation factors (1 otherwise; MLA uses k_scale for
-// the latent, V included).
-// Returns 0; -1 bad arguments (config differs from the plan's, a page past the cache);
-// -2 out of memory.
-NA_API int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, const void* k,
-                  const void* v, void* out, int64_t k_pages, int64_t v_pages, float sm_scale,
-                  const float* sinks, float k_scale, float v_scale, int32_t num_threads);
+// *_numel: the number of elements each tensor holds. The kernels never index past them,
+// whatever the plan says: a plan whose tokens, pages or heads do not fit the tensors given
+// (a plan made for another batch, a forged handle) is refused before any kernel runs.
+// sinks: NULL or float32 [sinks_numel >= Hq] (one logit per q head, joins the softmax
+// denominator only). k_scale / v_scale: FP8 caches' dequantisation factors (1 otherwise; MLA
+// uses k_scale for the latent, V included).
+// Returns 0; -1 bad arguments (config differs from the plan's, a tensor too small for the
+// plan); -2 out of memory.
+NA_API int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, int64_t q_numel,
+                  const void* k, int64_t k_numel, const void* v, int64_t v_numel, void* out,
+                  int64_t out_numel, float sm_scale, const float* sinks, int64_t sinks_numel,
+                  float k_scale, float v_scale, int32_t num_threads);
 
 // Instruction-set path: name of the one in use, and forcing one ("generic", "avx2",
 // "avx512", "avx512bf16"); returns 0 when set, -1 when this CPU/build lacks it.

@@ -74,6 +74,12 @@ class KernelCase:
     kv_dtype: str | None = None
     k_scale: float = 1.0
     v_scale: float = 1.0
+    # With trees: per request, prefix positions its custom mask hides from every draft node
+    # (a mask that is not a plain tree; the window then counts only the keys it allows).
+    hidden_prefix: tuple[tuple[int, ...], ...] | None = None
+    # Attention types: non-causal (every key of the request) and chunked local attention.
+    causal: bool = True
+    chunk: int | None = None
 
     @property
     def kv_lens(self) -> tuple[int, ...]:
@@ -138,7 +144,8 @@ def variant_cases(
 ) -> KernelCase:
     """``kernel_cases`` plus the variants and FP8 caches in ``served``: windows from 0 to
     larger than any context, caps from tight (0.5, most scores saturate) to loose, sinks,
-    and FP8 caches in both formats with scales other than 1."""
+    FP8 caches in both formats with scales other than 1, and the attention types: chunks
+    from 1 to larger than any context, and non-causal layers (never with a window or chunk)."""
     base = draw(kernel_cases(kind=kind, phase=phase, limits=limits))
     window = cap = None
     if "window" in served.variants and draw(st.booleans()):
@@ -146,6 +153,11 @@ def variant_cases(
     if "logit_cap" in served.variants and draw(st.booleans()):
         cap = draw(st.sampled_from((0.5, 2.0, 30.0)))
     sinks = "sinks" in served.variants and draw(st.booleans())
+    chunk, causal = None, True
+    if "chunked" in served.variants and draw(st.booleans()):
+        chunk = draw(st.sampled_from((1, 3, 16)) | st.integers(1, 80) | st.just(100_000))
+    if "non_causal" in served.variants and window is None and chunk is None:
+        causal = draw(st.integers(0, 3)) != 0  # non-causal one time in four
     kv_dtype, k_scale, v_scale = None, 1.0, 1.0
     if served.fp8 and draw(st.booleans()):
         kv_dtype = draw(st.sampled_from(served.fp8))
@@ -159,7 +171,35 @@ def variant_cases(
         kv_dtype=kv_dtype,
         k_scale=k_scale,
         v_scale=v_scale,
+        causal=causal,
+        chunk=chunk,
     )
+
+
+@st.composite
+def poisoned_cases(
+    draw: Any, *, kind: str, limits: Limits = DEFAULT_LIMITS
+) -> tuple[KernelCase, tuple[int, ...], float | None, float | None]:
+    """A kernel case in any phase with any variant (window, cap, sinks, FP8), trees whose
+    mask may hide prefix keys, one protected query row per request, and the poison written
+    into K and V of every slot that row cannot see (None: that tensor left clean)."""
+    phase = draw(st.sampled_from(list(Phase)))
+    served = Served(
+        variants=frozenset({"window", "logit_cap", "sinks", "non_causal", "chunked"}),
+        fp8=("float8_e4m3fn", "float8_e5m2"),
+    )
+    case = draw(variant_cases(kind=kind, phase=phase, served=served, limits=limits))
+    if case.trees is not None and draw(st.booleans()):
+        hidden = tuple(
+            tuple(sorted(draw(st.sets(st.integers(0, p - 1), max_size=p)))) if p else ()
+            for p in case.prefix_lens
+        )
+        case = dataclasses.replace(case, hidden_prefix=hidden)
+    protect = tuple(draw(st.integers(0, q - 1)) for q in case.q_lens)
+    values = st.sampled_from((float("nan"), float("inf"), float("-inf")))
+    k_val = draw(st.none() | values)
+    v_val = draw(values) if k_val is None else draw(st.none() | values)
+    return case, protect, k_val, v_val
 
 
 # ---------------------------------------------------------------------------------------------

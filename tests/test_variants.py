@@ -27,7 +27,8 @@ from tests.strategies import FakeBatch
 from tests.strategies import mha_config
 from tests.strategies import mla_config
 
-ALL = {"window", "logit_cap", "sinks"}
+LAYER_VARIANTS = {"window", "logit_cap", "sinks"}
+ALL = {*LAYER_VARIANTS, "non_causal", "chunked"}
 FP8 = ("float8_e4m3fn", "float8_e5m2")
 
 # -- A: config fields ---------------------------------------------------------------------------
@@ -42,7 +43,7 @@ def test_defaults_use_no_variant() -> None:
 
 def test_variants_named() -> None:
     c = mha_config(window_left=0, logit_cap=30, sinks=True)
-    assert c.variants == ALL
+    assert c.variants == LAYER_VARIANTS
     assert c.logit_cap == 30.0 and isinstance(c.logit_cap, float)
     assert mha_config(window_left=4095).variants == {"window"}
 
@@ -215,6 +216,72 @@ def test_served_by_none(registry_snapshot: object) -> None:
         bind("plain", cfg)
     assert "'torch'" in str(info.value)
     assert "'plain'" not in str(info.value).split("served in phase 'decode' by:")[1].split("\n")[0]
+
+
+# -- attention types (issue 27): non-causal and chunked local attention -------------------------
+
+
+def test_attention_type_fields() -> None:
+    assert mha_config().causal and mha_config().attention_chunk_size is None
+    assert mha_config(causal=False).variants == {"non_causal"}
+    assert mha_config(attention_chunk_size=8192).variants == {"chunked"}
+    both = mha_config(attention_chunk_size=16, window_left=3, sinks=True)
+    assert both.variants == {"chunked", "window", "sinks"}
+    mla = mla_config(attention_chunk_size=64, mha_head_dim=192, mha_v_head_dim=128)
+    assert mla.decompressed().attention_chunk_size == 64
+    assert not mla_config(causal=False, mha_head_dim=192, mha_v_head_dim=128).decompressed().causal
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        (dict(attention_chunk_size=0), "attention_chunk_size"),
+        (dict(attention_chunk_size=-4), "attention_chunk_size"),
+        (dict(attention_chunk_size=2.0), "attention_chunk_size"),
+        (dict(attention_chunk_size=True), "attention_chunk_size"),
+        (dict(causal=0), "causal"),
+        (dict(causal=False, window_left=4), "causal"),
+        (dict(causal=False, attention_chunk_size=4), "causal"),
+    ],
+)
+def test_attention_type_fields_refused(changes: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidSpecError) as info:
+        mha_config(**changes)
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize("variant", ["non_causal", "chunked"])
+def test_attention_types_refusal_names_who_serves(registry_snapshot: object, variant: str) -> None:
+    register_backend(
+        "plain", capabilities=Capabilities(kinds={"mha"}, devices={"cpu"}), factory=_Recorder
+    )
+    cfg = (
+        mha_config(causal=False) if variant == "non_causal" else mha_config(attention_chunk_size=8)
+    )
+    with pytest.raises(IncompatibleBackendError) as info:
+        bind("plain", cfg)
+    text = str(info.value)
+    detail = "causal=False" if variant == "non_causal" else "attention_chunk_size=8"
+    assert detail in text
+    served = text.split(f"variant {variant!r} is served in phase 'prefill' by:")[1].split("\n")[0]
+    for name in ("'torch'", "'native'", "'triton'"):
+        assert name in served
+    assert "'plain'" not in served
+
+
+def test_flashinfer_declares_non_causal_and_refuses_chunks_with_reason() -> None:
+    caps = list_backends()["flashinfer"]
+    assert "non_causal" in caps.variants_for(Phase.PREFILL)
+    cfg = AttnConfig(
+        "mha", 8, 2, 128, 128, dtype="bfloat16", page_size=16, device="cuda",
+        sm_scale=0.1, attention_chunk_size=8192,
+    )  # fmt: skip
+    why = " ".join(caps.config_reasons(cfg, Phase.PREFILL))
+    assert "chunk" in why and "not served" in why
+    assert (
+        caps.config_reasons(cfg.replace(attention_chunk_size=None, causal=False), Phase.PREFILL)
+        == []
+    )
 
 
 # -- C/D: attention() keywords and the handler call convention ---------------------------------

@@ -63,6 +63,14 @@ def main() -> int:
             every | {"fp8": "float8_e5m2"},
         ),
     ]
+    # The attention types' branches (kernel-level constants; the config refuses the mix).
+    cases.append(
+        (
+            "gqa 32/8x128 chunked+non-causal",
+            AttnConfig("mha", 32, 8, 128, 128, dtype="bfloat16", page_size=64),
+            {"chunk_size": 8192, "causal": False},
+        )
+    )
     for label, cfg, variant in cases:
         kc = kernel_config(cfg, {}, device=torch.device("cuda"), num_sms=132, interpreting=False)
         fp8 = variant.pop("fp8", None)

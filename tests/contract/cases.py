@@ -54,6 +54,8 @@ def config_of(case: KernelCase, device: str = "cpu") -> AttnConfig:
         logit_cap=case.logit_cap,
         sinks=case.sinks,
         kv_dtype=case.kv_dtype,
+        causal=case.causal,
+        attention_chunk_size=case.chunk,
     )
 
 
@@ -89,6 +91,8 @@ def materialise(case: KernelCase, device: str = "cpu") -> Materialised:
     masks = None
     if case.trees is not None:
         masks = [tree_mask(list(tr), p) for tr, p in zip(case.trees, case.prefix_lens, strict=True)]
+        for mask, hidden in zip(masks, case.hidden_prefix or (), strict=False):
+            mask[:, list(hidden)] = False
     batch = AttnBatch.build(
         case.phase,
         q_lens=list(case.q_lens),
@@ -120,6 +124,34 @@ def materialise(case: KernelCase, device: str = "cpu") -> Materialised:
     return m
 
 
+def visible_keys(m: Materialised, i: int) -> torch.Tensor:
+    """bool ``[q_len, kv_len]`` of request ``i``: which keys each of its queries sees (its
+    mask, or causal; then the window keeps the last ``window_left + 1`` of those)."""
+    c = m.config
+    qo = m.batch.qo_indptr_host.tolist()
+    kl = int(m.batch.kv_lens_host[i])
+    ql = qo[i + 1] - qo[i]
+    if m.masks is not None:
+        allowed = m.masks[i].clone()
+    elif not c.causal:
+        allowed = torch.ones(ql, kl, dtype=torch.bool)
+    else:
+        allowed = torch.zeros(ql, kl, dtype=torch.bool)
+        for j in range(ql):
+            allowed[j, : kl - ql + j + 1] = True
+    if c.attention_chunk_size is not None:
+        # A query at sequence position p (its allowed keys - 1) sees (p // C) * C ..= p.
+        for j in range(ql):
+            seen = allowed[j].nonzero().flatten()
+            p = len(seen) - 1
+            allowed[j, seen[: p - p % c.attention_chunk_size]] = False
+    if c.window_left is not None:
+        for j in range(ql):
+            seen = allowed[j].nonzero().flatten()
+            allowed[j, seen[: max(0, len(seen) - (c.window_left + 1))]] = False
+    return allowed
+
+
 def naive_attention(m: Materialised) -> torch.Tensor:
     """Plain per-request, per-head attention in float64 with a dense mask, on the dequantised
     cache, with the layer variants written out the simplest way (DESIGN.md, "Layer
@@ -142,17 +174,7 @@ def naive_attention(m: Materialised) -> torch.Tensor:
         ql = qo[i + 1] - qo[i]
         pages = [table[t // ps] for t in range(kl)]
         slots = [t % ps for t in range(kl)]
-        if m.masks is not None:
-            allowed = m.masks[i]
-        else:
-            allowed = torch.zeros(ql, kl, dtype=torch.bool)
-            for j in range(ql):
-                allowed[j, : kl - ql + j + 1] = True
-        if c.window_left is not None:
-            allowed = allowed.clone()
-            for j in range(ql):
-                seen = allowed[j].nonzero().flatten()
-                allowed[j, seen[: max(0, len(seen) - (c.window_left + 1))]] = False
+        allowed = visible_keys(m, i)
         for h in range(c.num_q_heads):
             kvh = h // c.group_size
             if c.kind == "mla":

@@ -158,6 +158,8 @@ def served(backend: str, kind: str, phase: Phase) -> tuple[Served, list[str]]:
         "window": dict(window_left=4),
         "logit_cap": dict(logit_cap=5.0),
         "sinks": dict(sinks=True),
+        "non_causal": dict(causal=False),
+        "chunked": dict(chunk=8),
         **{f: dict(kv_dtype=f) for f in FP8_FORMATS},
     }
     ok: list[str] = []
@@ -167,7 +169,7 @@ def served(backend: str, kind: str, phase: Phase) -> tuple[Served, list[str]]:
         found = caps.config_reasons(cfg, phase)
         (why.extend(found) if found else ok.append(name))
     return Served(
-        variants=frozenset(ok) & {"window", "logit_cap", "sinks"},
+        variants=frozenset(ok) & {"window", "logit_cap", "sinks", "non_causal", "chunked"},
         fp8=tuple(f for f in FP8_FORMATS if f in ok),
     ), why
 
@@ -348,6 +350,56 @@ def test_variants_match_naive_reference(backend: str, kind: str, phase: Phase) -
 
 
 VARIANT_EDGES = {
+    # attention types (issue 27): non-causal (encoders) and chunked local attention (Llama 4)
+    "non-causal-prefill": _case(q_lens=(6, 2), prefix_lens=(10, 0), causal=False),
+    "non-causal-decode": _case(
+        phase=Phase.DECODE, q_lens=(1, 1), prefix_lens=(40, 3), causal=False
+    ),
+    "non-causal-tree": _case(
+        phase=Phase.VERIFY, q_lens=(4,), prefix_lens=(9,), trees=((-1, 0, 0, 1),), causal=False
+    ),
+    "non-causal-cap-sinks-fp8": _case(
+        q_lens=(5,),
+        prefix_lens=(20,),
+        causal=False,
+        logit_cap=2.0,
+        sinks=True,
+        kv_dtype="float8_e4m3fn",
+        k_scale=0.5,
+        v_scale=2.0,
+        dtype="bfloat16",
+    ),
+    "chunk-prefill-crosses-chunks": _case(q_lens=(20, 3), prefix_lens=(9, 30), chunk=8),
+    "chunk-decode-skips-pages": _case(
+        phase=Phase.DECODE, q_lens=(1, 1, 1), prefix_lens=(300, 63, 64), chunk=64
+    ),
+    "chunk-1": _case(q_lens=(4,), prefix_lens=(5,), chunk=1),
+    "chunk-tree": _case(
+        phase=Phase.VERIFY, q_lens=(5,), prefix_lens=(6,), trees=((-1, 0, 1, 0, 3),), chunk=4
+    ),
+    "chunk-window-cap-sinks-fp8": _case(
+        q_lens=(12, 1),
+        prefix_lens=(21, 40),
+        chunk=8,
+        window_left=5,
+        logit_cap=2.0,
+        sinks=True,
+        kv_dtype="float8_e5m2",
+        k_scale=0.5,
+        v_scale=2.0,
+        dtype="bfloat16",
+    ),
+    "chunk-mla-decode": _case(
+        kind="mla",
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim=80,
+        v_head_dim=64,
+        phase=Phase.DECODE,
+        q_lens=(1, 1),
+        prefix_lens=(70, 5),
+        chunk=16,
+    ),
     "window-0-prefill": _case(q_lens=(5,), prefix_lens=(20,), window_left=0),
     "window-beyond-context": _case(q_lens=(3, 1), prefix_lens=(40, 2), window_left=10_000),
     "window-decode-skips-pages": _case(

@@ -223,6 +223,14 @@ def _cuda_major(config: AttnConfig) -> int | None:
 
 def _check_variants(config: AttnConfig, phase: Phase) -> Iterable[str]:
     # Why these are not declared (the core's reason only names the variant).
+    if config.attention_chunk_size is not None:
+        yield (
+            "FlashInfer 0.7's paged prefill/decode and MLA plans have no chunked local "
+            "attention (no chunk size; window_left is a sliding window, not a chunk, and a "
+            "per-forward custom mask would cost the causal kernels), so "
+            f"attention_chunk_size={config.attention_chunk_size!r} is not served "
+            f"({_ALTERNATIVES})"
+        )
     if config.sinks:
         yield (
             "FlashInfer 0.7 applies attention sinks only in its trtllm-gen (sm100), cuDNN and "
@@ -356,7 +364,9 @@ CAPABILITIES = Capabilities(
     kv_dtypes=frozenset({"float16", "bfloat16", *_FP8}),
     # window_left / logits_soft_cap of the paged prefill and decode plans (MHA; MLA refused
     # in _check_variants). Sinks are not declared: see _check_variants.
-    variants=frozenset({"window", "logit_cap"}),
+    # causal=False: the prefill plans' causal=False (decode is unchanged). Chunked local
+    # attention is not declared: see _check_variants.
+    variants=frozenset({"window", "logit_cap", "non_causal"}),
     head_dims=None,  # dims are checked in pairs below (MHA) or as latent/rope (MLA)
     v_head_dims=None,
     page_sizes=None,  # fa2/fa3 paged kernels take any positive page size at run time

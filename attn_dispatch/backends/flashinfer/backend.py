@@ -19,7 +19,8 @@ Variants: ``window_left`` and ``logit_cap`` go to the MHA plans as ``window_left
 and ``logits_soft_cap`` (0 = off); an FP8 cache plans with ``kv_data_type`` and runs with
 ``k_scale``/``v_scale`` (MHA) or, MLA e4m3fn on SM90, ``scale_mode="kv-per-tensor"`` and
 ``ckv_scale = kpe_scale = k_scale``. Sinks, and window / cap for MLA, are refused at bind (see
-the light module's ``_check_variants``).
+the light module's ``_check_variants``). ``causal=False`` plans prefill and verify with
+``causal=False`` (MHA and MLA); ``attention_chunk_size`` is refused at bind.
 
 Example (needs a CUDA GPU)::
 
@@ -321,8 +322,9 @@ class _Route(abc.ABC):
 
 def _window(config: AttnConfig) -> int:
     # FlashInfer's window_left has our meaning (keys p - window_left ..= p); -1 = full.
+    # FlashInfer holds it as int32: a window reaching past any int32 position is full.
     w = config.window_left
-    return -1 if w is None else int(w)
+    return -1 if w is None or w >= 2**31 - 1 else int(w)
 
 
 def _soft_cap(config: AttnConfig) -> float:
@@ -416,7 +418,9 @@ class _PrefillRoute(_MHARoute):
                 head_dim_vo=cfg.v_head_dim,
                 page_size=cfg.page_size,
                 custom_mask=None if mask is None else mask.reshape(-1),
-                causal=mask is None,
+                # causal=False (encoder layers): every key of the request, FlashInfer's own
+                # non-causal prefill.
+                causal=mask is None and cfg.causal,
                 sm_scale=sm_scale,
                 window_left=window,
                 logits_soft_cap=_soft_cap(cfg),
@@ -730,7 +734,7 @@ class FlashInferBackend(TorchBackendBase):
                 for other, r in self._routes.items():
                     if other is not Phase.DECODE:
                         return r
-            return _MLARoute(self, causal=phase is not Phase.DECODE)
+            return _MLARoute(self, causal=phase is not Phase.DECODE and cfg.causal)
         if phase is Phase.DECODE and cfg.head_dim == cfg.v_head_dim:
             return _DecodeRoute(self)
         for r in self._routes.values():

@@ -8,7 +8,9 @@ output has q's dtype; accumulation is fp32 (16-bit values are widened in registe
 caches (``float8_e4m3fn``, ``float8_e5m2``) with per-call ``k_scale``/``v_scale``, MHA/GQA and
 MLA, every phase, converted to fp32 in registers. Layer variants ``window``, ``logit_cap`` and
 ``sinks`` in every phase (a window skips the pages wholly outside it; on a tree-verify mask it
-keeps the ``window_left + 1`` most recent keys each query's mask allows). Any page size.
+keeps the ``window_left + 1`` most recent keys each query's mask allows). Attention types
+``non_causal`` (``causal=False``) and ``chunked`` (``attention_chunk_size``; pages before a
+query block's chunk are skipped) in every phase. Any page size.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ CAPABILITIES = Capabilities(
     checks=(_check_dims,),
     availability=(_availability,),
     forms={"prefill": {"mla", "mha"}, "decode": {"mla"}, "verify": {"mla"}},
-    variants={"window", "logit_cap", "sinks"},
+    variants={"window", "logit_cap", "sinks", "non_causal", "chunked"},
     description=(
         "C++ CPU kernels (csrc/): paged decode and prefix+causal/custom-mask extend, split-KV, "
         "bf16/fp16/FP8 caches converted in registers, sliding window, logit cap, sinks, "

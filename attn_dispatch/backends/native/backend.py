@@ -47,6 +47,7 @@ _E_FIELDS = {
 # Split-KV aims for at least this many work items whatever the thread count, so plans (and
 # therefore results, bit for bit) are the same for 1..8 threads; more threads raise it.
 SPLIT_FLOOR = 32
+_INT32_MAX = 2**31 - 1
 
 
 class _PlanHandle:
@@ -139,6 +140,20 @@ class NativeBackend(TorchBackendBase):
             )
         self.fp8 = config.kv_fp8
         self.mla = config.kind == "mla"
+        # The kernels hold the window as int32 and the cap as float32. A window that reaches
+        # past any int32 position is full attention; a cap that float32 rounds to 0 or inf
+        # would silently change the layer, so it is refused.
+        window = config.window_left
+        window_c = -1 if window is None or window >= _INT32_MAX else window
+        # Likewise a chunk wider than any int32 position: every query is in chunk 0 (causal).
+        chunk = config.attention_chunk_size
+        chunk_c = 0 if chunk is None or chunk >= _INT32_MAX else chunk
+        cap = float(config.logit_cap or 0.0)
+        cap_c = ctypes.c_float(cap).value
+        if cap and not (0.0 < cap_c < math.inf):
+            raise InvalidSpecError(
+                "logit_cap", config.logit_cap, "must be a positive value float32 can hold"
+            )
         self._cfg = NaConfig(
             _NA_MLA if self.mla else _NA_MHA,
             _DTYPE_CODES[self.q_dtype],
@@ -149,8 +164,10 @@ class NativeBackend(TorchBackendBase):
             self.v_head_dim,
             config.page_size,
             0,
-            -1 if config.window_left is None else config.window_left,
-            float(config.logit_cap or 0.0),
+            window_c,
+            cap_c,
+            1 if config.causal else 0,
+            chunk_c,
         )
         self._cfg_ref = ctypes.byref(self._cfg)
         self._checks = TensorChecks.of(config, backend="native", layout="contiguous")
@@ -269,12 +286,12 @@ class NativeBackend(TorchBackendBase):
                 "phase",
                 f"the plan is for {plan.phase.name}, this handler serves {phase.name}",
             )
-        pages = self._checks.check(plan.snapshot, q, k_cache, v_cache)
-        sinks_ptr = None
+        self._checks.check(plan.snapshot, q, k_cache, v_cache)
+        sinks_ptr, sinks_numel = None, 0
         if cfg.sinks:
             self._checks.check_sinks(sinks, q)
             sinks = sinks.contiguous()  # kept alive until the kernel returns
-            sinks_ptr = sinks.data_ptr()
+            sinks_ptr, sinks_numel = sinks.data_ptr(), sinks.numel()
         elif sinks is not None:
             raise InvalidBatchError("sinks", "given to a layer whose config has sinks=False")
         ks, vs = float(k_scale), float(v_scale)
@@ -284,19 +301,26 @@ class NativeBackend(TorchBackendBase):
                     raise InvalidBatchError(name, f"must be finite and > 0, got {value!r}")
         elif (ks, vs) != (1.0, 1.0):
             raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
-        v_ptr = None if self.mla else v_cache.data_ptr()
+        v_ptr, v_numel = (None, 0) if self.mla else (v_cache.data_ptr(), v_cache.numel())
         scale = float(sm_scale)
         if not math.isfinite(scale):
             raise InvalidBatchError("sm_scale", f"must be finite, got {sm_scale!r}")
         out = torch.empty((plan.num_tokens, cfg.num_q_heads, self.v_head_dim), dtype=self.q_dtype)
         if plan.num_items == 0:
             return out
+        # The kernel bounds every row and page by these element counts, whatever the plan.
         rc = self._run(
-            plan.handle.ptr, self._cfg_ref, q.data_ptr(), k_cache.data_ptr(), v_ptr,
-            out.data_ptr(), pages, pages, scale, sinks_ptr, ks, vs, self.threads(),
+            plan.handle.ptr, self._cfg_ref, q.data_ptr(), q.numel(), k_cache.data_ptr(),
+            k_cache.numel(), v_ptr, v_numel, out.data_ptr(), out.numel(), scale, sinks_ptr,
+            sinks_numel, ks, vs, self.threads(),
         )  # fmt: skip
         if rc != 0:
             if rc == -2:
                 raise MemoryError("native attention: a per-thread buffer could not be allocated")
-            raise RuntimeError(f"native attention kernel rejected its arguments (code {rc})")
+            raise InvalidBatchError(
+                "plan",
+                "the native kernel refused the plan for these tensors (its tokens, pages or "
+                "heads do not fit q, the cache or the output); plan the batch again with "
+                "this backend",
+            )
         return out

@@ -32,6 +32,7 @@ from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
+from attn_dispatch.backends._chunked import chunk_tree_mask
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
 from attn_dispatch.backends._common import check_owner
@@ -119,6 +120,7 @@ class TorchBackend(TorchBackendBase):
         q_pos = kv_lens[:, None] - q_lens[:, None] + slots[None, :]
         mask = None
         window = self.config.window_left
+        chunk = self.config.attention_chunk_size
         if snap.custom_mask is not None:
             assert snap.mask_indptr is not None
             mask = torch.zeros(b, max_q, max_pages * ps, dtype=torch.bool, device=dev)
@@ -128,6 +130,8 @@ class TorchBackend(TorchBackendBase):
                 ql, kl = qo[i + 1] - qo[i], lens[i]
                 mask[i, :ql, :kl] = snap.custom_mask[off : off + ql * kl].view(ql, kl)
                 off += ql * kl
+            if chunk is not None:  # the chunk first, then the window (see _chunked)
+                mask = chunk_tree_mask(mask, chunk)
             if window is not None:
                 mask = window_tree_mask(mask, window)
         heads = self.config.num_q_heads
@@ -135,8 +139,9 @@ class TorchBackend(TorchBackendBase):
         chunk_tokens = chunk_pages * ps
         q_block = max(1, min(max_q, self.score_budget // max(1, b * heads * chunk_tokens)))
         blocks = _blocks(
-            counts, kv_lens.tolist(), q_lens.tolist(), max_q, q_block, ps, window, mask, dev
-        )
+            counts, kv_lens.tolist(), q_lens.tolist(), max_q, q_block, ps, window, chunk, mask,
+            dev,
+        )  # fmt: skip
         return TorchPlan(
             owner=self,
             snap=snap,
@@ -189,6 +194,7 @@ class TorchBackend(TorchBackendBase):
             # inside this call's cache; an out-of-range index gives wrong numbers, not a fault.
             table = table.clamp(0, max(num_pages - 1, 0))
         window = c.window_left
+        chunk = c.attention_chunk_size
         fp8 = c.kv_fp8
         out = torch.empty(b, max_q, c.num_q_heads, dv, dtype=torch.float32, device=q.device)
         qp = self._padded_q(q, plan.q_rows)
@@ -230,10 +236,14 @@ class TorchBackend(TorchBackendBase):
                     cols_k = kpos.clamp(max=plan.mask.shape[2] - 1)
                     sub = plan.mask[:, q0:q1].gather(2, cols_k[:, None, :].expand(-1, q1 - q0, -1))
                     allowed = allowed & sub
-                else:
+                elif c.causal:
                     allowed = allowed & (kpos[:, None, :] <= pos[:, :, None])
                     if window is not None:
                         allowed = allowed & (kpos[:, None, :] >= pos[:, :, None] - window)
+                    if chunk is not None:
+                        start = pos - pos % chunk
+                        allowed = allowed & (kpos[:, None, :] >= start[:, :, None])
+                # causal=False: every key of the request (kv_len bounds it above)
                 acc.update(k, v, allowed, sm_scale)
             out[:, q0:q1] = acc.result(c.num_q_heads, sinks)
         return out.view(b * max_q, c.num_q_heads, dv).index_select(0, plan.out_rows).to(q.dtype)
@@ -310,8 +320,10 @@ class TorchBackend(TorchBackendBase):
         acc = _OnlineSoftmax(self._padded_q(q, rows), dv, c.logit_cap)
         prefix_lens = (snap.kv_lens_host.long() - q_lens).tolist()
         window = c.window_left
-        # Query positions (the prefix comes first, in chunk order): for the window.
+        chunk = c.attention_chunk_size
+        # Query positions (the prefix comes first, in chunk order): for the window / chunk.
         qpos = torch.tensor(prefix_lens)[:, None] + slots[None, :]
+        qstart = qpos - qpos % chunk if chunk is not None else None
         seen = [0] * b
         for k_c, v_c, indptr in prefix:
             ind = [int(x) for x in indptr]
@@ -332,6 +344,8 @@ class TorchBackend(TorchBackendBase):
             allowed = cvalid[:, None, :].expand(b, max_q, n)
             if window is not None:
                 allowed = allowed & (kpos[:, None, :] >= qpos[:, :, None] - window)
+            if qstart is not None:
+                allowed = allowed & (kpos[:, None, :] >= qstart[:, :, None])
             acc.update(k, v, allowed.to(dev), sm_scale)
         bad = next((i for i in range(b) if seen[i] != prefix_lens[i]), None)
         if bad is not None:
@@ -343,8 +357,13 @@ class TorchBackend(TorchBackendBase):
         k = k_new[rows].float().transpose(1, 2)
         v = v_new[rows].float().transpose(1, 2)
         causal = slots[None, :, None] >= slots[None, None, :]
+        if not c.causal:
+            causal = torch.ones_like(causal)
         if window is not None:
             causal = causal & (slots[None, None, :] >= slots[None, :, None] - window)
+        if qstart is not None:  # new key j sits at position prefix + j
+            kpos_new = torch.tensor(prefix_lens)[:, None] + slots[None, :]
+            causal = causal & (kpos_new[:, None, :] >= qstart[:, :, None])
         acc.update(k, v, causal.to(dev) & valid[:, None, :], sm_scale)
         return acc.result(c.num_q_heads, sinks)[valid].to(q.dtype)
 
@@ -357,6 +376,7 @@ def _blocks(
     q_block: int,
     ps: int,
     window: int | None,
+    chunk: int | None,
     mask: torch.Tensor | None,
     dev: torch.device,
 ) -> tuple[tuple[torch.Tensor, int, torch.Tensor], ...]:
@@ -367,27 +387,47 @@ def _blocks(
     so a CUDA graph captured with one batch replays another of the same shape."""
     max_pages = max(max(counts, default=0), 1)
     out = []
+    first_seen: list[list[int]] | None = None
+    limited = window is not None or chunk is not None
+    if limited and mask is not None and mask.device.type == "cpu":
+        # A custom mask may hide prefix keys, so the last window_left + 1 keys a node sees can
+        # start anywhere: the first key each row's (window-folded) mask allows, read on the
+        # host. On a device mask that would be a sync: walk from key 0 there.
+        big = mask.shape[2]
+        first_seen = torch.where(
+            mask.any(dim=-1), mask.int().argmax(dim=-1), torch.full((), big)
+        ).tolist()
     for q0 in range(0, max_q, q_block):
         q1 = min(max_q, q0 + q_block)
-        if window is None:
+        if not limited:
             zeros = torch.zeros(len(counts), dtype=torch.int64, device=dev)
             out.append((zeros, max_pages, zeros))
             continue
-        # Visible positions of one request's block span at most window + (q1 - q0) keys
-        # (a tree: the prefix's last window_left + 1 plus the draft tokens).
-        width = window + (q1 - q0 if mask is None else max_q)
-        span = min(max_pages, -(-width // ps) + 1)
+        # Visible positions of one request's block span at most window + (q1 - q0) keys, or
+        # chunk - 1 + (q1 - q0). With a mask the visible keys of a row need not be
+        # contiguous: walk every column from the first one.
+        reach = min(x for x in (window, None if chunk is None else chunk - 1) if x is not None)
+        width = reach + (q1 - q0)
+        span = max_pages if mask is not None else min(max_pages, -(-width // ps) + 1)
         firsts, los = [], []
-        for count, kl, ql in zip(counts, kv_lens, q_lens, strict=True):
+        for i, (count, kl, ql) in enumerate(zip(counts, kv_lens, q_lens, strict=True)):
             prefix = kl - ql
             if q0 >= ql:  # no query of this request in the block
                 lo = kl
             elif mask is not None:
-                # A draft node's sequence is the prefix plus its ancestors: its window
-                # starts at or after prefix - window_left (see the module docstring).
-                lo = max(0, prefix - window)
+                # A draft node sees the last window_left + 1 keys its mask allows (the
+                # module docstring), which a mask hiding prefix keys can push before
+                # prefix - window_left.
+                lo = 0 if first_seen is None else min(min(first_seen[i][q0 : min(q1, ql)]), kl)
             else:
-                lo = max(0, prefix + q0 - window)
+                # Pages before the window or the chunk of the block's first query are
+                # skipped, not masked (later queries see no earlier key).
+                first_pos = prefix + q0
+                lo = 0
+                if window is not None:
+                    lo = max(lo, first_pos - window)
+                if chunk is not None:
+                    lo = max(lo, first_pos - first_pos % chunk)
             firsts.append(min(lo // ps, count))
             los.append(lo)
         out.append(
@@ -405,6 +445,12 @@ class _OnlineSoftmax:
 
     Rows that have seen no visible key keep max = -inf and contribute exp(-inf) = 0, so fully
     masked padding never produces NaN. ``cap``: the logit soft-cap (None = off).
+
+    Non-finite values follow one rule (README "Safety guarantees"): a key a row does not see
+    never reaches it, whatever it holds (its weight is exactly 0, and its value row is zeroed
+    where it is not finite, since 0 * NaN is NaN); a row that sees a key whose score is not
+    finite (NaN or inf in q or the key, or an overflow) or a value row holding NaN or inf
+    gives NaN.
     """
 
     def __init__(self, q: torch.Tensor, dv: int, cap: float | None = None) -> None:
@@ -413,26 +459,37 @@ class _OnlineSoftmax:
         self.m = torch.full(q.shape[:-1], -math.inf, device=q.device)
         self.l_sum = torch.zeros_like(self.m)
         self.acc = torch.zeros(*q.shape[:-1], dv, device=q.device)
+        self.bad = torch.zeros(q.shape[:-1], dtype=torch.bool, device=q.device)
 
     def update(
         self, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, sm_scale: float
     ) -> None:
         """``k``/``v``: ``[B, Hkv, N, D]``; ``allowed``: ``[B, Mq, N]``."""
         s = torch.einsum("bhgqd,bhnd->bhgqn", self.q, k) * sm_scale
+        seen = allowed[:, None, None]  # [B, 1, 1, Mq, N]
+        s_bad = ~torch.isfinite(s)
+        v_fin = torch.isfinite(v)
+        v_bad = ~v_fin.all(dim=-1)  # [B, Hkv, N]
+        read_bad = (s_bad | v_bad[:, :, None, None, :]) & seen
+        self.bad |= read_bad.any(dim=-1)
+        s = s.masked_fill(s_bad, 0.0)
         if self.cap is not None:
             s = torch.tanh(s / self.cap) * self.cap
-        s = s.masked_fill(~allowed[:, None, None], -math.inf)
+        s = s.masked_fill(~seen, -math.inf)
         m_new = torch.maximum(self.m, s.amax(dim=-1))
         shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         p = torch.exp(s - shift[..., None])
         alpha = torch.exp(self.m - shift)
         self.l_sum = self.l_sum * alpha + p.sum(dim=-1)
+        v = torch.where(v_fin, v, 0.0)  # rows that read such a value are marked bad above
         self.acc = self.acc * alpha[..., None] + torch.einsum("bhgqn,bhnd->bhgqd", p, v)
         self.m = m_new
 
     def result(self, heads: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, Mq, Hq, Dv]`` in fp32; ``sinks`` (``[Hq]``) join the normaliser:
-        ``sum_j e^(s_j - M) v_j / (sum_j e^(s_j - M) + e^(sink - M))``."""
+        ``sum_j e^(s_j - M) v_j / (sum_j e^(s_j - M) + e^(sink - M))``. A NaN sink gives NaN
+        rows, a +inf sink takes all the weight (rows of 0), a -inf sink is no sink."""
+        bad = self.bad
         if sinks is None:
             res = self.acc / self.l_sum.clamp_min(1e-30)[..., None]
         else:
@@ -443,5 +500,8 @@ class _OnlineSoftmax:
             alpha = torch.exp(self.m - big)
             denom = (self.l_sum * alpha + torch.exp(sink - big)).clamp_min(1e-30)
             res = self.acc * (alpha / denom)[..., None]
+            res = torch.where((sink == math.inf)[..., None], 0.0, res)
+            bad = bad | torch.isnan(sink)
+        res = torch.where(bad[..., None], math.nan, res)
         b, _, _, mq, dv = res.shape
         return res.permute(0, 3, 1, 2, 4).reshape(b, mq, heads, dv)

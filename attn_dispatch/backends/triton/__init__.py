@@ -15,8 +15,11 @@ its first row's window), ``logit_cap`` (cap * tanh on the scaled scores) and ``s
 logit per q head in the softmax denominator). FP8 caches (``float8_e4m3fn`` / ``float8_e5m2``,
 with ``dtype`` fp32/fp16/bf16): the kernels widen K/V in registers to q's dtype (exact), fold
 ``k_scale`` into the score scale and apply ``v_scale`` to the output; e4m3fn needs sm89+ on CUDA.
-Under the CPU interpreter FP8 loads convert exactly for every finite value; the NaN/Inf bit
-patterns decode as large finite numbers there (compiled GPU kernels follow the formats).
+Under the CPU interpreter FP8 loads convert exactly for every finite value; its NaN/Inf bit
+patterns, which the interpreter decodes as large finite numbers, are put back from the bits
+(``_tile._widen``; compiled GPU kernels follow the formats). Attention types, every phase:
+``causal=False`` (extend walks every key of the request) and ``attention_chunk_size`` (decode
+starts at the query's chunk, extend skips keys before each query block's chunk).
 """
 
 from __future__ import annotations
@@ -127,7 +130,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     kv_dtypes=frozenset({"float32", "float16", "bfloat16", *FP8_KV_DTYPES}),
     # Every variant in every phase, MHA/GQA and MLA (kernels: _decode, _extend).
-    variants=frozenset({"window", "logit_cap", "sinks"}),
+    variants=frozenset({"window", "logit_cap", "sinks", "non_causal", "chunked"}),
     custom_mask=True,
     # MLA: absorbed over the paged latent cache in every phase; prefill may also run the
     # decompressed MHA form (ragged K/V through a second instance of this backend). No

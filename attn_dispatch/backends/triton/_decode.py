@@ -20,15 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _soft_cap(qk, cap_in, cap_out):
-    """``cap * tanh(qk * sm_scale / cap)`` in the log2 domain: ``cap_in = sm_scale / cap``
-    (k_scale folded in), ``cap_out = cap * log2(e)``. tanh(x) = 1 - 2 / (e^2x + 1) saturates
-    to +-1 without NaN for any finite x (e^2x -> inf or 0)."""
-    x = qk * cap_in
-    th = 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
-    return th * cap_out
+from ._tile import _attend_tile
 
 
 # Sizes that vary between configs and batches are not specialised on (value 1, multiple of
@@ -42,6 +34,9 @@ def _soft_cap(qk, cap_in, cap_out):
         "num_pages",
         "num_indices",
         "window_left",
+        "chunk_size",
+        "num_rows",
+        "num_requests",
     ]
 )
 def _decode_split_kernel(
@@ -58,6 +53,7 @@ def _decode_split_kernel(
     cap_out,
     v_scale,
     window_left,
+    chunk_size,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -77,6 +73,8 @@ def _decode_split_kernel(
     num_splits,
     num_pages,
     num_indices,
+    num_rows,
+    num_requests,
     HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
     D_MAIN: tl.constexpr,
@@ -96,15 +94,25 @@ def _decode_split_kernel(
 
     kv_head = hg // groups_per_kv
     in_group = (hg % groups_per_kv) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = in_group < group_size
+    # Request b's query is row b of q and of the output: a request past either (a plan that
+    # does not fit the tensors it is called with) reads and writes nothing.
+    b_ok = b < tl.minimum(num_rows, num_requests)
+    # (compared as a vector: the interpreter refuses a scalar bool broadcast into a mask)
+    h_mask = (in_group < group_size) & ((in_group * 0 + b) < tl.minimum(num_rows, num_requests))
     heads = kv_head * group_size + in_group
 
-    kv_len = tl.load(kv_lens + b)
-    page_base = tl.load(kv_indptr + b)
+    # (A clamped index, not a masked load: the interpreter takes no scalar mask; the host
+    # launches only with at least one request.)
+    b_in = tl.where(b_ok, b, 0)
+    kv_len = tl.where(b_ok, tl.load(kv_lens + b_in), 0)
+    page_base = tl.load(kv_indptr + b_in)
     # The query sits at position kv_len - 1 and sees keys from kv_len - 1 - window_left on
     # (window_left is huge for full attention): the splits share only that range, so keys
     # before the window are never loaded, not merely masked.
+    # Chunked local attention likewise starts at the query's chunk (chunk_size is huge when
+    # off, making that 0): the pages before it are skipped.
     first = tl.maximum(kv_len - 1 - window_left, 0)
+    first = tl.maximum(first, (kv_len - 1) - (kv_len - 1) % chunk_size)
     # Every split gets the same whole number of blocks; trailing splits may be empty.
     split_len = tl.cdiv(tl.cdiv(kv_len - first, num_splits), BLOCK_N) * BLOCK_N
     start = first + s * split_len
@@ -117,6 +125,7 @@ def _decode_split_kernel(
     q_main = tl.load(q_row + offs_d[None, :], mask=h_mask[:, None], other=0.0)
     if UPCAST:
         q_main = q_main.to(tl.float32)
+    q_rest = q_main  # placeholder when there is no rest part; never used then
     if D_REST > 0:
         offs_r = D_MAIN + tl.arange(0, D_REST)
         r_mask = offs_r < HEAD_DIM
@@ -126,63 +135,21 @@ def _decode_split_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    bad = tl.zeros([BLOCK_H], dtype=tl.int1)
     acc = tl.zeros([BLOCK_H, DV_BLOCK], dtype=tl.float32)
 
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        # Never read outside kv_indices or the cache: an index the host did not check (CUDA
-        # without validate) that points outside drops its token instead of faulting.
-        entry = page_base + offs_n // page_size
-        n_mask = n_mask & (entry >= 0) & (entry < num_indices)
-        page = tl.load(kv_indices + entry, mask=n_mask, other=0)
-        n_mask = n_mask & (page >= 0) & (page < num_pages)
-        slot = offs_n % page_size
-        k_row = K + page.to(tl.int64) * stride_kp + slot * stride_ks + kv_head * stride_kh
-        k_main = tl.load(k_row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        # To q's dtype: fp32 under the interpreter (UPCAST), and an exact widening of an FP8
-        # cache on the GPU (e4m3/e5m2 values are all representable in fp16/bf16).
-        k_main = k_main.to(q_main.dtype)
-        if IEEE:
-            qk = tl.dot(q_main, tl.trans(k_main), input_precision="ieee")
-        else:
-            qk = tl.dot(q_main, tl.trans(k_main))
-        if D_REST > 0:
-            k_rest = tl.load(
-                k_row[:, None] + offs_r[None, :],
-                mask=n_mask[:, None] & r_mask[None, :],
-                other=0.0,
-            )
-            k_rest = k_rest.to(q_main.dtype)
-            if IEEE:
-                qk += tl.dot(q_rest, tl.trans(k_rest), input_precision="ieee")
-            else:
-                qk += tl.dot(q_rest, tl.trans(k_rest))
-        if SOFTCAP:
-            qk = _soft_cap(qk, cap_in, cap_out)
-        else:
-            qk = qk * sm_scale_log2
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        if V_FROM_K:
-            # MLA: V is the leading V_DIM (== D_MAIN) columns of the latent row just loaded.
-            v = k_main
-        else:
-            v_row = V + page.to(tl.int64) * stride_vp + slot * stride_vs + kv_head * stride_vh
-            v = tl.load(
-                v_row[:, None] + offs_v[None, :], mask=n_mask[:, None] & v_mask[None, :], other=0.0
-            )
-            v = v.to(q_main.dtype)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        # The tile step extend uses too (_tile.py): dropped pages, invisible keys and
+        # non-finite values are guarded there once.
+        acc, m_i, l_i, bad = _attend_tile(
+            acc, m_i, l_i, bad, q_main, q_rest, K, V, kv_indices, page_base, offs_n, n_mask,
+            h_mask[:, None] & n_mask[None, :], page_size, num_pages, num_indices, kv_head,
+            sm_scale_log2, cap_in, cap_out, stride_kp, stride_ks, stride_kh, stride_vp,
+            stride_vs, stride_vh, HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, IEEE,
+            SOFTCAP, UPCAST,
+        )  # fmt: skip
 
     # An empty split (or an empty request) leaves l_i == 0: store 0 and lse = -inf so the
     # merge gives it no weight.
@@ -192,12 +159,15 @@ def _decode_split_kernel(
         # FP8 cache: V was stored divided by v_scale; the output is linear in V.
         out = out * v_scale
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    # A row that read a non-finite key or value: NaN, which the merge passes on.
+    out = tl.where(bad[:, None], float("nan"), out)
+    lse = tl.where(bad, float("nan"), lse)
     p_row = Part_out + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + s * stride_ps
     tl.store(p_row + offs_v[None, :], out, mask=h_mask[:, None] & v_mask[None, :])
     tl.store(Part_lse + b * stride_lb + heads * stride_lh + s, lse, mask=h_mask)
 
 
-@triton.jit(do_not_specialize=["num_heads", "num_splits"])
+@triton.jit(do_not_specialize=["num_heads", "num_splits", "num_rows"])
 def _decode_merge_kernel(
     Part_out,
     Part_lse,
@@ -205,6 +175,7 @@ def _decode_merge_kernel(
     Sinks,
     num_heads,
     num_splits,
+    num_rows,
     stride_pb,
     stride_ph,
     stride_ps,
@@ -219,18 +190,21 @@ def _decode_merge_kernel(
 ):
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = heads < num_heads
+    h_mask = (heads < num_heads) & ((heads * 0 + b) < num_rows)  # output row b exists
     offs_v = tl.arange(0, DV_BLOCK)
     mask = h_mask[:, None] & (offs_v < V_DIM)[None, :]
 
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, DV_BLOCK], dtype=tl.float32)
+    bad = tl.zeros([BLOCK_H], dtype=tl.int1)
     p_base = Part_out + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + offs_v[None, :]
     l_base = Part_lse + b * stride_lb + heads * stride_lh
     for s in range(0, num_splits):
         lse = tl.load(l_base + s, mask=h_mask, other=float("-inf"))
         part = tl.load(p_base + s * stride_ps, mask=mask, other=0.0)
+        bad = bad | (lse != lse)  # a split whose rows read a non-finite key or value
+        lse = tl.where(lse != lse, float("-inf"), lse)
         m_new = tl.maximum(m, lse)
         # All of this head's splits so far empty: keep everything at zero, avoid inf - inf.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -243,11 +217,18 @@ def _decode_merge_kernel(
         # The sink logit (natural log, one per head) joins the denominator only: a split
         # with lse = sink * log2(e) and a zero partial output.
         sink = tl.load(Sinks + heads, mask=h_mask, other=0.0) * 1.4426950408889634
+        # The rule for non-finite sinks: NaN gives NaN, +inf takes all the weight (0), and
+        # -inf is no sink (weight exp2(-inf) = 0 below).
+        bad = bad | (sink != sink)
+        sink_all = sink == float("inf")
+        sink = tl.where(sink_all | (sink != sink), 0.0, sink)
         m_new = tl.maximum(m, sink)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         scale = tl.exp2(m - m_safe)
         acc = acc * scale[:, None]
         total = total * scale + tl.exp2(sink - m_safe)
+        acc = tl.where(sink_all[:, None], 0.0, acc)
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    out = tl.where(bad[:, None], float("nan"), out)
     o_ptr = Out + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_v[None, :]
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=mask)

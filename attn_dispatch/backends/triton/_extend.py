@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._decode import _soft_cap
+from ._tile import _attend_tile
 
 
 @triton.jit
@@ -26,6 +26,7 @@ def _attend_block(
     acc,
     m_i,
     l_i,
+    bad,
     q_main,
     q_rest,
     K,
@@ -49,6 +50,7 @@ def _attend_block(
     cap_in,
     cap_out,
     window_left,
+    chunk_size,
     stride_kp,
     stride_ks,
     stride_kh,
@@ -66,7 +68,9 @@ def _attend_block(
     V_FROM_K: tl.constexpr,
     IEEE: tl.constexpr,
     WINDOW: tl.constexpr,
+    CHUNK: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_end
@@ -79,118 +83,26 @@ def _attend_block(
         allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
     if WINDOW:
         allowed = allowed & (offs_n[None, :] >= q_pos[:, None] - window_left)
+    if CHUNK:
+        allowed = allowed & (offs_n[None, :] >= q_pos[:, None] - q_pos[:, None] % chunk_size)
     if USE_MASK:
         # Skip a tile no row may see before loading its K/V. Only with a custom mask: the
         # causal passes never visit such tiles, and a data-dependent branch costs registers.
         if tl.max(allowed.to(tl.int32)) > 0:
-            acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, offs_n, n_mask,
+            acc, m_i, l_i, bad = _attend_tile(
+                acc, m_i, l_i, bad, q_main, q_rest, K, V, kv_indices, page_base, offs_n, n_mask,
                 allowed, page_size, num_pages, num_indices, kv_head, sm_scale_log2, cap_in,
                 cap_out, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, IEEE, SOFTCAP,
+                HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, IEEE, SOFTCAP, UPCAST,
             )  # fmt: skip
     else:
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, offs_n, n_mask,
+        acc, m_i, l_i, bad = _attend_tile(
+            acc, m_i, l_i, bad, q_main, q_rest, K, V, kv_indices, page_base, offs_n, n_mask,
             allowed, page_size, num_pages, num_indices, kv_head, sm_scale_log2, cap_in,
             cap_out, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, IEEE, SOFTCAP,
+            HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, IEEE, SOFTCAP, UPCAST,
         )  # fmt: skip
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _attend_tile(
-    acc,
-    m_i,
-    l_i,
-    q_main,
-    q_rest,
-    K,
-    V,
-    kv_indices,
-    page_base,
-    offs_n,
-    n_mask,
-    allowed,
-    page_size,
-    num_pages,
-    num_indices,
-    kv_head,
-    sm_scale_log2,
-    cap_in,
-    cap_out,
-    stride_kp,
-    stride_ks,
-    stride_kh,
-    stride_vp,
-    stride_vs,
-    stride_vh,
-    HEAD_DIM: tl.constexpr,
-    V_DIM: tl.constexpr,
-    D_MAIN: tl.constexpr,
-    D_REST: tl.constexpr,
-    DV_BLOCK: tl.constexpr,
-    V_FROM_K: tl.constexpr,
-    IEEE: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-):
-    # Rows with nothing allowed in this tile get p = 0 and keep their state (see m_safe).
-    offs_d = tl.arange(0, D_MAIN)
-    # Never read outside kv_indices or the cache (see _decode): such a token is dropped.
-    entry = page_base + offs_n // page_size
-    n_mask = n_mask & (entry >= 0) & (entry < num_indices)
-    page = tl.load(kv_indices + entry, mask=n_mask, other=0)
-    n_mask = n_mask & (page >= 0) & (page < num_pages)
-    allowed = allowed & n_mask[None, :]
-    slot = offs_n % page_size
-    k_row = K + page.to(tl.int64) * stride_kp + slot * stride_ks + kv_head * stride_kh
-    k_main = tl.load(k_row[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-    # To q's dtype (fp32 under the interpreter; an exact widening of an FP8 cache).
-    k_main = k_main.to(q_main.dtype)
-    if IEEE:
-        qk = tl.dot(q_main, tl.trans(k_main), input_precision="ieee")
-    else:
-        qk = tl.dot(q_main, tl.trans(k_main))
-    if D_REST > 0:
-        offs_r = D_MAIN + tl.arange(0, D_REST)
-        k_rest = tl.load(
-            k_row[:, None] + offs_r[None, :],
-            mask=n_mask[:, None] & (offs_r < HEAD_DIM)[None, :],
-            other=0.0,
-        )
-        k_rest = k_rest.to(q_main.dtype)
-        if IEEE:
-            qk += tl.dot(q_rest, tl.trans(k_rest), input_precision="ieee")
-        else:
-            qk += tl.dot(q_rest, tl.trans(k_rest))
-    if SOFTCAP:
-        qk = _soft_cap(qk, cap_in, cap_out)
-    else:
-        qk = qk * sm_scale_log2
-    qk = tl.where(allowed, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    # A row with nothing allowed so far keeps m = -inf: shift by 0 instead (no inf - inf).
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(qk - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if V_FROM_K:
-        v = k_main
-    else:
-        offs_v = tl.arange(0, DV_BLOCK)
-        v_row = V + page.to(tl.int64) * stride_vp + slot * stride_vs + kv_head * stride_vh
-        v = tl.load(
-            v_row[:, None] + offs_v[None, :],
-            mask=n_mask[:, None] & (offs_v < V_DIM)[None, :],
-            other=0.0,
-        )
-        v = v.to(q_main.dtype)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l_i
+    return acc, m_i, l_i, bad
 
 
 # Not specialised on page size or group size: fewer compiled variants (see _decode).
@@ -203,6 +115,8 @@ def _attend_tile(
         "num_indices",
         "num_mask",
         "window_left",
+        "chunk_size",
+        "num_requests",
     ]
 )
 def _extend_kernel(
@@ -222,6 +136,7 @@ def _extend_kernel(
     cap_out,
     v_scale,
     window_left,
+    chunk_size,
     stride_qt,
     stride_qh,
     stride_kp,
@@ -238,6 +153,7 @@ def _extend_kernel(
     num_pages,
     num_indices,
     num_mask,
+    num_requests,
     HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr,
     D_MAIN: tl.constexpr,
@@ -251,6 +167,9 @@ def _extend_kernel(
     IEEE: tl.constexpr,
     WINDOW: tl.constexpr,
     WINDOW_MASK: tl.constexpr,
+    CHUNK: tl.constexpr,
+    CHUNK_MASK: tl.constexpr,
+    NON_CAUSAL: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     KV_SCALED: tl.constexpr,
@@ -259,17 +178,22 @@ def _extend_kernel(
     h = tl.program_id(1)
     mblk = tl.program_id(2)
 
-    q_start = tl.load(qo_indptr + b)
-    q_len = tl.load(qo_indptr + b + 1) - q_start
+    # A request past the plan's index tensors (a grid that does not fit them) does nothing.
+    # (A clamped index, not a masked load: the interpreter takes no scalar mask; the host
+    # launches only with at least one request.)
+    b_ok = b < num_requests
+    b_in = tl.where(b_ok, b, 0)
+    q_start = tl.load(qo_indptr + b_in)
+    q_len = tl.where(b_ok, tl.load(qo_indptr + b_in + 1) - q_start, 0)
     m0 = mblk * BLOCK_M
     if m0 < q_len:
-        kv_len = tl.load(kv_lens + b)
+        kv_len = tl.load(kv_lens + b_in)
         prefix = kv_len - q_len
-        page_base = tl.load(kv_indptr + b)
+        page_base = tl.load(kv_indptr + b_in)
         kv_head = h // group_size
         mask_base = 0
         if USE_MASK:
-            mask_base = tl.load(mask_indptr + b)
+            mask_base = tl.load(mask_indptr + b_in)
 
         rows = m0 + tl.arange(0, BLOCK_M)
         # Rows outside q (device indptr the host did not check) are neither read nor written.
@@ -294,6 +218,7 @@ def _extend_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, DV_BLOCK], dtype=tl.float32)
+        bad = tl.zeros([BLOCK_M], dtype=tl.int1)
 
         # Keys before the window of the block's first row are never visited (the block's
         # later rows see only later keys); partly visible tiles are masked per row.
@@ -302,46 +227,62 @@ def _extend_kernel(
         if WINDOW:
             if USE_MASK:
                 # Tree verify: the window was folded into the mask at plan time (a node sees
-                # the last window_left + 1 keys of its own sequence, the prefix plus its
-                # ancestors), so no node sees a key before prefix - window_left.
-                lo = tl.maximum(prefix - window_left, 0)
+                # the last window_left + 1 keys its mask allows). A mask may hide prefix keys,
+                # which pushes that window further back, so walk from key 0: tiles no row
+                # may see are skipped on their mask bits before any K/V load.
+                lo = 0
             else:
                 lo = tl.maximum(prefix + m0 - window_left, 0)
             new_start = tl.maximum(prefix, lo)
+        if CHUNK:
+            if not USE_MASK:
+                # Keys before the chunk of the block's first row are skipped, not masked
+                # (a tree mask carries its chunk, folded in at plan time).
+                first_pos = prefix + m0
+                lo = tl.maximum(lo, first_pos - first_pos % chunk_size)
+                new_start = tl.maximum(prefix, lo)
         # Pass 1: the cached prefix, visible to every new token unless a custom mask says no.
         for n0 in range(lo, prefix, BLOCK_N):
-            acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, n0, prefix,
+            acc, m_i, l_i, bad = _attend_block(
+                acc, m_i, l_i, bad, q_main, q_rest, K, V, kv_indices, page_base, n0, prefix,
                 rows, row_mask, q_pos, Mask, mask_base, kv_len, page_size, num_pages,
                 num_indices, num_mask, kv_head, sm_scale_log2, cap_in, cap_out, window_left,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                chunk_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, BLOCK_N,
-                False, USE_MASK, V_FROM_K, IEEE, WINDOW_MASK, SOFTCAP,
+                False, USE_MASK, V_FROM_K, IEEE, WINDOW_MASK, CHUNK_MASK, SOFTCAP, UPCAST,
             )  # fmt: skip
         # Pass 2: the new tokens. Causal: keys past this block's last query are never visited.
-        if USE_MASK:
+        if USE_MASK or NON_CAUSAL:
             new_end = kv_len
         else:
             new_end = tl.minimum(kv_len, prefix + m0 + BLOCK_M)
         for n0 in range(new_start, new_end, BLOCK_N):
-            acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, q_main, q_rest, K, V, kv_indices, page_base, n0, kv_len,
+            acc, m_i, l_i, bad = _attend_block(
+                acc, m_i, l_i, bad, q_main, q_rest, K, V, kv_indices, page_base, n0, kv_len,
                 rows, row_mask, q_pos, Mask, mask_base, kv_len, page_size, num_pages,
                 num_indices, num_mask, kv_head, sm_scale_log2, cap_in, cap_out, window_left,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                chunk_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, BLOCK_N,
-                not USE_MASK, USE_MASK, V_FROM_K, IEEE, WINDOW_MASK, SOFTCAP,
+                not USE_MASK and not NON_CAUSAL, USE_MASK, V_FROM_K, IEEE, WINDOW_MASK,
+                CHUNK_MASK, SOFTCAP, UPCAST,
             )  # fmt: skip
 
         if HAS_SINKS:
             # The head's sink logit joins the denominator only (no value).
-            sink = tl.load(Sinks + h) * 1.4426950408889634
+            # (a vector per row: the interpreter mixes no scalar bool into a vector one)
+            sink = tl.load(Sinks + h) * 1.4426950408889634 + tl.zeros([BLOCK_M], tl.float32)
+            # NaN: a NaN row; +inf: all the weight, a row of 0; -inf: no sink.
+            bad = bad | (sink != sink)
+            sink_all = sink == float("inf")
+            sink = tl.where(sink_all | (sink != sink), 0.0, sink)
             m_new = tl.maximum(m_i, sink)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
             acc = acc * alpha[:, None]
             l_i = l_i * alpha + tl.exp2(sink - m_safe)
+            acc = tl.where(sink_all[:, None], 0.0, acc)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out = tl.where(bad[:, None], float("nan"), out)
         if KV_SCALED:
             out = out * v_scale
         offs_v = tl.arange(0, DV_BLOCK)

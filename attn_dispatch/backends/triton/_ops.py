@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import triton
 
+from attn_dispatch.backends._chunked import chunk_flat_mask
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import window_flat_mask
 
@@ -89,6 +90,9 @@ class KernelConfig:
     logit_cap: float | None = None
     sinks: bool = False
     kv_scaled: bool = False  # FP8 cache: k_scale / v_scale are applied
+    # Attention types: non-causal prefill/verify; chunked local attention (None = off).
+    causal: bool = True
+    chunk_size: int | None = None
 
     @property
     def group_size(self) -> int:
@@ -162,10 +166,15 @@ def kernel_mask(
     captured plan's buffer). Device ops only: no host sync."""
     mask = snap.custom_mask
     assert mask is not None
-    if kc.window_left is None:
+    if kc.window_left is None and kc.chunk_size is None:
         return mask.view(torch.uint8)
     q_lens = (snap.qo_indptr_host[1:] - snap.qo_indptr_host[:-1]).tolist()
-    folded = window_flat_mask(mask, q_lens, snap.kv_lens_host.tolist(), kc.window_left)
+    kv_lens = snap.kv_lens_host.tolist()
+    folded = mask
+    if kc.chunk_size is not None:  # the chunk first, then the window (see _chunked)
+        folded = chunk_flat_mask(folded, q_lens, kv_lens, kc.chunk_size)
+    if kc.window_left is not None:
+        folded = window_flat_mask(folded, q_lens, kv_lens, kc.window_left)
     # Same length as the snapshot's mask (which may hold capacity past the batch's part).
     buf = torch.zeros_like(mask) if out is None else out.view(torch.bool)
     buf[: folded.numel()].copy_(folded)
@@ -197,6 +206,9 @@ def extend_constants(kc: KernelConfig, use_mask: bool) -> dict[str, Any]:
         # WINDOW: skip keys before the window; WINDOW_MASK: mask the rest per row by position
         # (without a custom mask; a tree mask carries its window, see plan_extend).
         WINDOW=kc.window_left is not None, WINDOW_MASK=kc.window_left is not None and not use_mask,
+        # CHUNK: skip keys before the chunk; CHUNK_MASK: mask per row (a tree mask carries it).
+        CHUNK=kc.chunk_size is not None, CHUNK_MASK=kc.chunk_size is not None and not use_mask,
+        NON_CAUSAL=not kc.causal,
         SOFTCAP=bool(kc.logit_cap), HAS_SINKS=kc.sinks,
         KV_SCALED=kc.kv_scaled,
     )  # fmt: skip
@@ -215,8 +227,14 @@ def score_args(kc: KernelConfig, sm_scale: float, k_scale: float) -> tuple[float
     return scale * LOG2E, 1.0, 1.0
 
 
+def kernel_chunk(kc: KernelConfig) -> int:
+    # Off (or wider than FULL_WINDOW): one chunk spans every position the kernels see.
+    return FULL_WINDOW if kc.chunk_size is None else min(kc.chunk_size, FULL_WINDOW)
+
+
 def kernel_window(kc: KernelConfig) -> int:
-    return FULL_WINDOW if kc.window_left is None else kc.window_left
+    # The kernels take it as int32; any window wider than FULL_WINDOW is full attention.
+    return FULL_WINDOW if kc.window_left is None else min(kc.window_left, FULL_WINDOW)
 
 
 def _cache_strides(kc: KernelConfig, cache: torch.Tensor) -> tuple[int, int, int]:
@@ -240,27 +258,35 @@ def run_decode(
     snap = plan.snap
     v = k_cache if v_cache is None else v_cache
     out = q.new_empty((q.shape[0], kc.num_q_heads, lay.v_head_dim))
-    b, hq, splits, dv = snap.num_requests, kc.num_q_heads, plan.num_splits, lay.v_head_dim
+    if snap.kv_lens.numel() == 0:  # no request: nothing to launch
+        return out
+    # The grid's request count, not the snapshot's: the scratch then always covers what the
+    # kernels write, and the kernels bound each request by q's rows and the index tensors.
+    b, hq, splits, dv = plan.split_grid[0], kc.num_q_heads, plan.num_splits, lay.v_head_dim
     # Scratch per call, not per plan: calls sharing one plan from several threads (or
     # streams) never write each other's partial results. Under CUDA-graph capture it comes
     # from the graph's pool, so every replay sees the same memory.
     scratch = torch.empty(b * hq * splits * (dv + 1), dtype=torch.float32, device=q.device)
     part_out = scratch[: b * hq * splits * dv].view(b, hq, splits, dv)
     part_lse = scratch[b * hq * splits * dv :].view(b, hq, splits)
-    _decode_split_kernel[plan.split_grid](
+    # Head axes from this backend's constants, not the plan: only the request axis may vary.
+    split_grid = (b, kc.num_kv_heads * kc.groups_per_kv, splits)
+    _decode_split_kernel[split_grid](
         q, k_cache, v, snap.kv_indptr, snap.kv_indices, snap.kv_lens,
         part_out, part_lse, *score_args(kc, sm_scale, k_scale), v_scale, kernel_window(kc),
+        kernel_chunk(kc),
         q.stride(0), q.stride(1),
         *_cache_strides(kc, k_cache), *_cache_strides(kc, v),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         k_cache.shape[1], kc.group_size, kc.groups_per_kv, splits,
-        k_cache.shape[0], snap.kv_indices.numel(),
+        k_cache.shape[0], snap.kv_indices.numel(), q.shape[0], snap.kv_lens.numel(),
         **plan.constants, num_warps=kc.decode_warps, num_stages=kc.num_stages,
     )  # fmt: skip
-    _decode_merge_kernel[plan.merge_grid](
+    _decode_merge_kernel[(b, -(-kc.num_q_heads // kc.block_h))](
         # Without sinks the kernel never reads the Sinks argument; any device tensor will do.
         part_out, part_lse, out, part_lse if sinks is None else sinks, kc.num_q_heads, splits,
+        out.shape[0],
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
@@ -287,15 +313,18 @@ def run_extend(
     # Without a mask the kernel never reads these; any device tensor will do as the argument.
     mask = plan.mask if plan.mask is not None else snap.kv_indices
     mask_indptr = snap.mask_indptr if snap.mask_indptr is not None else snap.kv_indptr
-    _extend_kernel[plan.grid](
+    if snap.kv_lens.numel() == 0:  # no request: nothing to launch
+        return out
+    _extend_kernel[(plan.grid[0], kc.num_q_heads, plan.grid[2])](
         q, k_cache, v, out, snap.qo_indptr, snap.kv_indptr, snap.kv_indices, snap.kv_lens,
         mask, mask_indptr, snap.kv_lens if sinks is None else sinks,
-        *score_args(kc, sm_scale, k_scale), v_scale, kernel_window(kc),
+        *score_args(kc, sm_scale, k_scale), v_scale, kernel_window(kc), kernel_chunk(kc),
         q.stride(0), q.stride(1),
         *_cache_strides(kc, k_cache), *_cache_strides(kc, v),
         out.stride(0), out.stride(1),
         k_cache.shape[1], kc.group_size,
         q.shape[0], k_cache.shape[0], snap.kv_indices.numel(), mask.numel(),
+        snap.kv_lens.numel(),
         **plan.constants, num_warps=kc.extend_warps, num_stages=kc.num_stages,
     )  # fmt: skip
     return out

@@ -141,6 +141,8 @@ class TritonBackend(TorchBackendBase):
             longest = snap.max_kv_len
             if kc.window_left is not None:
                 longest = min(longest, kc.window_left + 1)
+            if kc.chunk_size is not None:
+                longest = min(longest, kc.chunk_size)
             splits = kc.forced_splits or _ops.choose_num_splits(
                 snap.num_requests,
                 kc.num_kv_heads * kc.groups_per_kv,
@@ -179,7 +181,7 @@ class TritonBackend(TorchBackendBase):
             )
         refill(plan.snap, snap)
         if isinstance(plan, _ops.ExtendPlan) and plan.mask is not None:
-            if self._kc.window_left is not None:
+            if self._kc.window_left is not None or self._kc.chunk_size is not None:
                 # The kernel reads the window-folded copy, not the snapshot: refold into it.
                 _ops.kernel_mask(self._kc, snap, out=plan.mask)
 
@@ -299,6 +301,8 @@ def kernel_config(
         logit_cap=config.logit_cap or None,
         sinks=bool(config.sinks),
         kv_scaled=str(config.kv_dtype) in _FP8,
+        causal=config.causal,
+        chunk_size=config.attention_chunk_size,
     )
 
 
