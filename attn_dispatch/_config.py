@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 from typing import Literal
 
 from attn_dispatch._dtypes import device_type
 from attn_dispatch._dtypes import dtype_name
 from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._values import int_problem
+from attn_dispatch._values import positive_f32_problem
 
 Kind = Literal["mha", "mla"]
 _KINDS = ("mha", "mla")
@@ -112,17 +113,12 @@ class AttnConfig:
                     f"MLA needs v_head_dim (latent) < head_dim={self.head_dim!r} (latent + rope)",
                 )
         if self.sm_scale is not None:
-            scale = self.sm_scale
-            if (
-                isinstance(scale, bool)
-                or not isinstance(scale, (int, float))
-                or not math.isfinite(scale)
-                or scale <= 0
-            ):
+            problem = positive_f32_problem(self.sm_scale)
+            if problem is not None:
                 raise InvalidSpecError(
-                    "sm_scale", scale, "must be a finite float > 0 (e.g. head_dim ** -0.5) or None"
+                    "sm_scale", self.sm_scale, f"{problem} (e.g. head_dim ** -0.5), or None"
                 )
-            object.__setattr__(self, "sm_scale", float(scale))
+            object.__setattr__(self, "sm_scale", float(self.sm_scale))
         if (self.mha_head_dim is None) != (self.mha_v_head_dim is None):
             raise InvalidSpecError(
                 "mha_head_dim",
@@ -139,25 +135,25 @@ class AttnConfig:
 
     def _check_variants(self) -> None:
         w = self.window_left
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
-            raise InvalidSpecError(
-                "window_left",
-                w,
-                "must be an int >= 0 (keys p - window_left ..= p are visible; HF's "
-                "sliding_window W is window_left W - 1) or None for full attention",
-            )
+        if w is not None:
+            problem = int_problem(w, low=0)
+            if problem is not None:
+                raise InvalidSpecError(
+                    "window_left",
+                    w,
+                    f"{problem}: keys p - window_left ..= p are visible (HF's sliding_window W "
+                    "is window_left W - 1), or None for full attention",
+                )
         cap = self.logit_cap
         if cap is not None:
-            if (
-                isinstance(cap, bool)
-                or not isinstance(cap, (int, float))
-                or not math.isfinite(cap)
-                or cap < 0
-            ):
+            # 0 (int or float) is the documented "off"; anything else is a float32 cap.
+            off = not isinstance(cap, bool) and isinstance(cap, (int, float)) and cap == 0
+            problem = None if off else positive_f32_problem(cap)
+            if problem is not None:
                 raise InvalidSpecError(
-                    "logit_cap", cap, "must be a finite float > 0 (e.g. 50.0), or None/0.0 for off"
+                    "logit_cap", cap, f"{problem} (e.g. 50.0), or None/0.0 for off"
                 )
-            object.__setattr__(self, "logit_cap", float(cap) if cap > 0 else None)
+            object.__setattr__(self, "logit_cap", None if off else float(cap))
         if not isinstance(self.sinks, bool):
             raise InvalidSpecError("sinks", self.sinks, "must be a bool")
 
@@ -235,5 +231,6 @@ class AttnConfig:
 
 
 def _positive(field: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidSpecError(field, value, "must be a positive int")
+    problem = int_problem(value, low=1)
+    if problem is not None:
+        raise InvalidSpecError(field, value, f"must be a positive int; {problem}")

@@ -113,7 +113,7 @@ def test_decompressed_keeps_variants_drops_fp8() -> None:
 
 @given(
     window=st.none() | st.integers(0, 1 << 20),
-    cap=st.none() | st.floats(0.0, 1e6, allow_nan=False),
+    cap=st.none() | st.just(0.0) | st.floats(1e-30, 1e6),  # a cap float32 holds, or off
     sinks=st.booleans(),
 )
 def test_variant_fields_roundtrip(window: int | None, cap: float | None, sinks: bool) -> None:

@@ -40,7 +40,6 @@ __all__ = [
     "TensorChecks",
     "check_indices",
     "check_metadata",
-    "check_owner",
     "mask_offsets",
     "refill",
     "window_flat_mask",
@@ -247,7 +246,7 @@ def _first(flags: torch.Tensor) -> int | None:
 
 
 def _index_tensor(batch: Any, name: str) -> torch.Tensor:
-    t = getattr(batch, name)
+    t = getattr(batch, name, None)
     if not isinstance(t, torch.Tensor) or t.dtype != _I32 or t.dim() != 1:
         what = type(t).__name__ if not isinstance(t, torch.Tensor) else f"{t.dtype} {t.dim()}-D"
         raise InvalidBatchError(name, f"must be a 1-D torch.int32 tensor, got {what}")
@@ -292,9 +291,13 @@ class BatchSnapshot:
         ``check_device`` (a CUDA batch only) reads the device index tensors back to the host
         to check them too: a device sync, for ``validate`` options and debugging.
         """
-        phase = batch.phase
+        phase = getattr(batch, "phase", None)
         if not isinstance(phase, Phase):
-            raise InvalidBatchError("phase", f"expected a Phase, got {phase!r}")
+            raise InvalidBatchError(
+                "batch",
+                f"expected an AttnBatch (a Phase in .phase), got {type(batch).__name__} with "
+                f"phase {phase!r}",
+            )
         given = getattr(batch, "page_size", None)
         if given is not None and page_size is not None and given != page_size:
             raise InvalidBatchError(
@@ -369,7 +372,7 @@ class BatchSnapshot:
             elif check_device:
                 max_page = check_indices(kv_h, idx.cpu(), None)
         mask = mask_indptr = None
-        if batch.custom_mask is not None:
+        if getattr(batch, "custom_mask", None) is not None:
             offsets, _ = mask_offsets(batch.custom_mask, qo_h, lens_h, rows=False)
             mask = batch.custom_mask.to(dev).clone(memory_format=torch.contiguous_format)
             # pinned: a copy from pageable memory would wait for the device's queue
@@ -396,23 +399,6 @@ class BatchSnapshot:
     @property
     def device(self) -> torch.device:
         return self.kv_indices.device
-
-
-def check_owner(plan: Any, owner: object, backend: str) -> None:
-    """Refuse a plan that ``owner`` (a backend object) did not make: one identity test.
-
-    A plan made by another binding's backend, or for another config (page size, heads,
-    dims), would make the kernel read with the wrong geometry.
-    """
-    if getattr(plan, "owner", None) is not owner:
-        made = getattr(plan, "owner", None)
-        who = "no backend" if made is None else f"another {type(made).__name__} object"
-        raise InvalidBatchError(
-            "plan",
-            f"{backend}: this plan ({type(plan).__name__}) was made by {who}, not by the "
-            "backend of this handler; pass the plan of the same binding "
-            "(binding.plan(batch) / the active attn_scope), never one from another runner",
-        )
 
 
 Layout = Literal["any", "rows", "contiguous"]

@@ -24,9 +24,11 @@ from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
+from attn_dispatch._protocol import PlanBase
+from attn_dispatch._protocol import check_plan
+from attn_dispatch._protocol import issue_plan
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
-from attn_dispatch.backends._common import check_owner
 from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.native import MAX_HEAD_DIM
 from attn_dispatch.backends.native._lib import NaConfig
@@ -65,7 +67,7 @@ class _PlanHandle:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class NativePlan:
+class NativePlan(PlanBase):
     """What ``NativeBackend.plan`` computed for one forward (shared by every layer).
 
     Immutable: the C++ side holds private copies of every index array the kernels read, so
@@ -190,7 +192,7 @@ class NativeBackend(TorchBackendBase):
         handle = _PlanHandle(ptr, self._free)
         info = NaPlanInfo()
         self._info(ptr, ctypes.byref(info))
-        return NativePlan(
+        plan = NativePlan(
             owner=self,
             phase=snap.phase,
             num_tokens=info.num_tokens,
@@ -201,6 +203,7 @@ class NativeBackend(TorchBackendBase):
             handle=handle,
             snapshot=snap,
         )
+        return issue_plan(self, plan)
 
     @staticmethod
     def _plan_error(err: NaError) -> InvalidBatchError:
@@ -263,7 +266,7 @@ class NativeBackend(TorchBackendBase):
         v_scale: float = 1.0,
     ) -> torch.Tensor:
         cfg = self.config
-        check_owner(plan, self, "native")
+        check_plan(plan, self, "native")
         if plan.phase is not phase:
             raise InvalidBatchError(
                 "phase",

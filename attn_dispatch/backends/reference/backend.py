@@ -32,9 +32,11 @@ from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
+from attn_dispatch._protocol import PlanBase
+from attn_dispatch._protocol import check_plan
+from attn_dispatch._protocol import issue_plan
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
-from attn_dispatch.backends._common import check_owner
 from attn_dispatch.backends._common import window_tree_mask
 from attn_dispatch.backends._torch_base import TorchBackendBase
 
@@ -44,7 +46,7 @@ CHUNK_TOKENS = 2048
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class TorchPlan:
+class TorchPlan(PlanBase):
     """One forward's plan: made by ``TorchBackend.plan``, accepted only by that object."""
 
     owner: TorchBackend
@@ -137,7 +139,7 @@ class TorchBackend(TorchBackendBase):
         blocks = _blocks(
             counts, kv_lens.tolist(), q_lens.tolist(), max_q, q_block, ps, window, mask, dev
         )
-        return TorchPlan(
+        plan = TorchPlan(
             owner=self,
             snap=snap,
             page_table=page_table,
@@ -153,6 +155,7 @@ class TorchBackend(TorchBackendBase):
             q_block=q_block,
             blocks=blocks,
         )
+        return issue_plan(self, plan)
 
     def handler(self, phase: Phase) -> Handler:
         return self.run
@@ -171,7 +174,7 @@ class TorchBackend(TorchBackendBase):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:
-        check_owner(plan, self, "torch")
+        check_plan(plan, self, "torch")
         num_pages = self._checks.check(plan.snap, q, k_cache, v_cache)
         c = self.config
         if c.sinks:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import triton
 
+from attn_dispatch._protocol import PlanBase
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import window_flat_mask
 
@@ -105,7 +106,7 @@ class KernelConfig:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class DecodePlan:
+class DecodePlan(PlanBase):
     """Split-KV decode plan; accepted only by the backend object in ``owner``."""
 
     owner: Any
@@ -118,7 +119,7 @@ class DecodePlan:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class ExtendPlan:
+class ExtendPlan(PlanBase):
     """Extend (prefill / verify) plan; accepted only by the backend object in ``owner``."""
 
     owner: Any

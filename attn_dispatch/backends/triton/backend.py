@@ -22,9 +22,10 @@ from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
+from attn_dispatch._protocol import check_plan
+from attn_dispatch._protocol import issue_plan
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
-from attn_dispatch.backends._common import check_owner
 from attn_dispatch.backends._common import refill
 from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.triton import _interpreter_reasons
@@ -149,8 +150,8 @@ class TritonBackend(TorchBackendBase):
                 min_split_tokens=kc.min_split_tokens,
                 max_splits=kc.max_splits,
             )
-            return _ops.plan_decode(kc, self, snap, splits)
-        return _ops.plan_extend(self._kc, self, snap)
+            return issue_plan(self, _ops.plan_decode(kc, self, snap, splits))
+        return issue_plan(self, _ops.plan_extend(self._kc, self, snap))
 
     def update_plan(self, plan: _ops.DecodePlan | _ops.ExtendPlan, batch: Any) -> None:
         """Re-plan ``batch`` into a CUDA-graph-captured ``plan`` (``cuda_graph`` calls this).
@@ -161,7 +162,7 @@ class TritonBackend(TorchBackendBase):
         valid for any lengths; a step whose sequences grew past a split-rule threshold is not
         refused. Only what the captured grid must cover is checked.
         """
-        check_owner(plan, self, "triton")
+        check_plan(plan, self, "triton")
         snap = BatchSnapshot.of(batch, self.config.page_size, check_device=self._validate)
         if isinstance(plan, _ops.DecodePlan):
             if snap.max_q_len > 1 or snap.custom_mask is not None:
@@ -199,7 +200,7 @@ class TritonBackend(TorchBackendBase):
         k_scale: float | None = None,
         v_scale: float | None = None,
     ) -> torch.Tensor:
-        check_owner(plan, self, "triton")
+        check_plan(plan, self, "triton")
         self._checks.check(plan.snap, q, k_cache, v_cache)
         if self._sinks or sinks is not None:
             self._check_sinks(q, sinks)
