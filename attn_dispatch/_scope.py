@@ -23,16 +23,17 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import math
+import threading
 from collections.abc import Callable
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import ParamSpec
 from typing import TypedDict
 from typing import TypeVar
-from typing import Unpack
 
 from attn_dispatch._binding import Binding
+from attn_dispatch._calls import CallRule
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import NoActiveScopeError
@@ -41,6 +42,12 @@ from attn_dispatch._errors import UnknownPhaseError
 from attn_dispatch._forms import AttnForm
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
+from attn_dispatch._values import F32_MAX
+from attn_dispatch._values import F32_MIN_NORMAL
+
+if TYPE_CHECKING:
+    # typing.Unpack is Python 3.11+; the package supports 3.10 (typing_extensions has it).
+    from typing_extensions import Unpack
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -75,6 +82,13 @@ def _binding_of(runner: object) -> Binding:
     return binding
 
 
+# The scope instances entered right now -> the thread that entered each. Claiming an entry is
+# one dict.setdefault (atomic), so two threads entering one instance at once cannot both pass
+# the check; same-thread re-entry is refused by the token test in __enter__.
+_HELD: dict[attn_scope, int] = {}
+_get_ident = threading.get_ident
+
+
 class attn_scope:
     """Make ``runner`` the active one in this context for the duration of a forward.
 
@@ -96,7 +110,6 @@ class attn_scope:
         "_token",
         "batch",
         "binding",
-        "extras",
         "fast",
         "form",
         "group",
@@ -104,6 +117,7 @@ class attn_scope:
         "handlers",
         "parent",
         "plan",
+        "rule",
         "run",
         "sm_scale",
     )
@@ -115,9 +129,10 @@ class attn_scope:
     run: Handler | None
     form: AttnForm | None
     sm_scale: float | None
-    extras: tuple[bool, bool, bool] | None
-    # ``run`` when a call without extras may go straight to it (the config takes no sinks or
-    # scales), else None: attention()'s fast path tests this one attribute.
+    rule: CallRule | None
+    # ``run`` (the backend's own callable, after the call rules) when a call without extras may
+    # go straight to it (the config takes no sinks or scales), else None: attention()'s fast
+    # path tests this one attribute.
     fast: Handler | None
     group: str | None
     groups: dict[str, Any] | None
@@ -141,8 +156,8 @@ class attn_scope:
         binding = runner if type(runner) is Binding else _binding_of(runner)
         self.binding = binding
         self.handlers = binding._handler_map
-        self.sm_scale = binding._sm_scale
-        self.extras = binding._extras
+        rule = self.rule = binding._rule
+        self.sm_scale = None if rule is None else rule.planned
         self.group = self.groups = None
         self.batch = batch
         self._token = None
@@ -170,19 +185,46 @@ class attn_scope:
             self.run = self.fast = None  # until __enter__ plans
             self._plans = True
         else:
-            self.plan, self.run, self.form = prepared
-            self.fast = self.run if self.extras is None else None
+            self.plan, handler, self.form = prepared
+            # Only a handler this binding hands out for this phase: a plan prepared by another
+            # binding would run that runner's kernels under this runner's name.
+            raw = binding._raw_of(phase, handler)
+            if raw is None:
+                raise InvalidBatchError(
+                    "prepared",
+                    f"the prepared handler is not one runner {_label(self)} serves "
+                    f"{phase.name} with: pass this binding's own binding.prepare(batch), never "
+                    "another runner's",
+                )
+            self.run = raw
+            self.fast = raw if rule is not None and rule.plain else None
             self._plans = False
 
     def __enter__(self) -> Binding:
+        me = _get_ident()
+        if _HELD.setdefault(self, me) != me:
+            raise ScopeError(
+                f"attn_scope({_label(self)}) is open in another thread: an instance is entered "
+                "by one thread at a time; create one attn_scope(...) per thread (or carry this "
+                "one with carry_scope)"
+            )
         if self._token is not None and not self._closed:
             raise ScopeError(
                 "this attn_scope is already active; create a new attn_scope(...) to nest"
             )
+        try:
+            self._open()
+        except BaseException:
+            _HELD.pop(self, None)
+            raise
+        return self.binding
+
+    def _open(self) -> None:
         if self._plans:
             if self.binding._groups is None:
-                self.plan, self.run, self.form = self.binding.prepare(self.batch)
-                self.fast = self.run if self.extras is None else None
+                self.plan, _, self.run, self.form = self.binding._prepare(self.batch)
+                rule = self.rule
+                self.fast = self.run if rule is not None and rule.plain else None
             else:
                 # Every group planned once per forward, before any layer runs; the frame
                 # itself has no handler (each layer names its group).
@@ -194,7 +236,6 @@ class attn_scope:
         self.parent = _CURRENT.get()
         self._closed = False
         self._token = _CURRENT.set(self)
-        return self.binding
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         token = self._token
@@ -207,6 +248,7 @@ class attn_scope:
                 # the original one, which must close it.
                 raise ScopeError(_not_open(self)) from None
             self._token = None
+            _HELD.pop(self, None)
             return
         self._exit_slow(token)
 
@@ -217,6 +259,7 @@ class attn_scope:
             # An enclosing scope exited first and closed this one with it; the instance is
             # free again (it may be entered anew).
             self._token = None
+            _HELD.pop(self, None)
             raise ScopeError(
                 f"attn_scope({_label(self)}) was already closed: an enclosing scope exited "
                 "before it (scopes must exit in reverse order)"
@@ -236,6 +279,7 @@ class attn_scope:
         except ValueError:
             raise ScopeError(_not_open(self)) from None
         self._token = None
+        _HELD.pop(self, None)
         for scope in inner:
             scope._closed = True
         raise ScopeError(
@@ -291,12 +335,12 @@ class _GroupFrame:
     __slots__ = (
         "batch",
         "binding",
-        "extras",
         "fast",
         "form",
         "group",
         "groups",
         "plan",
+        "rule",
         "run",
         "sm_scale",
     )
@@ -306,10 +350,11 @@ class _GroupFrame:
         self.groups = None
         self.binding = binding
         self.batch = batch
-        self.sm_scale = binding._sm_scale
-        self.extras = binding._extras
-        self.plan, self.run, self.form = binding.prepare(batch)
-        self.fast = self.run if self.extras is None else None
+        rule = self.rule = binding._rule
+        assert rule is not None  # a group is a plain binding
+        self.sm_scale = rule.planned
+        self.plan, _, self.run, self.form = binding._prepare(batch)
+        self.fast = self.run if rule.plain else None
 
 
 def _not_open(frame: attn_scope) -> str:
@@ -479,11 +524,13 @@ def attention(
     if run is not None and not extras and _call_hook is None:
         scale = frame.sm_scale  # type: ignore[union-attr]
         if scale is None:
-            if sm_scale is None:
-                raise _no_scale(frame)  # type: ignore[arg-type]
-            scale = sm_scale
-        elif sm_scale is not None and sm_scale != scale:
-            _check_scale(sm_scale, scale)
+            # The call's own scale, in float32's normal range (False for NaN, None, non-floats).
+            if type(sm_scale) is float and F32_MIN_NORMAL <= sm_scale <= F32_MAX:
+                scale = sm_scale
+            else:
+                scale = frame.rule.scale(sm_scale)  # type: ignore[union-attr]
+        elif sm_scale is not None and (sm_scale != scale or type(sm_scale) is bool):
+            scale = frame.rule.scale(sm_scale)  # type: ignore[union-attr]
         return run(q, k_cache, v_cache, frame.plan, scale)  # type: ignore[union-attr]
     unknown = extras.keys() - _EXTRA_NAMES
     if unknown:
@@ -550,13 +597,8 @@ def _attention_slow(
     run = frame.run
     if run is None:
         raise _no_run(frame)
-    scale = frame.sm_scale
-    if scale is None:
-        if sm_scale is None:
-            raise _no_scale(frame)
-        scale = sm_scale
-    elif sm_scale is not None and sm_scale != scale:
-        _check_scale(sm_scale, scale)
+    rule: CallRule = frame.rule
+    scale = rule.scale(sm_scale)
     args: tuple[Any, ...]
     if prefix is None:
         args = (q, k_cache, v_cache, frame.plan, scale)
@@ -568,88 +610,7 @@ def _attention_slow(
                 f"{getattr(frame.form, 'value', 'a non-MLA config')!r} (see attention_form())",
             )
         args = (q, k_cache, v_cache, frame.plan, scale, prefix)
-    kw = _extra_keywords(frame, sinks, k_scale, v_scale)
+    kw = rule.keywords(q, sinks, k_scale, v_scale)
     call: Callable[..., Any] = run if not kw else functools.partial(run, **kw)
     hook = _call_hook
     return call(*args) if hook is None else hook(frame, call, args)
-
-
-def _extra_keywords(frame: Any, sinks: Any, k_scale: Any, v_scale: Any) -> dict[str, Any]:
-    """The keywords the handler takes for this config (contract: only those that apply),
-    after the cheap core checks; the backend checks the sinks tensor itself."""
-    has_sinks, fp8, mla = frame.extras or (False, False, False)
-    kw: dict[str, Any] = {}
-    if has_sinks:
-        if sinks is None:
-            raise InvalidBatchError(
-                "sinks",
-                f"runner {_label(frame)}'s AttnConfig has sinks=True: pass the layer's sink "
-                "logits, attention(..., sinks=tensor[num_q_heads] float32)",
-            )
-        kw["sinks"] = sinks
-    elif sinks is not None:
-        raise InvalidBatchError(
-            "sinks",
-            f"runner {_label(frame)}'s AttnConfig has sinks=False, so the layer has no sink "
-            "logits; drop sinks= or bind a config with AttnConfig(sinks=True)",
-        )
-    if fp8:
-        kw["k_scale"] = _fp8_scale("k_scale", k_scale)
-        if not mla:
-            kw["v_scale"] = _fp8_scale("v_scale", v_scale)
-        elif v_scale is not None:
-            raise InvalidBatchError(
-                "v_scale",
-                f"got {v_scale!r}, but an MLA layer's k_scale covers the whole latent (V is part "
-                "of it); pass k_scale only",
-            )
-    else:
-        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if value is not None:
-                raise InvalidBatchError(
-                    name,
-                    f"got {value!r}, but runner {_label(frame)}'s kv_dtype is not FP8; scales "
-                    "apply only to kv_dtype 'float8_e4m3fn' / 'float8_e5m2'",
-                )
-    return kw
-
-
-def _fp8_scale(name: str, value: Any) -> float:
-    if value is None:
-        return 1.0
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise InvalidBatchError(
-            name,
-            f"got {value!r}; an FP8 cache scale is a finite Python float > 0 (the cache holds "
-            f"K / k_scale and V / v_scale; default 1.0)",
-        )
-    return float(value)
-
-
-def _no_scale(frame: attn_scope) -> InvalidBatchError:
-    return InvalidBatchError(
-        "sm_scale",
-        f"no softmax scale: attention() got sm_scale=None and runner {_label(frame)}'s "
-        "AttnConfig has sm_scale=None; pass attention(..., sm_scale=s) or bind a config with "
-        "AttnConfig(sm_scale=s)",
-    )
-
-
-def _check_scale(given: float, planned: float) -> None:
-    # Equal up to float rounding (head_dim ** -0.5 vs 1 / math.sqrt(head_dim)) passes, and the
-    # planned value is what the handler receives.
-    try:
-        close = abs(given - planned) <= 1e-6 * abs(planned)
-    except TypeError:
-        close = False
-    if not close:
-        raise InvalidBatchError(
-            "sm_scale",
-            f"attention(sm_scale={given!r}) differs from the bound AttnConfig.sm_scale "
-            f"{planned!r}, which the backend planned with; pass the same scale or omit it",
-        )

@@ -212,7 +212,7 @@ def test_sm_scale_from_the_config(registry_snapshot: object) -> None:
             attention("q", "k", "v", sm_scale=0.25)
         err = info.value
         assert err.field == "sm_scale"
-        assert "attention(sm_scale=0.25)" in str(err) and "0.125" in str(err)
+        assert "sm_scale=0.25 differs" in str(err) and "0.125" in str(err)
     assert seen == [0.125, 0.125, 0.125]  # the planned scale reaches the handler
 
 
