@@ -174,22 +174,22 @@ class Binding:
     def attn_binding(self) -> Binding:
         return self
 
-    def route(self, phase: Phase) -> Route:
+    def route(self, phase: Phase, *, what: str = "route(phase)") -> Route:
         """How ``phase`` is served (backend, handler, form chooser)."""
         if self._groups is not None:
-            raise _grouped_error("route(phase)", self._groups)
+            raise _grouped_error(what, self._groups)
         return self._routes[Phase.parse(phase)]
 
     def handler(self, phase: Phase) -> Handler:
         """The precomputed handler of ``phase`` (the call rules checked, then the backend's)."""
-        return self.route(phase).handler
+        return self.route(phase, what="handler(phase)").handler
 
     def backend(self, phase: Phase) -> AttentionBackend:
         """The backend object serving ``phase``."""
-        return self.route(phase).backend
+        return self.route(phase, what="backend(phase)").backend
 
     def backend_name(self, phase: Phase) -> str:
-        return self.route(phase).name
+        return self.route(phase, what="backend_name(phase)").name
 
     def capabilities(self, name: str) -> Capabilities:
         """The capabilities this binding was checked against (a snapshot)."""
