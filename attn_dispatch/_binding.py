@@ -308,9 +308,12 @@ def _check(
     *,
     group: str | None = None,
     reasons: dict[Phase, tuple[str, list[str]]] | None = None,
+    machine: bool = True,
 ) -> _Checked:
-    """Every check of ``bind`` (no factory runs). With ``reasons`` given, a refusal is added
-    to it (prefixed with the group) instead of raised."""
+    """Every check of ``bind`` (no factory runs): the one check ``bind`` and ``explain``
+    share. With ``reasons`` given, a refusal is added to it (prefixed with the group) instead
+    of raised. ``machine=False`` checks only what the config decides (the same on every
+    machine: ``explain --static``), not this machine's runtime (modules, CUDA)."""
     if isinstance(spec, str):
         spec = BackendSpec.parse(spec)
     if not isinstance(spec, BackendSpec):
@@ -334,12 +337,13 @@ def _check(
     found: dict[Phase, tuple[str, list[str]]] = {}
     for phase in Phase:
         name = spec.names[phase]
-        why = entries[name].capabilities.reasons(config, phase)
+        caps = entries[name].capabilities
+        why = caps.reasons(config, phase) if machine else caps.config_reasons(config, phase)
         if why:
             found[phase] = (name, why)
     policies: dict[Phase, FormPolicy] = {}
     if config.kind == "mla":
-        policies = _check_forms(spec, config, entries, override_policies, found)
+        policies = _check_forms(spec, config, entries, override_policies, found, machine=machine)
     if found:
         _add_served_by(config, entries, found, registry)
         if reasons is None:
