@@ -29,7 +29,6 @@ from attn_dispatch._errors import UnknownPhaseError
 from attn_dispatch._forms import AttnForm
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
-from attn_dispatch._phase import phase_of
 from attn_dispatch._protocol import AttentionBackend
 from attn_dispatch._protocol import BackendBase
 from attn_dispatch._protocol import ChunkedHandler
@@ -51,6 +50,7 @@ from attn_dispatch._scope import resolve
 from attn_dispatch._spec import BackendSpec
 from attn_dispatch._threads import carry_scope
 from attn_dispatch._threads import run_in_thread
+from attn_dispatch.integrations._sglang_rules import phase_of
 
 if TYPE_CHECKING:
     from attn_dispatch._batch import AttnBatch

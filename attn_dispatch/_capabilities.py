@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING
 from attn_dispatch._dtypes import dtype_name
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
+from attn_dispatch._vocab import FORMS
+from attn_dispatch._vocab import KINDS
+from attn_dispatch._vocab import VARIANTS
 
 if TYPE_CHECKING:
     from attn_dispatch._config import AttnConfig
@@ -81,9 +84,9 @@ def _phases(values: object) -> frozenset[Phase]:
         raise InvalidSpecError("phases", values, str(exc)) from None
 
 
-_KINDS = frozenset({"mha", "mla"})
-_FORMS = frozenset({"mla", "mha", "mha_chunked"})
-_VARIANTS = frozenset({"window", "logit_cap", "sinks"})
+_KINDS = frozenset(KINDS)
+_FORMS = FORMS
+_VARIANTS = frozenset(VARIANTS)
 
 
 def _variants(field: str, values: object) -> frozenset[str]:

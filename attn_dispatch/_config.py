@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
-from typing import Literal
 
 from attn_dispatch._dtypes import device_type
 from attn_dispatch._dtypes import dtype_name
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._values import int_problem
 from attn_dispatch._values import positive_f32_problem
-
-Kind = Literal["mha", "mla"]
-_KINDS = ("mha", "mla")
-#: The FP8 KV cache formats (``kv_dtype``); the compute ``dtype`` is never one of them.
-FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
-#: The names capabilities declare for the layer variants (``Capabilities.variants``).
-VARIANTS = ("window", "logit_cap", "sinks")
+from attn_dispatch._vocab import FP8_DTYPES
+from attn_dispatch._vocab import KINDS
+from attn_dispatch._vocab import VARIANTS as VARIANTS
+from attn_dispatch._vocab import Kind
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,7 +61,7 @@ class AttnConfig:
     sinks: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
+        if self.kind not in KINDS:
             raise InvalidSpecError("kind", self.kind, "choose 'mha' or 'mla'")
         for field in ("num_q_heads", "num_kv_heads", "head_dim", "page_size"):
             _positive(field, getattr(self, field))

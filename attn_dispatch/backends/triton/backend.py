@@ -24,6 +24,7 @@ from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import check_plan
 from attn_dispatch._protocol import issue_plan
+from attn_dispatch._vocab import FP8_DTYPES
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
 from attn_dispatch.backends._common import refill
@@ -34,7 +35,7 @@ from attn_dispatch.backends.triton._dims import DimLayout
 from attn_dispatch.backends.triton._dims import dim_reasons
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_FP8 = ("float8_e4m3fn", "float8_e5m2")
+_FP8 = tuple(sorted(FP8_DTYPES))
 
 # Options a caller may pass through ``BackendSpec``/``bind`` (all ints, all optional).
 _INT_OPTIONS = (
