@@ -64,17 +64,19 @@ from attn_dispatch._record import record_events
 from attn_dispatch._scope import attn_scope
 from attn_dispatch._values import as_int
 from attn_dispatch.backends._common import BatchSnapshot
+from attn_dispatch.backends._common import StepStats
 
 __all__ = ["CaptureError", "GraphedForward", "assert_not_capturing", "capture_decode"]
 
 # Host-side planning statistics of an AttnBatch: they may change between replays of one shape
 # (a decode step's longest sequence grows), so a handler run inside a graph must not read them.
 _BATCH_STATS = frozenset({"max_q_len", "max_kv_len", "num_pages"})
-_SNAPSHOT_STATS = frozenset({"max_q_len", "max_kv_len", "max_page"})
 # Plan fields that are identities, not values: the backend object that made a plan (the same
 # for every plan of one binding), and a backend's token for "the plan its wrapper holds now"
 # (FlashInfer: a new one per plan, refilled into the same persistent buffers in graph mode).
 _IDENTITIES = frozenset({"owner", "ticket"})
+# A snapshot's per-step counts (backends._common.StepStats): followed on replay, not compared.
+_PLAIN_STEP = (StepStats,)
 
 
 class CaptureError(AttnDispatchError, RuntimeError):
@@ -133,11 +135,11 @@ def _copy_into(dst: Any, src: Any, path: str, seen: set[int], write: bool = True
         skip = _BATCH_STATS if isinstance(dst, AttnBatch) else frozenset()
         if isinstance(dst, BatchSnapshot):
             # The captured plan's own snapshot follows the step: the per-call checks compare
-            # the cache with its max_page, and the stats may change between replays.
-            skip = _SNAPSHOT_STATS
+            # the cache with its max_page, and the counts may change between replays.
+            skip = frozenset({"step"})
             if write:
-                for name in _SNAPSHOT_STATS:
-                    object.__setattr__(dst, name, getattr(src, name))
+                assert isinstance(src, BatchSnapshot)  # same type, checked above
+                dst.step.follow(src.step)
         for f in dataclasses.fields(dst):
             if f.name not in skip and f.name not in _IDENTITIES:
                 _copy_into(
@@ -179,7 +181,7 @@ def _opaque_paths(obj: Any, path: str, seen: set[int]) -> Iterator[str]:
     if id(obj) in seen:
         return
     seen.add(id(obj))
-    if isinstance(obj, (torch.Tensor, *_PLAIN)):
+    if isinstance(obj, (torch.Tensor, *_PLAIN, *_PLAIN_STEP)):
         return
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from attn_dispatch._protocol import Handler
 from attn_dispatch._protocol import PlanBase
 from attn_dispatch._protocol import check_plan
 from attn_dispatch._protocol import issue_plan
+from attn_dispatch._values import call_scale
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
 from attn_dispatch.backends._torch_base import TorchBackendBase
@@ -280,17 +280,13 @@ class NativeBackend(TorchBackendBase):
             sinks_ptr = sinks.data_ptr()
         elif sinks is not None:
             raise InvalidBatchError("sinks", "given to a layer whose config has sinks=False")
-        ks, vs = float(k_scale), float(v_scale)
-        if self.fp8:
-            for name, value in (("k_scale", ks), ("v_scale", vs)):
-                if not (math.isfinite(value) and value > 0.0):
-                    raise InvalidBatchError(name, f"must be finite and > 0, got {value!r}")
-        elif (ks, vs) != (1.0, 1.0):
+        # The core's rules (attn_dispatch._values): a binding's handlers checked them already;
+        # this handler may also be called without one.
+        ks, vs = call_scale("k_scale", k_scale), call_scale("v_scale", v_scale)
+        if not self.fp8 and (ks, vs) != (1.0, 1.0):
             raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
         v_ptr = None if self.mla else v_cache.data_ptr()
-        scale = float(sm_scale)
-        if not math.isfinite(scale):
-            raise InvalidBatchError("sm_scale", f"must be finite, got {sm_scale!r}")
+        scale = call_scale("sm_scale", sm_scale)
         out = torch.empty((plan.num_tokens, cfg.num_q_heads, self.v_head_dim), dtype=self.q_dtype)
         if plan.num_items == 0:
             return out
