@@ -229,4 +229,4 @@ class AttnConfig:
 def _positive(field: str, value: object) -> None:
     problem = int_problem(value, low=1)
     if problem is not None:
-        raise InvalidSpecError(field, value, f"must be a positive int; {problem}")
+        raise InvalidSpecError(field, value, problem)

@@ -241,16 +241,19 @@ class attn_scope:
         token = self._token
         # A set token means __enter__ ran, which also set _closed.
         if token is not None and _CURRENT.get() is self and not self._closed:
-            try:
-                _CURRENT.reset(token)
-            except ValueError:
-                # A copy of the entering context (carry_scope, a task): the token belongs to
-                # the original one, which must close it.
-                raise ScopeError(_not_open(self)) from None
-            self._token = None
-            _HELD.pop(self, None)
+            self._close(token)
             return
         self._exit_slow(token)
+
+    def _close(self, token: contextvars.Token[attn_scope | None]) -> None:
+        try:
+            _CURRENT.reset(token)
+        except ValueError:
+            # A copy of the entering context (carry_scope, a task): the token belongs to the
+            # original one, which must close it.
+            raise ScopeError(_not_open(self)) from None
+        self._token = None
+        _HELD.pop(self, None)
 
     def _exit_slow(self, token: contextvars.Token[attn_scope | None] | None) -> None:
         if token is None:
@@ -274,12 +277,7 @@ class attn_scope:
             # Resetting here could rebind a stale runner: leave the context as it is, and keep
             # the token so the context that entered this scope can still close it.
             raise ScopeError(_not_open(self))
-        try:
-            _CURRENT.reset(token)
-        except ValueError:
-            raise ScopeError(_not_open(self)) from None
-        self._token = None
-        _HELD.pop(self, None)
+        self._close(token)
         for scope in inner:
             scope._closed = True
         raise ScopeError(

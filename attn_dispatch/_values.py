@@ -38,7 +38,8 @@ def int_problem(value: object, *, low: int, high: int = INT32_MAX) -> str | None
         why = "the kernels read it as int32"
     else:
         return None
-    return f"must be an int >= {low} and <= {high} ({why})"
+    wanted = "a positive int" if low == 1 else f"an int >= {low}"
+    return f"must be {wanted} and <= {high} ({why})"
 
 
 def as_int(value: object, field: str, *, low: int = 0, request: int | None = None) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -233,25 +234,9 @@ class NativeBackend(TorchBackendBase):
     # -- per layer ----------------------------------------------------------------------------
 
     def handler(self, phase: Phase) -> Handler:
-        phase = Phase(phase)
-
-        def native_attention(
-            q: Any,
-            k_cache: Any,
-            v_cache: Any,
-            plan: Any,
-            sm_scale: float,
-            /,
-            *,
-            sinks: Any = None,
-            k_scale: float = 1.0,
-            v_scale: float = 1.0,
-        ) -> torch.Tensor:
-            return self._forward(
-                phase, q, k_cache, v_cache, plan, sm_scale, sinks, k_scale, v_scale
-            )
-
-        return native_attention
+        # A partial (called in C) of the one signature below: sinks=, k_scale=, v_scale= are
+        # keywords, as bind checks against the capabilities.
+        return functools.partial(self._forward, Phase(phase))
 
     def _forward(
         self,
@@ -261,6 +246,8 @@ class NativeBackend(TorchBackendBase):
         v_cache: Any,
         plan: Any,
         sm_scale: float,
+        /,
+        *,
         sinks: Any = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
