@@ -89,15 +89,24 @@ _FORMS = FORMS
 _VARIANTS = frozenset(VARIANTS)
 
 
-def _variants(field: str, values: object) -> frozenset[str]:
-    names = _strings(field, values)
-    if not names <= _VARIANTS:
-        raise InvalidSpecError(
-            field,
-            values,
-            f"unknown variants {sorted(names - _VARIANTS)!r}; choose from {sorted(_VARIANTS)!r}",
-        )
-    return names
+def _known(what: str, known: frozenset[str]) -> Callable[[str, object], frozenset[str]]:
+    """A parser of a set of names from ``known`` (variants, forms)."""
+
+    def parse(field: str, values: object) -> frozenset[str]:
+        names = _strings(field, values)
+        if not names <= known:
+            raise InvalidSpecError(
+                field,
+                values,
+                f"unknown {what} {sorted(names - known)!r}; choose from {sorted(known)!r}",
+            )
+        return names
+
+    return parse
+
+
+_variants = _known("variants", _VARIANTS)
+_forms = _known("forms", _FORMS)
 
 
 def _per_phase(
@@ -120,17 +129,6 @@ def _variant_detail(config: AttnConfig, variant: str) -> str:
     if variant == "logit_cap":
         return f"logit_cap={config.logit_cap!r}"
     return "sinks=True"
-
-
-def _forms(field: str, values: object) -> frozenset[str]:
-    forms = _strings(field, values)
-    if not forms <= _FORMS:
-        raise InvalidSpecError(
-            field,
-            values,
-            f"unknown forms {sorted(forms - _FORMS)!r}; choose from {sorted(_FORMS)!r}",
-        )
-    return forms
 
 
 def _fmt(values: Iterable[object]) -> str:

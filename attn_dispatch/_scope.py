@@ -89,6 +89,21 @@ _HELD: dict[attn_scope, int] = {}
 _get_ident = threading.get_ident
 
 
+# What attention() reads of a frame: an attn_scope, or one group's part of one (_GroupFrame).
+_FRAME_FIELDS = (
+    "batch",
+    "binding",
+    "fast",
+    "form",
+    "group",
+    "groups",
+    "plan",
+    "rule",
+    "run",
+    "sm_scale",
+)
+
+
 class attn_scope:
     """Make ``runner`` the active one in this context for the duration of a forward.
 
@@ -104,23 +119,7 @@ class attn_scope:
     entering then plans nothing (``cuda_graph`` replays a captured plan this way).
     """
 
-    __slots__ = (
-        "_closed",
-        "_plans",
-        "_token",
-        "batch",
-        "binding",
-        "fast",
-        "form",
-        "group",
-        "groups",
-        "handlers",
-        "parent",
-        "plan",
-        "rule",
-        "run",
-        "sm_scale",
-    )
+    __slots__ = (*_FRAME_FIELDS, "_closed", "_plans", "_token", "handlers", "parent")
 
     handlers: dict[Phase, Handler]
     binding: Binding
@@ -330,18 +329,7 @@ class _GroupFrame:
     """One group's part of a scope: what ``attention(..., group=name)`` reads. Built once per
     forward (planning the group's batch); read-only afterwards."""
 
-    __slots__ = (
-        "batch",
-        "binding",
-        "fast",
-        "form",
-        "group",
-        "groups",
-        "plan",
-        "rule",
-        "run",
-        "sm_scale",
-    )
+    __slots__ = _FRAME_FIELDS
 
     def __init__(self, group: str, binding: Binding, batch: Any) -> None:
         self.group = group
