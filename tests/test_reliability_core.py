@@ -557,3 +557,42 @@ def test_core_imports_on_python_310_and_313(python: str | None) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "OK" in proc.stdout and "Phase.DECODE" in proc.stdout
+
+
+# -- issue 21: a grouped binding's configs, and bind/explain's shared check -------------------
+
+
+def test_grouped_binding_config_is_per_group() -> None:
+    # Before: binding.config of a grouped binding was the first group's config.
+    sliding, full = cfg(window_left=7), cfg()
+    binding = bind("torch", {"sliding": sliding, "full": full})
+    assert dict(binding.configs) == {"sliding": sliding, "full": full}
+    assert binding.groups["full"].config is full
+    with pytest.raises(InvalidBatchError, match=r"binding\.configs\[name\]") as err:
+        _ = binding.config
+    assert err.value.field == "group"
+    plain = bind("torch", full)
+    assert plain.config is full and dict(plain.configs) == {}
+    route = plain.route(Phase.DECODE)
+    assert route.name == "torch" and route.handler is plain.handler(Phase.DECODE)
+    assert route.raw == plain.backend(Phase.DECODE).handler(Phase.DECODE)  # the bound method
+
+
+def test_check_machine_false_gives_config_reasons_only() -> None:
+    from attn_dispatch._binding import _check
+
+    reg = Registry(builtins=False, plugins=False)
+    caps = Capabilities(kinds={"mha"}, requires=("attn_dispatch_no_such_module",))
+    reg.register("absent", capabilities=caps, factory=_NoKeywords)
+    config_only: dict[Phase, tuple[str, list[str]]] = {}
+    _check("absent", cfg(), None, None, reg, reasons=config_only, machine=False)
+    assert config_only == {}  # nothing in the config is refused
+    everything: dict[Phase, tuple[str, list[str]]] = {}
+    _check("absent", cfg(), None, None, reg, reasons=everything)
+    assert set(everything) == set(Phase)
+    assert all("attn_dispatch_no_such_module" in " ".join(w) for _, w in everything.values())
+    refused: dict[Phase, tuple[str, list[str]]] = {}
+    _check("absent", cfg(kind="mla", num_kv_heads=1, head_dim=576, v_head_dim=512),
+           None, None, reg, reasons=refused, machine=False)  # fmt: skip
+    assert set(refused) == set(Phase)
+    assert all("'mla'" in " ".join(w) for _, w in refused.values())
