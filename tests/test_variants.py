@@ -277,7 +277,7 @@ def test_sinks_passed_only_for_sinks_config(registry_snapshot: object) -> None:
         _call(binding, sinks=torch.zeros(7))
     with pytest.raises(InvalidBatchError, match="float32") as info:
         _call(binding, sinks=torch.zeros(8, dtype=torch.float64))
-    with pytest.raises(InvalidBatchError, match="torch.Tensor") as info:
+    with pytest.raises(InvalidBatchError, match=r"torch\.Tensor") as info:
         _call(binding, sinks="S")
     with pytest.raises(InvalidBatchError) as info:
         _call(binding)

@@ -12,7 +12,7 @@ chunk at a time (gathered pages only, never the whole cache).
 
 Window semantics, including tree verify: a query sees the ``window_left + 1`` most recent keys
 *of its own sequence*. Without a custom mask that is keys at positions ``p - window_left ..= p``
-(DESIGN.md). With a tree mask, the sequence of a draft node is the prefix plus its ancestors
+(README.md). With a tree mask, the sequence of a draft node is the prefix plus its ancestors
 (the keys its mask allows, in cache order), so the node sees the last ``window_left + 1`` of
 those: exactly what decoding that path token by token would see.
 """
