@@ -33,7 +33,10 @@ from attn_dispatch._protocol import AttentionBackend
 from attn_dispatch._protocol import BackendBase
 from attn_dispatch._protocol import ChunkedHandler
 from attn_dispatch._protocol import Handler
+from attn_dispatch._protocol import PlanBase
 from attn_dispatch._protocol import Runner
+from attn_dispatch._protocol import check_plan
+from attn_dispatch._protocol import issue_plan
 from attn_dispatch._record import DispatchEvent
 from attn_dispatch._record import DispatchRecorder
 from attn_dispatch._record import record_dispatch
@@ -90,6 +93,7 @@ __all__ = [
     "InvalidSpecError",
     "NoActiveScopeError",
     "Phase",
+    "PlanBase",
     "Registry",
     "Runner",
     "ScopeError",
@@ -100,8 +104,10 @@ __all__ = [
     "attn_scope",
     "bind",
     "carry_scope",
+    "check_plan",
     "current_batch",
     "current_binding",
+    "issue_plan",
     "list_backends",
     "phase_of",
     "record_dispatch",
