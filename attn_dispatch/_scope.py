@@ -201,6 +201,8 @@ class attn_scope:
             self._plans = False
 
     def __enter__(self) -> Binding:
+        # Claimed for this thread first (one atomic setdefault), so a second thread cannot
+        # pass while this one plans; same-thread re-entry is the token test below.
         me = _get_ident()
         if _HELD.setdefault(self, me) != me:
             raise ScopeError(
@@ -212,36 +214,44 @@ class attn_scope:
             raise ScopeError(
                 "this attn_scope is already active; create a new attn_scope(...) to nest"
             )
-        try:
-            self._open()
-        except BaseException:
-            _HELD.pop(self, None)
-            raise
-        return self.binding
-
-    def _open(self) -> None:
         if self._plans:
-            if self.binding._groups is None:
-                self.plan, _, self.run, self.form = self.binding._prepare(self.batch)
-                rule = self.rule
-                self.fast = self.run if rule is not None and rule.plain else None
-            else:
-                # Every group planned once per forward, before any layer runs; the frame
-                # itself has no handler (each layer names its group).
-                self.groups = {
-                    name: _GroupFrame(name, child, self.batch)
-                    for name, child in self.binding._groups.items()
-                }
-                self.plan = self.run = self.form = None
+            try:
+                self._plan()
+            except BaseException:
+                _HELD.pop(self, None)
+                raise
         self.parent = _CURRENT.get()
         self._closed = False
         self._token = _CURRENT.set(self)
+        return self.binding
+
+    def _plan(self) -> None:
+        if self.binding._groups is None:
+            self.plan, _, self.run, self.form = self.binding._prepare(self.batch)
+            rule = self.rule
+            self.fast = self.run if rule is not None and rule.plain else None
+        else:
+            # Every group planned once per forward, before any layer runs; the frame itself
+            # has no handler (each layer names its group).
+            self.groups = {
+                name: _GroupFrame(name, child, self.batch)
+                for name, child in self.binding._groups.items()
+            }
+            self.plan = self.run = self.form = None
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         token = self._token
-        # A set token means __enter__ ran, which also set _closed.
+        # A set token means __enter__ ran, which also set _closed. (The reset is written out
+        # here and in _close: a method call would cost the per-forward path ~50 ns.)
         if token is not None and _CURRENT.get() is self and not self._closed:
-            self._close(token)
+            try:
+                _CURRENT.reset(token)
+            except ValueError:
+                # A copy of the entering context (carry_scope, a task): the token belongs to
+                # the original one, which must close it.
+                raise ScopeError(_not_open(self)) from None
+            self._token = None
+            _HELD.pop(self, None)
             return
         self._exit_slow(token)
 
@@ -249,8 +259,6 @@ class attn_scope:
         try:
             _CURRENT.reset(token)
         except ValueError:
-            # A copy of the entering context (carry_scope, a task): the token belongs to the
-            # original one, which must close it.
             raise ScopeError(_not_open(self)) from None
         self._token = None
         _HELD.pop(self, None)
