@@ -42,8 +42,6 @@ from attn_dispatch._errors import UnknownPhaseError
 from attn_dispatch._forms import AttnForm
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
-from attn_dispatch._values import F32_MAX
-from attn_dispatch._values import F32_MIN_NORMAL
 
 if TYPE_CHECKING:
     # typing.Unpack is Python 3.11+; the package supports 3.10 (typing_extensions has it).
@@ -100,8 +98,12 @@ _FRAME_FIELDS = (
     "plan",
     "rule",
     "run",
+    "scale_ok",
     "sm_scale",
 )
+# scale_ok: the last per-call sm_scale the rules accepted (an identity cache: model code passes
+# the same float object at every layer, so attention() checks it once per scope, not per call).
+_UNCHECKED = object()
 
 
 class attn_scope:
@@ -158,6 +160,7 @@ class attn_scope:
         self.handlers = binding._handler_map
         rule = self.rule = binding._rule
         self.sm_scale = None if rule is None else rule.planned
+        self.scale_ok = _UNCHECKED
         self.group = self.groups = None
         self.batch = batch
         self._token = None
@@ -348,6 +351,7 @@ class _GroupFrame:
         rule = self.rule = binding._rule
         assert rule is not None  # a group is a plain binding
         self.sm_scale = rule.planned
+        self.scale_ok = _UNCHECKED
         self.plan, _, self.run, self.form = binding._prepare(batch)
         self.fast = self.run if rule.plain else None
 
@@ -519,14 +523,14 @@ def attention(
     if run is not None and not extras and _call_hook is None:
         scale = frame.sm_scale  # type: ignore[union-attr]
         if scale is None:
-            # The call's own scale, in float32's normal range (False for NaN, None, non-floats).
-            if type(sm_scale) is float and F32_MIN_NORMAL <= sm_scale <= F32_MAX:
-                scale = sm_scale
-            else:
-                scale = frame.rule.scale(sm_scale)  # type: ignore[union-attr]
+            # The call's own scale: checked once (float32 normal range, not NaN/None/bool),
+            # then recognised by identity.
+            scale = sm_scale
+            if scale is not frame.scale_ok:  # type: ignore[union-attr]
+                scale = frame.scale_ok = frame.rule.scale(sm_scale)  # type: ignore[union-attr]
         elif sm_scale is not None and (sm_scale != scale or type(sm_scale) is bool):
             scale = frame.rule.scale(sm_scale)  # type: ignore[union-attr]
-        return run(q, k_cache, v_cache, frame.plan, scale)  # type: ignore[union-attr]
+        return run(q, k_cache, v_cache, frame.plan, scale)  # type: ignore[union-attr,arg-type]
     unknown = extras.keys() - _EXTRA_NAMES
     if unknown:
         raise TypeError(
