@@ -43,13 +43,15 @@ class Handler(Protocol):
     ``sm_scale`` is the resolved float (the call's, else the config's). The handler runs once
     per layer: it must not plan again, allocate per-layer metadata or sync the host.
 
-    Per-call extras come as keywords, and only those that apply to the bound config:
-    ``sinks=`` (the tensor as given; the handler checks it is float32 ``[num_q_heads]`` on
-    q's device) when ``config.sinks``; ``k_scale=`` (and, for MHA, ``v_scale=``) as Python
-    floats > 0 when ``config.kv_dtype`` is FP8. A config without them gets the plain positional
-    call. The window and the logit cap are read from the config when planning, never per call.
-    A backend that declares ``"sinks"`` or an FP8 ``kv_dtype`` accepts those keyword-only
-    arguments (the ``MHA_CHUNKED`` handler too, after its 6th positional ``prefix``).
+    Per-call extras come as keywords, and only those that apply to the bound config, checked
+    by the core first (``attn_dispatch._calls``): ``sinks=`` (a contiguous float32
+    ``[num_q_heads]`` tensor on q's device) when ``config.sinks``; ``k_scale=`` (and, for MHA,
+    ``v_scale=``) as Python floats in float32's normal range when ``config.kv_dtype`` is FP8.
+    A config without them gets the plain positional call. The window and the logit cap are
+    read from the config when planning, never per call. A backend that declares ``"sinks"``
+    or an FP8 ``kv_dtype`` accepts those keyword-only arguments (the ``MHA_CHUNKED`` handler
+    too, after its 6th positional ``prefix``): ``bind`` reads the handler's signature and
+    refuses one without them (``BackendUnavailableError``).
     """
 
     def __call__(
