@@ -533,12 +533,23 @@ CORE_SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
 import attn_dispatch as ad
-from attn_dispatch import Registry, bind, attn_scope, resolve, Phase, Capabilities, AttnConfig
-assert "torch" not in sys.modules
+from attn_dispatch import (AttnConfig, BackendBase, Capabilities, Phase, Registry, attention,
+                           attn_scope, bind, resolve)
+class Batch:
+    phase = Phase.DECODE
+class Echo(BackendBase):
+    name = "echo"
+    def __init__(self, config, **options): pass
+    def plan(self, batch): return "plan"
+    def handler(self, phase): return lambda q, k, v, plan, s: (q, plan, s)
 reg = Registry(builtins=False, plugins=False)
-reg.register("echo", capabilities=Capabilities(kinds={{"mha"}}),
-             factory="tests.strategies:EchoBackend")
+reg.register("echo", capabilities=Capabilities(kinds={{"mha"}}), factory=Echo)
 cfg = AttnConfig(kind="mha", num_q_heads=4, num_kv_heads=2, head_dim=16, dtype="float32")
+binding = bind("echo", cfg, registry=reg)
+with attn_scope(binding, Batch()):
+    assert attention("q", "k", "v", sm_scale=0.5) == ("q", "plan", 0.5)
+    assert resolve(Phase.DECODE)("q", "k", "v", "p", 0.25) == ("q", "p", 0.25)
+assert "torch" not in sys.modules
 print("OK", sys.version_info[:2], ad.phase_of("DECODE"))
 """
 
