@@ -244,29 +244,31 @@ class attn_scope:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         token = self._token
-        # A set token means __enter__ ran, which also set _closed. (The reset is written out
-        # here and in _close: a method call would cost the per-forward path ~50 ns.)
-        if token is not None and _CURRENT.get() is self and not self._closed:
-            try:
-                _CURRENT.reset(token)
-            except ValueError:
-                # A copy of the entering context (carry_scope, a task): the token belongs to
-                # the original one, which must close it.
-                raise ScopeError(_not_open(self)) from None
-            self._token = None
-            _HELD.pop(self, None)
-            return
-        self._exit_slow(token)
-
-    def _close(self, token: contextvars.Token[attn_scope | None]) -> None:
+        # A set token means __enter__ ran, which also set _closed. The common exit tests three
+        # things and resets; every other case is decided (or refused) in _exit_slow.
+        inner = None
+        if token is None or self._closed or _CURRENT.get() is not self:
+            inner = self._exit_slow(token)
         try:
-            _CURRENT.reset(token)
+            _CURRENT.reset(token)  # type: ignore[arg-type]  # _exit_slow refuses None
         except ValueError:
+            # A copy of the entering context (carry_scope, a task): the token belongs to the
+            # original one, which must close it.
             raise ScopeError(_not_open(self)) from None
         self._token = None
         _HELD.pop(self, None)
+        if inner is not None:
+            current = inner[0]
+            for scope in inner:
+                scope._closed = True
+            raise ScopeError(
+                f"attn_scope({_label(self)}) exited while an inner scope "
+                f"({_label(current)}) was still open; scopes must exit in reverse order. Both "
+                "are closed now."
+            )
 
-    def _exit_slow(self, token: contextvars.Token[attn_scope | None] | None) -> None:
+    def _exit_slow(self, token: contextvars.Token[attn_scope | None] | None) -> list[attn_scope]:
+        """The scopes opened inside this one and still open (to close with it), or an error."""
         if token is None:
             raise ScopeError("attn_scope exited without being entered")
         if self._closed:
@@ -278,9 +280,8 @@ class attn_scope:
                 f"attn_scope({_label(self)}) was already closed: an enclosing scope exited "
                 "before it (scopes must exit in reverse order)"
             )
-        current = _CURRENT.get()
         inner: list[attn_scope] = []
-        node = current
+        node = _CURRENT.get()
         while node is not None and node is not self:
             inner.append(node)
             node = node.parent
@@ -288,14 +289,7 @@ class attn_scope:
             # Resetting here could rebind a stale runner: leave the context as it is, and keep
             # the token so the context that entered this scope can still close it.
             raise ScopeError(_not_open(self))
-        self._close(token)
-        for scope in inner:
-            scope._closed = True
-        raise ScopeError(
-            f"attn_scope({_label(self)}) exited while an inner scope "
-            f"({_label(current)}) was still open; scopes must exit in reverse order. Both are "
-            "closed now."
-        )
+        return inner
 
     async def __aenter__(self) -> Binding:
         return self.__enter__()
