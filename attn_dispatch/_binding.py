@@ -64,10 +64,6 @@ class Route:
             return batch, handler, raw, form
         return dbackend.plan(batch.ragged()), handler, raw, form
 
-    def handlers(self) -> tuple[Handler, ...]:
-        """Every handler ``prepare`` may return (what a prepared plan must carry)."""
-        return (self.handler, *(h for _, h, _ in self.forms.values()))
-
 
 class Binding:
     """The immutable result of ``bind``: one runner's backends and per-phase routes.
