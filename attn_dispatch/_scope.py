@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import threading
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -80,13 +79,6 @@ def _binding_of(runner: object) -> Binding:
     return binding
 
 
-# The scope instances entered right now -> the thread that entered each. Claiming an entry is
-# one dict.setdefault (atomic), so two threads entering one instance at once cannot both pass
-# the check; same-thread re-entry is refused by the token test in __enter__.
-_HELD: dict[attn_scope, int] = {}
-_get_ident = threading.get_ident
-
-
 # What attention() reads of a frame: an attn_scope, or one group's part of one (_GroupFrame).
 _FRAME_FIELDS = (
     "batch",
@@ -122,7 +114,7 @@ class attn_scope:
     entering then plans nothing (``cuda_graph`` replays a captured plan this way).
     """
 
-    __slots__ = (*_FRAME_FIELDS, "_closed", "_plans", "_token", "handlers", "parent")
+    __slots__ = (*_FRAME_FIELDS, "_closed", "_free", "_plans", "_token", "handlers", "parent")
 
     handlers: dict[Phase, Handler]
     binding: Binding
@@ -141,6 +133,10 @@ class attn_scope:
     parent: attn_scope | None
     _token: contextvars.Token[attn_scope | None] | None
     _closed: bool
+    # One item while the instance is free: entering pops it (list.pop is atomic, in every
+    # thread), exiting puts it back. A second thread or task entering an open instance finds
+    # it empty and is refused, even while the first one is still planning.
+    _free: list[int]
     _plans: bool
 
     def __init__(
@@ -164,6 +160,7 @@ class attn_scope:
         self.group = self.groups = None
         self.batch = batch
         self._token = None
+        self._free = [0]
         if binding._groups is not None and prepared is not None:
             raise InvalidBatchError(
                 "prepared", "a grouped binding plans each group itself; pass no prepared plan"
@@ -204,29 +201,34 @@ class attn_scope:
             self._plans = False
 
     def __enter__(self) -> Binding:
-        # Claimed for this thread first (one atomic setdefault), so a second thread cannot
-        # pass while this one plans; same-thread re-entry is the token test below.
-        me = _get_ident()
-        if _HELD.setdefault(self, me) != me:
-            raise ScopeError(
-                f"attn_scope({_label(self)}) is open in another thread: an instance is entered "
-                "by one thread at a time; create one attn_scope(...) per thread (or carry this "
-                "one with carry_scope)"
-            )
-        if self._token is not None and not self._closed:
-            raise ScopeError(
-                "this attn_scope is already active; create a new attn_scope(...) to nest"
-            )
+        try:
+            self._free.pop()  # claimed before planning: nobody else passes meanwhile
+        except IndexError:
+            raise self._busy() from None
         if self._plans:
             try:
                 self._plan()
             except BaseException:
-                _HELD.pop(self, None)
+                self._free.append(0)
                 raise
         self.parent = _CURRENT.get()
         self._closed = False
         self._token = _CURRENT.set(self)
         return self.binding
+
+    def _busy(self) -> ScopeError:
+        node = _CURRENT.get()
+        while node is not None:
+            if node is self:
+                return ScopeError(
+                    "this attn_scope is already active; create a new attn_scope(...) to nest"
+                )
+            node = node.parent
+        return ScopeError(
+            f"attn_scope({_label(self)}) is open in another thread or task: an instance is "
+            "entered by one at a time; create one attn_scope(...) per thread (or carry this "
+            "one with carry_scope)"
+        )
 
     def _plan(self) -> None:
         if self.binding._groups is None:
@@ -256,11 +258,13 @@ class attn_scope:
             # original one, which must close it.
             raise ScopeError(_not_open(self)) from None
         self._token = None
-        _HELD.pop(self, None)
+        self._free.append(0)
         if inner is not None:
             current = inner[0]
             for scope in inner:
-                scope._closed = True
+                scope._closed = True  # and free again: it may be entered anew
+                if not scope._free:
+                    scope._free.append(0)
             raise ScopeError(
                 f"attn_scope({_label(self)}) exited while an inner scope "
                 f"({_label(current)}) was still open; scopes must exit in reverse order. Both "
@@ -275,7 +279,8 @@ class attn_scope:
             # An enclosing scope exited first and closed this one with it; the instance is
             # free again (it may be entered anew).
             self._token = None
-            _HELD.pop(self, None)
+            if not self._free:
+                self._free.append(0)
             raise ScopeError(
                 f"attn_scope({_label(self)}) was already closed: an enclosing scope exited "
                 "before it (scopes must exit in reverse order)"
