@@ -86,6 +86,7 @@ class Binding:
         "_handler_map",
         "_routes",
         "_rule",
+        "_sm_scale",
         "backends",
         "label",
         "spec",
@@ -104,6 +105,8 @@ class Binding:
     _handler_map: dict[Phase, Handler]
     # The call rules of this config (None for a grouped binding: each group has its own).
     _rule: CallRule | None
+    # The config's sm_scale (None: each call passes one), read by every attn_scope.
+    _sm_scale: float | None
     # None, or group -> the group's own Binding (a grouped binding: bind(spec, {name: cfg})).
     _groups: Mapping[str, Binding] | None
 
@@ -132,6 +135,7 @@ class Binding:
         put(self, "_routes", routes)
         put(self, "_handler_map", {p: r.handler for p, r in zip(Phase, routes, strict=False)})
         put(self, "_rule", rule)
+        put(self, "_sm_scale", None if rule is None else rule.planned)
         put(self, "_groups", None if groups is None else types.MappingProxyType(dict(groups)))
         return self
 

@@ -154,9 +154,8 @@ class attn_scope:
         binding = runner if type(runner) is Binding else _binding_of(runner)
         self.binding = binding
         self.handlers = binding._handler_map
-        rule = self.rule = binding._rule
-        self.sm_scale = None if rule is None else rule.planned
-        self.scale_ok = _UNCHECKED
+        self.rule = binding._rule
+        self.sm_scale = binding._sm_scale
         self.group = self.groups = None
         self.batch = batch
         self._token = None
@@ -181,6 +180,7 @@ class attn_scope:
                 f"batch {type(batch).__name__} has no Phase in .phase "
                 f"(got {phase!r}); map framework modes with phase_of()",
             )
+        self.scale_ok = _UNCHECKED  # read by attention()'s fast path, which needs a batch
         if prepared is None:
             self.run = self.fast = None  # until __enter__ plans
             self._plans = True
@@ -197,7 +197,7 @@ class attn_scope:
                     "another runner's",
                 )
             self.run = raw
-            self.fast = raw if rule is not None and rule.plain else None
+            self.fast = raw if self.rule is not None and self.rule.plain else None
             self._plans = False
 
     def __enter__(self) -> Binding:
