@@ -29,12 +29,14 @@ from attn_dispatch._errors import UnknownPhaseError
 from attn_dispatch._forms import AttnForm
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
-from attn_dispatch._phase import phase_of
 from attn_dispatch._protocol import AttentionBackend
 from attn_dispatch._protocol import BackendBase
 from attn_dispatch._protocol import ChunkedHandler
 from attn_dispatch._protocol import Handler
+from attn_dispatch._protocol import PlanBase
 from attn_dispatch._protocol import Runner
+from attn_dispatch._protocol import check_plan
+from attn_dispatch._protocol import issue_plan
 from attn_dispatch._record import DispatchEvent
 from attn_dispatch._record import DispatchRecorder
 from attn_dispatch._record import record_dispatch
@@ -51,6 +53,7 @@ from attn_dispatch._scope import resolve
 from attn_dispatch._spec import BackendSpec
 from attn_dispatch._threads import carry_scope
 from attn_dispatch._threads import run_in_thread
+from attn_dispatch.integrations._sglang_rules import phase_of
 
 if TYPE_CHECKING:
     from attn_dispatch._batch import AttnBatch
@@ -90,6 +93,7 @@ __all__ = [
     "InvalidSpecError",
     "NoActiveScopeError",
     "Phase",
+    "PlanBase",
     "Registry",
     "Runner",
     "ScopeError",
@@ -100,8 +104,10 @@ __all__ = [
     "attn_scope",
     "bind",
     "carry_scope",
+    "check_plan",
     "current_batch",
     "current_binding",
+    "issue_plan",
     "list_backends",
     "phase_of",
     "record_dispatch",

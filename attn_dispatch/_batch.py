@@ -13,6 +13,8 @@ from typing import Any
 
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
+from attn_dispatch._values import INT32_MAX
+from attn_dispatch._values import as_int
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +59,10 @@ class AttnBatch:
 
         if not isinstance(self.phase, Phase):
             raise InvalidBatchError("phase", f"expected a Phase, got {self.phase!r}")
+        if self.page_size is not None:
+            as_int(self.page_size, "page_size", low=1)
+        if self.num_pages is not None:
+            as_int(self.num_pages, "num_pages", low=0)
         for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_lens"):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor):
@@ -118,13 +124,23 @@ class AttnBatch:
                 f"q_lens ({len(q_lens)}), kv_lens ({n}) and page_tables ({len(page_tables)}) "
                 "must have one entry per request",
             )
+        # Every value an int in int32's range (the index tensors are int32): a float length
+        # is refused, never truncated, and a huge one is our error, not torch's.
+        page_size = as_int(page_size, "page_size", low=1)
+        q_lens = [as_int(q, "q_lens", request=i) for i, q in enumerate(q_lens)]
+        kv_lens = [as_int(k, "kv_lens", request=i) for i, k in enumerate(kv_lens)]
         qo = [0]
         kv = [0]
         flat: list[int] = []
-        for q, table in zip(q_lens, page_tables, strict=True):
-            qo.append(qo[-1] + int(q))
+        for i, (q, table) in enumerate(zip(q_lens, page_tables, strict=True)):
+            qo.append(qo[-1] + q)
             kv.append(kv[-1] + len(table))
-            flat.extend(int(p) for p in table)
+            flat.extend(as_int(p, "page_tables", request=i) for p in table)
+        for name, ptr in (("q_lens", qo), ("page_tables", kv)):
+            if ptr[-1] > INT32_MAX:
+                raise InvalidBatchError(
+                    name, f"the batch totals {ptr[-1]} entries, past int32's {INT32_MAX}"
+                )
         mask = None
         if masks is not None:
             if len(masks) != n:
@@ -132,7 +148,7 @@ class AttnBatch:
             parts = [torch.as_tensor(m, dtype=torch.bool).reshape(-1) for m in masks]
             mask = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
             for i, (m, q, k) in enumerate(zip(masks, q_lens, kv_lens, strict=True)):
-                if tuple(torch.as_tensor(m).shape) != (int(q), int(k)):
+                if tuple(torch.as_tensor(m).shape) != (q, k):
                     raise InvalidBatchError(
                         "masks",
                         f"shape {tuple(torch.as_tensor(m).shape)} != (q_len, kv_len) = ({q}, {k})",
@@ -144,7 +160,7 @@ class AttnBatch:
             qo_indptr=torch.tensor(qo, dtype=i32),
             kv_indptr=torch.tensor(kv, dtype=i32),
             kv_indices=torch.tensor(flat, dtype=i32),
-            kv_lens=torch.tensor([int(k) for k in kv_lens], dtype=i32),
+            kv_lens=torch.tensor(kv_lens, dtype=i32),
             custom_mask=mask,
             page_size=page_size,
             num_pages=num_pages,
@@ -153,21 +169,25 @@ class AttnBatch:
 
     def to(self, device: Any) -> AttnBatch:
         """The same batch with its device tensors on ``device`` (host copies stay on CPU)."""
-        moved = AttnBatch.__new__(AttnBatch)
-        for f in dataclasses.fields(AttnBatch):
-            object.__setattr__(moved, f.name, getattr(self, f.name))
-        for name in (
-            "qo_indptr",
-            "kv_indptr",
-            "kv_indices",
-            "kv_lens",
-            "custom_mask",
-            "mask_indptr",
-        ):
+        moved = {}
+        for name in _DEVICE_FIELDS:
             t = getattr(self, name)
             if t is not None:
-                object.__setattr__(moved, name, t.to(device, non_blocking=True))
-        return moved
+                moved[name] = t.to(device, non_blocking=True)
+        return self._derive(**moved)
+
+    def _derive(self, **changes: Any) -> AttnBatch:
+        """A copy of this checked batch with some fields replaced, derived fields included,
+        without checking again: the one way the package copies a batch (``to``, and the
+        CUDA-graph layouts of ``attn_dispatch.cuda_graph``). The caller keeps the contract;
+        every backend checks its own snapshot again when it plans."""
+        unknown = changes.keys() - _FIELD_NAMES
+        if unknown:
+            raise TypeError(f"AttnBatch has no field {sorted(unknown)[0]!r}")
+        new = AttnBatch.__new__(AttnBatch)
+        for name in _FIELD_NAMES:
+            object.__setattr__(new, name, changes.get(name, getattr(self, name)))
+        return new
 
     def ragged(self) -> AttnBatch:
         """This batch over ragged K/V rows (page_size 1): request i's keys are rows
@@ -201,6 +221,10 @@ class AttnBatch:
     def q_lens(self) -> list[int]:
         """Query tokens per request (host)."""
         return (self.qo_indptr_host[1:] - self.qo_indptr_host[:-1]).tolist()
+
+
+_DEVICE_FIELDS = ("qo_indptr", "kv_indptr", "kv_indices", "kv_lens", "custom_mask", "mask_indptr")
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(AttnBatch))
 
 
 def tree_mask(parents: Sequence[int], prefix_len: int) -> torch.Tensor:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import types
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
+from attn_dispatch._calls import CallRule
+from attn_dispatch._calls import checked_handler
 from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._config import VARIANTS
 from attn_dispatch._config import AttnConfig
@@ -28,49 +32,81 @@ from attn_dispatch._registry import Registry
 from attn_dispatch._spec import BackendSpec
 
 
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Route:
+    """How one phase of one (group of a) binding is served: what ``prepare`` reads.
+
+    ``handler`` is what the binding hands out (``resolve``, ``binding.handler``, ``prepare``):
+    the backend's ``raw`` callable behind the call rules (``_calls.checked_handler``), so the
+    direct path checks what ``attention()`` checks. ``chooser`` picks an MLA layer's form per
+    batch (None: one form); ``forms`` maps each decompressed form it may pick to
+    ``(backend or None, handler, raw)`` (None: ``MHA_CHUNKED`` plans from the batch itself).
+    """
+
+    name: str
+    backend: AttentionBackend
+    handler: Handler
+    raw: Handler
+    chooser: Callable[[Any], AttnForm] | None = None
+    forms: Mapping[AttnForm, tuple[AttentionBackend | None, Handler, Handler]] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({})
+    )
+
+    def prepare(self, batch: Any) -> tuple[Any, Handler, Handler, AttnForm | None]:
+        """``(plan, handler, raw, form)`` for ``batch`` (this route's phase)."""
+        if self.chooser is None:
+            return self.backend.plan(batch), self.handler, self.raw, None
+        form = self.chooser(batch)
+        if form is AttnForm.MLA:
+            return self.backend.plan(batch), self.handler, self.raw, form
+        dbackend, handler, raw = self.forms[form]
+        if dbackend is None:  # MHA_CHUNKED plans from the batch itself
+            return batch, handler, raw, form
+        return dbackend.plan(batch.ragged()), handler, raw, form
+
+
 class Binding:
-    """The immutable result of ``bind``: one runner's backends and per-phase handlers.
+    """The immutable result of ``bind``: one runner's backends and per-phase routes.
 
     It holds its own references to the backend objects and capabilities it was built from,
     so later registry changes never reach it. A ``Binding`` is itself a runner
     (``binding.attn_binding is binding``), so ``attn_scope(binding)`` works.
+
+    A binding is a mapping group -> per-phase ``Route``s: a plain binding is one unnamed group
+    (``binding.handler(phase)``, ``binding.config``); a grouped one
+    (``bind(spec, {"sliding": cfg_a, "full": cfg_b})``) names each group's own Binding in
+    ``binding.groups`` and its configs in ``binding.configs``; its own ``config``,
+    ``handler``, ``backend`` and ``prepare`` need a group and raise.
     """
 
     __slots__ = (
-        "_backends",
         "_caps",
-        "_choosers",
-        "_extras",
-        "_form_table",
+        "_config",
         "_groups",
         "_handler_map",
-        "_handlers",
-        "_per_phase",
-        "_phase_backends",
+        "_routes",
+        "_rule",
         "_sm_scale",
-        "config",
+        "backends",
         "label",
         "spec",
     )
 
     spec: BackendSpec
-    config: AttnConfig
     label: str | None
-    _handlers: tuple[Handler, Handler, Handler]
-    _sm_scale: float | None
-    # None for a config whose handlers take no per-call extras (the fast path of attention),
-    # else (sinks, fp8, mla): which keywords attention() checks and passes on.
-    _extras: tuple[bool, bool, bool] | None
-    # Phase -> handler: what a scope frame holds, so that resolve() is one dict lookup, which
-    # no foreign int or IntEnum can pass (Phase hashes by identity).
-    _handler_map: dict[Phase, Handler]
-    # Phase -> (form chooser or None, phase backend, handler): prepare() reads one entry.
-    _per_phase: dict[Phase, tuple[Callable[[Any], AttnForm] | None, AttentionBackend, Handler]]
-    _phase_backends: tuple[AttentionBackend, AttentionBackend, AttentionBackend]
-    _backends: Mapping[str, AttentionBackend]
+    #: One backend object per distinct name in the spec (read-only).
+    backends: Mapping[str, AttentionBackend]
+    _config: AttnConfig | None
     _caps: Mapping[str, Capabilities]
-    _choosers: tuple[Callable[[Any], AttnForm] | None, ...]
-    _form_table: Mapping[tuple[Phase, AttnForm], tuple[AttentionBackend | None, Handler]]
+    # Phase -> Route, indexed by Phase (a plain binding); () for a grouped one.
+    _routes: tuple[Route, ...]
+    # Phase -> checked handler: what a scope frame holds, so that resolve() is one dict
+    # lookup, which no foreign int or IntEnum can pass (Phase hashes by identity).
+    _handler_map: dict[Phase, Handler]
+    # The call rules of this config (None for a grouped binding: each group has its own).
+    _rule: CallRule | None
+    # The config's sm_scale (None: each call passes one), read by every attn_scope.
+    _sm_scale: float | None
     # None, or group -> the group's own Binding (a grouped binding: bind(spec, {name: cfg})).
     _groups: Mapping[str, Binding] | None
 
@@ -81,55 +117,47 @@ class Binding:
     def _make(
         cls,
         spec: BackendSpec,
-        config: AttnConfig,
+        config: AttnConfig | None,
         label: str | None,
-        backends: dict[str, AttentionBackend],
-        caps: dict[str, Capabilities],
-        handlers: tuple[Handler, Handler, Handler],
-        choosers: tuple[Callable[[Any], AttnForm] | None, ...] = (None, None, None),
-        form_table: dict[tuple[Phase, AttnForm], tuple[AttentionBackend | None, Handler]]
-        | None = None,
+        backends: Mapping[str, AttentionBackend],
+        caps: Mapping[str, Capabilities],
+        routes: tuple[Route, ...],
+        rule: CallRule | None,
+        groups: Mapping[str, Binding] | None = None,
     ) -> Binding:
         self = object.__new__(cls)
         put = object.__setattr__
         put(self, "spec", spec)
-        put(self, "config", config)
         put(self, "label", label)
-        put(self, "_backends", types.MappingProxyType(dict(backends)))
+        put(self, "backends", types.MappingProxyType(dict(backends)))
+        put(self, "_config", config)
         put(self, "_caps", types.MappingProxyType(dict(caps)))
-        put(self, "_handlers", handlers)
-        put(self, "_sm_scale", config.sm_scale)  # read by every attn_scope: one load, not two
-        extras = (config.sinks, config.kv_fp8, config.kind == "mla")
-        put(self, "_extras", extras if extras[0] or extras[1] else None)
-        put(self, "_handler_map", dict(zip(Phase, handlers, strict=True)))
-        phase_backends = tuple(backends[n] for n in spec.names)
-        put(self, "_phase_backends", phase_backends)
-        put(self, "_choosers", choosers)
-        put(
-            self,
-            "_per_phase",
-            {p: (choosers[p], phase_backends[p], handlers[p]) for p in Phase},
-        )
-        put(self, "_form_table", types.MappingProxyType(dict(form_table or {})))
-        put(self, "_groups", None)
+        put(self, "_routes", routes)
+        put(self, "_handler_map", {p: r.handler for p, r in zip(Phase, routes, strict=False)})
+        put(self, "_rule", rule)
+        put(self, "_sm_scale", None if rule is None else rule.planned)
+        put(self, "_groups", None if groups is None else types.MappingProxyType(dict(groups)))
         return self
 
     @classmethod
     def _grouped(cls, groups: dict[str, Binding], label: str | None) -> Binding:
-        """A binding of groups: ``spec``/``config``/``backends`` are the first group's (for
-        display); each group's own are in ``groups``. ``prepare``, ``handler``, ``backend``
-        and ``backend_name`` (and ``resolve`` in its scope) need a group: they raise."""
+        """A binding of groups: ``spec``, ``backends`` and the capabilities are the first
+        group's (for display); each group's own are in ``groups``."""
         first = next(iter(groups.values()))
-        self = object.__new__(cls)
-        for name in cls.__slots__:
-            object.__setattr__(self, name, getattr(first, name))
-        put = object.__setattr__
-        put(self, "label", label)
-        # No per-phase handler: every layer names its group (attention(..., group=)).
-        put(self, "_handler_map", {})
-        put(self, "_extras", None)
-        put(self, "_groups", types.MappingProxyType(dict(groups)))
-        return self
+        return cls._make(first.spec, None, label, first.backends, first._caps, (), None, groups)
+
+    @property
+    def config(self) -> AttnConfig:
+        """The bound ``AttnConfig`` (a grouped binding has one per group: ``configs``)."""
+        if self._config is None:
+            raise _grouped_error("config", self._groups or {}, attribute=True)
+        return self._config
+
+    @property
+    def configs(self) -> Mapping[str, AttnConfig]:
+        """Group -> that group's ``AttnConfig`` (empty for a binding made without groups)."""
+        groups = self._groups or {}
+        return types.MappingProxyType({n: g.config for n, g in groups.items()})
 
     @property
     def groups(self) -> Mapping[str, Binding]:
@@ -146,27 +174,22 @@ class Binding:
     def attn_binding(self) -> Binding:
         return self
 
-    def handler(self, phase: Phase) -> Handler:
-        """The precomputed handler of ``phase``."""
+    def route(self, phase: Phase, *, what: str = "route(phase)") -> Route:
+        """How ``phase`` is served (backend, handler, form chooser)."""
         if self._groups is not None:
-            raise _grouped_error("handler(phase)", self._groups)
-        return self._handlers[Phase.parse(phase)]
+            raise _grouped_error(what, self._groups)
+        return self._routes[Phase.parse(phase)]
+
+    def handler(self, phase: Phase) -> Handler:
+        """The precomputed handler of ``phase`` (the call rules checked, then the backend's)."""
+        return self.route(phase, what="handler(phase)").handler
 
     def backend(self, phase: Phase) -> AttentionBackend:
         """The backend object serving ``phase``."""
-        if self._groups is not None:
-            raise _grouped_error("backend(phase)", self._groups)
-        return self._phase_backends[Phase.parse(phase)]
+        return self.route(phase, what="backend(phase)").backend
 
     def backend_name(self, phase: Phase) -> str:
-        if self._groups is not None:
-            raise _grouped_error("backend_name(phase)", self._groups)
-        return self.spec.names[Phase.parse(phase)]
-
-    @property
-    def backends(self) -> Mapping[str, AttentionBackend]:
-        """One backend object per distinct name in the spec (read-only)."""
-        return self._backends
+        return self.route(phase, what="backend_name(phase)").name
 
     def capabilities(self, name: str) -> Capabilities:
         """The capabilities this binding was checked against (a snapshot)."""
@@ -178,25 +201,31 @@ class Binding:
 
     def prepare(self, batch: Any) -> tuple[Any, Handler, AttnForm | None]:
         """``(plan, handler, form)`` for one forward: called once per scope with a batch."""
+        plan, handler, _, form = self._prepare(batch)
+        return plan, handler, form
+
+    def _prepare(self, batch: Any) -> tuple[Any, Handler, Handler, AttnForm | None]:
         if self._groups is not None:
             raise _grouped_error("prepare(batch)", self._groups)
-        try:
-            chooser, backend, run = self._per_phase[batch.phase]
-        except (KeyError, TypeError, AttributeError):
+        phase = getattr(batch, "phase", None)
+        if type(phase) is not Phase:
             raise InvalidBatchError(
                 "phase",
-                f"batch {type(batch).__name__} has no Phase in .phase "
-                f"(got {getattr(batch, 'phase', None)!r}); map framework modes with phase_of()",
-            ) from None
-        if chooser is None:
-            return backend.plan(batch), run, None
-        form = chooser(batch)
-        if form is AttnForm.MLA:
-            return backend.plan(batch), run, form
-        dbackend, drun = self._form_table[(batch.phase, form)]
-        if dbackend is None:  # MHA_CHUNKED plans from the batch itself
-            return batch, drun, form
-        return dbackend.plan(batch.ragged()), drun, form
+                f"batch {type(batch).__name__} has no Phase in .phase (got {phase!r}); map "
+                "framework modes with phase_of()",
+            )
+        return self._routes[phase].prepare(batch)
+
+    def _raw_of(self, phase: Phase, handler: Any) -> Handler | None:
+        """The backend callable behind ``handler`` if ``handler`` is one this binding hands
+        out for ``phase``, else None (a prepared plan from another binding)."""
+        route = self._routes[phase]
+        if handler is route.handler:
+            return route.raw
+        for _, checked, raw in route.forms.values():
+            if handler is checked:
+                return raw
+        return None
 
     def table(self) -> list[tuple[str, str]]:
         """``[(phase, backend), ...]`` for display."""
@@ -257,12 +286,16 @@ _Checked = tuple[
 ]
 
 
-def _grouped_error(what: str, groups: Mapping[str, Binding]) -> InvalidBatchError:
+def _grouped_error(
+    what: str, groups: Mapping[str, Binding], *, attribute: bool = False
+) -> InvalidBatchError:
     names = ", ".join(map(repr, groups))
+    where = f"binding.groups[name].{what}"
+    if attribute:
+        where += f" (or binding.{what}s[name])"
+    verb = "read" if attribute else "call"
     return InvalidBatchError(
-        "group",
-        f"this binding has groups ({names}): call {what} on one of them, "
-        f"binding.groups[name].{what}",
+        "group", f"this binding has groups ({names}): {verb} {what} on one of them, {where}"
     )
 
 
@@ -277,9 +310,10 @@ def _check(
     reasons: dict[Phase, tuple[str, list[str]]] | None = None,
     machine: bool = True,
 ) -> _Checked:
-    """Every check of ``bind`` (no factory runs). With ``reasons`` given, a refusal is added
-    to it (prefixed with the group) instead of raised. ``machine=False``: only what the config
-    decides, not this machine's runtime (``explain --static``)."""
+    """Every check of ``bind`` (no factory runs): the one check ``bind`` and ``explain``
+    share. With ``reasons`` given, a refusal is added to it (prefixed with the group) instead
+    of raised. ``machine=False`` checks only what the config decides (the same on every
+    machine: ``explain --static``), not this machine's runtime (modules, CUDA)."""
     if isinstance(spec, str):
         spec = BackendSpec.parse(spec)
     if not isinstance(spec, BackendSpec):
@@ -322,33 +356,36 @@ def _check(
     return spec, entries, policies, factory_options
 
 
-def _build_checked(checked: _Checked, config: AttnConfig, label: str | None) -> Binding:
+def _build_checked(
+    checked: _Checked, config: AttnConfig, label: str | None, group: str | None = None
+) -> Binding:
     spec, entries, policies, factory_options = checked
     factories = {name: entry.load_factory(runner=label) for name, entry in entries.items()}
     backends = {
         name: _build(name, factories[name], config, factory_options.get(name, {}), label)
         for name in entries
     }
-    handlers = tuple(
-        _handler_of(backends[spec.names[p]], spec.names[p], p, label, chunked=False) for p in Phase
-    )
-    caps = {name: entry.capabilities for name, entry in entries.items()}
-    choosers: tuple[Callable[[Any], AttnForm] | None, ...] = (None, None, None)
-    form_table: dict[tuple[Phase, AttnForm], tuple[AttentionBackend | None, Handler]] = {}
+    rule = CallRule.of(config, label=label, group=group)
+    forms: dict[Phase, dict[AttnForm, tuple[AttentionBackend | None, Handler, Handler]]] = {}
     if policies:
-        choosers, form_table = _bind_forms(
-            spec, config, label, policies, factories, factory_options
+        forms = _bind_forms(spec, config, label, policies, factories, factory_options, rule)
+    routes = []
+    for phase in Phase:
+        name = spec.names[phase]
+        raw = _handler_of(backends[name], name, phase, label, chunked=False, config=config)
+        policy = policies.get(phase)
+        routes.append(
+            Route(
+                name=name,
+                backend=backends[name],
+                handler=checked_handler(raw, rule),
+                raw=raw,
+                chooser=None if policy is None else policy.choose,
+                forms=types.MappingProxyType(forms.get(phase, {})),
+            )
         )
-    return Binding._make(
-        spec,
-        config,
-        label,
-        backends,
-        caps,
-        handlers,  # type: ignore[arg-type]
-        choosers,
-        form_table,
-    )
+    caps = {name: entry.capabilities for name, entry in entries.items()}
+    return Binding._make(spec, config, label, backends, caps, tuple(routes), rule)
 
 
 def _bind_groups(
@@ -384,7 +421,7 @@ def _bind_groups(
     }
     if reasons:
         raise IncompatibleBackendError(label, reasons, config=dict(configs))
-    groups = {n: _build_checked(checked[n], configs[n], label) for n in names}
+    groups = {n: _build_checked(checked[n], configs[n], label, n) for n in names}
     return Binding._grouped(groups, label)
 
 
@@ -490,7 +527,13 @@ def _build(
 
 
 def _handler_of(
-    backend: AttentionBackend, name: str, phase: Phase, label: str | None, *, chunked: bool
+    backend: AttentionBackend,
+    name: str,
+    phase: Phase,
+    label: str | None,
+    *,
+    chunked: bool,
+    config: AttnConfig,
 ) -> Handler:
     what = f"{'chunked_handler' if chunked else 'handler'}({phase.name})"
     try:
@@ -503,7 +546,41 @@ def _handler_of(
         raise BackendUnavailableError(
             name, f"{what} returned {type(run).__name__}, which is not callable", runner=label
         )
+    missing = _missing_keywords(run, config)
+    if missing:
+        raise BackendUnavailableError(
+            name,
+            f"{what} takes no {', '.join(f'{k}=' for k in missing)} keyword, but the bound "
+            f"config needs it (sinks={config.sinks}, kv_dtype={config.kv_dtype!r}) and its "
+            "Capabilities declare it; give the handler keyword-only parameters "
+            f"{', '.join(missing)} (see attn_dispatch.Handler)",
+            runner=label,
+        )
     return run  # type: ignore[return-value]
+
+
+def _missing_keywords(run: Callable[..., Any], config: AttnConfig) -> list[str]:
+    """The per-call keywords the config makes the core pass that ``run`` cannot take."""
+    need = []
+    if config.sinks:
+        need.append("sinks")
+    if config.kv_fp8:
+        need.append("k_scale")
+        if config.kind != "mla":
+            need.append("v_scale")
+    if not need:
+        return []
+    try:
+        params = inspect.signature(run).parameters
+    except (TypeError, ValueError):  # no signature to read (a C callable): trust it
+        return []
+    kinds = inspect.Parameter
+    if any(p.kind is kinds.VAR_KEYWORD for p in params.values()):
+        return []
+    takes = {
+        n for n, p in params.items() if p.kind in (kinds.KEYWORD_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+    }
+    return [k for k in need if k not in takes]
 
 
 def _check_forms(
@@ -557,13 +634,13 @@ def _bind_forms(
     policies: Mapping[Phase, FormPolicy],
     factories: Mapping[str, Callable[..., Any]],
     options: Mapping[str, Mapping[str, Any]],
-) -> tuple[
-    tuple[Callable[[Any], AttnForm] | None, ...],
-    dict[tuple[Phase, AttnForm], tuple[AttentionBackend | None, Handler]],
-]:
-    """Build the decompressed-form backends (same factory as the absorbed one)."""
-    table: dict[tuple[Phase, AttnForm], tuple[AttentionBackend | None, Handler]] = {}
+    rule: CallRule,
+) -> dict[Phase, dict[AttnForm, tuple[AttentionBackend | None, Handler, Handler]]]:
+    """Build the decompressed-form backends (same factory as the absorbed one): phase ->
+    form -> ``(backend or None, handler, raw)``."""
+    table: dict[Phase, dict[AttnForm, tuple[AttentionBackend | None, Handler, Handler]]] = {}
     decompressed: dict[str, AttentionBackend] = {}
+    dcfg = config.decompressed() if config.has_decompressed_form else config
     for phase, policy in policies.items():
         name = spec.names[phase]
         for form in sorted(policy.possible(phase) - {AttnForm.MLA}, key=lambda f: f.value):
@@ -571,20 +648,22 @@ def _bind_forms(
                 decompressed[name] = _build(
                     name,
                     factories[name],
-                    config.decompressed(),
+                    dcfg,
                     options.get(name, {}),
                     label,
                     what="its factory for the decompressed form",
                 )
             dbackend = decompressed[name]
-            if form is AttnForm.MHA:
-                run = _handler_of(dbackend, name, phase, label, chunked=False)
-                table[(phase, form)] = (dbackend, _ragged(run))
-            else:
-                run = _handler_of(dbackend, name, phase, label, chunked=True)
-                table[(phase, form)] = (None, run)
-    choosers = tuple(policies[p].choose if p in policies else None for p in Phase)
-    return choosers, table
+            chunked = form is not AttnForm.MHA
+            run = _handler_of(dbackend, name, phase, label, chunked=chunked, config=dcfg)
+            if not chunked:
+                run = _ragged(run)
+            table.setdefault(phase, {})[form] = (
+                None if chunked else dbackend,
+                checked_handler(run, rule),
+                run,
+            )
+    return table
 
 
 def _ragged(handler: Handler) -> Handler:

@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING
 from attn_dispatch._dtypes import dtype_name
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
+from attn_dispatch._vocab import FORMS
+from attn_dispatch._vocab import KINDS
+from attn_dispatch._vocab import VARIANTS
 
 if TYPE_CHECKING:
     from attn_dispatch._config import AttnConfig
@@ -81,20 +84,29 @@ def _phases(values: object) -> frozenset[Phase]:
         raise InvalidSpecError("phases", values, str(exc)) from None
 
 
-_KINDS = frozenset({"mha", "mla"})
-_FORMS = frozenset({"mla", "mha", "mha_chunked"})
-_VARIANTS = frozenset({"window", "logit_cap", "sinks", "non_causal", "chunked"})
+_KINDS = frozenset(KINDS)
+_FORMS = FORMS
+_VARIANTS = frozenset(VARIANTS)
 
 
-def _variants(field: str, values: object) -> frozenset[str]:
-    names = _strings(field, values)
-    if not names <= _VARIANTS:
-        raise InvalidSpecError(
-            field,
-            values,
-            f"unknown variants {sorted(names - _VARIANTS)!r}; choose from {sorted(_VARIANTS)!r}",
-        )
-    return names
+def _known(what: str, known: frozenset[str]) -> Callable[[str, object], frozenset[str]]:
+    """A parser of a set of names from ``known`` (variants, forms)."""
+
+    def parse(field: str, values: object) -> frozenset[str]:
+        names = _strings(field, values)
+        if not names <= known:
+            raise InvalidSpecError(
+                field,
+                values,
+                f"unknown {what} {sorted(names - known)!r}; choose from {sorted(known)!r}",
+            )
+        return names
+
+    return parse
+
+
+_variants = _known("variants", _VARIANTS)
+_forms = _known("forms", _FORMS)
 
 
 def _per_phase(
@@ -121,17 +133,6 @@ def _variant_detail(config: AttnConfig, variant: str) -> str:
     if variant == "chunked":
         return f"attention_chunk_size={config.attention_chunk_size!r}"
     return "sinks=True"
-
-
-def _forms(field: str, values: object) -> frozenset[str]:
-    forms = _strings(field, values)
-    if not forms <= _FORMS:
-        raise InvalidSpecError(
-            field,
-            values,
-            f"unknown forms {sorted(forms - _FORMS)!r}; choose from {sorted(_FORMS)!r}",
-        )
-    return forms
 
 
 def _fmt(values: Iterable[object]) -> str:

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
-from typing import Literal
 
 from attn_dispatch._dtypes import device_type
 from attn_dispatch._dtypes import dtype_name
 from attn_dispatch._errors import InvalidSpecError
-
-Kind = Literal["mha", "mla"]
-_KINDS = ("mha", "mla")
-#: The FP8 KV cache formats (``kv_dtype``); the compute ``dtype`` is never one of them.
-FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
-#: The names capabilities declare for the layer variants (``Capabilities.variants``).
-VARIANTS = ("window", "logit_cap", "sinks", "non_causal", "chunked")
+from attn_dispatch._values import int_problem
+from attn_dispatch._values import positive_f32_problem
+from attn_dispatch._vocab import FP8_DTYPES
+from attn_dispatch._vocab import KINDS
+from attn_dispatch._vocab import VARIANTS as VARIANTS
+from attn_dispatch._vocab import Kind
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,7 +70,7 @@ class AttnConfig:
     attention_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
+        if self.kind not in KINDS:
             raise InvalidSpecError("kind", self.kind, "choose 'mha' or 'mla'")
         for field in ("num_q_heads", "num_kv_heads", "head_dim", "page_size"):
             _positive(field, getattr(self, field))
@@ -121,17 +118,12 @@ class AttnConfig:
                     f"MLA needs v_head_dim (latent) < head_dim={self.head_dim!r} (latent + rope)",
                 )
         if self.sm_scale is not None:
-            scale = self.sm_scale
-            if (
-                isinstance(scale, bool)
-                or not isinstance(scale, (int, float))
-                or not math.isfinite(scale)
-                or scale <= 0
-            ):
+            problem = positive_f32_problem(self.sm_scale)
+            if problem is not None:
                 raise InvalidSpecError(
-                    "sm_scale", scale, "must be a finite float > 0 (e.g. head_dim ** -0.5) or None"
+                    "sm_scale", self.sm_scale, f"{problem} (e.g. head_dim ** -0.5), or None"
                 )
-            object.__setattr__(self, "sm_scale", float(scale))
+            object.__setattr__(self, "sm_scale", float(self.sm_scale))
         if (self.mha_head_dim is None) != (self.mha_v_head_dim is None):
             raise InvalidSpecError(
                 "mha_head_dim",
@@ -148,36 +140,38 @@ class AttnConfig:
 
     def _check_variants(self) -> None:
         w = self.window_left
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
-            raise InvalidSpecError(
-                "window_left",
-                w,
-                "must be an int >= 0 (keys p - window_left ..= p are visible; HF's "
-                "sliding_window W is window_left W - 1) or None for full attention",
-            )
+        if w is not None:
+            problem = int_problem(w, low=0)
+            if problem is not None:
+                raise InvalidSpecError(
+                    "window_left",
+                    w,
+                    f"{problem}: keys p - window_left ..= p are visible (HF's sliding_window W "
+                    "is window_left W - 1), or None for full attention",
+                )
         cap = self.logit_cap
         if cap is not None:
-            if (
-                isinstance(cap, bool)
-                or not isinstance(cap, (int, float))
-                or not math.isfinite(cap)
-                or cap < 0
-            ):
+            # 0 (int or float) is the documented "off"; anything else is a float32 cap.
+            off = not isinstance(cap, bool) and isinstance(cap, (int, float)) and cap == 0
+            problem = None if off else positive_f32_problem(cap)
+            if problem is not None:
                 raise InvalidSpecError(
-                    "logit_cap", cap, "must be a finite float > 0 (e.g. 50.0), or None/0.0 for off"
+                    "logit_cap", cap, f"{problem} (e.g. 50.0), or None/0.0 for off"
                 )
-            object.__setattr__(self, "logit_cap", float(cap) if cap > 0 else None)
+            object.__setattr__(self, "logit_cap", None if off else float(cap))
         if not isinstance(self.sinks, bool):
             raise InvalidSpecError("sinks", self.sinks, "must be a bool")
         if not isinstance(self.causal, bool):
             raise InvalidSpecError("causal", self.causal, "must be a bool")
         c = self.attention_chunk_size
-        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
-            raise InvalidSpecError(
-                "attention_chunk_size",
-                c,
-                "must be an int >= 1 (a query at p sees keys (p // C) * C ..= p) or None",
-            )
+        if c is not None:
+            problem = int_problem(c, low=1)
+            if problem is not None:
+                raise InvalidSpecError(
+                    "attention_chunk_size",
+                    c,
+                    f"{problem}: a query at p sees keys (p // C) * C ..= p; None for no chunks",
+                )
         if not self.causal and (c is not None or w is not None):
             raise InvalidSpecError(
                 "causal",
@@ -266,5 +260,6 @@ class AttnConfig:
 
 
 def _positive(field: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidSpecError(field, value, "must be a positive int")
+    problem = int_problem(value, low=1)
+    if problem is not None:
+        raise InvalidSpecError(field, value, problem)

@@ -3,24 +3,8 @@
 from __future__ import annotations
 
 from attn_dispatch._errors import InvalidSpecError
-
-_ALIASES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "float": "float32",
-    "float16": "float16",
-    "fp16": "float16",
-    "half": "float16",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float8_e4m3fn": "float8_e4m3fn",
-    "fp8_e4m3": "float8_e4m3fn",
-    "fp8": "float8_e4m3fn",
-    "float8_e5m2": "float8_e5m2",
-    "fp8_e5m2": "float8_e5m2",
-}
-
-DTYPE_NAMES = frozenset(_ALIASES.values())
+from attn_dispatch._vocab import DTYPE_ALIASES as _ALIASES
+from attn_dispatch._vocab import DTYPE_NAMES
 
 
 def dtype_name(value: object, *, field: str = "dtype") -> str:

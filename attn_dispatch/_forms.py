@@ -9,26 +9,11 @@ the runner's own backend (its ``form_policy``), made once per forward from the b
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import Any
 
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
-
-
-class AttnForm(str, enum.Enum):
-    """How an MLA layer computes attention for one batch.
-
-    ``MLA``: absorbed form over the paged latent cache (q/k = latent + rope, v = latent).
-    ``MHA``: decompressed, one shot: the caller up-projects the whole sequence (cached prefix
-    and new tokens) into ragged per-head K/V and calls ``attention(q, k, v, ...)``.
-    ``MHA_CHUNKED``: decompressed, the cached prefix up-projected chunk by chunk (bounded
-    memory for long prefixes): ``attention(q, k_new, v_new, ..., prefix=chunks)``.
-    """
-
-    MLA = "mla"
-    MHA = "mha"
-    MHA_CHUNKED = "mha_chunked"
+from attn_dispatch._vocab import AttnForm as AttnForm
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""Forward phases and the mapping from framework forward-mode names."""
+"""Forward phases (``Phase``). Framework forward-mode names map to them in the framework's
+integration: SGLang's in ``attn_dispatch.integrations.sglang`` (``phase_of``)."""
 
 from __future__ import annotations
 
@@ -60,49 +61,3 @@ class Phase(enum.Enum):
             return cls[str(value).strip().upper()]
         except KeyError:
             raise UnknownPhaseError(str(value), tuple(p.name.lower() for p in cls)) from None
-
-
-# SGLang's ForwardMode names (checked against SGLang 0.5.23; DRAFT_EXTEND against 0.5.10-0.5.13).
-# Verify-like modes are their own phase: whether they run on the prefill or the decode backend
-# is the spec's `verify_mode`, never a property of the name.
-# - DRAFT_EXTEND_V2 runs only on an EAGLE-family draft runner, whose backend for it is
-#   DraftBackendFactory's draft-extend backend (the decode one under speculative_attention_mode
-#   "decode"); `BackendSpec.from_server_args(..., is_draft=True)` names that backend for VERIFY.
-#   HybridAttnBackend would send it to prefill, but EAGLE v2 replaces the draft runner's hybrid
-#   backend with the draft-extend one, so no runner routes it through the hybrid.
-# - DRAFT_EXTEND (SGLang <= 0.5.13, removed in 0.5.14): HybridAttnBackend routed it like
-#   TARGET_VERIFY, by speculative_attention_mode.
-_MODE_TO_PHASE: dict[str, Phase] = {
-    "EXTEND": Phase.PREFILL,
-    "MIXED": Phase.PREFILL,
-    "SPLIT_PREFILL": Phase.PREFILL,
-    "PREBUILT": Phase.PREFILL,
-    "DLLM_EXTEND": Phase.PREFILL,
-    "DECODE": Phase.DECODE,
-    "IDLE": Phase.DECODE,
-    "TARGET_VERIFY": Phase.VERIFY,
-    "DRAFT_EXTEND_V2": Phase.VERIFY,
-    "DRAFT_EXTEND": Phase.VERIFY,
-    # Our own names, so phase_of(Phase.X.name) works too.
-    "PREFILL": Phase.PREFILL,
-    "VERIFY": Phase.VERIFY,
-}
-
-
-def phase_of(mode: object) -> Phase:
-    """Map a framework forward-mode (SGLang ``ForwardMode`` or its name) to a ``Phase``.
-
-    >>> phase_of("TARGET_VERIFY")
-    <Phase.VERIFY: 2>
-
-    Enum members are read by their ``name``; an unknown name raises ``UnknownPhaseError``.
-    """
-    if isinstance(mode, Phase):
-        return mode
-    name = getattr(mode, "name", mode)
-    if not isinstance(name, str):
-        raise UnknownPhaseError(repr(mode), tuple(sorted(_MODE_TO_PHASE)))
-    phase = _MODE_TO_PHASE.get(name.strip().upper())
-    if phase is None:
-        raise UnknownPhaseError(name, tuple(sorted(_MODE_TO_PHASE)))
-    return phase

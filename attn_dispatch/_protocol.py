@@ -19,13 +19,17 @@ is declared apart from the object, in its ``Capabilities`` and its registry entr
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import Protocol
+from typing import TypeVar
 from typing import runtime_checkable
 
+from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
 
 if TYPE_CHECKING:
@@ -39,13 +43,15 @@ class Handler(Protocol):
     ``sm_scale`` is the resolved float (the call's, else the config's). The handler runs once
     per layer: it must not plan again, allocate per-layer metadata or sync the host.
 
-    Per-call extras come as keywords, and only those that apply to the bound config:
-    ``sinks=`` (the tensor as given; the handler checks it is float32 ``[num_q_heads]`` on
-    q's device) when ``config.sinks``; ``k_scale=`` (and, for MHA, ``v_scale=``) as Python
-    floats > 0 when ``config.kv_dtype`` is FP8. A config without them gets the plain positional
-    call. The window and the logit cap are read from the config when planning, never per call.
-    A backend that declares ``"sinks"`` or an FP8 ``kv_dtype`` accepts those keyword-only
-    arguments (the ``MHA_CHUNKED`` handler too, after its 6th positional ``prefix``).
+    Per-call extras come as keywords, and only those that apply to the bound config, checked
+    by the core first (``attn_dispatch._calls``): ``sinks=`` (a contiguous float32
+    ``[num_q_heads]`` tensor on q's device) when ``config.sinks``; ``k_scale=`` (and, for MHA,
+    ``v_scale=``) as Python floats in float32's normal range when ``config.kv_dtype`` is FP8.
+    A config without them gets the plain positional call. The window and the logit cap are
+    read from the config when planning, never per call. A backend that declares ``"sinks"``
+    or an FP8 ``kv_dtype`` accepts those keyword-only arguments (the ``MHA_CHUNKED`` handler
+    too, after its 6th positional ``prefix``): ``bind`` reads the handler's signature and
+    refuses one without them (``BackendUnavailableError``).
     """
 
     def __call__(
@@ -144,6 +150,99 @@ class BackendBase:
 
 #: The members ``bind`` checks on a built backend object (see ``AttentionBackend``).
 MEMBERS = ("name", "plan", "handler", "chunked_handler", "update_plan", "plans_in_place")
+
+
+class PlanBase:
+    """Base class of a backend's plan type: a plan is accepted by identity, never by value.
+
+    A plan is an immutable record (a frozen slotted dataclass, say) of one forward. Its
+    backend hands it out through ``issue_plan(self, plan)`` and every handler starts with
+    ``check_plan(plan, self, name)``: only the very object its backend object issued passes.
+    A copy made by ``dataclasses.replace`` (any field changed or not) was never issued, so it
+    is refused; ``copy.copy``, ``copy.deepcopy`` and pickling refuse at once. A copyable
+    ``owner`` field cannot give that: the copy carries it.
+
+    >>> @dataclasses.dataclass(frozen=True, slots=True, eq=False)
+    ... class MyPlan(PlanBase):
+    ...     num_tokens: int
+    >>> plan = issue_plan(backend, MyPlan(num_tokens=3))   # in backend.plan(batch)
+    >>> check_plan(plan, backend, "mine")                  # in the handler
+    """
+
+    # The weak reference the issue registry holds (a slotted subclass inherits the slot).
+    __slots__ = ("__weakref__",)
+
+    def __copy__(self) -> Any:
+        raise _copy_refused(self)
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise _copy_refused(self)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _copy_refused(self)
+
+
+def _copy_refused(plan: object) -> InvalidBatchError:
+    return InvalidBatchError(
+        "plan",
+        f"a {type(plan).__name__} cannot be copied or pickled: a handler accepts only the plan "
+        "object its backend made; plan the batch again (binding.plan(batch)) instead",
+    )
+
+
+# id(plan) -> (weak reference to the plan, the backend object that issued it). Entries leave
+# with their plan (the weak reference's callback), so an id reused by a later object never
+# matches: the reference no longer returns that object.
+_ISSUED: dict[int, tuple[weakref.ref[Any], object]] = {}
+_ISSUE_LOCK = threading.Lock()
+_P = TypeVar("_P")
+
+
+def issue_plan(owner: object, plan: _P) -> _P:
+    """Record ``plan`` as made by the backend object ``owner`` and return it (see
+    ``PlanBase``). ``plan`` must be weak-referenceable: subclass ``PlanBase``."""
+    key = id(plan)
+
+    def forget(ref: weakref.ref[Any], key: int = key) -> None:
+        with _ISSUE_LOCK:
+            if _ISSUED.get(key, (None,))[0] is ref:
+                del _ISSUED[key]
+
+    try:
+        ref = weakref.ref(plan, forget)
+    except TypeError:
+        raise TypeError(
+            f"{type(plan).__name__} cannot be issued as a plan: it holds no weak reference "
+            "slot; derive it from attn_dispatch.PlanBase"
+        ) from None
+    with _ISSUE_LOCK:
+        _ISSUED[key] = (ref, owner)
+    return plan
+
+
+def check_plan(plan: Any, owner: object, backend: str) -> None:
+    """Refuse (``InvalidBatchError``, field ``plan``) anything but a plan ``owner`` issued.
+
+    One dict lookup and two identity tests. A plan made by another binding's backend, or for
+    another config (page size, heads, dims), would make a kernel read with the wrong
+    geometry; a copy with a field replaced could name rows outside the tensors.
+    """
+    entry = _ISSUED.get(id(plan))
+    if entry is not None and entry[1] is owner and entry[0]() is plan:
+        return
+    if entry is None or entry[0]() is not plan:
+        made = (
+            "is a copy of a plan or was never issued by a backend (plans are accepted by "
+            "identity: dataclasses.replace, copy and hand-built plans are refused)"
+        )
+    else:
+        made = f"was made by another {type(entry[1]).__name__} object"
+    raise InvalidBatchError(
+        "plan",
+        f"{backend}: this plan ({type(plan).__name__}) {made}, not by the backend of this "
+        "handler; pass the plan of the same binding (binding.plan(batch) / the active "
+        "attn_scope), never one from another runner",
+    )
 
 
 @runtime_checkable

@@ -8,6 +8,7 @@ A ``Registry`` is an object (as pluggy's ``PluginManager`` is); the module-level
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import importlib
 import threading
@@ -140,7 +141,12 @@ class Registry:
                     if _takes_registry(obj):
                         obj(self)
                     else:
-                        obj()
+                        # Its register_backend calls land in this registry, not the default.
+                        token = _PLUGIN_TARGET.set(self)
+                        try:
+                            obj()
+                        finally:
+                            _PLUGIN_TARGET.reset(token)
                 else:
                     raise TypeError(f"entry point gave {type(obj).__name__}, not a callable")
             except Exception as exc:
@@ -203,6 +209,16 @@ class Registry:
         for one binding. A taken name raises ``DuplicateBackendError`` unless
         ``replace=True``; existing bindings never change.
         """
+        target = _PLUGIN_TARGET.get()
+        if target is not None and target is not self and self is DEFAULT_REGISTRY:
+            # A zero-argument plugin loading into another registry calls register_backend.
+            return target.register(
+                name,
+                capabilities=capabilities,
+                factory=factory,
+                form_policy=form_policy,
+                replace=replace,
+            )
         _check_name(name)
         if not isinstance(capabilities, Capabilities):
             raise InvalidSpecError(
@@ -274,6 +290,12 @@ class Registry:
     def __repr__(self) -> str:
         state = f"{len(self._entries)} backends" if self._loaded else "not loaded yet"
         return f"<Registry {state}>"
+
+
+# The registry whose entry points are loading in this context (see _load_entry_points).
+_PLUGIN_TARGET: contextvars.ContextVar[Registry | None] = contextvars.ContextVar(
+    "attn_dispatch.plugin_target", default=None
+)
 
 
 def _takes_registry(fn: Callable[..., Any]) -> bool:

@@ -23,16 +23,16 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import math
 from collections.abc import Callable
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import ParamSpec
 from typing import TypedDict
 from typing import TypeVar
-from typing import Unpack
 
 from attn_dispatch._binding import Binding
+from attn_dispatch._calls import CallRule
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import NoActiveScopeError
@@ -41,6 +41,10 @@ from attn_dispatch._errors import UnknownPhaseError
 from attn_dispatch._forms import AttnForm
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
+
+if TYPE_CHECKING:
+    # typing.Unpack is Python 3.11+; the package supports 3.10 (typing_extensions has it).
+    from typing_extensions import Unpack
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -75,6 +79,25 @@ def _binding_of(runner: object) -> Binding:
     return binding
 
 
+# What attention() reads of a frame: an attn_scope, or one group's part of one (_GroupFrame).
+_FRAME_FIELDS = (
+    "batch",
+    "binding",
+    "fast",
+    "form",
+    "group",
+    "groups",
+    "plan",
+    "rule",
+    "run",
+    "scale_ok",
+    "sm_scale",
+)
+# scale_ok: the last per-call sm_scale the rules accepted (an identity cache: model code passes
+# the same float object at every layer, so attention() checks it once per scope, not per call).
+_UNCHECKED = object()
+
+
 class attn_scope:
     """Make ``runner`` the active one in this context for the duration of a forward.
 
@@ -84,29 +107,14 @@ class attn_scope:
     Scopes nest (the innermost wins), are restored on any exit (exceptions and
     ``BaseException`` included), and are private to their thread and asyncio task. Also a
     decorator of plain and async functions: ``@attn_scope(runner)`` (not of generators: see
-    the README, "Scopes in generators"). An instance is entered once at a time.
+    the README, "Scopes in generators"). An instance is entered once at a time, by one thread:
+    entering it while it is open raises ``ScopeError`` (in another thread too).
 
     ``prepared``: ``(plan, handler, form)`` from ``binding.prepare(batch)`` made earlier;
     entering then plans nothing (``cuda_graph`` replays a captured plan this way).
     """
 
-    __slots__ = (
-        "_closed",
-        "_plans",
-        "_token",
-        "batch",
-        "binding",
-        "extras",
-        "fast",
-        "form",
-        "group",
-        "groups",
-        "handlers",
-        "parent",
-        "plan",
-        "run",
-        "sm_scale",
-    )
+    __slots__ = (*_FRAME_FIELDS, "_closed", "_free", "_plans", "_token", "handlers", "parent")
 
     handlers: dict[Phase, Handler]
     binding: Binding
@@ -115,15 +123,20 @@ class attn_scope:
     run: Handler | None
     form: AttnForm | None
     sm_scale: float | None
-    extras: tuple[bool, bool, bool] | None
-    # ``run`` when a call without extras may go straight to it (the config takes no sinks or
-    # scales), else None: attention()'s fast path tests this one attribute.
+    rule: CallRule | None
+    # ``run`` (the backend's own callable, after the call rules) when a call without extras may
+    # go straight to it (the config takes no sinks or scales), else None: attention()'s fast
+    # path tests this one attribute.
     fast: Handler | None
     group: str | None
     groups: dict[str, Any] | None
     parent: attn_scope | None
     _token: contextvars.Token[attn_scope | None] | None
     _closed: bool
+    # One item while the instance is free: entering pops it (list.pop is atomic, in every
+    # thread), exiting puts it back. A second thread or task entering an open instance finds
+    # it empty and is refused, even while the first one is still planning.
+    _free: list[int]
     _plans: bool
 
     def __init__(
@@ -141,11 +154,12 @@ class attn_scope:
         binding = runner if type(runner) is Binding else _binding_of(runner)
         self.binding = binding
         self.handlers = binding._handler_map
+        self.rule = binding._rule
         self.sm_scale = binding._sm_scale
-        self.extras = binding._extras
         self.group = self.groups = None
         self.batch = batch
         self._token = None
+        self._free = [0]
         if binding._groups is not None and prepared is not None:
             raise InvalidBatchError(
                 "prepared", "a grouped binding plans each group itself; pass no prepared plan"
@@ -166,64 +180,113 @@ class attn_scope:
                 f"batch {type(batch).__name__} has no Phase in .phase "
                 f"(got {phase!r}); map framework modes with phase_of()",
             )
+        self.scale_ok = _UNCHECKED  # read by attention()'s fast path, which needs a batch
         if prepared is None:
             self.run = self.fast = None  # until __enter__ plans
             self._plans = True
         else:
-            self.plan, self.run, self.form = prepared
-            self.fast = self.run if self.extras is None else None
+            self.plan, handler, self.form = prepared
+            # Only a handler this binding hands out for this phase: a plan prepared by another
+            # binding would run that runner's kernels under this runner's name.
+            raw = binding._raw_of(phase, handler)
+            if raw is None:
+                raise InvalidBatchError(
+                    "prepared",
+                    f"the prepared handler is not one runner {_label(self)} serves "
+                    f"{phase.name} with: pass this binding's own binding.prepare(batch), never "
+                    "another runner's",
+                )
+            self.run = raw
+            self.fast = raw if self.rule is not None and self.rule.plain else None
             self._plans = False
 
     def __enter__(self) -> Binding:
-        if self._token is not None and not self._closed:
-            raise ScopeError(
-                "this attn_scope is already active; create a new attn_scope(...) to nest"
-            )
+        try:
+            self._free.pop()  # claimed before planning: nobody else passes meanwhile
+        except IndexError:
+            raise self._busy() from None
         if self._plans:
-            if self.binding._groups is None:
-                self.plan, self.run, self.form = self.binding.prepare(self.batch)
-                self.fast = self.run if self.extras is None else None
-            else:
-                # Every group planned once per forward, before any layer runs; the frame
-                # itself has no handler (each layer names its group).
-                self.groups = {
-                    name: _GroupFrame(name, child, self.batch)
-                    for name, child in self.binding._groups.items()
-                }
-                self.plan = self.run = self.form = None
+            try:
+                self._plan()
+            except BaseException:
+                self._free.append(0)
+                raise
         self.parent = _CURRENT.get()
         self._closed = False
         self._token = _CURRENT.set(self)
         return self.binding
 
+    def _busy(self) -> ScopeError:
+        node = _CURRENT.get()
+        while node is not None:
+            if node is self:
+                return ScopeError(
+                    "this attn_scope is already active; create a new attn_scope(...) to nest"
+                )
+            node = node.parent
+        return ScopeError(
+            f"attn_scope({_label(self)}) is open in another thread or task: an instance is "
+            "entered by one at a time; create one attn_scope(...) per thread (or carry this "
+            "one with carry_scope)"
+        )
+
+    def _plan(self) -> None:
+        if self.binding._groups is None:
+            self.plan, _, self.run, self.form = self.binding._prepare(self.batch)
+            rule = self.rule
+            self.fast = self.run if rule is not None and rule.plain else None
+        else:
+            # Every group planned once per forward, before any layer runs; the frame itself
+            # has no handler (each layer names its group).
+            self.groups = {
+                name: _GroupFrame(name, child, self.batch)
+                for name, child in self.binding._groups.items()
+            }
+            self.plan = self.run = self.form = None
+
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         token = self._token
-        # A set token means __enter__ ran, which also set _closed.
-        if token is not None and _CURRENT.get() is self and not self._closed:
-            try:
-                _CURRENT.reset(token)
-            except ValueError:
-                # A copy of the entering context (carry_scope, a task): the token belongs to
-                # the original one, which must close it.
-                raise ScopeError(_not_open(self)) from None
-            self._token = None
-            return
-        self._exit_slow(token)
+        # A set token means __enter__ ran, which also set _closed. The common exit tests three
+        # things and resets; every other case is decided (or refused) in _exit_slow.
+        inner = None
+        if token is None or self._closed or _CURRENT.get() is not self:
+            inner = self._exit_slow(token)
+        try:
+            _CURRENT.reset(token)  # type: ignore[arg-type]  # _exit_slow refuses None
+        except ValueError:
+            # A copy of the entering context (carry_scope, a task): the token belongs to the
+            # original one, which must close it.
+            raise ScopeError(_not_open(self)) from None
+        self._token = None
+        self._free.append(0)
+        if inner is not None:
+            current = inner[0]
+            for scope in inner:
+                scope._closed = True  # and free again: it may be entered anew
+                if not scope._free:
+                    scope._free.append(0)
+            raise ScopeError(
+                f"attn_scope({_label(self)}) exited while an inner scope "
+                f"({_label(current)}) was still open; scopes must exit in reverse order. Both "
+                "are closed now."
+            )
 
-    def _exit_slow(self, token: contextvars.Token[attn_scope | None] | None) -> None:
+    def _exit_slow(self, token: contextvars.Token[attn_scope | None] | None) -> list[attn_scope]:
+        """The scopes opened inside this one and still open (to close with it), or an error."""
         if token is None:
             raise ScopeError("attn_scope exited without being entered")
         if self._closed:
             # An enclosing scope exited first and closed this one with it; the instance is
             # free again (it may be entered anew).
             self._token = None
+            if not self._free:
+                self._free.append(0)
             raise ScopeError(
                 f"attn_scope({_label(self)}) was already closed: an enclosing scope exited "
                 "before it (scopes must exit in reverse order)"
             )
-        current = _CURRENT.get()
         inner: list[attn_scope] = []
-        node = current
+        node = _CURRENT.get()
         while node is not None and node is not self:
             inner.append(node)
             node = node.parent
@@ -231,18 +294,7 @@ class attn_scope:
             # Resetting here could rebind a stale runner: leave the context as it is, and keep
             # the token so the context that entered this scope can still close it.
             raise ScopeError(_not_open(self))
-        try:
-            _CURRENT.reset(token)
-        except ValueError:
-            raise ScopeError(_not_open(self)) from None
-        self._token = None
-        for scope in inner:
-            scope._closed = True
-        raise ScopeError(
-            f"attn_scope({_label(self)}) exited while an inner scope "
-            f"({_label(current)}) was still open; scopes must exit in reverse order. Both are "
-            "closed now."
-        )
+        return inner
 
     async def __aenter__(self) -> Binding:
         return self.__enter__()
@@ -288,28 +340,19 @@ class _GroupFrame:
     """One group's part of a scope: what ``attention(..., group=name)`` reads. Built once per
     forward (planning the group's batch); read-only afterwards."""
 
-    __slots__ = (
-        "batch",
-        "binding",
-        "extras",
-        "fast",
-        "form",
-        "group",
-        "groups",
-        "plan",
-        "run",
-        "sm_scale",
-    )
+    __slots__ = _FRAME_FIELDS
 
     def __init__(self, group: str, binding: Binding, batch: Any) -> None:
         self.group = group
         self.groups = None
         self.binding = binding
         self.batch = batch
-        self.sm_scale = binding._sm_scale
-        self.extras = binding._extras
-        self.plan, self.run, self.form = binding.prepare(batch)
-        self.fast = self.run if self.extras is None else None
+        rule = self.rule = binding._rule
+        assert rule is not None  # a group is a plain binding
+        self.sm_scale = rule.planned
+        self.scale_ok = _UNCHECKED
+        self.plan, _, self.run, self.form = binding._prepare(batch)
+        self.fast = self.run if rule.plain else None
 
 
 def _not_open(frame: attn_scope) -> str:
@@ -479,12 +522,14 @@ def attention(
     if run is not None and not extras and _call_hook is None:
         scale = frame.sm_scale  # type: ignore[union-attr]
         if scale is None:
-            if sm_scale is None:
-                raise _no_scale(frame)  # type: ignore[arg-type]
+            # The call's own scale: checked once (float32 normal range, not NaN/None/bool),
+            # then recognised by identity.
             scale = sm_scale
-        elif sm_scale is not None and sm_scale != scale:
-            _check_scale(sm_scale, scale)
-        return run(q, k_cache, v_cache, frame.plan, scale)  # type: ignore[union-attr]
+            if scale is not frame.scale_ok:  # type: ignore[union-attr]
+                scale = frame.scale_ok = frame.rule.scale(sm_scale)  # type: ignore[union-attr]
+        elif sm_scale is not None and (sm_scale != scale or type(sm_scale) is bool):
+            scale = frame.rule.scale(sm_scale)  # type: ignore[union-attr]
+        return run(q, k_cache, v_cache, frame.plan, scale)  # type: ignore[union-attr,arg-type]
     unknown = extras.keys() - _EXTRA_NAMES
     if unknown:
         raise TypeError(
@@ -550,13 +595,8 @@ def _attention_slow(
     run = frame.run
     if run is None:
         raise _no_run(frame)
-    scale = frame.sm_scale
-    if scale is None:
-        if sm_scale is None:
-            raise _no_scale(frame)
-        scale = sm_scale
-    elif sm_scale is not None and sm_scale != scale:
-        _check_scale(sm_scale, scale)
+    rule: CallRule = frame.rule
+    scale = rule.scale(sm_scale)
     args: tuple[Any, ...]
     if prefix is None:
         args = (q, k_cache, v_cache, frame.plan, scale)
@@ -568,88 +608,7 @@ def _attention_slow(
                 f"{getattr(frame.form, 'value', 'a non-MLA config')!r} (see attention_form())",
             )
         args = (q, k_cache, v_cache, frame.plan, scale, prefix)
-    kw = _extra_keywords(frame, sinks, k_scale, v_scale)
+    kw = rule.keywords(q, sinks, k_scale, v_scale)
     call: Callable[..., Any] = run if not kw else functools.partial(run, **kw)
     hook = _call_hook
     return call(*args) if hook is None else hook(frame, call, args)
-
-
-def _extra_keywords(frame: Any, sinks: Any, k_scale: Any, v_scale: Any) -> dict[str, Any]:
-    """The keywords the handler takes for this config (contract: only those that apply),
-    after the cheap core checks; the backend checks the sinks tensor itself."""
-    has_sinks, fp8, mla = frame.extras or (False, False, False)
-    kw: dict[str, Any] = {}
-    if has_sinks:
-        if sinks is None:
-            raise InvalidBatchError(
-                "sinks",
-                f"runner {_label(frame)}'s AttnConfig has sinks=True: pass the layer's sink "
-                "logits, attention(..., sinks=tensor[num_q_heads] float32)",
-            )
-        kw["sinks"] = sinks
-    elif sinks is not None:
-        raise InvalidBatchError(
-            "sinks",
-            f"runner {_label(frame)}'s AttnConfig has sinks=False, so the layer has no sink "
-            "logits; drop sinks= or bind a config with AttnConfig(sinks=True)",
-        )
-    if fp8:
-        kw["k_scale"] = _fp8_scale("k_scale", k_scale)
-        if not mla:
-            kw["v_scale"] = _fp8_scale("v_scale", v_scale)
-        elif v_scale is not None:
-            raise InvalidBatchError(
-                "v_scale",
-                f"got {v_scale!r}, but an MLA layer's k_scale covers the whole latent (V is part "
-                "of it); pass k_scale only",
-            )
-    else:
-        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if value is not None:
-                raise InvalidBatchError(
-                    name,
-                    f"got {value!r}, but runner {_label(frame)}'s kv_dtype is not FP8; scales "
-                    "apply only to kv_dtype 'float8_e4m3fn' / 'float8_e5m2'",
-                )
-    return kw
-
-
-def _fp8_scale(name: str, value: Any) -> float:
-    if value is None:
-        return 1.0
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise InvalidBatchError(
-            name,
-            f"got {value!r}; an FP8 cache scale is a finite Python float > 0 (the cache holds "
-            f"K / k_scale and V / v_scale; default 1.0)",
-        )
-    return float(value)
-
-
-def _no_scale(frame: attn_scope) -> InvalidBatchError:
-    return InvalidBatchError(
-        "sm_scale",
-        f"no softmax scale: attention() got sm_scale=None and runner {_label(frame)}'s "
-        "AttnConfig has sm_scale=None; pass attention(..., sm_scale=s) or bind a config with "
-        "AttnConfig(sm_scale=s)",
-    )
-
-
-def _check_scale(given: float, planned: float) -> None:
-    # Equal up to float rounding (head_dim ** -0.5 vs 1 / math.sqrt(head_dim)) passes, and the
-    # planned value is what the handler receives.
-    try:
-        close = abs(given - planned) <= 1e-6 * abs(planned)
-    except TypeError:
-        close = False
-    if not close:
-        raise InvalidBatchError(
-            "sm_scale",
-            f"attention(sm_scale={given!r}) differs from the bound AttnConfig.sm_scale "
-            f"{planned!r}, which the backend planned with; pass the same scale or omit it",
-        )

@@ -36,14 +36,19 @@ Capture decode steps with :mod:`attn_dispatch.cuda_graph`, which follows that ru
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from typing import Any
-from typing import Unpack
 
 import torch
 
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._scope import AttentionExtras
 from attn_dispatch._scope import attention as _scope_attention
+from attn_dispatch._values import call_scale
+
+if TYPE_CHECKING:
+    # typing.Unpack is Python 3.11+; the package supports 3.10 (typing_extensions has it).
+    from typing_extensions import Unpack
 
 __all__ = ["OP_NAME", "attention_op"]
 
@@ -116,16 +121,9 @@ def _attention_impl(
 
 
 def _attention_fake(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor | None,
-    sm_scale: float | None,
-    v_head_dim: int,
-    sinks: torch.Tensor | None = None,
-    k_scale: float | None = None,
-    v_scale: float | None = None,
-    group: str | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: Any, sm_scale: Any, v_head_dim: int, *rest: Any
 ) -> torch.Tensor:
+    # The output shape needs q and v_head_dim only; the other arguments are the schema's.
     return q.new_empty((q.shape[0], q.shape[1], v_head_dim))
 
 
@@ -173,10 +171,11 @@ def attention_op(
     dispatcher more than ``attention``.
     """
     dv = _value_width(k_cache, v_cache, v_head_dim)
-    scale = None if sm_scale is None else float(sm_scale)
+    # The schema takes floats: check the values with the core's rule before any conversion
+    # (float(True) or float("2") would pass as numbers the eager call refuses).
+    scale = None if sm_scale is None else call_scale("sm_scale", sm_scale)
     if sinks is None and k_scale is None and v_scale is None and group is None:
         return _OP(q, k_cache, v_cache, scale, dv)  # type: ignore[no-any-return]
-    # The schema takes floats; attention() checks the values (finite, > 0).
     return _OP(  # type: ignore[no-any-return]
         q,
         k_cache,
@@ -184,8 +183,8 @@ def attention_op(
         scale,
         dv,
         sinks,
-        None if k_scale is None else float(k_scale),
-        None if v_scale is None else float(v_scale),
+        None if k_scale is None else call_scale("k_scale", k_scale),
+        None if v_scale is None else call_scale("v_scale", v_scale),
         group,
     )
 

@@ -62,18 +62,21 @@ from attn_dispatch._record import DispatchEvent
 from attn_dispatch._record import record_dispatch
 from attn_dispatch._record import record_events
 from attn_dispatch._scope import attn_scope
+from attn_dispatch._values import as_int
 from attn_dispatch.backends._common import BatchSnapshot
+from attn_dispatch.backends._common import StepStats
 
 __all__ = ["CaptureError", "GraphedForward", "assert_not_capturing", "capture_decode"]
 
 # Host-side planning statistics of an AttnBatch: they may change between replays of one shape
 # (a decode step's longest sequence grows), so a handler run inside a graph must not read them.
 _BATCH_STATS = frozenset({"max_q_len", "max_kv_len", "num_pages"})
-_SNAPSHOT_STATS = frozenset({"max_q_len", "max_kv_len", "max_page"})
 # Plan fields that are identities, not values: the backend object that made a plan (the same
 # for every plan of one binding), and a backend's token for "the plan its wrapper holds now"
 # (FlashInfer: a new one per plan, refilled into the same persistent buffers in graph mode).
 _IDENTITIES = frozenset({"owner", "ticket"})
+# A snapshot's per-step counts (backends._common.StepStats): followed on replay, not compared.
+_PLAIN_STEP = (StepStats,)
 
 
 class CaptureError(AttnDispatchError, RuntimeError):
@@ -132,11 +135,11 @@ def _copy_into(dst: Any, src: Any, path: str, seen: set[int], write: bool = True
         skip = _BATCH_STATS if isinstance(dst, AttnBatch) else frozenset()
         if isinstance(dst, BatchSnapshot):
             # The captured plan's own snapshot follows the step: the per-call checks compare
-            # the cache with its max_page, and the stats may change between replays.
-            skip = _SNAPSHOT_STATS
+            # the cache with its max_page, and the counts may change between replays.
+            skip = frozenset({"step"})
             if write:
-                for name in _SNAPSHOT_STATS:
-                    object.__setattr__(dst, name, getattr(src, name))
+                assert isinstance(src, BatchSnapshot)  # same type, checked above
+                dst.step.follow(src.step)
         for f in dataclasses.fields(dst):
             if f.name not in skip and f.name not in _IDENTITIES:
                 _copy_into(
@@ -178,7 +181,7 @@ def _opaque_paths(obj: Any, path: str, seen: set[int]) -> Iterator[str]:
     if id(obj) in seen:
         return
     seen.add(id(obj))
-    if isinstance(obj, (torch.Tensor, *_PLAIN)):
+    if isinstance(obj, (torch.Tensor, *_PLAIN, *_PLAIN_STEP)):
         return
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
@@ -202,14 +205,13 @@ def _short(value: Any) -> str:
 
 def _persistent_batch(batch: AttnBatch) -> AttnBatch:
     # Fresh buffers owned by the graph: the caller may reuse or free its own batch tensors.
-    fresh = AttnBatch.__new__(AttnBatch)
     clones: dict[int, Any] = {}
+    fresh: dict[str, Any] = {}
     for f in dataclasses.fields(AttnBatch):
         value = getattr(batch, f.name)
         if isinstance(value, torch.Tensor):
-            value = clones.setdefault(id(value), value.clone())
-        object.__setattr__(fresh, f.name, value)
-    return fresh
+            fresh[f.name] = clones.setdefault(id(value), value.clone())
+    return batch._derive(**fresh)
 
 
 def _to_capacity(batch: AttnBatch, capacity: int, page_size: int) -> AttnBatch:
@@ -250,20 +252,23 @@ def _to_capacity(batch: AttnBatch, capacity: int, page_size: int) -> AttnBatch:
     else:
         indices = torch.zeros(0, dtype=torch.int32, device=dev)
     kv_host = torch.arange(0, (b + 1) * capacity, capacity, dtype=torch.int32)[: b + 1]
-    padded = AttnBatch.__new__(AttnBatch)
-    for f in dataclasses.fields(AttnBatch):
-        object.__setattr__(padded, f.name, getattr(batch, f.name))
     # The fields a plan reads, replaced; the batch was validated when built and every backend
     # checks its own copy again when it plans.
-    object.__setattr__(padded, "kv_indices", indices.contiguous())
-    object.__setattr__(padded, "kv_indptr_host", kv_host)
-    object.__setattr__(
-        padded,
-        "kv_indptr",
-        kv_host if dev.type == "cpu" else kv_host.pin_memory().to(dev, non_blocking=True),
+    return batch._derive(
+        kv_indices=indices.contiguous(),
+        kv_indptr_host=kv_host,
+        kv_indptr=kv_host if dev.type == "cpu" else kv_host.pin_memory().to(dev, non_blocking=True),
+        page_size=page_size,
     )
-    object.__setattr__(padded, "page_size", page_size)
-    return padded
+
+
+def _check_page_size(batch: AttnBatch, bound: int) -> None:
+    if batch.page_size is not None and batch.page_size != bound:
+        raise InvalidBatchError(
+            "page_size",
+            f"batch page_size {batch.page_size!r} != bound config page_size {bound!r}; build the "
+            "batch for the page size of the runner the graph was captured for",
+        )
 
 
 class GraphedForward:
@@ -295,14 +300,11 @@ class GraphedForward:
         if not isinstance(batch, AttnBatch):
             raise InvalidBatchError("batch", f"expected an AttnBatch, got {type(batch).__name__}")
         self.binding = _binding_of(runner)
-        if max_pages_per_request is not None and (
-            not isinstance(max_pages_per_request, int) or max_pages_per_request < 1
-        ):
-            raise InvalidBatchError(
-                "max_pages_per_request", f"must be a positive int, got {max_pages_per_request!r}"
-            )
+        if max_pages_per_request is not None:
+            max_pages_per_request = as_int(max_pages_per_request, "max_pages_per_request", low=1)
         self.capacity = max_pages_per_request
         self._page_size = int(self.binding.config.page_size)
+        _check_page_size(batch, self._page_size)
         if self.capacity is not None:
             batch = _to_capacity(batch, self.capacity, self._page_size)
         self.phase: Phase = batch.phase
@@ -377,6 +379,9 @@ class GraphedForward:
             raise InvalidBatchError(
                 "phase", f"{got!r} != captured {self.phase!r}: capture one graph per phase"
             )
+        # What the eager path refuses, refused here too, before the layout below rewrites the
+        # batch's page_size (a batch of another page size must never replay).
+        _check_page_size(batch, self._page_size)
         if self.capacity is not None:
             batch = _to_capacity(batch, self.capacity, self._page_size)
         update_plan = self._update_plan

@@ -213,16 +213,30 @@ def test_tensor_checks_name_the_field() -> None:
         assert err.value.field == field
 
 
-def test_owner_check_is_identity() -> None:
-    from types import SimpleNamespace
+def test_plan_check_is_identity() -> None:
+    import copy
+    import dataclasses
 
-    from attn_dispatch.backends._common import check_owner
+    from attn_dispatch._protocol import PlanBase
+    from attn_dispatch._protocol import check_plan
+    from attn_dispatch._protocol import issue_plan
+
+    @dataclasses.dataclass(frozen=True, slots=True, eq=False)
+    class Plan(PlanBase):
+        owner: object
+        rows: int
 
     me, other = object(), object()
-    check_owner(SimpleNamespace(owner=me), me, "test")
-    for plan in (SimpleNamespace(owner=other), SimpleNamespace(), None):
-        with pytest.raises(InvalidBatchError, match="made by") as err:
-            check_owner(plan, me, "test")
+    plan = issue_plan(me, Plan(owner=me, rows=3))
+    check_plan(plan, me, "test")
+    forged = [dataclasses.replace(plan), dataclasses.replace(plan, rows=1), Plan(me, 3), None]
+    for bad in [*forged, issue_plan(other, Plan(owner=me, rows=3))]:
+        with pytest.raises(InvalidBatchError, match="not by the backend") as err:
+            check_plan(bad, me, "test")
+        assert err.value.field == "plan"
+    for copier in (copy.copy, copy.deepcopy):
+        with pytest.raises(InvalidBatchError, match="cannot be copied") as err:
+            copier(plan)
         assert err.value.field == "plan"
 
 

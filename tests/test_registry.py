@@ -37,6 +37,14 @@ from tests.strategies import register_echo
 
 pytestmark = pytest.mark.usefixtures("registry_snapshot")
 
+WAIT = 30.0  # seconds: a thread test fails instead of hanging
+
+
+def join_all(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.join(WAIT)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish (hung?)"
+
 
 def test_builtin_reference_is_registered() -> None:
     backends = list_backends()
@@ -209,7 +217,8 @@ def test_registry_change_never_alters_a_binding() -> None:
     assert out[0] == "snap"
     # A new bind sees the new registry.
     fresh = bind(BackendSpec.parse("prefill=snap,decode=torch"), config)
-    assert isinstance(fresh.handler(Phase.PREFILL), EchoHandler)
+    # The binding hands out the backend's handler behind the core's call checks.
+    assert isinstance(fresh.handler(Phase.PREFILL).__wrapped__, EchoHandler)
     assert fresh.handler(Phase.PREFILL).backend == "other"
     assert fresh.handler(Phase.DECODE).backend == "torch"
 
@@ -225,7 +234,7 @@ def test_thread_safe_registration() -> None:
 
     def work(t: int) -> None:
         try:
-            start.wait()
+            start.wait(timeout=WAIT)
             for i in range(per_thread):
                 register_echo(f"thr{t}_{i}")
                 try:
@@ -239,8 +248,7 @@ def test_thread_safe_registration() -> None:
     threads = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
     for th in threads:
         th.start()
-    for th in threads:
-        th.join()
+    join_all(threads)
     assert errors == []
     names = set(list_backends())
     assert {f"thr{t}_{i}" for t in range(n_threads) for i in range(per_thread)} <= names
@@ -338,7 +346,7 @@ def test_plugin_loading_is_thread_safe(fake_plugins: tuple[list[str], _registry.
     start = threading.Barrier(8)
 
     def first_use() -> None:
-        start.wait()
+        start.wait(timeout=WAIT)
         seen.append(set(reg.list()))
 
     with warnings.catch_warnings():
@@ -346,8 +354,7 @@ def test_plugin_loading_is_thread_safe(fake_plugins: tuple[list[str], _registry.
         threads = [threading.Thread(target=first_use) for _ in range(8)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        join_all(threads)
     assert calls == [_registry.ENTRY_POINT_GROUP]
     assert len(seen) == 8 and all({"plugged", "entry_plugged", "torch"} <= s for s in seen)
 
@@ -390,3 +397,41 @@ def test_cli_list_shows_failed_plugins(
     (row,) = [line for line in lines if line.startswith("fancy ")]
     assert "no: plugin failed to load: ImportError: needs libfoo.so" in row
     assert any(line.startswith("plugged ") and line.endswith("yes") for line in lines)
+
+
+ZERO_ARG_PLUGIN = """
+from attn_dispatch import register_backend
+from tests.strategies import ANY_CAPS, echo_factory
+
+def register():  # a zero-argument register function calls the module-level register_backend
+    register_backend("zero_plugged", capabilities=ANY_CAPS, factory=echo_factory("zero"))
+"""
+
+
+def test_zero_argument_plugin_loads_into_its_own_registry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: Registry(plugins=True) ran the plugin, which registered into the default registry
+    # (and not into the registry being loaded).
+    (tmp_path / "adt_zero_plugin.py").write_text(ZERO_ARG_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "adt_zero_plugin", raising=False)
+    eps = importlib.metadata.EntryPoints(
+        [
+            importlib.metadata.EntryPoint(
+                "zero_plugged", "adt_zero_plugin:register", _registry.ENTRY_POINT_GROUP
+            )
+        ]
+    )
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: eps.select(**kw))
+    before = set(list_backends())  # the default registry, loaded already
+    mine = _registry.Registry(builtins=False, plugins=True)
+    assert set(mine.list()) == {"zero_plugged"}
+    assert mine.plugin_errors == {}
+    assert set(list_backends()) == before and "zero_plugged" not in before
+    # Outside the loading, register_backend writes to the default registry again.
+    register_backend("after_zero", capabilities=ANY_CAPS, factory=echo_factory("a"))
+    try:
+        assert "after_zero" in list_backends() and "after_zero" not in mine
+    finally:
+        unregister_backend("after_zero")

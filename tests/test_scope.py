@@ -38,6 +38,14 @@ from tests.strategies import FakeBatch
 from tests.strategies import mha_config
 from tests.strategies import register_echo
 
+WAIT = 30.0  # seconds: a thread test fails instead of hanging
+
+
+def join_all(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.join(WAIT)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish (hung?)"
+
 
 class Runner:
     def __init__(self, binding: Binding) -> None:
@@ -212,7 +220,7 @@ def test_sm_scale_from_the_config(registry_snapshot: object) -> None:
             attention("q", "k", "v", sm_scale=0.25)
         err = info.value
         assert err.field == "sm_scale"
-        assert "attention(sm_scale=0.25)" in str(err) and "0.125" in str(err)
+        assert "sm_scale=0.25 differs" in str(err) and "0.125" in str(err)
     assert seen == [0.125, 0.125, 0.125]  # the planned scale reaches the handler
 
 
@@ -353,7 +361,7 @@ def test_exit_in_another_thread_raises_scope_error(a: Binding) -> None:
     for target in (close, carry_scope(close)):
         t = threading.Thread(target=target)
         t.start()
-        t.join()
+        join_all([t])
     assert len(errors) == 2
     assert all(isinstance(e, ScopeError) for e in errors), errors
     assert all("is not open in this context" in str(e) for e in errors)
@@ -529,7 +537,7 @@ def _in_thread(fn: Any) -> Any:
     out: list[Any] = []
     t = threading.Thread(target=lambda: out.append(fn()))
     t.start()
-    t.join()
+    join_all([t])
     return out[0]
 
 
@@ -568,14 +576,13 @@ def test_carry_scope_many_threads_at_once(a: Binding) -> None:
     out: list[Any] = []
 
     def run() -> None:
-        start.wait()
+        start.wait(timeout=WAIT)
         out.append(fn())  # one Context shared by many threads would raise RuntimeError
 
     threads = [threading.Thread(target=run) for _ in range(8)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    join_all(threads)
     assert out == [a.handler(Phase.PREFILL)] * 8
 
 
@@ -602,14 +609,13 @@ def test_threads_are_isolated(a: Binding, b: Binding) -> None:
     def run(key: str, binding: Binding) -> None:
         with attn_scope(binding):
             for _ in range(50):
-                barrier.wait()
+                barrier.wait(timeout=WAIT)
                 seen[key].append(current_binding())
 
     ts = [threading.Thread(target=run, args=("a", a)), threading.Thread(target=run, args=("b", b))]
     for t in ts:
         t.start()
-    for t in ts:
-        t.join()
+    join_all(ts)
     assert seen == {"a": [a] * 50, "b": [b] * 50}
 
 
@@ -750,12 +756,12 @@ def test_out_of_order_exit_in_threads_is_private(a: Binding, b: Binding) -> None
         outer, inner = attn_scope(first), attn_scope(second)
         outer.__enter__()
         inner.__enter__()
-        barrier.wait()
+        barrier.wait(timeout=WAIT)
         try:
             outer.__exit__(None, None, None)
         except ScopeError:
             pass
-        barrier.wait()
+        barrier.wait(timeout=WAIT)
         errors.append("clean" if no_scope() else "leak")
         try:
             inner.__exit__(None, None, None)
@@ -767,8 +773,7 @@ def test_out_of_order_exit_in_threads_is_private(a: Binding, b: Binding) -> None
     threads = [threading.Thread(target=work, args=(a, b) if i % 2 else (b, a)) for i in range(4)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    join_all(threads)
     assert sorted(errors) == sorted(["clean", "closed", "reused"] * 4)
     assert no_scope()
 

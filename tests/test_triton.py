@@ -131,7 +131,7 @@ def reference(
 ) -> torch.Tensor:
     """Plain attention: one request and one head at a time, dense boolean mask, float64.
 
-    Variants as DESIGN.md defines them: the query at position p sees keys p - window_left ..=
+    Variants as README.md defines them: the query at position p sees keys p - window_left ..=
     p (with a tree mask: the last window_left + 1 keys its mask allows, README "Window and
     tree verify"); s = cap * tanh(s / cap); the sink logit joins the denominator; an FP8 cache holds
     K / k_scale and V / v_scale (MLA: k_scale for the whole latent row).
@@ -403,7 +403,7 @@ def run_variant(
     tdt = DTYPES[dtype]
     kdt = FP8[fp8] if fp8 else tdt
     q = torch.randn(batch.num_tokens, hq, d).to(tdt).to(DEVICE)
-    # FP8: values spread over the format's range, stored as K / k_scale (DESIGN.md).
+    # FP8: values spread over the format's range, stored as K / k_scale (README.md, "FP8 KV cache").
     spread = 3.0 if fp8 else 1.0
     if kind == "mla":
         k_cache, v_cache = (torch.randn(pages, page_size, d) * spread).to(kdt).to(DEVICE), None

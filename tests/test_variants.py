@@ -8,6 +8,7 @@ from typing import Any
 from typing import ClassVar
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -114,7 +115,7 @@ def test_decompressed_keeps_variants_drops_fp8() -> None:
 
 @given(
     window=st.none() | st.integers(0, 1 << 20),
-    cap=st.none() | st.floats(0.0, 1e6, allow_nan=False),
+    cap=st.none() | st.just(0.0) | st.floats(1e-30, 1e6),  # a cap float32 holds, or off
     sinks=st.booleans(),
 )
 def test_variant_fields_roundtrip(window: int | None, cap: float | None, sinks: bool) -> None:
@@ -336,14 +337,21 @@ def test_plain_call_is_positional(registry_snapshot: object) -> None:
 
 def test_sinks_passed_only_for_sinks_config(registry_snapshot: object) -> None:
     binding, rec = _bound(mha_config(sinks=True))
-    _call(binding, sinks="S")
-    assert rec.calls[-1][1] == {"sinks": "S"}
+    sinks = torch.zeros(8)  # the core checks the tensor: float32 [num_q_heads]
+    _call(binding, sinks=sinks)
+    assert rec.calls[-1][1] == {"sinks": sinks}
+    with pytest.raises(InvalidBatchError, match=r"shape \(7,\)") as info:
+        _call(binding, sinks=torch.zeros(7))
+    with pytest.raises(InvalidBatchError, match="float32") as info:
+        _call(binding, sinks=torch.zeros(8, dtype=torch.float64))
+    with pytest.raises(InvalidBatchError, match=r"torch\.Tensor") as info:
+        _call(binding, sinks="S")
     with pytest.raises(InvalidBatchError) as info:
         _call(binding)
     assert info.value.field == "sinks" and "sinks=True" in str(info.value)
     plain, rec2 = _bound(mha_config())
     with pytest.raises(InvalidBatchError) as info:
-        _call(plain, sinks="S")
+        _call(plain, sinks=sinks)
     assert info.value.field == "sinks" and "sinks=False" in str(info.value)
     assert rec2.calls == []
 
@@ -361,10 +369,11 @@ def test_fp8_scales_default_and_given(registry_snapshot: object, fmt: str) -> No
 
 def test_mla_fp8_takes_k_scale_only(registry_snapshot: object) -> None:
     binding, rec = _bound(mla_config(dtype="float32", kv_dtype="float8_e4m3fn", sinks=True))
-    _call(binding, k_scale=0.5, sinks="S")
-    assert rec.calls[-1][1] == {"sinks": "S", "k_scale": 0.5}
+    sinks = torch.zeros(binding.config.num_q_heads)
+    _call(binding, k_scale=0.5, sinks=sinks)
+    assert rec.calls[-1][1] == {"sinks": sinks, "k_scale": 0.5}
     with pytest.raises(InvalidBatchError) as info:
-        _call(binding, k_scale=0.5, v_scale=0.5, sinks="S")
+        _call(binding, k_scale=0.5, v_scale=0.5, sinks=sinks)
     assert info.value.field == "v_scale" and "latent" in str(info.value)
 
 
@@ -378,7 +387,7 @@ def test_bad_scales(registry_snapshot: object, name: str, bad: object) -> None:
         return
     with pytest.raises(InvalidBatchError) as info:
         _call(binding, **{name: bad})
-    assert info.value.field == name and "finite Python float > 0" in str(info.value)
+    assert info.value.field == name and "finite float > 0" in str(info.value)
     assert rec.calls == []
 
 
@@ -534,14 +543,15 @@ def test_group_errors(counting: type[_Counting]) -> None:
 def test_group_extras_follow_the_group(counting: type[_Counting]) -> None:
     cfgs = {"oss": mha_config(sinks=True, window_left=127), "fp8": mha_config(kv_dtype="fp8")}
     binding = bind("cnt", cfgs)
+    sinks = torch.zeros(8)
     with attn_scope(binding, FakeBatch(Phase.DECODE)):
-        assert attention(1, 2, 3, sm_scale=1.0, group="oss", sinks="S")[2] == {"sinks": "S"}
+        assert attention(1, 2, 3, sm_scale=1.0, group="oss", sinks=sinks)[2] == {"sinks": sinks}
         assert attention(1, 2, 3, sm_scale=1.0, group="fp8", k_scale=2.0)[2] == {
             "k_scale": 2.0,
             "v_scale": 1.0,
         }
         with pytest.raises(InvalidBatchError, match="sinks=False"):
-            attention(1, 2, 3, sm_scale=1.0, group="fp8", sinks="S")
+            attention(1, 2, 3, sm_scale=1.0, group="fp8", sinks=sinks)
         with pytest.raises(InvalidBatchError, match="sinks=True"):
             attention(1, 2, 3, sm_scale=1.0, group="oss")
 

@@ -34,13 +34,14 @@ import torch
 
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
+from attn_dispatch._values import check_sinks
 
 __all__ = [
     "BatchSnapshot",
+    "StepStats",
     "TensorChecks",
     "check_indices",
     "check_metadata",
-    "check_owner",
     "mask_offsets",
     "refill",
     "window_flat_mask",
@@ -247,11 +248,32 @@ def _first(flags: torch.Tensor) -> int | None:
 
 
 def _index_tensor(batch: Any, name: str) -> torch.Tensor:
-    t = getattr(batch, name)
+    t = getattr(batch, name, None)
     if not isinstance(t, torch.Tensor) or t.dtype != _I32 or t.dim() != 1:
         what = type(t).__name__ if not isinstance(t, torch.Tensor) else f"{t.dtype} {t.dim()}-D"
         raise InvalidBatchError(name, f"must be a 1-D torch.int32 tensor, got {what}")
     return t
+
+
+class StepStats:
+    """The counts of one step that a CUDA-graph-captured plan follows from replay to replay
+    (``refill``): the only part of a snapshot that ever changes, kept apart from the frozen
+    value so that nothing mutates a frozen object."""
+
+    __slots__ = ("max_kv_len", "max_page", "max_q_len", "num_tokens")
+
+    def __init__(self, num_tokens: int, max_q_len: int, max_kv_len: int, max_page: int | None):
+        self.num_tokens = num_tokens
+        self.max_q_len = max_q_len
+        self.max_kv_len = max_kv_len
+        self.max_page = max_page
+
+    def follow(self, other: StepStats) -> None:
+        """Take ``other``'s counts (a captured plan replaying a new step)."""
+        self.num_tokens = other.num_tokens
+        self.max_q_len = other.max_q_len
+        self.max_kv_len = other.max_kv_len
+        self.max_page = other.max_page
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -262,16 +284,14 @@ class BatchSnapshot:
     device, the ones kernels read; ``*_host`` are CPU int32 copies for planning (the same
     tensors on a CPU batch). ``page_size`` is the bound config's. ``max_page`` is the largest
     page index of ``kv_indices`` (-1 when there is none), or None when it was not read (a
-    device batch planned without ``check_device``).
+    device batch planned without ``check_device``). ``num_tokens``, ``max_q_len``,
+    ``max_kv_len`` and ``max_page`` are read from ``step`` (see ``StepStats``).
     """
 
     phase: Phase
     page_size: int | None
     num_requests: int
-    num_tokens: int
-    max_q_len: int
-    max_kv_len: int
-    max_page: int | None
+    step: StepStats
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
@@ -292,9 +312,13 @@ class BatchSnapshot:
         ``check_device`` (a CUDA batch only) reads the device index tensors back to the host
         to check them too: a device sync, for ``validate`` options and debugging.
         """
-        phase = batch.phase
+        phase = getattr(batch, "phase", None)
         if not isinstance(phase, Phase):
-            raise InvalidBatchError("phase", f"expected a Phase, got {phase!r}")
+            raise InvalidBatchError(
+                "batch",
+                f"expected an AttnBatch (a Phase in .phase), got {type(batch).__name__} with "
+                f"phase {phase!r}",
+            )
         given = getattr(batch, "page_size", None)
         if given is not None and page_size is not None and given != page_size:
             raise InvalidBatchError(
@@ -369,7 +393,7 @@ class BatchSnapshot:
             elif check_device:
                 max_page = check_indices(kv_h, idx.cpu(), None)
         mask = mask_indptr = None
-        if batch.custom_mask is not None:
+        if getattr(batch, "custom_mask", None) is not None:
             offsets, _ = mask_offsets(batch.custom_mask, qo_h, lens_h, rows=False)
             mask = batch.custom_mask.to(dev).clone(memory_format=torch.contiguous_format)
             # pinned: a copy from pageable memory would wait for the device's queue
@@ -378,10 +402,7 @@ class BatchSnapshot:
             phase=phase,
             page_size=page_size,
             num_requests=lens_h.numel(),
-            num_tokens=total,
-            max_q_len=max_q,
-            max_kv_len=max_kv,
-            max_page=max_page,
+            step=StepStats(total, max_q, max_kv, max_page),
             qo_indptr=qo,
             kv_indptr=kv,
             kv_indices=idx,
@@ -397,22 +418,21 @@ class BatchSnapshot:
     def device(self) -> torch.device:
         return self.kv_indices.device
 
+    @property
+    def num_tokens(self) -> int:
+        return self.step.num_tokens
 
-def check_owner(plan: Any, owner: object, backend: str) -> None:
-    """Refuse a plan that ``owner`` (a backend object) did not make: one identity test.
+    @property
+    def max_q_len(self) -> int:
+        return self.step.max_q_len
 
-    A plan made by another binding's backend, or for another config (page size, heads,
-    dims), would make the kernel read with the wrong geometry.
-    """
-    if getattr(plan, "owner", None) is not owner:
-        made = getattr(plan, "owner", None)
-        who = "no backend" if made is None else f"another {type(made).__name__} object"
-        raise InvalidBatchError(
-            "plan",
-            f"{backend}: this plan ({type(plan).__name__}) was made by {who}, not by the "
-            "backend of this handler; pass the plan of the same binding "
-            "(binding.plan(batch) / the active attn_scope), never one from another runner",
-        )
+    @property
+    def max_kv_len(self) -> int:
+        return self.step.max_kv_len
+
+    @property
+    def max_page(self) -> int | None:
+        return self.step.max_page
 
 
 Layout = Literal["any", "rows", "contiguous"]
@@ -498,29 +518,10 @@ class TensorChecks:
         return int(pages)
 
     def check_sinks(self, sinks: Any, q: torch.Tensor) -> None:
-        """Raise ``InvalidBatchError("sinks", ...)`` unless ``sinks`` is a float32
-        ``[num_q_heads]`` tensor on ``q``'s device (attribute reads only)."""
-        heads = self.q_tail[0]
-        try:
-            ok = (
-                sinks.dtype == torch.float32
-                and sinks.dim() == 1
-                and sinks.shape[0] == heads
-                and sinks.device == q.device
-            )
-        except AttributeError:
-            ok = False
-        if ok:
-            return
-        if not isinstance(sinks, torch.Tensor):
-            problem = f"expected a torch.Tensor, got {type(sinks)!r}"
-        elif sinks.dtype != torch.float32:
-            problem = f"dtype {sinks.dtype} != torch.float32 (one sink logit per query head)"
-        elif sinks.dim() != 1 or sinks.shape[0] != heads:
-            problem = f"shape {tuple(sinks.shape)} != [num_q_heads={heads}]"
-        else:
-            problem = f"on {sinks.device}, q on {q.device}"
-        raise InvalidBatchError("sinks", f"{self.backend}: {problem}")
+        """Raise ``InvalidBatchError("sinks", ...)`` unless ``sinks`` is a contiguous float32
+        ``[num_q_heads]`` tensor on ``q``'s device: the core's one rule
+        (``attn_dispatch._values.check_sinks``), for a handler called without a binding."""
+        check_sinks(sinks, q, self.q_tail[0], self.backend)
 
     def _layout_ok(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> bool:
         if self.layout == "contiguous":
@@ -687,6 +688,4 @@ def refill(dst: BatchSnapshot, src: BatchSnapshot) -> None:
             (dst.kv_lens_host, src.kv_lens_host),
         ):
             d.copy_(s)
-    put = object.__setattr__  # the captured plan's private snapshot: only its stats change
-    for name in ("num_tokens", "max_q_len", "max_kv_len", "max_page"):
-        put(dst, name, getattr(src, name))
+    dst.step.follow(src.step)  # the captured plan's private snapshot: only its counts change

@@ -5,8 +5,10 @@
     >>> with attn_scope(runner, batch):     # batch.phase = forward_phase(forward_batch)
     ...     ...
 
-The mapping itself lives in the core (``phase_of``, ``BackendSpec.from_server_args``) so that
-it is tested once; this module names the SGLang-shaped entry points.
+SGLang's rules are written once, in ``attn_dispatch.integrations._sglang_rules``: its
+forward-mode names (``phase_of``, also ``attn_dispatch.phase_of``) and how its server
+arguments name each runner's backends (``spec_from_server_args``, also
+``BackendSpec.from_server_args``).
 
 Layer variants as SGLang spells them (``RadixAttention``'s fields): ``sliding_window_size``
 is already FlashInfer's ``window_left`` (SGLang models pass HF's ``sliding_window - 1``;
@@ -24,8 +26,9 @@ from typing import Any
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
-from attn_dispatch._phase import phase_of
 from attn_dispatch._spec import BackendSpec
+from attn_dispatch.integrations._sglang_rules import phase_of as phase_of
+from attn_dispatch.integrations._sglang_rules import server_args_spec
 
 
 def spec_from_server_args(
@@ -37,8 +40,8 @@ def spec_from_server_args(
     rules of ``speculative_algorithm`` (default: ``server_args.speculative_algorithm``), as
     SGLang 0.5.23 applies them. See ``BackendSpec.from_server_args``.
     """
-    return BackendSpec.from_server_args(
-        server_args, is_draft=is_draft, speculative_algorithm=speculative_algorithm
+    return server_args_spec(
+        BackendSpec, server_args, is_draft=is_draft, algorithm=speculative_algorithm
     )
 
 

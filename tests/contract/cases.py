@@ -154,7 +154,7 @@ def visible_keys(m: Materialised, i: int) -> torch.Tensor:
 
 def naive_attention(m: Materialised) -> torch.Tensor:
     """Plain per-request, per-head attention in float64 with a dense mask, on the dequantised
-    cache, with the layer variants written out the simplest way (DESIGN.md, "Layer
+    cache, with the layer variants written out the simplest way (README.md, "Layer
     variants"): the window keeps the last ``window_left + 1`` keys each query's mask allows
     (for a causal mask: positions ``p - window_left ..= p``), the cap is
     ``cap * tanh(s / cap)``, and a sink is one more logit in the softmax's denominator."""

@@ -28,6 +28,7 @@ from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
+from attn_dispatch._vocab import FP8_DTYPES
 
 __all__ = [
     "CAPABILITIES",
@@ -158,7 +159,7 @@ def _v_head_dim(config: AttnConfig) -> int:
     return config.v_head_dim
 
 
-_FP8 = ("float8_e4m3fn", "float8_e5m2")
+_FP8 = tuple(sorted(FP8_DTYPES))
 # FP8 MLA (mla/_batch_mla/_backends/_fa_common.py: _validate_generated_fa_plan): e4m3fn
 # only, q bfloat16, latent 512 with rope 0 or 64, an SM90 device, per-tensor scales.
 MLA_FP8_KV_DTYPES = ("float8_e4m3fn",)

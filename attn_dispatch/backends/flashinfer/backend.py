@@ -50,9 +50,11 @@ from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import InvalidBatchError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
+from attn_dispatch._protocol import PlanBase
+from attn_dispatch._protocol import check_plan
+from attn_dispatch._protocol import issue_plan
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
-from attn_dispatch.backends._common import check_owner
 from attn_dispatch.backends._common import window_flat_mask
 from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.flashinfer import CAPABILITIES
@@ -192,7 +194,7 @@ def _kw(wrapper: str, method: str, **kwargs: Any) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class FlashInferPlan:
+class FlashInferPlan(PlanBase):
     """What ``FlashInferBackend.plan`` returns: accepted only by the backend object in
     ``owner``, and only while its wrapper still holds this plan (a later ``plan`` of the
     same wrapper supersedes it). ``sm_scale`` is the scale FlashInfer baked in; a call with
@@ -776,9 +778,10 @@ class FlashInferBackend(TorchBackendBase):
             ) from exc
         ticket = object()
         route.tickets[id(wrapper)] = ticket
-        return FlashInferPlan(
+        plan = FlashInferPlan(
             owner=self, snap=snap, route=route, wrapper=wrapper, sm_scale=scale, ticket=ticket
         )
+        return issue_plan(self, plan)
 
     def handler(self, phase: Phase) -> Handler:
         """The per-layer callable for ``phase``; builds its route now (bind time)."""
@@ -797,7 +800,7 @@ class FlashInferBackend(TorchBackendBase):
         k_scale: float | None = None,
         v_scale: float | None = None,
     ) -> torch.Tensor:
-        check_owner(plan, self, "flashinfer")
+        check_plan(plan, self, "flashinfer")
         assert isinstance(plan, FlashInferPlan)
         if plan.route.tickets.get(id(plan.wrapper)) is not plan.ticket:
             raise InvalidBatchError(

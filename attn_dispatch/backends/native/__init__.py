@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING
 
 from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._forms import FormPolicy
+from attn_dispatch._vocab import COMPUTE_DTYPES
+from attn_dispatch._vocab import FP8_DTYPES
 from attn_dispatch.backends.native._lib import unavailable_reason
 
 if TYPE_CHECKING:
@@ -51,7 +53,7 @@ CAPABILITIES = Capabilities(
     kinds={"mha", "mla"},
     devices={"cpu"},
     dtypes={"float32", "bfloat16", "float16"},
-    kv_dtypes={"float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"},
+    kv_dtypes={*COMPUTE_DTYPES, *FP8_DTYPES},
     custom_mask=True,
     requires=("torch",),
     checks=(_check_dims,),

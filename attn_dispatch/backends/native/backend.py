@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import math
+import functools
 from typing import Any
 
 import torch
@@ -24,9 +24,12 @@ from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
+from attn_dispatch._protocol import PlanBase
+from attn_dispatch._protocol import check_plan
+from attn_dispatch._protocol import issue_plan
+from attn_dispatch._values import call_scale
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
-from attn_dispatch.backends._common import check_owner
 from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.native import MAX_HEAD_DIM
 from attn_dispatch.backends.native._lib import NaConfig
@@ -66,7 +69,7 @@ class _PlanHandle:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class NativePlan:
+class NativePlan(PlanBase):
     """What ``NativeBackend.plan`` computed for one forward (shared by every layer).
 
     Immutable: the C++ side holds private copies of every index array the kernels read, so
@@ -207,7 +210,7 @@ class NativeBackend(TorchBackendBase):
         handle = _PlanHandle(ptr, self._free)
         info = NaPlanInfo()
         self._info(ptr, ctypes.byref(info))
-        return NativePlan(
+        plan = NativePlan(
             owner=self,
             phase=snap.phase,
             num_tokens=info.num_tokens,
@@ -218,6 +221,7 @@ class NativeBackend(TorchBackendBase):
             handle=handle,
             snapshot=snap,
         )
+        return issue_plan(self, plan)
 
     @staticmethod
     def _plan_error(err: NaError) -> InvalidBatchError:
@@ -247,25 +251,9 @@ class NativeBackend(TorchBackendBase):
     # -- per layer ----------------------------------------------------------------------------
 
     def handler(self, phase: Phase) -> Handler:
-        phase = Phase(phase)
-
-        def native_attention(
-            q: Any,
-            k_cache: Any,
-            v_cache: Any,
-            plan: Any,
-            sm_scale: float,
-            /,
-            *,
-            sinks: Any = None,
-            k_scale: float = 1.0,
-            v_scale: float = 1.0,
-        ) -> torch.Tensor:
-            return self._forward(
-                phase, q, k_cache, v_cache, plan, sm_scale, sinks, k_scale, v_scale
-            )
-
-        return native_attention
+        # A partial (called in C) of the one signature below: sinks=, k_scale=, v_scale= are
+        # keywords, as bind checks against the capabilities.
+        return functools.partial(self._forward, Phase(phase))
 
     def _forward(
         self,
@@ -275,12 +263,14 @@ class NativeBackend(TorchBackendBase):
         v_cache: Any,
         plan: Any,
         sm_scale: float,
+        /,
+        *,
         sinks: Any = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:
         cfg = self.config
-        check_owner(plan, self, "native")
+        check_plan(plan, self, "native")
         if plan.phase is not phase:
             raise InvalidBatchError(
                 "phase",
@@ -294,17 +284,13 @@ class NativeBackend(TorchBackendBase):
             sinks_ptr, sinks_numel = sinks.data_ptr(), sinks.numel()
         elif sinks is not None:
             raise InvalidBatchError("sinks", "given to a layer whose config has sinks=False")
-        ks, vs = float(k_scale), float(v_scale)
-        if self.fp8:
-            for name, value in (("k_scale", ks), ("v_scale", vs)):
-                if not (math.isfinite(value) and value > 0.0):
-                    raise InvalidBatchError(name, f"must be finite and > 0, got {value!r}")
-        elif (ks, vs) != (1.0, 1.0):
+        # The core's rules (attn_dispatch._values): a binding's handlers checked them already;
+        # this handler may also be called without one.
+        ks, vs = call_scale("k_scale", k_scale), call_scale("v_scale", v_scale)
+        if not self.fp8 and (ks, vs) != (1.0, 1.0):
             raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
         v_ptr, v_numel = (None, 0) if self.mla else (v_cache.data_ptr(), v_cache.numel())
-        scale = float(sm_scale)
-        if not math.isfinite(scale):
-            raise InvalidBatchError("sm_scale", f"must be finite, got {sm_scale!r}")
+        scale = call_scale("sm_scale", sm_scale)
         out = torch.empty((plan.num_tokens, cfg.num_q_heads, self.v_head_dim), dtype=self.q_dtype)
         if plan.num_items == 0:
             return out

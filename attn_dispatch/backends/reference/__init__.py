@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._forms import FormPolicy
+from attn_dispatch._vocab import COMPUTE_DTYPES
+from attn_dispatch._vocab import FP8_DTYPES
 
 #: The form policy of MLA configs unless the ``form_policy`` option says otherwise.
 DEFAULT_FORM_POLICY = FormPolicy()
@@ -12,7 +14,7 @@ CAPABILITIES = Capabilities(
     kinds={"mha", "mla"},
     devices={"cpu", "cuda"},
     dtypes={"float32", "float16", "bfloat16"},
-    kv_dtypes={"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"},
+    kv_dtypes={*COMPUTE_DTYPES, *FP8_DTYPES},
     custom_mask=True,
     variants={"window", "logit_cap", "sinks", "non_causal", "chunked"},
     requires=("torch",),

@@ -12,7 +12,7 @@ chunk at a time (gathered pages only, never the whole cache).
 
 Window semantics, including tree verify: a query sees the ``window_left + 1`` most recent keys
 *of its own sequence*. Without a custom mask that is keys at positions ``p - window_left ..= p``
-(DESIGN.md). With a tree mask, the sequence of a draft node is the prefix plus its ancestors
+(README.md). With a tree mask, the sequence of a draft node is the prefix plus its ancestors
 (the keys its mask allows, in cache order), so the node sees the last ``window_left + 1`` of
 those: exactly what decoding that path token by token would see.
 """
@@ -33,9 +33,11 @@ from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
 from attn_dispatch.backends._chunked import chunk_tree_mask
+from attn_dispatch._protocol import PlanBase
+from attn_dispatch._protocol import check_plan
+from attn_dispatch._protocol import issue_plan
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
-from attn_dispatch.backends._common import check_owner
 from attn_dispatch.backends._common import window_tree_mask
 from attn_dispatch.backends._torch_base import TorchBackendBase
 
@@ -45,7 +47,7 @@ CHUNK_TOKENS = 2048
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class TorchPlan:
+class TorchPlan(PlanBase):
     """One forward's plan: made by ``TorchBackend.plan``, accepted only by that object."""
 
     owner: TorchBackend
@@ -142,7 +144,7 @@ class TorchBackend(TorchBackendBase):
             counts, kv_lens.tolist(), q_lens.tolist(), max_q, q_block, ps, window, chunk, mask,
             dev,
         )  # fmt: skip
-        return TorchPlan(
+        plan = TorchPlan(
             owner=self,
             snap=snap,
             page_table=page_table,
@@ -158,6 +160,7 @@ class TorchBackend(TorchBackendBase):
             q_block=q_block,
             blocks=blocks,
         )
+        return issue_plan(self, plan)
 
     def handler(self, phase: Phase) -> Handler:
         return self.run
@@ -176,7 +179,7 @@ class TorchBackend(TorchBackendBase):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:
-        check_owner(plan, self, "torch")
+        check_plan(plan, self, "torch")
         num_pages = self._checks.check(plan.snap, q, k_cache, v_cache)
         c = self.config
         if c.sinks:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
+from attn_dispatch._vocab import FP8_DTYPES
 from attn_dispatch.backends.triton._dims import dim_reasons
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def _fp8_check(config: AttnConfig, phase: Phase) -> Iterable[str]:
 
 
 #: FP8 cache formats the kernels widen in registers (K / k_scale and V / v_scale stored).
-FP8_KV_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+FP8_KV_DTYPES = tuple(sorted(FP8_DTYPES))
 
 #: The form policy of MLA configs (registered with the backend; a ``form_policy`` option
 #: given to ``bind`` overrides it).

@@ -16,6 +16,7 @@ import torch
 import triton
 
 from attn_dispatch.backends._chunked import chunk_flat_mask
+from attn_dispatch._protocol import PlanBase
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import window_flat_mask
 
@@ -109,7 +110,7 @@ class KernelConfig:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class DecodePlan:
+class DecodePlan(PlanBase):
     """Split-KV decode plan; accepted only by the backend object in ``owner``."""
 
     owner: Any
@@ -122,7 +123,7 @@ class DecodePlan:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class ExtendPlan:
+class ExtendPlan(PlanBase):
     """Extend (prefill / verify) plan; accepted only by the backend object in ``owner``."""
 
     owner: Any

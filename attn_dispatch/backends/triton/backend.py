@@ -22,9 +22,11 @@ from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
+from attn_dispatch._protocol import check_plan
+from attn_dispatch._protocol import issue_plan
+from attn_dispatch._vocab import FP8_DTYPES
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
-from attn_dispatch.backends._common import check_owner
 from attn_dispatch.backends._common import refill
 from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.triton import _interpreter_reasons
@@ -33,7 +35,7 @@ from attn_dispatch.backends.triton._dims import DimLayout
 from attn_dispatch.backends.triton._dims import dim_reasons
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_FP8 = ("float8_e4m3fn", "float8_e5m2")
+_FP8 = tuple(sorted(FP8_DTYPES))
 
 # Options a caller may pass through ``BackendSpec``/``bind`` (all ints, all optional).
 _INT_OPTIONS = (
@@ -151,8 +153,8 @@ class TritonBackend(TorchBackendBase):
                 min_split_tokens=kc.min_split_tokens,
                 max_splits=kc.max_splits,
             )
-            return _ops.plan_decode(kc, self, snap, splits)
-        return _ops.plan_extend(self._kc, self, snap)
+            return issue_plan(self, _ops.plan_decode(kc, self, snap, splits))
+        return issue_plan(self, _ops.plan_extend(self._kc, self, snap))
 
     def update_plan(self, plan: _ops.DecodePlan | _ops.ExtendPlan, batch: Any) -> None:
         """Re-plan ``batch`` into a CUDA-graph-captured ``plan`` (``cuda_graph`` calls this).
@@ -163,7 +165,7 @@ class TritonBackend(TorchBackendBase):
         valid for any lengths; a step whose sequences grew past a split-rule threshold is not
         refused. Only what the captured grid must cover is checked.
         """
-        check_owner(plan, self, "triton")
+        check_plan(plan, self, "triton")
         snap = BatchSnapshot.of(batch, self.config.page_size, check_device=self._validate)
         if isinstance(plan, _ops.DecodePlan):
             if snap.max_q_len > 1 or snap.custom_mask is not None:
@@ -201,7 +203,7 @@ class TritonBackend(TorchBackendBase):
         k_scale: float | None = None,
         v_scale: float | None = None,
     ) -> torch.Tensor:
-        check_owner(plan, self, "triton")
+        check_plan(plan, self, "triton")
         self._checks.check(plan.snap, q, k_cache, v_cache)
         if self._sinks or sinks is not None:
             self._check_sinks(q, sinks)
@@ -229,10 +231,8 @@ class TritonBackend(TorchBackendBase):
             raise InvalidBatchError(
                 "sinks", "triton: sinks were passed but the bound config has sinks=False"
             )
+        # The kernels index sinks by head: the core's rule refuses a strided view too.
         self._checks.check_sinks(sinks, q)
-        # The kernels index sinks by head: a strided view would read the wrong logits.
-        if sinks.stride(0) != 1:
-            raise InvalidBatchError("sinks", "triton: sinks must be contiguous")
 
     def _launch(
         self,

@@ -1,0 +1,175 @@
+"""The rules of one attention call, checked once in the core: every path applies them.
+
+``attention(...)`` (eager and the compiled op) and the handlers a ``Binding`` hands out
+(``resolve(phase)``, ``binding.handler(phase)``, ``binding.prepare(batch)``: the direct path
+``resolve(phase)(q, k, v, binding.plan(batch), s, **kw)``) all check the softmax scale and
+the per-call keywords here, against the bound config, before any backend code runs. Backends
+receive only what passed: a float scale in float32's normal range, ``sinks`` (a float32
+``[num_q_heads]`` tensor on q's device) only for a sinks config, ``k_scale``/``v_scale``
+(floats in range) only for an FP8 cache. No torch.
+
+>>> rule = CallRule.of(config, label="target")
+>>> scale = rule.scale(None)                    # the config's sm_scale, or an error
+>>> kw = rule.keywords(q, sinks, None, None)    # {"sinks": sinks} for a sinks config
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from attn_dispatch._config import AttnConfig
+from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._protocol import Handler
+from attn_dispatch._values import F32_MAX
+from attn_dispatch._values import F32_MIN_NORMAL
+from attn_dispatch._values import call_scale
+from attn_dispatch._values import check_sinks
+
+
+class CallRule:
+    """What one bound config accepts per call (built once per binding or group)."""
+
+    __slots__ = ("fp8", "heads", "mla", "plain", "planned", "sinks", "who")
+
+    planned: float | None
+    sinks: bool
+    fp8: bool
+    mla: bool
+    heads: int
+    who: str
+    # True when calls take no keywords (neither sinks nor an FP8 cache): attention()'s fast path.
+    plain: bool
+
+    def __init__(self, config: AttnConfig, who: str) -> None:
+        self.planned = config.sm_scale
+        self.sinks = config.sinks
+        self.fp8 = config.kv_fp8
+        self.mla = config.kind == "mla"
+        self.heads = config.num_q_heads
+        self.who = who
+        self.plain = not (self.sinks or self.fp8)
+
+    @classmethod
+    def of(
+        cls, config: AttnConfig, *, label: str | None = None, group: str | None = None
+    ) -> CallRule:
+        who = f"runner {label!r}" if label is not None else "this runner"
+        if group is not None:
+            who += f", group {group!r}"
+        return cls(config, who)
+
+    def scale(self, given: Any) -> float:
+        """The scale the handler receives: the config's (``given`` must then equal it up to
+        float rounding) or ``given`` (float32-representable, > 0)."""
+        planned = self.planned
+        if planned is None:
+            if given is None:
+                raise InvalidBatchError(
+                    "sm_scale",
+                    f"no softmax scale: the call got sm_scale=None and {self.who}'s AttnConfig "
+                    "has sm_scale=None; pass attention(..., sm_scale=s) or bind a config with "
+                    "AttnConfig(sm_scale=s)",
+                )
+            if type(given) is float and F32_MIN_NORMAL <= given <= F32_MAX:
+                return given
+            return call_scale("sm_scale", given)
+        if given is None or (given == planned and type(given) is not bool):
+            return planned
+        value = call_scale("sm_scale", given)
+        # Equal up to float rounding (head_dim ** -0.5 vs 1 / math.sqrt(head_dim)) passes, and
+        # the planned value is what the handler receives.
+        if abs(value - planned) > 1e-6 * planned:
+            raise InvalidBatchError(
+                "sm_scale",
+                f"sm_scale={given!r} differs from the bound AttnConfig.sm_scale {planned!r}, "
+                "which the backend planned with; pass the same scale or omit it",
+            )
+        return planned
+
+    def keywords(self, q: Any, sinks: Any, k_scale: Any, v_scale: Any) -> dict[str, Any]:
+        """The keywords the handler takes for this config (only those that apply), checked."""
+        kw: dict[str, Any] = {}
+        if self.sinks:
+            if sinks is None:
+                raise InvalidBatchError(
+                    "sinks",
+                    f"{self.who}'s AttnConfig has sinks=True: pass the layer's sink logits, "
+                    "attention(..., sinks=tensor[num_q_heads] float32)",
+                )
+            check_sinks(sinks, q, self.heads, self.who)
+            kw["sinks"] = sinks
+        elif sinks is not None:
+            raise InvalidBatchError(
+                "sinks",
+                f"{self.who}'s AttnConfig has sinks=False, so the layer has no sink logits; "
+                "drop sinks= or bind a config with AttnConfig(sinks=True)",
+            )
+        if self.fp8:
+            kw["k_scale"] = 1.0 if k_scale is None else call_scale("k_scale", k_scale)
+            if not self.mla:
+                kw["v_scale"] = 1.0 if v_scale is None else call_scale("v_scale", v_scale)
+            elif v_scale is not None:
+                raise InvalidBatchError(
+                    "v_scale",
+                    f"got {v_scale!r}, but an MLA layer's k_scale covers the whole latent (V is "
+                    "part of it); pass k_scale only",
+                )
+        else:
+            for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+                if value is not None:
+                    raise InvalidBatchError(
+                        name,
+                        f"got {value!r}, but {self.who}'s kv_dtype is not FP8; scales apply "
+                        "only to kv_dtype 'float8_e4m3fn' / 'float8_e5m2'",
+                    )
+        return kw
+
+
+class CheckedHandler:
+    """A backend's handler behind the call rules: what a Binding hands out for the direct
+    path (``resolve(phase)(q, k, v, plan, sm_scale, **kw)``).
+
+    ``attention()`` checks the same rules itself and calls the backend's callable directly
+    (``Route.raw``). Attributes other than the call are the backend callable's.
+    """
+
+    __slots__ = ("__wrapped__", "rule")
+
+    __wrapped__: Callable[..., Any]
+    rule: CallRule
+
+    def __init__(self, run: Callable[..., Any], rule: CallRule) -> None:
+        self.__wrapped__ = run  # inspect.signature reads the backend callable's signature
+        self.rule = rule
+
+    def __call__(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        plan: Any,
+        sm_scale: Any,
+        /,
+        *rest: Any,
+        sinks: Any = None,
+        k_scale: Any = None,
+        v_scale: Any = None,
+    ) -> Any:
+        rule = self.rule
+        scale = rule.scale(sm_scale)
+        if rule.plain and sinks is None and k_scale is None and v_scale is None:
+            return self.__wrapped__(q, k, v, plan, scale, *rest)
+        kw = rule.keywords(q, sinks, k_scale, v_scale)
+        return self.__wrapped__(q, k, v, plan, scale, *rest, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__wrapped__, name)
+
+    def __repr__(self) -> str:
+        return f"<checked {self.__wrapped__!r}>"
+
+
+def checked_handler(run: Callable[..., Any], rule: CallRule) -> Handler:
+    """``run`` behind the call rules (see ``CheckedHandler``)."""
+    return CheckedHandler(run, rule)
