@@ -186,8 +186,13 @@ class attn_scope:
             else:
                 # Every group planned once per forward, before any layer runs; the frame
                 # itself has no handler (each layer names its group).
+                # A batch may carry one batch per group (``group_batches``): groups whose
+                # caches keep different pages (a sliding window's) share the forward's phase.
+                per_group = getattr(self.batch, "group_batches", None)
                 self.groups = {
-                    name: _GroupFrame(name, child, self.batch)
+                    name: _GroupFrame(
+                        name, child, self.batch if per_group is None else per_group[name]
+                    )
                     for name, child in self.binding._groups.items()
                 }
                 self.plan = self.run = self.form = None
