@@ -242,14 +242,39 @@ def _text_config(config: Any) -> Any:
         raise UnsupportedModelError(
             f"transformers cannot read this model's text config ({type(err).__name__}: {err})"
         ) from err
-    if getattr(config, "is_heterogeneous", False):
+    per_layer = set(getattr(config, "per_layer_attributes", None) or ())
+    varying = sorted(per_layer & _ATTENTION_FIELDS)
+    if varying:
         raise UnsupportedModelError(
-            f"model type {getattr(config, 'model_type', '?')!r} has per-layer config overrides "
-            "(per_layer_config): layers may differ in heads, head size or window, which one "
-            f"binding per group cannot express; {IMPLEMENTATION!r} serves models whose layers "
-            "follow the global config. Choices: keep transformers' own attention"
+            f"model type {getattr(config, 'model_type', '?')!r} sets {varying!r} per layer "
+            "(per_layer_config): its layers' attention shapes or windows differ in ways one "
+            f"binding per group cannot express; {IMPLEMENTATION!r} serves models whose "
+            "attention fields are global. Choices: keep transformers' own attention"
         )
     return config
+
+
+# The config fields the attention mapping reads: a heterogeneous config may vary others.
+_ATTENTION_FIELDS = frozenset(
+    {
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_size",
+        "sliding_window",
+        "layer_types",
+        "attn_logit_softcapping",
+        "use_bidirectional_attention",
+        "is_causal",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "attention_chunk_size",
+        "use_sliding_window",
+        "max_window_layers",
+    }
+)
 
 
 def _configs_of(
