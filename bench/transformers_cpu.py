@@ -12,9 +12,12 @@ page 16). Each round runs every contender once, alternating, on the same prompts
 ``--batch``, greedy, exactly ``--new`` new tokens); the table gives medians over rounds:
 
 - ``gen tok/s``: new tokens / wall time of the whole ``generate`` (prefill included), and
-  ``x sdpa`` its ratio to sdpa's in the same run;
-- ``prefill s``: one ``generate(max_new_tokens=1)`` (the prompt's forward), timed in the same
-  rounds; ``decode tok/s``: the other ``batch * (new - 1)`` tokens / (generate - prefill);
+  ``x sdpa`` its ratio to sdpa's in the same run; ``gen tok/cpu-s`` and ``x sdpa (cpu)``: the
+  same over the process's CPU time (``time.process_time``), which on a shared machine leaves
+  out the time other processes held the cores (with one thread, CPU time is the work done);
+- ``prefill cpu-s``: one ``generate(max_new_tokens=1)`` (the prompt's forward), timed in the
+  same rounds; ``decode tok/cpu-s``: the other ``batch * (new - 1)`` tokens / (generate -
+  prefill), CPU time;
 - ``peak MiB``: resident memory added during one generate, in a fresh process per contender:
   the RSS (``/proc/self/statm``) sampled every millisecond by a thread, peak minus the RSS just
   before ``generate``. tracemalloc cannot be used: it sees Python's allocator only, not torch's
@@ -24,7 +27,8 @@ page 16). Each round runs every contender once, alternating, on the same prompts
   row differs).
 
 The native ISA path in use is printed (``NATIVE_ATTN_ISA`` pins one). Threads: torch's
-default (``--threads`` sets it); native uses the same count.
+default (``--threads`` sets it; one thread makes CPU time the work done); native uses the same
+count.
 """
 
 from __future__ import annotations
@@ -185,8 +189,12 @@ def first_difference(got: torch.Tensor, ref: torch.Tensor) -> str:
 def run_case(dtype: str, length: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     model = make_model(getattr(torch, dtype))
     ids, mask = prompts(args.batch, length, args.padded)
-    times: dict[str, list[float]] = {i: [] for i in args.impls}
-    pre: dict[str, list[float]] = {i: [] for i in args.impls}
+    # Wall and CPU seconds (time.process_time: this process's threads) of each run. On a
+    # shared machine the wall clock also counts the time other processes held the cores;
+    # the CPU time does not, so both are reported.
+    wall: dict[str, list[float]] = {i: [] for i in args.impls}
+    cpu: dict[str, list[float]] = {i: [] for i in args.impls}
+    pre_cpu: dict[str, list[float]] = {i: [] for i in args.impls}
     tokens: dict[str, torch.Tensor] = {}
     small_ids, small_mask = prompts(args.batch, 16, False)
     for impl in args.impls:  # warm-up: imports, library loading, first plans
@@ -195,32 +203,38 @@ def run_case(dtype: str, length: int, args: argparse.Namespace) -> list[dict[str
     for _ in range(args.rounds):
         for impl in args.impls:
             with Contender(model, impl):
-                t0 = time.perf_counter()
+                c0 = time.process_time()
                 generate(model, ids, mask, 1)
-                t1 = time.perf_counter()
+                c1, t1 = time.process_time(), time.perf_counter()
                 tokens[impl] = generate(model, ids, mask, args.new)
-                t2 = time.perf_counter()
-            pre[impl].append(t1 - t0)
-            times[impl].append(t2 - t1)
+                c2, t2 = time.process_time(), time.perf_counter()
+            pre_cpu[impl].append(c1 - c0)
+            cpu[impl].append(c2 - c1)
+            wall[impl].append(t2 - t1)
     rows = []
-    ref = statistics.median(times["sdpa"]) if "sdpa" in times else None
+    med = statistics.median
     for impl in args.impls:
-        total = statistics.median(times[impl])
-        prefill = statistics.median(pre[impl])
         n = args.batch * args.new
+        prefill = med(pre_cpu[impl])
         peak = None if args.no_memory else measure_memory(impl, dtype, length, args)
         rows.append(
             {
                 "dtype": dtype,
                 "prompt": length,
                 "impl": impl,
-                "gen_tok_s": n / total,
-                "x_sdpa": (ref / total) if ref else None,
-                "prefill_s": prefill,
-                "decode_tok_s": args.batch * (args.new - 1) / max(total - prefill, 1e-9),
+                "gen_tok_s": n / med(wall[impl]),
+                "x_sdpa": med(wall["sdpa"]) / med(wall[impl]) if "sdpa" in wall else None,
+                "gen_tok_cpu_s": n / med(cpu[impl]),
+                "x_sdpa_cpu": med(cpu["sdpa"]) / med(cpu[impl]) if "sdpa" in cpu else None,
+                "prefill_cpu_s": prefill,
+                "decode_tok_cpu_s": args.batch
+                * (args.new - 1)
+                / max(med(cpu[impl]) - prefill, 1e-9),
                 "peak_mib": None if peak is None else peak / 2**20,
                 "same": first_difference(tokens[impl], tokens["sdpa"]) if "sdpa" in tokens else "-",
-                "runs": times[impl],
+                "wall": wall[impl],
+                "cpu": cpu[impl],
+                "prefill_cpu": pre_cpu[impl],
             }
         )
     return rows
@@ -267,20 +281,28 @@ def main() -> None:
         "impl",
         "gen tok/s",
         "x sdpa",
-        "prefill s",
-        "decode tok/s",
+        "gen tok/cpu-s",
+        "x sdpa (cpu)",
+        "prefill cpu-s",
+        "decode tok/cpu-s",
         "peak MiB",
         "same tokens",
     )
+
+    def ratio(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
     table = [
         (
             r["dtype"],
             str(r["prompt"]),
             r["impl"],
             f"{r['gen_tok_s']:.1f}",
-            "-" if r["x_sdpa"] is None else f"{r['x_sdpa']:.2f}",
-            f"{r['prefill_s']:.2f}",
-            f"{r['decode_tok_s']:.1f}",
+            ratio(r["x_sdpa"]),
+            f"{r['gen_tok_cpu_s']:.1f}",
+            ratio(r["x_sdpa_cpu"]),
+            f"{r['prefill_cpu_s']:.2f}",
+            f"{r['decode_tok_cpu_s']:.1f}",
             "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}",
             r["same"],
         )

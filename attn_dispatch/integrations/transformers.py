@@ -17,13 +17,19 @@
   ``AttnBatch`` made for that forward. Two models (a target and its assistant) therefore use
   their own bindings even though they share the registered function.
 
-How transformers' dense tensors map onto the paged contract: keys/values of one layer arrive
-as ``[B, Hkv, S, D]`` (the whole ``DynamicCache`` plus the new tokens). They are laid out as
-pages of ONE token (``page_size=1``): token ``t`` of row ``b`` is page ``b * S + t``. The page
-table of request ``b`` lists only the positions its 2-D ``attention_mask`` marks as real, so
-left (or any) padding is never attended, and the queries are the row's real tokens among the
-new ones, which are always its last real tokens: the contract's causal, bottom-right aligned
-rule is then exactly transformers' causal + padding mask. Padding query rows return zeros.
+The model's cache is a ``PagedCache`` (``_hf_cache``): ``use`` replaces the cache
+``generate`` would make (``_prepare_cache_for_generation``) and the one a forward with
+``use_cache`` would make, converts a passed ``DynamicCache`` once, and refuses other caches.
+Each layer's ``cache.update`` writes the new tokens into pages and returns its page pools;
+the attention function hands them to ``attention`` as they are (no copy of past K/V). Only
+the real tokens of each row (its 2-D ``attention_mask``) are stored, so the queries of a row
+are its real new tokens, its last real tokens: the contract's causal, bottom-right aligned
+rule is exactly transformers' causal + padding mask. Padding query rows return zeros.
+
+Without a cache (``use_cache=False``) and for DeepSeek-V3 (whose attention expands a cached
+latent after the update, so it needs dense latents) the dense path remains: keys/values of
+one layer arrive as ``[B, Hkv, S, D]`` and are laid out as pages of ONE token
+(``page_size=1``), token ``t`` of row ``b`` being page ``b * S + t``.
 
 Phase from the shapes: no cached tokens -> PREFILL; one new token on a cache -> DECODE;
 several new tokens on a cache (assisted generation's candidate check) -> VERIFY.
@@ -32,15 +38,15 @@ Layer variants: a sliding layer (``config.layer_types`` or, without it, ``slidin
 gets ``window_left = sliding_window - 1``; ``attn_logit_softcapping`` is every layer's
 ``logit_cap``; attention modules holding ``sinks`` (gpt-oss, passed as ``s_aux``) make
 ``sinks=True``. A model with both kinds of layer gets one grouped binding (``"sliding"``,
-``"full"``), each layer passing ``group=``. A sliding layer's ``DynamicSlidingWindowLayer``
-returns only the window's keys (a suffix of the sequence): they are placed at their
-positions in the same one-token pages, so every group shares the forward's ``AttnBatch``.
+``"full"``), each layer passing ``group=``; each group gets its own page tables and batch
+(a sliding group keeps only its window's pages). On the dense path a sliding layer's
+``DynamicSlidingWindowLayer`` returns only the window's keys (a suffix of the sequence):
+they are placed at their positions in the same one-token pages.
 
 Supported: decoder-only models with full and sliding-window attention layers and a
 ``DynamicCache`` (or no cache): Llama, Qwen2 (with or without sliding layers), Mistral,
 Gemma 2, Gemma 3 (text), Cohere 2, gpt-oss, DeepSeek-V3 (the non-absorbed 192/128 q/k vs v
-form). The KV layout change costs one copy of each layer's K/V per forward; the 2-D mask is
-read on the host once per forward.
+form, on the dense path). The 2-D mask is read on the host once per forward.
 """
 
 from __future__ import annotations
