@@ -514,8 +514,11 @@ def register_fp8_eager(kv_dtype: str) -> str:
     return name
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
 @pytest.mark.parametrize("kv_dtype", sorted(FP8_TOLERANCE))
-def test_fp8_pages_are_eager_on_rounded_kv_and_close_to_full_precision(kv_dtype: str) -> None:
+def test_fp8_pages_are_eager_on_rounded_kv_and_close_to_full_precision(
+    kv_dtype: str, backend: str
+) -> None:
     ids, mask, _ = left_padded([10, 6], seed=4)
     model = mistral()
     model.set_attn_implementation(register_fp8_eager(kv_dtype))
@@ -523,7 +526,7 @@ def test_fp8_pages_are_eager_on_rounded_kv_and_close_to_full_precision(kv_dtype:
     bound = use(model, "torch")
     full = last_logits(model, ids, mask)
     bound.remove()
-    bound = use(model, "torch", kv_dtype=kv_dtype)
+    bound = use(model, backend, kv_dtype=kv_dtype)
     assert bound.binding.config.kv_dtype == kv_dtype
     got = last_logits(model, ids, mask)
     # Exactly what the documented rounding gives (up to fp32 summation order)...

@@ -295,3 +295,42 @@ def test_configs_transformers_cannot_read_per_layer_are_refused_by_name() -> Non
     model.config.layer_types = ["full_attention"]  # 1 entry for 2 layers
     with pytest.raises(UnsupportedModelError, match="layer_types lists 1 layers"):
         use(model, "torch")
+
+
+def test_a_grouped_scope_plans_each_group_with_its_own_batch() -> None:
+    # The core hook the paged cache relies on: a batch carrying group_batches gives each
+    # group its own pages (here: the "b" group sees only the last 3 of 7 keys).
+    from attn_dispatch import AttnBatch
+    from attn_dispatch import AttnConfig
+    from attn_dispatch import Phase
+    from attn_dispatch import attention
+    from attn_dispatch import attn_scope
+    from attn_dispatch import bind
+    from attn_dispatch.integrations._hf_cache import GroupedBatches
+
+    cfg = AttnConfig(
+        kind="mha", num_q_heads=2, num_kv_heads=1, head_dim=8, dtype="float32", page_size=1
+    )
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 8, generator=gen)
+    k = torch.randn(7, 1, 1, 8, generator=gen)
+    v = torch.randn(7, 1, 1, 8, generator=gen)
+
+    def batch(pages: list[int]) -> Any:
+        return AttnBatch.build(
+            Phase.DECODE, q_lens=[1], kv_lens=[len(pages)], page_tables=[pages], page_size=1
+        )
+
+    full, tail = batch(list(range(7))), batch([4, 5, 6])
+    grouped = bind("torch", {"a": cfg, "b": cfg})
+    with attn_scope(grouped, GroupedBatches(Phase.DECODE, {"a": full, "b": tail})):
+        got_a = attention(q, k, v, sm_scale=0.5, group="a")
+        got_b = attention(q, k, v, sm_scale=0.5, group="b")
+    plain = bind("torch", cfg)
+    with attn_scope(plain, full):
+        want_a = attention(q, k, v, sm_scale=0.5)
+    with attn_scope(plain, tail):
+        want_b = attention(q, k, v, sm_scale=0.5)
+    torch.testing.assert_close(got_a, want_a)
+    torch.testing.assert_close(got_b, want_b)
+    assert not torch.allclose(got_a, got_b)
