@@ -98,14 +98,34 @@ def test_sliding_pages_are_freed_and_tokens_stay_eagers(
     cache = out.past_key_values
     sliding, full = cache.groups["sliding"], cache.groups["full"]
     for b, length in enumerate(cache.lens):
-        # Pages are freed when a forward begins: the last one (a decode step, at length - 1)
-        # needed WINDOW - 1 earlier keys; the pages wholly before them are gone.
-        first_needed = max(0, length - 1 - (WINDOW - 1)) // page_size
+        # The next query needs WINDOW - 1 earlier keys: pages wholly before them are gone.
+        first_needed = max(0, length - (WINDOW - 1)) // page_size
         assert sliding.skips[b] == first_needed, (b, sliding.skips[b])
         assert len(sliding.tables[b]) == -(-length // page_size) - first_needed
         assert len(full.tables[b]) == -(-length // page_size)
-    # Freed pages are reused: the sliding pool is smaller than the full one.
+    # Freed pages are reused and the pools shrink once the prompt's pages are behind the
+    # window: the sliding pools end smaller than the full ones.
     assert sliding.fresh < full.fresh
+    if page_size <= 2:
+        assert sliding.layers[0].keys.shape[0] < full.layers[0].keys.shape[0] // 2
+
+
+def test_a_long_prompt_leaves_the_sliding_pools_small() -> None:
+    model = eager(gemma2())
+    ids = torch.randint(1, VOCAB, (2, 96), generator=torch.Generator().manual_seed(4))
+    expected = generate(model, ids, new=4)
+    use(model, "native", page_size=4)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True
+        )
+    assert torch.equal(out.sequences[:, 96:], expected)
+    cache = out.past_key_values
+    full, sliding = cache.groups["full"], cache.groups["sliding"]
+    assert full.layers[0].keys.shape[0] >= 2 * 99 // 4  # every token of both rows
+    # The prefill wrote 96 tokens per row; the window (3 keys) needs one or two pages a row.
+    assert sliding.layers[0].keys.shape[0] <= 8, sliding.layers[0].keys.shape
+    assert all(len(t) <= 2 for t in sliding.tables)
 
 
 def test_fp8_pages_are_stored_once_with_scales_fixed_at_prefill() -> None:

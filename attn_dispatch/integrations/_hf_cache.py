@@ -310,6 +310,7 @@ class PagedCache(Cache):
                 group.free.extend(group.tables[b][keep:])
                 del group.tables[b][keep:]
             self._trim(group, group.tables, group.skips, group.free, self.lens)
+            self._compact(group)
 
     def reset(self) -> None:
         for layer in self.layers:
@@ -438,6 +439,10 @@ class PagedCache(Cache):
         self.history[:, self.dense_len : width] = step.new_real
         self.dense_len = width
         self._step = None
+        if not self.record_past:
+            for group in self.groups.values():
+                self._trim(group, group.tables, group.skips, group.free, self.lens)
+                self._compact(group)
 
     def abort(self) -> None:
         self._step = None
@@ -487,6 +492,29 @@ class PagedCache(Cache):
                 free.extend(table[:drop])
                 del table[:drop]
                 skips[b] += drop
+
+    def _compact(self, group: _Group) -> None:
+        """Shrink a sliding group's pools once they are mostly free (a long prompt's pages,
+        written by the prefill, then left behind by the window): the live pages move to the
+        front, one copy of the window per layer."""
+        if group.window is None:
+            return
+        live = [page for table in group.tables for page in table]
+        target = max(2 * len(live), 2 * self._batch_size, 1)
+        if group.capacity <= 2 * target:
+            return
+        where = {page: i for i, page in enumerate(live)}
+        for layer in group.layers:
+            if layer.is_initialized:
+                assert layer.keys is not None and layer.values is not None
+                src = torch.tensor(live, dtype=torch.long, device=layer.keys.device)
+                keys = layer.keys.new_empty(target, *layer.keys.shape[1:])
+                values = layer.values.new_empty(target, *layer.values.shape[1:])
+                keys[: len(live)] = layer.keys.index_select(0, src)
+                values[: len(live)] = layer.values.index_select(0, src)
+                layer.keys, layer.values = keys, values
+        group.tables = [[where[page] for page in table] for table in group.tables]
+        group.free, group.fresh, group.capacity = [], len(live), target
 
     def _clear(self, batch: int) -> None:
         self._batch_size = batch
