@@ -8,10 +8,11 @@ a decode step writes one token per request and layer and copies no past K/V.
 Layout, per attention group (``"full"``, ``"sliding"``): one pool of pages of ``page_size``
 tokens per layer (``[pages, page_size, Hkv, D]``, the contract's NHD layout) and one page table
 per request, shared by the group's layers. Only a request's real tokens (its 2-D
-``attention_mask``'s ones) are stored, in order, so padding is never attended. A sliding
-group frees the pages wholly before its window (``sliding_window - 1`` tokens before the next
-query), except while transformers records the past (assisted generation rolls candidates back
-with ``crop``); ``crop`` trims back to the window, as ``DynamicSlidingWindowLayer`` does.
+``attention_mask``'s ones) are stored, in order, so padding is never attended. After each
+forward a sliding group frees the pages wholly before its window (``sliding_window - 1``
+tokens before the next query) and shrinks its pools when they are mostly free, except while
+transformers records the past (assisted generation rolls candidates back with ``crop``);
+``crop`` trims back to the window, as ``DynamicSlidingWindowLayer`` does.
 
 FP8 (``kv_dtype``): each layer stores ``x / scale`` in FP8 once; the scales (one for K, one for
 V, per layer) are ``amax / FP8_MAX`` of the prefill's tensors and stay fixed, so later tokens
