@@ -149,22 +149,29 @@ def test_fp8_pages_are_stored_once_with_scales_fixed_at_prefill() -> None:
 
 
 def test_a_dynamic_cache_is_converted_once_then_refused() -> None:
-    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    ids, mask, _ = left_padded([9, 6], seed=3)  # row 1: three padding positions first
     model = llama()
     model.set_attn_implementation("sdpa")
+
+    def prefix() -> Any:
+        return model(input_ids=ids[:, :5], attention_mask=mask[:, :5], use_cache=True)
+
     with torch.no_grad():
-        dense = model(input_ids=ids[:, :5], use_cache=True).past_key_values
-        expected = model(input_ids=ids[:, 5:], cache=dense).logits
-        dense = model(input_ids=ids[:, :5], use_cache=True).past_key_values
+        expected = model(input_ids=ids[:, 5:], attention_mask=mask, cache=prefix().past_key_values)
+        dense = prefix().past_key_values
     assert type(dense).__name__ == "DynamicCache"
     use(model, "torch")
     with torch.no_grad():
-        out = model(input_ids=ids[:, 5:], cache=dense)
-        torch.testing.assert_close(out.logits, expected, rtol=1e-4, atol=1e-4)
+        out = model(input_ids=ids[:, 5:], attention_mask=mask, cache=dense)
+        real = mask.bool()
+        torch.testing.assert_close(
+            out.logits[real[:, 5:]], expected.logits[real[:, 5:]], rtol=1e-4, atol=1e-4
+        )
         assert isinstance(out.past_key_values, PagedCache)
+        assert out.past_key_values.lens == [9, 6]  # real tokens only
         # The DynamicCache was not updated: using it again would silently drop 4 tokens.
         with pytest.raises(UnsupportedModelError, match="converted into a PagedCache"):
-            model(input_ids=ids[:, 5:], cache=dense)
+            model(input_ids=ids[:, 5:], attention_mask=mask, cache=dense)
 
 
 def test_a_sliding_dynamic_cache_past_its_window_is_refused() -> None:
