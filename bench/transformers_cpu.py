@@ -22,7 +22,10 @@ page 16). Each round runs every contender once, alternating, on the same prompts
   the RSS (``/proc/self/statm``) sampled every millisecond by a thread, peak minus the RSS just
   before ``generate``. tracemalloc cannot be used: it sees Python's allocator only, not torch's
   C++ CPU allocations (tensors, caches). RSS counts what the process holds, freed-but-retained
-  malloc arenas included, which is why each contender gets its own process;
+  malloc memory included: each contender gets its own process, run with
+  ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc mmaps every block of 64 KiB or more and
+  returns it at free, making RSS follow the live tensors (without it the figures swing by
+  100 MiB from one run to the next with the allocation order);
 - ``same tokens``: whether the contender's tokens equal sdpa's (else the first step where a
   row differs).
 
@@ -171,7 +174,10 @@ def measure_memory(impl: str, dtype: str, length: int, args: argparse.Namespace)
         "--threads",
         str(torch.get_num_threads()),
     ] + (["--padded"] if args.padded else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    # glibc keeps freed heap memory (RSS stays up after a free) unless a block was mmapped:
+    # with every block of 64 KiB or more mmapped, RSS follows the live tensors.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("{"):
             return int(json.loads(line)["peak"])
