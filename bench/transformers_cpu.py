@@ -29,6 +29,10 @@ page 16). Each round runs every contender once, alternating, on the same prompts
 - ``same tokens``: whether the contender's tokens equal sdpa's (else the first step where a
   row differs).
 
+A second table times one layer's attention alone at the same shapes (native on the pages vs
+SDPA on contiguous tensors, causal prefill and one-token decode, CPU time): with prefill most
+of a generate's work at long prompts, it shows what bounds the ratios.
+
 The native ISA path in use is printed (``NATIVE_ATTN_ISA`` pins one). Threads: torch's
 default (``--threads`` sets it; one thread makes CPU time the work done); native uses the same
 count.
@@ -246,6 +250,65 @@ def run_case(dtype: str, length: int, args: argparse.Namespace) -> list[dict[str
     return rows
 
 
+def attention_alone(dtype: str, length: int, args: argparse.Namespace) -> list[tuple[str, ...]]:
+    """One layer's attention at the bench's shapes, CPU seconds per call (median of
+    ``--rounds``, alternating): native on pages of 16 as the PagedCache holds them, torch's
+    SDPA on the contiguous [B, H, S, D] tensors transformers' sdpa path hands it (causal
+    prefill; decode of one token per row; GQA 8/2 without repeating K/V)."""
+    from attn_dispatch import AttnBatch
+    from attn_dispatch import AttnConfig
+    from attn_dispatch import Phase
+    from attn_dispatch import attention
+    from attn_dispatch import attn_scope
+    from attn_dispatch import bind
+
+    dt = getattr(torch, dtype)
+    b, h, hk, d, ps = args.batch, 8, 2, 64, 16
+    cfg = AttnConfig(
+        kind="mha", num_q_heads=h, num_kv_heads=hk, head_dim=d, dtype=dtype, page_size=ps
+    )
+    binding = bind("native", cfg)
+    per_row = length // ps
+    tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(b)]
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(b * per_row, ps, hk, d, generator=gen).to(dt)
+    v = torch.randn(b * per_row, ps, hk, d, generator=gen).to(dt)
+    kd = k.view(b, length, hk, d).transpose(1, 2).contiguous()
+    vd = v.view(b, length, hk, d).transpose(1, 2).contiguous()
+    rows = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for phase, q_len in ((Phase.PREFILL, length), (Phase.DECODE, 1)):
+        batch = AttnBatch.build(
+            phase, q_lens=[q_len] * b, kv_lens=[length] * b, page_tables=tables, page_size=ps
+        )
+        q = torch.randn(b * q_len, h, d, generator=gen).to(dt)
+        qd = q.view(b, q_len, h, d).transpose(1, 2)
+        reps = 1 if phase is Phase.PREFILL else 20
+        times: dict[str, list[float]] = {"native": [], "sdpa": []}
+        for _ in range(args.rounds):
+            with attn_scope(binding, batch):
+                c0 = time.process_time()
+                for _ in range(reps):
+                    attention(q, k, v, sm_scale=d**-0.5)
+                times["native"].append((time.process_time() - c0) / reps)
+            c0 = time.process_time()
+            for _ in range(reps):
+                sdpa(qd, kd, vd, is_causal=q_len > 1, enable_gqa=True)
+            times["sdpa"].append((time.process_time() - c0) / reps)
+        native, ref = statistics.median(times["native"]), statistics.median(times["sdpa"])
+        rows.append(
+            (
+                dtype,
+                str(length),
+                phase.name.lower(),
+                f"{native * 1e3:.2f}",
+                f"{ref * 1e3:.2f}",
+                f"{ref / native:.2f}",
+            )
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, nargs="+", default=[256, 2048])
@@ -258,6 +321,7 @@ def main() -> None:
     parser.add_argument("--padded", action="store_true")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--memory-child", nargs=3, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads is not None:
@@ -315,9 +379,18 @@ def main() -> None:
         for r in results
     ]
     print(format_table(header, table))
+    kernels = []
+    if not args.no_kernels:
+        for dtype in args.dtypes:
+            for length in args.prompts:
+                kernels.extend(attention_alone(dtype, length, args))
+        print("\n# one layer's attention alone, CPU ms per call (what bounds the ratios above)")
+        print(
+            format_table(("dtype", "context", "phase", "native ms", "sdpa ms", "x sdpa"), kernels)
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"isa": isa, "results": results}, f, indent=1)
+            json.dump({"isa": isa, "results": results, "kernels": kernels}, f, indent=1)
 
 
 if __name__ == "__main__":
