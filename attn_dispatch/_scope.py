@@ -237,9 +237,12 @@ class attn_scope:
             self.fast = self.run if rule is not None and rule.plain else None
         else:
             # Every group planned once per forward, before any layer runs; the frame itself
-            # has no handler (each layer names its group).
+            # has no handler (each layer names its group). A batch may carry one batch per
+            # group (``group_batches``): groups whose caches keep different pages (a sliding
+            # window's) share the forward's phase.
+            per_group = getattr(self.batch, "group_batches", None)
             self.groups = {
-                name: _GroupFrame(name, child, self.batch)
+                name: _GroupFrame(name, child, _group_batch(self.batch, per_group, name))
                 for name, child in self.binding._groups.items()
             }
             self.plan = self.run = self.form = None
@@ -334,6 +337,19 @@ class attn_scope:
     def __repr__(self) -> str:
         state = "open" if self._token is not None and not self._closed else "closed"
         return f"<attn_scope {_label(self)} {state}>"
+
+
+def _group_batch(batch: Any, per_group: Any, name: str) -> Any:
+    if per_group is None:
+        return batch
+    try:
+        return per_group[name]
+    except (KeyError, TypeError):
+        raise InvalidBatchError(
+            "group_batches",
+            f"the batch carries per-group batches but none for group {name!r}; give one batch "
+            "per group of the binding, or no group_batches at all",
+        ) from None
 
 
 class _GroupFrame:

@@ -479,26 +479,34 @@ def last_logits(model: Any, ids: Any, mask: Any) -> Any:
 
 # Max |logit difference| / max |logit| against the same model with full-precision pages, on
 # these deliberately sensitive tiny models (initializer_range 0.2: errors grow layer to layer).
-# Measured: e4m3fn 0.081, e5m2 0.141 (with initializer_range 0.02: 0.026, 0.033).
-FP8_TOLERANCE = {"float8_e4m3fn": 0.10, "float8_e5m2": 0.20}
+# Measured with scales fixed at the prefill (later tokens may saturate): e4m3fn 0.138, e5m2
+# 0.239 (with a scale per forward, as before the paged cache: 0.081, 0.141).
+FP8_TOLERANCE = {"float8_e4m3fn": 0.16, "float8_e5m2": 0.28}
 
 
 def register_fp8_eager(kv_dtype: str) -> str:
     """transformers' eager attention on K/V rounded as use(kv_dtype=...) documents it: one
-    scale per layer and forward, amax / FP8_MAX, the values stored as x / scale in FP8."""
+    scale for K and one for V per layer, amax / FP8_MAX of the prefill's tensors (padding
+    included), fixed from then on; the values stored as x / scale in FP8, saturating."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.masking_utils import eager_mask
     from transformers.models.mistral.modeling_mistral import eager_attention_forward
 
     limit, fp8 = FP8_MAX[kv_dtype], getattr(torch, kv_dtype)
+    scales: dict[tuple[int, str], float] = {}
 
-    def rounded(x: Any) -> Any:
-        scale = float(x.abs().amax()) / limit
+    def rounded(x: Any, layer: int, which: str, prefill: bool) -> Any:
+        if prefill:
+            scales[layer, which] = float(x.abs().amax()) / limit
+        scale = scales[layer, which]
         return ((x / scale).clamp(-limit, limit).to(fp8).float() * scale).to(x.dtype)
 
     def fn(module: Any, query: Any, key: Any, value: Any, mask: Any, **kw: Any) -> Any:
-        return eager_attention_forward(module, query, rounded(key), rounded(value), mask, **kw)
+        prefill = key.shape[2] == query.shape[2]  # nothing cached before this forward
+        k = rounded(key, module.layer_idx, "k", prefill)
+        v = rounded(value, module.layer_idx, "v", prefill)
+        return eager_attention_forward(module, query, k, v, mask, **kw)
 
     name = f"eager_{kv_dtype}"
     AttentionInterface.register(name, fn)
@@ -506,8 +514,11 @@ def register_fp8_eager(kv_dtype: str) -> str:
     return name
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
 @pytest.mark.parametrize("kv_dtype", sorted(FP8_TOLERANCE))
-def test_fp8_pages_are_eager_on_rounded_kv_and_close_to_full_precision(kv_dtype: str) -> None:
+def test_fp8_pages_are_eager_on_rounded_kv_and_close_to_full_precision(
+    kv_dtype: str, backend: str
+) -> None:
     ids, mask, _ = left_padded([10, 6], seed=4)
     model = mistral()
     model.set_attn_implementation(register_fp8_eager(kv_dtype))
@@ -515,7 +526,7 @@ def test_fp8_pages_are_eager_on_rounded_kv_and_close_to_full_precision(kv_dtype:
     bound = use(model, "torch")
     full = last_logits(model, ids, mask)
     bound.remove()
-    bound = use(model, "torch", kv_dtype=kv_dtype)
+    bound = use(model, backend, kv_dtype=kv_dtype)
     assert bound.binding.config.kv_dtype == kv_dtype
     got = last_logits(model, ids, mask)
     # Exactly what the documented rounding gives (up to fp32 summation order)...

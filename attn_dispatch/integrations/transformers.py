@@ -17,13 +17,19 @@
   ``AttnBatch`` made for that forward. Two models (a target and its assistant) therefore use
   their own bindings even though they share the registered function.
 
-How transformers' dense tensors map onto the paged contract: keys/values of one layer arrive
-as ``[B, Hkv, S, D]`` (the whole ``DynamicCache`` plus the new tokens). They are laid out as
-pages of ONE token (``page_size=1``): token ``t`` of row ``b`` is page ``b * S + t``. The page
-table of request ``b`` lists only the positions its 2-D ``attention_mask`` marks as real, so
-left (or any) padding is never attended, and the queries are the row's real tokens among the
-new ones, which are always its last real tokens: the contract's causal, bottom-right aligned
-rule is then exactly transformers' causal + padding mask. Padding query rows return zeros.
+The model's cache is a ``PagedCache`` (``_hf_cache``): ``use`` replaces the cache
+``generate`` would make (``_prepare_cache_for_generation``) and the one a forward with
+``use_cache`` would make, converts a passed ``DynamicCache`` once, and refuses other caches.
+Each layer's ``cache.update`` writes the new tokens into pages and returns its page pools;
+the attention function hands them to ``attention`` as they are (no copy of past K/V). Only
+the real tokens of each row (its 2-D ``attention_mask``) are stored, so the queries of a row
+are its real new tokens, its last real tokens: the contract's causal, bottom-right aligned
+rule is exactly transformers' causal + padding mask. Padding query rows return zeros.
+
+Without a cache (``use_cache=False``) and for DeepSeek-V3 (whose attention expands a cached
+latent after the update, so it needs dense latents) the dense path remains: keys/values of
+one layer arrive as ``[B, Hkv, S, D]`` and are laid out as pages of ONE token
+(``page_size=1``), token ``t`` of row ``b`` being page ``b * S + t``.
 
 Phase from the shapes: no cached tokens -> PREFILL; one new token on a cache -> DECODE;
 several new tokens on a cache (assisted generation's candidate check) -> VERIFY.
@@ -32,15 +38,15 @@ Layer variants: a sliding layer (``config.layer_types`` or, without it, ``slidin
 gets ``window_left = sliding_window - 1``; ``attn_logit_softcapping`` is every layer's
 ``logit_cap``; attention modules holding ``sinks`` (gpt-oss, passed as ``s_aux``) make
 ``sinks=True``. A model with both kinds of layer gets one grouped binding (``"sliding"``,
-``"full"``), each layer passing ``group=``. A sliding layer's ``DynamicSlidingWindowLayer``
-returns only the window's keys (a suffix of the sequence): they are placed at their
-positions in the same one-token pages, so every group shares the forward's ``AttnBatch``.
+``"full"``), each layer passing ``group=``; each group gets its own page tables and batch
+(a sliding group keeps only its window's pages). On the dense path a sliding layer's
+``DynamicSlidingWindowLayer`` returns only the window's keys (a suffix of the sequence):
+they are placed at their positions in the same one-token pages.
 
 Supported: decoder-only models with full and sliding-window attention layers and a
 ``DynamicCache`` (or no cache): Llama, Qwen2 (with or without sliding layers), Mistral,
 Gemma 2, Gemma 3 (text), Cohere 2, gpt-oss, DeepSeek-V3 (the non-absorbed 192/128 q/k vs v
-form). The KV layout change costs one copy of each layer's K/V per forward; the 2-D mask is
-read on the host once per forward.
+form, on the dense path). The 2-D mask is read on the host once per forward.
 """
 
 from __future__ import annotations
@@ -67,12 +73,14 @@ from attn_dispatch._phase import Phase
 from attn_dispatch._scope import attention
 from attn_dispatch._scope import attn_scope
 from attn_dispatch._spec import BackendSpec
+from attn_dispatch.integrations._hf_cache import DEFAULT_PAGE_SIZE
+from attn_dispatch.integrations._hf_cache import FP8_MAX
+from attn_dispatch.integrations._hf_cache import GroupedBatches
+from attn_dispatch.integrations._hf_cache import PagedCache
+from attn_dispatch.integrations._hf_cache import UnsupportedModelError
+from attn_dispatch.integrations._hf_cache import _Step
 
 IMPLEMENTATION = "attn_dispatch"
-
-
-class UnsupportedModelError(AttnDispatchError, ValueError):
-    """A model (or a mask it asks for) that this integration cannot serve faithfully."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -85,6 +93,8 @@ class DenseView:
     kv_len: int  # dense key length S (cached + new)
     q_rows: torch.Tensor  # int64: rows of the flattened [B * q_len] queries that are real
     model: _ModelMap | None = None  # the bound model's groups (None: a DenseView made by hand)
+    step: _Step | None = None  # the paged cache's plan of this forward (None: dense K/V)
+    cache: PagedCache | None = None
 
 
 _VIEW: contextvars.ContextVar[DenseView | None] = contextvars.ContextVar(
@@ -100,25 +110,60 @@ class Bound:
     binding: Binding
     previous_implementation: str | None
     original_forward: Callable[..., Any]
+    page_size: int = DEFAULT_PAGE_SIZE
+    paged: bool = True  # K/V live in a PagedCache (False: DeepSeek-V3's latent cache, copied)
 
     @property
     def attn_binding(self) -> Binding:
         return self.binding
 
+    def new_cache(self, max_length: int | None = None) -> PagedCache:
+        """An empty ``PagedCache`` for this model (``use()`` makes one by itself for
+        ``generate`` and for forwards that ask for a cache).
+
+        >>> cache = bound.new_cache()
+        >>> model(input_ids=ids, cache=cache, use_cache=True)
+        """
+        if not self.paged:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} caches a latent that its attention expands after "
+                "the cache update; it is served on transformers' DynamicCache (copied into "
+                "one-token pages per forward), not on a PagedCache"
+            )
+        mapped: _ModelMap = self.model.__dict__["_attn_dispatch_map"]
+        kv_dtype = next(iter(mapped.configs.values())).kv_dtype
+        kv_dtype = kv_dtype if kv_dtype in FP8_MAX else None  # else the model's own dtype
+        return PagedCache(
+            self.model,
+            layer_groups(self.model.config),
+            mapped.window,
+            page_size=self.page_size,
+            kv_dtype=kv_dtype,
+            max_length=max_length,
+        )
+
     def remove(self) -> None:
         """Restore the model's own forward and attention implementation."""
-        self.model.__dict__.pop("forward", None)
-        self.model.__dict__.pop("attn_binding", None)
-        self.model.__dict__.pop("attn_dispatch", None)
+        for name in _INSTANCE_ATTRIBUTES:
+            self.model.__dict__.pop(name, None)
         if self.previous_implementation is not None:
             self.model.set_attn_implementation(self.previous_implementation)
 
 
+# What use() sets on the model instance (remove() takes each away).
+_INSTANCE_ATTRIBUTES = (
+    "forward",
+    "attn_binding",
+    "attn_dispatch",
+    "_attn_dispatch_map",
+    "_prepare_cache_for_generation",
+    "generate_batch",
+    "init_continuous_batching",
+    "continuous_batching_context_manager",
+)
 GROUP_FULL = "full"
 GROUP_SLIDING = "sliding"
 _LAYER_GROUPS = {"full_attention": GROUP_FULL, "sliding_attention": GROUP_SLIDING}
-# Largest finite value of each FP8 format: the per-layer scale maps a layer's amax onto it.
-FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
 
 def layer_groups(config: Any) -> list[str]:
@@ -127,7 +172,7 @@ def layer_groups(config: Any) -> list[str]:
     From ``config.layer_types`` when present (Gemma 2/3, Cohere 2, gpt-oss, Qwen2), otherwise
     every layer is sliding when ``config.sliding_window`` is set (Mistral) and full if not.
     """
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = _text_config(config)
     model_type = getattr(config, "model_type", "?")
     if getattr(config, "use_bidirectional_attention", False) or not getattr(
         config, "is_causal", True
@@ -137,9 +182,20 @@ def layer_groups(config: Any) -> list[str]:
             "causal decoders only. Choices: keep transformers' own attention for this model"
         )
     types = getattr(config, "layer_types", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise UnsupportedModelError(
+            f"model type {model_type!r}: num_hidden_layers={layers!r}; expected an int >= 1"
+        )
     if not types:
         sliding = getattr(config, "sliding_window", None) is not None
-        return [GROUP_SLIDING if sliding else GROUP_FULL] * int(config.num_hidden_layers)
+        return [GROUP_SLIDING if sliding else GROUP_FULL] * layers
+    if len(types) != layers:
+        raise UnsupportedModelError(
+            f"model type {model_type!r}: layer_types lists {len(types)} layers but "
+            f"num_hidden_layers={layers}; transformers cannot tell each layer's kind either. "
+            "Choices: fix the config so that both agree"
+        )
     other = sorted({t for t in types if t not in _LAYER_GROUPS})
     if other:
         raise UnsupportedModelError(
@@ -172,7 +228,71 @@ def attn_configs_for(
     >>> attn_configs_for(gemma2.config, dtype=torch.float32, device="cpu")["sliding"].window_left
     """
     groups = layer_groups(config)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = _text_config(config)
+    try:
+        return _configs_of(config, groups, dtype, device, page_size, tree_verify, sinks, kv_dtype)
+    except (AttributeError, TypeError, ValueError) as err:
+        if isinstance(err, AttnDispatchError):
+            raise
+        raise UnsupportedModelError(
+            f"model type {getattr(config, 'model_type', '?')!r}: its config cannot be read as "
+            f"one attention shape per group ({type(err).__name__}: {err})"
+        ) from err
+
+
+def _text_config(config: Any) -> Any:
+    """The decoder's config; heterogeneous (per-layer) configs are refused by name."""
+    try:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    except Exception as err:  # transformers' own error for a config it cannot split
+        raise UnsupportedModelError(
+            f"transformers cannot read this model's text config ({type(err).__name__}: {err})"
+        ) from err
+    per_layer = set(getattr(config, "per_layer_attributes", None) or ())
+    varying = sorted(per_layer & _ATTENTION_FIELDS)
+    if varying:
+        raise UnsupportedModelError(
+            f"model type {getattr(config, 'model_type', '?')!r} sets {varying!r} per layer "
+            "(per_layer_config): its layers' attention shapes or windows differ in ways one "
+            f"binding per group cannot express; {IMPLEMENTATION!r} serves models whose "
+            "attention fields are global. Choices: keep transformers' own attention"
+        )
+    return config
+
+
+# The config fields the attention mapping reads: a heterogeneous config may vary others.
+_ATTENTION_FIELDS = frozenset(
+    {
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_size",
+        "sliding_window",
+        "layer_types",
+        "attn_logit_softcapping",
+        "use_bidirectional_attention",
+        "is_causal",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "attention_chunk_size",
+        "use_sliding_window",
+        "max_window_layers",
+    }
+)
+
+
+def _configs_of(
+    config: Any,
+    groups: list[str],
+    dtype: Any,
+    device: Any,
+    page_size: int,
+    tree_verify: bool,
+    sinks: bool,
+    kv_dtype: str | None,
+) -> dict[str, AttnConfig]:
     heads = int(config.num_attention_heads)
     if getattr(config, "qk_nope_head_dim", None) is not None:
         head_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
@@ -260,6 +380,7 @@ def use(
     label: str | None = None,
     options: dict[str, dict[str, Any]] | None = None,
     kv_dtype: str | None = None,
+    page_size: int = DEFAULT_PAGE_SIZE,
 ) -> Bound:
     """Make ``model`` (a transformers ``PreTrainedModel``) dispatch through ``spec``.
 
@@ -268,11 +389,12 @@ def use(
     >>> bound.remove()                  # back to the model's own attention
     >>> use(gemma2, "torch", kv_dtype="float8_e4m3fn")   # sliding + full groups, FP8 pages
 
-    A model whose layers differ (sliding and full: Gemma 2/3, Cohere 2, gpt-oss, Qwen2 with
-    ``use_sliding_window``) gets one grouped binding ``{"sliding": ..., "full": ...}``; ``spec``
-    may then be a mapping group -> spec. ``kv_dtype`` (``"float8_e4m3fn"``/``"float8_e5m2"``)
-    stores each layer's K and V in FP8 pages with per-layer scales ``amax / FP8_MAX`` taken from
-    that layer's tensors in that forward.
+    The model's cache becomes a ``PagedCache``: each layer writes its new tokens into pages of
+    ``page_size`` tokens and attention reads them in place. A model whose layers differ
+    (sliding and full: Gemma 2/3, Cohere 2, gpt-oss, Qwen2 with ``use_sliding_window``) gets
+    one grouped binding ``{"sliding": ..., "full": ...}``; ``spec`` may then be a mapping
+    group -> spec. ``kv_dtype`` (``"float8_e4m3fn"``/``"float8_e5m2"``) stores K and V in FP8
+    pages, each layer with scales ``amax / FP8_MAX`` fixed at the prefill.
 
     Raises ``IncompatibleBackendError`` (every reason) when the spec cannot serve the model,
     ``UnsupportedModelError`` for models this mapping would get wrong.
@@ -283,10 +405,16 @@ def use(
             f"({model.__dict__['attn_dispatch'].binding!r}); call .remove() on the object "
             "use() returned before binding it again"
         )
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise InvalidSpecError("page_size", page_size, "expected an int >= 1 (default 16)")
+    # DeepSeek-V3 caches its compressed latent and expands it to K/V after the cache update:
+    # its attention needs dense latents, so it stays on transformers' cache (copied per forward).
+    paged = not any(hasattr(m, "expand_kv") for m in model.modules())
     configs = attn_configs_for(
         model.config,
         dtype=model.dtype,
         device=model.device,
+        page_size=page_size if paged else 1,
         sinks=_has_sinks(model),
         kv_dtype=kv_dtype,
     )
@@ -311,30 +439,254 @@ def use(
     model.set_attn_implementation(IMPLEMENTATION)
     original = model.forward
     signature = inspect.signature(original)
+    cache_arg = "cache" if "cache" in signature.parameters else "past_key_values"
+    bound = Bound(model, binding, previous, original, page_size, paged)
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        view = _view_for(signature, args, kwargs, mapped)
+        try:
+            call = signature.bind_partial(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)  # transformers' own error for a bad call
+        named = _named(call)
+        _refuse_options(named, model)
+        cache = named.get(cache_arg, named.get("past_key_values"))
+        use_cache = named.get("use_cache")
+        if use_cache is None:
+            use_cache = bool(getattr(model.config, "use_cache", True))
+        if not paged or (cache is None and not use_cache):
+            view = _view_for(signature, args, kwargs, mapped)
+            return _run_dense(view, binding, original, args, kwargs)
+        b, q, real, device = _real_mask(named, cache)
+        if mapped.window is not None:
+            _refuse_inner_padding(real, mapped.window)
+        paged_cache = _paged_cache_for(bound, cache, real, q, device)
+        if paged_cache is not cache:
+            extra = call.arguments.get("kwargs")
+            if cache_arg == "cache" and isinstance(extra, dict):
+                extra.pop("past_key_values", None)  # the deprecated name of the same argument
+            call.arguments[cache_arg] = paged_cache
+            if "use_cache" in signature.parameters:
+                call.arguments["use_cache"] = True
+        step = paged_cache.begin(real, q, device)
+        view = DenseView(
+            None, b, q, paged_cache.dense_len + q, step.q_rows, mapped, step, paged_cache
+        )
         token = _VIEW.set(view)
         try:
-            if view.batch is None:
-                return original(*args, **kwargs)
-            with attn_scope(binding, view.batch):
-                return original(*args, **kwargs)
+            if not step.batches:
+                out = original(*call.args, **call.kwargs)
+            else:
+                batch: Any = (
+                    GroupedBatches(step.phase, step.batches)
+                    if grouped
+                    else next(iter(step.batches.values()))
+                )
+                with attn_scope(binding, batch):
+                    out = original(*call.args, **call.kwargs)
+        except BaseException:
+            paged_cache.abort()
+            raise
         finally:
             _VIEW.reset(token)
+        paged_cache.commit(step)
+        return out
 
-    bound = Bound(model, binding, previous, original)
+    def prepare_cache(*args: Any, **kwargs: Any) -> Any:
+        return _prepare_generation_cache(bound, args, kwargs)
+
+    def no_continuous_batching(*args: Any, **kwargs: Any) -> Any:
+        raise UnsupportedModelError(
+            f"transformers' continuous batching (generate_batch, cache_implementation='paged') "
+            f"runs its own paged cache and accepts only its own attention implementations; "
+            f"a model bound by {IMPLEMENTATION}.use() is not served by it. Choices: "
+            "model.generate(...) with a padded batch, or bound.remove() first"
+        )
+
     # Instance attributes: nn.Module.__call__ finds this forward; attn_binding makes the model
     # itself a runner (attn_scope(model) works too).
     object.__setattr__(model, "forward", forward)
     object.__setattr__(model, "attn_binding", binding)
     object.__setattr__(model, "attn_dispatch", bound)
+    object.__setattr__(model, "_attn_dispatch_map", mapped)
+    object.__setattr__(model, "_prepare_cache_for_generation", prepare_cache)
+    for name in (
+        "generate_batch",
+        "init_continuous_batching",
+        "continuous_batching_context_manager",
+    ):
+        object.__setattr__(model, name, no_continuous_batching)
     return bound
 
 
 # ---------------------------------------------------------------------------------------------
-# Per forward: the batch
+# Per forward: the cache and the batch
+
+
+def _named(call: inspect.BoundArguments) -> dict[str, Any]:
+    named = dict(call.arguments)
+    extra = named.get("kwargs")
+    if isinstance(extra, dict):
+        named = {**extra, **named}
+    return named
+
+
+def _refuse_options(named: dict[str, Any], model: Any) -> None:
+    if named.get("output_attentions") or getattr(model.config, "output_attentions", False):
+        raise UnsupportedModelError(
+            "output_attentions=True: paged attention kernels return no attention weights; "
+            f"{IMPLEMENTATION!r} cannot give them. Choices: leave output_attentions off, or "
+            "bound.remove() and use transformers' eager attention for that call"
+        )
+
+
+def _run_dense(
+    view: DenseView,
+    binding: Binding,
+    original: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    token = _VIEW.set(view)
+    try:
+        if view.batch is None:
+            return original(*args, **kwargs)
+        with attn_scope(binding, view.batch):
+            return original(*args, **kwargs)
+    finally:
+        _VIEW.reset(token)
+
+
+def _real_mask(named: dict[str, Any], cache: Any) -> tuple[int, int, torch.Tensor, Any]:
+    """(batch, new tokens, bool [B, cached + new] real-token mask on the host, device)."""
+    ids = named.get("input_ids")
+    embeds = named.get("inputs_embeds")
+    ref = ids if ids is not None else embeds
+    if ref is None:
+        raise UnsupportedModelError("a forward needs input_ids or inputs_embeds")
+    b, q = int(ref.shape[0]), int(ref.shape[1])
+    past = 0
+    if cache is not None:
+        try:
+            past = int(cache.get_seq_length())
+        except Exception as err:  # a cache object that is no transformers Cache
+            raise UnsupportedModelError(
+                f"cache of type {type(cache).__name__} cannot say its length ({err})"
+            ) from err
+    s = past + q
+    mask = named.get("attention_mask")
+    if mask is None:
+        return b, q, torch.ones(b, s, dtype=torch.bool), ref.device
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        raise UnsupportedModelError(
+            "attention_mask must be the 2-D padding mask [batch, cached + new] "
+            f"(got {type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}); "
+            "prepared 4-D masks cannot be mapped onto per-request kv ranges"
+        )
+    real = mask.detach().to("cpu", torch.bool)
+    if tuple(real.shape) != (b, s):
+        raise UnsupportedModelError(
+            f"attention_mask has shape {tuple(real.shape)} but the cache holds {past} positions "
+            f"and the forward adds {q} for {b} rows (= {(b, s)}); pass the mask of the whole "
+            "sequence"
+        )
+    return b, q, real, ref.device
+
+
+def _refuse_inner_padding(real: torch.Tensor, window: int) -> None:
+    # transformers windows absolute positions (padding included), the contract counts the
+    # request's own tokens: the same keys only when a row's real tokens are contiguous.
+    counts = real.sum(dim=1)
+    idx = torch.arange(real.shape[1])
+    first = torch.where(real, idx, real.shape[1]).amin(dim=1)
+    last = torch.where(real, idx, -1).amax(dim=1)
+    bad = torch.nonzero((counts > 0) & (last - first + 1 != counts)).flatten().tolist()
+    if bad:
+        raise UnsupportedModelError(
+            f"row {bad[0]} of attention_mask has padding between real tokens; a sliding "
+            f"window (sliding_window={window!r}) is served with left padding only "
+            "(transformers windows positions, padding included). Choices: left-pad"
+        )
+
+
+def _paged_cache_for(
+    bound: Bound, cache: Any, real: torch.Tensor, q: int, device: Any
+) -> PagedCache:
+    """The PagedCache this forward runs on: the one passed, a new one, or a DynamicCache
+    converted once. Every other cache is refused with the reason."""
+    from transformers.cache_utils import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    model = bound.model
+    if isinstance(cache, PagedCache):
+        if cache.owner is not model:
+            raise UnsupportedModelError(
+                f"this PagedCache belongs to another model ({type(cache.owner).__name__} at "
+                f"{id(cache.owner):#x}); each model (a target and its assistant) keeps its own"
+            )
+        return cache
+    if cache is None:
+        return bound.new_cache()
+    name = type(cache).__name__
+    if type(cache) is not DynamicCache or getattr(cache, "offloading", False):
+        raise UnsupportedModelError(
+            f"a {name} cannot be served: {IMPLEMENTATION!r} keeps K/V in its own pages "
+            "(PagedCache). Choices: pass no cache (generate and use_cache=True make a "
+            "PagedCache), an empty or full DynamicCache (converted once), or bound.new_cache()"
+        )
+    if getattr(cache, "_attn_dispatch_converted", False):
+        raise UnsupportedModelError(
+            "this DynamicCache was converted into a PagedCache by an earlier forward and is "
+            "not updated any more; continue with that forward's output.past_key_values"
+        )
+    past = real.shape[1] - q
+    paged = bound.new_cache()
+    if past:
+        layers = cache.layers
+        short = [
+            i
+            for i, layer in enumerate(layers)
+            if not isinstance(layer, DynamicLayer)
+            or layer.keys is None
+            or int(layer.keys.shape[-2]) != past
+        ]
+        if len(layers) != len(paged.layers) or short:
+            raise UnsupportedModelError(
+                f"this DynamicCache cannot be converted: layers {short or 'count'} do not hold "
+                f"all {past} cached positions (a sliding layer past its window keeps only the "
+                "window). Choices: start from no cache, or convert before the window fills"
+            )
+        dense = [(la.keys, la.values) for la in layers]  # type: ignore[union-attr]
+        paged.fill(real[:, :past], dense, device)  # type: ignore[arg-type]
+        if any(getattr(layer, "record_past", False) for layer in layers):
+            paged.activate_past_recording()
+    object.__setattr__(cache, "_attn_dispatch_converted", True)
+    return paged
+
+
+def _prepare_generation_cache(bound: Bound, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``generate``'s cache set-up for a bound model: a PagedCache sized for ``max_length``."""
+    model = bound.model
+    original = type(model)._prepare_cache_for_generation
+    call = inspect.signature(original).bind(model, *args, **kwargs)
+    config = call.arguments["generation_config"]
+    model_kwargs = call.arguments["model_kwargs"]
+    implementation = getattr(config, "cache_implementation", None)
+    if implementation not in (None, "dynamic"):
+        raise UnsupportedModelError(
+            f"cache_implementation={implementation!r}: a model bound by {IMPLEMENTATION}.use() "
+            "runs on its own paged cache (PagedCache), which is dynamic; static, offloaded and "
+            "quantized caches are not served. Choices: leave cache_implementation unset"
+        )
+    if not bound.paged or model_kwargs.get("cache") is not None:
+        return original(model, *args, **kwargs)  # a user's cache: the forward converts it
+    if config.use_cache is False or not model._supports_default_dynamic_cache():
+        return None
+    cache = bound.new_cache(max_length=int(call.arguments["max_cache_length"]))
+    model_kwargs["cache"] = cache
+    if getattr(config, "is_assistant", False):
+        cache.activate_past_recording()
+    return None
 
 
 def _view_for(
@@ -343,6 +695,8 @@ def _view_for(
     kwargs: dict[str, Any],
     mapped: _ModelMap | None = None,
 ) -> DenseView:
+    """The dense path (DeepSeek-V3's latent cache, or no cache): K/V copied into one-token
+    pages per forward."""
     try:
         named = signature.bind_partial(*args, **kwargs).arguments
     except TypeError:
@@ -357,6 +711,11 @@ def _view_for(
         raise UnsupportedModelError("a forward needs input_ids or inputs_embeds")
     b, q = int(ref.shape[0]), int(ref.shape[1])
     cache = named.get("cache", named.get("past_key_values"))
+    if cache is not None and type(cache).__name__ != "DynamicCache":
+        raise UnsupportedModelError(
+            f"a {type(cache).__name__} cannot be served here: this model runs on "
+            "transformers' DynamicCache (or no cache)"
+        )
     past = int(cache.get_seq_length()) if cache is not None else 0
     s = past + q
     mask = named.get("attention_mask")
@@ -375,6 +734,8 @@ def _view_for(
                 f"attention_mask covers {real.shape[1]} positions but the cache holds {past} "
                 f"and the forward adds {q} (= {s}); pass the mask of the whole sequence"
             )
+    if mapped is not None and mapped.window is not None:
+        _refuse_inner_padding(real, mapped.window)
     phase = Phase.PREFILL if past == 0 else Phase.DECODE if q == 1 else Phase.VERIFY
     kv_lens, q_lens, tables, rows = [], [], [], []
     for i in range(b):
@@ -382,15 +743,6 @@ def _view_for(
         nq = int(real[i, s - q :].sum())
         if nq == 0:
             continue  # a row with no real new token: its outputs stay zero
-        if mapped is not None and mapped.window is not None and keys.numel():
-            # transformers windows absolute positions (padding included), the contract counts
-            # the request's own tokens: the same keys only when a row's tokens are contiguous.
-            if int(keys[-1] - keys[0]) + 1 != keys.numel():
-                raise UnsupportedModelError(
-                    f"row {i} of attention_mask has padding between real tokens; a sliding "
-                    f"window (sliding_window={mapped.window!r}) is served with left padding only "
-                    "(transformers windows positions, padding included). Choices: left-pad"
-                )
         tables.append((keys + i * s).tolist())
         kv_lens.append(int(keys.numel()))
         q_lens.append(nq)
@@ -441,10 +793,12 @@ def attention_forward(
     ``softcap`` and ``s_aux`` (gpt-oss sinks) must agree with the bound configs."""
     view = _current_view("attention")
     b, h, q, d = query.shape
-    s_layer, dv = key.shape[2], value.shape[-1]
     if dropout and getattr(module, "training", False):
         raise UnsupportedModelError("attention dropout in training is not served; use .eval()")
     group, extra = _layer_call(module, view, kwargs)
+    if view.step is not None:
+        return _paged_attention(module, query, key, value, scaling, view, group, extra), None
+    s_layer, dv = key.shape[2], value.shape[-1]
     s = view.kv_len
     # A sliding layer's DynamicSlidingWindowLayer returns only the last keys (at least the
     # window before the first new token): a suffix of the sequence.
@@ -473,6 +827,55 @@ def attention_forward(
         scale = float(scaling) if scaling is not None else d**-0.5
         out[view.q_rows] = attention(q_flat, k_cache, v_cache, sm_scale=scale, **extra)
     return out.view(b, q, h, dv), None
+
+
+def _paged_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    view: DenseView,
+    group: str,
+    extra: dict[str, Any],
+) -> torch.Tensor:
+    """Attention on the layer's pages, read in place: ``key``/``value`` are the page pools
+    the PagedCache's ``update`` returned."""
+    step, cache = view.step, view.cache
+    assert step is not None and cache is not None
+    idx = getattr(module, "layer_idx", None)
+    layers = cache.paged_layers
+    layer = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else None
+    if layer is None or key is not layer.keys or value is not layer.values:
+        raise InvalidBatchError(
+            "key",
+            f"layer {idx!r} handed attention K/V that are not its pages in the PagedCache "
+            f"(shape {tuple(key.shape)}); the layer must pass what cache.update returned",
+        )
+    if layer.group.name != group:
+        raise UnsupportedModelError(
+            f"layer {idx}: asks for {group!r} attention, but the model config makes it a "
+            f"{layer.group.name!r} layer"
+        )
+    if layer.k_scale is not None:
+        extra["k_scale"], extra["v_scale"] = layer.k_scale, layer.v_scale
+    b, h, q, d = query.shape
+    dv = value.shape[-1]
+    # [B, H, q, D] -> [B * q, H, D]: a view when q == 1 (the projections write [B, q, H, D]).
+    q_flat = query.transpose(1, 2).reshape(b * q, h, d)
+    if not step.all_real:
+        q_flat = q_flat.index_select(0, step.q_rows)
+    elif not q_flat.is_contiguous():
+        q_flat = q_flat.contiguous()
+    scale = float(scaling) if scaling is not None else d**-0.5
+    if not step.batches:
+        return query.new_zeros(b, q, h, dv)
+    out: torch.Tensor = attention(q_flat, key, value, sm_scale=scale, **extra)
+    if step.all_real:
+        return out.view(b, q, h, dv)
+    dense = query.new_zeros(b * q, h, dv)
+    dense[step.q_rows] = out
+    return dense.view(b, q, h, dv)
 
 
 def _layer_call(module: Any, view: DenseView, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -624,6 +1027,7 @@ __all__ = [
     "IMPLEMENTATION",
     "Bound",
     "DenseView",
+    "PagedCache",
     "UnsupportedModelError",
     "attention_forward",
     "attn_config_for",
