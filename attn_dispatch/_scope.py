@@ -158,8 +158,7 @@ class attn_scope:
         self.sm_scale = binding._sm_scale
         self.group = self.groups = None
         self.batch = batch
-        self._token = None
-        self._free = [0]
+        self._free = [0]  # _token stays unset until the first entry (one store less per scope)
         if binding._groups is not None and prepared is not None:
             raise InvalidBatchError(
                 "prepared", "a grouped binding plans each group itself; pass no prepared plan"
@@ -245,7 +244,10 @@ class attn_scope:
             self.plan = self.run = self.form = None
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        token = self._token
+        try:
+            token = self._token
+        except AttributeError:  # never entered
+            token = None
         # A set token means __enter__ ran, which also set _closed. The common exit tests three
         # things and resets; every other case is decided (or refused) in _exit_slow.
         inner = None
@@ -332,7 +334,8 @@ class attn_scope:
         return run
 
     def __repr__(self) -> str:
-        state = "open" if self._token is not None and not self._closed else "closed"
+        token = getattr(self, "_token", None)
+        state = "open" if token is not None and not self._closed else "closed"
         return f"<attn_scope {_label(self)} {state}>"
 
 
