@@ -206,7 +206,14 @@ class attn_scope:
             raise self._busy() from None
         if self._plans:
             try:
-                self._plan()
+                binding = self.binding
+                if binding._groups is None:
+                    # The phase was checked on construction: straight to the phase's route.
+                    route = binding._routes[self.batch.phase]
+                    self.plan, _, self.run, self.form = route.prepare(self.batch)
+                    self.fast = self.run if self.rule.plain else None  # type: ignore[union-attr]
+                else:
+                    self._plan_groups()
             except BaseException:
                 self._free.append(0)
                 raise
@@ -229,19 +236,15 @@ class attn_scope:
             "one with carry_scope)"
         )
 
-    def _plan(self) -> None:
-        if self.binding._groups is None:
-            self.plan, _, self.run, self.form = self.binding._prepare(self.batch)
-            rule = self.rule
-            self.fast = self.run if rule is not None and rule.plain else None
-        else:
-            # Every group planned once per forward, before any layer runs; the frame itself
-            # has no handler (each layer names its group).
-            self.groups = {
-                name: _GroupFrame(name, child, self.batch)
-                for name, child in self.binding._groups.items()
-            }
-            self.plan = self.run = self.form = None
+    def _plan_groups(self) -> None:
+        # Every group planned once per forward, before any layer runs; the frame itself has no
+        # handler (each layer names its group).
+        assert self.binding._groups is not None
+        self.groups = {
+            name: _GroupFrame(name, child, self.batch)
+            for name, child in self.binding._groups.items()
+        }
+        self.plan = self.run = self.form = None
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
