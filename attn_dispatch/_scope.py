@@ -158,8 +158,7 @@ class attn_scope:
         self.sm_scale = binding._sm_scale
         self.group = self.groups = None
         self.batch = batch
-        self._token = None
-        self._free = [0]
+        self._free = [0]  # _token stays unset until the first entry (one store less per scope)
         if binding._groups is not None and prepared is not None:
             raise InvalidBatchError(
                 "prepared", "a grouped binding plans each group itself; pass no prepared plan"
@@ -207,7 +206,14 @@ class attn_scope:
             raise self._busy() from None
         if self._plans:
             try:
-                self._plan()
+                binding = self.binding
+                if binding._groups is None:
+                    # The phase was checked on construction: straight to the phase's route.
+                    route = binding._routes[self.batch.phase]
+                    self.plan, _, self.run, self.form = route.prepare(self.batch)
+                    self.fast = self.run if self.rule.plain else None  # type: ignore[union-attr]
+                else:
+                    self._plan_groups()
             except BaseException:
                 self._free.append(0)
                 raise
@@ -230,25 +236,24 @@ class attn_scope:
             "one with carry_scope)"
         )
 
-    def _plan(self) -> None:
-        if self.binding._groups is None:
-            self.plan, _, self.run, self.form = self.binding._prepare(self.batch)
-            rule = self.rule
-            self.fast = self.run if rule is not None and rule.plain else None
-        else:
-            # Every group planned once per forward, before any layer runs; the frame itself
-            # has no handler (each layer names its group). A batch may carry one batch per
-            # group (``group_batches``): groups whose caches keep different pages (a sliding
-            # window's) share the forward's phase.
-            per_group = getattr(self.batch, "group_batches", None)
-            self.groups = {
-                name: _GroupFrame(name, child, _group_batch(self.batch, per_group, name))
-                for name, child in self.binding._groups.items()
-            }
-            self.plan = self.run = self.form = None
+    def _plan_groups(self) -> None:
+        # Every group planned once per forward, before any layer runs; the frame itself has no
+        # handler (each layer names its group). A batch may carry one batch per group
+        # (``group_batches``): groups whose caches keep different pages (a sliding window's)
+        # share the forward's phase.
+        assert self.binding._groups is not None
+        per_group = getattr(self.batch, "group_batches", None)
+        self.groups = {
+            name: _GroupFrame(name, child, _group_batch(self.batch, per_group, name))
+            for name, child in self.binding._groups.items()
+        }
+        self.plan = self.run = self.form = None
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        token = self._token
+        try:
+            token = self._token
+        except AttributeError:  # never entered
+            token = None
         # A set token means __enter__ ran, which also set _closed. The common exit tests three
         # things and resets; every other case is decided (or refused) in _exit_slow.
         inner = None
@@ -335,7 +340,8 @@ class attn_scope:
         return run
 
     def __repr__(self) -> str:
-        state = "open" if self._token is not None and not self._closed else "closed"
+        token = getattr(self, "_token", None)
+        state = "open" if token is not None and not self._closed else "closed"
         return f"<attn_scope {_label(self)} {state}>"
 
 
