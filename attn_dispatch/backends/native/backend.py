@@ -151,12 +151,8 @@ class NativeBackend(TorchBackendBase):
         # Likewise a chunk wider than any int32 position: every query is in chunk 0 (causal).
         chunk = config.attention_chunk_size
         chunk_c = 0 if chunk is None or chunk >= _INT32_MAX else chunk
+        # The core refused caps float32 cannot hold (attn_dispatch/_values.py).
         cap = float(config.logit_cap or 0.0)
-        cap_c = ctypes.c_float(cap).value
-        if cap and not (0.0 < cap_c < math.inf):
-            raise InvalidSpecError(
-                "logit_cap", config.logit_cap, "must be a positive value float32 can hold"
-            )
         self._cfg = NaConfig(
             _NA_MLA if self.mla else _NA_MHA,
             _DTYPE_CODES[self.q_dtype],
@@ -168,7 +164,7 @@ class NativeBackend(TorchBackendBase):
             config.page_size,
             0,
             window_c,
-            cap_c,
+            cap,
             1 if config.causal else 0,
             chunk_c,
         )

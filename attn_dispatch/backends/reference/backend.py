@@ -32,10 +32,10 @@ from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
-from attn_dispatch.backends._chunked import chunk_tree_mask
 from attn_dispatch._protocol import PlanBase
 from attn_dispatch._protocol import check_plan
 from attn_dispatch._protocol import issue_plan
+from attn_dispatch.backends._chunked import chunk_tree_mask
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import TensorChecks
 from attn_dispatch.backends._common import window_tree_mask

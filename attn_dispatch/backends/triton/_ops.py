@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import triton
 
-from attn_dispatch.backends._chunked import chunk_flat_mask
 from attn_dispatch._protocol import PlanBase
+from attn_dispatch.backends._chunked import chunk_flat_mask
 from attn_dispatch.backends._common import BatchSnapshot
 from attn_dispatch.backends._common import window_flat_mask
 
