@@ -3,6 +3,7 @@ their union (float64 reference), empty parts contribute nothing, bad input is re
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -44,12 +45,14 @@ def _parts(seed: int, n: int, cuts: list[int]) -> tuple[torch.Tensor, ...]:
     parts=st.integers(1, 5),
     data=st.data(),
 )
-def test_merge_of_split_key_sets_equals_union(seed: int, n: int, parts: int, data: st.DataObject) -> None:
+def test_merge_of_split_key_sets_equals_union(
+    seed: int, n: int, parts: int, data: st.DataObject
+) -> None:
     cuts = sorted(data.draw(st.lists(st.integers(0, n), min_size=parts - 1, max_size=parts - 1)))
     q, k, v, _ = _parts(seed, n, cuts)
     bounds = [0, *cuts, n]
     outs, lses = [], []
-    for a, b in zip(bounds, bounds[1:], strict=False):
+    for a, b in itertools.pairwise(bounds):
         o, lse = _attend(q, k[a:b], v[a:b])
         outs.append(o.float())
         lses.append(lse.float())
