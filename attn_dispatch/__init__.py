@@ -58,16 +58,22 @@ from attn_dispatch.integrations._sglang_rules import phase_of
 if TYPE_CHECKING:
     from attn_dispatch._batch import AttnBatch
     from attn_dispatch._batch import tree_mask
+    from attn_dispatch.state import merge_state
+    from attn_dispatch.state import merge_states
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    # AttnBatch's module is loaded on first use: start-up imports of the core stay small.
+    # Modules that need torch are loaded on first use: start-up imports of the core stay small.
     if name in ("AttnBatch", "tree_mask"):
         from attn_dispatch import _batch
 
         return getattr(_batch, name)
+    if name in ("merge_state", "merge_states"):
+        from attn_dispatch import state
+
+        return getattr(state, name)
     raise AttributeError(f"module 'attn_dispatch' has no attribute {name!r}")
 
 
@@ -109,6 +115,8 @@ __all__ = [
     "current_binding",
     "issue_plan",
     "list_backends",
+    "merge_state",
+    "merge_states",
     "phase_of",
     "record_dispatch",
     "register_backend",
