@@ -52,8 +52,8 @@ chunked group keeps every page (its positions count from the request's first key
 
 Supported: decoder-only models with full, sliding-window and chunked attention layers and a
 ``DynamicCache`` (or no cache): Llama, Qwen2 (with or without sliding layers), Mistral,
-Gemma 2, Gemma 3 (text), Cohere 2, gpt-oss, Llama 4 (text), DeepSeek-V3 (the non-absorbed 192/128 q/k vs v
-form, on the dense path). The 2-D mask is read on the host once per forward.
+Gemma 2, Gemma 3 (text), Cohere 2, gpt-oss, Llama 4 (text), DeepSeek-V3 (the non-absorbed
+192/128 q/k vs v form, on the dense path). The 2-D mask is read on the host once per forward.
 """
 
 from __future__ import annotations
