@@ -333,6 +333,14 @@ def _configs_of(
             f"model type {getattr(config, 'model_type', '?')!r} has sliding layers but "
             f"sliding_window={window!r}; expected an int >= 1"
         )
+    chunk = getattr(config, "attention_chunk_size", None)
+    if GROUP_CHUNKED in groups and (
+        isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
+    ):
+        raise UnsupportedModelError(
+            f"model type {getattr(config, 'model_type', '?')!r} has 'chunked_attention' layers "
+            f"but attention_chunk_size={chunk!r}; expected an int >= 1"
+        )
     base = AttnConfig(
         kind="mha",
         num_q_heads=heads,
@@ -347,14 +355,6 @@ def _configs_of(
         logit_cap=float(cap) if cap else None,
         sinks=sinks,
     )
-    chunk = getattr(config, "attention_chunk_size", None)
-    if GROUP_CHUNKED in groups and (
-        isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
-    ):
-        raise UnsupportedModelError(
-            f"model type {getattr(config, 'model_type', '?')!r} has 'chunked_attention' layers "
-            f"but attention_chunk_size={chunk!r}; expected an int >= 1"
-        )
     out: dict[str, AttnConfig] = {}
     for group in groups:
         if group not in out:
