@@ -184,13 +184,12 @@ def test_a_chunked_mask_of_another_size_is_refused() -> None:
 def test_a_model_that_asks_for_no_chunked_mask_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # A chunked layer's attention call carries no sign of its pattern: a model whose code
     # builds a plain causal mask for the layers its config calls chunked is not served.
+    from transformers.masking_utils import create_causal_mask
     from transformers.models.llama4 import modeling_llama4
 
     model = llama4()
     use(model, "torch")
-    monkeypatch.setattr(
-        modeling_llama4, "create_chunked_causal_mask", modeling_llama4.create_causal_mask
-    )
+    monkeypatch.setattr(modeling_llama4, "create_chunked_causal_mask", create_causal_mask)
     with pytest.raises(UnsupportedModelError, match="asked for no chunked mask"):
         generate(model, torch.randint(0, VOCAB, (1, 5)), new=1)
 
