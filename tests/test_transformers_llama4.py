@@ -113,13 +113,65 @@ def test_generates_eagers_tokens_on_a_left_padded_batch(backend: str, page_size:
     }
     cache = out.past_key_values
     assert isinstance(cache, PagedCache)
-    # The chunked group keeps every page of each row's real tokens, as the full group does.
     assert cache.lens == [13 + 9, 8 + 9]
     pages = [-(-n // page_size) for n in cache.lens]
-    for group in ("chunked", "full"):
-        assert [len(t) for t in cache.groups[group].tables] == pages
-        assert cache.groups[group].skips == [0, 0]
+    full = cache.groups["full"]
+    assert [len(t) for t in full.tables] == pages and full.skips == [0, 0]
+    # The chunked group freed the pages before the next query's chunk (it starts at 16 in both
+    # rows), in whole multiples of lcm(page_size, 8) tokens: pages of 3 -> 24 (nothing yet),
+    # pages of 16 -> 16 (one page).
+    chunked = cache.groups["chunked"]
+    dropped = {3: 0, 16: 1}[page_size]
+    assert chunked.skips == [dropped, dropped]
+    assert [len(t) for t in chunked.tables] == [n - dropped for n in pages]
     bound.remove()
+
+
+def test_chunk_pages_are_freed_in_whole_chunks_and_tokens_stay_eagers() -> None:
+    # Pages of 4, chunks of 8: after 30 real tokens the next query's chunk starts at 24, so
+    # 6 pages (24 tokens, 3 whole chunks) are freed; positions shift by whole chunks.
+    model = eager(llama4())
+    ids, mask, _ = left_padded([17, 11], seed=2)
+    expected = generate(model, ids, mask, new=14)
+    use(model, "native", page_size=4)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=14,
+            do_sample=False,
+            return_dict_in_generate=True,
+        )
+    assert torch.equal(out.sequences[:, ids.shape[1] :], expected)
+    cache = out.past_key_values
+    assert cache.lens == [17 + 13, 11 + 13]
+    chunked = cache.groups["chunked"]
+    assert chunked.skips == [24 // 4, 24 // 4]
+    assert [len(t) for t in chunked.tables] == [-(-30 // 4) - 6, -(-24 // 4) - 6]
+    # Rolling back before the kept pages is refused (no past recorded): one token back, row 1
+    # (at 24) would need its chunk from 16 again. A refused crop changes nothing.
+    for back in (-7, -1):
+        with pytest.raises(UnsupportedModelError, match="before the pages the chunked layers"):
+            cache.crop(back)
+        assert cache.lens == [30, 24] and chunked.skips == [6, 6]
+        assert cache.dense_len == ids.shape[1] + 13
+
+
+def test_assisted_generation_rolls_back_chunk_pages() -> None:
+    # Pages of one token: a chunk's pages would be freed after each forward if the rollback
+    # (crop) of rejected candidates could not bring them back.
+    target, assistant = eager(llama4(seed=0)), eager(llama4(seed=1))
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(7))
+    plain = generate(target, ids, new=14)
+    use(target, "torch", label="target", page_size=1)
+    use(assistant, "native", label="assistant", page_size=1)
+    assistant.generation_config.num_assistant_tokens = 3
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    with record_dispatch() as rec:
+        assisted = generate(target, ids, new=14, assistant_model=assistant)
+    assert torch.equal(assisted, plain)
+    assert ("target", "chunked", "verify", "torch") in set(rec.group_counts())
 
 
 def test_a_multi_token_step_across_a_chunk_boundary_is_eagers() -> None:

@@ -48,7 +48,8 @@ Chunked layers (Llama 4's ``"chunked_attention"``) form the group ``"chunked"`` 
 after its left padding, the contract at the request's first key, so both agree (padding
 inside a row is refused, as for windows). The layer passes nothing that says it is chunked:
 its ``layer_idx`` names its group, and the forward must have asked for the chunked mask. The
-chunked group keeps every page (its positions count from the request's first key).
+chunked group frees the pages before the next query's chunk in whole chunks (its positions
+then shift by whole chunks, so the chunk boundaries stay put).
 
 Supported: decoder-only models with full, sliding-window and chunked attention layers and a
 ``DynamicCache`` (or no cache): Llama, Qwen2 (with or without sliding layers), Mistral,
@@ -150,6 +151,7 @@ class Bound:
             page_size=self.page_size,
             kv_dtype=kv_dtype,
             max_length=max_length,
+            chunk=mapped.chunk,
         )
 
     def remove(self) -> None:
