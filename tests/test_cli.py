@@ -496,9 +496,9 @@ def test_explain_model_refusals_set_the_exit_status(
             ),
             "bidirectional",
         ),
-        (
+        (  # chunked layers are served (Llama 4), but not without a chunk size
             lambda t: t.Qwen2Config(**TINY, layer_types=["full_attention", "chunked_attention"]),
-            "chunked_attention",
+            "'chunked_attention' layers but attention_chunk_size=None",
         ),
     ],
 )
@@ -510,6 +510,30 @@ def test_explain_model_use_refuses_is_refused_by_name(
     assert main(["explain", "--model", str(folder), "--spec", "torch"]) == 1
     out = capsys.readouterr().out
     assert "cannot serve this model: " in out and words in out
+
+
+def test_explain_model_serves_llama4_chunked_layers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    t = pytest.importorskip("transformers")
+    config = t.Llama4TextConfig(
+        **{**TINY, "num_hidden_layers": 4}, head_dim=16, attention_chunk_size=8
+    )  # default no_rope_layer_interval=4: layers 0-2 chunked (RoPE), layer 3 full (NoPE)
+    folder = _saved(tmp_path, "llama4", config)
+    assert main(["explain", "--model", str(folder), "--spec", "torch"]) == 0
+    out = capsys.readouterr().out
+    assert "4 layers: 3 chunked, 1 full" in out
+    printed = _configs_printed(out)
+    assert set(printed) == {"chunked", "full"}
+    assert "attention_chunk_size=8" in printed["chunked"]
+    assert "attention_chunk_size=None" in printed["full"]
+    assert out.split("binds on this machine:")[1].split().count("torch") == 6
+    # A backend without chunked local attention is refused for that group, naming who serves it.
+    assert main(["explain", "--model", str(folder), "--spec", "flashinfer", "--static"]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "[chunked] decode -> 'flashinfer': variant 'chunked' is served in phase 'decode' by:" in out
+    )
 
 
 def test_explain_model_unreadable_config_exit_2(

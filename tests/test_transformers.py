@@ -226,10 +226,16 @@ def test_binding_twice_is_refused() -> None:
 
 
 def test_mask_function_refuses_patterns_it_cannot_represent() -> None:
-    from transformers.masking_utils import chunked_causal_mask_function
+    from transformers.masking_utils import bidirectional_mask_function
+    from transformers.masking_utils import causal_mask_function
+    from transformers.masking_utils import or_masks
 
-    with pytest.raises(UnsupportedModelError, match="beyond causal"):
-        dispatch_mask(1, 4, 4, mask_function=chunked_causal_mask_function(2, torch.zeros(1)))
+    for pattern in (
+        bidirectional_mask_function,
+        or_masks(causal_mask_function, lambda b, h, q, k: k == 0),  # a custom overlay
+    ):
+        with pytest.raises(UnsupportedModelError, match="beyond causal"):
+            dispatch_mask(1, 4, 4, mask_function=pattern)
 
 
 def test_calling_outside_a_wrapped_forward_is_an_error() -> None:
@@ -462,7 +468,7 @@ def test_sliding_mask_of_another_width_is_refused() -> None:
                     **VARIANT, layer_types=["full_attention", "chunked_attention"]
                 )
             ),
-            "chunked_attention",
+            "'chunked_attention' layers but attention_chunk_size=None",
         ),
     ],
 )

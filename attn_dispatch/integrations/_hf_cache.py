@@ -12,7 +12,10 @@ per request, shared by the group's layers. Only a request's real tokens (its 2-D
 forward a sliding group frees the pages wholly before its window (``sliding_window - 1``
 tokens before the next query) and shrinks its pools when they are mostly free, except while
 transformers records the past (assisted generation rolls candidates back with ``crop``);
-``crop`` trims back to the window, as ``DynamicSlidingWindowLayer`` does.
+``crop`` trims back to the window, as ``DynamicSlidingWindowLayer`` does. A chunked group
+(Llama 4, ``attention_chunk_size`` C) frees the same way the pages before the next query's
+chunk, in whole multiples of ``lcm(page_size, C)`` tokens: a request's positions then shift by
+whole chunks, so the contract's chunk boundaries (counted from the first key left) stay put.
 
 FP8 (``kv_dtype``): each layer stores ``x / scale`` in FP8 once; the scales (one for K, one for
 V, per layer) are ``amax / FP8_MAX`` of the prefill's tensors and stay fixed, so later tokens
@@ -27,6 +30,7 @@ the cache as it was (its slots lie past the committed lengths).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -80,16 +84,42 @@ class _Step:
 class _Group:
     """Page tables of one attention group; its layers' pools share the page numbering."""
 
-    def __init__(self, name: str, window: int | None, page_size: int, batch_size: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        window: int | None,
+        page_size: int,
+        batch_size: int,
+        chunk: int | None = None,
+    ) -> None:
         self.name = name
         self.window = window  # transformers' sliding_window W (keys seen, the query's included)
+        self.chunk = chunk  # attention_chunk_size C of a chunked group
         self.page_size = page_size
         self.tables: list[list[int]] = [[] for _ in range(batch_size)]
-        self.skips = [0] * batch_size  # pages dropped before tables[b][0] (sliding groups)
+        self.skips = [0] * batch_size  # pages dropped before tables[b][0] (sliding, chunked)
         self.free: list[int] = []
         self.fresh = 0  # pages 0..fresh-1 have been handed out at least once
         self.capacity = 0  # pages in each layer's pools
         self.layers: list[PagedLayer] = []
+
+    def needed_from(self, length: int) -> int:
+        """The first token (of a request holding ``length``) that a next query may see."""
+        if self.window is not None:
+            return max(0, length - (self.window - 1))
+        if self.chunk is not None:
+            return length // self.chunk * self.chunk
+        return 0
+
+    def droppable(self, length: int) -> int:
+        """Whole pages before ``needed_from(length)`` that may be freed: any for a window, for
+        chunks only whole multiples of ``lcm(page_size, chunk)`` tokens (positions then move by
+        whole chunks)."""
+        first = self.needed_from(length)
+        if self.chunk is not None:
+            unit = math.lcm(self.page_size, self.chunk)
+            return first // unit * unit // self.page_size
+        return first // self.page_size
 
     def grow(self, pages: int) -> None:
         if pages <= self.capacity:
@@ -243,6 +273,7 @@ class PagedCache(Cache):
         page_size: int = DEFAULT_PAGE_SIZE,
         kv_dtype: str | None = None,
         max_length: int | None = None,
+        chunk: int | None = None,
     ) -> None:
         self.owner = owner
         self.page_size = page_size
@@ -262,7 +293,8 @@ class PagedCache(Cache):
             group = self.groups.get(name)
             if group is None:
                 w = window if name == "sliding" else None
-                group = self.groups[name] = _Group(name, w, page_size, 0)
+                c = chunk if name == "chunked" else None
+                group = self.groups[name] = _Group(name, w, page_size, 0, c)
             layers.append(PagedLayer(self, i, group))
         self.paged_layers = layers  # the same objects as .layers, typed
         super().__init__(layers=list(layers))
@@ -287,7 +319,8 @@ class PagedCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` dense positions (a positive value keeps that
-        many, as transformers' legacy form); sliding groups trim back to their window."""
+        many, as transformers' legacy form); sliding (chunked) groups trim back to their
+        window (chunk)."""
         if tokens_to_remove > 0:
             tokens_to_remove = min(0, tokens_to_remove - self.dense_len)
         n = -tokens_to_remove
@@ -295,18 +328,23 @@ class PagedCache(Cache):
             raise UnsupportedModelError(
                 f"crop({tokens_to_remove}) removes more than the {self.dense_len} cached positions"
             )
+        lens = self.lens
         if n:
             gone = self.history[:, self.dense_len - n : self.dense_len].sum(dim=1).tolist()
-            self.lens = [length - int(g) for length, g in zip(self.lens, gone, strict=True)]
-            self.dense_len -= n
+            lens = [length - int(g) for length, g in zip(self.lens, gone, strict=True)]
+        # Checked before anything changes: a refused crop leaves the cache as it was.
         for group in self.groups.values():
             for b in range(self._batch_size):
-                start = group.skips[b] * self.page_size
-                if group.window is not None and max(0, self.lens[b] - group.window + 1) < start:
+                if group.needed_from(lens[b]) < group.skips[b] * self.page_size:
                     raise UnsupportedModelError(
-                        f"crop({tokens_to_remove}) goes back before the pages the sliding layers "
-                        "kept; call activate_past_recording() before the forwards to roll back"
+                        f"crop({tokens_to_remove}) goes back before the pages the {group.name} "
+                        "layers kept; call activate_past_recording() before the forwards to "
+                        "roll back"
                     )
+        self.lens = lens
+        self.dense_len -= n
+        for group in self.groups.values():
+            for b in range(self._batch_size):
                 keep = -(-self.lens[b] // self.page_size) - group.skips[b]
                 group.free.extend(group.tables[b][keep:])
                 del group.tables[b][keep:]
@@ -472,6 +510,9 @@ class PagedCache(Cache):
         per_row = -(-self.max_length // ps)
         if group.window is not None:
             per_row = min(per_row, -(-(group.window + ps) // ps) + 1)
+        if group.chunk is not None:  # live: under lcm(ps, C) dropped-short plus the chunk
+            unit = math.lcm(ps, group.chunk)
+            per_row = min(per_row, -(-(unit + group.chunk) // ps) + 1)
         return batch * per_row + batch
 
     def _trim(
@@ -482,12 +523,13 @@ class PagedCache(Cache):
         free: list[int],
         lens: list[int],
     ) -> None:
-        """Free a sliding group's pages wholly before its window: the next query (at each
-        row's current length) sees ``window - 1`` earlier keys."""
-        if group.window is None:
+        """Free a sliding group's pages wholly before its window (the next query, at each
+        row's current length, sees ``window - 1`` earlier keys), a chunked group's before the
+        next query's chunk (in whole ``lcm(page_size, chunk)`` tokens)."""
+        if group.window is None and group.chunk is None:
             return
         for b, table in enumerate(tables):
-            first = max(0, lens[b] - (group.window - 1)) // self.page_size
+            first = group.droppable(lens[b])
             drop = min(first - skips[b], len(table))
             if drop > 0:
                 free.extend(table[:drop])
@@ -495,10 +537,10 @@ class PagedCache(Cache):
                 skips[b] += drop
 
     def _compact(self, group: _Group) -> None:
-        """Shrink a sliding group's pools once they are mostly free (a long prompt's pages,
-        written by the prefill, then left behind by the window): the live pages move to the
-        front, one copy of the window per layer."""
-        if group.window is None:
+        """Shrink a sliding (chunked) group's pools once they are mostly free (a long
+        prompt's pages, written by the prefill, then left behind by the window): the live
+        pages move to the front, one copy of the window per layer."""
+        if group.window is None and group.chunk is None:
             return
         live = [page for table in group.tables for page in table]
         target = max(2 * len(live), 2 * self._batch_size, 1)

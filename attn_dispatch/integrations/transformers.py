@@ -9,9 +9,9 @@
   ``"attn_dispatch"`` (``AttentionInterface`` / ``AttentionMaskInterface``). A custom attention
   name without a mask function makes transformers skip mask creation (``attention_mask=None``),
   which silently drops causal masking of multi-token steps; ours receives the mask request,
-  accepts transformers' causal and sliding-window causal masks, refuses patterns it does not
-  represent (chunked, bidirectional, packed sequences, custom or/and masks) and lets the
-  attention function apply causality and the window itself.
+  accepts transformers' causal, sliding-window causal and chunked causal masks, refuses
+  patterns it does not represent (bidirectional, packed sequences, custom or/and masks) and
+  lets the attention function apply causality, the window and the chunks itself.
 - switches the model to that implementation (``set_attn_implementation``) and wraps its
   ``forward`` so that every forward of this model runs inside its own ``attn_scope`` with an
   ``AttnBatch`` made for that forward. Two models (a target and its assistant) therefore use
@@ -43,10 +43,18 @@ gets ``window_left = sliding_window - 1``; ``attn_logit_softcapping`` is every l
 ``DynamicSlidingWindowLayer`` returns only the window's keys (a suffix of the sequence):
 they are placed at their positions in the same one-token pages.
 
-Supported: decoder-only models with full and sliding-window attention layers and a
+Chunked layers (Llama 4's ``"chunked_attention"``) form the group ``"chunked"`` with
+``attention_chunk_size = config.attention_chunk_size``: transformers starts a row's chunks
+after its left padding, the contract at the request's first key, so both agree (padding
+inside a row is refused, as for windows). The layer passes nothing that says it is chunked:
+its ``layer_idx`` names its group, and the forward must have asked for the chunked mask. The
+chunked group frees the pages before the next query's chunk in whole chunks (its positions
+then shift by whole chunks, so the chunk boundaries stay put).
+
+Supported: decoder-only models with full, sliding-window and chunked attention layers and a
 ``DynamicCache`` (or no cache): Llama, Qwen2 (with or without sliding layers), Mistral,
-Gemma 2, Gemma 3 (text), Cohere 2, gpt-oss, DeepSeek-V3 (the non-absorbed 192/128 q/k vs v
-form, on the dense path). The 2-D mask is read on the host once per forward.
+Gemma 2, Gemma 3 (text), Cohere 2, gpt-oss, Llama 4 (text), DeepSeek-V3 (the non-absorbed
+192/128 q/k vs v form, on the dense path). The 2-D mask is read on the host once per forward.
 """
 
 from __future__ import annotations
@@ -95,6 +103,9 @@ class DenseView:
     model: _ModelMap | None = None  # the bound model's groups (None: a DenseView made by hand)
     step: _Step | None = None  # the paged cache's plan of this forward (None: dense K/V)
     cache: PagedCache | None = None
+    # The mask kinds transformers asked for in this forward (a chunked layer needs "chunked":
+    # its attention call itself carries no sign of the pattern the model meant).
+    asked: set[str] = dataclasses.field(default_factory=set)
 
 
 _VIEW: contextvars.ContextVar[DenseView | None] = contextvars.ContextVar(
@@ -140,6 +151,7 @@ class Bound:
             page_size=self.page_size,
             kv_dtype=kv_dtype,
             max_length=max_length,
+            chunk=mapped.chunk,
         )
 
     def remove(self) -> None:
@@ -161,16 +173,26 @@ _INSTANCE_ATTRIBUTES = (
     "init_continuous_batching",
     "continuous_batching_context_manager",
 )
+GROUP_CHUNKED = "chunked"
 GROUP_FULL = "full"
 GROUP_SLIDING = "sliding"
-_LAYER_GROUPS = {"full_attention": GROUP_FULL, "sliding_attention": GROUP_SLIDING}
+_LAYER_GROUPS = {
+    "chunked_attention": GROUP_CHUNKED,
+    "full_attention": GROUP_FULL,
+    "sliding_attention": GROUP_SLIDING,
+}
 
 
 def layer_groups(config: Any) -> list[str]:
-    """The attention group (``"full"`` or ``"sliding"``) of every layer of a model config.
+    """The attention group (``"full"``, ``"sliding"`` or ``"chunked"``) of every layer of a
+    model config.
 
-    From ``config.layer_types`` when present (Gemma 2/3, Cohere 2, gpt-oss, Qwen2), otherwise
-    every layer is sliding when ``config.sliding_window`` is set (Mistral) and full if not.
+    From ``config.layer_types`` when present (Gemma 2/3, Cohere 2, gpt-oss, Qwen2, Llama 4's
+    ``"chunked_attention"``/``"full_attention"``), otherwise every layer is sliding when
+    ``config.sliding_window`` is set (Mistral) and full if not.
+
+    >>> layer_groups(llama4_text_config)[:4]
+    ['chunked', 'chunked', 'chunked', 'full']
     """
     config = _text_config(config)
     model_type = getattr(config, "model_type", "?")
@@ -200,8 +222,9 @@ def layer_groups(config: Any) -> list[str]:
     if other:
         raise UnsupportedModelError(
             f"model type {model_type!r} has layers of type {other!r}; {IMPLEMENTATION!r} serves "
-            f"{sorted(_LAYER_GROUPS)!r} layers only (chunked, linear and other attention kinds "
-            "are not mapped onto the paged contract). Choices: keep transformers' own attention"
+            f"{sorted(_LAYER_GROUPS)!r} layers only (linear, recurrent and other attention "
+            "kinds are not mapped onto the paged contract). Choices: keep transformers' own "
+            "attention"
         )
     return [_LAYER_GROUPS[t] for t in types]
 
@@ -216,14 +239,17 @@ def attn_configs_for(
     sinks: bool = False,
     kv_dtype: str | None = None,
 ) -> dict[str, AttnConfig]:
-    """One ``AttnConfig`` per attention group the model has (``"full"``, ``"sliding"``).
+    """One ``AttnConfig`` per attention group the model has (``"full"``, ``"sliding"``,
+    ``"chunked"``).
 
     Llama/Qwen2: ``head_dim`` (or hidden / heads), GQA ``num_key_value_heads``. DeepSeek-V3:
     q/k ``qk_nope_head_dim + qk_rope_head_dim`` and v ``v_head_dim`` per head, the latent
     expanded to every head before attention (so KV heads = query heads). Sliding layers get
     ``window_left = sliding_window - 1`` (transformers' window counts the query itself),
     every layer ``logit_cap = attn_logit_softcapping`` (Gemma 2) and ``sinks`` when the
-    attention modules hold learned sinks (gpt-oss).
+    attention modules hold learned sinks (gpt-oss). Chunked layers (Llama 4) get
+    ``attention_chunk_size = config.attention_chunk_size``: transformers' chunked mask counts
+    positions from a row's first real token, as the contract counts a request's keys.
 
     >>> attn_configs_for(gemma2.config, dtype=torch.float32, device="cpu")["sliding"].window_left
     """
@@ -309,6 +335,14 @@ def _configs_of(
             f"model type {getattr(config, 'model_type', '?')!r} has sliding layers but "
             f"sliding_window={window!r}; expected an int >= 1"
         )
+    chunk = getattr(config, "attention_chunk_size", None)
+    if GROUP_CHUNKED in groups and (
+        isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
+    ):
+        raise UnsupportedModelError(
+            f"model type {getattr(config, 'model_type', '?')!r} has 'chunked_attention' layers "
+            f"but attention_chunk_size={chunk!r}; expected an int >= 1"
+        )
     base = AttnConfig(
         kind="mha",
         num_q_heads=heads,
@@ -327,7 +361,8 @@ def _configs_of(
     for group in groups:
         if group not in out:
             left = int(window) - 1 if group == GROUP_SLIDING else None  # type: ignore[arg-type]
-            out[group] = dataclasses.replace(base, window_left=left)
+            size = int(chunk) if group == GROUP_CHUNKED else None  # type: ignore[arg-type]
+            out[group] = dataclasses.replace(base, window_left=left, attention_chunk_size=size)
     return out
 
 
@@ -371,6 +406,17 @@ class _ModelMap:
     configs: dict[str, AttnConfig]
     grouped: bool  # several groups: each layer passes group= to attention()
     window: int | None  # transformers' sliding_window (W) when some layer slides
+    chunk: int | None = None  # attention_chunk_size when some layer is chunked (Llama 4)
+    layers: tuple[str, ...] = ()  # each layer's group, by layer_idx
+
+    def positional(self) -> str | None:
+        """What makes the contract's positions (a request's real tokens) and transformers'
+        (the row's columns) differ when padding sits inside a row: None if nothing does."""
+        if self.window is not None:
+            return f"a sliding window (sliding_window={self.window!r})"
+        if self.chunk is not None:
+            return f"chunked attention (attention_chunk_size={self.chunk!r})"
+        return None
 
 
 def use(
@@ -433,7 +479,9 @@ def use(
     binding = bind(spec, target, label=label, options=options)
     sliding = configs.get(GROUP_SLIDING)
     window = None if sliding is None or sliding.window_left is None else sliding.window_left + 1
-    mapped = _ModelMap(configs, grouped, window)
+    chunked = configs.get(GROUP_CHUNKED)
+    chunk = None if chunked is None else chunked.attention_chunk_size
+    mapped = _ModelMap(configs, grouped, window, chunk, tuple(layer_groups(model.config)))
     _register()
     previous = model.config._attn_implementation
     model.set_attn_implementation(IMPLEMENTATION)
@@ -458,8 +506,7 @@ def use(
             view = _view_for(signature, args, kwargs, mapped)
             return _run_dense(view, binding, original, args, kwargs)
         b, q, real, device = _real_mask(named, cache)
-        if mapped.window is not None:
-            _refuse_inner_padding(real, mapped.window)
+        _refuse_inner_padding(real, mapped)
         paged_cache = _paged_cache_for(bound, cache, real, q, device)
         if paged_cache is not cache:
             extra = call.arguments.get("kwargs")
@@ -593,9 +640,13 @@ def _real_mask(named: dict[str, Any], cache: Any) -> tuple[int, int, torch.Tenso
     return b, q, real, ref.device
 
 
-def _refuse_inner_padding(real: torch.Tensor, window: int) -> None:
-    # transformers windows absolute positions (padding included), the contract counts the
-    # request's own tokens: the same keys only when a row's real tokens are contiguous.
+def _refuse_inner_padding(real: torch.Tensor, mapped: _ModelMap) -> None:
+    # transformers windows absolute positions (padding included) and starts chunks after a
+    # row's left padding only, the contract counts the request's own tokens: the same keys
+    # only when a row's real tokens are contiguous.
+    what = mapped.positional()
+    if what is None:
+        return
     counts = real.sum(dim=1)
     idx = torch.arange(real.shape[1])
     first = torch.where(real, idx, real.shape[1]).amin(dim=1)
@@ -603,9 +654,9 @@ def _refuse_inner_padding(real: torch.Tensor, window: int) -> None:
     bad = torch.nonzero((counts > 0) & (last - first + 1 != counts)).flatten().tolist()
     if bad:
         raise UnsupportedModelError(
-            f"row {bad[0]} of attention_mask has padding between real tokens; a sliding "
-            f"window (sliding_window={window!r}) is served with left padding only "
-            "(transformers windows positions, padding included). Choices: left-pad"
+            f"row {bad[0]} of attention_mask has padding between real tokens; {what} is "
+            "served with left padding only (transformers counts positions, padding inside a "
+            "row included). Choices: left-pad"
         )
 
 
@@ -734,8 +785,8 @@ def _view_for(
                 f"attention_mask covers {real.shape[1]} positions but the cache holds {past} "
                 f"and the forward adds {q} (= {s}); pass the mask of the whole sequence"
             )
-    if mapped is not None and mapped.window is not None:
-        _refuse_inner_padding(real, mapped.window)
+    if mapped is not None:
+        _refuse_inner_padding(real, mapped)
     phase = Phase.PREFILL if past == 0 else Phase.DECODE if q == 1 else Phase.VERIFY
     kv_lens, q_lens, tables, rows = [], [], [], []
     for i in range(b):
@@ -790,6 +841,7 @@ def attention_forward(
     """transformers' attention-function signature: ``[B, H, q, D]`` in, ``[B, q, H, Dv]`` out.
 
     The layer's group is what the layer asks for: ``sliding_window`` set -> ``"sliding"``;
+    a chunked layer (Llama 4 passes nothing that says so) by its ``layer_idx``;
     ``softcap`` and ``s_aux`` (gpt-oss sinks) must agree with the bound configs."""
     view = _current_view("attention")
     b, h, q, d = query.shape
@@ -885,6 +937,25 @@ def _layer_call(module: Any, view: DenseView, kwargs: dict[str, Any]) -> tuple[s
     sinks = kwargs.get("s_aux")
     group = GROUP_SLIDING if window is not None else GROUP_FULL
     mapped = view.model
+    if window is None and mapped is not None and mapped.chunk is not None:
+        # Llama 4's attention passes no sign of chunking (its mask carried it): the layer's
+        # index says which group it is in.
+        idx = getattr(module, "layer_idx", None)
+        if not isinstance(idx, int) or not 0 <= idx < len(mapped.layers):
+            raise UnsupportedModelError(
+                f"a layer with layer_idx={idx!r} called attention, but the model config has "
+                f"{len(mapped.layers)} layers; a model with chunked layers is served only "
+                "when each attention module's layer_idx names its layer"
+            )
+        if mapped.layers[idx] == GROUP_CHUNKED:
+            group = GROUP_CHUNKED
+            if GROUP_CHUNKED not in view.asked:
+                raise UnsupportedModelError(
+                    f"layer {idx}: the model config makes it a chunked_attention layer, but "
+                    "the model asked for no chunked mask in this forward; its code does not "
+                    "chunk as the config says (only Llama 4's does). Choices: keep "
+                    "transformers' own attention for this model"
+                )
     if mapped is None:  # a DenseView made without use(): full attention, no variants
         if window is not None or cap or sinks is not None:
             raise UnsupportedModelError(
@@ -948,19 +1019,23 @@ def dispatch_mask(
     **kwargs: Any,
 ) -> None:
     """transformers' mask-function signature. Returns None: the attention function applies
-    causality, the window and padding from the forward's batch. Accepts exactly transformers'
-    causal mask and, for a model bound with sliding layers, its sliding-window causal mask of
-    the config's width; refuses any other mask pattern."""
+    causality, the window, the chunks and padding from the forward's batch. Accepts exactly
+    transformers' causal mask and, for a model bound with sliding (chunked) layers, its
+    sliding-window (chunked) causal mask of the config's width; refuses any other pattern."""
     from transformers.masking_utils import causal_mask_function
 
     window = _sliding_width(mask_function)
+    chunk = _chunk_size(mask_function)
+    if chunk is not None:
+        return _chunked_mask(batch_size, q_length, kv_length, chunk, local_size)
     if mask_function is not None and mask_function is not causal_mask_function and window is None:
         name = getattr(mask_function, "__qualname__", repr(mask_function))
         raise UnsupportedModelError(
-            f"the model asked for a mask pattern {name!r} beyond causal, sliding-window causal "
-            "and padding (chunked, bidirectional, packed sequences or a custom overlay); "
-            f"{IMPLEMENTATION!r} serves causal attention with an optional window and "
-            "per-request padding only. Choices: keep transformers' own attention for this model"
+            f"the model asked for a mask pattern {name!r} beyond causal, sliding-window causal, "
+            "chunked causal and padding (bidirectional, packed sequences or a custom overlay); "
+            f"{IMPLEMENTATION!r} serves causal attention with an optional window or chunks "
+            "and per-request padding only. Choices: keep transformers' own attention for this "
+            "model"
         )
     view = _current_view("mask creation")
     bound_window = view.model.window if view.model is not None else None
@@ -984,24 +1059,66 @@ def dispatch_mask(
     return None
 
 
+def _chunked_mask(
+    batch_size: int, q_length: int, kv_length: int, chunk: int, local_size: int | None
+) -> None:
+    """transformers' chunked causal mask (Llama 4): served when the model was bound with
+    chunked layers of that size. Its chunks start after each row's left padding, the
+    contract's at each request's first key: the same once inner padding is refused."""
+    view = _current_view("mask creation")
+    bound = view.model.chunk if view.model is not None else None
+    if chunk != bound or local_size not in (None, chunk):
+        raise UnsupportedModelError(
+            f"the model asked for chunked attention of {chunk!r} tokens (local_size="
+            f"{local_size!r}) but was bound with attention_chunk_size={bound!r}; "
+            f"{IMPLEMENTATION!r} serves the chunk size the config names"
+        )
+    view.asked.add(GROUP_CHUNKED)
+    if (batch_size, q_length, kv_length) != (view.batch_size, view.q_len, view.kv_len):
+        raise InvalidBatchError(
+            "attention_mask",
+            f"chunked mask request (batch {batch_size}, q {q_length}, kv {kv_length}) does not "
+            f"match the forward's inputs (batch {view.batch_size}, q {view.q_len}, kv "
+            f"{view.kv_len})",
+        )
+    return None
+
+
+def _cells(f: Any) -> dict[str, Any]:
+    names = getattr(getattr(f, "__code__", None), "co_freevars", ())
+    closure = getattr(f, "__closure__", None) or ()
+    return {n: c.cell_contents for n, c in zip(names, closure, strict=False)}
+
+
+def _chunk_size(fn: Any) -> int | None:
+    """C when ``fn`` is transformers' ``chunked_causal_mask_function(C, left_padding)`` (an
+    ``and_masks`` of its chunk overlay and the causal function), else None."""
+    from transformers.masking_utils import causal_mask_function
+
+    if getattr(fn, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = _cells(fn).get("mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
+        return None
+    if getattr(parts[0], "__qualname__", "") != "chunked_overlay.<locals>.inner_mask":
+        return None
+    size = _cells(parts[0]).get("chunk_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
 def _sliding_width(fn: Any) -> int | None:
     """W when ``fn`` is transformers' ``sliding_window_causal_mask_function(W)`` (an
     ``and_masks`` of its window overlay and the causal function), else None."""
     from transformers.masking_utils import causal_mask_function
 
-    def cells(f: Any) -> dict[str, Any]:
-        names = getattr(getattr(f, "__code__", None), "co_freevars", ())
-        closure = getattr(f, "__closure__", None) or ()
-        return {n: c.cell_contents for n, c in zip(names, closure, strict=False)}
-
     if getattr(fn, "__qualname__", "") != "and_masks.<locals>.and_mask":
         return None
-    parts = cells(fn).get("mask_functions")
+    parts = _cells(fn).get("mask_functions")
     if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
         return None
     if getattr(parts[0], "__qualname__", "") != "sliding_window_overlay.<locals>.inner_mask":
         return None
-    width = cells(parts[0]).get("sliding_window")
+    width = _cells(parts[0]).get("sliding_window")
     return width if isinstance(width, int) else None
 
 
@@ -1022,6 +1139,7 @@ def _register() -> None:
 
 __all__ = [
     "FP8_MAX",
+    "GROUP_CHUNKED",
     "GROUP_FULL",
     "GROUP_SLIDING",
     "IMPLEMENTATION",
