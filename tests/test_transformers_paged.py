@@ -361,3 +361,22 @@ def test_a_grouped_scope_plans_each_group_with_its_own_batch() -> None:
     torch.testing.assert_close(got_a, want_a)
     torch.testing.assert_close(got_b, want_b)
     assert not torch.allclose(got_a, got_b)
+
+
+@pytest.mark.parametrize("page_size", [3, 16])
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize(("name", "make"), [("llama", llama), ("gemma2", gemma2)])
+def test_a_forward_without_cache_gives_eagers_logits(
+    name: str, make: Any, backend: str, page_size: int
+) -> None:
+    """use_cache=False runs the dense path: K/V gathered into pages of the bound page size (it
+    once built one-token pages and was refused against the bound page size)."""
+    ids, mask, _ = left_padded([WINDOW + 7, 4, 11])
+    ref_model = eager(make())
+    model = make()
+    use(model, backend, page_size=page_size)
+    with torch.no_grad():
+        ref = ref_model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], rtol=1e-4, atol=1e-4)

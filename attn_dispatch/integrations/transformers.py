@@ -106,6 +106,11 @@ class DenseView:
     # The mask kinds transformers asked for in this forward (a chunked layer needs "chunked":
     # its attention call itself carries no sign of the pattern the model meant).
     asked: set[str] = dataclasses.field(default_factory=set)
+    # The dense path with a bound page size P > 1 (a paged model run with use_cache=False):
+    # int64 [pages * P], the dense token row [B * S] that lands in each page slot; None for
+    # pages of one token (row b * S + t is page b * S + t).
+    slots: torch.Tensor | None = None
+    page_size: int = 1
 
 
 _VIEW: contextvars.ContextVar[DenseView | None] = contextvars.ContextVar(
@@ -788,30 +793,43 @@ def _view_for(
     if mapped is not None:
         _refuse_inner_padding(real, mapped)
     phase = Phase.PREFILL if past == 0 else Phase.DECODE if q == 1 else Phase.VERIFY
+    # The bound page size: 1 for the dense-only models (DeepSeek-V3), the model's page size
+    # for a paged model run without a cache; its K/V are then gathered into pages of that size.
+    ps = next(iter(mapped.configs.values())).page_size if mapped is not None else 1
     kv_lens, q_lens, tables, rows = [], [], [], []
+    gather: list[int] = []
     for i in range(b):
         keys = torch.nonzero(real[i]).flatten()
         nq = int(real[i, s - q :].sum())
         if nq == 0:
             continue  # a row with no real new token: its outputs stay zero
-        tables.append((keys + i * s).tolist())
+        if ps == 1:
+            tables.append((keys + i * s).tolist())
+        else:
+            first = len(gather) // ps
+            n_pages = -(-int(keys.numel()) // ps)
+            tables.append(list(range(first, first + n_pages)))
+            # Slots past the row's keys repeat a real row: past kv_len, they are never read.
+            tail = n_pages * ps - int(keys.numel())
+            gather.extend((keys + i * s).tolist() + [i * s + int(keys[0])] * tail)
         kv_lens.append(int(keys.numel()))
         q_lens.append(nq)
         rows.extend((torch.nonzero(real[i, s - q :]).flatten() + i * q).tolist())
     device = ref.device
     batch = None
+    slots = torch.tensor(gather, dtype=torch.long, device=device) if ps > 1 else None
     if q_lens:
         batch = AttnBatch.build(
             phase,
             q_lens=q_lens,
             kv_lens=kv_lens,
             page_tables=tables,
-            page_size=1,
-            num_pages=b * s,
+            page_size=ps,
+            num_pages=b * s if ps == 1 else max(1, len(gather) // ps),
             device=device,
         )
     q_rows = torch.tensor(rows, dtype=torch.long, device=device)
-    return DenseView(batch, b, q, s, q_rows, mapped)
+    return DenseView(batch, b, q, s, q_rows, mapped, slots=slots, page_size=ps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -871,8 +889,8 @@ def attention_forward(
         kv_dtype = cfg.kv_dtype if cfg is not None else None
         # Pages of one token: [B, Hkv, S, D] -> [B * S, 1, Hkv, D], contiguous (kernels such as
         # the native ones take row-major pages only; a copy unless the layout already is).
-        k_cache, k_scale = _pages(key, s, kv_dtype)
-        v_cache, v_scale = _pages(value, s, kv_dtype)
+        k_cache, k_scale = _pages(key, s, kv_dtype, view.slots, view.page_size)
+        v_cache, v_scale = _pages(value, s, kv_dtype, view.slots, view.page_size)
         if k_scale is not None:
             extra["k_scale"], extra["v_scale"] = k_scale, v_scale
         q_flat = query.transpose(1, 2).reshape(b * q, h, d)[view.q_rows].contiguous()
@@ -986,8 +1004,16 @@ def _layer_call(module: Any, view: DenseView, kwargs: dict[str, Any]) -> tuple[s
     return group, extra
 
 
-def _pages(x: torch.Tensor, s: int, kv_dtype: str | None) -> tuple[torch.Tensor, float | None]:
-    """``[B, Hkv, S_layer, D]`` -> one-token pages ``[B * S, 1, Hkv, D]`` (and the FP8 scale).
+def _pages(
+    x: torch.Tensor,
+    s: int,
+    kv_dtype: str | None,
+    slots: torch.Tensor | None = None,
+    page_size: int = 1,
+) -> tuple[torch.Tensor, float | None]:
+    """``[B, Hkv, S_layer, D]`` -> one-token pages ``[B * S, 1, Hkv, D]`` (and the FP8 scale),
+    or, with ``slots``, pages of ``P`` tokens ``[len(slots) / P, P, Hkv, D]`` gathered from
+    those rows (``DenseView.slots``).
 
     A sliding layer's suffix lands at its absolute positions; the positions before it are
     zeros that its window never reaches."""
@@ -1001,10 +1027,14 @@ def _pages(x: torch.Tensor, s: int, kv_dtype: str | None) -> tuple[torch.Tensor,
         x = (x.float() / scale).clamp_(-limit, limit).to(getattr(torch, str(kv_dtype)))
     src = x.transpose(1, 2)
     if s_layer == s:
-        return src.reshape(b * s, 1, hkv, d).contiguous(), scale
-    pages = src.new_zeros(b, s, hkv, d)
-    pages[:, s - s_layer :] = src
-    return pages.view(b * s, 1, hkv, d), scale
+        rows = src.reshape(b * s, 1, hkv, d)
+    else:
+        rows = src.new_zeros(b, s, hkv, d)
+        rows[:, s - s_layer :] = src
+        rows = rows.view(b * s, 1, hkv, d)
+    if slots is None:
+        return rows.contiguous(), scale
+    return rows[slots].view(-1, page_size, hkv, d), scale
 
 
 def dispatch_mask(
