@@ -843,7 +843,7 @@ def test_capabilities_declare_exactly_the_mapped_variants() -> None:
         return " | ".join(CAPABILITIES.reasons(cfg, phase))
 
     for phase in Phase:
-        assert CAPABILITIES.variants_for(phase) == {"window", "logit_cap"}
+        assert CAPABILITIES.variants_for(phase) == {"window", "logit_cap", "non_causal"}
     base = mha(num_q_heads=8, num_kv_heads=1, head_dim=64, v_head_dim=64)
     assert "sinks" not in reasons(base.replace(window_left=127, logit_cap=30.0))
     assert "window" not in reasons(base.replace(window_left=127))

@@ -500,7 +500,12 @@ _TRITON_BOUNDS = """
     os.environ["TRITON_INTERPRET"] = "1"
     from attn_dispatch import AttnBatch, AttnConfig, Phase
     from attn_dispatch.backends.triton import _ops
+    from attn_dispatch.backends._common import StepStats
     from attn_dispatch.backends.triton.backend import TritonBackend
+
+    def _snap_with_tokens(snap, n):
+        s = snap.step
+        return dataclasses.replace(snap, step=StepStats(n, s.max_q_len, s.max_kv_len, s.max_page))
 
     cfg = AttnConfig("mha", 2, 1, 16, 16, dtype="float32", page_size=4, device="cpu")
     be = TritonBackend(cfg)
@@ -512,7 +517,7 @@ _TRITON_BOUNDS = """
     v = torch.randn(n, 4, 1, 16)
     # A snapshot claiming 1 token while the grid still walks 6 requests: the kernels must
     # bound request rows by q and the output, not by the plan.
-    forged = dataclasses.replace(plan, snap=dataclasses.replace(plan.snap, num_tokens=1))
+    forged = dataclasses.replace(plan, snap=_snap_with_tokens(plan.snap, 1))
     q = torch.randn(1, 2, 16)
     out = _ops.run_decode(be._kc, forged, q, k, v, 0.25)
     assert out.shape == (1, 2, 16) and torch.isfinite(out).all()
@@ -522,7 +527,7 @@ _TRITON_BOUNDS = """
     pb = AttnBatch.build(Phase.PREFILL, q_lens=[3] * n, kv_lens=[4] * n,
                          page_tables=[[i] for i in range(n)], page_size=4, num_pages=n)
     ep = be.plan(pb)
-    forged = dataclasses.replace(ep, snap=dataclasses.replace(ep.snap, num_tokens=2))
+    forged = dataclasses.replace(ep, snap=_snap_with_tokens(ep.snap, 2))
     out = _ops.run_extend(be._kc, forged, torch.randn(2, 2, 16), k, v, 0.25)
     assert out.shape == (2, 2, 16) and torch.isfinite(out).all()
     print("extend bounded")
