@@ -464,6 +464,11 @@ def test_auto_dtype_is_one_of_the_measured() -> None:
     assert dtype in ("float32", "bfloat16")
     assert "float32" in why and "bfloat16" in why
     assert torch.backends.cpu.get_cpu_capability() in why
+    # The verify's rows are timed too (a 2-row win alone once picked a dtype whose verify
+    # forwards were slow).
+    dtype, why = choose_dtype("base", "cpu", hidden=256, mlp=512, rows=2, verify_rows=18)
+    assert dtype in ("float32", "bfloat16")
+    assert "[2x256] and [18x256]" in why and why.count(" + ") == 2
 
 
 def test_accept_walks_the_longest_agreeing_path() -> None:

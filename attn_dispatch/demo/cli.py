@@ -257,7 +257,14 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     dspec = BackendSpec.parse(args.draft_spec) if args.draft_spec else None
     shape = sizes()[opts.size].target
     if args.dtype == "auto":
-        dtype, why = choose_dtype(opts.size, device, shape.hidden, shape.mlp, rows=opts.batch)
+        dtype, why = choose_dtype(
+            opts.size,
+            device,
+            shape.hidden,
+            shape.mlp,
+            rows=opts.batch,
+            verify_rows=opts.batch * (1 + opts.branch * opts.depth),
+        )
     else:
         dtype, why = args.dtype, "--dtype"
     # Reduced-precision attention differs between the verify and decode kernels by a rounding

@@ -92,11 +92,16 @@ def sizes() -> dict[str, Size]:
     }
 
 
-def choose_dtype(size: str, device: str, hidden: int, mlp: int, rows: int) -> tuple[str, str]:
+def choose_dtype(
+    size: str, device: str, hidden: int, mlp: int, rows: int, verify_rows: int | None = None
+) -> tuple[str, str]:
     """The dtype this machine runs the target fastest in, and why (measured, ~0.1 s).
 
     On CPUs with AVX512_BF16 or AMX bf16 matmuls are about twice as fast as fp32; on
-    AVX2-only CPUs torch's bf16 matmul is a slow fallback (~100x slower). So: time both."""
+    AVX2-only CPUs torch's bf16 matmul is a slow fallback. So: time both, at the decode's rows
+    and at the verify's (``verify_rows``): a dtype that wins the 2-row decode matmul on memory
+    bandwidth can lose the verify's many rows, which would make speculation look slow. The
+    pick is the dtype with the smaller sum of one decode and one verify matmul."""
     import torch
     import torch.nn.functional as F
 
@@ -107,22 +112,25 @@ def choose_dtype(size: str, device: str, hidden: int, mlp: int, rows: int) -> tu
     isa = torch.backends.cpu.get_cpu_capability()
     if size == "tiny":
         return "float32", f"{isa}; tiny models are bound by per-forward overhead, not matmuls"
-    best: dict[str, float] = {}
-    x = torch.randn(rows, hidden)
+    sizes = [rows] if verify_rows is None or verify_rows == rows else [rows, verify_rows]
     w = torch.randn(mlp, hidden) / hidden**0.5
+    best: dict[str, list[float]] = {}
     for name in ("float32", "bfloat16"):
         dt = getattr(torch, name)
-        xd, wd = x.to(dt), w.to(dt)
-        F.linear(xd, wd)
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
+        wd = w.to(dt)
+        for n in sizes:
+            xd = torch.randn(n, hidden).to(dt)
             F.linear(xd, wd)
-            times.append(time.perf_counter() - t0)
-        best[name] = min(times)
-    pick = min(best, key=lambda k: best[k])
-    why = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in best.items())
-    return pick, f"{isa}; matmul [{rows}x{hidden}] x [{hidden}x{mlp}]: {why}"
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                F.linear(xd, wd)
+                times.append(time.perf_counter() - t0)
+            best.setdefault(name, []).append(min(times))
+    pick = min(best, key=lambda k: sum(best[k]))
+    why = ", ".join(f"{k} {' + '.join(f'{t * 1e3:.2f}' for t in v)} ms" for k, v in best.items())
+    shapes = " and ".join(f"[{n}x{hidden}]" for n in sizes)
+    return pick, f"{isa}; matmul {shapes} x [{hidden}x{mlp}]: {why}"
 
 
 def _binds(name: str, config: AttnConfig) -> bool:
