@@ -228,6 +228,11 @@ def radix_layer(**fields: Any) -> types.SimpleNamespace:
     return types.SimpleNamespace(**{**base, **fields})
 
 
+def enum_value(value: str) -> Any:
+    """A stand-in for SGLang's ``AttentionType`` member (an Enum with string values)."""
+    return types.SimpleNamespace(value=value)
+
+
 def test_sliding_window_size_is_window_left_and_logit_cap_is_logit_cap() -> None:
     # Gemma 2 in SGLang: sliding_window_size = HF sliding_window - 1 = 4095, logit_cap 50.
     cfg = attn_config_from_layer(
@@ -266,6 +271,8 @@ def test_sglang_names_reach_a_binding_and_sinks_are_a_flag() -> None:
         ({"is_cross_attention": True}, "is_cross_attention"),
         ({"sliding_window_size": 2.5}, "sliding_window_size"),
         ({"logit_cap": -1.0}, "logit_cap"),
+        ({"attn_type": enum_value("decoder_bidirectional")}, "attn_type"),
+        ({"use_irope": True}, "attention_chunk_size"),
     ],
 )
 def test_sglang_values_we_do_not_serve_are_refused_by_name(
@@ -274,3 +281,24 @@ def test_sglang_values_we_do_not_serve_are_refused_by_name(
     with pytest.raises(InvalidSpecError) as info:
         attn_config_from_layer(radix_layer(**fields), dtype="bfloat16", page_size=16)
     assert info.value.field == name
+
+
+def test_sglang_attention_types_map_to_causal_and_chunk() -> None:
+    # Llama 4 in SGLang: the chunked layers have use_irope=True; the chunk size is the model
+    # config's attention_chunk_size (kept on the model runner, not on the layer).
+    chunked = attn_config_from_layer(
+        radix_layer(use_irope=True), dtype="bfloat16", page_size=16, attention_chunk_size=8192
+    )
+    assert chunked.attention_chunk_size == 8192 and chunked.causal
+    full = attn_config_from_layer(
+        radix_layer(use_irope=False), dtype="bfloat16", page_size=16, attention_chunk_size=8192
+    )
+    assert full.attention_chunk_size is None
+    encoder = attn_config_from_layer(
+        radix_layer(attn_type=enum_value("encoder_only")), dtype="bfloat16", page_size=16
+    )
+    assert not encoder.causal and "non_causal" in encoder.variants
+    decoder = attn_config_from_layer(
+        radix_layer(attn_type=enum_value("decoder")), dtype="bfloat16", page_size=16
+    )
+    assert decoder.causal

@@ -88,11 +88,15 @@ def attn_config_from_layer(
     kv_dtype: str | None = None,
     sinks: bool = False,
     tree_verify: bool = False,
+    attention_chunk_size: int | None = None,
 ) -> AttnConfig:
     """The MHA ``AttnConfig`` of one SGLang ``RadixAttention`` layer (read by attribute:
     ``tp_q_head_num``, ``tp_k_head_num``, ``qk_head_dim``, ``v_head_dim``, ``scaling``,
-    ``sliding_window_size``, ``logit_cap``, ``logit_capping_method``). Sinks are a forward
-    argument in SGLang (gpt-oss), so say ``sinks=True`` for such layers.
+    ``sliding_window_size``, ``logit_cap``, ``logit_capping_method``, ``attn_type``,
+    ``use_irope``). Sinks are a forward argument in SGLang (gpt-oss), so say ``sinks=True``
+    for such layers. ``attention_chunk_size``: the model config's (Llama 4), which SGLang keeps
+    on the model runner rather than on the layer; it applies to the layers with
+    ``use_irope=True`` (the chunked ones). An ``ENCODER_ONLY`` layer is ``causal=False``.
 
     >>> cfg = attn_config_from_layer(self.attn, dtype="bfloat16", page_size=16)
     """
@@ -100,6 +104,24 @@ def attn_config_from_layer(
         raise InvalidSpecError(
             "is_cross_attention", True, "cross attention has no paged self-attention config"
         )
+    kind = getattr(getattr(layer, "attn_type", None), "value", getattr(layer, "attn_type", None))
+    if kind not in (None, "decoder", "encoder_only"):
+        raise InvalidSpecError(
+            "attn_type",
+            kind,
+            "served: 'decoder' (causal) and 'encoder_only' (causal=False); a bidirectional "
+            "span inside a causal decoder is not an AttnConfig",
+        )
+    chunk = None
+    if getattr(layer, "use_irope", False):
+        if attention_chunk_size is None:
+            raise InvalidSpecError(
+                "attention_chunk_size",
+                None,
+                "this layer has use_irope=True (chunked local attention, Llama 4): pass the "
+                "model config's attention_chunk_size",
+            )
+        chunk = attention_chunk_size
     head_dim = int(getattr(layer, "qk_head_dim", None) or layer.head_dim)
     v_head_dim = getattr(layer, "v_head_dim", -1)
     return AttnConfig(
@@ -115,6 +137,8 @@ def attn_config_from_layer(
         tree_verify=tree_verify,
         sm_scale=float(layer.scaling) if getattr(layer, "scaling", None) else None,
         sinks=sinks,
+        causal=kind != "encoder_only",
+        attention_chunk_size=chunk,
         **variant_fields(
             sliding_window_size=getattr(layer, "sliding_window_size", -1),
             logit_cap=getattr(layer, "logit_cap", 0.0),
