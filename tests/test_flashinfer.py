@@ -1028,3 +1028,28 @@ def test_workspace_is_owned_per_backend_object(fake_flashinfer: Any) -> None:
     a.plan(_batch(Phase.PREFILL, [2], [2], 4))
     a.plan(_batch(Phase.DECODE, [1], [3], 4))
     assert all(w.init["float_workspace_buffer"] is a.workspace for w in _FakeWrapper.made)
+
+
+@pytest.mark.parametrize("phase", [Phase.PREFILL, Phase.VERIFY])
+def test_non_causal_layers_are_planned_non_causal(fake_flashinfer: Any, phase: Phase) -> None:
+    """AttnConfig(causal=False) (encoder layers): FlashInfer's prefill planned with
+    causal=False, every key of the request attended (checked against our contract read with
+    an all-True mask)."""
+    cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4,
+              causal=False)  # fmt: skip
+    q_lens, kv_lens = [3, 5], [11, 5]
+    batch = _batch(phase, q_lens, kv_lens, cfg.page_size)
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    q = torch.randn(sum(q_lens), cfg.num_q_heads, cfg.head_dim, generator=gen)
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125)
+    out = backend.handler(phase)(q, k_cache, v_cache, backend.plan(batch), 0.125)
+    (wrapper,) = _FakeWrapper.made
+    assert wrapper.kind == "BatchPrefillWithPagedKVCacheWrapper"
+    assert wrapper.plans[0]["causal"] is False
+    every = torch.ones(sum(n * m for n, m in zip(q_lens, kv_lens, strict=True)), dtype=torch.bool)
+    full = _batch(phase, q_lens, kv_lens, cfg.page_size, mask=every)
+    expected = _reference(cfg, full, q, k_cache, v_cache, 0.125)
+    torch.testing.assert_close(out, expected)
+    causal = _reference(cfg, batch, q, k_cache, v_cache, 0.125)
+    assert not torch.allclose(out, causal)  # the check can tell the two apart
