@@ -1120,9 +1120,10 @@ def _cells(f: Any) -> dict[str, Any]:
     return {n: c.cell_contents for n, c in zip(names, closure, strict=False)}
 
 
-def _chunk_size(fn: Any) -> int | None:
-    """C when ``fn`` is transformers' ``chunked_causal_mask_function(C, left_padding)`` (an
-    ``and_masks`` of its chunk overlay and the causal function), else None."""
+def _overlay_cell(fn: Any, overlay: str, cell: str) -> Any:
+    """The ``cell`` captured by ``overlay`` when ``fn`` is transformers' ``and_masks`` of that
+    overlay and the causal function (how its sliding and chunked causal masks are built), else
+    None."""
     from transformers.masking_utils import causal_mask_function
 
     if getattr(fn, "__qualname__", "") != "and_masks.<locals>.and_mask":
@@ -1130,25 +1131,20 @@ def _chunk_size(fn: Any) -> int | None:
     parts = _cells(fn).get("mask_functions")
     if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
         return None
-    if getattr(parts[0], "__qualname__", "") != "chunked_overlay.<locals>.inner_mask":
+    if getattr(parts[0], "__qualname__", "") != f"{overlay}.<locals>.inner_mask":
         return None
-    size = _cells(parts[0]).get("chunk_size")
+    return _cells(parts[0]).get(cell)
+
+
+def _chunk_size(fn: Any) -> int | None:
+    """C when ``fn`` is transformers' ``chunked_causal_mask_function(C, left_padding)``."""
+    size = _overlay_cell(fn, "chunked_overlay", "chunk_size")
     return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 def _sliding_width(fn: Any) -> int | None:
-    """W when ``fn`` is transformers' ``sliding_window_causal_mask_function(W)`` (an
-    ``and_masks`` of its window overlay and the causal function), else None."""
-    from transformers.masking_utils import causal_mask_function
-
-    if getattr(fn, "__qualname__", "") != "and_masks.<locals>.and_mask":
-        return None
-    parts = _cells(fn).get("mask_functions")
-    if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
-        return None
-    if getattr(parts[0], "__qualname__", "") != "sliding_window_overlay.<locals>.inner_mask":
-        return None
-    width = _cells(parts[0]).get("sliding_window")
+    """W when ``fn`` is transformers' ``sliding_window_causal_mask_function(W)``."""
+    width = _overlay_cell(fn, "sliding_window_overlay", "sliding_window")
     return width if isinstance(width, int) else None
 
 
