@@ -124,11 +124,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
   const int nkv = it.kv_head_end - it.kv_head, R = nkv * R1;
   const int Rp1 = (R1 + 3) / 4 * 4;  // score tiles are 4 rows high; padded rows have q = 0
   const int Rp = nkv * Rp1;
-  const int req = it.req;
-  const int qs = P.qo_indptr[req];
-  const int q_len = P.qo_indptr[req + 1] - qs;
-  const int kv_len = P.kv_lens[req];
-  const int32_t* pages = P.kv_indices + P.kv_indptr[req];
+  const int32_t* pages = P.kv_indices + P.kv_indptr[it.req];
   Buffers& B = tls_buffers;
   try {
     // q as bf16 (Rp x D / 2 floats of room), scores, bf16 weights (R x BK / 2 floats).
@@ -160,12 +156,16 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
       }
       const int r = gi * R1 + lr;
       const int jj = lr / nh, hh = lr % nh;
-      const int64_t token = qs + it.q0 + jj;
+      const RowSrc src = row_src(P, it, jj);
+      const int qs = P.qo_indptr[src.req];
+      const int q_len = P.qo_indptr[src.req + 1] - qs;
+      const int kv_len = P.kv_lens[src.req];
+      const int64_t token = qs + src.j;
       const int head = (it.kv_head + gi) * G + it.h0 + hh;
       std::memcpy(qr, qbase + (token * Hq + head) * D, sizeof(uint16_t) * size_t(D));
       bad[r] = row_not_finite(qr, D);
-      lim[r] = P.noncausal ? kv_len - 1 : kv_len - q_len + it.q0 + jj;
-      mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
+      lim[r] = P.noncausal ? kv_len - 1 : kv_len - q_len + src.j;
+      mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[src.req] + int64_t(src.j) * kv_len;
       m[r] = kNegInf;
       l[r] = 0.0f;
       std::memset(acc + size_t(r) * Dv, 0, sizeof(float) * size_t(Dv));

@@ -9,13 +9,19 @@
 // output + log2-sum-exp) at scratch row `slot`, merged afterwards.
 // Rows are ordered (kv head, query, head): r = (g - kv_head) * nq * nh + jj * nh + hh. A
 // decode tile spans every kv head of its request, so each page is read whole, in order.
+// shared = 1: a cascade tile over a group's shared leading pages (those of request `req`):
+// its queries q0..q1 index the group's cascade tokens (ctoks[cbase + q]), from several
+// requests, and row (token c, head h) writes its partial result at scratch row slot + c * Hq + h.
 typedef struct {
-  int32_t req, kv_head, q0, q1, h0, h1, k0, k1, slot, kv_head_end;
+  int32_t req, kv_head, q0, q1, h0, h1, k0, k1, slot, kv_head_end, shared, cbase;
 } NaItem;
 
 // Merge of the `nsplit` partial results of one tile; split s lives at rows slot0 + s * rows.
+// A cascade member also merges `nshared` shared-prefix partials: split s of query jj, head h
+// at row shared0 + s * shared_stride + jj * Hq + h.
 typedef struct {
-  int32_t req, kv_head, q0, q1, h0, h1, nsplit, slot0, kv_head_end, pad;
+  int32_t req, kv_head, q0, q1, h0, h1, nsplit, slot0, kv_head_end, nshared, shared0,
+      shared_stride;
 } NaMerge;
 
 // One layer's call as the kernels see it: the plan's (validated, private) metadata plus
@@ -43,6 +49,8 @@ typedef struct {
   const int64_t* mask_indptr;
   float* scratch;  // rows * Dv partial outputs, then rows log2-sum-exp values
   int64_t scratch_rows;
+  float* lse;            // NULL, or [T, Hq] natural-log sums of the rows (sinks included)
+  const int32_t* ctoks;  // cascade tokens: (request, query index) pairs
 } NaProblem;
 
 namespace na {
@@ -55,6 +63,8 @@ constexpr int kMaxRows = 32;
 // Split-KV never cuts a tile into chunks shorter than this many keys: below it the
 // merge costs more than the parallelism gains.
 constexpr int kMinSplitKeys = 256;
+// Cascade: a group shares at least this many leading keys, or it runs as private tiles.
+constexpr int kMinCascadeKeys = 64;
 // Widest head dims the kernels accept (per-thread buffers are sized from them).
 constexpr int kMaxHeadDim = 2048;
 

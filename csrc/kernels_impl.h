@@ -334,8 +334,22 @@ struct Buffers {
 };
 static thread_local Buffers tls_buffers;
 
+// Where row jj of a tile comes from: its request and query index. A tile's own request's
+// query q0 + jj, or for a cascade tile the group's (q0 + jj)-th cascade token.
+struct RowSrc {
+  int req, j;
+};
+static inline RowSrc row_src(const NaProblem& P, const NaItem& it, int jj) {
+  if (!it.shared) return RowSrc{it.req, it.q0 + jj};
+  const int32_t* c = P.ctoks + 2 * (int64_t(it.cbase) + it.q0 + jj);
+  return RowSrc{c[0], c[1]};
+}
+
+// ln 2: the kernels keep scores in log2 units; lse is reported in natural-log units.
+constexpr float kLn2 = 0.6931471805599453f;
+
 // Writes row r of a finished tile: the output (direct) or a partial result and its
-// log2-sum-exp (split-KV). A NaN row stays NaN through the merge.
+// log2-sum-exp (split-KV, cascade). A NaN row stays NaN through the merge.
 template <typename OT>
 static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int R1, int nh, int G,
                               const float* row, float inv, float m, float l, bool bad, OT* out) {
@@ -344,11 +358,14 @@ static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int R
   inv *= vscale;  // FP8: V's dequantisation factor, applied once per output row
   // A value row the row read held NaN or inf (invisible keys never reach acc: guard_values).
   bad = bad || row_not_finite(row, Dv);
+  const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
+  const int head = (it.kv_head + gi) * G + it.h0 + hh;
   if (it.slot < 0) {
-    const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
-    const int64_t token = P.qo_indptr[it.req] + it.q0 + jj;
-    const int head = (it.kv_head + gi) * G + it.h0 + hh;
+    const RowSrc src = row_src(P, it, jj);
+    const int64_t token = P.qo_indptr[src.req] + src.j;
     OT* o = out + (token * Hq + head) * Dv;
+    // log2 of the row's sum of exp2(score): -inf when it saw no key.
+    float lse2 = l > 0.0f ? m + std::log2(l) : kNegInf;
     if (P.sinks != nullptr) {
       // The sink joins the denominator only: acc / (l + e^(sink - m)), in a common frame.
       // A NaN sink gives a NaN row; +inf takes all the weight (the row is 0); -inf is no sink.
@@ -358,18 +375,25 @@ static inline void finish_row(const NaProblem& P, const NaItem& it, int r, int R
         bad = true;
       } else if (sk == -kNegInf || big == kNegInf) {
         inv = 0.0f;
+        lse2 = big;
       } else {
         const float a = std::exp2(m - big);  // 0 when the row saw no key
-        inv = a / (l * a + std::exp2(sk - big)) * vscale;
+        const float denom = l * a + std::exp2(sk - big);
+        inv = a / denom * vscale;
+        lse2 = big + std::log2(denom);
       }
     }
     if (bad) {
       fill_nan(o, Dv);
+      lse2 = std::numeric_limits<float>::quiet_NaN();
     } else {
       store_row(o, row, inv, Dv);
     }
+    if (P.lse != nullptr) P.lse[token * Hq + head] = lse2 * kLn2;
   } else {
-    const int64_t srow = int64_t(it.slot) + r;
+    // A split's partial: row r of the tile; a cascade tile's: per (token, head) of its group.
+    const int64_t srow =
+        it.shared ? int64_t(it.slot) + int64_t(it.q0 + jj) * Hq + head : int64_t(it.slot) + r;
     float* lse = P.scratch + P.scratch_rows * Dv;
     if (bad) {
       fill_nan(P.scratch + srow * Dv, Dv);
@@ -600,22 +624,22 @@ static void init_rows(const NaProblem& P, const NaItem& it, int R, int R1, int n
                       int Dvp, float* qb, float* m, float* l, float* acc, int* lim, bool* bad,
                       const uint8_t** mrow) {
   const int Hq = P.num_q_heads, D = P.head_dim;
-  const int req = it.req;
-  const int qs = P.qo_indptr[req];
-  const int q_len = P.qo_indptr[req + 1] - qs;
-  const int kv_len = P.kv_lens[req];
   const float qscale = P.sm_scale * kLog2e * P.k_scale * f8_unit(P);
   const QT* qbase = static_cast<const QT*>(P.q);
   for (int r = 0; r < R; ++r) {
     const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
-    const int64_t token = qs + it.q0 + jj;
+    const RowSrc src = row_src(P, it, jj);
+    const int qs = P.qo_indptr[src.req];
+    const int q_len = P.qo_indptr[src.req + 1] - qs;
+    const int kv_len = P.kv_lens[src.req];
+    const int64_t token = qs + src.j;
     const int head = (it.kv_head + gi) * G + it.h0 + hh;
     float* qr = qb + size_t(r) * Dp;
     load_row(qr, qbase + (token * Hq + head) * D, D, Dp);
     bad[r] = row_not_finite(qbase + (token * Hq + head) * D, D);
     for (int c = 0; c < Dp; ++c) qr[c] *= qscale;
-    lim[r] = P.noncausal ? kv_len - 1 : kv_len - q_len + it.q0 + jj;
-    mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[req] + int64_t(it.q0 + jj) * kv_len;
+    lim[r] = P.noncausal ? kv_len - 1 : kv_len - q_len + src.j;
+    mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[src.req] + int64_t(src.j) * kv_len;
     m[r] = kNegInf;
     l[r] = 0.0f;
     std::memset(acc + size_t(r) * Dvp, 0, sizeof(float) * size_t(Dvp));
@@ -915,6 +939,7 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
   const int R = (mg.kv_head_end - mg.kv_head) * R1;
   const float* lse = P.scratch + P.scratch_rows * Dv;
   const int qs = P.qo_indptr[mg.req];
+  const int nparts = mg.nsplit + mg.nshared;
   Buffers& B = tls_buffers;
   try {
     B.ensure(1, W, round_up(Dv, W));
@@ -923,47 +948,51 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
   }
   float* tmp = B.acc.data();
   for (int r = 0; r < R; ++r) {
-    {
-      const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
-      float mx = kNegInf;
-      bool bad = false;
-      for (int s = 0; s < mg.nsplit; ++s) {
-        const float x = lse[int64_t(mg.slot0) + s * R + r];
-        bad |= x != x;
-        mx = std::max(mx, x);
-      }
-      const int64_t token = qs + mg.q0 + jj;
-      const int head = (mg.kv_head + gi) * G + mg.h0 + hh;
-      if (bad) {
-        fill_nan(static_cast<QT*>(P.out) + (token * Hq + head) * Dv, Dv);
-        continue;
-      }
-      std::fill(tmp, tmp + Dv, 0.0f);
-      float wsum = 0.0f;
-      // The sink joins the denominator once, here (the splits' partials have none).
-      const float sk = P.sinks != nullptr ? P.sinks[head] * kLog2e : kNegInf;
-      if (sk != sk) {  // a NaN sink: a NaN row (the rule of finish_row)
-        fill_nan(static_cast<QT*>(P.out) + (token * Hq + head) * Dv, Dv);
-        continue;
-      }
-      mx = std::max(mx, sk);
-      if (sk == -kNegInf) {  // a +inf sink takes all the weight: the row is 0
-        mx = kNegInf;
-      }
-      if (mx != kNegInf) {
-        if (P.sinks != nullptr) wsum = std::exp2(sk - mx);
-        for (int s = 0; s < mg.nsplit; ++s) {
-          const int64_t row = int64_t(mg.slot0) + int64_t(s) * R + r;
-          const float w = std::exp2(lse[row] - mx);  // 0 for a split that saw no key
-          if (w == 0.0f) continue;
-          wsum += w;
-          const float* o = P.scratch + row * Dv;
-          for (int c = 0; c < Dv; ++c) tmp[c] += w * o[c];
-        }
-      }
-      const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
-      store_row(static_cast<QT*>(P.out) + (token * Hq + head) * Dv, tmp, inv, Dv);
+    const int gi = r / R1, jj = (r % R1) / nh, hh = r % nh;
+    const int64_t token = qs + mg.q0 + jj;
+    const int head = (mg.kv_head + gi) * G + mg.h0 + hh;
+    // Part p's scratch row: the tile's own splits, then the cascade group's shared splits.
+    auto part_row = [&](int p) -> int64_t {
+      if (p < mg.nsplit) return int64_t(mg.slot0) + int64_t(p) * R + r;
+      return int64_t(mg.shared0) + int64_t(p - mg.nsplit) * mg.shared_stride +
+             int64_t(jj) * Hq + head;
+    };
+    QT* o = static_cast<QT*>(P.out) + (token * Hq + head) * Dv;
+    float* lse_out = P.lse != nullptr ? P.lse + token * Hq + head : nullptr;
+    float mx = kNegInf;
+    bool bad = false;
+    for (int p = 0; p < nparts; ++p) {
+      const float x = lse[part_row(p)];
+      bad |= x != x;
+      mx = std::max(mx, x);
     }
+    // The sink joins the denominator once, here (the parts' partials have none).
+    const float sk = P.sinks != nullptr ? P.sinks[head] * kLog2e : kNegInf;
+    if (bad || sk != sk) {  // a NaN part or a NaN sink: a NaN row (the rule of finish_row)
+      fill_nan(o, Dv);
+      if (lse_out != nullptr) *lse_out = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    std::fill(tmp, tmp + Dv, 0.0f);
+    float wsum = 0.0f;
+    mx = std::max(mx, sk);
+    float lse2 = mx;  // +inf (a +inf sink: the row is 0) or -inf (no key, no sink)
+    if (sk == -kNegInf) mx = kNegInf;
+    if (mx != kNegInf) {
+      if (P.sinks != nullptr) wsum = std::exp2(sk - mx);
+      for (int p = 0; p < nparts; ++p) {
+        const int64_t row = part_row(p);
+        const float w = std::exp2(lse[row] - mx);  // 0 for a part that saw no key
+        if (w == 0.0f) continue;
+        wsum += w;
+        const float* src = P.scratch + row * Dv;
+        for (int c = 0; c < Dv; ++c) tmp[c] += w * src[c];
+      }
+      if (wsum > 0.0f) lse2 = mx + std::log2(wsum);
+    }
+    const float inv = wsum > 0.0f ? 1.0f / wsum : 0.0f;
+    store_row(o, tmp, inv, Dv);
+    if (lse_out != nullptr) *lse_out = lse2 * kLn2;
   }
   return 0;
 }

@@ -12,6 +12,8 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -147,7 +149,7 @@ int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
 extern "C" {
 
-int32_t na_abi_version(void) { return 4; }
+int32_t na_abi_version(void) { return 5; }
 
 const char* na_isa(void) { return kernels()->name; }
 
@@ -183,6 +185,8 @@ struct NaPlan {
   std::vector<int64_t> mask_indptr;
   std::vector<NaItem> items;
   std::vector<NaMerge> merges;
+  std::vector<int32_t> ctoks;  // cascade tokens: (request, query index) pairs, by group
+  int64_t cascade_groups = 0, cascade_requests = 0, cascade_keys = 0;
 };
 
 namespace {
@@ -330,23 +334,132 @@ int first_key(const NaPlan& P, int i, int q0, int q1) {
   return first;
 }
 
+// How many leading keys every query of request i sees whatever its position: the keys a
+// cascade tile may read for it without a per-row limit (0: none).
+int64_t keys_all_rows_see(const NaPlan& P, int i) {
+  const int q_len = P.qo[i + 1] - P.qo[i];
+  const int64_t kv_len = P.lens[i];
+  if (P.causal) return P.cfg.causal ? kv_len - q_len + 1 : kv_len;
+  int64_t lo = kv_len;  // custom mask: the shortest run of allowed keys from 0 over its rows
+  for (int j = 0; j < q_len; ++j) {
+    const uint8_t* row = P.mask.data() + P.mask_indptr[i] + int64_t(j) * kv_len;
+    int64_t t = 0;
+    while (t < lo && row[t]) ++t;
+    lo = t;
+  }
+  return lo;
+}
+
+// One group of requests whose page tables start with the same `pages` page ids.
+struct Group {
+  std::vector<int> members;
+  int pages = 0;
+  int ctok0 = 0, ntok = 0;  // its cascade tokens: ctoks[ctok0 .. ctok0 + ntok)
+  int nsplit = 1, chunk = 0;
+  int64_t base = 0;  // scratch row of split 0, token 0, head 0
+};
+
+// Cascade planning: requests with small tiles (decode, short verify) whose page tables start
+// with the same whole pages, read by every query of each of them, form a group; the group's
+// shared keys are then read once by tiles spanning all its queries, and each member's own
+// keys as before, the two merged by log-sum-exp. Off with a window or a chunk (each row would
+// need its own first key) and for long prefill tiles (which read each key for 32 rows already).
+std::vector<Group> find_groups(NaPlan& P, int group_heads) {
+  std::vector<Group> groups;
+  const NaConfig& c = P.cfg;
+  if (!c.cascade || c.window_left >= 0 || c.chunk_size > 0) return groups;
+  const int ps = c.page_size;
+  const int B = P.num_requests;
+  std::vector<std::pair<int32_t, int>> firsts;  // (first page, request) of eligible requests
+  std::vector<int> usable(size_t(B), 0);        // whole pages every query of i sees
+  for (int i = 0; i < B; ++i) {
+    const int q_len = P.qo[i + 1] - P.qo[i];
+    if (q_len < 1 || group_heads * q_len > na::kMaxRows / 2) continue;
+    const int64_t n_pages = P.kvp[i + 1] - P.kvp[i];
+    usable[size_t(i)] = int(std::min<int64_t>(n_pages, keys_all_rows_see(P, i) / ps));
+    if (usable[size_t(i)] > 0) firsts.emplace_back(P.idx[size_t(P.kvp[i])], i);
+  }
+  std::stable_sort(firsts.begin(), firsts.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<std::pair<int, int>> lcp;  // (shared pages with the run's first request, request)
+  for (size_t a = 0; a < firsts.size();) {
+    size_t b = a;
+    while (b < firsts.size() && firsts[b].first == firsts[a].first) ++b;
+    if (b - a >= 2) {
+      const int lead = firsts[a].second;
+      const int32_t* lp = P.idx.data() + P.kvp[lead];
+      lcp.clear();
+      for (size_t m = a; m < b; ++m) {
+        const int i = firsts[m].second;
+        const int32_t* ip = P.idx.data() + P.kvp[i];
+        const int most = std::min(usable[size_t(i)], usable[size_t(lead)]);
+        int n = 0;
+        while (n < most && ip[n] == lp[n]) ++n;
+        lcp.emplace_back(n, i);
+      }
+      // The share length that saves the most key reads: (members - 1) x shared pages.
+      std::stable_sort(lcp.begin(), lcp.end(),
+                       [](const auto& x, const auto& y) { return x.first > y.first; });
+      int64_t best = 0;
+      size_t best_n = 0;
+      for (size_t k = 1; k < lcp.size(); ++k) {
+        const int64_t saved = int64_t(k) * lcp[k].first;
+        if (saved > best) best = saved, best_n = k + 1;
+      }
+      if (best_n >= 2 && int64_t(lcp[best_n - 1].first) * ps >= na::kMinCascadeKeys) {
+        Group g;
+        g.pages = lcp[best_n - 1].first;
+        for (size_t k = 0; k < best_n; ++k) g.members.push_back(lcp[k].second);
+        std::sort(g.members.begin(), g.members.end());  // batch order: tokens stay in order
+        groups.push_back(std::move(g));
+      }
+    }
+    a = b;
+  }
+  return groups;
+}
+
 int make_items(NaPlan& P) {
   const NaConfig& c = P.cfg;
   const int B = P.num_requests;
+  const int Hq = c.num_q_heads;
   // A tile is (request, kv head, head block, query block); its rows share every K/V row read.
   const int group = c.num_q_heads / c.num_kv_heads;
   const int n_hblocks = ceil_div(group, na::kMaxRows);
   const int hb = ceil_div(group, n_hblocks);
   const int qb = std::max(1, na::kMaxRows / hb);
-  // A request whose whole tile of one kv head is small (decode, short verify) takes several
-  // kv heads per tile: each block of tokens is then read whole, in address order (a token's
-  // heads are adjacent in the cache), instead of one head's 2 KB-strided rows per tile.
-  auto heads_per_tile = [&](int q_len) {
-    const int rows = group * q_len;
+  // A tile whose rows of one kv head are few (decode, short verify) takes several kv heads:
+  // each block of tokens is then read whole, in address order (a token's heads are adjacent
+  // in the cache), instead of one head's 2 KB-strided rows per tile.
+  auto heads_per_rows = [&](int rows) {
     if (n_hblocks != 1 || rows > na::kMaxRows / 2) return 1;
     return std::max(1, std::min(c.num_kv_heads, na::kMaxRows / rows));
   };
+  auto heads_per_tile = [&](int q_len) { return heads_per_rows(group * q_len); };
+  std::vector<Group> groups = find_groups(P, group);
+  std::vector<int> shared_keys(size_t(B), 0), member_group(size_t(B), -1);
+  std::vector<int> member_tok(size_t(B), 0);
   int64_t tiles = 0;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    Group& g = groups[gi];
+    g.ctok0 = int(P.ctoks.size() / 2);
+    for (int i : g.members) {
+      shared_keys[size_t(i)] = g.pages * c.page_size;
+      member_group[size_t(i)] = int(gi);
+      member_tok[size_t(i)] = g.ntok;
+      for (int j = 0; j < P.qo[i + 1] - P.qo[i]; ++j) {
+        P.ctoks.push_back(i);
+        P.ctoks.push_back(j);
+        ++g.ntok;
+      }
+    }
+    const int rows = std::min(g.ntok, qb) * hb;
+    tiles += int64_t(ceil_div(c.num_kv_heads, heads_per_rows(rows))) * n_hblocks *
+             ceil_div(g.ntok, qb);
+    P.cascade_keys += int64_t(g.pages) * c.page_size;
+    P.cascade_requests += int64_t(g.members.size());
+  }
+  P.cascade_groups = int64_t(groups.size());
   for (int i = 0; i < B; ++i) {
     const int q_len = P.qo[i + 1] - P.qo[i];
     tiles += int64_t(ceil_div(c.num_kv_heads, heads_per_tile(q_len))) * n_hblocks *
@@ -356,12 +469,47 @@ int make_items(NaPlan& P) {
   // chosen by the caller from a fixed floor, so small thread counts plan the same splits.
   const int64_t target = std::max(1, c.split_target);
   const int want = tiles > 0 && tiles < target ? ceil_div(target, tiles) : 1;
+  // How a span of keys is cut: (splits, keys per split), splits 1 meaning whole.
+  auto cut = [&](int span) {
+    int nsplit = std::max(1, std::min(want, ceil_div(span, na::kMinSplitKeys)));
+    int chunk = span;
+    if (nsplit > 1) {
+      chunk = ceil_div(ceil_div(span, nsplit), na::kBlockKeys) * na::kBlockKeys;
+      nsplit = ceil_div(span, chunk);
+    }
+    return std::make_pair(nsplit, chunk);
+  };
   int64_t rows_used = 0;
   P.items.reserve(size_t(tiles) * size_t(want));
+  // Cascade tiles first (the largest items: the pool takes items in order).
+  for (Group& g : groups) {
+    std::tie(g.nsplit, g.chunk) = cut(g.pages * c.page_size);
+    g.base = rows_used;
+    rows_used += int64_t(g.nsplit) * g.ntok * Hq;
+    if (rows_used > INT32_MAX) return NA_E_TOO_LARGE;
+    const int span = g.pages * c.page_size;
+    const int hpt = heads_per_rows(std::min(g.ntok, qb) * hb);
+    for (int kh = 0; kh < c.num_kv_heads; kh += hpt) {
+      const int kh1 = std::min(c.num_kv_heads, kh + hpt);
+      for (int h0 = 0; h0 < group; h0 += hb) {
+        const int h1 = std::min(group, h0 + hb);
+        for (int t0 = 0; t0 < g.ntok; t0 += qb) {
+          const int t1 = std::min(g.ntok, t0 + qb);
+          for (int s = 0; s < g.nsplit; ++s) {
+            const int k0 = s * g.chunk, k1 = std::min(span, k0 + g.chunk);
+            const int64_t slot = g.base + int64_t(s) * g.ntok * Hq;
+            P.items.push_back(NaItem{g.members[0], kh, t0, t1, h0, h1, k0, k1, int32_t(slot),
+                                     kh1, 1, g.ctok0});
+          }
+        }
+      }
+    }
+  }
   for (int i = 0; i < B; ++i) {
     const int q_len = P.qo[i + 1] - P.qo[i];
     const int kv_len = P.lens[i];
     const int hpt = heads_per_tile(q_len);
+    const int mg = member_group[size_t(i)];
     for (int g = 0; g < c.num_kv_heads; g += hpt) {
       const int g1 = std::min(c.num_kv_heads, g + hpt);
       for (int h0 = 0; h0 < group; h0 += hb) {
@@ -375,24 +523,30 @@ int make_items(NaPlan& P) {
                                : kv_len;
           // Sliding window: keys before the first one any row of the tile may see are never
           // read (whole pages outside the window are skipped; decode reads window_left + 1).
-          const int kstart = std::min(kend, first_key(P, i, q0, q1));
+          // A cascade member's shared keys were read by its group's tiles.
+          const int kstart =
+              std::min(kend, std::max(shared_keys[size_t(i)], first_key(P, i, q0, q1)));
           const int span = kend - kstart;
-          int nsplit = std::max(1, std::min(want, ceil_div(span, na::kMinSplitKeys)));
-          int chunk = span;
-          if (nsplit > 1) {
-            chunk = ceil_div(ceil_div(span, nsplit), na::kBlockKeys) * na::kBlockKeys;
-            nsplit = ceil_div(span, chunk);
-          }
-          if (nsplit <= 1) {
-            P.items.push_back(NaItem{i, g, q0, q1, h0, h1, kstart, kend, -1, g1});
+          int nsplit, chunk;
+          std::tie(nsplit, chunk) = cut(span);
+          if (mg < 0 && nsplit <= 1) {
+            P.items.push_back(NaItem{i, g, q0, q1, h0, h1, kstart, kend, -1, g1, 0, 0});
             continue;
           }
+          if (span == 0) nsplit = 0;  // a member whose every key is shared
           for (int s = 0; s < nsplit; ++s) {
             const int k0 = kstart + s * chunk, k1 = std::min(kend, k0 + chunk);
-            P.items.push_back(
-                NaItem{i, g, q0, q1, h0, h1, k0, k1, int32_t(rows_used + int64_t(s) * rows), g1});
+            P.items.push_back(NaItem{i, g, q0, q1, h0, h1, k0, k1,
+                                     int32_t(rows_used + int64_t(s) * rows), g1, 0, 0});
           }
-          P.merges.push_back(NaMerge{i, g, q0, q1, h0, h1, nsplit, int32_t(rows_used), g1, 0});
+          NaMerge m{i, g, q0, q1, h0, h1, nsplit, int32_t(rows_used), g1, 0, 0, 0};
+          if (mg >= 0) {
+            const Group& gr = groups[size_t(mg)];
+            m.nshared = gr.nsplit;
+            m.shared0 = int32_t(gr.base + (int64_t(member_tok[size_t(i)]) + q0) * Hq);
+            m.shared_stride = gr.ntok * Hq;
+          }
+          P.merges.push_back(m);
           rows_used += int64_t(nsplit) * rows;
           if (rows_used > INT32_MAX) return NA_E_TOO_LARGE;
         }
@@ -449,14 +603,17 @@ NaPlan* na_plan_create(const NaConfig* cfg, int32_t num_requests, const int32_t*
 void na_plan_free(NaPlan* plan) { delete plan; }
 
 void na_plan_info(const NaPlan* P, NaPlanInfo* info) {
-  *info = NaPlanInfo{P->num_tokens, P->num_requests, P->max_page, int64_t(P->items.size()),
-                     int64_t(P->merges.size()), P->scratch_rows};
+  *info = NaPlanInfo{P->num_tokens,    P->num_requests,
+                     P->max_page,      int64_t(P->items.size()),
+                     int64_t(P->merges.size()), P->scratch_rows,
+                     P->cascade_groups, P->cascade_requests,
+                     P->cascade_keys};
 }
 
 int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, int64_t q_numel,
            const void* k, int64_t k_numel, const void* v, int64_t v_numel, void* out,
            int64_t out_numel, float sm_scale, const float* sinks, int64_t sinks_numel,
-           float k_scale, float v_scale, int32_t num_threads) {
+           float k_scale, float v_scale, float* lse, int64_t lse_numel, int32_t num_threads) {
   if (plan == nullptr || cfg == nullptr || !same_config(plan->cfg, *cfg)) return -1;
   const NaConfig& c = plan->cfg;
   const bool mla = c.kind == NA_MLA;
@@ -475,6 +632,7 @@ int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, int64_t q_num
     return -1;
   }
   if (sinks != nullptr && sinks_numel < Hq) return -1;
+  if (lse != nullptr && (lse_numel < 0 || T * Hq > lse_numel)) return -1;
   NaProblem p{};
   p.q = q;
   p.k = k;
@@ -505,6 +663,8 @@ int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, int64_t q_num
   p.mask = plan->causal ? nullptr : plan->mask.data();
   p.mask_indptr = plan->causal ? nullptr : plan->mask_indptr.data();
   p.scratch_rows = plan->scratch_rows;
+  p.lse = lse;
+  p.ctoks = plan->ctoks.data();
   if (!plan->merges.empty()) {
     try {
       const size_t need = size_t(plan->scratch_rows) * (size_t(c.v_head_dim) + 1);

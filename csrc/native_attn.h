@@ -29,6 +29,8 @@ typedef struct {
   float logit_cap;       // 0: off; else s = cap * tanh(s / cap) after scaling
   int32_t causal;        // 1: bottom-right causal (without a custom mask); 0: every key
   int32_t chunk_size;    // 0: off; else a query at p sees keys (p / chunk) * chunk ..= p
+  int32_t cascade;       // 1: requests whose page tables start with the same pages read them
+                         // once (a plan property: na_run does not compare it)
 } NaConfig;
 
 // Why na_plan_create refused a batch: `field` (NA_E_*), the request (-1: none) and values.
@@ -53,6 +55,9 @@ typedef struct NaPlan NaPlan;  // opaque; owns copies of every index array it us
 
 typedef struct {
   int64_t num_tokens, num_requests, max_page, num_items, num_merges, scratch_rows;
+  // Cascade: groups of requests sharing leading pages, the requests in them, and the shared
+  // keys (summed over groups) read once per group instead of once per request.
+  int64_t cascade_groups, cascade_requests, cascade_keys;
 } NaPlanInfo;
 
 // Validates and plans one batch. qo_indptr, kv_indptr [B+1], kv_lens [B], kv_indices
@@ -74,12 +79,15 @@ NA_API void na_plan_info(const NaPlan* plan, NaPlanInfo* info);
 // sinks: NULL or float32 [sinks_numel >= Hq] (one logit per q head, joins the softmax
 // denominator only). k_scale / v_scale: FP8 caches' dequantisation factors (1 otherwise; MLA
 // uses k_scale for the latent, V included).
+// lse: NULL or float32 [lse_numel >= T * Hq]: each row's natural log of the sum of exp of its
+// scores (sink included), -inf for a row that saw no key, NaN for a NaN row.
 // Returns 0; -1 bad arguments (config differs from the plan's, a tensor too small for the
 // plan); -2 out of memory.
 NA_API int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, int64_t q_numel,
                   const void* k, int64_t k_numel, const void* v, int64_t v_numel, void* out,
                   int64_t out_numel, float sm_scale, const float* sinks, int64_t sinks_numel,
-                  float k_scale, float v_scale, int32_t num_threads);
+                  float k_scale, float v_scale, float* lse, int64_t lse_numel,
+                  int32_t num_threads);
 
 // Instruction-set path: name of the one in use, and forcing one ("generic", "avx2",
 // "avx512", "avx512bf16"); returns 0 when set, -1 when this CPU/build lacks it.

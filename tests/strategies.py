@@ -415,3 +415,78 @@ def malformed_scenarios(draw: Any, num_pages: int, page_size: int) -> dict[str, 
         plan_from=draw(st.sampled_from(["own", "own", "own", "big", "ps8"])),
         no_page_size=draw(st.booleans()),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Cascade (shared-prefix) batches for tests/test_cascade.py: page tables that share leading
+# pages in every way the planner must tell apart.
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeCase:
+    """A decode or verify batch whose page tables may share leading pages (plain data)."""
+
+    page_size: int
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    tables: tuple[tuple[int, ...], ...]
+    num_pages: int
+    tree: bool  # verify with a random custom mask over the drafted tokens
+    kind: str = "mha"
+    num_q_heads: int = 4
+    num_kv_heads: int = 2
+    sinks: bool = False
+    logit_cap: float | None = None
+    kv_dtype: str | None = None
+    seed: int = 0
+
+
+@st.composite
+def cascade_cases(draw: Any) -> CascadeCase:
+    """Requests that share all, part or none of a common prefix of pages; some hold the
+    shared pages at another position (not a prefix: no cascade for them); some have no own
+    page (every key shared); some read only part of their last page."""
+    ps = draw(st.sampled_from((8, 16)))
+    n = draw(st.integers(2, 6))
+    verify = draw(st.booleans())
+    q_lens = tuple(draw(st.integers(1, 3)) if verify else 1 for _ in range(n))
+    # At least 64 keys (the planner's floor) most of the time.
+    prefix_pages = draw(
+        st.sampled_from((0, 1, 1, 1)).flatmap(
+            lambda small: st.integers(1, 3) if not small else st.integers(64 // ps, 10)
+        )
+    )
+    prefix = list(range(prefix_pages))
+    next_page = prefix_pages
+    tables, kv_lens = [], []
+    for q_len in q_lens:
+        how = draw(st.sampled_from(("all",) * 5 + ("some", "none")))
+        shared = {"all": prefix_pages, "none": 0}.get(how) or draw(st.integers(0, prefix_pages))
+        own = draw(st.integers(0 if shared else 1, 3))
+        mine = list(range(next_page, next_page + own))
+        next_page += own
+        layout = draw(st.sampled_from(("prefix",) * 5 + ("after",)))
+        table = mine + prefix[:shared] if layout == "after" else prefix[:shared] + mine
+        full = len(table) * ps
+        # Whole pages, or part of the last page (at least q_len keys in all).
+        kv_len = max(q_len, full - draw(st.integers(0, ps - 1)))
+        tables.append(tuple(table))
+        kv_lens.append(kv_len)
+    kind = draw(st.sampled_from(("mha", "mha", "mla")))
+    hkv = 1 if kind == "mla" else draw(st.sampled_from((1, 2)))
+    group = draw(st.sampled_from((1, 2, 4)))
+    return CascadeCase(
+        page_size=ps,
+        q_lens=q_lens,
+        kv_lens=tuple(kv_lens),
+        tables=tuple(tables),
+        num_pages=next_page + draw(st.integers(0, 2)),
+        tree=verify and draw(st.booleans()),
+        kind=kind,
+        num_q_heads=hkv * group,
+        num_kv_heads=hkv,
+        sinks=draw(st.booleans()),
+        logit_cap=draw(st.sampled_from((None, None, 5.0))),
+        kv_dtype=draw(st.sampled_from((None, None, "float8_e4m3fn"))),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )

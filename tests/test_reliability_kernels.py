@@ -456,10 +456,12 @@ _NATIVE_BOUNDS = """
     run = be.library.cdll.na_run
     ref = ctypes.byref(be._cfg)
 
-    def call(plan, q, k, v, out, sinks=None, n_sinks=0):
+    def call(plan, q, k, v, out, sinks=None, n_sinks=0, lse=None):
         return run(plan.handle.ptr, ref, q.data_ptr(), q.numel(), k.data_ptr(), k.numel(),
                    v.data_ptr(), v.numel(), out.data_ptr(), out.numel(), 0.2,
-                   None if sinks is None else sinks.data_ptr(), n_sinks, 1.0, 1.0, 2)
+                   None if sinks is None else sinks.data_ptr(), n_sinks, 1.0, 1.0,
+                   None if lse is None else lse.data_ptr(), 0 if lse is None else lse.numel(),
+                   2)
 
     # the big plan's 80 rows and 30 pages against tensors for 2 rows and 1 page
     assert call(pb, q, k, v, out) == -1, "rows past q"
@@ -469,6 +471,7 @@ _NATIVE_BOUNDS = """
     kk, vv = torch.randn(30, 4, 2, 32), torch.randn(30, 4, 2, 32)
     assert call(pb, big_q, kk, vv, out) == -1, "rows past out"
     assert call(pb, big_q, kk, vv, big_out, torch.zeros(2), 2) == -1, "sinks shorter than Hq"
+    assert call(pb, big_q, kk, vv, big_out, lse=torch.empty(80, 2)) == -1, "lse past its rows"
     assert call(pb, big_q, kk, vv, big_out) == 0
     assert call(ps, q, k, v, out) == 0
     print("ctypes ok")

@@ -17,7 +17,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LIB_STEM = "_native_attn"
 BUILD_ERROR_FILE = HERE / f"{LIB_STEM}.build-error.txt"
-ABI_VERSION = 4
+ABI_VERSION = 5
 # Points the loader at another library file (development, or tests of the "not built" path).
 ENV_LIBRARY = "ATTN_DISPATCH_NATIVE_LIB"
 
@@ -34,6 +34,7 @@ class NaConfig(ctypes.Structure):
         ("logit_cap", ctypes.c_float),
         ("causal", ctypes.c_int32),
         ("chunk_size", ctypes.c_int32),
+        ("cascade", ctypes.c_int32),
     ]  # fmt: skip
 
 
@@ -51,6 +52,7 @@ class NaPlanInfo(ctypes.Structure):
         (n, ctypes.c_int64)
         for n in (
             "num_tokens", "num_requests", "max_page", "num_items", "num_merges", "scratch_rows",
+            "cascade_groups", "cascade_requests", "cascade_keys",
         )
     ]  # fmt: skip
 
@@ -116,10 +118,10 @@ def _declare(cdll: ctypes.CDLL) -> None:
     cdll.na_plan_info.argtypes = [vp, ctypes.POINTER(NaPlanInfo)]
     cdll.na_run.restype = ctypes.c_int
     # plan, cfg, q, q_numel, k, k_numel, v, v_numel, out, out_numel, sm_scale, sinks,
-    # sinks_numel, k_scale, v_scale, num_threads
+    # sinks_numel, k_scale, v_scale, lse, lse_numel, num_threads
     cdll.na_run.argtypes = [
         vp, ctypes.POINTER(NaConfig), vp, c_i64, vp, c_i64, vp, c_i64, vp, c_i64,
-        ctypes.c_float, vp, c_i64, ctypes.c_float, ctypes.c_float, c_i32,
+        ctypes.c_float, vp, c_i64, ctypes.c_float, ctypes.c_float, vp, c_i64, c_i32,
     ]  # fmt: skip
 
 

@@ -86,6 +86,21 @@ class NativePlan(PlanBase):
     num_merges: int
     handle: _PlanHandle
     snapshot: BatchSnapshot  # the shared validator's view (per-call tensor checks read it)
+    #: Cascade: groups of requests whose page tables start with the same pages (read once per
+    #: group), the requests in them, and the shared keys summed over the groups. 0 when off.
+    cascade_groups: int = 0
+    cascade_requests: int = 0
+    cascade_keys: int = 0
+
+    @property
+    def dispatch_note(self) -> str | None:
+        """What ``record_dispatch`` shows beside the call: the cascade, when it ran."""
+        if not self.cascade_groups:
+            return None
+        return (
+            f"cascade: {self.cascade_requests} requests in {self.cascade_groups} "
+            f"group{'s' if self.cascade_groups > 1 else ''} share {self.cascade_keys} keys"
+        )
 
 
 class NativeBackend(TorchBackendBase):
@@ -111,6 +126,7 @@ class NativeBackend(TorchBackendBase):
         config: AttnConfig,
         *,
         num_threads: int | None = None,
+        cascade: bool = True,
         library: str | None = None,
     ) -> None:
         lib = load(library)
@@ -118,6 +134,8 @@ class NativeBackend(TorchBackendBase):
             raise BackendUnavailableError("native", lib)
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
             raise InvalidSpecError("num_threads", num_threads, "must be a positive int or None")
+        if not isinstance(cascade, bool):
+            raise InvalidSpecError("cascade", cascade, "must be True or False")
         if config.device_type != "cpu":
             raise InvalidSpecError("device", config.device, "the native backend runs on the CPU")
         for field in ("head_dim", "v_head_dim"):
@@ -167,7 +185,9 @@ class NativeBackend(TorchBackendBase):
             cap,
             1 if config.causal else 0,
             chunk_c,
+            1 if cascade else 0,
         )
+        self.cascade = cascade
         self._cfg_ref = ctypes.byref(self._cfg)
         self._checks = TensorChecks.of(config, backend="native", layout="contiguous")
         self._run = lib.cdll.na_run
@@ -216,6 +236,9 @@ class NativeBackend(TorchBackendBase):
             num_merges=info.num_merges,
             handle=handle,
             snapshot=snap,
+            cascade_groups=info.cascade_groups,
+            cascade_requests=info.cascade_requests,
+            cascade_keys=info.cascade_keys,
         )
         return issue_plan(self, plan)
 
@@ -247,8 +270,8 @@ class NativeBackend(TorchBackendBase):
     # -- per layer ----------------------------------------------------------------------------
 
     def handler(self, phase: Phase) -> Handler:
-        # A partial (called in C) of the one signature below: sinks=, k_scale=, v_scale= are
-        # keywords, as bind checks against the capabilities.
+        # A partial (called in C) of the one signature below: sinks=, k_scale=, v_scale=,
+        # return_lse= are keywords, as bind checks against the capabilities.
         return functools.partial(self._forward, Phase(phase))
 
     def _forward(
@@ -264,7 +287,8 @@ class NativeBackend(TorchBackendBase):
         sinks: Any = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
         check_plan(plan, self, "native")
         if plan.phase is not phase:
@@ -287,14 +311,18 @@ class NativeBackend(TorchBackendBase):
             raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
         v_ptr, v_numel = (None, 0) if self.mla else (v_cache.data_ptr(), v_cache.numel())
         scale = call_scale("sm_scale", sm_scale)
+        if return_lse is not True and return_lse is not False:
+            raise InvalidBatchError("return_lse", f"must be True or False, got {return_lse!r}")
         out = torch.empty((plan.num_tokens, cfg.num_q_heads, self.v_head_dim), dtype=self.q_dtype)
+        lse = torch.empty((plan.num_tokens, cfg.num_q_heads), dtype=torch.float32)
+        lse_ptr, lse_numel = (lse.data_ptr(), lse.numel()) if return_lse else (None, 0)
         if plan.num_items == 0:
-            return out
+            return (out, lse) if return_lse else out
         # The kernel bounds every row and page by these element counts, whatever the plan.
         rc = self._run(
             plan.handle.ptr, self._cfg_ref, q.data_ptr(), q.numel(), k_cache.data_ptr(),
             k_cache.numel(), v_ptr, v_numel, out.data_ptr(), out.numel(), scale, sinks_ptr,
-            sinks_numel, ks, vs, self.threads(),
+            sinks_numel, ks, vs, lse_ptr, lse_numel, self.threads(),
         )  # fmt: skip
         if rc != 0:
             if rc == -2:
@@ -305,4 +333,4 @@ class NativeBackend(TorchBackendBase):
                 "heads do not fit q, the cache or the output); plan the batch again with "
                 "this backend",
             )
-        return out
+        return (out, lse) if return_lse else out

@@ -1,0 +1,366 @@
+"""Cascade (shared-prefix) attention in the native backend, and its log-sum-exp output.
+
+The planner finds requests whose page tables start with the same whole pages and reads those
+pages once for all of them, merging with each request's own keys by log-sum-exp. These tests
+check that it runs exactly when it should (shared prefixes, partly shared tables, not for
+shared pages at another position, not with a window or a chunk, not for long prefill tiles)
+and that its outputs and lse equal the plain plan's and a float64 reference's, for random
+tables (hypothesis), masks, sinks, caps, FP8 caches and MLA.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
+
+torch = pytest.importorskip("torch")
+
+from attn_dispatch import AttnBatch  # noqa: E402
+from attn_dispatch import AttnConfig  # noqa: E402
+from attn_dispatch import InvalidSpecError  # noqa: E402
+from attn_dispatch import Phase  # noqa: E402
+from attn_dispatch.backends.native._lib import load  # noqa: E402
+from tests.strategies import CascadeCase  # noqa: E402
+from tests.strategies import cascade_cases  # noqa: E402
+
+LIB = load()
+pytestmark = pytest.mark.skipif(isinstance(LIB, str), reason=f"native library: {LIB}")
+
+if not isinstance(LIB, str):
+    from attn_dispatch.backends.native.backend import NativeBackend
+
+D, DV_MLA = 32, 16
+
+
+def tensors(case: CascadeCase) -> dict[str, Any]:
+    """The batch, config, q and caches of a case (seeded), and the call's extras."""
+    gen = torch.Generator().manual_seed(case.seed)
+    ps, hq, hkv = case.page_size, case.num_q_heads, case.num_kv_heads
+    mla = case.kind == "mla"
+    dv = DV_MLA if mla else D
+    cfg = AttnConfig(
+        case.kind, hq, hkv, D, dv, dtype="float32", page_size=ps,
+        kv_dtype=case.kv_dtype, sinks=case.sinks, logit_cap=case.logit_cap,
+    )  # fmt: skip
+    masks = None
+    phase = Phase.VERIFY if any(q > 1 for q in case.q_lens) or case.tree else Phase.DECODE
+    if case.tree:
+        masks = []
+        for q, k in zip(case.q_lens, case.kv_lens, strict=True):
+            m = torch.ones(q, k, dtype=torch.bool)
+            m[:, k - q :] = torch.rand(q, q, generator=gen) < 0.6
+            m[:, k - q :] |= torch.eye(q, dtype=torch.bool)
+            m[:, k - q :] &= torch.ones(q, q, dtype=torch.bool).tril()
+            masks.append(m)
+    batch = AttnBatch.build(
+        phase, q_lens=list(case.q_lens), kv_lens=list(case.kv_lens),
+        page_tables=[list(t) for t in case.tables], page_size=ps, num_pages=case.num_pages,
+        masks=masks,
+    )  # fmt: skip
+    shape = (case.num_pages, ps, D) if mla else (case.num_pages, ps, hkv, D)
+    k = torch.randn(shape, generator=gen)
+    v = None if mla else torch.randn(case.num_pages, ps, hkv, dv, generator=gen)
+    extras: dict[str, Any] = {}
+    if case.kv_dtype is not None:
+        fp8 = getattr(torch, case.kv_dtype)
+        k = k.to(fp8)
+        v = None if v is None else v.to(fp8)
+        extras["k_scale"] = 0.5
+        if not mla:
+            extras["v_scale"] = 2.0
+    if case.sinks:
+        extras["sinks"] = torch.randn(hq, generator=gen)
+    q = torch.randn(sum(case.q_lens), hq, D, generator=gen)
+    return {"cfg": cfg, "batch": batch, "q": q, "k": k, "v": v, "masks": masks, "extras": extras}
+
+
+def reference(case: CascadeCase, t: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense float64 attention and its lse (natural log, sink included), per request."""
+    cfg, extras = t["cfg"], t["extras"]
+    ps, mla = case.page_size, case.kind == "mla"
+    ks = extras.get("k_scale", 1.0)
+    vs = ks if mla else extras.get("v_scale", 1.0)
+    sinks = extras.get("sinks")
+    outs, lses, row = [], [], 0
+    for i, (ql, kl) in enumerate(zip(case.q_lens, case.kv_lens, strict=True)):
+        pos = torch.arange(kl)
+        pages = torch.tensor(case.tables[i], dtype=torch.long)[pos // ps]
+        k = t["k"][pages, pos % ps].double() * ks
+        v = k[..., : cfg.v_head_dim] if mla else t["v"][pages, pos % ps].double() * vs
+        if t["masks"] is not None:
+            allowed = t["masks"][i]
+        else:
+            allowed = pos[None, :] <= (kl - ql + torch.arange(ql))[:, None]
+        group = cfg.num_q_heads // cfg.num_kv_heads
+        out = torch.zeros(ql, cfg.num_q_heads, cfg.v_head_dim, dtype=torch.float64)
+        lse = torch.zeros(ql, cfg.num_q_heads, dtype=torch.float64)
+        for h in range(cfg.num_q_heads):
+            kh = k if mla else k[:, h // group]
+            vh = v if mla else v[:, h // group]
+            s = t["q"][row : row + ql, h].double() @ kh.T * D**-0.5
+            if cfg.logit_cap:
+                s = cfg.logit_cap * torch.tanh(s / cfg.logit_cap)
+            s = s.masked_fill(~allowed, -math.inf)
+            if sinks is not None:
+                s = torch.cat([s, torch.full((ql, 1), float(sinks[h]), dtype=torch.float64)], 1)
+            lse[:, h] = torch.logsumexp(s, dim=-1)
+            p = torch.softmax(s, dim=-1)
+            out[:, h] = p[:, :kl] @ vh
+        outs.append(out)
+        lses.append(lse)
+        row += ql
+    return torch.cat(outs), torch.cat(lses)
+
+
+def run(case: CascadeCase, t: dict[str, Any], **options: Any) -> tuple[Any, Any, Any]:
+    be = NativeBackend(t["cfg"], num_threads=2, **options)
+    plan = be.plan(t["batch"])
+    out, lse = be.handler(t["batch"].phase)(
+        t["q"], t["k"], t["v"], plan, D**-0.5, return_lse=True, **t["extras"]
+    )
+    return plan, out, lse
+
+
+def expected_groups(case: CascadeCase) -> int:
+    """How many cascade groups the planner must form (its rules, restated from scratch)."""
+    ps = case.page_size
+    group_heads = case.num_q_heads // case.num_kv_heads
+    by_first: dict[int, list[int]] = {}
+    usable = {}
+    for i, (ql, kl, table) in enumerate(zip(case.q_lens, case.kv_lens, case.tables, strict=True)):
+        if group_heads * ql > 16:
+            continue
+        # Keys every query sees: causal, or the tree mask (all prefix keys allowed here).
+        usable[i] = min(len(table), (kl - ql + 1) // ps)
+        if usable[i] > 0:
+            by_first.setdefault(table[0], []).append(i)
+    groups = 0
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        lead = members[0]
+        lcps = []
+        for i in members:
+            n, most = 0, min(usable[i], usable[lead])
+            while n < most and case.tables[i][n] == case.tables[lead][n]:
+                n += 1
+            lcps.append(n)
+        lcps.sort(reverse=True)
+        best, best_n = 0, 0
+        for k in range(1, len(lcps)):
+            if k * lcps[k] > best:
+                best, best_n = k * lcps[k], k + 1
+        if best_n >= 2 and lcps[best_n - 1] * ps >= 64:
+            groups += 1
+    return groups
+
+
+def tolerance(case: CascadeCase) -> float:
+    return 2e-2 if case.kv_dtype else 2e-4
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cascade_cases())
+def test_cascade_equals_plain_plan_and_reference(case: CascadeCase) -> None:
+    t = tensors(case)
+    plan_on, out_on, lse_on = run(case, t)
+    plan_off, out_off, lse_off = run(case, t, cascade=False)
+    assert plan_off.cascade_groups == 0
+    assert plan_on.cascade_groups == expected_groups(case)
+    ref_out, ref_lse = reference(case, t)
+    tol = tolerance(case)
+    torch.testing.assert_close(out_on.double(), ref_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse_on.double(), ref_lse, atol=tol, rtol=tol)
+    # Same kernels, other grouping of the keys: equal to float32 rounding.
+    torch.testing.assert_close(out_on, out_off, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_on, lse_off, atol=1e-5, rtol=1e-5)
+
+
+def case_of(tables: list[list[int]], kv_lens: list[int], **kw: Any) -> CascadeCase:
+    q_lens = kw.pop("q_lens", [1] * len(tables))
+    num_pages = max(p for t in tables for p in t) + 1
+    return CascadeCase(
+        page_size=kw.pop("page_size", 16), q_lens=tuple(q_lens), kv_lens=tuple(kv_lens),
+        tables=tuple(tuple(t) for t in tables), num_pages=num_pages, tree=kw.pop("tree", False),
+        **kw,
+    )  # fmt: skip
+
+
+PREFIX = [0, 1, 2, 3, 4]  # 80 keys at page 16: above the 64-key floor
+
+
+@pytest.mark.parametrize(
+    ("name", "tables", "kv_lens", "groups", "requests"),
+    [
+        ("all share", [[*PREFIX, 10 + i] for i in range(4)], [90] * 4, 1, 4),
+        ("own part empty", [PREFIX, [*PREFIX, 10], PREFIX], [80, 85, 80], 1, 3),
+        # The share that saves most reads: 4 pages for all three (8) over 5 pages for two (5).
+        ("partly shared", [[*PREFIX, 10], [*PREFIX[:4], 11, 12], [*PREFIX, 13]], [90] * 3, 1, 3),
+        # ... and 5 pages for two (5) over 1 page for three (2): the third runs on its own.
+        ("partly shared, one left out", [[*PREFIX, 10], [0, 20, 21, 22, 23, 24], [*PREFIX, 13]],
+         [90] * 3, 1, 2),
+        ("not a prefix", [[*PREFIX, 10], [11, *PREFIX], [12, *PREFIX]], [90] * 3, 0, 0),
+        ("below the key floor", [[0, 1, 2, 10], [0, 1, 2, 11]], [60, 60], 0, 0),
+        ("two groups", [[*PREFIX, 10], [*PREFIX, 11], [20, 21, 22, 23, 24, 12],
+                        [20, 21, 22, 23, 24, 13]], [90] * 4, 2, 4),
+        ("last shared page partly read", [PREFIX, PREFIX], [75, 78], 1, 2),
+    ],
+)  # fmt: skip
+def test_cascade_runs_exactly_where_pages_are_shared(
+    name: str, tables: list[list[int]], kv_lens: list[int], groups: int, requests: int
+) -> None:
+    case = case_of(tables, kv_lens)
+    t = tensors(case)
+    plan, out, lse = run(case, t)
+    assert (plan.cascade_groups, plan.cascade_requests) == (groups, requests), name
+    note = plan.dispatch_note
+    assert (note is not None) == (groups > 0)
+    if groups:
+        assert f"{requests} requests" in note
+    ref_out, ref_lse = reference(case, t)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-4, rtol=2e-4)
+
+
+def test_last_shared_page_partly_read_is_not_shared() -> None:
+    # kv_len 75 covers 4 whole pages and part of the fifth: only whole pages every query
+    # reads are shared (64 keys).
+    case = case_of([PREFIX, PREFIX], [75, 78])
+    plan, _, _ = run(case, tensors(case))
+    assert plan.cascade_keys == 64
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"window_left": 40}, "window"),
+        ({"attention_chunk_size": 32}, "chunk"),
+    ],
+)
+def test_no_cascade_with_a_window_or_chunk(changes: dict[str, Any], why: str) -> None:
+    cfg = AttnConfig("mha", 4, 2, D, dtype="float32", page_size=16, **changes)
+    batch = AttnBatch.build(
+        Phase.DECODE, q_lens=[1, 1], kv_lens=[90, 90],
+        page_tables=[[*PREFIX, 10], [*PREFIX, 11]], page_size=16, num_pages=12,
+    )  # fmt: skip
+    assert NativeBackend(cfg).plan(batch).cascade_groups == 0, why
+
+
+def test_no_cascade_for_long_prefill_tiles() -> None:
+    # Eight queries x 4 heads fill a tile's rows: each key is already read for 32 rows.
+    cfg = AttnConfig("mha", 8, 2, D, dtype="float32", page_size=16)
+    batch = AttnBatch.build(
+        Phase.PREFILL, q_lens=[8, 8], kv_lens=[96, 96],
+        page_tables=[[*PREFIX, 10], [*PREFIX, 11]], page_size=16, num_pages=12,
+    )  # fmt: skip
+    assert NativeBackend(cfg).plan(batch).cascade_groups == 0
+
+
+def test_tree_mask_hiding_a_shared_key_keeps_that_request_private() -> None:
+    tables = [[*PREFIX, 10], [*PREFIX, 11], [*PREFIX, 12]]
+    case = case_of(tables, [90] * 3, q_lens=[2, 2, 2], tree=True)
+    t = tensors(case)
+    t["masks"][1][1, 5] = False  # request 1's second draft token does not see shared key 5
+    t["batch"] = AttnBatch.build(
+        Phase.VERIFY, q_lens=[2, 2, 2], kv_lens=[90] * 3, page_tables=tables, page_size=16,
+        num_pages=case.num_pages, masks=t["masks"],
+    )  # fmt: skip
+    plan, out, lse = run(case, t)
+    assert (plan.cascade_groups, plan.cascade_requests) == (1, 2)
+    ref_out, ref_lse = reference(case, t)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-4, rtol=2e-4)
+
+
+def test_cascade_in_bf16_equals_private_copies() -> None:
+    # The benchmark's shape in small: GQA 4 x 8 heads... bf16 cache, shared vs copied pages.
+    ps, n, shared, own = 16, 6, 8, 2
+    cfg = AttnConfig("mha", 16, 4, 64, dtype="bfloat16", page_size=ps)
+    num_pages = shared + n * own + n * shared
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(num_pages, ps, 4, 64, generator=gen).bfloat16()
+    v = torch.randn(num_pages, ps, 4, 64, generator=gen).bfloat16()
+    copy0 = shared + n * own
+    for i in range(n):
+        k[copy0 + i * shared : copy0 + (i + 1) * shared] = k[:shared]
+        v[copy0 + i * shared : copy0 + (i + 1) * shared] = v[:shared]
+    own_pages = [list(range(shared + i * own, shared + (i + 1) * own)) for i in range(n)]
+    kv_lens = [(shared + own) * ps - i for i in range(n)]
+
+    def batch(first: list[list[int]]) -> AttnBatch:
+        return AttnBatch.build(
+            Phase.DECODE, q_lens=[1] * n, kv_lens=kv_lens,
+            page_tables=[first[i] + own_pages[i] for i in range(n)], page_size=ps,
+            num_pages=num_pages,
+        )  # fmt: skip
+
+    be = NativeBackend(cfg, num_threads=2)
+    q = torch.randn(n, 16, 64, generator=gen).bfloat16()
+    plan_s = be.plan(batch([list(range(shared))] * n))
+    copies = [list(range(copy0 + i * shared, copy0 + (i + 1) * shared)) for i in range(n)]
+    plan_p = be.plan(batch(copies))
+    assert (plan_s.cascade_groups, plan_p.cascade_groups) == (1, 0)
+    h = be.handler(Phase.DECODE)
+    a, la = h(q, k, v, plan_s, 0.125, return_lse=True)
+    b, lb = h(q, k, v, plan_p, 0.125, return_lse=True)
+    torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
+
+
+def test_cascade_option_through_bind() -> None:
+    from attn_dispatch import BackendSpec
+    from attn_dispatch import attention
+    from attn_dispatch import attn_scope
+    from attn_dispatch import bind
+    from attn_dispatch import record_dispatch
+
+    case = case_of([[*PREFIX, 10], [*PREFIX, 11]], [90, 90])
+    t = tensors(case)
+    spec = BackendSpec(prefill="native", decode="native", verify="native")
+    results = {}
+    for cascade in (True, False):
+        runner = bind(spec, t["cfg"], label=f"cascade={cascade}",
+                      options={"native": {"cascade": cascade}})  # fmt: skip
+        with record_dispatch() as rec, attn_scope(runner, t["batch"]):
+            results[cascade] = attention(t["q"], t["k"], t["v"], sm_scale=D**-0.5)
+        notes = [e.note for e in rec.events]
+        if cascade:
+            assert notes == ["cascade: 2 requests in 1 group share 80 keys"]
+            assert "cascade: 2 requests" in rec.summary()
+        else:
+            assert notes == [None]
+    torch.testing.assert_close(results[True], results[False], atol=1e-5, rtol=1e-5)
+
+
+def test_cascade_option_refuses_non_bools() -> None:
+    cfg = AttnConfig("mha", 4, 2, D, dtype="float32", page_size=16)
+    with pytest.raises(InvalidSpecError, match="cascade"):
+        NativeBackend(cfg, cascade="yes")  # type: ignore[arg-type]
+
+
+def test_lse_with_sinks_counts_the_sink_once() -> None:
+    # Head 0: no sink (-inf); head 1: a +inf sink takes all the weight (out 0, lse +inf);
+    # head 2: a finite sink joins the sum once.
+    cfg = AttnConfig("mha", 3, 1, D, dtype="float32", page_size=16, sinks=True)
+    batch = AttnBatch.build(
+        Phase.DECODE, q_lens=[1], kv_lens=[20], page_tables=[[0, 1]], page_size=16,
+        num_pages=2,
+    )  # fmt: skip
+    be = NativeBackend(cfg)
+    q = torch.randn(1, 3, D)
+    k, v = torch.randn(2, 16, 1, D), torch.randn(2, 16, 1, D)
+    sinks = torch.tensor([-math.inf, math.inf, 0.5])
+    out, lse = be.handler(Phase.DECODE)(
+        q, k, v, be.plan(batch), D**-0.5, sinks=sinks, return_lse=True
+    )
+    keys = k.reshape(32, D)[:20]
+    s = (q[0] @ keys.T) * D**-0.5
+    torch.testing.assert_close(lse[0, 0], torch.logsumexp(s[0], 0), atol=1e-5, rtol=1e-5)
+    assert lse[0, 1] == math.inf and bool((out[0, 1] == 0).all())
+    with_sink = torch.logsumexp(torch.cat([s[2], torch.tensor([0.5])]), 0)
+    torch.testing.assert_close(lse[0, 2], with_sink, atol=1e-5, rtol=1e-5)
