@@ -80,6 +80,8 @@ class KernelCase:
     # Attention types: non-causal (every key of the request) and chunked local attention.
     causal: bool = True
     chunk: int | None = None
+    # The attention state: the config has return_lse=True and the call asks for (out, lse).
+    lse: bool = False
 
     @property
     def kv_lens(self) -> tuple[int, ...]:
