@@ -232,7 +232,8 @@ class AttnConfig:
         """The MHA config of the decompressed form (ragged K/V: one token per page).
 
         Only for an MLA config with ``mha_head_dim``/``mha_v_head_dim``. The layer variants
-        (window, cap, sinks) and ``return_lse`` carry over: the decompressed form computes the same attention.
+        (window, cap, sinks) and ``return_lse`` carry over: the decompressed form computes the
+        same attention.
         ``kv_dtype`` becomes ``dtype``: its K/V are the model's own decompressed tensors, not
         the cache (and an FP8 MLA config is served in the absorbed form only).
         """
