@@ -366,16 +366,13 @@ def _build_checked(
         for name in entries
     }
     rule = CallRule.of(config, label=label, group=group)
-    caps = {name: entry.capabilities for name, entry in entries.items()}
     forms: dict[Phase, dict[AttnForm, tuple[AttentionBackend | None, Handler, Handler]]] = {}
     if policies:
-        forms = _bind_forms(spec, config, label, policies, factories, factory_options, rule, caps)
+        forms = _bind_forms(spec, config, label, policies, factories, factory_options, rule)
     routes = []
     for phase in Phase:
         name = spec.names[phase]
-        raw = _handler_of(
-            backends[name], name, phase, label, chunked=False, config=config, caps=caps[name]
-        )
+        raw = _handler_of(backends[name], name, phase, label, chunked=False, config=config)
         policy = policies.get(phase)
         routes.append(
             Route(
@@ -387,6 +384,7 @@ def _build_checked(
                 forms=types.MappingProxyType(forms.get(phase, {})),
             )
         )
+    caps = {name: entry.capabilities for name, entry in entries.items()}
     return Binding._make(spec, config, label, backends, caps, tuple(routes), rule)
 
 
@@ -536,7 +534,6 @@ def _handler_of(
     *,
     chunked: bool,
     config: AttnConfig,
-    caps: Capabilities,
 ) -> Handler:
     what = f"{'chunked_handler' if chunked else 'handler'}({phase.name})"
     try:
@@ -549,26 +546,22 @@ def _handler_of(
         raise BackendUnavailableError(
             name, f"{what} returned {type(run).__name__}, which is not callable", runner=label
         )
-    missing = _missing_keywords(run, config, caps.variants_for(phase))
+    missing = _missing_keywords(run, config)
     if missing:
         raise BackendUnavailableError(
             name,
-            f"{what} takes no {', '.join(f'{k}=' for k in missing)} keyword, but its "
-            "Capabilities declare what needs it (the bound config: "
-            f"sinks={config.sinks}, kv_dtype={config.kv_dtype!r}, "
-            f"return_lse={config.return_lse}); give the handler keyword-only parameters "
-            f"{', '.join(missing)} (see attn_dispatch.Handler)",
+            f"{what} takes no {', '.join(f'{k}=' for k in missing)} keyword, but the bound "
+            f"config needs it (sinks={config.sinks}, kv_dtype={config.kv_dtype!r}, "
+            f"return_lse={config.return_lse}) and its Capabilities declare it; give the handler "
+            f"keyword-only parameters {', '.join(missing)} (see attn_dispatch.Handler)",
             runner=label,
         )
     return run  # type: ignore[return-value]
 
 
-def _missing_keywords(
-    run: Callable[..., Any], config: AttnConfig, declared: frozenset[str]
-) -> list[str]:
-    """The per-call keywords that ``run`` cannot take but must: those the config makes the
-    core pass (sinks, FP8 scales, return_lse), and ``return_lse`` wherever the backend
-    declares ``"lse"`` for the phase (any call of an lse config may ask for the state)."""
+def _missing_keywords(run: Callable[..., Any], config: AttnConfig) -> list[str]:
+    """The per-call keywords the config makes the core pass that ``run`` cannot take
+    (``return_lse`` for an lse config: any of its calls may ask for the state)."""
     need = []
     if config.sinks:
         need.append("sinks")
@@ -576,7 +569,7 @@ def _missing_keywords(
         need.append("k_scale")
         if config.kind != "mla":
             need.append("v_scale")
-    if config.return_lse or "lse" in declared:
+    if config.return_lse:
         need.append("return_lse")
     if not need:
         return []
@@ -645,7 +638,6 @@ def _bind_forms(
     factories: Mapping[str, Callable[..., Any]],
     options: Mapping[str, Mapping[str, Any]],
     rule: CallRule,
-    caps: Mapping[str, Capabilities],
 ) -> dict[Phase, dict[AttnForm, tuple[AttentionBackend | None, Handler, Handler]]]:
     """Build the decompressed-form backends (same factory as the absorbed one): phase ->
     form -> ``(backend or None, handler, raw)``."""
@@ -666,9 +658,7 @@ def _bind_forms(
                 )
             dbackend = decompressed[name]
             chunked = form is not AttnForm.MHA
-            run = _handler_of(
-                dbackend, name, phase, label, chunked=chunked, config=dcfg, caps=caps[name]
-            )
+            run = _handler_of(dbackend, name, phase, label, chunked=chunked, config=dcfg)
             if not chunked:
                 run = _ragged(run)
             table.setdefault(phase, {})[form] = (
