@@ -74,16 +74,16 @@ _LIB.define(f"attention_lse({_ARGS}) -> (Tensor, Tensor)", tags=_TAGS)  # type: 
 
 
 def _run(
+    return_lse: bool,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
     sm_scale: float | None,
     v_head_dim: int,
-    sinks: torch.Tensor | None,
-    k_scale: float | None,
-    v_scale: float | None,
-    group: str | None,
-    return_lse: bool,
+    sinks: torch.Tensor | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    group: str | None = None,
 ) -> Any:
     # Resolved here, at run time, in the caller's context: never at trace time.
     result = _scope_attention(
@@ -131,16 +131,11 @@ def _unaliased(t: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
 
 
 def _attention_impl(*args: Any) -> torch.Tensor:
-    return _run(*_padded(args), False)  # type: ignore[no-any-return]
+    return _run(False, *args)  # type: ignore[no-any-return]
 
 
 def _attention_lse_impl(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run(*_padded(args), True)  # type: ignore[no-any-return]
-
-
-def _padded(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    # The schema's trailing defaults (sinks, k_scale, v_scale, group) when a call omits them.
-    return args + (None,) * (9 - len(args))
+    return _run(True, *args)  # type: ignore[no-any-return]
 
 
 def _attention_fake(
