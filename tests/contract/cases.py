@@ -230,3 +230,16 @@ def lse_tolerance(dtype: str) -> tuple[float, float]:
     if dtype == "float32":
         return 1e-4, 1e-4
     return 2e-3, 2e-3
+
+
+def assert_lse_matches(lse: torch.Tensor, m: Materialised, ref: torch.Tensor | None = None) -> None:
+    """The contract for a backend's lse: float32 ``[tokens, num_q_heads]`` on q's device,
+    contiguous, equal to ``reference_lse(m)`` (or ``ref``) within ``lse_tolerance``; -inf,
+    +inf and NaN exactly where the reference has them."""
+    want = reference_lse(m) if ref is None else ref
+    assert isinstance(lse, torch.Tensor)
+    assert lse.dtype == torch.float32, lse.dtype
+    assert tuple(lse.shape) == (m.q.shape[0], m.config.num_q_heads), tuple(lse.shape)
+    assert lse.device == m.q.device and lse.is_contiguous()
+    atol, rtol = lse_tolerance(m.config.dtype)
+    torch.testing.assert_close(lse.cpu().double(), want, atol=atol, rtol=rtol, equal_nan=True)
