@@ -145,15 +145,13 @@ class AttnConfig:
 
     def _check_variants(self) -> None:
         w = self.window_left
-        if w is not None:
-            problem = int_problem(w, low=0)
-            if problem is not None:
-                raise InvalidSpecError(
-                    "window_left",
-                    w,
-                    f"{problem}: keys p - window_left ..= p are visible (HF's sliding_window W "
-                    "is window_left W - 1), or None for full attention",
-                )
+        _optional_int(
+            "window_left",
+            w,
+            0,
+            "keys p - window_left ..= p are visible (HF's sliding_window W is window_left "
+            "W - 1), or None for full attention",
+        )
         cap = self.logit_cap
         if cap is not None:
             # 0 (int or float) is the documented "off"; anything else is a float32 cap.
@@ -170,14 +168,12 @@ class AttnConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidSpecError(flag, getattr(self, flag), "must be a bool")
         c = self.attention_chunk_size
-        if c is not None:
-            problem = int_problem(c, low=1)
-            if problem is not None:
-                raise InvalidSpecError(
-                    "attention_chunk_size",
-                    c,
-                    f"{problem}: a query at p sees keys (p // C) * C ..= p; None for no chunks",
-                )
+        _optional_int(
+            "attention_chunk_size",
+            c,
+            1,
+            "a query at p sees keys (p // C) * C ..= p; None for no chunks",
+        )
         if not self.causal and (c is not None or w is not None):
             raise InvalidSpecError(
                 "causal",
@@ -273,3 +269,11 @@ def _positive(field: str, value: object) -> None:
     problem = int_problem(value, low=1)
     if problem is not None:
         raise InvalidSpecError(field, value, problem)
+
+
+def _optional_int(field: str, value: object, low: int, meaning: str) -> None:
+    """None, or an int >= ``low``; else ``InvalidSpecError`` saying what the field means."""
+    if value is not None:
+        problem = int_problem(value, low=low)
+        if problem is not None:
+            raise InvalidSpecError(field, value, f"{problem}: {meaning}")
