@@ -547,3 +547,27 @@ def test_return_lse_refused_without_the_config_flag() -> None:
                 "q", "k", "v", binding.plan(_Batch()), 0.5, return_lse=True
             )
     assert backend.calls == []  # refused before any backend code ran
+
+
+def test_return_lse_per_group_and_under_record_dispatch() -> None:
+    from attn_dispatch import attention
+    from attn_dispatch import attn_scope
+    from attn_dispatch import record_dispatch
+
+    reg = _lse_registry()
+    binding = bind(
+        "lserec",
+        {"sliding": mha_config(), "full": mha_config(return_lse=True)},
+        registry=reg,
+        label="gemma",
+    )
+    with attn_scope(binding, _Batch()), record_dispatch() as rec:
+        assert attention("q", "k", "v", sm_scale=0.5, group="full", return_lse=True) == (
+            "out",
+            "lse",
+        )
+        assert attention("q", "k", "v", sm_scale=0.5, group="sliding") == "out"
+        with pytest.raises(InvalidBatchError) as info:
+            attention("q", "k", "v", sm_scale=0.5, group="sliding", return_lse=True)
+        assert info.value.field == "return_lse" and "group 'sliding'" in str(info.value)
+    assert [e.group for e in rec.events] == ["full", "sliding"]
