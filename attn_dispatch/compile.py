@@ -23,6 +23,10 @@ is enough; a model bound only to third-party backends imports this module itself
 >>> with attn_scope(draft, draft_batch):
 ...     out = layer(q2, k2, v2)               # the draft's kernel, same compiled code
 
+``attention(..., return_lse=True)`` is traced as a second op,
+``torch.ops.attn_dispatch.attention_lse``, with the same arguments and two outputs
+``(out, lse)`` (lse float32 ``[T, Hq]``): one schema per output arity.
+
 MLA passes ``v_cache=None``, so the value width is not in the shapes: inside a compiled
 function call ``attention_op(q, k_cache, None, sm_scale=..., v_head_dim=512)``; a plain
 ``attention`` call with ``v_cache=None`` runs outside the graph (a graph break, or an error
