@@ -551,16 +551,17 @@ def _handler_of(
         raise BackendUnavailableError(
             name,
             f"{what} takes no {', '.join(f'{k}=' for k in missing)} keyword, but the bound "
-            f"config needs it (sinks={config.sinks}, kv_dtype={config.kv_dtype!r}) and its "
-            "Capabilities declare it; give the handler keyword-only parameters "
-            f"{', '.join(missing)} (see attn_dispatch.Handler)",
+            f"config needs it (sinks={config.sinks}, kv_dtype={config.kv_dtype!r}, "
+            f"return_lse={config.return_lse}) and its Capabilities declare it; give the handler "
+            f"keyword-only parameters {', '.join(missing)} (see attn_dispatch.Handler)",
             runner=label,
         )
     return run  # type: ignore[return-value]
 
 
 def _missing_keywords(run: Callable[..., Any], config: AttnConfig) -> list[str]:
-    """The per-call keywords the config makes the core pass that ``run`` cannot take."""
+    """The per-call keywords the config makes the core pass that ``run`` cannot take
+    (``return_lse`` for an lse config: any of its calls may ask for the state)."""
     need = []
     if config.sinks:
         need.append("sinks")
@@ -568,6 +569,8 @@ def _missing_keywords(run: Callable[..., Any], config: AttnConfig) -> list[str]:
         need.append("k_scale")
         if config.kind != "mla":
             need.append("v_scale")
+    if config.return_lse:
+        need.append("return_lse")
     if not need:
         return []
     try:

@@ -6,11 +6,13 @@
 the per-call keywords here, against the bound config, before any backend code runs. Backends
 receive only what passed: a float scale in float32's normal range, ``sinks`` (a float32
 ``[num_q_heads]`` tensor on q's device) only for a sinks config, ``k_scale``/``v_scale``
-(floats in range) only for an FP8 cache. No torch.
+(floats in range) only for an FP8 cache, ``return_lse=True`` only when the call asked for it
+(and the config has ``return_lse=True``). No torch.
 
 >>> rule = CallRule.of(config, label="target")
 >>> scale = rule.scale(None)                    # the config's sm_scale, or an error
 >>> kw = rule.keywords(q, sinks, None, None)    # {"sinks": sinks} for a sinks config
+>>> kw = rule.keywords(q, None, None, None, True)  # {"return_lse": True}: an lse config
 """
 
 from __future__ import annotations
@@ -30,20 +32,23 @@ from attn_dispatch._values import check_sinks
 class CallRule:
     """What one bound config accepts per call (built once per binding or group)."""
 
-    __slots__ = ("fp8", "heads", "mla", "plain", "planned", "sinks", "who")
+    __slots__ = ("fp8", "heads", "lse", "mla", "plain", "planned", "sinks", "who")
 
     planned: float | None
     sinks: bool
+    lse: bool
     fp8: bool
     mla: bool
     heads: int
     who: str
-    # True when calls take no keywords (neither sinks nor an FP8 cache): attention()'s fast path.
+    # True when calls need no keywords (neither sinks nor an FP8 cache): attention()'s fast path.
+    # An lse config stays plain: only a call that asks for the state takes return_lse.
     plain: bool
 
     def __init__(self, config: AttnConfig, who: str) -> None:
         self.planned = config.sm_scale
         self.sinks = config.sinks
+        self.lse = config.return_lse
         self.fp8 = config.kv_fp8
         self.mla = config.kind == "mla"
         self.heads = config.num_q_heads
@@ -87,9 +92,25 @@ class CallRule:
             )
         return planned
 
-    def keywords(self, q: Any, sinks: Any, k_scale: Any, v_scale: Any) -> dict[str, Any]:
+    def keywords(
+        self, q: Any, sinks: Any, k_scale: Any, v_scale: Any, return_lse: Any = False
+    ) -> dict[str, Any]:
         """The keywords the handler takes for this config (only those that apply), checked."""
         kw: dict[str, Any] = {}
+        if return_lse is not False:
+            if return_lse is True:
+                if not self.lse:
+                    raise InvalidBatchError(
+                        "return_lse",
+                        f"{self.who}'s AttnConfig has return_lse=False, so its backends were not "
+                        "checked for the attention state; bind a config with "
+                        "AttnConfig(return_lse=True) to call attention(..., return_lse=True)",
+                    )
+                kw["return_lse"] = True
+            elif return_lse is not None:
+                raise InvalidBatchError(
+                    "return_lse", f"must be a bool (True: return (out, lse)), got {return_lse!r}"
+                )
         if self.sinks:
             if sinks is None:
                 raise InvalidBatchError(
@@ -155,12 +176,19 @@ class CheckedHandler:
         sinks: Any = None,
         k_scale: Any = None,
         v_scale: Any = None,
+        return_lse: Any = False,
     ) -> Any:
         rule = self.rule
         scale = rule.scale(sm_scale)
-        if rule.plain and sinks is None and k_scale is None and v_scale is None:
+        if (
+            rule.plain
+            and sinks is None
+            and k_scale is None
+            and v_scale is None
+            and return_lse is False
+        ):
             return self.__wrapped__(q, k, v, plan, scale, *rest)
-        kw = rule.keywords(q, sinks, k_scale, v_scale)
+        kw = rule.keywords(q, sinks, k_scale, v_scale, return_lse)
         return self.__wrapped__(q, k, v, plan, scale, *rest, **kw)
 
     def __getattr__(self, name: str) -> Any:

@@ -132,6 +132,8 @@ def _variant_detail(config: AttnConfig, variant: str) -> str:
         return "causal=False"
     if variant == "chunked":
         return f"attention_chunk_size={config.attention_chunk_size!r}"
+    if variant == "lse":
+        return "return_lse=True"
     return "sinks=True"
 
 
@@ -237,7 +239,8 @@ class Capabilities:
         return self._forms_by_phase[phase]
 
     def variants_for(self, phase: Phase) -> frozenset[str]:
-        """The layer variants (``"window"``, ``"logit_cap"``, ``"sinks"``) served in ``phase``."""
+        """The layer variants (``"window"``, ``"logit_cap"``, ``"sinks"``, ...) served in
+        ``phase``."""
         return self._variants_by_phase[phase]
 
     def missing(self, config: AttnConfig, phase: Phase) -> list[str]:

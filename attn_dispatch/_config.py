@@ -48,6 +48,10 @@ class AttnConfig:
     (int >= 1, Llama 4's chunked local attention) lets a query at position p see keys
     ``(p // C) * C ..= p`` only (with a window too, both bounds apply). A non-causal config
     takes no window or chunk.
+
+    ``return_lse=True`` (declared by backends as the variant ``"lse"``): calls may ask for the
+    attention state too, ``out, lse = attention(..., return_lse=True)``, lse float32
+    ``[tokens, num_q_heads]`` (README, "Attention state (LSE) and merging").
     """
 
     kind: Kind
@@ -68,6 +72,7 @@ class AttnConfig:
     sinks: bool = False
     causal: bool = True
     attention_chunk_size: int | None = None
+    return_lse: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -140,15 +145,13 @@ class AttnConfig:
 
     def _check_variants(self) -> None:
         w = self.window_left
-        if w is not None:
-            problem = int_problem(w, low=0)
-            if problem is not None:
-                raise InvalidSpecError(
-                    "window_left",
-                    w,
-                    f"{problem}: keys p - window_left ..= p are visible (HF's sliding_window W "
-                    "is window_left W - 1), or None for full attention",
-                )
+        _optional_int(
+            "window_left",
+            w,
+            0,
+            "keys p - window_left ..= p are visible (HF's sliding_window W is window_left "
+            "W - 1), or None for full attention",
+        )
         cap = self.logit_cap
         if cap is not None:
             # 0 (int or float) is the documented "off"; anything else is a float32 cap.
@@ -161,17 +164,16 @@ class AttnConfig:
             object.__setattr__(self, "logit_cap", None if off else float(cap))
         if not isinstance(self.sinks, bool):
             raise InvalidSpecError("sinks", self.sinks, "must be a bool")
-        if not isinstance(self.causal, bool):
-            raise InvalidSpecError("causal", self.causal, "must be a bool")
+        for flag in ("causal", "return_lse"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidSpecError(flag, getattr(self, flag), "must be a bool")
         c = self.attention_chunk_size
-        if c is not None:
-            problem = int_problem(c, low=1)
-            if problem is not None:
-                raise InvalidSpecError(
-                    "attention_chunk_size",
-                    c,
-                    f"{problem}: a query at p sees keys (p // C) * C ..= p; None for no chunks",
-                )
+        _optional_int(
+            "attention_chunk_size",
+            c,
+            1,
+            "a query at p sees keys (p // C) * C ..= p; None for no chunks",
+        )
         if not self.causal and (c is not None or w is not None):
             raise InvalidSpecError(
                 "causal",
@@ -194,6 +196,8 @@ class AttnConfig:
             used.add("non_causal")
         if self.attention_chunk_size is not None:
             used.add("chunked")
+        if self.return_lse:
+            used.add("lse")
         return frozenset(used)
 
     @property
@@ -224,7 +228,8 @@ class AttnConfig:
         """The MHA config of the decompressed form (ragged K/V: one token per page).
 
         Only for an MLA config with ``mha_head_dim``/``mha_v_head_dim``. The layer variants
-        (window, cap, sinks) carry over: the decompressed form computes the same attention.
+        (window, cap, sinks) and ``return_lse`` carry over: the decompressed form computes the
+        same attention.
         ``kv_dtype`` becomes ``dtype``: its K/V are the model's own decompressed tensors, not
         the cache (and an FP8 MLA config is served in the absorbed form only).
         """
@@ -249,6 +254,7 @@ class AttnConfig:
             sinks=self.sinks,
             causal=self.causal,
             attention_chunk_size=self.attention_chunk_size,
+            return_lse=self.return_lse,
         )
 
     def replace(self, **changes: Any) -> AttnConfig:
@@ -263,3 +269,11 @@ def _positive(field: str, value: object) -> None:
     problem = int_problem(value, low=1)
     if problem is not None:
         raise InvalidSpecError(field, value, problem)
+
+
+def _optional_int(field: str, value: object, low: int, meaning: str) -> None:
+    """None, or an int >= ``low``; else ``InvalidSpecError`` saying what the field means."""
+    if value is not None:
+        problem = int_problem(value, low=low)
+        if problem is not None:
+            raise InvalidSpecError(field, value, f"{problem}: {meaning}")

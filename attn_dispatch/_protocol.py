@@ -46,12 +46,15 @@ class Handler(Protocol):
     Per-call extras come as keywords, and only those that apply to the bound config, checked
     by the core first (``attn_dispatch._calls``): ``sinks=`` (a contiguous float32
     ``[num_q_heads]`` tensor on q's device) when ``config.sinks``; ``k_scale=`` (and, for MHA,
-    ``v_scale=``) as Python floats in float32's normal range when ``config.kv_dtype`` is FP8.
-    A config without them gets the plain positional call. The window and the logit cap are
-    read from the config when planning, never per call. A backend that declares ``"sinks"``
-    or an FP8 ``kv_dtype`` accepts those keyword-only arguments (the ``MHA_CHUNKED`` handler
-    too, after its 6th positional ``prefix``): ``bind`` reads the handler's signature and
-    refuses one without them (``BackendUnavailableError``).
+    ``v_scale=``) as Python floats in float32's normal range when ``config.kv_dtype`` is FP8;
+    ``return_lse=True`` when a call of a ``return_lse=True`` config asks for the attention
+    state: the handler then returns ``(out, lse)``, lse float32 ``[tokens, num_q_heads]`` on
+    q's device, contiguous (README, "Attention state (LSE) and merging"). A config without
+    them gets the plain positional call. The window and the logit cap are read from the config
+    when planning, never per call. A backend that declares ``"sinks"``, ``"lse"`` or an FP8
+    ``kv_dtype`` accepts those keyword-only arguments (the ``MHA_CHUNKED`` handler too, after
+    its 6th positional ``prefix``): ``bind`` reads the handler's signature and refuses one
+    without them for a config that needs them (``BackendUnavailableError``).
     """
 
     def __call__(

@@ -492,6 +492,7 @@ class AttentionExtras(TypedDict, total=False):
     sinks: Any
     k_scale: float | None
     v_scale: float | None
+    return_lse: bool
 
 
 _EXTRA_NAMES = frozenset(AttentionExtras.__annotations__)
@@ -522,6 +523,11 @@ def attention(
       has ``sinks=True``.
     - ``k_scale``/``v_scale``: the FP8 cache's scales (floats > 0, default 1.0), only for an
       FP8 ``kv_dtype``; MLA passes ``k_scale`` alone (it covers the latent, V included).
+    - ``return_lse``: ``True`` returns ``(out, lse)``, lse float32 ``[tokens, num_q_heads]``
+      (the natural log of the sum of exp(score) over the keys each row attended; see
+      ``attn_dispatch.merge_state``); only when the config has ``return_lse=True``.
+
+    >>> out, lse = attention(q, k_cache, v_cache, return_lse=True)  # AttnConfig(return_lse=True)
 
     Under ``torch.compile`` the same call is traced as one opaque op
     (``attn_dispatch.compile``).
@@ -568,6 +574,7 @@ def attention(
         extras.get("sinks"),
         extras.get("k_scale"),
         extras.get("v_scale"),
+        extras.get("return_lse", False),
     )
 
 
@@ -613,6 +620,7 @@ def _attention_slow(
     sinks: Any,
     k_scale: Any,
     v_scale: Any,
+    return_lse: Any,
 ) -> Any:
     run = frame.run
     if run is None:
@@ -630,7 +638,7 @@ def _attention_slow(
                 f"{getattr(frame.form, 'value', 'a non-MLA config')!r} (see attention_form())",
             )
         args = (q, k_cache, v_cache, frame.plan, scale, prefix)
-    kw = rule.keywords(q, sinks, k_scale, v_scale)
+    kw = rule.keywords(q, sinks, k_scale, v_scale, return_lse)
     call: Callable[..., Any] = run if not kw else functools.partial(run, **kw)
     hook = _call_hook
     return call(*args) if hook is None else hook(frame, call, args)

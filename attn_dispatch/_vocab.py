@@ -23,7 +23,9 @@ VerifyMode = Literal["prefill", "decode"]
 VERIFY_MODES: tuple[VerifyMode, ...] = ("prefill", "decode")
 
 #: The layer variants a config uses and a backend declares (``Capabilities.variants``).
-VARIANTS = ("window", "logit_cap", "sinks", "non_causal", "chunked")
+#: ``"lse"`` is the attention state as an output (``AttnConfig(return_lse=True)``): a backend
+#: declaring it returns ``(out, lse)`` when a call asks (``attention(..., return_lse=True)``).
+VARIANTS = ("window", "logit_cap", "sinks", "non_causal", "chunked", "lse")
 
 #: Compute dtypes (``AttnConfig.dtype``), and the FP8 formats a KV cache may hold besides them.
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")

@@ -23,6 +23,10 @@ is enough; a model bound only to third-party backends imports this module itself
 >>> with attn_scope(draft, draft_batch):
 ...     out = layer(q2, k2, v2)               # the draft's kernel, same compiled code
 
+``attention(..., return_lse=True)`` is traced as a second op,
+``torch.ops.attn_dispatch.attention_lse``, with the same arguments and two outputs
+``(out, lse)`` (lse float32 ``[T, Hq]``): one schema per output arity.
+
 MLA passes ``v_cache=None``, so the value width is not in the shapes: inside a compiled
 function call ``attention_op(q, k_cache, None, sm_scale=..., v_head_dim=512)``; a plain
 ``attention`` call with ``v_cache=None`` runs outside the graph (a graph break, or an error
@@ -64,14 +68,17 @@ _TAGS: tuple[Any, ...] = tuple(
 # open to other ops (a C++ TORCH_LIBRARY_FRAGMENT, say). The Library object must stay alive with
 # the module.
 _LIB = torch.library.Library("attn_dispatch", "FRAGMENT")  # type: ignore[no-untyped-call]
-_LIB.define(  # type: ignore[no-untyped-call]
-    "attention(Tensor q, Tensor k_cache, Tensor? v_cache, float? sm_scale, int v_head_dim, "
-    "Tensor? sinks=None, float? k_scale=None, float? v_scale=None, str? group=None) -> Tensor",
-    tags=_TAGS,
+_ARGS = (
+    "Tensor q, Tensor k_cache, Tensor? v_cache, float? sm_scale, int v_head_dim, "
+    "Tensor? sinks=None, float? k_scale=None, float? v_scale=None, str? group=None"
 )
+_LIB.define(f"attention({_ARGS}) -> Tensor", tags=_TAGS)  # type: ignore[no-untyped-call]
+# attention(..., return_lse=True): the state as a second output (one schema per output arity).
+_LIB.define(f"attention_lse({_ARGS}) -> (Tensor, Tensor)", tags=_TAGS)  # type: ignore[no-untyped-call]
 
 
-def _attention_impl(
+def _run(
+    return_lse: bool,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
@@ -81,9 +88,9 @@ def _attention_impl(
     k_scale: float | None = None,
     v_scale: float | None = None,
     group: str | None = None,
-) -> torch.Tensor:
+) -> Any:
     # Resolved here, at run time, in the caller's context: never at trace time.
-    out: torch.Tensor = _scope_attention(
+    result = _scope_attention(
         q,
         k_cache,
         v_cache,
@@ -92,32 +99,47 @@ def _attention_impl(
         k_scale=k_scale,
         v_scale=v_scale,
         group=group,
+        **({"return_lse": True} if return_lse else {}),
     )
-    if (
-        out.dim() != 3
-        or out.shape[0] != q.shape[0]
-        or out.shape[1] != q.shape[1]
-        or out.shape[2] != v_head_dim
-        or out.dtype != q.dtype
-        or out.device != q.device
-    ):
+    out, lse = result if return_lse else (result, None)
+    want = (q.shape[0], q.shape[1], v_head_dim)
+    if tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device:
         # The compiled graph was built from the fake shape; a different real one would be
         # silently misread by the code after the op.
-        want = (q.shape[0], q.shape[1], v_head_dim)
         raise InvalidBatchError(
             "v_head_dim",
             f"the active backend returned {tuple(out.shape)} {out.dtype} on {out.device}, but "
             f"the compiled graph expects {want} {q.dtype} on {q.device} (v_head_dim="
             f"{v_head_dim!r}); pass the bound config's v_head_dim",
         )
+    out = _unaliased(out, q, k_cache, v_cache)
+    if lse is None:
+        return out
+    if tuple(lse.shape) != want[:2] or lse.dtype != torch.float32 or lse.device != q.device:
+        raise InvalidBatchError(
+            "return_lse",
+            f"the active backend returned lse {tuple(lse.shape)} {lse.dtype} on {lse.device}; "
+            f"the contract is float32 {want[:2]} on {q.device} (a backend bug: report it)",
+        )
+    return out, _unaliased(lse, q, k_cache, v_cache)
+
+
+def _unaliased(t: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
     # An operator's output must not alias its inputs; a backend may return a view.
-    base = out._base
+    base = t._base
     if base is not None and any(
-        t is not None and base is (t._base if t._base is not None else t)
-        for t in (q, k_cache, v_cache)
+        x is not None and base is (x._base if x._base is not None else x) for x in inputs
     ):
-        out = out.clone()
-    return out
+        return t.clone()
+    return t
+
+
+def _attention_impl(*args: Any) -> torch.Tensor:
+    return _run(False, *args)  # type: ignore[no-any-return]
+
+
+def _attention_lse_impl(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run(True, *args)  # type: ignore[no-any-return]
 
 
 def _attention_fake(
@@ -127,9 +149,20 @@ def _attention_fake(
     return q.new_empty((q.shape[0], q.shape[1], v_head_dim))
 
 
+def _attention_lse_fake(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: Any, sm_scale: Any, v_head_dim: int, *rest: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = q.new_empty((q.shape[0], q.shape[1], v_head_dim))
+    return out, q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+
+
 # One implementation for every device: the backend the scope chose does the device work.
-_LIB.impl("attention", _attention_impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
-torch.library.register_fake(OP_NAME, _attention_fake, lib=_LIB)
+for _name, _impl, _fake in (
+    ("attention", _attention_impl, _attention_fake),
+    ("attention_lse", _attention_lse_impl, _attention_lse_fake),
+):
+    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+    torch.library.register_fake(f"attn_dispatch::{_name}", _fake, lib=_LIB)
 
 
 def _value_width(k_cache: Any, v_cache: Any, v_head_dim: int | None) -> int:
@@ -158,25 +191,35 @@ def attention_op(
     k_scale: float | None = None,
     v_scale: float | None = None,
     group: str | None = None,
-) -> torch.Tensor:
-    """``attention(...)`` as the opaque op ``torch.ops.attn_dispatch.attention``.
+    return_lse: bool = False,
+) -> Any:
+    """``attention(...)`` as the opaque op ``torch.ops.attn_dispatch.attention``
+    (``attention_lse`` with ``return_lse=True``, which returns ``(out, lse)``).
 
     >>> with attn_scope(runner, batch):
     ...     out = torch.compile(lambda q, k: attention_op(q, k, None, sm_scale=s,
     ...                                                    v_head_dim=512), fullgraph=True)(q, k)
 
     ``v_head_dim`` defaults to ``v_cache.shape[-1]``; MLA (``v_cache=None``) must pass it.
-    ``sm_scale`` defaults to the bound config's; ``sinks``/``k_scale``/``v_scale``/``group``
-    are ``attention``'s. Eagerly it costs one trip through the torch
+    ``sm_scale`` defaults to the bound config's; ``sinks``/``k_scale``/``v_scale``/``group``/
+    ``return_lse`` are ``attention``'s. Eagerly it costs one trip through the torch
     dispatcher more than ``attention``.
     """
     dv = _value_width(k_cache, v_cache, v_head_dim)
     # The schema takes floats: check the values with the core's rule before any conversion
     # (float(True) or float("2") would pass as numbers the eager call refuses).
     scale = None if sm_scale is None else call_scale("sm_scale", sm_scale)
+    if return_lse is not False:
+        if return_lse is not True:
+            raise InvalidBatchError(
+                "return_lse", f"must be a bool (True: return (out, lse)), got {return_lse!r}"
+            )
+        op = _OP_LSE
+    else:
+        op = _OP
     if sinks is None and k_scale is None and v_scale is None and group is None:
-        return _OP(q, k_cache, v_cache, scale, dv)  # type: ignore[no-any-return]
-    return _OP(  # type: ignore[no-any-return]
+        return op(q, k_cache, v_cache, scale, dv)
+    return op(
         q,
         k_cache,
         v_cache,
@@ -190,6 +233,7 @@ def attention_op(
 
 
 _OP = torch.ops.attn_dispatch.attention.default
+_OP_LSE = torch.ops.attn_dispatch.attention_lse.default
 
 
 _NOT_TRACEABLE = (
@@ -226,10 +270,11 @@ def _attention_in_graph(
         k_scale=extras.get("k_scale"),
         v_scale=extras.get("v_scale"),
         group=group,
+        return_lse=extras.get("return_lse", False),
     )
 
 
-_EXTRAS_IN_OP = frozenset({"sinks", "k_scale", "v_scale"})
+_EXTRAS_IN_OP = frozenset({"sinks", "k_scale", "v_scale", "return_lse"})
 
 
 # The signature check stays on: compiled and eager `attention` take exactly the same arguments.

@@ -80,6 +80,8 @@ class KernelCase:
     # Attention types: non-causal (every key of the request) and chunked local attention.
     causal: bool = True
     chunk: int | None = None
+    # The attention state: the config has return_lse=True and the call asks for (out, lse).
+    lse: bool = False
 
     @property
     def kv_lens(self) -> tuple[int, ...]:
@@ -145,7 +147,8 @@ def variant_cases(
     """``kernel_cases`` plus the variants and FP8 caches in ``served``: windows from 0 to
     larger than any context, caps from tight (0.5, most scores saturate) to loose, sinks,
     FP8 caches in both formats with scales other than 1, and the attention types: chunks
-    from 1 to larger than any context, and non-causal layers (never with a window or chunk)."""
+    from 1 to larger than any context, and non-causal layers (never with a window or chunk);
+    and the attention state (``lse``) where served."""
     base = draw(kernel_cases(kind=kind, phase=phase, limits=limits))
     window = cap = None
     if "window" in served.variants and draw(st.booleans()):
@@ -163,8 +166,10 @@ def variant_cases(
         kv_dtype = draw(st.sampled_from(served.fp8))
         k_scale = draw(st.sampled_from((0.25, 0.5, 1.0, 3.0)))
         v_scale = k_scale if kind == "mla" else draw(st.sampled_from((0.125, 1.0, 2.0)))
+    lse = "lse" in served.variants and draw(st.booleans())  # the state, checked too
     return dataclasses.replace(
         base,
+        lse=lse,
         window_left=window,
         logit_cap=cap,
         sinks=sinks,
@@ -490,3 +495,33 @@ def cascade_cases(draw: Any) -> CascadeCase:
         kv_dtype=draw(st.sampled_from((None, None, "float8_e4m3fn"))),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
+
+
+# The attention state (issue 24): cases whose keys split into two disjoint sets, for the merge
+# tests of tests/contract/test_lse.py.
+
+
+@st.composite
+def split_cases(
+    draw: Any, *, kind: str, served: Served, limits: Limits = DEFAULT_LIMITS
+) -> tuple[KernelCase, tuple[int, ...]]:
+    """A case with ``lse=True`` whose every query sees every key of its request (decode, or a
+    non-causal prefill/verify when served), so its keys split at any page boundary into two
+    sets that each give a valid batch: and the cut, pages in the first part, per request.
+    Each part holds at least ``q_len`` keys; caps, sinks and FP8 as ``served`` allows
+    (position-dependent variants, window and chunk, do not split this way)."""
+    non_causal = "non_causal" in served.variants and draw(st.booleans())
+    phase = draw(st.sampled_from([Phase.PREFILL, Phase.VERIFY])) if non_causal else Phase.DECODE
+    splittable = Served(variants=served.variants & {"logit_cap", "sinks"}, fp8=served.fp8)
+    case = draw(variant_cases(kind=kind, phase=phase, served=splittable, limits=limits))
+    ps = case.page_size
+    cuts, prefixes = [], []
+    for q in case.q_lens:
+        cut = -(-q // ps) + draw(st.integers(0, 1))  # whole pages, at least q keys
+        room = max(limits.max_prefix - cut * ps, 0)
+        cuts.append(cut)
+        prefixes.append(cut * ps + draw(st.integers(0, room)))  # the second part: >= q keys
+    case = dataclasses.replace(
+        case, prefix_lens=tuple(prefixes), trees=None, causal=not non_causal, lse=True
+    )
+    return case, tuple(cuts)

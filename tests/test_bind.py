@@ -16,6 +16,7 @@ from attn_dispatch import Binding
 from attn_dispatch import Capabilities
 from attn_dispatch import FormPolicy
 from attn_dispatch import IncompatibleBackendError
+from attn_dispatch import InvalidBatchError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
 from attn_dispatch import Registry
@@ -418,3 +419,155 @@ def test_flashinfer_declares_plans_scale() -> None:
     assert any("fixes the softmax scale" in r for r in CAPABILITIES.reasons(cfg, Phase.DECODE))
     fixed = cfg.replace(sm_scale=128**-0.5)
     assert not any("softmax scale" in r for r in CAPABILITIES.reasons(fixed, Phase.DECODE))
+
+
+# -- issue 24: the attention state (return_lse) is a variant, checked at bind -----------------
+
+
+class _LseRecorder(BackendBase):
+    """Handlers record the keywords the core passed; with ``return_lse`` they return a pair."""
+
+    name = "lserec"
+
+    def __init__(self, config: AttnConfig, *, keyword: bool = True, **options: Any) -> None:
+        self.config = config
+        self.calls: list[dict[str, Any]] = []
+        self.keyword = keyword
+
+    def plan(self, batch: Any) -> Any:
+        return ("plan", batch.phase)
+
+    def handler(self, phase: Phase) -> Any:
+        calls = self.calls
+
+        def run(
+            q: Any, k: Any, v: Any, plan: Any, sm_scale: float, *, return_lse: bool = False
+        ) -> Any:
+            calls.append({"return_lse": return_lse} if return_lse else {})
+            return ("out", "lse") if return_lse else "out"
+
+        def no_keyword(q: Any, k: Any, v: Any, plan: Any, sm_scale: float) -> Any:
+            return "out"
+
+        return run if self.keyword else no_keyword
+
+
+LSE_CAPS = Capabilities(kinds={"mha", "mla"}, dtypes={"float32"}, variants={"lse"})
+
+
+def _lse_registry() -> Registry:
+    reg = Registry(builtins=False, plugins=False)
+    reg.register("lserec", capabilities=LSE_CAPS, factory=_LseRecorder)
+    reg.register(
+        "nolse", capabilities=Capabilities(kinds={"mha"}, dtypes={"float32"}), factory=_LseRecorder
+    )
+    return reg
+
+
+def test_return_lse_is_the_variant_lse() -> None:
+    assert mha_config().variants == frozenset()
+    assert mha_config(return_lse=True).variants == {"lse"}
+    assert mha_config(return_lse=True).replace(sinks=True).variants == {"lse", "sinks"}
+    with pytest.raises(InvalidSpecError) as info:
+        mha_config(return_lse=1)
+    assert info.value.field == "return_lse"
+    mla = mla_config(mha_head_dim=192, mha_v_head_dim=128, return_lse=True)
+    assert mla.decompressed().return_lse  # the decompressed form computes the same state
+
+
+def test_bind_refuses_a_backend_without_lse_naming_who_serves_it() -> None:
+    reg = _lse_registry()
+    with pytest.raises(IncompatibleBackendError) as info:
+        bind("nolse", mha_config(return_lse=True), registry=reg)
+    text = str(info.value)
+    assert "'lse' (return_lse=True) is not implemented" in text
+    assert "variant 'lse' is served in phase 'decode' by: 'lserec'" in text
+    bind("nolse", mha_config(), registry=reg)  # without the state it binds
+
+
+def test_handler_without_return_lse_keyword_refused_at_bind() -> None:
+    reg = Registry(builtins=False, plugins=False)
+    reg.register(
+        "lsebad",
+        capabilities=LSE_CAPS,
+        factory=lambda config, **o: _LseRecorder(config, keyword=False),
+    )
+    with pytest.raises(BackendUnavailableError, match="return_lse=") as info:
+        bind("lsebad", mha_config(return_lse=True), registry=reg, label="target")
+    text = str(info.value)
+    assert "'lsebad'" in text and "target" in text and "handler(PREFILL)" in text
+    # The core never passes return_lse to a config without it: that binding is fine.
+    bind("lsebad", mha_config(), registry=reg)
+
+
+class _Batch:
+    phase = Phase.DECODE
+
+
+def test_return_lse_passed_only_when_asked_on_every_path() -> None:
+    from attn_dispatch import attention
+    from attn_dispatch import attn_scope
+    from attn_dispatch import resolve
+
+    reg = _lse_registry()
+    binding = bind("lserec", mha_config(return_lse=True), registry=reg)
+    backend = binding.backend(Phase.DECODE)
+    assert isinstance(backend, _LseRecorder)
+    with attn_scope(binding, _Batch()):
+        assert attention("q", "k", "v", sm_scale=0.5) == "out"  # the fast path: no keyword
+        assert attention("q", "k", "v", sm_scale=0.5, return_lse=False) == "out"
+        assert attention("q", "k", "v", sm_scale=0.5, return_lse=True) == ("out", "lse")
+        # The direct path a Binding hands out follows the same rules.
+        run = resolve(Phase.DECODE)
+        plan = binding.plan(_Batch())
+        assert run("q", "k", "v", plan, 0.5) == "out"
+        assert run("q", "k", "v", plan, 0.5, return_lse=True) == ("out", "lse")
+        for bad in (1, "yes"):
+            with pytest.raises(InvalidBatchError) as info:
+                attention("q", "k", "v", sm_scale=0.5, return_lse=bad)
+            assert info.value.field == "return_lse"
+    assert backend.calls == [{}, {}, {"return_lse": True}, {}, {"return_lse": True}]
+
+
+def test_return_lse_refused_without_the_config_flag() -> None:
+    from attn_dispatch import attention
+    from attn_dispatch import attn_scope
+
+    reg = _lse_registry()
+    binding = bind("lserec", mha_config(), registry=reg, label="target")
+    backend = binding.backend(Phase.DECODE)
+    assert isinstance(backend, _LseRecorder)
+    with attn_scope(binding, _Batch()):
+        with pytest.raises(InvalidBatchError) as info:
+            attention("q", "k", "v", sm_scale=0.5, return_lse=True)
+        assert info.value.field == "return_lse"
+        assert "AttnConfig(return_lse=True)" in str(info.value) and "'target'" in str(info.value)
+        with pytest.raises(InvalidBatchError):
+            binding.handler(Phase.DECODE)(
+                "q", "k", "v", binding.plan(_Batch()), 0.5, return_lse=True
+            )
+    assert backend.calls == []  # refused before any backend code ran
+
+
+def test_return_lse_per_group_and_under_record_dispatch() -> None:
+    from attn_dispatch import attention
+    from attn_dispatch import attn_scope
+    from attn_dispatch import record_dispatch
+
+    reg = _lse_registry()
+    binding = bind(
+        "lserec",
+        {"sliding": mha_config(), "full": mha_config(return_lse=True)},
+        registry=reg,
+        label="gemma",
+    )
+    with attn_scope(binding, _Batch()), record_dispatch() as rec:
+        assert attention("q", "k", "v", sm_scale=0.5, group="full", return_lse=True) == (
+            "out",
+            "lse",
+        )
+        assert attention("q", "k", "v", sm_scale=0.5, group="sliding") == "out"
+        with pytest.raises(InvalidBatchError) as info:
+            attention("q", "k", "v", sm_scale=0.5, group="sliding", return_lse=True)
+        assert info.value.field == "return_lse" and "group 'sliding'" in str(info.value)
+    assert [e.group for e in rec.events] == ["full", "sliding"]

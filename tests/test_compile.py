@@ -264,3 +264,64 @@ def test_compiled_call_takes_the_scale_from_the_config() -> None:
     with attn_scope(bind("torch", mha_config()), p.batch):
         with pytest.raises(InvalidBatchError, match="sm_scale"):
             adc.attention_op(p.q, p.k_cache, p.v_cache)
+
+
+# -- issue 24: the attention state (return_lse=True) through the op ---------------------------
+
+
+def lse_layer(q: torch.Tensor, k: Any, v: Any, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = attention(q * 1.5, k, v, sm_scale=scale, return_lse=True)
+    return torch.tanh(out) + out.sum(), lse * 2
+
+
+def test_return_lse_compiles_fullgraph_and_matches_eager() -> None:
+    cfg = mha_config().replace(return_lse=True)
+    binding = bind("torch", cfg, label="target")
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(lse_layer, fullgraph=True, backend=counter)
+    aot = torch.compile(lse_layer, fullgraph=True, backend="aot_eager")
+    for phase, q_lens, kv_lens in [
+        (Phase.PREFILL, [3, 2], [3, 7]),
+        (Phase.DECODE, [1, 1, 1], [4, 9, 2]),
+    ]:
+        p = paged(cfg, phase, q_lens, kv_lens, seed=len(q_lens))
+        with attn_scope(binding, p.batch):
+            want = lse_layer(p.q, p.k_cache, p.v_cache, p.sm_scale)
+            got = compiled(p.q, p.k_cache, p.v_cache, p.sm_scale)
+            got_aot = aot(p.q, p.k_cache, p.v_cache, p.sm_scale)
+        for g in (got, got_aot):
+            torch.testing.assert_close(g[0], want[0])
+            torch.testing.assert_close(g[1], want[1])
+        assert got[1].dtype == torch.float32 and got[1].shape == (sum(q_lens), 4)
+    assert counter.frame_count >= 1
+    p = paged(cfg, Phase.DECODE, [1], [3])
+    with attn_scope(binding, p.batch):
+        explained = torch._dynamo.explain(lse_layer)(p.q, p.k_cache, p.v_cache, p.sm_scale)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    targets = [n.target for n in explained.graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.attn_dispatch.attention_lse.default in targets
+
+
+def test_return_lse_op_opcheck_and_refusals() -> None:
+    cfg = mha_config().replace(return_lse=True)
+    p = paged(cfg, Phase.PREFILL, [2, 1], [4, 6])
+    with attn_scope(bind("torch", cfg), p.batch):
+        torch.library.opcheck(
+            torch.ops.attn_dispatch.attention_lse.default,
+            (p.q, p.k_cache, p.v_cache, p.sm_scale, cfg.v_head_dim),
+            test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
+        )
+        out, lse = adc.attention_op(p.q, p.k_cache, p.v_cache, sm_scale=p.sm_scale, return_lse=True)
+        want_out, want_lse = attention(
+            p.q, p.k_cache, p.v_cache, sm_scale=p.sm_scale, return_lse=True
+        )
+        torch.testing.assert_close(out, want_out)
+        torch.testing.assert_close(lse, want_lse)
+        with pytest.raises(InvalidBatchError) as info:
+            adc.attention_op(p.q, p.k_cache, p.v_cache, sm_scale=p.sm_scale, return_lse=1)  # type: ignore[arg-type]
+        assert info.value.field == "return_lse"
+    # A config without return_lse refuses the state in compiled code too.
+    plain = mha_config()
+    with attn_scope(bind("torch", plain), p.batch):
+        with pytest.raises(InvalidBatchError, match=r"AttnConfig\(return_lse=True\)"):
+            adc.attention_op(p.q, p.k_cache, p.v_cache, sm_scale=p.sm_scale, return_lse=True)

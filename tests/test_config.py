@@ -166,3 +166,14 @@ def test_sm_scale_stored_as_float_and_carried_to_the_decompressed_form() -> None
     mla = mla_config().replace(mha_head_dim=6, mha_v_head_dim=4, sm_scale=0.2)
     assert mla.decompressed().sm_scale == 0.2
     assert pickle.loads(pickle.dumps(mla)) == mla
+
+
+def test_return_lse_flag() -> None:
+    c = mha_config(return_lse=True, sinks=True)
+    assert c.return_lse and c.variants == {"lse", "sinks"}
+    assert "lse" not in mha_config().variants
+    assert AttnConfig(**c.to_dict()) == c and pickle.loads(pickle.dumps(c)) == c
+    for bad in (1, "yes", None):
+        with pytest.raises(InvalidSpecError) as info:
+            mha_config(return_lse=bad)
+        assert info.value.field == "return_lse"

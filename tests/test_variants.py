@@ -173,7 +173,7 @@ def test_fp8_reasons() -> None:
 def test_torch_declares_everything() -> None:
     torch_caps = list_backends()["torch"]
     for phase in Phase:
-        assert torch_caps.variants_for(phase) == ALL
+        assert torch_caps.variants_for(phase) == {*ALL, "lse"}  # and the attention state (issue 24)
     for cfg in (
         mha_config(window_left=0, logit_cap=1.0, sinks=True, kv_dtype="float8_e4m3fn"),
         mla_config(window_left=9, logit_cap=1.0, sinks=True, kv_dtype="float8_e5m2"),

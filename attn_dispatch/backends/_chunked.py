@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from attn_dispatch.backends._common import per_request_mask
+
 
 def chunk_tree_mask(mask: torch.Tensor, chunk: int) -> torch.Tensor:
     """Keep, per row of a bool ``[..., queries, keys]`` mask, only the keys of the row's chunk
@@ -29,12 +31,5 @@ def chunk_tree_mask(mask: torch.Tensor, chunk: int) -> torch.Tensor:
 def chunk_flat_mask(
     custom_mask: torch.Tensor, q_lens: list[int], kv_lens: list[int], chunk: int
 ) -> torch.Tensor:
-    """``chunk_tree_mask`` on a flat batch mask (request ``i``'s ``q_len x kv_len`` rows, one
-    after the other, as ``AttnBatch.custom_mask``); returns a new flat mask."""
-    parts = []
-    off = 0
-    for ql, kl in zip(q_lens, kv_lens, strict=True):
-        block = custom_mask[off : off + ql * kl].view(ql, kl)
-        parts.append(chunk_tree_mask(block, chunk).reshape(-1))
-        off += ql * kl
-    return torch.cat(parts) if parts else custom_mask[:0].clone()
+    """``chunk_tree_mask`` on a flat batch mask (see ``_common.per_request_mask``)."""
+    return per_request_mask(custom_mask, q_lens, kv_lens, lambda m: chunk_tree_mask(m, chunk))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Callable
 from typing import Any
 from typing import Literal
 
@@ -43,6 +44,7 @@ __all__ = [
     "check_indices",
     "check_metadata",
     "mask_offsets",
+    "per_request_mask",
     "refill",
     "window_flat_mask",
     "window_tree_mask",
@@ -79,10 +81,50 @@ def check_metadata(
         verdict = _verdict_lists(phase, qo.tolist(), kv.tolist(), lens.tolist(), page_size)
     else:
         verdict = _verdict_tensors(phase, qo, kv, lens, page_size)
-    if verdict is None or verdict[3] != num_indices:
-        _explain(phase, qo, kv, lens, num_indices, page_size)
-    assert verdict is not None
-    return verdict[0], verdict[1], verdict[2]
+    if verdict is not None and verdict[3] == num_indices:
+        return verdict[0], verdict[1], verdict[2]
+    # The slow path: name the first broken rule (field and request).
+    for name, ptr in (("qo_indptr", qo), ("kv_indptr", kv)):
+        if int(ptr[0]) != 0:
+            raise InvalidBatchError(name, f"must start at 0, starts at {int(ptr[0])}")
+        bad = _first(ptr[1:] < ptr[:-1])
+        if bad is not None:
+            raise InvalidBatchError(name, "must be non-decreasing", request=bad)
+    if int(kv[-1]) != num_indices:
+        raise InvalidBatchError(
+            "kv_indptr", f"last value {int(kv[-1])} != len(kv_indices) = {num_indices}"
+        )
+    q_lens = qo[1:] - qo[:-1]
+    bad = _first(lens < q_lens)
+    if bad is not None:
+        raise InvalidBatchError(
+            "kv_lens",
+            f"kv_len {int(lens[bad])} < q_len {int(q_lens[bad])}: the cache must hold the "
+            "new tokens too",
+            request=bad,
+        )
+    bad = _first(q_lens < 1)
+    if bad is not None:
+        raise InvalidBatchError("qo_indptr", "every request needs >= 1 query token", request=bad)
+    if phase is Phase.DECODE:
+        bad = _first(q_lens != 1)
+        if bad is not None:
+            raise InvalidBatchError(
+                "qo_indptr",
+                f"DECODE needs exactly one query per request, got {int(q_lens[bad])}",
+                request=bad,
+            )
+    if page_size is not None:
+        need = (lens.long() + page_size - 1) // page_size
+        bad = _first((kv[1:] - kv[:-1]) < need)
+        if bad is not None:
+            raise InvalidBatchError(
+                "kv_indptr",
+                f"{int(kv[bad + 1] - kv[bad])} pages cannot hold kv_len {int(lens[bad])} "
+                f"at page_size {page_size}",
+                request=bad,
+            )
+    raise AssertionError("check_metadata flagged a batch that breaks no rule")  # pragma: no cover
 
 
 _LIST_MAX = 128
@@ -130,58 +172,6 @@ def _verdict_tensors(
     if qo0 or kv0 or any_bad:
         return None
     return total, max_q, max_kv, kv_last
-
-
-def _explain(
-    phase: Phase,
-    qo: torch.Tensor,
-    kv: torch.Tensor,
-    lens: torch.Tensor,
-    num_indices: int,
-    page_size: int | None,
-) -> None:
-    """The first broken rule, as an error naming field and request (slow path)."""
-    for name, ptr in (("qo_indptr", qo), ("kv_indptr", kv)):
-        if int(ptr[0]) != 0:
-            raise InvalidBatchError(name, f"must start at 0, starts at {int(ptr[0])}")
-        bad = _first(ptr[1:] < ptr[:-1])
-        if bad is not None:
-            raise InvalidBatchError(name, "must be non-decreasing", request=bad)
-    if int(kv[-1]) != num_indices:
-        raise InvalidBatchError(
-            "kv_indptr", f"last value {int(kv[-1])} != len(kv_indices) = {num_indices}"
-        )
-    q_lens = qo[1:] - qo[:-1]
-    bad = _first(lens < q_lens)
-    if bad is not None:
-        raise InvalidBatchError(
-            "kv_lens",
-            f"kv_len {int(lens[bad])} < q_len {int(q_lens[bad])}: the cache must hold the "
-            "new tokens too",
-            request=bad,
-        )
-    bad = _first(q_lens < 1)
-    if bad is not None:
-        raise InvalidBatchError("qo_indptr", "every request needs >= 1 query token", request=bad)
-    if phase is Phase.DECODE:
-        bad = _first(q_lens != 1)
-        if bad is not None:
-            raise InvalidBatchError(
-                "qo_indptr",
-                f"DECODE needs exactly one query per request, got {int(q_lens[bad])}",
-                request=bad,
-            )
-    if page_size is not None:
-        need = (lens.long() + page_size - 1) // page_size
-        bad = _first((kv[1:] - kv[:-1]) < need)
-        if bad is not None:
-            raise InvalidBatchError(
-                "kv_indptr",
-                f"{int(kv[bad + 1] - kv[bad])} pages cannot hold kv_len {int(lens[bad])} "
-                f"at page_size {page_size}",
-                request=bad,
-            )
-    raise AssertionError("check_metadata flagged a batch that breaks no rule")  # pragma: no cover
 
 
 def check_indices(kv: torch.Tensor, indices: torch.Tensor, num_pages: int | None) -> int:
@@ -374,7 +364,7 @@ class BatchSnapshot:
                 phase, vals[: b + 1], vals[b + 1 : n_meta - b], vals[n_meta - b : n_meta], page_size
             )
             if verdict is None or verdict[3] != n_idx:
-                _explain(phase, qo_h, kv_h, lens_h, n_idx, page_size)
+                check_metadata(phase, qo_h, kv_h, lens_h, n_idx, page_size)  # raises, naming why
             assert verdict is not None
             total, max_q, max_kv = verdict[0], verdict[1], verdict[2]
             if not whole:
@@ -625,13 +615,24 @@ def window_tree_mask(mask: torch.Tensor, window_left: int) -> torch.Tensor:
 def window_flat_mask(
     custom_mask: torch.Tensor, q_lens: list[int], kv_lens: list[int], window_left: int
 ) -> torch.Tensor:
-    """``window_tree_mask`` on a flat batch mask (request ``i``'s ``q_len x kv_len`` rows,
-    one after the other, as ``AttnBatch.custom_mask``); returns a new flat mask."""
+    """``window_tree_mask`` on a flat batch mask (see ``per_request_mask``)."""
+    return per_request_mask(
+        custom_mask, q_lens, kv_lens, lambda m: window_tree_mask(m, window_left)
+    )
+
+
+def per_request_mask(
+    custom_mask: torch.Tensor,
+    q_lens: list[int],
+    kv_lens: list[int],
+    fold: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``fold`` applied to each request's ``[q_len, kv_len]`` block of a flat batch mask
+    (the blocks one after the other, as ``AttnBatch.custom_mask``); returns a new flat mask."""
     parts = []
     off = 0
     for ql, kl in zip(q_lens, kv_lens, strict=True):
-        block = custom_mask[off : off + ql * kl].view(ql, kl)
-        parts.append(window_tree_mask(block, window_left).reshape(-1))
+        parts.append(fold(custom_mask[off : off + ql * kl].view(ql, kl)).reshape(-1))
         off += ql * kl
     return torch.cat(parts) if parts else custom_mask[:0].clone()
 

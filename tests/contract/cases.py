@@ -56,6 +56,7 @@ def config_of(case: KernelCase, device: str = "cpu") -> AttnConfig:
         kv_dtype=case.kv_dtype,
         causal=case.causal,
         attention_chunk_size=case.chunk,
+        return_lse=case.lse,
     )
 
 
@@ -158,6 +159,19 @@ def naive_attention(m: Materialised) -> torch.Tensor:
     variants"): the window keeps the last ``window_left + 1`` keys each query's mask allows
     (for a causal mask: positions ``p - window_left ..= p``), the cap is
     ``cap * tanh(s / cap)``, and a sink is one more logit in the softmax's denominator."""
+    return naive_state(m)[0]
+
+
+def reference_lse(m: Materialised) -> torch.Tensor:
+    """float64 ``[tokens, num_q_heads]``: the natural log of the sum of exp(score) over the
+    keys each query attends (scores after sm_scale, the FP8 k_scale and the cap), the sink
+    counted once (README, "Attention state (LSE) and merging"); -inf for a row that attends
+    no key."""
+    return naive_state(m)[1]
+
+
+def naive_state(m: Materialised) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(naive_attention(m), reference_lse(m))`` in one pass, float64."""
     c = m.config
     ps = c.page_size
     q = m.q.cpu().double()
@@ -167,6 +181,7 @@ def naive_attention(m: Materialised) -> torch.Tensor:
     v_cache = None if m.v_cache is None else m.v_cache.cpu().double() * v_scale
     dv = int(c.v_head_dim or c.head_dim)
     out = torch.zeros(q.shape[0], c.num_q_heads, dv, dtype=torch.float64)
+    lse = torch.full((q.shape[0], c.num_q_heads), -math.inf, dtype=torch.float64)
     qo = m.batch.qo_indptr_host.tolist()
     kv_lens = m.batch.kv_lens_host.tolist()
     for i, table in enumerate(m.page_tables):
@@ -194,7 +209,8 @@ def naive_attention(m: Materialised) -> torch.Tensor:
                 s = torch.cat((s, sink), dim=1)
                 vals = torch.cat((vals, torch.zeros(1, dv, dtype=torch.float64)))
             out[qo[i] : qo[i + 1], h] = torch.softmax(s, dim=-1) @ vals
-    return out
+            lse[qo[i] : qo[i + 1], h] = torch.logsumexp(s, dim=-1)
+    return out, lse
 
 
 def tolerance(dtype: str) -> tuple[float, float]:
@@ -204,3 +220,26 @@ def tolerance(dtype: str) -> tuple[float, float]:
     if dtype == "float16":
         return 4e-3, 4e-3
     return 2.5e-2, 2.5e-2  # bfloat16: 8 mantissa bits, inputs already rounded
+
+
+def lse_tolerance(dtype: str) -> tuple[float, float]:
+    """(atol, rtol) for a backend's lse (float32 whatever ``dtype``) against the float64
+    reference. The inputs are rounded to ``dtype`` before both see them, so what differs is
+    the kernel's arithmetic: fp32 scores and sums, or 16-bit products where a kernel keeps
+    its tiles in ``dtype``."""
+    if dtype == "float32":
+        return 1e-4, 1e-4
+    return 2e-3, 2e-3
+
+
+def assert_lse_matches(lse: torch.Tensor, m: Materialised, ref: torch.Tensor | None = None) -> None:
+    """The contract for a backend's lse: float32 ``[tokens, num_q_heads]`` on q's device,
+    contiguous, equal to ``reference_lse(m)`` (or ``ref``) within ``lse_tolerance``; -inf,
+    +inf and NaN exactly where the reference has them."""
+    want = reference_lse(m) if ref is None else ref
+    assert isinstance(lse, torch.Tensor)
+    assert lse.dtype == torch.float32, lse.dtype
+    assert tuple(lse.shape) == (m.q.shape[0], m.config.num_q_heads), tuple(lse.shape)
+    assert lse.device == m.q.device and lse.is_contiguous()
+    atol, rtol = lse_tolerance(m.config.dtype)
+    torch.testing.assert_close(lse.cpu().double(), want, atol=atol, rtol=rtol, equal_nan=True)

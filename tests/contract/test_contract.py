@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -24,9 +25,12 @@ from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
 from attn_dispatch import list_backends
+from tests.contract.cases import Materialised
+from tests.contract.cases import assert_lse_matches
 from tests.contract.cases import config_of
 from tests.contract.cases import materialise
 from tests.contract.cases import naive_attention
+from tests.contract.cases import naive_state
 from tests.contract.cases import tolerance
 from tests.strategies import DEFAULT_LIMITS
 from tests.strategies import KernelCase
@@ -101,21 +105,28 @@ def skip_if_refused(backend: str, case: KernelCase) -> None:
         pytest.skip(f"outside {backend!r}'s declared capabilities: {'; '.join(why)}")
 
 
-def run_case(backend: str, case: KernelCase) -> tuple[torch.Tensor, object]:
+def run_case(backend: str, case: KernelCase) -> tuple[Any, Materialised]:
+    """``attention`` on the case: ``out``, or ``(out, lse)`` for a case with ``lse``."""
     m = materialise(case, device_for(backend))
     binding = bind(backend, m.config, label=f"contract-{backend}")
+    kw = m.extras()
+    if case.lse:
+        kw["return_lse"] = True
     with attn_scope(binding, m.batch):
-        out = attention(m.q, m.k_cache, m.v_cache, sm_scale=m.sm_scale, **m.extras())
+        out = attention(m.q, m.k_cache, m.v_cache, sm_scale=m.sm_scale, **kw)
     return out, m
 
 
 def check_against_naive(backend: str, case: KernelCase) -> None:
-    out, m = run_case(backend, case)
-    assert out.dtype == m.q.dtype  # type: ignore[attr-defined]
+    result, m = run_case(backend, case)
+    out, lse = result if case.lse else (result, None)
+    assert out.dtype == m.q.dtype
     assert out.shape == (sum(case.q_lens), case.num_q_heads, case.v_head_dim)
-    ref = naive_attention(m)  # type: ignore[arg-type]
+    ref, ref_lse = naive_state(m)
     atol, rtol = tolerance(case.dtype)
     torch.testing.assert_close(out.cpu().double(), ref, atol=atol, rtol=rtol)
+    if lse is not None:
+        assert_lse_matches(lse, m, ref_lse)
 
 
 @pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.name.lower())
@@ -160,6 +171,7 @@ def served(backend: str, kind: str, phase: Phase) -> tuple[Served, list[str]]:
         "sinks": dict(sinks=True),
         "non_causal": dict(causal=False),
         "chunked": dict(chunk=8),
+        "lse": dict(lse=True),
         **{f: dict(kv_dtype=f) for f in FP8_FORMATS},
     }
     ok: list[str] = []
@@ -169,7 +181,7 @@ def served(backend: str, kind: str, phase: Phase) -> tuple[Served, list[str]]:
         found = caps.config_reasons(cfg, phase)
         (why.extend(found) if found else ok.append(name))
     return Served(
-        variants=frozenset(ok) & {"window", "logit_cap", "sinks", "non_causal", "chunked"},
+        variants=frozenset(ok) & {"window", "logit_cap", "sinks", "non_causal", "chunked", "lse"},
         fp8=tuple(f for f in FP8_FORMATS if f in ok),
     ), why
 

@@ -178,7 +178,11 @@ class TorchBackend(TorchBackendBase):
         sinks: torch.Tensor | None = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``[T, Hq, Dv]`` in q's dtype, or ``(out, lse)`` with ``return_lse=True`` (lse
+        float32 ``[T, Hq]``: log of the sum of exp(score) over the keys each row attended,
+        the sink included; see ``_OnlineSoftmax.result``)."""
         check_plan(plan, self, "torch")
         num_pages = self._checks.check(plan.snap, q, k_cache, v_cache)
         c = self.config
@@ -187,7 +191,7 @@ class TorchBackend(TorchBackendBase):
         mla = c.kind == "mla"
         hkv, dv = c.num_kv_heads, int(c.out_head_dim)
         if plan.snap.num_requests == 0:  # SGLang's IDLE forward: nothing to attend
-            return q.new_empty((0, c.num_q_heads, dv))
+            return _empty(q, c.num_q_heads, dv, return_lse)
         b, max_q = plan.q_rows.shape
         max_pages = plan.page_table.shape[1]
         ps = c.page_size
@@ -200,6 +204,7 @@ class TorchBackend(TorchBackendBase):
         chunk = c.attention_chunk_size
         fp8 = c.kv_fp8
         out = torch.empty(b, max_q, c.num_q_heads, dv, dtype=torch.float32, device=q.device)
+        lse = torch.empty(b, max_q, c.num_q_heads, device=q.device) if return_lse else None
         qp = self._padded_q(q, plan.q_rows)
         in_page = torch.arange(ps, device=q.device)
         for blk, q0 in enumerate(range(0, max_q, plan.q_block)):
@@ -249,7 +254,12 @@ class TorchBackend(TorchBackendBase):
                 # causal=False: every key of the request (kv_len bounds it above)
                 acc.update(k, v, allowed, sm_scale)
             out[:, q0:q1] = acc.result(c.num_q_heads, sinks)
-        return out.view(b * max_q, c.num_q_heads, dv).index_select(0, plan.out_rows).to(q.dtype)
+            if lse is not None:
+                lse[:, q0:q1] = acc.lse(c.num_q_heads, sinks)
+        rows = out.view(b * max_q, c.num_q_heads, dv).index_select(0, plan.out_rows).to(q.dtype)
+        if lse is None:
+            return rows
+        return rows, lse.view(b * max_q, c.num_q_heads).index_select(0, plan.out_rows)
 
     def _padded_q(self, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``[T, Hq, D]`` -> ``[B, Hkv, G, Mq, D]`` in fp32 (pads repeat row 0, masked later)."""
@@ -281,7 +291,8 @@ class TorchBackend(TorchBackendBase):
         prefix: Iterable[tuple[torch.Tensor, torch.Tensor, Sequence[int]]] | None = None,
         *,
         sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         if c.sinks:
             self._checks.check_sinks(sinks, q)
@@ -311,7 +322,7 @@ class TorchBackend(TorchBackendBase):
         dv = int(c.out_head_dim)
         b = snap.num_requests
         if b == 0:
-            return q.new_empty((0, c.num_q_heads, dv))
+            return _empty(q, c.num_q_heads, dv, return_lse)
         qo = snap.qo_indptr_host.tolist()
         max_q = max(snap.max_q_len, 1)
         dev = q.device
@@ -368,7 +379,18 @@ class TorchBackend(TorchBackendBase):
             kpos_new = torch.tensor(prefix_lens)[:, None] + slots[None, :]
             causal = causal & (kpos_new[:, None, :] >= qstart[:, :, None])
         acc.update(k, v, causal.to(dev) & valid[:, None, :], sm_scale)
-        return acc.result(c.num_q_heads, sinks)[valid].to(q.dtype)
+        out = acc.result(c.num_q_heads, sinks)[valid].to(q.dtype)
+        if not return_lse:
+            return out
+        return out, acc.lse(c.num_q_heads, sinks)[valid]
+
+
+def _empty(
+    q: torch.Tensor, heads: int, dv: int, return_lse: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The result of a batch of no requests (SGLang's IDLE forward)."""
+    out = q.new_empty((0, heads, dv))
+    return (out, torch.empty(0, heads, device=q.device)) if return_lse else out
 
 
 def _blocks(
@@ -508,3 +530,27 @@ class _OnlineSoftmax:
         res = torch.where(bad[..., None], math.nan, res)
         b, _, _, mq, dv = res.shape
         return res.permute(0, 3, 1, 2, 4).reshape(b, mq, heads, dv)
+
+    def lse(self, heads: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, Mq, Hq]`` float32: ``log(sum_j e^(s_j) + e^(sink))`` over the keys each row
+        saw (the scores after scale and cap; the sink counted once). A row that saw no key
+        (and no sink, or a -inf one) gives -inf; a +inf sink gives +inf; a row whose output is
+        NaN (it read a non-finite key or value, or a NaN sink) gives NaN."""
+        m = torch.where(torch.isinf(self.m), torch.zeros_like(self.m), self.m)
+        total = self.l_sum * torch.exp(self.m - m)  # sum_j e^(s_j - m), 0 for an empty row
+        bad = self.bad
+        if sinks is not None:
+            hkv, g = self.m.shape[1], self.m.shape[2]
+            sink = sinks.to(self.m.device, torch.float32).view(1, hkv, g, 1).expand_as(m)
+            big = torch.maximum(self.m, sink)
+            big = torch.where(torch.isinf(big), torch.zeros_like(big), big)
+            total = total * torch.exp(m - big) + torch.exp(sink - big)
+            m = big
+            bad = bad | torch.isnan(sink)
+            inf_sink = sink == math.inf
+        lse = m + torch.log(total)  # log(0) = -inf: an empty row
+        if sinks is not None:
+            lse = torch.where(inf_sink, math.inf, lse)
+        lse = torch.where(bad, math.nan, lse)
+        b, _, _, mq = lse.shape
+        return lse.permute(0, 3, 1, 2).reshape(b, mq, heads)
