@@ -10,6 +10,7 @@ tables (hypothesis), masks, sinks, caps, FP8 caches and MLA.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -323,18 +324,24 @@ def test_cascade_option_through_bind() -> None:
     t = tensors(case)
     spec = BackendSpec(prefill="native", decode="native", verify="native")
     results = {}
+    cfg = dataclasses.replace(t["cfg"], return_lse=True)
     for cascade in (True, False):
-        runner = bind(spec, t["cfg"], label=f"cascade={cascade}",
+        runner = bind(spec, cfg, label=f"cascade={cascade}",
                       options={"native": {"cascade": cascade}})  # fmt: skip
         with record_dispatch() as rec, attn_scope(runner, t["batch"]):
-            results[cascade] = attention(t["q"], t["k"], t["v"], sm_scale=D**-0.5)
+            results[cascade] = attention(t["q"], t["k"], t["v"], sm_scale=D**-0.5, return_lse=True)
         notes = [e.note for e in rec.events]
         if cascade:
             assert notes == ["cascade: 2 requests in 1 group share 80 keys"]
             assert "cascade: 2 requests" in rec.summary()
         else:
             assert notes == [None]
-    torch.testing.assert_close(results[True], results[False], atol=1e-5, rtol=1e-5)
+    (out_on, lse_on), (out_off, lse_off) = results[True], results[False]
+    torch.testing.assert_close(out_on, out_off, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse_on, lse_off, atol=1e-5, rtol=1e-5)
+    ref_out, ref_lse = reference(case, t)
+    torch.testing.assert_close(out_on.double(), ref_out, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(lse_on.double(), ref_lse, atol=2e-4, rtol=2e-4)
 
 
 def test_cascade_option_refuses_non_bools() -> None:

@@ -185,10 +185,11 @@ def test_torch_declares_everything() -> None:
 def test_native_declares_everything() -> None:
     native_caps = list_backends()["native"]
     for phase in Phase:
-        assert native_caps.variants_for(phase) == ALL
+        assert native_caps.variants_for(phase) == {*ALL, "lse"}
     for cfg in (
         mha_config(window_left=0, logit_cap=1.0, sinks=True, kv_dtype="float8_e4m3fn"),
         mla_config(window_left=9, logit_cap=1.0, sinks=True, kv_dtype="float8_e5m2"),
+        mha_config(return_lse=True, sinks=True, logit_cap=2.0, kv_dtype="float8_e5m2"),
     ):
         for phase in Phase:
             assert native_caps.config_reasons(cfg, phase) == []

@@ -59,7 +59,7 @@ CAPABILITIES = Capabilities(
     checks=(_check_dims,),
     availability=(_availability,),
     forms={"prefill": {"mla", "mha"}, "decode": {"mla"}, "verify": {"mla"}},
-    variants={"window", "logit_cap", "sinks", "non_causal", "chunked"},
+    variants={"window", "logit_cap", "sinks", "non_causal", "chunked", "lse"},
     description=(
         "C++ CPU kernels (csrc/): paged decode and prefix+causal/custom-mask extend, split-KV, "
         "bf16/fp16/FP8 caches converted in registers, sliding window, logit cap, sinks, "
