@@ -36,6 +36,12 @@ BLOCK = 32  # vLLM's CPU attention wants multiples of 32; small blocks make requ
 # Eight requests of different lengths, 5 to 264 tokens: 1 to 9 blocks of 32 before decoding.
 PROMPTS = [[(7 * i + 3 * j) % (VOCAB - 6) + 1 for j in range(5 + 37 * i)] for i in range(8)]
 NEW_TOKENS = 16
+# Six requests that start with the same 160-token system prompt (5 blocks of 32), then their
+# own 3 to 40 tokens: vLLM's prefix caching gives them the same leading block ids.
+SYSTEM = [(11 * j) % (VOCAB - 6) + 1 for j in range(160)]
+SHARED_PROMPTS = [
+    SYSTEM + [(5 * i + j) % (VOCAB - 6) + 1 for j in range(3 + 7 * i)] for i in range(6)
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,6 +61,12 @@ def test_settings_parse_and_refuse() -> None:
         Settings.parse({"target": "native", "mixed": "both"})
     with pytest.raises(InvalidSpecError, match="never copied"):
         Settings.parse({"target": "native"}).spec_for("draft")
+    opts = Settings.parse({"target": "native", "options": {"native": {"cascade": False}}})
+    assert opts.options == {"native": {"cascade": False}}
+    assert Settings.parse({"target": "native"}).options == {}
+    for bad in ({"native": False}, ["native"], {"native": {1: 2}}):
+        with pytest.raises(InvalidSpecError, match="backend name -> keywords"):
+            Settings.parse({"target": "native", "options": bad})
 
 
 def test_request_phase_rule() -> None:
@@ -144,7 +156,8 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:  # start-up refusals are what some tests look for
             results.append({"error": [type(exc).__name__, str(exc)]})
             continue
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+        chosen = SHARED_PROMPTS if engine.get("prompts") == "shared" else PROMPTS
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in chosen]
         params = vllm.SamplingParams(
             max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0
         )
@@ -164,6 +177,7 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
                     for o in outs
                 ],
                 "counts": [[*k, n] for k, n in sorted(rec.counts().items())],
+                "notes": sorted({e.note for e in rec.events if e.note is not None}),
                 "summary": rec.summary(),
             }
         )
@@ -411,6 +425,28 @@ def test_fp8_kv_cache(models: dict[str, str]) -> None:
     assert set(_counts(native)) == {("target", "prefill", "native"), ("target", "decode", "native")}
     if "error" in own:  # vLLM's own CPU attention serves FP8 only with AVX-512 or AMX
         assert "AVX-512" in own["error"][1]
+
+
+@needs_vllm
+def test_prefix_caching_shared_prompt_runs_cascade(models: dict[str, str]) -> None:
+    # vLLM's prefix caching hands the native backend page tables that start with the same
+    # blocks; its planner reads them once per group (cascade) without being asked, and the
+    # tokens equal vLLM's own attention's.
+    own, ours, off = _run(
+        [
+            {"model": models["llama"], "prompts": "shared"},
+            {"model": models["llama"], "prompts": "shared", "attn_dispatch": {"target": "native"}},
+            {
+                "model": models["llama"],
+                "prompts": "shared",
+                "attn_dispatch": {"target": "native", "options": {"native": {"cascade": False}}},
+            },
+        ]
+    )
+    assert ours["tokens"] == own["tokens"] == off["tokens"]
+    assert _logprob_gap(ours, own) < 1e-3
+    assert any(n.startswith("cascade:") for n in ours["notes"]), ours["summary"]
+    assert off["notes"] == []
 
 
 @needs_vllm

@@ -65,6 +65,9 @@ class Settings:
     target: BackendSpec
     draft: BackendSpec | None = None
     mixed: str = "split"
+    #: ``bind``'s ``options`` for every runner: backend name -> factory keywords, e.g.
+    #: ``{"native": {"cascade": False}}``.
+    options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def parse(cls, raw: object) -> Settings:
@@ -75,12 +78,24 @@ class Settings:
                 raw,
                 'expected a mapping such as {"target": "native", "draft": "torch"}',
             )
-        unknown = sorted(str(k) for k in raw if k not in ("target", "draft", "mixed"))
+        unknown = sorted(str(k) for k in raw if k not in ("target", "draft", "mixed", "options"))
         if unknown:
             raise InvalidSpecError(
                 CONFIG_KEY,
                 dict(raw),
-                f"unknown key(s) {unknown!r}; keys are 'target', 'draft' and 'mixed'",
+                f"unknown key(s) {unknown!r}; keys are 'target', 'draft', 'mixed' and 'options'",
+            )
+        options = raw.get("options", {})
+        if not isinstance(options, Mapping) or not all(
+            isinstance(name, str)
+            and isinstance(kw, Mapping)
+            and all(isinstance(k, str) for k in kw)
+            for name, kw in options.items()
+        ):
+            raise InvalidSpecError(
+                "options",
+                options,
+                'expected backend name -> keywords, such as {"native": {"cascade": False}}',
             )
         if "target" not in raw:
             raise InvalidSpecError(
@@ -93,7 +108,10 @@ class Settings:
             raise InvalidSpecError("mixed", mixed, f"choose one of {MIXED_MODES!r}")
         draft = raw.get("draft")
         return cls(
-            _spec("target", raw["target"]), None if draft is None else _spec("draft", draft), mixed
+            _spec("target", raw["target"]),
+            None if draft is None else _spec("draft", draft),
+            mixed,
+            {name: dict(kw) for name, kw in options.items()},
         )
 
     def spec_for(self, label: str) -> BackendSpec:

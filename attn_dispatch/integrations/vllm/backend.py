@@ -67,16 +67,17 @@ _FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 # Start-up: one binding per runner and layer config
 
 
-_BINDINGS: dict[tuple[str, str, AttnConfig], Binding] = {}
+_BINDINGS: dict[tuple[str, str, str, AttnConfig], Binding] = {}
 
 
 def _binding_for(label: str, settings: Settings, config: AttnConfig) -> Binding:
     """One ``Binding`` per (runner, spec, config), shared by the layers that are alike."""
     spec = settings.spec_for(label)
-    key = (label, str(spec), config)
+    key = (label, str(spec), repr(sorted(settings.options.items())), config)
     found = _BINDINGS.get(key)
     if found is None:
-        found = _BINDINGS[key] = bind(spec, config, label=label)
+        options = settings.options or None
+        found = _BINDINGS[key] = bind(spec, config, label=label, options=options)
     return found
 
 
