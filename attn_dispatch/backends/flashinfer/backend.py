@@ -1053,15 +1053,7 @@ class FlashInferBackend(TorchBackendBase):
             ) from exc
         ticket = object()
         route.tickets[id(wrapper)] = ticket
-        plan = FlashInferPlan(
-            owner=self,
-            snap=snap,
-            route=route,
-            wrapper=wrapper,
-            sm_scale=scale,
-            ticket=ticket,
-            cascade=info,
-        )
+        plan = FlashInferPlan(self, snap, route, wrapper, scale, ticket, cascade=info)
         return issue_plan(self, plan)
 
     def handler(self, phase: Phase) -> Handler:
