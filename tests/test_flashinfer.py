@@ -1591,3 +1591,46 @@ def test_cascade_equals_plain_on_random_page_tables(
 
     check()
     assert ran["cascade"] > 0 and ran["plain"] > 0, ran
+
+
+# ---------------------------------------------------------------------------------------
+# Real kernels (CUDA only): lse units and the cascade on FlashInfer itself
+# ---------------------------------------------------------------------------------------
+
+
+@needs_flashinfer
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer's kernels need CUDA")
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.VERIFY])
+def test_real_flashinfer_lse_and_cascade(phase: Phase) -> None:
+    """FlashInfer's own kernels: a batch sharing 3 of its pages plans a cascade (validate=True
+    puts the page ids on the host), whose output equals the plain plan's and the contract's;
+    the plain plan's lse is the natural log (float64 reference)."""
+    from attn_dispatch import AttnBatch
+    from attn_dispatch.backends.flashinfer.backend import FlashInferBackend
+
+    cfg = mha(num_q_heads=8, num_kv_heads=2, head_dim=128, v_head_dim=128, page_size=16)
+    q_lens = [1, 1, 1, 1] if phase is Phase.DECODE else [3, 2, 4, 1]
+    tables = [[0, 1, 2, 3 + i, 7 + i] for i in range(4)]
+    kv_lens = [70, 75, 66, 80]
+    cpu_batch = AttnBatch.build(phase, q_lens=q_lens, kv_lens=kv_lens, page_tables=tables,
+                                page_size=16)  # fmt: skip
+    batch = cpu_batch.to("cuda")
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(12, 16, 2, 128, generator=gen).to(torch.bfloat16)
+    v = torch.randn(12, 16, 2, 128, generator=gen).to(torch.bfloat16)
+    q = torch.randn(sum(q_lens), 8, 128, generator=gen).to(torch.bfloat16)
+    scale = 1.0 / math.sqrt(128)
+    want_out, want_lse = _reference_state(cfg, cpu_batch, q, k, v, scale, dtype=torch.float64)
+    qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
+    cascade = FlashInferBackend(cfg, sm_scale=scale, validate=True)
+    plan = cascade.plan(batch)
+    assert plan.cascade is not None and plan.cascade.groups == ((0, 4),)
+    out = cascade.handler(phase)(qc, kc, vc, plan, scale)
+    plain = FlashInferBackend(cfg, sm_scale=scale, cascade=False)
+    plain_plan = plain.plan(batch)
+    plain_out, lse = plain.handler(phase)(qc, kc, vc, plain_plan, scale, return_lse=True)
+    torch.testing.assert_close(out.double().cpu(), want_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(plain_out.double().cpu(), want_out, atol=2e-2, rtol=2e-2)
+    assert lse.dtype == torch.float32 and lse.shape == (sum(q_lens), 8)
+    torch.testing.assert_close(lse.double().cpu(), want_lse, atol=2e-2, rtol=1e-3)
