@@ -1107,7 +1107,10 @@ class FlashInferBackend(TorchBackendBase):
         if plan.snap.num_requests == 0:  # SGLang's IDLE forward: nothing to launch
             empty = q.new_empty((0, self.config.num_q_heads, self.config.out_head_dim))
             if return_lse:
-                return empty, torch.empty((0, self.config.num_q_heads), device=q.device)
+                lse0 = torch.empty(
+                    (0, self.config.num_q_heads), dtype=torch.float32, device=q.device
+                )
+                return empty, lse0
             return empty
         extra = _NO_EXTRA
         if self.kv_fp8:
