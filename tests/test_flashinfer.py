@@ -25,6 +25,7 @@ from attn_dispatch import AttnConfig
 from attn_dispatch import AttnForm
 from attn_dispatch import InvalidBatchError
 from attn_dispatch import Phase
+from attn_dispatch._vocab import VARIANTS
 from attn_dispatch.backends import flashinfer as fi_caps
 from attn_dispatch.backends._common import window_tree_mask
 
@@ -299,6 +300,7 @@ def test_import_flashinfer_and_every_keyword_exists() -> None:
     owners = {
         "BatchPrefillWithPagedKVCacheWrapper": flashinfer.BatchPrefillWithPagedKVCacheWrapper,
         "BatchDecodeWithPagedKVCacheWrapper": flashinfer.BatchDecodeWithPagedKVCacheWrapper,
+        "MultiLevelCascadeAttentionWrapper": flashinfer.MultiLevelCascadeAttentionWrapper,
         "BatchMLAPagedAttentionWrapper": BatchMLAPagedAttentionWrapper,
         "MLAPlanMetadata": MLAPlanMetadata,
     }
@@ -323,9 +325,16 @@ def test_mla_plan_uses_the_metadata_form_not_the_deprecated_flat_one() -> None:
     param = inspect.signature(BatchMLAPagedAttentionWrapper.plan).parameters["metadata"]
     assert param.kind is param.KEYWORD_ONLY
     run_kw = WRAPPER_KEYWORDS[("BatchMLAPagedAttentionWrapper", "run")]
-    # packed query / cache (plus the FP8 per-tensor scales), not the deprecated
-    # q_nope/q_pe/ckv_cache/kpe_cache form
-    assert run_kw == {"query", "kv_cache", "ckv_scale", "kpe_scale"}
+    # packed query / cache (plus the FP8 per-tensor scales and the lse request), not the
+    # deprecated q_nope/q_pe/ckv_cache/kpe_cache form
+    assert run_kw == {
+        "query",
+        "kv_cache",
+        "ckv_scale",
+        "kpe_scale",
+        "return_lse",
+        "return_lse_base_on_e",
+    }
 
 
 @needs_flashinfer
@@ -378,25 +387,36 @@ def _check_call(wrapper: str, method: str, kwargs: dict[str, Any]) -> None:
     assert not missing, f"{wrapper}.{method}: {sorted(missing)}"
 
 
-def _attend(q: Any, k: Any, v: Any, allowed: Any, scale: float, cap: float = 0.0) -> Any:
-    """q [n, H, D], k [m, Hkv, D], v [m, Hkv, Dv], allowed [n, m] -> [n, H, Dv] (fp32);
-    ``cap > 0``: scores cap * tanh(s / cap)."""
+def _attend_state(
+    q: Any, k: Any, v: Any, allowed: Any, scale: float, cap: float = 0.0, dtype: Any = None
+) -> tuple[Any, Any]:
+    """q [n, H, D], k [m, Hkv, D], v [m, Hkv, Dv], allowed [n, m] -> (out [n, H, Dv], natural
+    lse [n, H]) computed in ``dtype`` (fp32 by default); ``cap > 0``: scores cap * tanh(s / cap).
+    A row that attends nothing gives out 0 and lse -inf."""
+    dtype = dtype or torch.float32
     group = q.shape[1] // k.shape[1]
-    k = k.float().repeat_interleave(group, dim=1)
-    v = v.float().repeat_interleave(group, dim=1)
-    s = torch.einsum("nhd,mhd->hnm", q.float(), k) * scale
+    k = k.to(dtype).repeat_interleave(group, dim=1)
+    v = v.to(dtype).repeat_interleave(group, dim=1)
+    s = torch.einsum("nhd,mhd->hnm", q.to(dtype), k) * scale
     if cap > 0:
         s = cap * torch.tanh(s / cap)
     s = s.masked_fill(~allowed.unsqueeze(0), float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return torch.einsum("hnm,mhd->nhd", p, v)
+    return torch.einsum("hnm,mhd->nhd", p, v), torch.logsumexp(s, dim=-1).transpose(0, 1)
+
+
+def _attend(q: Any, k: Any, v: Any, allowed: Any, scale: float, cap: float = 0.0) -> Any:
+    return _attend_state(q, k, v, allowed, scale, cap)[0]
+
+
+_LOG2E = 1.0 / math.log(2.0)
 
 
 class _FakeWrapper:
     """Stands in for one FlashInfer wrapper: asserts every call is keyword-only with
     keywords the installed FlashInfer has, and computes attention the way FlashInfer
     defines it (kv_len from page count and last-page fill; causal bottom-right; flat
-    per-request [q_len, kv_len] custom mask)."""
+    per-request [q_len, kv_len] custom mask; lse in base 2 unless asked otherwise)."""
 
     kind = ""
     made: ClassVar[list[_FakeWrapper]] = []
@@ -405,6 +425,7 @@ class _FakeWrapper:
         _check_call(self.kind, "__init__", kwargs)
         self.init = kwargs
         self.plans: list[dict[str, Any]] = []
+        self.runs: list[dict[str, Any]] = []
         _FakeWrapper.made.append(self)
 
     def plan(self, **kwargs: Any) -> None:
@@ -415,6 +436,20 @@ class _FakeWrapper:
                 # host metadata only: FlashInfer would otherwise copy it device -> host
                 assert value.device.type == "cpu", name
         self.plans.append(kwargs)
+
+    def run(self, **kwargs: Any) -> Any:
+        _check_call(self.kind, "run", kwargs)
+        self.runs.append(kwargs)
+        out, lse = self._state(self.plans[-1], kwargs)
+        if not kwargs.get("return_lse"):
+            return out
+        return out, self._lse_units(self.plans[-1], kwargs, lse)
+
+    def _state(self, p: dict[str, Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def _lse_units(self, p: dict[str, Any], kwargs: dict[str, Any], lse: Any) -> Any:
+        return lse * _LOG2E  # FlashInfer's own convention: base 2
 
     @staticmethod
     def _variants(
@@ -432,71 +467,121 @@ class _FakeWrapper:
         v_scale = kwargs.get("v_scale") or 1.0
         return allowed, p["sm_scale"] * k_scale, p.get("logits_soft_cap") or 0.0, v_scale
 
-    def _lens(self, p: dict[str, Any], page_size: int) -> list[int]:
-        indptr = p.get("paged_kv_indptr", p.get("indptr"))
-        last = p.get("paged_kv_last_page_len", p.get("last_page_len"))
+    @staticmethod
+    def _lens(p: dict[str, Any], page_size: int) -> list[int]:
+        paged = "paged_kv_indptr" in p
+        indptr = p["paged_kv_indptr" if paged else "indptr"]
+        last = p["paged_kv_last_page_len" if paged else "last_page_len"]
         pages = (indptr[1:] - indptr[:-1]).tolist()
         return [max(n - 1, 0) * page_size + int(last[i]) for i, n in enumerate(pages)]
+
+
+def _prefill_state(p: dict[str, Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """BatchPrefillWithPagedKVCacheWrapper's result for plan ``p``: (out, natural lse)."""
+    q = kwargs["q"]
+    k_cache, v_cache = kwargs["paged_kv_cache"]
+    lens = _FakeWrapper._lens(p, p["page_size"])
+    qo = p["qo_indptr"].tolist()
+    indptr = p["paged_kv_indptr"].tolist()
+    mask = p.get("custom_mask")
+    outs, lses, moff = [], [], 0
+    for i, kv_len in enumerate(lens):
+        pages = p["paged_kv_indices"][indptr[i] : indptr[i + 1]]
+        k = k_cache[pages].flatten(0, 1)[:kv_len]
+        v = v_cache[pages].flatten(0, 1)[:kv_len]
+        n = qo[i + 1] - qo[i]
+        if mask is not None:
+            allowed = mask[moff : moff + n * kv_len].view(n, kv_len)
+            moff += n * kv_len
+        elif p["causal"]:
+            allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
+        else:
+            allowed = torch.ones(n, kv_len, dtype=torch.bool)
+        allowed, scale, cap, vs = _FakeWrapper._variants(p, allowed, kv_len, kwargs)
+        out, lse = _attend_state(q[qo[i] : qo[i + 1]], k, v, allowed, scale, cap)
+        outs.append(out * vs)
+        lses.append(lse)
+    return torch.cat(outs).to(q.dtype), torch.cat(lses)
 
 
 class _FakePrefill(_FakeWrapper):
     kind = "BatchPrefillWithPagedKVCacheWrapper"
 
-    def run(self, **kwargs: Any) -> Any:
-        _check_call(self.kind, "run", kwargs)
-        p = self.plans[-1]
-        q = kwargs["q"]
-        k_cache, v_cache = kwargs["paged_kv_cache"]
-        ps = p["page_size"]
-        lens = self._lens(p, ps)
-        qo = p["qo_indptr"].tolist()
-        indptr = p["paged_kv_indptr"].tolist()
-        mask = p["custom_mask"]
-        out, moff = [], 0
-        for i, kv_len in enumerate(lens):
-            pages = p["paged_kv_indices"][indptr[i] : indptr[i + 1]]
-            k = k_cache[pages].flatten(0, 1)[:kv_len]
-            v = v_cache[pages].flatten(0, 1)[:kv_len]
-            n = qo[i + 1] - qo[i]
-            if mask is not None:
-                allowed = mask[moff : moff + n * kv_len].view(n, kv_len)
-                moff += n * kv_len
-            elif p["causal"]:
-                allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
-            else:
-                allowed = torch.ones(n, kv_len, dtype=torch.bool)
-            allowed, scale, cap, vs = self._variants(p, allowed, kv_len, kwargs)
-            out.append(_attend(q[qo[i] : qo[i + 1]], k, v, allowed, scale, cap) * vs)
-        return torch.cat(out).to(q.dtype)
+    def _state(self, p: dict[str, Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        return _prefill_state(p, kwargs)
+
+    def _lse_units(self, p: dict[str, Any], kwargs: dict[str, Any], lse: Any) -> Any:
+        return lse if kwargs.get("lse_base") == "ln" else lse * _LOG2E
 
 
 class _FakeDecode(_FakeWrapper):
     kind = "BatchDecodeWithPagedKVCacheWrapper"
 
-    def run(self, **kwargs: Any) -> Any:
-        _check_call(self.kind, "run", kwargs)
-        p = self.plans[-1]
+    def _state(self, p: dict[str, Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         q = kwargs["q"]
         k_cache, v_cache = kwargs["paged_kv_cache"]
         lens = self._lens(p, p["page_size"])
         indptr = p["indptr"].tolist()
-        out = []
+        outs, lses = [], []
         for i, kv_len in enumerate(lens):
             pages = p["indices"][indptr[i] : indptr[i + 1]]
             k = k_cache[pages].flatten(0, 1)[:kv_len]
             v = v_cache[pages].flatten(0, 1)[:kv_len]
             every_key = torch.ones(1, kv_len, dtype=torch.bool)
             allowed, scale, cap, vs = self._variants(p, every_key, kv_len, kwargs)
-            out.append(_attend(q[i : i + 1], k, v, allowed, scale, cap) * vs)
-        return torch.cat(out).to(q.dtype)
+            out, lse = _attend_state(q[i : i + 1], k, v, allowed, scale, cap)
+            outs.append(out * vs)
+            lses.append(lse)
+        return torch.cat(outs).to(q.dtype), torch.cat(lses)
+
+
+class _FakeCascade(_FakeWrapper):
+    """MultiLevelCascadeAttentionWrapper: every level is a paged prefill over all queries
+    (causal only in the last level), the levels' states merged (cascade.py: run)."""
+
+    kind = "MultiLevelCascadeAttentionWrapper"
+
+    def run(self, **kwargs: Any) -> Any:
+        _check_call(self.kind, "run", kwargs)
+        self.runs.append(kwargs)
+        p = self.plans[-1]
+        levels = len(p["qo_indptr_arr"])
+        assert levels == self.init["num_levels"] == 2
+        states = []
+        for level in range(levels):
+            lp = {
+                "qo_indptr": p["qo_indptr_arr"][level],
+                "paged_kv_indptr": p["paged_kv_indptr_arr"][level],
+                "paged_kv_indices": p["paged_kv_indices_arr"][level],
+                "paged_kv_last_page_len": p["paged_kv_last_page_len"][level],
+                "page_size": p["page_size"],
+                "causal": p.get("causal", False) if level == levels - 1 else False,
+                "sm_scale": p["sm_scale"],
+                "logits_soft_cap": p.get("logits_soft_cap"),
+            }
+            assert int(lp["qo_indptr"][-1]) == kwargs["q"].shape[0]  # every level, every row
+            states.append(_prefill_state(lp, kwargs))
+        (o0, l0), (o1, l1) = states
+        m = torch.maximum(l0, l1)
+        w0, w1 = torch.exp(l0 - m).unsqueeze(-1), torch.exp(l1 - m).unsqueeze(-1)
+        return ((o0.float() * w0 + o1.float() * w1) / (w0 + w1)).to(o0.dtype)
 
 
 class _FakeMLA(_FakeWrapper):
     kind = "BatchMLAPagedAttentionWrapper"
 
     def run(self, **kwargs: Any) -> Any:
-        _check_call(self.kind, "run", kwargs)
-        p = self.plans[-1]
+        # FlashInfer fixes the lse mode at plan (_contracts.py: validate_run_options)
+        asked = kwargs.get("return_lse") or kwargs.get("return_lse_base_on_e")
+        mode = ("basee" if kwargs.get("return_lse_base_on_e") else "base2") if asked else "none"
+        if mode != self.plans[-1].get("lse_mode", "none"):
+            raise ValueError(f"planned LSE mode {self.plans[-1].get('lse_mode')}, run {mode}")
+        return super().run(**kwargs)
+
+    def _lse_units(self, p: dict[str, Any], kwargs: dict[str, Any], lse: Any) -> Any:
+        return lse if kwargs.get("return_lse_base_on_e") else lse * _LOG2E
+
+    def _state(self, p: dict[str, Any], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         md = p["metadata"]
         # FlashInfer's CSR rule: exactly ceil(kv_len / page_size) pages per request
         need = (md.kv_len_arr + p["page_size"] - 1) // p["page_size"]
@@ -505,7 +590,7 @@ class _FakeMLA(_FakeWrapper):
         ckv = p["head_dim_ckv"]
         assert q.shape[-1] == cache.shape[-1] == ckv + p["head_dim_kpe"]
         qo, indptr = md.qo_indptr.tolist(), md.kv_indptr.tolist()
-        out = []
+        outs, lses = [], []
         for i, kv_len in enumerate(md.kv_len_arr.tolist()):
             pages = md.kv_indices[indptr[i] : indptr[i + 1]]
             k = cache[pages].flatten(0, 1)[:kv_len].unsqueeze(1).float()
@@ -521,8 +606,61 @@ class _FakeMLA(_FakeWrapper):
                 allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
             else:
                 allowed = torch.ones(n, kv_len, dtype=torch.bool)
-            out.append(_attend(q[qo[i] : qo[i + 1]], k, k[..., :ckv], allowed, p["sm_scale"]))
-        return torch.cat(out).to(q.dtype)
+            out, lse = _attend_state(q[qo[i] : qo[i + 1]], k, k[..., :ckv], allowed, p["sm_scale"])
+            outs.append(out)
+            lses.append(lse)
+        return torch.cat(outs).to(q.dtype), torch.cat(lses)
+
+
+def _reference_state(
+    cfg: AttnConfig,
+    batch: Any,
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    dtype: Any = None,
+) -> tuple[Any, Any]:
+    """Our contract, read directly (independent of the adapter's page-table code), as
+    (out, natural lse) in ``dtype`` (fp32 by default): the config's window and cap; an FP8
+    cache holds K / k_scale and V / v_scale (MLA: k_scale for the whole latent row)."""
+    dtype = dtype or torch.float32
+    k_cache = k_cache.to(dtype) * k_scale
+    if v_cache is not None:
+        v_cache = v_cache.to(dtype) * v_scale
+    ps = cfg.page_size
+    qo = batch.qo_indptr_host.tolist()
+    kv_indptr = batch.kv_indptr_host.tolist()
+    outs, lses, pos = [], [], 0
+    for i, kv_len in enumerate(batch.kv_lens_host.tolist()):
+        rows = [batch.kv_indices[kv_indptr[i] + t // ps] * ps + t % ps for t in range(kv_len)]
+        idx = torch.tensor(rows, dtype=torch.long)
+        k = k_cache.flatten(0, 1)[idx]
+        v = k[..., : cfg.v_head_dim] if v_cache is None else v_cache.flatten(0, 1)[idx]
+        if cfg.kind == "mla":
+            k, v = k.unsqueeze(1), v.unsqueeze(1)
+        n = qo[i + 1] - qo[i]
+        if batch.custom_mask is not None:
+            allowed = batch.custom_mask[pos : pos + n * kv_len].view(n, kv_len)
+            pos += n * kv_len
+        else:  # causal (a test reads a non-causal layer through an all-True mask)
+            allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
+        if cfg.window_left is not None and batch.custom_mask is not None:
+            # a draft node sees the last window_left + 1 keys of its own sequence
+            allowed = window_tree_mask(allowed, cfg.window_left)
+        elif cfg.window_left is not None:
+            q_pos = kv_len - n + torch.arange(n)
+            allowed = allowed & (
+                torch.arange(kv_len)[None, :] >= (q_pos - cfg.window_left)[:, None]
+            )
+        out, lse = _attend_state(
+            q[qo[i] : qo[i + 1]], k, v, allowed, scale, cfg.logit_cap or 0.0, dtype
+        )
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
 
 
 def _reference(
@@ -535,39 +673,7 @@ def _reference(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> Any:
-    """Our contract, read directly (independent of the adapter's page-table code): the
-    config's window and cap; an FP8 cache holds K / k_scale and V / v_scale (MLA: k_scale
-    for the whole latent row)."""
-    k_cache = k_cache.float() * k_scale
-    if v_cache is not None:
-        v_cache = v_cache.float() * v_scale
-    ps = cfg.page_size
-    qo = batch.qo_indptr_host.tolist()
-    kv_indptr = batch.kv_indptr_host.tolist()
-    out, pos = [], 0
-    for i, kv_len in enumerate(batch.kv_lens_host.tolist()):
-        rows = [batch.kv_indices[kv_indptr[i] + t // ps] * ps + t % ps for t in range(kv_len)]
-        idx = torch.tensor(rows, dtype=torch.long)
-        k = k_cache.flatten(0, 1)[idx]
-        v = k[..., : cfg.v_head_dim] if v_cache is None else v_cache.flatten(0, 1)[idx]
-        if cfg.kind == "mla":
-            k, v = k.unsqueeze(1), v.unsqueeze(1)
-        n = qo[i + 1] - qo[i]
-        if batch.custom_mask is not None:
-            allowed = batch.custom_mask[pos : pos + n * kv_len].view(n, kv_len)
-            pos += n * kv_len
-        else:
-            allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
-        if cfg.window_left is not None and batch.custom_mask is not None:
-            # a draft node sees the last window_left + 1 keys of its own sequence
-            allowed = window_tree_mask(allowed, cfg.window_left)
-        elif cfg.window_left is not None:
-            q_pos = kv_len - n + torch.arange(n)
-            allowed = allowed & (
-                torch.arange(kv_len)[None, :] >= (q_pos - cfg.window_left)[:, None]
-            )
-        out.append(_attend(q[qo[i] : qo[i + 1]], k, v, allowed, scale, cfg.logit_cap or 0.0))
-    return torch.cat(out)
+    return _reference_state(cfg, batch, q, k_cache, v_cache, scale, k_scale, v_scale)[0]
 
 
 @pytest.fixture
@@ -580,9 +686,11 @@ def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Any:
         BatchPrefillWithPagedKVCacheWrapper=fb.flashinfer.BatchPrefillWithPagedKVCacheWrapper,
         BatchDecodeWithPagedKVCacheWrapper=fb.flashinfer.BatchDecodeWithPagedKVCacheWrapper,
         BatchMLAPagedAttentionWrapper=fb.BatchMLAPagedAttentionWrapper,
+        MultiLevelCascadeAttentionWrapper=fb.flashinfer.MultiLevelCascadeAttentionWrapper,
     )
     monkeypatch.setattr(fb.flashinfer, "BatchPrefillWithPagedKVCacheWrapper", _FakePrefill)
     monkeypatch.setattr(fb.flashinfer, "BatchDecodeWithPagedKVCacheWrapper", _FakeDecode)
+    monkeypatch.setattr(fb.flashinfer, "MultiLevelCascadeAttentionWrapper", _FakeCascade)
     monkeypatch.setattr(fb, "BatchMLAPagedAttentionWrapper", _FakeMLA)
     # the machine has no GPU: run the adapter's host logic on CPU tensors
     monkeypatch.setattr(fb, "_device_for", lambda config: torch.device("cpu"))
@@ -843,7 +951,9 @@ def test_capabilities_declare_exactly_the_mapped_variants() -> None:
         return " | ".join(CAPABILITIES.reasons(cfg, phase))
 
     for phase in Phase:
-        assert CAPABILITIES.variants_for(phase) == {"window", "logit_cap", "non_causal"}
+        # "lse" once the core's vocabulary has it (AttnConfig.return_lse)
+        lse = {"lse"} & set(VARIANTS)
+        assert CAPABILITIES.variants_for(phase) == {"window", "logit_cap", "non_causal", *lse}
     base = mha(num_q_heads=8, num_kv_heads=1, head_dim=64, v_head_dim=64)
     assert "sinks" not in reasons(base.replace(window_left=127, logit_cap=30.0))
     assert "window" not in reasons(base.replace(window_left=127))
@@ -1053,3 +1163,474 @@ def test_non_causal_layers_are_planned_non_causal(fake_flashinfer: Any, phase: P
     torch.testing.assert_close(out, expected)
     causal = _reference(cfg, batch, q, k_cache, v_cache, 0.125)
     assert not torch.allclose(out, causal)  # the check can tell the two apart
+
+
+# ---------------------------------------------------------------------------------------
+# LSE (return_lse=True): the flag reaches FlashInfer, its units become natural log
+# ---------------------------------------------------------------------------------------
+
+
+def _with_lse(cfg: AttnConfig, fb: Any, monkeypatch: pytest.MonkeyPatch) -> AttnConfig:
+    """``cfg`` with ``return_lse=True``; where AttnConfig has no such field yet (the core's
+    change is merged apart), the backend is told so through its one reader of it."""
+    if "return_lse" in {f.name for f in dataclasses.fields(AttnConfig)}:
+        return cfg.replace(return_lse=True)
+    monkeypatch.setattr(fb, "_wants_lse", lambda config: True)
+    return cfg
+
+
+_LSE_CASES = [
+    # (kind, phase, q_lens, kv_lens, extra config, fp8 scales, route)
+    ("mha", Phase.PREFILL, [3, 5], [7, 5], {}, None, "BatchPrefillWithPagedKVCacheWrapper"),
+    ("mha", Phase.VERIFY, [3, 2], [9, 6], {"logit_cap": 2.0}, None,
+     "BatchPrefillWithPagedKVCacheWrapper"),
+    ("mha", Phase.DECODE, [1, 1, 1], [9, 1, 14], {}, None, "BatchDecodeWithPagedKVCacheWrapper"),
+    ("mha", Phase.DECODE, [1, 1], [9, 14], {"window_left": 3, "logit_cap": 1.5}, None,
+     "BatchDecodeWithPagedKVCacheWrapper"),
+    ("mha", Phase.DECODE, [1, 1], [9, 6], {"kv_dtype": "float8_e4m3fn"}, (0.5, 3.0),
+     "BatchDecodeWithPagedKVCacheWrapper"),
+    ("mha", Phase.PREFILL, [3, 2], [9, 6], {"kv_dtype": "float8_e5m2"}, (2.0, 0.25),
+     "BatchPrefillWithPagedKVCacheWrapper"),
+    ("mha192", Phase.DECODE, [1, 1], [3, 4], {}, None, "BatchPrefillWithPagedKVCacheWrapper"),
+    ("mla", Phase.DECODE, [1, 1], [5, 8], {}, None, "BatchMLAPagedAttentionWrapper"),
+    ("mla", Phase.VERIFY, [2, 3], [5, 8], {}, None, "BatchMLAPagedAttentionWrapper"),
+]  # fmt: skip
+
+
+def _lse_config(kind: str, extra: dict[str, Any]) -> AttnConfig:
+    if kind == "mla":
+        return mla(num_q_heads=2, head_dim=192, v_head_dim=128, page_size=4, **extra)
+    if kind == "mha192":
+        return mha(num_q_heads=2, num_kv_heads=1, head_dim=192, v_head_dim=128, page_size=2)
+    return mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4, **extra)
+
+
+@pytest.mark.parametrize(
+    ("kind", "phase", "q_lens", "kv_lens", "extra", "scales", "route"), _LSE_CASES
+)
+def test_return_lse_reaches_flashinfer_and_comes_back_as_natural_log(
+    fake_flashinfer: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    phase: Phase,
+    q_lens: list[int],
+    kv_lens: list[int],
+    extra: dict[str, Any],
+    scales: tuple[float, float] | None,
+    route: str,
+) -> None:
+    """The stand-ins answer in FlashInfer's units (base 2 unless asked for ln); the adapter's
+    lse must equal the contract's natural-log lse computed in float64, scores after scale,
+    FP8 k_scale and cap."""
+    fb = fake_flashinfer
+    cfg = _with_lse(_lse_config(kind, extra), fb, monkeypatch)
+    batch = _batch(phase, q_lens, kv_lens, cfg.page_size)
+    gen = torch.Generator().manual_seed(21)
+    k_cache, v_cache = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    if cfg.kv_dtype != cfg.dtype:
+        fp8 = getattr(torch, str(cfg.kv_dtype))
+        k_cache = k_cache.to(fp8)
+        v_cache = None if v_cache is None else v_cache.to(fp8)
+    q = torch.randn(sum(q_lens), cfg.num_q_heads, cfg.head_dim, generator=gen) * 2
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    backend = fb.FlashInferBackend(cfg, sm_scale=scale)
+    run = backend.handler(phase)
+    plan = backend.plan(batch)
+    kw = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
+    out, lse = run(q, k_cache, v_cache, plan, scale, return_lse=True, **kw)
+    (wrapper,) = _FakeWrapper.made
+    assert wrapper.kind == route and plan.cascade is None
+    called = wrapper.runs[-1]
+    assert called["return_lse"] is True
+    if route == "BatchPrefillWithPagedKVCacheWrapper":
+        assert called["lse_base"] == "ln"  # FlashInfer converts
+    if route == "BatchMLAPagedAttentionWrapper":
+        assert wrapper.plans[0]["lse_mode"] == "basee" and called["return_lse_base_on_e"] is True
+    assert lse.dtype == torch.float32 and lse.shape == (sum(q_lens), cfg.num_q_heads)
+    assert lse.is_contiguous()
+    ks, vs = scales or (1.0, 1.0)
+    if kind == "mla":
+        vs = ks
+    want_out, want_lse = _reference_state(
+        cfg, batch, q, k_cache, v_cache, scale, ks, vs, dtype=torch.float64
+    )
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-4, rtol=1e-4)
+    # base 2 would be wrong by a factor log2(e): the check tells the units apart
+    assert not torch.allclose(lse.double() * _LOG2E, want_lse, atol=1e-3)
+
+
+def test_lse_is_not_requested_unless_asked(fake_flashinfer: Any) -> None:
+    cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125)
+    run = backend.handler(Phase.DECODE)
+    batch = _batch(Phase.DECODE, [1, 1], [5, 3], 4)
+    gen = torch.Generator().manual_seed(2)
+    k_cache, v_cache = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    q = torch.randn(2, 4, 64, generator=gen)
+    out = run(q, k_cache, v_cache, backend.plan(batch), 0.125)
+    assert isinstance(out, torch.Tensor)
+    assert "return_lse" not in _FakeWrapper.made[0].runs[-1]
+
+
+def test_mla_lse_mode_is_planned_and_every_run_matches_it(
+    fake_flashinfer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FlashInfer's MLA wrapper refuses a run whose lse mode differs from the plan's: a
+    config with return_lse plans ``basee`` and a call without lse still runs in that mode
+    (the lse dropped); a config without it refuses ``return_lse=True`` by name."""
+    fb = fake_flashinfer
+    plain_cfg = mla(num_q_heads=2, head_dim=192, v_head_dim=128, page_size=4)
+    batch = _batch(Phase.DECODE, [1, 1], [5, 8], 4)
+    gen = torch.Generator().manual_seed(3)
+    cache, _ = _caches(plain_cfg, int(batch.kv_indices.max()) + 1, gen)
+    q = torch.randn(2, 2, 192, generator=gen)
+    plain = fb.FlashInferBackend(plain_cfg, sm_scale=0.1)
+    plan = plain.plan(batch)
+    with pytest.raises(InvalidBatchError, match="return_lse=True") as err:
+        plain.handler(Phase.DECODE)(q, cache, None, plan, 0.1, return_lse=True)
+    assert err.value.field == "return_lse"
+    assert "lse_mode" not in _FakeWrapper.made[0].plans[0]
+    cfg = _with_lse(plain_cfg, fb, monkeypatch)
+    backend = fb.FlashInferBackend(cfg, sm_scale=0.1)
+    plan = backend.plan(batch)
+    out = backend.handler(Phase.DECODE)(q, cache, None, plan, 0.1)
+    assert isinstance(out, torch.Tensor)
+    torch.testing.assert_close(out, _reference(cfg, batch, q, cache, None, 0.1))
+    assert _FakeWrapper.made[-1].runs[-1]["return_lse_base_on_e"] is True
+
+
+def test_idle_forward_returns_empty_out_and_lse(fake_flashinfer: Any) -> None:
+    cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125)
+    run = backend.handler(Phase.DECODE)
+    batch = _batch(Phase.DECODE, [], [], 4)
+    k_cache, v_cache = _caches(cfg, 2, torch.Generator().manual_seed(0))
+    out, lse = run(torch.zeros(0, 4, 64), k_cache, v_cache, backend.plan(batch), 0.125,
+                   return_lse=True)  # fmt: skip
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4) and lse.dtype == torch.float32
+
+
+def test_merging_two_halves_of_the_pages_equals_attention_over_all(fake_flashinfer: Any) -> None:
+    """Decode over the first pages and over the rest of each request (disjoint key sets),
+    merged by their lse, equals decode over all keys (the contract's purpose of lse)."""
+    from attn_dispatch import AttnBatch
+    from attn_dispatch import merge_state
+
+    cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4,
+              logit_cap=3.0)  # fmt: skip
+    ps, kv_lens, split = 4, [13, 22, 9], [2, 3, 1]  # pages in the first part
+    batch = _batch(Phase.DECODE, [1, 1, 1], kv_lens, ps)
+    pages = [
+        batch.kv_indices[batch.kv_indptr[i] : batch.kv_indptr[i + 1]].tolist() for i in range(3)
+    ]
+    first = AttnBatch.build(
+        Phase.DECODE, q_lens=[1] * 3, kv_lens=[s * ps for s in split],
+        page_tables=[p[:s] for p, s in zip(pages, split, strict=True)], page_size=ps,
+    )  # fmt: skip
+    rest = AttnBatch.build(
+        Phase.DECODE, q_lens=[1] * 3,
+        kv_lens=[n - s * ps for n, s in zip(kv_lens, split, strict=True)],
+        page_tables=[p[s:] for p, s in zip(pages, split, strict=True)], page_size=ps,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    q = torch.randn(3, 4, 64, generator=gen) * 2
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125, cascade=False)
+    run = backend.handler(Phase.DECODE)
+    out_a, lse_a = run(q, k_cache, v_cache, backend.plan(first), 0.125, return_lse=True)
+    out_b, lse_b = run(q, k_cache, v_cache, backend.plan(rest), 0.125, return_lse=True)
+    out, lse = merge_state(out_a, lse_a, out_b, lse_b)
+    want_out, want_lse = _reference_state(cfg, batch, q, k_cache, v_cache, 0.125,
+                                          dtype=torch.float64)  # fmt: skip
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# Cascade: shared leading pages read once through MultiLevelCascadeAttentionWrapper
+# ---------------------------------------------------------------------------------------
+
+
+def test_cascade_groups_finds_shared_leading_pages() -> None:
+    from attn_dispatch.backends.flashinfer.backend import cascade_groups
+
+    def groups(q: list[int], kv: list[int], tables: list[list[int]], ps: int) -> Any:
+        indptr = [0, *torch.tensor([len(t) for t in tables]).cumsum(0).tolist()]
+        return cascade_groups(q, kv, indptr, [p for t in tables for p in t], ps)
+
+    # all share two pages; the third page differs per request
+    assert groups([1, 1, 1], [12, 11, 10], [[4, 5, 6], [4, 5, 7], [4, 5, 8]], 4) == [(0, 3, 2)]
+    # shared whole pages stop before a request's first query: 8 keys, 1 query -> 1 page
+    assert groups([1, 1], [8, 8], [[4, 5], [4, 5]], 4) == [(0, 2, 1)]
+    # ... and a 4-token verify chain on 8 keys leaves 1 page before its queries
+    assert groups([4, 4], [9, 9], [[4, 5, 6], [4, 5, 6]], 4) == [(0, 2, 1)]
+    # the same page ids at other positions are not a shared prefix
+    assert groups([1, 1], [12, 12], [[4, 5, 6], [9, 4, 5]], 4) == [(0, 1, 0), (1, 2, 0)]
+    # partly shared: a request sharing one page with the next three, which share four more
+    tables = [[1, 2, 3], [1, 5, 6, 7, 8, 10], [1, 5, 6, 7, 8, 11], [1, 5, 6, 7, 8, 12]]
+    assert groups([1] * 4, [9, 21, 21, 21], tables, 4) == [(0, 1, 0), (1, 4, 5)]
+    # two runs (a break between requests 1 and 2) and one group each
+    tables = [[1, 2, 9], [1, 2, 8], [3, 4, 7], [3, 4, 6]]
+    assert groups([1] * 4, [12] * 4, tables, 4) == [(0, 2, 2), (2, 4, 2)]
+
+
+def _shared_batch(
+    phase: Phase, q_lens: list[int], kv_lens: list[int], tables: list[list[int]], ps: int
+) -> Any:
+    from attn_dispatch import AttnBatch
+
+    return AttnBatch.build(phase, q_lens=q_lens, kv_lens=kv_lens, page_tables=tables,
+                           page_size=ps)  # fmt: skip
+
+
+# page 4; requests 0-2 share pages [10, 11] (0 and 1 share three: a smaller group would save
+# less), request 3 shares nothing: level 0 gets its first page alone.
+_TABLES = [[10, 11, 12, 20, 21], [10, 11, 12, 30], [10, 11, 40, 41, 42], [50, 51, 52]]
+_KV = [17, 14, 18, 9]
+
+
+def _run_both(
+    fb: Any, cfg: AttnConfig, batch: Any, scale: float = 0.125, **options: Any
+) -> tuple[Any, Any, Any, Any]:
+    """(cascade plan, its output, the plain plan's output, q/k/v) for ``batch``."""
+    gen = torch.Generator().manual_seed(17)
+    k_cache, v_cache = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    q = torch.randn(batch.num_tokens, cfg.num_q_heads, cfg.head_dim, generator=gen) * 2
+    backend = fb.FlashInferBackend(cfg, sm_scale=scale, **options)
+    plan = backend.plan(batch)
+    out = backend.handler(batch.phase)(q, k_cache, v_cache, plan, scale)
+    plain = fb.FlashInferBackend(cfg, sm_scale=scale, cascade=False)
+    plain_out = plain.handler(batch.phase)(q, k_cache, v_cache, plain.plan(batch), scale)
+    return plan, out, plain_out, (q, k_cache, v_cache)
+
+
+def test_cascade_levels_hold_the_shared_and_own_pages(fake_flashinfer: Any) -> None:
+    cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4,
+              logit_cap=5.0)  # fmt: skip
+    batch = _shared_batch(Phase.DECODE, [1] * 4, _KV, _TABLES, 4)
+    plan, out, plain_out, (q, k, v) = _run_both(fake_flashinfer, cfg, batch)
+    assert plan.cascade is not None
+    assert plan.cascade.groups == ((0, 3),) and plan.cascade.shared_pages == (2,)
+    assert plan.cascade.saved_tokens == 16 and plan.cascade.total_tokens == sum(_KV)
+    assert "1 group (3 requests) shares 8 tokens" in str(plan.cascade)
+    cascade = _FakeWrapper.made[0]
+    assert cascade.kind == "MultiLevelCascadeAttentionWrapper"
+    p = cascade.plans[0]
+
+    def ints(ts: list[Any]) -> list[list[int]]:
+        return [t.tolist() for t in ts]
+
+    assert ints(p["qo_indptr_arr"]) == [[0, 3, 4], [0, 1, 2, 3, 4]]
+    assert ints(p["paged_kv_indptr_arr"]) == [[0, 2, 3], [0, 3, 5, 8, 10]]
+    own = [12, 20, 21, 12, 30, 40, 41, 42, 51, 52]
+    assert ints(p["paged_kv_indices_arr"]) == [[10, 11, 50], own]
+    assert ints(p["paged_kv_last_page_len"]) == [[4, 4], [1, 2, 2, 1]]
+    assert p["logits_soft_cap"] == 5.0 and p["sm_scale"] == 0.125 and p["causal"] is True
+    assert cascade.init["num_levels"] == 2 and cascade.init["kv_layout"] == "NHD"
+    # the plain path ran the decode wrapper and gives the same answer (and the contract's)
+    assert _FakeWrapper.made[1].kind == "BatchDecodeWithPagedKVCacheWrapper"
+    torch.testing.assert_close(out, plain_out)
+    torch.testing.assert_close(out, _reference(cfg, batch, q, k, v, 0.125))
+
+
+def test_cascade_of_a_verify_chain_keeps_its_causal_own_level(fake_flashinfer: Any) -> None:
+    cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    tables = [[10, 11, 12, 20, 21], [10, 11, 12, 30, 31], [10, 11, 12, 40]]
+    batch = _shared_batch(Phase.VERIFY, [3, 4, 2], [19, 20, 15], tables, 4)
+    plan, out, plain_out, (q, k, v) = _run_both(fake_flashinfer, cfg, batch)
+    assert plan.cascade is not None and plan.cascade.groups == ((0, 3),)
+    assert plan.cascade.shared_pages == (3,)
+    p = _FakeWrapper.made[0].plans[0]
+    assert p["causal"] is True  # the own level; the shared level is never causal
+    assert [t.tolist() for t in p["qo_indptr_arr"]] == [[0, 9], [0, 3, 7, 9]]
+    torch.testing.assert_close(out, plain_out)
+    torch.testing.assert_close(out, _reference(cfg, batch, q, k, v, 0.125))
+
+
+@pytest.mark.parametrize(
+    ("tables", "kv_lens", "why"),
+    [
+        ([[1, 2, 3, 4], [5, 6, 7, 8]], [16, 16], "nothing shared"),
+        ([[1, 2, 3, 4], [9, 1, 2, 3]], [16, 16], "same pages, not a prefix"),
+        ([[1, 2, 3, 4], [1, 6, 7, 8]], [16, 16], "saves under a quarter"),
+        ([[1, 2, 3, 4], [1, 2, 3, 4], [9]], [16, 16, 3], "a request with no whole page"),
+    ],
+)
+def test_no_cascade_where_the_batch_does_not_allow_it(
+    fake_flashinfer: Any, tables: list[list[int]], kv_lens: list[int], why: str
+) -> None:
+    cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    batch = _shared_batch(Phase.DECODE, [1] * len(kv_lens), kv_lens, tables, 4)
+    plan, out, _, (q, k, v) = _run_both(fake_flashinfer, cfg, batch)
+    assert plan.cascade is None, why
+    assert _FakeWrapper.made[0].kind == "BatchDecodeWithPagedKVCacheWrapper", why
+    torch.testing.assert_close(out, _reference(cfg, batch, q, k, v, 0.125))
+
+
+@pytest.mark.parametrize(
+    ("change", "options"),
+    [
+        ({}, {"cascade": False}),
+        ({"window_left": 30}, {}),
+        ({"kv_dtype": "float8_e4m3fn"}, {}),
+        ({"head_dim": 192, "v_head_dim": 128}, {}),
+    ],
+)
+def test_no_cascade_where_the_config_does_not_allow_it(
+    fake_flashinfer: Any, change: dict[str, Any], options: dict[str, Any]
+) -> None:
+    base: dict[str, Any] = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64)
+    cfg = mha(page_size=4, **{**base, **change})
+    batch = _shared_batch(Phase.DECODE, [1] * 4, _KV, _TABLES, 4)
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125, **options)
+    backend.handler(Phase.DECODE)
+    assert backend.plan(batch).cascade is None
+    assert all(w.kind != "MultiLevelCascadeAttentionWrapper" for w in _FakeWrapper.made)
+
+
+def test_no_cascade_for_a_config_returning_lse(
+    fake_flashinfer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MultiLevelCascadeAttentionWrapper.run returns no lse
+    cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    cfg = _with_lse(cfg, fake_flashinfer, monkeypatch)
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125)
+    assert backend.plan(_shared_batch(Phase.DECODE, [1] * 4, _KV, _TABLES, 4)).cascade is None
+
+
+def test_cascade_option_is_checked(fake_flashinfer: Any) -> None:
+    from attn_dispatch import InvalidSpecError
+
+    cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    with pytest.raises(InvalidSpecError, match="cascade"):
+        fake_flashinfer.FlashInferBackend(cfg, cascade="yes")
+
+
+def test_cascade_plan_refuses_return_lse(fake_flashinfer: Any) -> None:
+    cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    batch = _shared_batch(Phase.DECODE, [1] * 4, _KV, _TABLES, 4)
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125)
+    plan = backend.plan(batch)
+    assert plan.cascade is not None
+    k, v = _caches(cfg, 53, torch.Generator().manual_seed(1))
+    with pytest.raises(InvalidBatchError, match="return_lse"):
+        backend.handler(Phase.DECODE)(torch.zeros(4, 4, 64), k, v, plan, 0.125, return_lse=True)
+
+
+def test_cascade_equals_plain_on_random_page_tables(
+    fake_flashinfer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random batches: shared prefixes of several lengths, tables that are a prefix of
+    another, the same pages at other positions, requests sharing nothing; decode and verify.
+    Wherever the cascade ran, its groups truly share their pages before every query, and
+    the output equals the plain plan's and the contract's."""
+    from hypothesis import HealthCheck
+    from hypothesis import given
+    from hypothesis import settings
+    from hypothesis import strategies as st
+
+    fb = fake_flashinfer
+    monkeypatch.setattr(fb, "CASCADE_MIN_SAVED_FRACTION", 0.0)  # any saving: exercise it
+    ran = {"cascade": 0, "plain": 0}
+
+    @st.composite
+    def batches(draw: Any) -> tuple[Any, int]:
+        ps = draw(st.sampled_from([1, 2, 4]))
+        phase = draw(st.sampled_from([Phase.DECODE, Phase.VERIFY]))
+        prefixes = [list(range(100 * j, 100 * j + draw(st.integers(1, 5)))) for j in (1, 2)]
+        n = draw(st.integers(2, 5))
+        q_lens, kv_lens, tables, fresh = [], [], [], 1000
+        for _ in range(n):
+            table = list(prefixes[draw(st.integers(0, 1))]) if draw(st.booleans()) else []
+            if table and draw(st.booleans()):  # the prefix's pages, shifted: not a prefix
+                table = [fresh, *table]
+                fresh += 1
+            # a table may be the prefix alone (its last page then holds the queries)
+            own = draw(st.integers(0, 3) if table else st.integers(2, 4))
+            table += list(range(fresh, fresh + own))
+            fresh += own
+            q = 1 if phase is Phase.DECODE else draw(st.integers(1, 3))
+            kv = max((len(table) - 1) * ps + draw(st.integers(1, ps)), q)
+            if kv > len(table) * ps:
+                continue  # too few keys for the queries: not a batch
+            q_lens.append(q)
+            kv_lens.append(kv)
+            tables.append(table)
+        if len(kv_lens) < 2:
+            q_lens, kv_lens, tables = [1, 1], [ps + 1, ps + 1], [[7, 8], [7, 9]]
+            phase = Phase.DECODE
+        return _shared_batch(phase, q_lens, kv_lens, tables, ps), ps
+
+    # derandomized: the same examples every run, so the count checked below cannot flake
+    @settings(
+        max_examples=30,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=batches())
+    def check(case: tuple[Any, int]) -> None:
+        batch, ps = case
+        cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=ps)
+        plan, out, plain_out, (q, k, v) = _run_both(fb, cfg, batch)
+        ran["plain" if plan.cascade is None else "cascade"] += 1
+        torch.testing.assert_close(out, plain_out)
+        torch.testing.assert_close(out, _reference(cfg, batch, q, k, v, 0.125))
+        if plan.cascade is None:
+            return
+        qo, kv = batch.qo_indptr_host.tolist(), batch.kv_indptr_host.tolist()
+        for (first, stop), pages in zip(plan.cascade.groups, plan.cascade.shared_pages,
+                                        strict=True):  # fmt: skip
+            assert stop - first >= 2 and pages >= 1
+            head = batch.kv_indices[kv[first] : kv[first] + pages].tolist()
+            for i in range(first, stop):
+                assert batch.kv_indices[kv[i] : kv[i] + pages].tolist() == head
+                q_len = qo[i + 1] - qo[i]
+                assert pages * ps <= int(batch.kv_lens_host[i]) - q_len  # before its queries
+
+    check()
+    assert ran["cascade"] > 0 and ran["plain"] > 0, ran
+
+
+# ---------------------------------------------------------------------------------------
+# Real kernels (CUDA only): lse units and the cascade on FlashInfer itself
+# ---------------------------------------------------------------------------------------
+
+
+@needs_flashinfer
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer's kernels need CUDA")
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.VERIFY])
+def test_real_flashinfer_lse_and_cascade(phase: Phase) -> None:
+    """FlashInfer's own kernels: a batch sharing 3 of its pages plans a cascade (validate=True
+    puts the page ids on the host), whose output equals the plain plan's and the contract's;
+    the plain plan's lse is the natural log (float64 reference)."""
+    from attn_dispatch import AttnBatch
+    from attn_dispatch.backends.flashinfer.backend import FlashInferBackend
+
+    cfg = mha(num_q_heads=8, num_kv_heads=2, head_dim=128, v_head_dim=128, page_size=16)
+    q_lens = [1, 1, 1, 1] if phase is Phase.DECODE else [3, 2, 4, 1]
+    tables = [[0, 1, 2, 3 + i, 7 + i] for i in range(4)]
+    kv_lens = [70, 75, 66, 80]
+    cpu_batch = AttnBatch.build(phase, q_lens=q_lens, kv_lens=kv_lens, page_tables=tables,
+                                page_size=16)  # fmt: skip
+    batch = cpu_batch.to("cuda")
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(12, 16, 2, 128, generator=gen).to(torch.bfloat16)
+    v = torch.randn(12, 16, 2, 128, generator=gen).to(torch.bfloat16)
+    q = torch.randn(sum(q_lens), 8, 128, generator=gen).to(torch.bfloat16)
+    scale = 1.0 / math.sqrt(128)
+    want_out, want_lse = _reference_state(cfg, cpu_batch, q, k, v, scale, dtype=torch.float64)
+    qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
+    cascade = FlashInferBackend(cfg, sm_scale=scale, validate=True)
+    plan = cascade.plan(batch)
+    assert plan.cascade is not None and plan.cascade.groups == ((0, 4),)
+    out = cascade.handler(phase)(qc, kc, vc, plan, scale)
+    plain = FlashInferBackend(cfg, sm_scale=scale, cascade=False)
+    plain_plan = plain.plan(batch)
+    plain_out, lse = plain.handler(phase)(qc, kc, vc, plain_plan, scale, return_lse=True)
+    torch.testing.assert_close(out.double().cpu(), want_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(plain_out.double().cpu(), want_out, atol=2e-2, rtol=2e-2)
+    assert lse.dtype == torch.float32 and lse.shape == (sum(q_lens), 8)
+    torch.testing.assert_close(lse.double().cpu(), want_lse, atol=2e-2, rtol=1e-3)

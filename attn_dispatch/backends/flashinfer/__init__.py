@@ -19,16 +19,20 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import re
+from collections.abc import Callable
 from collections.abc import Iterable
+from typing import Any
 
 from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._vocab import FP8_DTYPES
+from attn_dispatch._vocab import VARIANTS
 
 __all__ = [
     "CAPABILITIES",
@@ -48,6 +52,8 @@ _VERSION_HIGH = (0, 8)  # exclusive
 DISTRIBUTIONS = ("flashinfer-python", "flashinfer")
 
 _ALTERNATIVES = "choices: 'triton' or 'torch'"
+
+Check = Callable[[AttnConfig, Phase], Iterable[str]]
 
 # MHA head dims: the widths FlashInfer dispatches and ships kernels for, 64/128/256/512
 # (DISPATCH_HEAD_DIM in data/include/flashinfer/utils.cuh), q/k and v equal; the one
@@ -207,9 +213,10 @@ def _check_kv_dtype(config: AttnConfig, phase: Phase) -> Iterable[str]:
         )
 
 
-def _cuda_major(config: AttnConfig) -> int | None:
-    """The compute-capability major of the config's CUDA device, or None when it cannot be
-    read here (no CUDA: the "needs CUDA" reasons already say it)."""
+def _device_props(config: AttnConfig) -> Any:
+    """The CUDA device properties of the config's device, or None when they cannot be read
+    here (no CUDA: the "needs CUDA" reasons already say it; an unknown device index is
+    reported by the core's CUDA check)."""
     if config.device_type != "cuda" or importlib.util.find_spec("torch") is None:
         return None
     import torch  # lazy on purpose: the light module stays torch-free at import
@@ -217,9 +224,16 @@ def _cuda_major(config: AttnConfig) -> int | None:
     if not torch.cuda.is_available():
         return None
     try:
-        return int(torch.cuda.get_device_properties(torch.device(config.device)).major)
+        return torch.cuda.get_device_properties(torch.device(config.device))
     except Exception:
-        return None  # an unknown device index is reported by the core's CUDA check
+        return None
+
+
+def _cuda_major(config: AttnConfig) -> int | None:
+    """The compute-capability major of the config's CUDA device, or None (see
+    ``_device_props``)."""
+    props = _device_props(config)
+    return None if props is None else int(props.major)
 
 
 def _check_variants(config: AttnConfig, phase: Phase) -> Iterable[str]:
@@ -256,9 +270,21 @@ def _check_variants(config: AttnConfig, phase: Phase) -> Iterable[str]:
             )
 
 
+def _only(kind: str) -> Callable[[Check], Check]:
+    """A check that applies to configs of one kind only (the others get no reasons)."""
+
+    def wrap(check: Check) -> Check:
+        @functools.wraps(check)
+        def checked(config: AttnConfig, phase: Phase) -> Iterable[str]:
+            return check(config, phase) if config.kind == kind else ()
+
+        return checked
+
+    return wrap
+
+
+@_only("mha")
 def _check_mha_dims(config: AttnConfig, phase: Phase) -> Iterable[str]:
-    if config.kind != "mha":
-        return
     dims = (config.head_dim, config.v_head_dim)
     if config.head_dim == config.v_head_dim and config.head_dim in MHA_HEAD_DIMS:
         return
@@ -271,9 +297,8 @@ def _check_mha_dims(config: AttnConfig, phase: Phase) -> Iterable[str]:
     )
 
 
+@_only("mla")
 def _check_mla_dims(config: AttnConfig, phase: Phase) -> Iterable[str]:
-    if config.kind != "mla":
-        return
     ckv = _v_head_dim(config)
     kpe = config.head_dim - ckv
     if ckv % MLA_CKV_MULTIPLE or kpe % MLA_KPE_MULTIPLE:
@@ -285,9 +310,8 @@ def _check_mla_dims(config: AttnConfig, phase: Phase) -> Iterable[str]:
         )
 
 
+@_only("mla")
 def _check_mla_phase(config: AttnConfig, phase: Phase) -> Iterable[str]:
-    if config.kind != "mla":
-        return
     if phase is Phase.VERIFY and config.tree_verify:
         # BatchMLAPagedAttentionWrapper.plan has no custom-mask argument at all.
         yield (
@@ -303,23 +327,13 @@ def _check_mla_phase(config: AttnConfig, phase: Phase) -> Iterable[str]:
         )
 
 
+@_only("mla")
 def _check_mla_shared_memory(config: AttnConfig, phase: Phase) -> Iterable[str]:
     """fa2 MLA keeps a 64-row query tile and a KV tile of the full latent+rope width in
     shared memory; check it fits this GPU. Only for an MLA config on CUDA with CUDA present
     (otherwise the "needs CUDA" reasons already say it all)."""
-    if config.kind != "mla" or config.device_type != "cuda":
-        return
-    if importlib.util.find_spec("torch") is None:
-        return
-    import torch  # lazy on purpose: the light module stays torch-free at import
-
-    if not torch.cuda.is_available():
-        return
-    try:
-        props = torch.cuda.get_device_properties(torch.device(config.device))
-    except Exception:
-        return  # an unknown device index is reported by the core's CUDA check
-    if props.major < 8:
+    props = _device_props(config)
+    if props is None or props.major < 8:
         return  # below sm80: the core's compute-capability reason covers it
     per_sm = getattr(props, "shared_memory_per_multiprocessor", None)
     per_block = getattr(props, "shared_memory_per_block_optin", None)
@@ -353,6 +367,10 @@ def _fa2_mla_shared_bytes(config: AttnConfig, smem_per_sm: int) -> int | None:
     return max(q_bytes + kv_bytes + 32 + 2 * 64 * 4, 64 * ckv * 2)
 
 
+# return_lse: every wrapper's run() returns its lse (see backend.py for the units). Declared
+# once the core's vocabulary knows the variant (a vocabulary without it refuses the name).
+_LSE = ("lse",) if "lse" in VARIANTS else ()
+
 #: The form policy of MLA configs (registered with the backend; a ``form_policy`` option
 #: given to ``bind`` overrides it).
 DEFAULT_FORM_POLICY = FormPolicy.decompressed_without_prefix()
@@ -366,8 +384,8 @@ CAPABILITIES = Capabilities(
     # window_left / logits_soft_cap of the paged prefill and decode plans (MHA; MLA refused
     # in _check_variants). Sinks are not declared: see _check_variants.
     # causal=False: the prefill plans' causal=False (decode is unchanged). Chunked local
-    # attention is not declared: see _check_variants.
-    variants=frozenset({"window", "logit_cap", "non_causal"}),
+    # attention is not declared: see _check_variants. lse: see _LSE.
+    variants=frozenset({"window", "logit_cap", "non_causal", *_LSE}),
     head_dims=None,  # dims are checked in pairs below (MHA) or as latent/rope (MLA)
     v_head_dims=None,
     page_sizes=None,  # fa2/fa3 paged kernels take any positive page size at run time
