@@ -1171,12 +1171,8 @@ def test_non_causal_layers_are_planned_non_causal(fake_flashinfer: Any, phase: P
 
 
 def _with_lse(cfg: AttnConfig, fb: Any, monkeypatch: pytest.MonkeyPatch) -> AttnConfig:
-    """``cfg`` with ``return_lse=True``; where AttnConfig has no such field yet (the core's
-    change is merged apart), the backend is told so through its one reader of it."""
-    if "return_lse" in {f.name for f in dataclasses.fields(AttnConfig)}:
-        return cfg.replace(return_lse=True)
-    monkeypatch.setattr(fb, "_wants_lse", lambda config: True)
-    return cfg
+    """``cfg`` with ``return_lse=True``."""
+    return cfg.replace(return_lse=True)
 
 
 _LSE_CASES = [
@@ -1414,6 +1410,7 @@ def test_cascade_levels_hold_the_shared_and_own_pages(fake_flashinfer: Any) -> N
     assert plan.cascade.groups == ((0, 3),) and plan.cascade.shared_pages == (2,)
     assert plan.cascade.saved_tokens == 16 and plan.cascade.total_tokens == sum(_KV)
     assert "1 group (3 requests) shares 8 tokens" in str(plan.cascade)
+    assert plan.dispatch_note == f"cascade: {plan.cascade}"  # what record_dispatch shows
     cascade = _FakeWrapper.made[0]
     assert cascade.kind == "MultiLevelCascadeAttentionWrapper"
     p = cascade.plans[0]

@@ -32,7 +32,6 @@ from attn_dispatch._config import AttnConfig
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._vocab import FP8_DTYPES
-from attn_dispatch._vocab import VARIANTS
 
 __all__ = [
     "CAPABILITIES",
@@ -369,7 +368,6 @@ def _fa2_mla_shared_bytes(config: AttnConfig, smem_per_sm: int) -> int | None:
 
 # return_lse: every wrapper's run() returns its lse (see backend.py for the units). Declared
 # once the core's vocabulary knows the variant (a vocabulary without it refuses the name).
-_LSE = ("lse",) if "lse" in VARIANTS else ()
 
 #: The form policy of MLA configs (registered with the backend; a ``form_policy`` option
 #: given to ``bind`` overrides it).
@@ -384,8 +382,8 @@ CAPABILITIES = Capabilities(
     # window_left / logits_soft_cap of the paged prefill and decode plans (MHA; MLA refused
     # in _check_variants). Sinks are not declared: see _check_variants.
     # causal=False: the prefill plans' causal=False (decode is unchanged). Chunked local
-    # attention is not declared: see _check_variants. lse: see _LSE.
-    variants=frozenset({"window", "logit_cap", "non_causal", *_LSE}),
+    # attention is not declared: see _check_variants.
+    variants=frozenset({"window", "logit_cap", "non_causal", "lse"}),
     head_dims=None,  # dims are checked in pairs below (MHA) or as latent/rope (MLA)
     v_head_dims=None,
     page_sizes=None,  # fa2/fa3 paged kernels take any positive page size at run time

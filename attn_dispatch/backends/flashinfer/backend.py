@@ -224,12 +224,6 @@ def _kw(wrapper: str, method: str, **kwargs: Any) -> dict[str, Any]:
     return kwargs
 
 
-def _wants_lse(config: AttnConfig) -> bool:
-    """Whether the config asks for lse (``AttnConfig.return_lse``; a config type without the
-    field never does)."""
-    return bool(getattr(config, "return_lse", False))
-
-
 @dataclass(frozen=True, slots=True)
 class CascadeGroups:
     """What a cascade plan reads once: request ranges ``groups[g] = (first, stop)`` (stop
@@ -379,6 +373,11 @@ class FlashInferPlan(PlanBase):
     sm_scale: float
     ticket: object
     cascade: CascadeGroups | None = None
+
+    @property
+    def dispatch_note(self) -> str | None:
+        """What ``record_dispatch`` shows beside the call: the cascade, when it ran."""
+        return None if self.cascade is None else f"cascade: {self.cascade}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -886,7 +885,7 @@ class FlashInferBackend(TorchBackendBase):
         self.q_dtype = _DTYPES[config.dtype]
         self.kv_dtype = _KV_DTYPES[config.kv_dtype or config.dtype]
         self.kv_fp8 = self.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        self.lse = _wants_lse(config)
+        self.lse = config.return_lse
         self.use_cuda_graph = use_cuda_graph
         self.max_batch_size = max_batch_size
         self.prefill_backend = prefill_backend
