@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
@@ -63,18 +64,37 @@ def import_torch() -> Any:
     return torch
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value!r}")
-    return value
+def _whole(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an int in ``[low, high)`` (no upper bound when ``high`` is None);
+    anything else is a usage error naming the range."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low or (high is not None and value >= high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {_power(high)})"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value!r}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its "invalid ... value" message
+    return parse
 
 
-def _seed(text: str) -> int:
-    value = int(text)
-    if not 0 <= value < 2**62:  # torch seeds are 64-bit; the prompts use seed + 1
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**62), got {value!r}")
-    return value
+def _power(n: int) -> str:
+    """``n`` as a power of two when it is a large one (``2**62`` reads better than 19 digits)."""
+    return f"2**{n.bit_length() - 1}" if n > 2**20 and n & (n - 1) == 0 else str(n)
+
+
+_OPTS = DemoOptions()
+# The whole-number options: flag, lowest value, default, help (defaults None: per --size).
+_COUNTS = (
+    ("--max-new-tokens", 1, None, "tokens per request (default: per size, 128 for base)"),
+    ("--batch", 1, _OPTS.batch, "requests (prompt lengths differ)"),
+    ("--depth", 1, None, "draft tokens per branch (default: 4)"),
+    ("--branch", 1, None, "branches at the draft tree's first level (default: 2)"),
+    ("--page-size", 1, _OPTS.page_size, "target cache page size"),
+    ("--num-pages", 1, None, "target cache pages (default: enough)"),
+    ("--steps", 1, None, "stop after this many rounds"),
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -111,27 +131,8 @@ def parser() -> argparse.ArgumentParser:
         help="BackendSpec of the draft (default: a backend the target does not use, of "
         "torch, native on CPU; triton, flashinfer, torch on CUDA)",
     )
-    p.add_argument(
-        "--max-new-tokens",
-        type=_positive,
-        default=None,
-        help="tokens per request (default: per size, 128 for base)",
-    )
-    p.add_argument("--batch", type=_positive, default=2, help="requests (prompt lengths differ)")
-    p.add_argument(
-        "--depth", type=_positive, default=None, help="draft tokens per branch (default: 4)"
-    )
-    p.add_argument(
-        "--branch",
-        type=_positive,
-        default=None,
-        help="branches at the draft tree's first level (default: 2)",
-    )
-    p.add_argument("--page-size", type=_positive, default=4, help="target cache page size")
-    p.add_argument(
-        "--num-pages", type=_positive, default=None, help="target cache pages (default: enough)"
-    )
-    p.add_argument("--steps", type=_positive, default=None, help="stop after this many rounds")
+    for flag, low, default, text in _COUNTS:
+        p.add_argument(flag, type=_whole(low), default=default, help=text)
     p.add_argument(
         "--dtype",
         default="auto",
@@ -156,11 +157,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument(
         "--threads",
-        type=_positive,
+        type=_whole(1),
         default=1,
         help="torch CPU threads (default 1: on a busy machine more threads wait on each other)",
     )
-    p.add_argument("--seed", type=_seed, default=0, help="weights and prompts (default 0)")
+    # torch seeds are 64-bit; the prompts use seed + 1.
+    p.add_argument("--seed", type=_whole(0, 2**62), default=0, help="weights, prompts (default 0)")
     p.add_argument(
         "--progress",
         choices=("auto", "bar", "rounds", "off"),
