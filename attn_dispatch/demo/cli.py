@@ -17,10 +17,13 @@ from attn_dispatch import BackendSpec
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import record_dispatch
 from attn_dispatch._table import format_table
+from attn_dispatch.demo.compare import Layout
+from attn_dispatch.demo.compare import layouts
+from attn_dispatch.demo.compare import prefix_report
+from attn_dispatch.demo.compare import race
 from attn_dispatch.demo.engine import DemoOptions
 from attn_dispatch.demo.engine import Stats
 from attn_dispatch.demo.engine import greedy_steps
-from attn_dispatch.demo.engine import race
 from attn_dispatch.demo.engine import speculative_steps
 from attn_dispatch.demo.factory import build
 from attn_dispatch.demo.factory import choose_dtype
@@ -94,6 +97,7 @@ _COUNTS = (
     ("--page-size", 1, _OPTS.page_size, "target cache page size"),
     ("--num-pages", 1, None, "target cache pages (default: enough)"),
     ("--steps", 1, None, "stop after this many rounds"),
+    ("--shared-prefix", 0, 0, "tokens of a system prompt all requests share (default 0: none)"),
 )
 
 
@@ -216,6 +220,7 @@ def _options(args: argparse.Namespace) -> DemoOptions:
         seed=args.seed,
         steps=args.steps,
         size=args.size,
+        shared_prefix=args.shared_prefix,
     )
 
 
@@ -336,27 +341,28 @@ def _run_scoped(
     from attn_dispatch.demo.runner import Runner
 
     # The reference decoding runs on the same model, binding and spec with a cache of its own,
-    # so it can take turns with the speculative one (engine.race).
+    # so it can take turns with the speculative one (compare.race).
     alone = Runner(
         "target", target.model, target.attn_binding, num_pages=target.num_pages, spec=target.spec
     )
+    n = opts.shared_prefix
+    found, why = layouts(target, alone) if n else ([Layout("greedy", alone, False, "-")], "")
     on_round = round_lines(say, opts) if args.progress == "rounds" else None
     stats = Stats()
+    runs = {"spec": speculative_steps(target, draft, prompts, opts, stats, on_round)}
+    for lay in found:
+        runs[lay.name] = greedy_steps(lay.runner, prompts, opts.max_new_tokens, n, lay.private)
     bar.start("decoding")
     with torch.inference_mode(), record_dispatch() as rec:
-        reference, outputs, greedy_s, spec_s = race(
-            greedy_steps(alone, prompts, opts.max_new_tokens),
-            speculative_steps(target, draft, prompts, opts, stats, on_round),
-            len(prompts) * opts.max_new_tokens,
-            bar,
-        )
+        outs, seconds = race(runs, len(prompts) * opts.max_new_tokens, bar)
     bar.clear()
+    outputs, reference = outs["spec"], outs["greedy"]
     say("\ndispatch (record_dispatch: runner x phase x backend -> calls; the target's decode")
-    say("calls are the greedy reference's)")
+    say("calls are the greedy references')")
     say(rec.summary())
-    leaked = leaks((target, alone, draft))
+    leaked = leaks((target, draft, *(lay.runner for lay in found)))
     say(isolation_line(leaked))
-    report(say, target, alone, draft, prompts, outputs, stats, opts, greedy_s, spec_s)
+    report(say, target, alone, draft, prompts, outputs, stats, opts, seconds)
     complete = opts.steps is not None or all(len(o) == opts.max_new_tokens for o in outputs)
     same = complete and prefix_equal(outputs, reference)
     say(f"identical to target greedy: {'yes' if same else 'no'}")
@@ -364,4 +370,6 @@ def _run_scoped(
         for i, (o, r) in enumerate(zip(outputs, reference, strict=True)):
             if o != r[: len(o)]:
                 say(f"  request {i}: speculative {o}\n  request {i}: greedy      {r}")
+    if n:
+        same = prefix_report(say, opts, found, why, outs, draft) and same
     return 0 if same and not leaked else 1

@@ -77,16 +77,16 @@ class LegacyRunner(Runner):
         assert g.forward is not None and g.attention_backend is not None
         label, batch = g.forward
         name = g.attention_backend  # read at forward time: the last writer's choice
-        key = (label, batch.phase.name.lower(), name)
+        phase = batch.phase.name.lower()
         backend = g.backends[name]
         try:
             out: torch.Tensor = backend.handler(batch.phase)(
                 q, k_cache, v_cache, backend.plan(batch), sm_scale
             )
         except Exception:
-            g.log[(*key, "failed")] += 1
+            g.log[(label, phase, name, "failed")] += 1
             raise
-        g.log[(*key, "ran")] += 1
+        g.log[(label, phase, name, "ran")] += 1
         return out
 
     def form(self) -> AttnForm:

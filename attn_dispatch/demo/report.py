@@ -107,8 +107,7 @@ def report(
     outputs: list[list[int]],
     stats: Stats,
     opts: DemoOptions,
-    greedy_s: float,
-    spec_s: float,
+    seconds: dict[str, float],
 ) -> None:
     total = sum(len(o) for o in outputs)
     say(
@@ -138,21 +137,21 @@ def report(
     rows = []
     for name, r in (("target", target), ("target, greedy", alone), ("draft", draft)):
         for phase in Phase:
-            ms = r.mean_ms(phase)
+            ms = r.median_ms(phase)
             if ms is not None:
-                n = str(r.timing[(phase, "forwards")])
+                n = str(len(r.samples[phase]))
                 rows.append((name, phase.name.lower(), n, f"{ms:.2f}"))
-    say(format_table(("runner", "phase", "forwards", "ms each"), rows))
-    t_dec, d_dec = alone.mean_ms(Phase.DECODE), draft.mean_ms(Phase.DECODE)
-    t_ver = target.mean_ms(Phase.VERIFY)
+    say(format_table(("runner", "phase", "forwards", "ms each (median)"), rows))
+    t_dec, d_dec = alone.median_ms(Phase.DECODE), draft.median_ms(Phase.DECODE)
+    t_ver = target.median_ms(Phase.VERIFY)
     if t_dec and d_dec and t_ver:
         say(
-            f"a draft decode costs 1/{t_dec / d_dec:.0f} of a target decode; a target verify "
+            f"a draft decode costs {d_dec / t_dec:.2g} target decodes; a target verify "
             f"of {opts.branch * opts.depth + 1} tokens per request costs {t_ver / t_dec:.2f} "
             "target decodes"
         )
     greedy_tokens = len(prompts) * opts.max_new_tokens
-    spec_tps, greedy_tps = total / spec_s, greedy_tokens / greedy_s
+    spec_tps, greedy_tps = total / seconds["spec"], greedy_tokens / seconds["greedy"]
     say(
         f"tokens/s: {spec_tps:.1f} speculative, {greedy_tps:.1f} target-only greedy (run side "
         f"by side, taking turns): speedup {spec_tps / greedy_tps:.2f}x"

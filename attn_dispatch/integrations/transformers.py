@@ -378,15 +378,17 @@ def _shape_of(config: Any, groups: list[str]) -> _Shape:
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     cap = getattr(config, "attn_logit_softcapping", None)
     window = getattr(config, "sliding_window", None)
-    if GROUP_SLIDING in groups and (not isinstance(window, int) or window < 1):
+    if GROUP_SLIDING not in groups:
+        window = None
+    elif not isinstance(window, int) or window < 1:
         raise UnsupportedModelError(
             f"model type {getattr(config, 'model_type', '?')!r} has sliding layers but "
             f"sliding_window={window!r}; expected an int >= 1"
         )
     chunk = getattr(config, "attention_chunk_size", None)
-    if GROUP_CHUNKED in groups and (
-        isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
-    ):
+    if GROUP_CHUNKED not in groups:
+        chunk = None
+    elif isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise UnsupportedModelError(
             f"model type {getattr(config, 'model_type', '?')!r} has 'chunked_attention' layers "
             f"but attention_chunk_size={chunk!r}; expected an int >= 1"
@@ -397,8 +399,8 @@ def _shape_of(config: Any, groups: list[str]) -> _Shape:
         head_dim,
         v_head_dim,
         float(cap) if cap else None,
-        int(window) if GROUP_SLIDING in groups else None,
-        int(chunk) if GROUP_CHUNKED in groups else None,
+        window,
+        chunk,
     )
 
 
