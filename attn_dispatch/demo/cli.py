@@ -21,8 +21,6 @@ from attn_dispatch.demo.compare import Layout
 from attn_dispatch.demo.compare import layouts
 from attn_dispatch.demo.compare import prefix_report
 from attn_dispatch.demo.compare import race
-from attn_dispatch.demo.engine import DemoOptions
-from attn_dispatch.demo.engine import Stats
 from attn_dispatch.demo.engine import greedy_steps
 from attn_dispatch.demo.engine import speculative_steps
 from attn_dispatch.demo.factory import build
@@ -37,6 +35,8 @@ from attn_dispatch.demo.report import leaks
 from attn_dispatch.demo.report import prefix_equal
 from attn_dispatch.demo.report import report
 from attn_dispatch.demo.report import round_lines
+from attn_dispatch.demo.values import DemoOptions
+from attn_dispatch.demo.values import Stats
 
 if TYPE_CHECKING:
     from attn_dispatch.demo.runner import Runner

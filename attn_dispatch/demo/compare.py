@@ -25,9 +25,9 @@ from attn_dispatch import bind
 from attn_dispatch._table import format_table
 
 if TYPE_CHECKING:
-    from attn_dispatch.demo.engine import DemoOptions
     from attn_dispatch.demo.report import Say
     from attn_dispatch.demo.runner import Runner
+    from attn_dispatch.demo.values import DemoOptions
 
 # A progress callback: tokens done, tokens in all.
 Progress = Callable[[int, int], None]

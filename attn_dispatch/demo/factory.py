@@ -12,9 +12,9 @@ from attn_dispatch import AttnDispatchError
 from attn_dispatch import BackendSpec
 from attn_dispatch import bind
 from attn_dispatch import list_backends
-from attn_dispatch.demo.engine import DemoOptions
 from attn_dispatch.demo.shapes import DraftShape
 from attn_dispatch.demo.shapes import TargetShape
+from attn_dispatch.demo.values import DemoOptions
 
 if TYPE_CHECKING:
     from attn_dispatch.demo.legacy import LegacyGlobals

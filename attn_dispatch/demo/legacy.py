@@ -21,12 +21,12 @@ from attn_dispatch import AttnForm
 from attn_dispatch import Binding
 from attn_dispatch import Phase
 from attn_dispatch._table import format_table
-from attn_dispatch.demo.engine import DemoOptions
 from attn_dispatch.demo.engine import speculative
 from attn_dispatch.demo.engine import target_greedy
 from attn_dispatch.demo.report import Say
 from attn_dispatch.demo.report import prefix_equal
 from attn_dispatch.demo.runner import Runner
+from attn_dispatch.demo.values import DemoOptions
 
 
 @dataclasses.dataclass(slots=True)

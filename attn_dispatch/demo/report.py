@@ -14,9 +14,9 @@ from attn_dispatch import Phase
 from attn_dispatch._table import format_table
 
 if TYPE_CHECKING:
-    from attn_dispatch.demo.engine import DemoOptions
-    from attn_dispatch.demo.engine import Stats
     from attn_dispatch.demo.runner import Runner
+    from attn_dispatch.demo.values import DemoOptions
+    from attn_dispatch.demo.values import Stats
 
 Say = Callable[..., None]
 
@@ -93,6 +93,11 @@ def isolation_line(found: Sequence[str]) -> str:
     return head + ("yes" if not found else "no\n" + "\n".join(f"  {f}" for f in found))
 
 
+def _fraction(x: float) -> str:
+    """``x`` as 1/N when it is below one half (a draft 30 times cheaper reads 1/30)."""
+    return f"1/{1 / x:.0f}" if x < 0.5 else f"{x:.2f}x"
+
+
 def tokens_text(seq: list[int], limit: int = 16) -> str:
     head = ", ".join(str(t) for t in seq[:limit])
     return f"[{head}, ...] ({len(seq)} tokens)" if len(seq) > limit else f"[{head}]"
@@ -146,7 +151,7 @@ def report(
     t_ver = target.median_ms(Phase.VERIFY)
     if t_dec and d_dec and t_ver:
         say(
-            f"a draft decode costs {d_dec / t_dec:.2g} target decodes; a target verify "
+            f"a draft decode costs {_fraction(d_dec / t_dec)} of a target decode; a target verify "
             f"of {opts.branch * opts.depth + 1} tokens per request costs {t_ver / t_dec:.2f} "
             "target decodes"
         )
