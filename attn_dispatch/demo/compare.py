@@ -141,14 +141,14 @@ def prefix_report(
     say(f"\nshared prefix: every request starts with the same {n}-token system prompt")
     say(
         f"  target: its {n // ps} whole pages of {ps} tokens are the same page ids in all {b} "
-        f"page tables, written once: {saved} pages ({saved * page_bytes(shared) / 1024:.1f} KiB) "
+        f"page tables, written once: {saved} pages ({_size(saved * page_bytes(shared))}) "
         f"saved (peak {shared.allocator.peak} pages in use, {private.allocator.peak} with "
         "private copies)"
     )
     dsaved = (b - 1) * (n // draft.page_size)
     say(
         f"  draft: {n // draft.page_size} pages of {draft.page_size} token shared the same way: "
-        f"{dsaved} pages ({dsaved * page_bytes(draft) / 1024:.1f} KiB) saved"
+        f"{dsaved} pages ({_size(dsaved * page_bytes(draft))}) saved"
     )
     rows = []
     for lay in found:
@@ -167,6 +167,10 @@ def prefix_report(
     same = all(outs[lay.name] == outs[found[0].name] for lay in found)
     say(f"tokens identical with and without sharing: {'yes' if same else 'no'}")
     return same
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def _ms(value: float | None) -> str:
