@@ -810,3 +810,12 @@ def test_cascade_off_names_why_it_cannot_be_measured() -> None:
         )
     binding, why = cascade_off(target)
     assert binding is None and why.startswith("the target decodes on 'torch'")
+
+
+@pytest.mark.parametrize(("field", "value"), [("shared_prefix", -1), ("batch", 0), ("depth", 1.5)])
+def test_demo_options_refuse_bad_counts(field: str, value: object) -> None:
+    from attn_dispatch import InvalidSpecError
+
+    with pytest.raises(InvalidSpecError, match=field) as info:
+        demo.DemoOptions(**{field: value})
+    assert info.value.field == field and info.value.value == value

@@ -8,6 +8,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from attn_dispatch import InvalidSpecError
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Request:
@@ -34,6 +36,12 @@ class DemoOptions:
     steps: int | None = None  # stop after this many rounds
     size: str = "tiny"
     shared_prefix: int = 0  # tokens of one system prompt every request starts with
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "batch", "depth", "branch", "page_size", "shared_prefix"):
+            value, low = getattr(self, name), 0 if name == "shared_prefix" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidSpecError(name, value, f"DemoOptions needs an int >= {low}")
 
 
 @dataclasses.dataclass(slots=True)
