@@ -819,3 +819,13 @@ def test_demo_options_refuse_bad_counts(field: str, value: object) -> None:
     with pytest.raises(InvalidSpecError, match=field) as info:
         demo.DemoOptions(**{field: value})
     assert info.value.field == field and info.value.value == value
+
+
+def test_demo_shared_prefix_shorter_than_a_page_shares_no_target_page() -> None:
+    rc, text = run_demo("--shared-prefix", "3", "--target-spec", "torch")
+    assert rc == 0, text
+    assert "target: its 0 whole pages of 4 tokens" in text and "0 pages (0.0 KiB) saved" in text
+    assert "draft: 3 pages of 1 token shared the same way: 3 pages" in text
+    assert "no ratio: the system prompt fills no whole page of 4 tokens" in text
+    assert "vs private copies:" not in text
+    assert "tokens identical with and without sharing: yes" in text

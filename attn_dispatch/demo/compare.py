@@ -160,10 +160,13 @@ def prefix_report(
     isa = isa_of(shared)
     say(f"\ntarget decode, same prompts, run side by side taking turns ({isa}; ms: medians)")
     say(format_table(("layout", "cascade", "forwards", "ms each", "attention ms each"), rows))
-    if why:
-        say(f"cascade on/off not measured: {why}")
-    for other in found[1:]:
-        say(_ratio(found[0], other))
+    if n < ps:
+        say(f"no ratio: the system prompt fills no whole page of {ps} tokens (nothing shared)")
+    else:
+        if why:
+            say(f"cascade on/off not measured: {why}")
+        for other in found[1:]:
+            say(_ratio(found[0], other))
     same = all(outs[lay.name] == outs[found[0].name] for lay in found)
     say(f"tokens identical with and without sharing: {'yes' if same else 'no'}")
     return same
