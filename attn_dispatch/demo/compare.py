@@ -107,15 +107,16 @@ def isa_of(runner: Runner) -> str:
     """The instruction-set path the runner's decode kernels take."""
     import torch
 
+    name = runner.spec.backend_for(Phase.DECODE)
     if runner.device != "cpu":
-        return runner.device
-    if runner.spec.backend_for(Phase.DECODE) == "native":
+        return f"{name} on {runner.device}"
+    if name == "native":
         from attn_dispatch.backends.native._lib import load
 
         lib = load()
         if not isinstance(lib, str):
             return f"native {lib.isa}"
-    return f"torch {torch.backends.cpu.get_cpu_capability()}"
+    return f"{name} on {torch.backends.cpu.get_cpu_capability()}"
 
 
 def page_bytes(runner: Runner) -> int:
