@@ -14,6 +14,13 @@ from typing import Any
 class AttnDispatchError(Exception):
     """Base class of every error raised by attn_dispatch."""
 
+    def _carry(self, message: str, **values: object) -> None:
+        """Keep the offending ``values`` as attributes (every error here carries them, so a
+        caller can act on them without parsing the message), then ``message``."""
+        for name, value in values.items():
+            setattr(self, name, value)
+        super().__init__(message)
+
 
 class UnknownBackendError(AttnDispatchError, KeyError):
     """A backend name that is not registered.
@@ -88,18 +95,16 @@ class NoActiveScopeError(AttnDispatchError, RuntimeError):
 
 
 class BackendUnavailableError(AttnDispatchError, RuntimeError):
-    """A backend whose factory could not be loaded or built, or built something unusable.
+    """A backend whose factory could not be loaded or built, or built something unusable."""
 
-    Attributes: ``name`` (the backend), ``reason``, ``runner`` (the label bind was given, or
-    None).
-    """
+    name: str  # the backend
+    reason: str
+    runner: str | None  # the label bind was given, or None
 
     def __init__(self, name: str, reason: str, *, runner: str | None = None) -> None:
-        self.name = name
-        self.reason = reason
-        self.runner = runner
         who = f" for runner {runner!r}" if runner is not None else ""
-        super().__init__(f"attention backend {name!r} is unavailable{who}: {reason}")
+        message = f"attention backend {name!r} is unavailable{who}: {reason}"
+        self._carry(message, name=name, reason=reason, runner=runner)
 
 
 class UnknownPhaseError(AttnDispatchError, ValueError):
@@ -116,14 +121,16 @@ class UnknownPhaseError(AttnDispatchError, ValueError):
 
 
 class InvalidBatchError(AttnDispatchError, ValueError):
-    """Bad batch metadata or tensors. Attributes: ``field``, ``request`` (index or None)."""
+    """Bad batch metadata or tensors."""
+
+    field: str  # the AttnBatch field or argument that is wrong
+    problem: str
+    request: int | None  # the index of the request it is wrong for, or None
 
     def __init__(self, field: str, problem: str, *, request: int | None = None) -> None:
-        self.field = field
-        self.request = request
-        self.problem = problem
         where = f"request {request}: " if request is not None else ""
-        super().__init__(f"invalid attention batch: {where}{field}: {problem}")
+        message = f"invalid attention batch: {where}{field}: {problem}"
+        self._carry(message, field=field, problem=problem, request=request)
 
 
 class ScopeError(AttnDispatchError, RuntimeError):

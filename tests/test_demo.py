@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import re
 import subprocess
@@ -15,6 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from attn_dispatch import Phase  # noqa: E402
+from attn_dispatch import bind  # noqa: E402
 from attn_dispatch import demo  # noqa: E402
 from attn_dispatch import record_dispatch  # noqa: E402
 from attn_dispatch import register_backend  # noqa: E402
@@ -435,7 +438,7 @@ def test_report_shows_per_forward_times_and_the_speedup() -> None:
     for row in ("target          prefill", "target          verify", "target, greedy  decode"):
         assert re.search(rf"{row} +\d+ +\d+\.\d\d", text), text
     assert re.search(r"draft           decode +\d+ +\d+\.\d\d", text), text
-    assert re.search(r"a draft decode costs 1/\d+ of a target decode", text)
+    assert re.search(r"a draft decode costs (1/\d+|\d+\.\d\dx) of a target decode", text)
     m = re.search(
         r"tokens/s: ([\d.]+) speculative, ([\d.]+) target-only greedy .*: speedup ([\d.]+)x", text
     )
@@ -526,6 +529,7 @@ def test_progress_bar_draws_on_its_stream_after_the_delay() -> None:
 
 def test_race_gives_each_decoding_its_own_output_and_time() -> None:
     from attn_dispatch.demo import engine
+    from attn_dispatch.demo.compare import race
     from attn_dispatch.demo.runner import Runner
 
     opts = demo.DemoOptions(max_new_tokens=9, depth=2)
@@ -537,17 +541,21 @@ def test_race_gives_each_decoding_its_own_output_and_time() -> None:
         prompts = demo.prompts_for(opts, target.model.shape.vocab)
         stats = engine.Stats()
         seen: list[int] = []
-        ref, out, greedy_s, spec_s = engine.race(
-            engine.greedy_steps(alone, prompts, opts.max_new_tokens),
-            engine.speculative_steps(target, draft, prompts, opts, stats),
+        outs, seconds = race(
+            {
+                "spec": engine.speculative_steps(target, draft, prompts, opts, stats),
+                "greedy": engine.greedy_steps(alone, prompts, opts.max_new_tokens),
+            },
             2 * opts.max_new_tokens,
             lambda done, total: seen.append(done),
         )
         solo_out, solo_stats = demo.speculative(target, draft, prompts, opts)
         solo_ref = demo.target_greedy(alone, prompts, opts.max_new_tokens)
+    ref, out = outs["greedy"], outs["spec"]
     assert ref == solo_ref and out == solo_out == ref
     assert stats.rounds == solo_stats.rounds and stats.accepted == solo_stats.accepted
-    assert greedy_s > 0 and spec_s > 0
+    assert stats.accepts == solo_stats.accepts and stats.drafted == opts.depth * len(stats.accepts)
+    assert seconds["greedy"] > 0 and seconds["spec"] > 0
     assert seen == sorted(seen) and seen[-1] == 2 * 2 * opts.max_new_tokens
     # Every page went back to both runners' free lists.
     for r in (target, alone, draft):
@@ -631,6 +639,7 @@ def test_isolation_is_read_per_runner_forward_not_from_the_event_label(torch2: s
         (["--seed", "99999999999999999999999"], "must be in [0, 2**62)"),
         (["--target-spec", "prefill="], "no backend for decode"),
         (["--num-pages", "1"], "pages requested"),
+        (["--shared-prefix", "-1"], "--shared-prefix: must be >= 0, got -1"),
     ],
 )
 def test_bad_input_is_one_error_line_without_a_traceback(
@@ -684,3 +693,139 @@ def test_demo_modules_are_small_and_import_no_cycle() -> None:
 
     cycles = [name for name in graph if reaches(name, name, {name})]
     assert cycles == [], {n: sorted(graph[n]) for n in cycles}
+
+
+def _spy_tables(runner: Any) -> list[tuple[Phase, list[list[int]]]]:
+    """Record the phase and page tables of every forward of ``runner``."""
+    seen: list[tuple[Phase, list[list[int]]]] = []
+    forward = runner.forward
+
+    def spy(batch: Any, *args: Any) -> Any:
+        ptr, idx = batch.kv_indptr.tolist(), batch.kv_indices.tolist()
+        seen.append((batch.phase, [idx[a:b] for a, b in itertools.pairwise(ptr)]))
+        return forward(batch, *args)
+
+    runner.forward = spy
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_shared_prefix_is_one_copy_and_decodes_the_tokens_of_private_copies(backend: str) -> None:
+    from attn_dispatch.demo import engine
+    from attn_dispatch.demo.runner import Runner
+
+    opts = demo.DemoOptions(max_new_tokens=6, batch=3, page_size=4, shared_prefix=10)
+    shared_pages = opts.shared_prefix // opts.page_size  # whole pages only: 2
+    with torch.inference_mode():
+        target, _ = demo.build(
+            opts, device="cpu", dtype="float32", target_spec=None, draft_spec=None
+        )
+        if not demo._binds(backend, target.attn_binding.config):
+            pytest.skip(f"the {backend} backend cannot serve the demo's target here")
+        spec = BackendSpec.uniform(backend)
+        binding = bind(spec, target.attn_binding.config, label="target")
+        shared = Runner("target", target.model, binding, num_pages=target.num_pages, spec=spec)
+        private = Runner("target", target.model, binding, num_pages=target.num_pages, spec=spec)
+        prompts = demo.prompts_for(opts, target.model.shape.vocab)
+        tables = {"shared": _spy_tables(shared), "private": _spy_tables(private)}
+        out_shared = engine.target_greedy(shared, prompts, opts.max_new_tokens, opts.shared_prefix)
+        *_, out_private = engine.greedy_steps(
+            private, prompts, opts.max_new_tokens, opts.shared_prefix, private=True
+        )
+    # One system prompt, then each request's own (different) tokens.
+    assert all(p[:10] == prompts[0][:10] for p in prompts)
+    assert len({tuple(p[10:13]) for p in prompts}) == 3
+    assert out_shared == out_private
+    # The prefix's whole pages are written once, by a PREFILL of their own ...
+    phase, first = tables["shared"][0]
+    assert phase is Phase.PREFILL and len(first) == 1 and len(first[0]) == shared_pages
+    # ... and every later page table starts with those page ids; private tables do not share.
+    for phase, reqs in tables["shared"][1:]:
+        assert all(t[:shared_pages] == first[0] for t in reqs), (phase, reqs)
+    for phase, reqs in tables["private"][1:]:
+        heads = [tuple(t[:shared_pages]) for t in reqs]
+        assert len(set(heads)) == len(heads), (phase, reqs)
+    assert private.allocator.peak - shared.allocator.peak == (opts.batch - 1) * shared_pages
+    for r in (shared, private):
+        assert r.allocator.num_free == r.num_pages  # shared pages freed once, at the end
+
+
+def test_speculative_decoding_over_a_shared_prefix_equals_private_greedy() -> None:
+    from attn_dispatch.demo import engine
+    from attn_dispatch.demo.runner import Runner
+
+    opts = demo.DemoOptions(max_new_tokens=8, batch=2, depth=2, page_size=3, shared_prefix=7)
+    with torch.inference_mode():
+        target, draft = demo.build(
+            opts, device="cpu", dtype="float32", target_spec=None, draft_spec=None
+        )
+        prompts = demo.prompts_for(opts, target.model.shape.vocab)
+        draft_tables = _spy_tables(draft)
+        outputs, stats = demo.speculative(target, draft, prompts, opts)
+        alone = Runner("target", target.model, target.attn_binding, num_pages=target.num_pages)
+        *_, reference = engine.greedy_steps(alone, prompts, opts.max_new_tokens, 7, private=True)
+    assert stats.rounds > 0 and outputs == reference
+    # The draft (page_size 1) shares all 7 prefix pages.
+    _, first = draft_tables[0]
+    assert len(first) == 1 and len(first[0]) == 7
+    assert all(t[:7] == first[0] for _, reqs in draft_tables[1:] for t in reqs)
+    for r in (target, draft, alone):
+        assert r.allocator.num_free == r.num_pages
+
+
+def test_demo_shared_prefix_prints_what_sharing_saved() -> None:
+    rc, text = run_demo("--shared-prefix", "9", "--batch", "3")
+    assert rc == 0, text
+    assert "identical to target greedy: yes" in text
+    assert "tokens identical with and without sharing: yes" in text
+    assert "each runner dispatched only to its own backends: yes" in text
+    assert re.search(
+        r"target: its 2 whole pages of 4 tokens are the same page ids in all 3 page tables, "
+        r"written once: 4 pages \([\d.]+ KiB\) saved",
+        text,
+    ), text
+    assert re.search(r"draft: 9 pages of 1 token shared the same way: 18 pages", text), text
+    assert re.search(r"shared pages +as bound +\d+ +\d+\.\d+ +\d+\.\d+", text), text
+    assert re.search(r"private copies +- +\d+ +\d+\.\d+ +\d+\.\d+", text), text
+    assert re.search(r"run side by side taking turns \(native \w+; ms: medians\)", text), text
+    assert re.search(r"vs private copies: attention \d+\.\d\dx, whole forward \d+\.\d\dx", text)
+    # Cascade on/off: measured where the native backend has the option, else said so (no number).
+    off_row = re.search(r"shared pages +off +\d+", text)
+    off_ratio = re.search(r"vs shared pages with cascade=False: attention \d+\.\d\dx", text)
+    unmeasured = "cascade on/off not measured: this native backend has no cascade option" in text
+    assert (bool(off_row) and bool(off_ratio)) != unmeasured, text
+
+
+def test_cascade_off_names_why_it_cannot_be_measured() -> None:
+    from attn_dispatch.demo.compare import cascade_off
+
+    opts = demo.DemoOptions()
+    with torch.inference_mode():
+        target, _ = demo.build(
+            opts,
+            device="cpu",
+            dtype="float32",
+            target_spec=BackendSpec.uniform("torch"),
+            draft_spec=None,
+        )
+    binding, why = cascade_off(target)
+    assert binding is None and why.startswith("the target decodes on 'torch'")
+
+
+@pytest.mark.parametrize(("field", "value"), [("shared_prefix", -1), ("batch", 0), ("depth", 1.5)])
+def test_demo_options_refuse_bad_counts(field: str, value: object) -> None:
+    from attn_dispatch import InvalidSpecError
+
+    with pytest.raises(InvalidSpecError, match=field) as info:
+        demo.DemoOptions(**{field: value})
+    assert info.value.field == field and info.value.value == value
+
+
+def test_demo_shared_prefix_shorter_than_a_page_shares_no_target_page() -> None:
+    rc, text = run_demo("--shared-prefix", "3", "--target-spec", "torch")
+    assert rc == 0, text
+    assert "target: its 0 whole pages of 4 tokens" in text and "0 pages (0.0 KiB) saved" in text
+    assert "draft: 3 pages of 1 token shared the same way: 3 pages" in text
+    assert "no ratio: the system prompt fills no whole page of 4 tokens" in text
+    assert "vs private copies:" not in text
+    assert "tokens identical with and without sharing: yes" in text

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
@@ -16,10 +17,11 @@ from attn_dispatch import BackendSpec
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import record_dispatch
 from attn_dispatch._table import format_table
-from attn_dispatch.demo.engine import DemoOptions
-from attn_dispatch.demo.engine import Stats
+from attn_dispatch.demo.compare import Layout
+from attn_dispatch.demo.compare import layouts
+from attn_dispatch.demo.compare import prefix_report
+from attn_dispatch.demo.compare import race
 from attn_dispatch.demo.engine import greedy_steps
-from attn_dispatch.demo.engine import race
 from attn_dispatch.demo.engine import speculative_steps
 from attn_dispatch.demo.factory import build
 from attn_dispatch.demo.factory import choose_dtype
@@ -33,6 +35,8 @@ from attn_dispatch.demo.report import leaks
 from attn_dispatch.demo.report import prefix_equal
 from attn_dispatch.demo.report import report
 from attn_dispatch.demo.report import round_lines
+from attn_dispatch.demo.values import DemoOptions
+from attn_dispatch.demo.values import Stats
 
 if TYPE_CHECKING:
     from attn_dispatch.demo.runner import Runner
@@ -63,18 +67,38 @@ def import_torch() -> Any:
     return torch
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value!r}")
-    return value
+def _whole(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an int in ``[low, high)`` (no upper bound when ``high`` is None);
+    anything else is a usage error naming the range."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low or (high is not None and value >= high):
+            bounds = f">= {low}" if high is None else f"in [{low}, {_power(high)})"
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value!r}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its "invalid ... value" message
+    return parse
 
 
-def _seed(text: str) -> int:
-    value = int(text)
-    if not 0 <= value < 2**62:  # torch seeds are 64-bit; the prompts use seed + 1
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**62), got {value!r}")
-    return value
+def _power(n: int) -> str:
+    """``n`` as a power of two when it is a large one (``2**62`` reads better than 19 digits)."""
+    return f"2**{n.bit_length() - 1}" if n > 2**20 and n & (n - 1) == 0 else str(n)
+
+
+_OPTS = DemoOptions()
+# The whole-number options: flag, lowest value, default, help (defaults None: per --size).
+_COUNTS = (
+    ("--max-new-tokens", 1, None, "tokens per request (default: per size, 128 for base)"),
+    ("--batch", 1, _OPTS.batch, "requests (prompt lengths differ)"),
+    ("--depth", 1, None, "draft tokens per branch (default: 4)"),
+    ("--branch", 1, None, "branches at the draft tree's first level (default: 2)"),
+    ("--page-size", 1, _OPTS.page_size, "target cache page size"),
+    ("--num-pages", 1, None, "target cache pages (default: enough)"),
+    ("--steps", 1, None, "stop after this many rounds"),
+    ("--shared-prefix", 0, 0, "tokens of a system prompt all requests share (default 0: none)"),
+)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -111,27 +135,8 @@ def parser() -> argparse.ArgumentParser:
         help="BackendSpec of the draft (default: a backend the target does not use, of "
         "torch, native on CPU; triton, flashinfer, torch on CUDA)",
     )
-    p.add_argument(
-        "--max-new-tokens",
-        type=_positive,
-        default=None,
-        help="tokens per request (default: per size, 128 for base)",
-    )
-    p.add_argument("--batch", type=_positive, default=2, help="requests (prompt lengths differ)")
-    p.add_argument(
-        "--depth", type=_positive, default=None, help="draft tokens per branch (default: 4)"
-    )
-    p.add_argument(
-        "--branch",
-        type=_positive,
-        default=None,
-        help="branches at the draft tree's first level (default: 2)",
-    )
-    p.add_argument("--page-size", type=_positive, default=4, help="target cache page size")
-    p.add_argument(
-        "--num-pages", type=_positive, default=None, help="target cache pages (default: enough)"
-    )
-    p.add_argument("--steps", type=_positive, default=None, help="stop after this many rounds")
+    for flag, low, default, text in _COUNTS:
+        p.add_argument(flag, type=_whole(low), default=default, help=text)
     p.add_argument(
         "--dtype",
         default="auto",
@@ -156,11 +161,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument(
         "--threads",
-        type=_positive,
+        type=_whole(1),
         default=1,
         help="torch CPU threads (default 1: on a busy machine more threads wait on each other)",
     )
-    p.add_argument("--seed", type=_seed, default=0, help="weights and prompts (default 0)")
+    # torch seeds are 64-bit; the prompts use seed + 1.
+    p.add_argument("--seed", type=_whole(0, 2**62), default=0, help="weights, prompts (default 0)")
     p.add_argument(
         "--progress",
         choices=("auto", "bar", "rounds", "off"),
@@ -214,6 +220,7 @@ def _options(args: argparse.Namespace) -> DemoOptions:
         seed=args.seed,
         steps=args.steps,
         size=args.size,
+        shared_prefix=args.shared_prefix,
     )
 
 
@@ -334,27 +341,28 @@ def _run_scoped(
     from attn_dispatch.demo.runner import Runner
 
     # The reference decoding runs on the same model, binding and spec with a cache of its own,
-    # so it can take turns with the speculative one (engine.race).
+    # so it can take turns with the speculative one (compare.race).
     alone = Runner(
         "target", target.model, target.attn_binding, num_pages=target.num_pages, spec=target.spec
     )
+    n = opts.shared_prefix
+    found, why = layouts(target, alone) if n else ([Layout("greedy", alone, False, "-")], "")
     on_round = round_lines(say, opts) if args.progress == "rounds" else None
     stats = Stats()
+    runs = {"spec": speculative_steps(target, draft, prompts, opts, stats, on_round)}
+    for lay in found:
+        runs[lay.name] = greedy_steps(lay.runner, prompts, opts.max_new_tokens, n, lay.private)
     bar.start("decoding")
     with torch.inference_mode(), record_dispatch() as rec:
-        reference, outputs, greedy_s, spec_s = race(
-            greedy_steps(alone, prompts, opts.max_new_tokens),
-            speculative_steps(target, draft, prompts, opts, stats, on_round),
-            len(prompts) * opts.max_new_tokens,
-            bar,
-        )
+        outs, seconds = race(runs, len(prompts) * opts.max_new_tokens, bar)
     bar.clear()
+    outputs, reference = outs["spec"], outs["greedy"]
     say("\ndispatch (record_dispatch: runner x phase x backend -> calls; the target's decode")
-    say("calls are the greedy reference's)")
+    say("calls are the greedy references')")
     say(rec.summary())
-    leaked = leaks((target, alone, draft))
+    leaked = leaks((target, draft, *(lay.runner for lay in found)))
     say(isolation_line(leaked))
-    report(say, target, alone, draft, prompts, outputs, stats, opts, greedy_s, spec_s)
+    report(say, target, alone, draft, prompts, outputs, stats, opts, seconds)
     complete = opts.steps is not None or all(len(o) == opts.max_new_tokens for o in outputs)
     same = complete and prefix_equal(outputs, reference)
     say(f"identical to target greedy: {'yes' if same else 'no'}")
@@ -362,4 +370,6 @@ def _run_scoped(
         for i, (o, r) in enumerate(zip(outputs, reference, strict=True)):
             if o != r[: len(o)]:
                 say(f"  request {i}: speculative {o}\n  request {i}: greedy      {r}")
+    if n:
+        same = prefix_report(say, opts, found, why, outs, draft) and same
     return 0 if same and not leaked else 1

@@ -3,29 +3,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from attn_dispatch import AttnConfig
+from attn_dispatch.demo.layers import Cache
+from attn_dispatch.demo.layers import PagedModel
 from attn_dispatch.demo.layers import Shared
+from attn_dispatch.demo.layers import Step
 from attn_dispatch.demo.layers import kv_scale
-from attn_dispatch.demo.layers import mlp
-from attn_dispatch.demo.layers import norm_in
-from attn_dispatch.demo.layers import rms
 from attn_dispatch.demo.layers import rope
 from attn_dispatch.demo.layers import row_bound
 from attn_dispatch.demo.layers import store
 from attn_dispatch.demo.layers import weights
 from attn_dispatch.demo.shapes import DraftShape
 
-AttendFn = Callable[..., torch.Tensor]
-Caches = Sequence[tuple[torch.Tensor, torch.Tensor | None]]
 
-
-class DraftModel:
+class DraftModel(PagedModel):
     """GQA MHA draft with its own paged K/V caches, in the directions the target's head reads.
 
     Its embedding and LM head are the target's projected onto ``shared.proj`` (computed once
@@ -44,7 +39,7 @@ class DraftModel:
     ) -> None:
         s = shape
         self.shape = s
-        self.dtype = dtype
+        self.dtype = self.attn_dtype = dtype
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         self.width = shared.proj.shape[0]
         self.embed = (shared.embed.float() @ shared.proj.t()).to(dtype)
@@ -76,60 +71,25 @@ class DraftModel:
     def params(self) -> int:
         return self.shape.params(self.width, self.lm_head.shape[0])
 
-    def attn_config(self, *, page_size: int, device: str) -> AttnConfig:
+    def _attn_shape(self) -> dict[str, Any]:
         s = self.shape
-        return AttnConfig(
-            kind="mha",
-            num_q_heads=s.heads,
-            num_kv_heads=s.kv_heads,
-            head_dim=s.head_dim,
-            dtype=str(self.dtype).removeprefix("torch."),
-            kv_dtype=str(self.kv_dtype).removeprefix("torch."),
-            page_size=page_size,
-            device=device,
-            sm_scale=self.sm_scale,
-        )
+        return dict(kind="mha", num_q_heads=s.heads, num_kv_heads=s.kv_heads, head_dim=s.head_dim)
 
-    def make_caches(self, num_pages: int, page_size: int, device: str) -> Caches:
-        s = self.shape
-        dims = (num_pages, page_size, s.kv_heads, s.head_dim)
-        return [
-            (
-                torch.zeros(dims, dtype=self.kv_dtype, device=device),
-                torch.zeros(dims, dtype=self.kv_dtype, device=device),
-            )
-            for _ in self.layers
-        ]
+    def _cache_rows(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        row = (self.shape.kv_heads, self.shape.head_dim)
+        return row, row
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        rows: torch.Tensor,
-        caches: Caches,
-        attend: AttendFn,
-    ) -> torch.Tensor:
-        s = self.shape
-        t = tokens.numel()
-        x = self.embed[tokens].float()
-        for layer, (k_cache, v_cache), (k_scale, v_scale) in zip(
-            self.layers, caches, self.kv_scales, strict=True
-        ):
-            assert v_cache is not None
-            h = norm_in(x, self.dtype)
-            q = rope(F.linear(h, layer["wq"]).view(t, s.heads, s.head_dim), positions)
-            k = rope(F.linear(h, layer["wk"]).view(t, s.kv_heads, s.head_dim), positions)
-            v = F.linear(h, layer["wv"]).view(t, s.kv_heads, s.head_dim)
-            k_cache.view(-1, s.kv_heads, s.head_dim)[rows] = store(k, k_scale, self.kv_dtype)
-            v_cache.view(-1, s.kv_heads, s.head_dim)[rows] = store(v, v_scale, self.kv_dtype)
-            scales: dict[str, float] = {}
-            if k_scale is not None and v_scale is not None:
-                scales = {"k_scale": k_scale, "v_scale": v_scale}
-            o = attend(q.contiguous(), k_cache, v_cache, sm_scale=self.sm_scale, **scales)
-            x = x + F.linear(o.reshape(t, -1), layer["wo"]).float()
-            x = x + mlp(x, layer["up"], layer["down"])
-        return F.linear(rms(x), self.lm_head)
-
-    def to(self, device: str) -> None:
-        self.embed, self.lm_head = self.embed.to(device), self.lm_head.to(device)
-        self.layers = [{k: v.to(device) for k, v in layer.items()} for layer in self.layers]
+    def _attention(self, i: int, h: torch.Tensor, cache: Cache, step: Step) -> torch.Tensor:
+        s, layer, (k_cache, v_cache) = self.shape, self.layers[i], cache
+        k_scale, v_scale = self.kv_scales[i]
+        assert v_cache is not None
+        t, pos = h.shape[0], step.positions
+        q = rope(F.linear(h, layer["wq"]).view(t, s.heads, s.head_dim), pos)
+        k = rope(F.linear(h, layer["wk"]).view(t, s.kv_heads, s.head_dim), pos)
+        v = F.linear(h, layer["wv"]).view(t, s.kv_heads, s.head_dim)
+        k_cache.view(-1, s.kv_heads, s.head_dim)[step.rows] = store(k, k_scale, self.kv_dtype)
+        v_cache.view(-1, s.kv_heads, s.head_dim)[step.rows] = store(v, v_scale, self.kv_dtype)
+        scales: dict[str, float] = {}
+        if k_scale is not None and v_scale is not None:
+            scales = {"k_scale": k_scale, "v_scale": v_scale}
+        return step.attend(q.contiguous(), k_cache, v_cache, sm_scale=self.sm_scale, **scales)

@@ -13,7 +13,6 @@ rest go back to the free lists.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from collections.abc import Callable
@@ -24,52 +23,13 @@ from typing import Any
 
 from attn_dispatch import AttnDispatchError
 from attn_dispatch import Phase
+from attn_dispatch.demo.values import DemoOptions
+from attn_dispatch.demo.values import Request
+from attn_dispatch.demo.values import Stats
 
 if TYPE_CHECKING:
     from attn_dispatch.demo.runner import Runner
     from attn_dispatch.demo.runner import SeqKV
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Request:
-    """One request of a forward: its page table, where its new tokens go, what they are."""
-
-    pages: Sequence[int]
-    start: int  # cache position of the first new token (= tokens already cached)
-    tokens: Sequence[int]
-    positions: Sequence[int]  # rope positions (a tree node's depth, not its cache slot)
-    mask: Any = None  # bool [len(tokens), start + len(tokens)] for tree verify
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DemoOptions:
-    max_new_tokens: int = 32
-    batch: int = 2
-    depth: int = 3
-    branch: int = 2
-    page_size: int = 4
-    num_pages: int | None = None  # None: enough for every request at its longest
-    seed: int = 0
-    steps: int | None = None  # stop after this many rounds
-    size: str = "tiny"
-
-
-@dataclasses.dataclass(slots=True)
-class Stats:
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    max_accept: int = 0
-    request_rounds: int = 0
-    # Rounds whose accepted path went through branch k of the tree (only k > 0 needs a tree).
-    branch_hits: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
-    seconds: float = 0.0
-    target_forwards: int = 0
-    draft_forwards: int = 0
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -100,10 +60,6 @@ class Verdict:
     bonus: int
 
 
-# A progress callback: tokens done, tokens in all.
-Progress = Callable[[int, int], None]
-
-
 def step(runner: Runner, phase: Phase, reqs: Sequence[Request]) -> tuple[Any, list[int]]:
     """One forward of ``runner`` over ``reqs``: logits ``[T, V]`` and each request's first row."""
     from attn_dispatch import AttnBatch
@@ -132,30 +88,64 @@ def step(runner: Runner, phase: Phase, reqs: Sequence[Request]) -> tuple[Any, li
 
 
 def prefill(
-    runner: Runner, seqs: list[SeqKV], prompts: Sequence[Sequence[int]]
-) -> tuple[Any, list[int]]:
-    """Cache the prompts; logits of each prompt's last token."""
+    runner: Runner,
+    seqs: list[SeqKV],
+    prompts: Sequence[Sequence[int]],
+    shared: int = 0,
+    private: bool = False,
+) -> tuple[Any, SeqKV]:
+    """Cache the prompts: logits of each prompt's last token, and the pages of the shared
+    prefix (release them after the requests).
+
+    ``shared``: the prompts' first ``shared`` tokens are one system prompt. Its whole pages
+    are computed once, in a PREFILL of their own, and every request's page table starts with
+    those page ids (``private``: the rows are copied into pages of each request's own, the
+    same numbers without sharing); the rest of each prompt is a PREFILL after that prefix."""
+    from attn_dispatch.demo.runner import SeqKV
+
+    head = SeqKV()
+    done = shared // runner.page_size * runner.page_size  # the whole pages
+    if done:
+        runner.reserve(head, done)
+        prefix = list(prompts[0][:done])
+        step(runner, Phase.PREFILL, [Request(head.pages, 0, prefix, range(done))])
+        rows = runner.rows(head.pages, range(done))
+        for seq in seqs:
+            if not private:
+                seq.pages, seq.shared = list(head.pages), len(head.pages)
+            elif seq is seqs[0]:
+                seq.pages = list(head.pages)  # the first request owns the pages written
+            else:
+                runner.reserve(seq, done)
+                runner.copy_rows(rows, runner.rows(seq.pages, range(done)))
+        if private:
+            head.pages = []
     reqs = []
     for seq, p in zip(seqs, prompts, strict=True):
         runner.reserve(seq, len(p))
-        reqs.append(Request(list(seq.pages), 0, list(p), list(range(len(p)))))
+        reqs.append(Request(list(seq.pages), done, p[done:], range(done, len(p))))
         seq.length = len(p)
     logits, firsts = step(runner, Phase.PREFILL, reqs)
-    lasts = [f + len(p) - 1 for f, p in zip(firsts, prompts, strict=True)]
-    return logits[lasts], firsts
+    lasts = [f + len(p) - done - 1 for f, p in zip(firsts, prompts, strict=True)]
+    return logits[lasts], head
 
 
 def greedy_steps(
-    target: Runner, prompts: Sequence[Sequence[int]], max_new: int
+    target: Runner,
+    prompts: Sequence[Sequence[int]],
+    max_new: int,
+    shared: int = 0,
+    private: bool = False,
 ) -> Iterator[list[list[int]]]:
     """The target alone, one forward per step: a PREFILL, then one DECODE per token. Yields
-    the tokens so far after each forward (the lists grow in place)."""
+    the tokens so far after each forward (the lists grow in place). ``shared``, ``private``:
+    the prompts' common prefix, as ``prefill`` lays it out."""
     from attn_dispatch.demo.layers import greedy
     from attn_dispatch.demo.runner import SeqKV
 
     target.reset()
     seqs = [SeqKV() for _ in prompts]
-    logits, _ = prefill(target, seqs, prompts)
+    logits, head = prefill(target, seqs, prompts, shared, private)
     outs = [[t] for t in greedy(logits)]
     yield outs
     for _ in range(max_new - 1):
@@ -168,15 +158,16 @@ def greedy_steps(
         for out, t in zip(outs, greedy(logits), strict=True):
             out.append(t)
         yield outs
-    for seq in seqs:
+    for seq in [*seqs, head]:
         target.release(seq)
 
 
 def target_greedy(
-    target: Runner, prompts: Sequence[Sequence[int]], max_new: int
+    target: Runner, prompts: Sequence[Sequence[int]], max_new: int, shared: int = 0
 ) -> list[list[int]]:
-    """The target's own greedy decoding: the reference the speculative output must equal."""
-    *_, outs = greedy_steps(target, prompts, max_new)
+    """The target's own greedy decoding: the reference the speculative output must equal
+    (``shared``: the prompts' common prefix, its pages shared)."""
+    *_, outs = greedy_steps(target, prompts, max_new, shared)
     return outs
 
 
@@ -300,13 +291,14 @@ def speculative_steps(
         raise AttnDispatchError("the demo's draft forks branches per token: its page_size is 1")
     target.reset()
     draft.reset()
+    stats.depth = opts.depth
     tf0, df0 = target.forwards, draft.forwards
     n = len(prompts)
     tseqs = [SeqKV() for _ in range(n)]
     dseqs = [SeqKV() for _ in range(n)]
-    logits, _ = prefill(target, tseqs, prompts)  # the target's first token
+    logits, thead = prefill(target, tseqs, prompts, opts.shared_prefix)  # the first token
     gen = [[t] for t in greedy(logits)]
-    prefill(draft, dseqs, prompts)
+    _, dhead = prefill(draft, dseqs, prompts, opts.shared_prefix)
     yield gen
     active = [i for i in range(n) if len(gen[i]) < opts.max_new_tokens]
     while active and (opts.steps is None or stats.rounds < opts.steps):
@@ -324,10 +316,7 @@ def speculative_steps(
                 stats.branch_hits[hit] += 1
             gen[i].extend([nodes[j] for j in v.accepted] + [v.bonus])
             del gen[i][opts.max_new_tokens :]
-            stats.drafted += opts.depth
-            stats.request_rounds += 1
-            stats.accepted += len(v.accepted)
-            stats.max_accept = max(stats.max_accept, len(v.accepted))
+            stats.accepts.append(len(v.accepted))
             per_request.append(len(v.accepted))
         for i in list(active):
             if len(gen[i]) >= opts.max_new_tokens:
@@ -342,6 +331,8 @@ def speculative_steps(
     for i in active:
         target.release(tseqs[i])
         draft.release(dseqs[i])
+    target.release(thead)
+    draft.release(dhead)
 
 
 def speculative(
@@ -357,30 +348,3 @@ def speculative(
     *_, gen = speculative_steps(target, draft, prompts, opts, stats, on_round)
     stats.seconds = time.perf_counter() - t0
     return gen, stats
-
-
-def race(
-    greedy_it: Iterator[list[list[int]]],
-    spec_it: Iterator[list[list[int]]],
-    total: int,
-    progress: Progress | None = None,
-) -> tuple[list[list[int]], list[list[int]], float, float]:
-    """Run greedy and speculative decoding side by side, each step timed on its own: the one
-    behind in tokens takes the next step, so a burst of other load on the machine lands on
-    both alike. ``total``: the tokens each makes. Returns both outputs and their seconds."""
-    its = {"spec": spec_it, "greedy": greedy_it}
-    outs: dict[str, list[list[int]]] = {"greedy": [], "spec": []}
-    seconds = {"greedy": 0.0, "spec": 0.0}
-    done = {"greedy": 0, "spec": 0}
-    while its:
-        who = min(its, key=lambda k: done[k])  # ties: spec (first in its)
-        t0 = time.perf_counter()
-        try:
-            outs[who] = next(its[who])
-        except StopIteration:
-            del its[who]
-        seconds[who] += time.perf_counter() - t0
-        done[who] = sum(len(o) for o in outs[who])
-        if progress is not None:
-            progress(sum(done.values()), 2 * total)
-    return outs["greedy"], outs["spec"], seconds["greedy"], seconds["spec"]

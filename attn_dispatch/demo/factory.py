@@ -12,9 +12,9 @@ from attn_dispatch import AttnDispatchError
 from attn_dispatch import BackendSpec
 from attn_dispatch import bind
 from attn_dispatch import list_backends
-from attn_dispatch.demo.engine import DemoOptions
 from attn_dispatch.demo.shapes import DraftShape
 from attn_dispatch.demo.shapes import TargetShape
+from attn_dispatch.demo.values import DemoOptions
 
 if TYPE_CHECKING:
     from attn_dispatch.demo.legacy import LegacyGlobals
@@ -227,20 +227,26 @@ def build(
 
 
 def pages_needed(opts: DemoOptions) -> int:
-    """Target pages for every request at its longest: prompt, output and one draft tree."""
+    """Target pages for every request at its longest: prompt, output and one draft tree (its
+    own copy of a shared prefix included: what the layout without sharing needs)."""
     longest = max(prompt_lengths(opts)) + opts.max_new_tokens + 1 + opts.branch * opts.depth
     return opts.batch * -(-longest // opts.page_size) + 1
 
 
 def prompt_lengths(opts: DemoOptions) -> list[int]:
-    return [5 + 4 * i for i in range(opts.batch)]  # different lengths: ragged page tables
+    # Different lengths: ragged page tables.
+    return [opts.shared_prefix + 5 + 4 * i for i in range(opts.batch)]
 
 
 def prompts_for(opts: DemoOptions, vocab: int) -> list[list[int]]:
+    """Seeded prompts: the shared system prompt (``opts.shared_prefix`` tokens), then each
+    request's own tokens."""
     import torch
 
     gen = torch.Generator().manual_seed(opts.seed + 1)
-    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in prompt_lengths(opts)]
+    system = torch.randint(0, vocab, (opts.shared_prefix,), generator=gen).tolist()
+    own = [n - opts.shared_prefix for n in prompt_lengths(opts)]
+    return [system + torch.randint(0, vocab, (n,), generator=gen).tolist() for n in own]
 
 
 def describe(target: Any, draft: Any) -> list[str]:

@@ -4,11 +4,22 @@ from, and the deterministic greedy / top-k choice of tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from attn_dispatch import AttnBatch
+from attn_dispatch import AttnConfig
+from attn_dispatch import AttnForm
+
+AttendFn = Callable[..., torch.Tensor]
+Cache = tuple[torch.Tensor, torch.Tensor | None]  # (k_cache, v_cache or None: MLA)
+Caches = Sequence[Cache]
 
 
 def rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -117,3 +128,91 @@ def top_k(logits: torch.Tensor, k: int) -> list[list[int]]:
     for v, i in zip(vals.tolist(), ids.tolist(), strict=True):
         out.append([j for _, j in sorted(zip(v, i, strict=True), key=lambda p: (-p[0], p[1]))][:k])
     return out
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """What every layer of one forward shares: the new tokens' rope positions and cache rows,
+    the attention call, and the form the runner's backend chose (with its batch)."""
+
+    positions: torch.Tensor
+    rows: torch.Tensor
+    attend: AttendFn
+    form: AttnForm
+    batch: AttnBatch | None
+
+
+class PagedModel:
+    """What both demo models are: token embedding, blocks of attention over the model's own
+    paged cache plus an MLP (the residual stream in fp32), an LM head. Each model defines its
+    attention (``_attention``), its cache rows (``_cache_rows``) and its attention shape
+    (``_attn_shape``); the rest is here."""
+
+    kind: str
+    dtype: torch.dtype  # weights and matmuls
+    attn_dtype: torch.dtype  # q, and the cache unless kv_dtype says otherwise
+    kv_dtype: torch.dtype
+    sm_scale: float
+    embed: torch.Tensor
+    lm_head: torch.Tensor  # fp32
+    layers: list[dict[str, torch.Tensor]]
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        caches: Caches,
+        attend: AttendFn,
+        form: AttnForm = AttnForm.MLA,
+        batch: AttnBatch | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[T, vocab]`` (fp32) of ``tokens`` at rope ``positions``, whose K/V go to
+        the flat cache ``rows``; ``form`` (MLA only) is what the runner's backend chose."""
+        step = Step(positions, rows, attend, form, batch)
+        x = self.embed[tokens].float()
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            o = self._attention(i, norm_in(x, self.dtype), cache, step)
+            x = x + F.linear(o.reshape(tokens.numel(), -1).to(self.dtype), layer["wo"]).float()
+            x = x + mlp(x, layer["up"], layer["down"])
+        return F.linear(rms(x), self.lm_head)
+
+    def _attention(self, i: int, h: torch.Tensor, cache: Cache, step: Step) -> torch.Tensor:
+        """Layer ``i``'s attention output ``[T, heads, v]`` for its normalised input ``h``
+        (writing the new tokens' K/V into ``cache`` first: the data contract)."""
+        raise NotImplementedError
+
+    def _cache_rows(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        """The shape of one token's row in the K cache and in the V cache (None: no V cache)."""
+        raise NotImplementedError
+
+    def _attn_shape(self) -> dict[str, Any]:
+        """The ``AttnConfig`` fields that describe this model's attention layers."""
+        raise NotImplementedError
+
+    def attn_config(self, *, page_size: int, device: str) -> AttnConfig:
+        return AttnConfig(
+            dtype=dtype_name(self.attn_dtype),
+            kv_dtype=dtype_name(self.kv_dtype),
+            page_size=page_size,
+            device=device,
+            sm_scale=self.sm_scale,
+            **self._attn_shape(),
+        )
+
+    def make_caches(self, num_pages: int, page_size: int, device: str) -> list[Cache]:
+        """One zeroed paged cache per layer, in ``kv_dtype``."""
+        k_row, v_row = self._cache_rows()
+
+        def zeros(row: tuple[int, ...]) -> torch.Tensor:
+            return torch.zeros((num_pages, page_size, *row), dtype=self.kv_dtype, device=device)
+
+        return [(zeros(k_row), None if v_row is None else zeros(v_row)) for _ in self.layers]
+
+    def to(self, device: str) -> None:
+        self.embed, self.lm_head = self.embed.to(device), self.lm_head.to(device)
+        self.layers = [{k: v.to(device) for k, v in layer.items()} for layer in self.layers]

@@ -21,12 +21,12 @@ from attn_dispatch import AttnForm
 from attn_dispatch import Binding
 from attn_dispatch import Phase
 from attn_dispatch._table import format_table
-from attn_dispatch.demo.engine import DemoOptions
 from attn_dispatch.demo.engine import speculative
 from attn_dispatch.demo.engine import target_greedy
 from attn_dispatch.demo.report import Say
 from attn_dispatch.demo.report import prefix_equal
 from attn_dispatch.demo.runner import Runner
+from attn_dispatch.demo.values import DemoOptions
 
 
 @dataclasses.dataclass(slots=True)
@@ -77,16 +77,16 @@ class LegacyRunner(Runner):
         assert g.forward is not None and g.attention_backend is not None
         label, batch = g.forward
         name = g.attention_backend  # read at forward time: the last writer's choice
-        key = (label, batch.phase.name.lower(), name)
+        phase = batch.phase.name.lower()
         backend = g.backends[name]
         try:
             out: torch.Tensor = backend.handler(batch.phase)(
                 q, k_cache, v_cache, backend.plan(batch), sm_scale
             )
         except Exception:
-            g.log[(*key, "failed")] += 1
+            g.log[(label, phase, name, "failed")] += 1
             raise
-        g.log[(*key, "ran")] += 1
+        g.log[(label, phase, name, "ran")] += 1
         return out
 
     def form(self) -> AttnForm:

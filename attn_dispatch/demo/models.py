@@ -20,23 +20,21 @@ Weights are seeded random numbers: start-up is one ``randn`` per matrix, no trai
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from attn_dispatch import AttnBatch
-from attn_dispatch import AttnConfig
 from attn_dispatch import AttnForm
 from attn_dispatch import InvalidBatchError
 from attn_dispatch.demo.draft import DraftModel
+from attn_dispatch.demo.layers import Cache
+from attn_dispatch.demo.layers import PagedModel
 from attn_dispatch.demo.layers import Shared
+from attn_dispatch.demo.layers import Step
 from attn_dispatch.demo.layers import kv_scale
 from attn_dispatch.demo.layers import load
-from attn_dispatch.demo.layers import mlp
 from attn_dispatch.demo.layers import norm_in
-from attn_dispatch.demo.layers import rms
 from attn_dispatch.demo.layers import rope
 from attn_dispatch.demo.layers import row_bound
 from attn_dispatch.demo.layers import store
@@ -44,11 +42,8 @@ from attn_dispatch.demo.layers import weights
 from attn_dispatch.demo.shapes import DraftShape
 from attn_dispatch.demo.shapes import TargetShape
 
-AttendFn = Callable[..., torch.Tensor]
-Caches = Sequence[tuple[torch.Tensor, torch.Tensor | None]]
 
-
-class TargetModel:
+class TargetModel(PagedModel):
     """MLA target: decode and verify absorbed, prefill in the form its backend picks.
 
     Per layer its cache is ``[pages, page_size, kv_lora_rank + qk_rope]``; ``v_cache`` is None.
@@ -70,6 +65,7 @@ class TargetModel:
         self.attn_dtype = dtype if attn_dtype is None else attn_dtype
         self.kv_dtype = self.attn_dtype if kv_dtype is None else kv_dtype
         self.shared = Shared(s.vocab, s.hidden, s.rank, gen, dtype)
+        self.embed, self.lm_head = self.shared.embed, self.shared.lm_head
         w = weights(gen, dtype)
         self.layers = []
         for _ in range(s.layers):
@@ -98,76 +94,48 @@ class TargetModel:
             for layer in self.layers
         ]
 
-    def attn_config(self, *, page_size: int, device: str) -> AttnConfig:
+    def _attn_shape(self) -> dict[str, Any]:
         s = self.shape
-        return AttnConfig(
+        return dict(
             kind="mla",
             num_q_heads=s.heads,
             num_kv_heads=1,
             head_dim=s.cache_width,
             v_head_dim=s.kv_lora_rank,
-            dtype=str(self.attn_dtype).removeprefix("torch."),
-            page_size=page_size,
-            device=device,
             tree_verify=True,
             # The decompressed form of the same layers: each backend's form policy may pick it
             # (e.g. for a prefill without cached prefix); the model follows attention_form().
             mha_head_dim=s.qk_nope + s.qk_rope,
             mha_v_head_dim=s.v_head,
-            kv_dtype=str(self.kv_dtype).removeprefix("torch."),
-            sm_scale=self.sm_scale,
         )
 
-    def make_caches(self, num_pages: int, page_size: int, device: str) -> Caches:
-        width = self.shape.cache_width
-        return [
-            (torch.zeros(num_pages, page_size, width, dtype=self.kv_dtype, device=device), None)
-            for _ in self.layers
-        ]
+    def _cache_rows(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        return (self.shape.cache_width,), None
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        rows: torch.Tensor,
-        caches: Caches,
-        attend: AttendFn,
-        form: AttnForm = AttnForm.MLA,
-        batch: AttnBatch | None = None,
-    ) -> torch.Tensor:
-        """Logits ``[T, vocab]`` (fp32). ``form`` is what the runner's backend chose for this
-        batch: absorbed over the latent cache, or decompressed into per-head K/V (DeepSeek's
-        choice for prefill), the same numbers up to rounding."""
-        s = self.shape
-        t = tokens.numel()
-        dt, adt = self.dtype, self.attn_dtype
-        x = self.shared.embed[tokens].float()
-        for layer, (k_cache, _), k_scale in zip(self.layers, caches, self.k_scales, strict=True):
-            h = norm_in(x, dt)
-            q = F.linear(h, layer["wq"]).view(t, s.heads, s.qk_nope + s.qk_rope)
-            q_nope, q_rope = q[..., : s.qk_nope], rope(q[..., s.qk_nope :].to(adt), positions)
-            kv = F.linear(h, layer["wdkv"])
-            c_kv = norm_in(kv[:, : s.kv_lora_rank].float(), adt)
-            k_rope = rope(kv[:, None, s.kv_lora_rank :].to(adt), positions)[:, 0]
-            # Write the new tokens' latent rows before attention (the data contract).
-            stored = store(torch.cat((c_kv, k_rope), dim=-1), k_scale, self.kv_dtype)
-            k_cache.view(-1, s.cache_width)[rows] = stored
-            scales: dict[str, float] = {} if k_scale is None else {"k_scale": k_scale}
-            if k_scale is not None:  # the decompressed forms see what the cache holds
-                latent = load(stored, k_scale, adt)
-                c_kv, k_rope = latent[:, : s.kv_lora_rank], latent[:, s.kv_lora_rank :]
-            if form is AttnForm.MLA:
-                q_latent = torch.einsum("thn,hnl->thl", q_nope, layer["wuk"])
-                q_abs = torch.cat((q_latent.to(adt), q_rope), dim=-1).contiguous()
-                o_latent = attend(q_abs, k_cache, None, sm_scale=self.sm_scale, **scales)
-                o = torch.einsum("thl,hvl->thv", o_latent.to(dt), layer["wuv"])
-            else:
-                o = self._decompressed(
-                    layer, q_nope, q_rope, c_kv, k_rope, k_cache, attend, form, batch, k_scale
-                )
-            x = x + F.linear(o.reshape(t, -1).to(dt), layer["wo"]).float()
-            x = x + mlp(x, layer["up"], layer["down"])
-        return F.linear(rms(x), self.shared.lm_head)
+    def _attention(self, i: int, h: torch.Tensor, cache: Cache, step: Step) -> torch.Tensor:
+        """Absorbed over the latent cache, or decompressed into per-head K/V (DeepSeek's
+        choice for prefill) when the runner's backend picked that form: the same numbers up to
+        rounding."""
+        s, layer, (k_cache, _), k_scale = self.shape, self.layers[i], cache, self.k_scales[i]
+        t, adt = h.shape[0], self.attn_dtype
+        q = F.linear(h, layer["wq"]).view(t, s.heads, s.qk_nope + s.qk_rope)
+        q_nope, q_rope = q[..., : s.qk_nope], rope(q[..., s.qk_nope :].to(adt), step.positions)
+        kv = F.linear(h, layer["wdkv"])
+        c_kv = norm_in(kv[:, : s.kv_lora_rank].float(), adt)
+        k_rope = rope(kv[:, None, s.kv_lora_rank :].to(adt), step.positions)[:, 0]
+        # Write the new tokens' latent rows before attention (the data contract).
+        stored = store(torch.cat((c_kv, k_rope), dim=-1), k_scale, self.kv_dtype)
+        k_cache.view(-1, s.cache_width)[step.rows] = stored
+        scales: dict[str, float] = {} if k_scale is None else {"k_scale": k_scale}
+        if k_scale is not None:  # the decompressed forms see what the cache holds
+            latent = load(stored, k_scale, adt)
+            c_kv, k_rope = latent[:, : s.kv_lora_rank], latent[:, s.kv_lora_rank :]
+        if step.form is AttnForm.MLA:
+            q_latent = torch.einsum("thn,hnl->thl", q_nope, layer["wuk"])
+            q_abs = torch.cat((q_latent.to(adt), q_rope), dim=-1).contiguous()
+            o_latent = step.attend(q_abs, k_cache, None, sm_scale=self.sm_scale, **scales)
+            return torch.einsum("thl,hvl->thv", o_latent.to(self.dtype), layer["wuv"])
+        return self._decompressed(layer, q_nope, q_rope, c_kv, k_rope, k_cache, step, k_scale)
 
     def _up_proj(
         self, layer: dict[str, torch.Tensor], latent_rows: torch.Tensor
@@ -190,14 +158,13 @@ class TargetModel:
         c_kv: torch.Tensor,
         k_rope: torch.Tensor,
         k_cache: torch.Tensor,
-        attend: AttendFn,
-        form: AttnForm,
-        batch: AttnBatch | None,
+        step: Step,
         k_scale: float | None = None,
     ) -> torch.Tensor:
         from attn_dispatch.mla import gather_latent
         from attn_dispatch.mla import latent_prefix_chunks
 
+        attend, form, batch = step.attend, step.form, step.batch
         if batch is None:
             raise InvalidBatchError("batch", f"the {form.value!r} form needs the forward's batch")
         q = torch.cat((q_nope.to(self.attn_dtype), q_rope), dim=-1).contiguous()
@@ -213,12 +180,6 @@ class TargetModel:
             lambda rows: self._up_proj(layer, load(rows, k_scale, self.attn_dtype)),
         )
         return attend(q, k_new, v_new, sm_scale=self.sm_scale, prefix=chunks)
-
-
-def _target_to(model: TargetModel, device: str) -> None:
-    sh = model.shared
-    sh.embed, sh.lm_head, sh.proj = sh.embed.to(device), sh.lm_head.to(device), sh.proj.to(device)
-    model.layers = [{k: v.to(device) for k, v in layer.items()} for layer in model.layers]
 
 
 def build_models(
@@ -237,7 +198,7 @@ def build_models(
     target = TargetModel(target_shape, gen, dtype, attn_dtype, kv_dtype)
     draft = DraftModel(draft_shape, target.shared, gen, dtype, kv_dtype)
     if device != "cpu":
-        _target_to(target, device)
+        target.to(device)
         draft.to(device)
     return target, draft
 

@@ -14,9 +14,9 @@ from attn_dispatch import Phase
 from attn_dispatch._table import format_table
 
 if TYPE_CHECKING:
-    from attn_dispatch.demo.engine import DemoOptions
-    from attn_dispatch.demo.engine import Stats
     from attn_dispatch.demo.runner import Runner
+    from attn_dispatch.demo.values import DemoOptions
+    from attn_dispatch.demo.values import Stats
 
 Say = Callable[..., None]
 
@@ -93,6 +93,11 @@ def isolation_line(found: Sequence[str]) -> str:
     return head + ("yes" if not found else "no\n" + "\n".join(f"  {f}" for f in found))
 
 
+def _fraction(x: float) -> str:
+    """``x`` as 1/N when it is below one half (a draft 30 times cheaper reads 1/30)."""
+    return f"1/{1 / x:.0f}" if x < 0.5 else f"{x:.2f}x"
+
+
 def tokens_text(seq: list[int], limit: int = 16) -> str:
     head = ", ".join(str(t) for t in seq[:limit])
     return f"[{head}, ...] ({len(seq)} tokens)" if len(seq) > limit else f"[{head}]"
@@ -107,8 +112,7 @@ def report(
     outputs: list[list[int]],
     stats: Stats,
     opts: DemoOptions,
-    greedy_s: float,
-    spec_s: float,
+    seconds: dict[str, float],
 ) -> None:
     total = sum(len(o) for o in outputs)
     say(
@@ -138,21 +142,21 @@ def report(
     rows = []
     for name, r in (("target", target), ("target, greedy", alone), ("draft", draft)):
         for phase in Phase:
-            ms = r.mean_ms(phase)
+            ms = r.median_ms(phase)
             if ms is not None:
-                n = str(r.timing[(phase, "forwards")])
+                n = str(len(r.samples[phase]))
                 rows.append((name, phase.name.lower(), n, f"{ms:.2f}"))
-    say(format_table(("runner", "phase", "forwards", "ms each"), rows))
-    t_dec, d_dec = alone.mean_ms(Phase.DECODE), draft.mean_ms(Phase.DECODE)
-    t_ver = target.mean_ms(Phase.VERIFY)
+    say(format_table(("runner", "phase", "forwards", "ms each (median)"), rows))
+    t_dec, d_dec = alone.median_ms(Phase.DECODE), draft.median_ms(Phase.DECODE)
+    t_ver = target.median_ms(Phase.VERIFY)
     if t_dec and d_dec and t_ver:
         say(
-            f"a draft decode costs 1/{t_dec / d_dec:.0f} of a target decode; a target verify "
+            f"a draft decode costs {_fraction(d_dec / t_dec)} of a target decode; a target verify "
             f"of {opts.branch * opts.depth + 1} tokens per request costs {t_ver / t_dec:.2f} "
             "target decodes"
         )
     greedy_tokens = len(prompts) * opts.max_new_tokens
-    spec_tps, greedy_tps = total / spec_s, greedy_tokens / greedy_s
+    spec_tps, greedy_tps = total / seconds["spec"], greedy_tokens / seconds["greedy"]
     say(
         f"tokens/s: {spec_tps:.1f} speculative, {greedy_tps:.1f} target-only greedy (run side "
         f"by side, taking turns): speedup {spec_tps / greedy_tps:.2f}x"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import statistics
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
@@ -22,8 +22,7 @@ from attn_dispatch import attention
 from attn_dispatch import attention_form
 from attn_dispatch import attn_scope
 from attn_dispatch import record_dispatch
-from attn_dispatch.demo.draft import DraftModel
-from attn_dispatch.demo.models import TargetModel
+from attn_dispatch.demo.layers import PagedModel
 
 
 class CacheFullError(AttnDispatchError, MemoryError):
@@ -45,11 +44,14 @@ class PageAllocator:
         self.num_pages = num_pages
         self.label = label
         self._free = list(range(num_pages - 1, -1, -1))
+        self.peak = 0  # the most pages in use at once
 
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise CacheFullError(self.label, n, len(self._free), self.num_pages)
-        return [self._free.pop() for _ in range(n)]
+        pages = [self._free.pop() for _ in range(n)]
+        self.peak = max(self.peak, self.num_pages - len(self._free))
+        return pages
 
     def free(self, pages: Sequence[int]) -> None:
         # Keep the list sorted high -> low so the lowest id is reused first (deterministic).
@@ -63,10 +65,12 @@ class PageAllocator:
 
 @dataclasses.dataclass(slots=True)
 class SeqKV:
-    """One request's pages in one runner's cache and the number of tokens they hold."""
+    """One request's pages in one runner's cache and the number of tokens they hold; its
+    first ``shared`` pages are other requests' too (a shared prefix: never freed by it)."""
 
     pages: list[int] = dataclasses.field(default_factory=list)
     length: int = 0
+    shared: int = 0
 
 
 class Runner:
@@ -81,7 +85,7 @@ class Runner:
     def __init__(
         self,
         label: str,
-        model: TargetModel | DraftModel,
+        model: PagedModel,
         binding: Binding,
         *,
         num_pages: int,
@@ -100,15 +104,19 @@ class Runner:
         self.caches = model.make_caches(num_pages, cfg.page_size, cfg.device)
         self.allocator = PageAllocator(num_pages, label)
         self.forwards = 0
-        # (phase, "forwards") -> count, (phase, "us") -> microseconds: what a forward costs.
-        self.timing: collections.Counter[tuple[Phase, str]] = collections.Counter()
+        # Per phase, each forward's seconds and its attention calls' part (None on a GPU,
+        # where a call returns before its kernel ends): what a forward costs.
+        self.samples: dict[Phase, list[tuple[float, float | None]]] = {p: [] for p in Phase}
+        self._attention_s = 0.0
 
     # How layers reach a kernel; LegacyRunner overrides these three.
     def scope(self, batch: AttnBatch) -> AbstractContextManager[Any]:
         return attn_scope(self, batch)
 
     def attend(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        t0 = time.perf_counter()
         out: torch.Tensor = attention(*args, **kwargs)
+        self._attention_s += time.perf_counter() - t0
         return out
 
     def form(self) -> AttnForm:
@@ -126,7 +134,7 @@ class Runner:
 
     def truncate(self, seq: SeqKV, length: int) -> None:
         """Keep ``length`` tokens; pages past them go back to the free list."""
-        keep = -(-length // self.page_size)
+        keep = max(-(-length // self.page_size), seq.shared)
         if keep < len(seq.pages):
             self.allocator.free(seq.pages[keep:])
             del seq.pages[keep:]
@@ -166,21 +174,23 @@ class Runner:
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         row = torch.tensor(rows, dtype=torch.long, device=dev)
         self.forwards += 1
+        self._attention_s = 0.0
         with record_dispatch() as rec, self.scope(batch):
-            if isinstance(self.model, TargetModel):
-                logits = self.model.forward(
-                    tok, pos, row, self.caches, self.attend, form=self.form(), batch=batch
-                )
-            else:
-                logits = self.model.forward(tok, pos, row, self.caches, self.attend)
+            # Forms are an MLA matter: an MHA binding's scope has none to ask for.
+            form = self.form() if self.model.kind == "mla" else AttnForm.MHA
+            logits = self.model.forward(tok, pos, row, self.caches, self.attend, form, batch)
         self.dispatched.extend(rec.events)
         if logits.device.type == "cuda":
             torch.cuda.synchronize()
-        self.timing[(batch.phase, "forwards")] += 1
-        self.timing[(batch.phase, "us")] += int((time.perf_counter() - t0) * 1e6)
+        attention = self._attention_s if self.device == "cpu" else None
+        self.samples[batch.phase].append((time.perf_counter() - t0, attention))
         return logits.float()
 
-    def mean_ms(self, phase: Phase) -> float | None:
-        """Mean wall time of this runner's ``phase`` forwards so far (ms), None if none ran."""
-        n = self.timing[(phase, "forwards")]
-        return self.timing[(phase, "us")] / n / 1e3 if n else None
+    def median_ms(self, phase: Phase, *, attention: bool = False) -> float | None:
+        """The median wall time of this runner's ``phase`` forwards so far in ms (of their
+        attention calls: ``attention=True``, CPU only), None if none ran or not measured.
+        A median: the first forward's warm-up and bursts of other load do not move it."""
+        times = [a if attention else f for f, a in self.samples[phase]]
+        if not times or None in times:
+            return None
+        return statistics.median(t for t in times if t is not None) * 1e3

@@ -81,27 +81,22 @@ class _Step:
     new_real: torch.Tensor  # bool [B, q]
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Group:
     """Page tables of one attention group; its layers' pools share the page numbering."""
 
-    def __init__(
-        self,
-        name: str,
-        window: int | None,
-        page_size: int,
-        batch_size: int,
-        chunk: int | None = None,
-    ) -> None:
-        self.name = name
-        self.window = window  # transformers' sliding_window W (keys seen, the query's included)
-        self.chunk = chunk  # attention_chunk_size C of a chunked group
-        self.page_size = page_size
-        self.tables: list[list[int]] = [[] for _ in range(batch_size)]
-        self.skips = [0] * batch_size  # pages dropped before tables[b][0] (sliding, chunked)
-        self.free: list[int] = []
-        self.fresh = 0  # pages 0..fresh-1 have been handed out at least once
-        self.capacity = 0  # pages in each layer's pools
-        self.layers: list[PagedLayer] = []
+    name: str
+    window: int | None  # transformers' sliding_window W (keys seen, the query's included)
+    page_size: int
+    chunk: int | None = None  # attention_chunk_size C of a chunked group
+    # Per request, set by each forward's commit: its page table and the pages dropped before
+    # tables[b][0] (sliding, chunked).
+    tables: list[list[int]] = dataclasses.field(default_factory=list)
+    skips: list[int] = dataclasses.field(default_factory=list)
+    free: list[int] = dataclasses.field(default_factory=list)
+    fresh: int = 0  # pages 0..fresh-1 have been handed out at least once
+    capacity: int = 0  # pages in each layer's pools
+    layers: list[PagedLayer] = dataclasses.field(default_factory=list)
 
     def needed_from(self, length: int) -> int:
         """The first token (of a request holding ``length``) that a next query may see."""
@@ -294,7 +289,7 @@ class PagedCache(Cache):
             if group is None:
                 w = window if name == "sliding" else None
                 c = chunk if name == "chunked" else None
-                group = self.groups[name] = _Group(name, w, page_size, 0, c)
+                group = self.groups[name] = _Group(name, w, page_size, c)
             layers.append(PagedLayer(self, i, group))
         self.paged_layers = layers  # the same objects as .layers, typed
         super().__init__(layers=list(layers))

@@ -65,7 +65,9 @@ import functools
 import inspect
 from collections.abc import Callable
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 from typing import Any
+from typing import NamedTuple
 
 import torch
 
@@ -87,6 +89,23 @@ from attn_dispatch.integrations._hf_cache import GroupedBatches
 from attn_dispatch.integrations._hf_cache import PagedCache
 from attn_dispatch.integrations._hf_cache import UnsupportedModelError
 from attn_dispatch.integrations._hf_cache import _Step
+
+if TYPE_CHECKING:
+    # typing.Unpack and NotRequired are Python 3.11+; the package supports 3.10.
+    from typing_extensions import NotRequired
+    from typing_extensions import TypedDict
+    from typing_extensions import Unpack
+
+    class ConfigOptions(TypedDict):
+        """The keywords of ``attn_configs_for`` (``attn_config_for`` passes them on)."""
+
+        dtype: Any
+        device: Any
+        page_size: NotRequired[int]
+        tree_verify: NotRequired[bool]
+        sinks: NotRequired[bool]
+        kv_dtype: NotRequired[str | None]
+
 
 IMPLEMENTATION = "attn_dispatch"
 
@@ -261,7 +280,7 @@ def attn_configs_for(
     groups = layer_groups(config)
     config = _text_config(config)
     try:
-        return _configs_of(config, groups, dtype, device, page_size, tree_verify, sinks, kv_dtype)
+        shape = _shape_of(config, groups)
     except (AttributeError, TypeError, ValueError) as err:
         if isinstance(err, AttnDispatchError):
             raise
@@ -269,6 +288,27 @@ def attn_configs_for(
             f"model type {getattr(config, 'model_type', '?')!r}: its config cannot be read as "
             f"one attention shape per group ({type(err).__name__}: {err})"
         ) from err
+    base = AttnConfig(
+        kind="mha",
+        num_q_heads=shape.heads,
+        num_kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        v_head_dim=shape.v_head_dim,
+        dtype=str(dtype).removeprefix("torch."),
+        kv_dtype=kv_dtype,
+        page_size=page_size,
+        device=str(device),
+        tree_verify=tree_verify,
+        logit_cap=shape.cap,
+        sinks=sinks,
+    )
+    out: dict[str, AttnConfig] = {}
+    for group in groups:
+        if group not in out:
+            left = shape.window - 1 if group == GROUP_SLIDING and shape.window else None
+            size = shape.chunk if group == GROUP_CHUNKED else None
+            out[group] = dataclasses.replace(base, window_left=left, attention_chunk_size=size)
+    return out
 
 
 def _text_config(config: Any) -> Any:
@@ -314,16 +354,19 @@ _ATTENTION_FIELDS = frozenset(
 )
 
 
-def _configs_of(
-    config: Any,
-    groups: list[str],
-    dtype: Any,
-    device: Any,
-    page_size: int,
-    tree_verify: bool,
-    sinks: bool,
-    kv_dtype: str | None,
-) -> dict[str, AttnConfig]:
+class _Shape(NamedTuple):
+    """What the attention mapping reads from a model config."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    cap: float | None  # attn_logit_softcapping (None: off)
+    window: int | None  # sliding_window, checked when some layer slides
+    chunk: int | None  # attention_chunk_size, checked when some layer is chunked
+
+
+def _shape_of(config: Any, groups: list[str]) -> _Shape:
     heads = int(config.num_attention_heads)
     if getattr(config, "qk_nope_head_dim", None) is not None:
         head_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
@@ -335,56 +378,41 @@ def _configs_of(
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     cap = getattr(config, "attn_logit_softcapping", None)
     window = getattr(config, "sliding_window", None)
-    if GROUP_SLIDING in groups and (not isinstance(window, int) or window < 1):
+    if GROUP_SLIDING not in groups:
+        window = None
+    elif not isinstance(window, int) or window < 1:
         raise UnsupportedModelError(
             f"model type {getattr(config, 'model_type', '?')!r} has sliding layers but "
             f"sliding_window={window!r}; expected an int >= 1"
         )
     chunk = getattr(config, "attention_chunk_size", None)
-    if GROUP_CHUNKED in groups and (
-        isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
-    ):
+    if GROUP_CHUNKED not in groups:
+        chunk = None
+    elif isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise UnsupportedModelError(
             f"model type {getattr(config, 'model_type', '?')!r} has 'chunked_attention' layers "
             f"but attention_chunk_size={chunk!r}; expected an int >= 1"
         )
-    base = AttnConfig(
-        kind="mha",
-        num_q_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        v_head_dim=v_head_dim,
-        dtype=str(dtype).removeprefix("torch."),
-        kv_dtype=kv_dtype,
-        page_size=page_size,
-        device=str(device),
-        tree_verify=tree_verify,
-        logit_cap=float(cap) if cap else None,
-        sinks=sinks,
+    return _Shape(
+        heads,
+        kv_heads,
+        head_dim,
+        v_head_dim,
+        float(cap) if cap else None,
+        window,
+        chunk,
     )
-    out: dict[str, AttnConfig] = {}
-    for group in groups:
-        if group not in out:
-            left = int(window) - 1 if group == GROUP_SLIDING else None  # type: ignore[arg-type]
-            size = int(chunk) if group == GROUP_CHUNKED else None  # type: ignore[arg-type]
-            out[group] = dataclasses.replace(base, window_left=left, attention_chunk_size=size)
-    return out
 
 
 def attn_config_for(
-    config: Any,
-    *,
-    dtype: Any,
-    device: Any,
-    page_size: int = 1,
-    tree_verify: bool = False,
-    group: str | None = None,
+    config: Any, *, group: str | None = None, **options: Unpack[ConfigOptions]
 ) -> AttnConfig:
     """The ``AttnConfig`` of one attention group of a transformers model config (``group``
-    may be left out when every layer is alike). See ``attn_configs_for``."""
-    configs = attn_configs_for(
-        config, dtype=dtype, device=device, page_size=page_size, tree_verify=tree_verify
-    )
+    may be left out when every layer is alike); ``options`` are ``attn_configs_for``'s.
+
+    >>> attn_config_for(llama.config, dtype=torch.bfloat16, device="cpu", page_size=16)
+    """
+    configs = attn_configs_for(config, **options)
     if group is None and len(configs) == 1:
         return next(iter(configs.values()))
     if group not in configs:
@@ -760,36 +788,15 @@ def _view_for(
     extra = named.get("kwargs")
     if isinstance(extra, dict):
         named = {**extra, **named}
-    ids = named.get("input_ids")
-    embeds = named.get("inputs_embeds")
-    ref = ids if ids is not None else embeds
-    if ref is None:
-        raise UnsupportedModelError("a forward needs input_ids or inputs_embeds")
-    b, q = int(ref.shape[0]), int(ref.shape[1])
     cache = named.get("cache", named.get("past_key_values"))
     if cache is not None and type(cache).__name__ != "DynamicCache":
         raise UnsupportedModelError(
             f"a {type(cache).__name__} cannot be served here: this model runs on "
             "transformers' DynamicCache (or no cache)"
         )
-    past = int(cache.get_seq_length()) if cache is not None else 0
-    s = past + q
-    mask = named.get("attention_mask")
-    if mask is None:
-        real = torch.ones(b, s, dtype=torch.bool)
-    else:
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
-            raise UnsupportedModelError(
-                "attention_mask must be the 2-D padding mask [batch, cached + new] "
-                f"(got {type(mask).__name__} of shape {tuple(getattr(mask, 'shape', ()))}); "
-                "prepared 4-D masks cannot be mapped onto per-request kv ranges"
-            )
-        real = mask.detach().to("cpu", torch.bool)
-        if real.shape[1] != s:
-            raise UnsupportedModelError(
-                f"attention_mask covers {real.shape[1]} positions but the cache holds {past} "
-                f"and the forward adds {q} (= {s}); pass the mask of the whole sequence"
-            )
+    b, q, real, device = _real_mask(named, cache)
+    s = real.shape[1]
+    past = s - q
     if mapped is not None:
         _refuse_inner_padding(real, mapped)
     phase = Phase.PREFILL if past == 0 else Phase.DECODE if q == 1 else Phase.VERIFY
@@ -815,7 +822,6 @@ def _view_for(
         kv_lens.append(int(keys.numel()))
         q_lens.append(nq)
         rows.extend((torch.nonzero(real[i, s - q :]).flatten() + i * q).tolist())
-    device = ref.device
     batch = None
     slots = torch.tensor(gather, dtype=torch.long, device=device) if ps > 1 else None
     if q_lens:
