@@ -855,7 +855,7 @@ def test_upcast_switch_is_on_only_when_interpreting() -> None:
     cfg = AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16")
     on_cpu = kernel_config(cfg, {}, device=torch.device("cpu"), num_sms=None, interpreting=True)
     on_gpu = kernel_config(cfg, {}, device=torch.device("cuda"), num_sms=132, interpreting=False)
-    assert on_cpu.upcast and _ops.decode_constants(on_cpu)["UPCAST"] is True
-    assert not on_gpu.upcast and _ops.extend_constants(on_gpu, True)["UPCAST"] is False
+    assert on_cpu.upcast and _ops.decode_constants(on_cpu)["M"].UPCAST is True
+    assert not on_gpu.upcast and _ops.extend_constants(on_gpu, True)["M"].UPCAST is False
     if DEVICE == "cpu":
         assert TritonBackend(cfg.replace(device="cpu")).kernel_config.upcast
