@@ -116,17 +116,9 @@ def make_batch(
     return batch, total_pages
 
 
-def reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor | None,
-    batch: Any,
-    sm_scale: float,
-    v_head_dim: int,
-    **variants: Any,
-) -> torch.Tensor:
-    """The output of ``reference_state``."""
-    return reference_state(q, k_cache, v_cache, batch, sm_scale, v_head_dim, **variants)[0]
+def reference(*args: Any, **variants: Any) -> torch.Tensor:
+    """The output of ``reference_state`` (same arguments)."""
+    return reference_state(*args, **variants)[0]
 
 
 def reference_state(
@@ -743,6 +735,17 @@ def _state_backend(**cfg: Any) -> tuple[TritonBackend, Any]:
     return backend, backend.handler(Phase.DECODE)
 
 
+def _state_case(phase: Phase, q_lens: list[int], seed: int, **cfg: Any) -> SimpleNamespace:
+    """A small GQA case (4 q heads over 2 kv heads, 32 wide): backend, handler, batch, q/k/v."""
+    backend, run = _state_backend(**cfg)
+    batch, pages = make_batch(phase, q_lens, [19, 11], 4)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch.num_tokens, 4, 32, generator=g).to(DEVICE)
+    k = torch.randn(pages, 4, 2, 32, generator=g).to(DEVICE)
+    v = torch.randn(pages, 4, 2, 32, generator=g).to(DEVICE)
+    return SimpleNamespace(backend=backend, run=run, batch=batch, q=q, k=k, v=v)
+
+
 def test_lse_of_a_row_that_sees_no_key_is_minus_inf() -> None:
     # Request 0, query row 1 sees nothing (a raw mask: AttnBatch refuses it): out 0, lse -inf.
     # With a sink the same row's lse is the sink (it saw only the sink) and out is still 0.
@@ -775,19 +778,13 @@ def test_lse_of_a_row_that_sees_no_key_is_minus_inf() -> None:
 def test_lse_with_non_finite_sinks(phase: Phase) -> None:
     # Per head: +inf takes all the weight (out 0, lse +inf), -inf is no sink (the plain
     # result), NaN gives NaN in both, a finite sink is counted once.
-    backend, run = _state_backend(sinks=True)
-    q_lens = [1, 1] if phase is Phase.DECODE else [4, 3]
-    batch, pages = make_batch(phase, q_lens, [19, 11], 4)
-    g = torch.Generator().manual_seed(6)
-    q = torch.randn(batch.num_tokens, 4, 32, generator=g).to(DEVICE)
-    k = torch.randn(pages, 4, 2, 32, generator=g).to(DEVICE)
-    v = torch.randn(pages, 4, 2, 32, generator=g).to(DEVICE)
+    c = _state_case(phase, [1, 1] if phase is Phase.DECODE else [4, 3], 6, sinks=True)
     sinks = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.7]).to(DEVICE)
-    out, lse = run(q, k, v, backend.plan(batch), 0.2, sinks=sinks, return_lse=True)
+    out, lse = c.run(c.q, c.k, c.v, c.backend.plan(c.batch), 0.2, sinks=sinks, return_lse=True)
     assert (out[:, 0] == 0).all() and torch.isposinf(lse[:, 0]).all()
     assert out[:, 2].isnan().all() and lse[:, 2].isnan().all()
     finite = torch.tensor([-1e30, float("-inf"), 0.0, 0.7])  # the reference's no-sink: -inf
-    ref_out, ref_lse = reference_state(q, k, v, batch, 0.2, 32, sinks=finite)
+    ref_out, ref_lse = reference_state(c.q, c.k, c.v, c.batch, 0.2, 32, sinks=finite)
     for h in (1, 3):
         torch.testing.assert_close(lse[:, h].cpu().double(), ref_lse[:, h], atol=LSE_TOL,
                                    rtol=LSE_TOL)  # fmt: skip
@@ -797,16 +794,11 @@ def test_lse_with_non_finite_sinks(phase: Phase) -> None:
 
 @pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
 def test_lse_of_a_row_that_read_nan_is_nan(phase: Phase) -> None:
-    backend, run = _state_backend()
     q_lens = [1, 1] if phase is Phase.DECODE else [3, 2]
-    batch, pages = make_batch(phase, q_lens, [19, 11], 4)
-    g = torch.Generator().manual_seed(7)
-    q = torch.randn(batch.num_tokens, 4, 32, generator=g).to(DEVICE)
-    k = torch.randn(pages, 4, 2, 32, generator=g).to(DEVICE)
-    v = torch.randn(pages, 4, 2, 32, generator=g).to(DEVICE)
-    first = int(batch.kv_indices[0])  # request 0's first page: every row of it reads key 0
-    k[first, 0, 0, 0] = float("nan")
-    out, lse = run(q, k, v, backend.plan(batch), 0.2, return_lse=True)
+    c = _state_case(phase, q_lens, 7)
+    first = int(c.batch.kv_indices[0])  # request 0's first page: every row of it reads key 0
+    c.k[first, 0, 0, 0] = float("nan")
+    out, lse = c.run(c.q, c.k, c.v, c.backend.plan(c.batch), 0.2, return_lse=True)
     rows0 = q_lens[0]
     assert lse[:rows0, :2].isnan().all() and out[:rows0, :2].isnan().all()  # kv head 0
     assert torch.isfinite(lse[:rows0, 2:]).all() and torch.isfinite(lse[rows0:]).all()
