@@ -35,6 +35,7 @@ from attn_dispatch import attention
 from attn_dispatch import attention_form
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
+from attn_dispatch import merge_state
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
@@ -115,7 +116,12 @@ def make_batch(
     return batch, total_pages
 
 
-def reference(
+def reference(*args: Any, **variants: Any) -> torch.Tensor:
+    """The output of ``reference_state`` (same arguments)."""
+    return reference_state(*args, **variants)[0]
+
+
+def reference_state(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
@@ -128,34 +134,44 @@ def reference(
     sinks: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-) -> torch.Tensor:
+    causal: bool = True,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain attention: one request and one head at a time, dense boolean mask, float64.
+    Returns ``(out, lse)``: lse float64 [tokens, heads], the natural log of the sum of
+    ``exp(score)`` over the keys a row sees, plus ``exp(sink)`` (README, "LSE").
 
     Variants as README.md defines them: the query at position p sees keys p - window_left ..=
     p (with a tree mask: the last window_left + 1 keys its mask allows, README "Window and
     tree verify"); s = cap * tanh(s / cap); the sink logit joins the denominator; an FP8 cache holds
-    K / k_scale and V / v_scale (MLA: k_scale for the whole latent row).
+    K / k_scale and V / v_scale (MLA: k_scale for the whole latent row); ``causal=False``: every
+    key of the request; ``chunk``: keys from the query's chunk start (p - p % chunk) on.
     """
     q, k_cache = q.cpu().double(), k_cache.cpu().double() * k_scale
     page_size = k_cache.shape[1]
     mla = v_cache is None
     out = torch.zeros(q.shape[0], q.shape[1], v_head_dim)
+    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float64)
     for i in range(batch.num_requests):
         q0, q1 = int(batch.qo_indptr_host[i]), int(batch.qo_indptr_host[i + 1])
         q_len, kv_len = q1 - q0, int(batch.kv_lens_host[i])
         pages = batch.kv_indices.cpu()[int(batch.kv_indptr_host[i]) :].long()
         pos = torch.arange(kv_len)
         page, slot = pages[pos // page_size], pos % page_size
+        q_pos = kv_len - q_len + torch.arange(q_len)
         if batch.custom_mask is not None:
             m0 = int(batch.mask_indptr[i])
             allowed = batch.custom_mask.cpu()[m0 : m0 + q_len * kv_len].view(q_len, kv_len)
+        elif causal:
+            allowed = pos[None, :] <= q_pos[:, None]
         else:
-            allowed = pos[None, :] <= (kv_len - q_len + torch.arange(q_len))[:, None]
+            allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
+        if chunk is not None:
+            allowed = allowed & (pos[None, :] >= (q_pos - q_pos % chunk)[:, None])
         if window_left is not None and batch.custom_mask is not None:
             # A draft node sees the last window_left + 1 keys of its own sequence.
             allowed = window_tree_mask(allowed, window_left)
         elif window_left is not None:
-            q_pos = kv_len - q_len + torch.arange(q_len)
             allowed = allowed & (pos[None, :] >= (q_pos - window_left)[:, None])
         for h in range(q.shape[1]):
             if mla:
@@ -174,7 +190,8 @@ def reference(
                 scores = torch.cat([scores, sink], dim=1)
             probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked row -> 0
             out[q0:q1, h] = (probs[:, :kv_len] @ values).float()
-    return out
+            lse[q0:q1, h] = torch.logsumexp(scores, dim=-1)
+    return out, lse
 
 
 def run_case(
@@ -376,11 +393,16 @@ def run_variant(
     mask: torch.Tensor | None = None,
     poison_before: int | None = None,
     tol: float | None = None,
+    causal: bool = True,
+    chunk: int | None = None,
+    lse: bool = False,
     **options: Any,
 ) -> tuple[torch.Tensor, Any]:
     """One variant case against the float64 reference; ``poison_before=n`` puts NaN in every
     cached key and value at positions < kv_len - n of each request after the reference is
-    taken (the kernel must never load them)."""
+    taken (the kernel must never load them). ``lse=True``: the handler is called with
+    ``return_lse=True`` too; its lse must match the reference's and its output the plain
+    call's."""
     torch.manual_seed(2)
     cfg = AttnConfig(
         kind,  # type: ignore[arg-type]
@@ -396,6 +418,8 @@ def run_variant(
         window_left=window,
         logit_cap=cap,
         sinks=sinks,
+        causal=causal,
+        attention_chunk_size=chunk,
     )
     assert CAPABILITIES.reasons(cfg, phase) == []
     backend = TritonBackend(cfg, **options)
@@ -412,9 +436,10 @@ def run_variant(
         v_cache = (torch.randn(pages, page_size, hkv, dv) * spread).to(kdt).to(DEVICE)
     sink_t = (torch.randn(hq) * 2).to(DEVICE) if sinks else None
     scale = 1.0 / math.sqrt(d)
-    ref = reference(
+    ref, ref_lse = reference_state(
         q, k_cache, v_cache, batch, scale, dv, window_left=window, logit_cap=cap, sinks=sink_t,
-        k_scale=k_scale, v_scale=k_scale if kind == "mla" else v_scale,
+        k_scale=k_scale, v_scale=k_scale if kind == "mla" else v_scale, causal=causal,
+        chunk=chunk,
     )  # fmt: skip
     if poison_before is not None:
         _poison_before(batch, k_cache, v_cache, page_size, poison_before)
@@ -430,7 +455,30 @@ def run_variant(
     assert out.shape == (batch.num_tokens, hq, dv) and out.dtype == tdt
     t = tol if tol is not None else TOL[dtype]
     torch.testing.assert_close(out.cpu().float(), ref, atol=t, rtol=t)
+    if lse:
+        both = backend.handler(phase)(q, k_cache, v_cache, plan, scale, return_lse=True, **extras)
+        check_state(both, out, ref_lse)
     return out, plan
+
+
+#: lse is a sum of fp32 exponentials of scores that both sides compute from the same
+#: (rounded) inputs: what differs is the fp32 accumulation.
+LSE_TOL = 2e-4
+
+
+def check_state(state: Any, out: torch.Tensor, ref_lse: torch.Tensor) -> torch.Tensor:
+    """``state`` is ``(out, lse)`` per the contract, with ``out`` the plain call's output and
+    lse close to the float64 reference (-inf, +inf and NaN where it has them)."""
+    assert isinstance(state, tuple) and len(state) == 2
+    got, lse = state
+    assert lse.dtype == torch.float32 and lse.shape == out.shape[:2]
+    assert lse.is_contiguous() and lse.device == out.device
+    # The same kernel, with the lse store switched on: the output does not change.
+    torch.testing.assert_close(got, out, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(
+        lse.cpu().double(), ref_lse, atol=LSE_TOL, rtol=LSE_TOL, equal_nan=True
+    )
+    return lse
 
 
 def _poison_before(
@@ -638,6 +686,190 @@ def test_e4m3_needs_sm89_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert list(_fp8_check(cfg, Phase.DECODE)) == []
     assert list(_fp8_check(cfg.replace(kv_dtype="float8_e5m2"), Phase.DECODE)) == []
+
+
+# ---------------------------------------------------------------- LSE (attention state)
+
+
+@pytest.mark.parametrize(
+    ("kind", "phase", "dtype", "variant"),
+    [
+        ("mha", Phase.DECODE, "float32", {}),
+        ("mla", Phase.DECODE, "bfloat16", {}),
+        ("mha", Phase.DECODE, "float32", {"window": 10, "cap": 5.0, "sinks": True}),
+        ("mla", Phase.DECODE, "float32", {"window": 13, "cap": 4.0, "sinks": True}),
+        ("mha", Phase.DECODE, "float32", {"chunk": 16}),
+        ("mha", Phase.PREFILL, "float32", {}),
+        ("mha", Phase.PREFILL, "bfloat16", {"window": 5, "cap": 1.5, "sinks": True}),
+        ("mla", Phase.PREFILL, "float32", {"window": 9, "cap": 3.0, "sinks": True}),
+        ("mha", Phase.PREFILL, "float32", {"causal": False, "sinks": True}),
+        ("mha", Phase.PREFILL, "float32", {"chunk": 8}),
+        ("mha", Phase.VERIFY, "float32", {"tree": True, "window": 6, "cap": 2.5, "sinks": True}),
+        ("mla", Phase.VERIFY, "bfloat16", {"tree": True}),
+        ("mha", Phase.DECODE, "bfloat16", {"fp8": "float8_e4m3fn", "cap": 6.0, "sinks": True}),
+        ("mla", Phase.DECODE, "float32", {"fp8": "float8_e5m2", "window": 11}),
+        ("mha", Phase.PREFILL, "float32", {"fp8": "float8_e5m2", "window": 8, "sinks": True}),
+        ("mla", Phase.VERIFY, "float32", {"fp8": "float8_e4m3fn", "tree": True, "cap": 5.0}),
+    ],
+)
+def test_lse_matches_the_float64_reference(
+    kind: str, phase: Phase, dtype: str, variant: dict[str, Any]
+) -> None:
+    # Every phase (split-KV decode with several splits, extend with a prefix, tree verify),
+    # MHA/GQA and MLA, each variant and FP8 cache: lse = log(sum exp(score) [+ exp(sink)]).
+    hkv, d, dv = (2, 32, 32) if kind == "mha" else (1, 80, 64)
+    opts = dict(variant)
+    q_lens = {Phase.DECODE: [1, 1, 1], Phase.PREFILL: [5, 20, 3], Phase.VERIFY: [4, 6, 2]}[phase]
+    kv_lens = [37, 70, 5] if phase is Phase.DECODE else [40, 20, 13]
+    mask = tree_mask(q_lens, kv_lens) if opts.pop("tree", False) else None
+    fp8 = opts.get("fp8")
+    tol = (4 * TOL[dtype] if dtype == "bfloat16" else 1e-4) if fp8 else None
+    scales = {"k_scale": 0.37, "v_scale": 2.5} if fp8 else {}
+    run_variant(kind, 4, hkv, d, dv, phase, q_lens, kv_lens, 4, dtype, mask=mask, tol=tol,
+                lse=True, num_kv_splits=3, **scales, **opts)  # fmt: skip
+
+
+def _state_backend(**cfg: Any) -> tuple[TritonBackend, Any]:
+    config = AttnConfig("mha", 4, 2, 32, 32, dtype="float32", page_size=4, device=DEVICE)
+    backend = TritonBackend(config.replace(**cfg), num_kv_splits=2)
+    return backend, backend.handler(Phase.DECODE)
+
+
+def _state_case(phase: Phase, q_lens: list[int], seed: int, **cfg: Any) -> SimpleNamespace:
+    """A small GQA case (4 q heads over 2 kv heads, 32 wide): backend, handler, batch, q/k/v."""
+    backend, run = _state_backend(**cfg)
+    batch, pages = make_batch(phase, q_lens, [19, 11], 4)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch.num_tokens, 4, 32, generator=g).to(DEVICE)
+    k = torch.randn(pages, 4, 2, 32, generator=g).to(DEVICE)
+    v = torch.randn(pages, 4, 2, 32, generator=g).to(DEVICE)
+    return SimpleNamespace(backend=backend, run=run, batch=batch, q=q, k=k, v=v)
+
+
+def test_lse_of_a_row_that_sees_no_key_is_minus_inf() -> None:
+    # Request 0, query row 1 sees nothing (a raw mask: AttnBatch refuses it): out 0, lse -inf.
+    # With a sink the same row's lse is the sink (it saw only the sink) and out is still 0.
+    q_lens, kv_lens = [3, 2], [8, 20]
+    mask = tree_mask(q_lens, kv_lens)
+    mask[8:16] = False
+    batch, pages = make_batch(Phase.VERIFY, q_lens, kv_lens, 4, mask=mask, raw=True)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(5, 4, 32, generator=g).to(DEVICE)
+    k = torch.randn(pages, 4, 2, 32, generator=g).to(DEVICE)
+    v = torch.randn(pages, 4, 2, 32, generator=g).to(DEVICE)
+    sinks = torch.randn(4, generator=g).to(DEVICE)
+    for with_sinks in (False, True):
+        backend, run = _state_backend(tree_verify=True, sinks=with_sinks)
+        extra = {"sinks": sinks} if with_sinks else {}
+        out, lse = run(q, k, v, backend.plan(batch), 0.2, return_lse=True, **extra)
+        assert (out[1] == 0).all()
+        if with_sinks:
+            torch.testing.assert_close(lse[1].cpu(), sinks.cpu())
+        else:
+            assert torch.isneginf(lse[1]).all()
+        others = torch.cat([lse[:1], lse[2:]])
+        assert torch.isfinite(others).all()
+        ref_out, ref_lse = reference_state(q, k, v, batch, 0.2, 32, sinks=extra.get("sinks"))
+        torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=LSE_TOL, rtol=LSE_TOL)
+        torch.testing.assert_close(out.cpu(), ref_out, atol=TOL["float32"], rtol=TOL["float32"])
+
+
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
+def test_lse_with_non_finite_sinks(phase: Phase) -> None:
+    # Per head: +inf takes all the weight (out 0, lse +inf), -inf is no sink (the plain
+    # result), NaN gives NaN in both, a finite sink is counted once.
+    c = _state_case(phase, [1, 1] if phase is Phase.DECODE else [4, 3], 6, sinks=True)
+    sinks = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.7]).to(DEVICE)
+    out, lse = c.run(c.q, c.k, c.v, c.backend.plan(c.batch), 0.2, sinks=sinks, return_lse=True)
+    assert (out[:, 0] == 0).all() and torch.isposinf(lse[:, 0]).all()
+    assert out[:, 2].isnan().all() and lse[:, 2].isnan().all()
+    finite = torch.tensor([-1e30, float("-inf"), 0.0, 0.7])  # the reference's no-sink: -inf
+    ref_out, ref_lse = reference_state(c.q, c.k, c.v, c.batch, 0.2, 32, sinks=finite)
+    for h in (1, 3):
+        torch.testing.assert_close(lse[:, h].cpu().double(), ref_lse[:, h], atol=LSE_TOL,
+                                   rtol=LSE_TOL)  # fmt: skip
+        torch.testing.assert_close(out[:, h].cpu(), ref_out[:, h], atol=TOL["float32"],
+                                   rtol=TOL["float32"])  # fmt: skip
+
+
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
+def test_lse_of_a_row_that_read_nan_is_nan(phase: Phase) -> None:
+    q_lens = [1, 1] if phase is Phase.DECODE else [3, 2]
+    c = _state_case(phase, q_lens, 7)
+    first = int(c.batch.kv_indices[0])  # request 0's first page: every row of it reads key 0
+    c.k[first, 0, 0, 0] = float("nan")
+    out, lse = c.run(c.q, c.k, c.v, c.backend.plan(c.batch), 0.2, return_lse=True)
+    rows0 = q_lens[0]
+    assert lse[:rows0, :2].isnan().all() and out[:rows0, :2].isnan().all()  # kv head 0
+    assert torch.isfinite(lse[:rows0, 2:]).all() and torch.isfinite(lse[rows0:]).all()
+
+
+def _split_keys(
+    phase: Phase, q_lens: list[int], tables: list[list[int]], kv_lens: list[int], cut: int
+) -> tuple[AttnBatch, AttnBatch, AttnBatch]:
+    """The batch over every key, and two batches over the first ``cut`` pages of each table
+    and the rest: disjoint key sets whose union is the first batch's."""
+
+    def build(lens: list[int], pages: list[list[int]]) -> AttnBatch:
+        return AttnBatch.build(phase, q_lens=q_lens, kv_lens=lens, page_tables=pages,
+                               page_size=4, num_pages=16, device=DEVICE)  # fmt: skip
+
+    head = [min(n, 4 * cut) for n in kv_lens]
+    return (
+        build(kv_lens, tables),
+        build(head, [t[:cut] for t in tables]),
+        build([n - h for n, h in zip(kv_lens, head, strict=True)], [t[cut:] for t in tables]),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "phase", "sinks", "fp8"),
+    [
+        ("mha", Phase.DECODE, True, None),
+        ("mla", Phase.DECODE, False, None),
+        ("mha", Phase.PREFILL, True, None),  # non-causal: every query sees both halves
+        ("mla", Phase.PREFILL, False, "float8_e5m2"),
+    ],
+)
+def test_merge_of_two_key_halves_equals_the_union(
+    kind: str, phase: Phase, sinks: bool, fp8: str | None
+) -> None:
+    # Decode (the query sees all its keys) or non-causal prefill: attention over the first
+    # pages and over the rest, merged by lse, is attention over all of them. The sinks go to
+    # one part only (the other gets -inf: no sink).
+    hkv, d, dv = (2, 32, 32) if kind == "mha" else (1, 80, 64)
+    cfg = AttnConfig(kind, 4, hkv, d, dv, dtype="float32", kv_dtype=fp8, page_size=4,  # type: ignore[arg-type]
+                     device=DEVICE, sinks=sinks, causal=phase is Phase.DECODE)  # fmt: skip
+    backend = TritonBackend(cfg, num_kv_splits=2)
+    run = backend.handler(phase)
+    q_lens = [1, 1] if phase is Phase.DECODE else [3, 2]
+    tables = [[3, 7, 1, 12, 5], [9, 0, 14]]
+    full, part_a, part_b = _split_keys(phase, q_lens, tables, [19, 11], 2)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(sum(q_lens), 4, d, generator=g).to(DEVICE)
+    shape = (16, 4, d) if kind == "mla" else (16, 4, hkv, d)
+    k = (torch.randn(shape, generator=g) * 2).to(FP8[fp8] if fp8 else torch.float32).to(DEVICE)
+    v = None if kind == "mla" else torch.randn(16, 4, hkv, dv, generator=g).to(DEVICE)
+    sink = torch.randn(4, generator=g).to(DEVICE)
+    extra: dict[str, Any] = {"k_scale": 0.5} if fp8 else {}
+    with_sink = {"sinks": sink} if sinks else {}
+    no_sink = {"sinks": torch.full_like(sink, float("-inf"))} if sinks else {}
+    out, lse = run(q, k, v, backend.plan(full), 0.3, return_lse=True, **extra, **with_sink)
+    out_a, lse_a = run(q, k, v, backend.plan(part_a), 0.3, return_lse=True, **extra, **with_sink)
+    out_b, lse_b = run(q, k, v, backend.plan(part_b), 0.3, return_lse=True, **extra, **no_sink)
+    merged, merged_lse = merge_state(out_a, lse_a, out_b, lse_b)
+    torch.testing.assert_close(merged, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged_lse, lse, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out_a, out, atol=1e-3)  # each half alone is another result
+
+
+def test_idle_forward_with_lse_returns_empty_state() -> None:
+    backend, run = _state_backend()
+    batch = AttnBatch.build(Phase.DECODE, q_lens=[], kv_lens=[], page_tables=[], page_size=4)
+    q = torch.randn(0, 4, 32, device=DEVICE)
+    k = torch.randn(2, 4, 2, 32, device=DEVICE)
+    out, lse = run(q, k, k, backend.plan(batch), 0.2, return_lse=True)
+    assert out.shape == (0, 4, 32) and lse.shape == (0, 4) and lse.dtype == torch.float32
 
 
 # ---------------------------------------------------------------- planning
@@ -855,7 +1087,7 @@ def test_upcast_switch_is_on_only_when_interpreting() -> None:
     cfg = AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16")
     on_cpu = kernel_config(cfg, {}, device=torch.device("cpu"), num_sms=None, interpreting=True)
     on_gpu = kernel_config(cfg, {}, device=torch.device("cuda"), num_sms=132, interpreting=False)
-    assert on_cpu.upcast and _ops.decode_constants(on_cpu)["UPCAST"] is True
-    assert not on_gpu.upcast and _ops.extend_constants(on_gpu, True)["UPCAST"] is False
+    assert on_cpu.upcast and _ops.decode_constants(on_cpu)["M"].UPCAST is True
+    assert not on_gpu.upcast and _ops.extend_constants(on_gpu, True)["M"].UPCAST is False
     if DEVICE == "cpu":
         assert TritonBackend(cfg.replace(device="cpu")).kernel_config.upcast

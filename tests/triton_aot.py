@@ -25,17 +25,28 @@ from attn_dispatch import AttnConfig
 from attn_dispatch.backends.triton import _decode
 from attn_dispatch.backends.triton import _extend
 from attn_dispatch.backends.triton import _ops
+from attn_dispatch.backends.triton import _tile
 from attn_dispatch.backends.triton.backend import kernel_config
 
-_FLOATS = {"sm_scale_log2", "cap_in", "cap_out", "v_scale"}
 _FP8 = {"float8_e4m3fn": "*fp8e4nv", "float8_e5m2": "*fp8e5"}
+# The kernels' NamedTuple arguments, typed member by member (triton reads the field names).
+_ROWS = _tile.RowStrides._make(["i32"] * 2)
+_TUPLES: dict[str, object] = {
+    "scales": _tile.Scales._make(["fp32"] * 4),
+    "q_strides": _ROWS,
+    "out_strides": _ROWS,
+    "lse_strides": _ROWS,
+    "kv_strides": _tile.CacheStrides._make(["i32"] * 6),
+    "part_strides": _tile.PartStrides._make(["i32"] * 5),
+}
 
 
-def signature(fn: object, pointers: dict[str, str], constants: dict[str, object]) -> dict[str, str]:
+def signature(
+    fn: object, pointers: dict[str, str], constants: dict[str, object]
+) -> dict[str, object]:
     names: list[str] = fn.arg_names  # type: ignore[attr-defined]
     return {
-        n: "constexpr" if n in constants else pointers.get(n, "fp32" if n in _FLOATS else "i32")
-        for n in names
+        n: "constexpr" if n in constants else pointers.get(n, _TUPLES.get(n, "i32")) for n in names
     }
 
 
@@ -44,7 +55,7 @@ def main() -> int:
     target = GPUTarget("cuda", arch, 32)
     # (label, config, variants and FP8 cache): every constexpr branch is compiled once.
     none: dict[str, object] = {}
-    every = {"window_left": 127, "logit_cap": 30.0, "sinks": True, "kv_scaled": True}
+    every = {"window_left": 127, "logit_cap": 30.0, "sinks": True, "kv_scaled": True, "lse": True}
     cases = [
         ("mla 576/512", AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16", page_size=64), none),
         (
@@ -74,6 +85,8 @@ def main() -> int:
     for label, cfg, variant in cases:
         kc = kernel_config(cfg, {}, device=torch.device("cuda"), num_sms=132, interpreting=False)
         fp8 = variant.pop("fp8", None)
+        # The lse branch with every variant and FP8; the plain cases compile without it.
+        lse = {"STORE_LSE": bool(variant.pop("lse", False))}
         kc = dataclasses.replace(kc, **variant)  # type: ignore[arg-type]
         dt = "*bf16"
         kv = _FP8[str(fp8)] if fp8 else dt
@@ -90,16 +103,19 @@ def main() -> int:
             (
                 "decode merge",
                 _decode._decode_merge_kernel,
-                {"Part_out": "*fp32", "Part_lse": "*fp32", "Out": dt, "Sinks": "*fp32"},
-                _ops.merge_constants(kc),
+                {"Part_out": "*fp32", "Part_lse": "*fp32", "Out": dt, "Lse": "*fp32"}
+                | {"Sinks": "*fp32"},
+                _ops.merge_constants(kc) | lse,
                 4,
             ),
             (
                 # MLA with the tree mask, GQA causal: every constexpr branch is compiled once.
                 "extend " + ("tree mask" if kc.mla else "causal"),
                 _extend._extend_kernel,
-                cache | {"Out": dt, "Mask": "*u8", "mask_indptr": "*i64", "Sinks": "*fp32"},
-                _ops.extend_constants(kc, use_mask=kc.mla),
+                cache
+                | {"Out": dt, "Lse": "*fp32", "Mask": "*u8", "mask_indptr": "*i64"}
+                | {"Sinks": "*fp32"},
+                _ops.extend_constants(kc, use_mask=kc.mla) | lse,
                 kc.extend_warps,
             ),
         ]

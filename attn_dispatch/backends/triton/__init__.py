@@ -20,6 +20,11 @@ patterns, which the interpreter decodes as large finite numbers, are put back fr
 (``_tile._widen``; compiled GPU kernels follow the formats). Attention types, every phase:
 ``causal=False`` (extend walks every key of the request) and ``attention_chunk_size`` (decode
 starts at the query's chunk, extend skips keys before each query block's chunk).
+
+Attention state (variant ``"lse"``): the handlers take ``return_lse=True`` and return
+``(out, lse)``, lse float32 [tokens, q_heads], the natural log of the sum of exp(score) over
+the keys a row attended plus exp(sink): the extend kernel and the decode merge kernel write it
+from the state they normalise the output with (log2 units inside, converted on store).
 """
 
 from __future__ import annotations
@@ -130,8 +135,9 @@ CAPABILITIES = Capabilities(
     devices=frozenset({"cuda", "cpu"}),
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     kv_dtypes=frozenset({"float32", "float16", "bfloat16", *FP8_KV_DTYPES}),
-    # Every variant in every phase, MHA/GQA and MLA (kernels: _decode, _extend).
-    variants=frozenset({"window", "logit_cap", "sinks", "non_causal", "chunked"}),
+    # Every variant in every phase, MHA/GQA and MLA (kernels: _decode, _extend); "lse": every
+    # handler takes return_lse=True and returns (out, lse).
+    variants=frozenset({"window", "logit_cap", "sinks", "non_causal", "chunked", "lse"}),
     custom_mask=True,
     # MLA: absorbed over the paged latent cache in every phase; prefill may also run the
     # decompressed MHA form (ragged K/V through a second instance of this backend). No

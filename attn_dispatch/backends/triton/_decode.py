@@ -5,7 +5,8 @@ query heads that read the same KV head (GQA group, or every head for MLA), so q.
 ``tl.dot`` of [BLOCK_H, D] x [D, BLOCK_N] and each gathered K/V block is read once for the
 whole group. Each program walks its slice in blocks of ``BLOCK_N`` tokens gathered through the
 page table, keeps an online softmax in the log2 domain, and writes its normalised partial
-output and log2-sum-exp. Stage 2 (grid: request, head block) folds the splits together.
+output and log2-sum-exp. Stage 2 (grid: request, head block) folds the splits together, adds
+the sink, and writes the output and, when asked (``STORE_LSE``), the row's lse (natural log).
 
 Only device tensors are read inside the kernels: the number of splits is a launch constant
 chosen by ``plan`` from host copies, so a launch never waits on the device (CUDA-graph safe).
@@ -20,74 +21,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._tile import LN2
+from ._tile import UNSPECIALISED
 from ._tile import _attend_tile
+from ._tile import _empty_state
+from ._tile import _finish
+from ._tile import _fold_sink
+from ._tile import _load_rows
 
 
-# Sizes that vary between configs and batches are not specialised on (value 1, multiple of
-# 16): it would only multiply the compiled variants (a JIT compile costs seconds).
-@triton.jit(
-    do_not_specialize=[
-        "page_size",
-        "group_size",
-        "groups_per_kv",
-        "num_splits",
-        "num_pages",
-        "num_indices",
-        "window_left",
-        "chunk_size",
-        "num_rows",
-        "num_requests",
-    ]
-)
+@triton.jit(do_not_specialize=[*UNSPECIALISED, "groups_per_kv", "num_splits", "num_rows"])
 def _decode_split_kernel(
-    Q,
-    K,
-    V,
-    kv_indptr,
-    kv_indices,
-    kv_lens,
-    Part_out,
-    Part_lse,
-    sm_scale_log2,
-    cap_in,
-    cap_out,
-    v_scale,
-    window_left,
-    chunk_size,
-    stride_qt,
-    stride_qh,
-    stride_kp,
-    stride_ks,
-    stride_kh,
-    stride_vp,
-    stride_vs,
-    stride_vh,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    page_size,
-    group_size,
-    groups_per_kv,
-    num_splits,
-    num_pages,
-    num_indices,
-    num_rows,
+    Q, K, V, kv_indptr, kv_indices, kv_lens,  # as _extend_kernel (_ops.common_args)
+    scales, window_left, chunk_size, q_strides, kv_strides,
+    Part_out, Part_lse, part_strides,
+    page_size, group_size, groups_per_kv, num_splits, num_pages, num_indices, num_rows,
     num_requests,
-    HEAD_DIM: tl.constexpr,
-    V_DIM: tl.constexpr,
-    D_MAIN: tl.constexpr,
-    D_REST: tl.constexpr,
-    DV_BLOCK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    V_FROM_K: tl.constexpr,
-    UPCAST: tl.constexpr,
-    IEEE: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    W: tl.constexpr, M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_SCALED: tl.constexpr,
-):
+):  # fmt: skip
     b = tl.program_id(0)
     hg = tl.program_id(1)
     s = tl.program_id(2)
@@ -118,91 +70,55 @@ def _decode_split_kernel(
     start = first + s * split_len
     end = tl.minimum(start + split_len, kv_len)
 
-    offs_d = tl.arange(0, D_MAIN)
-    offs_v = tl.arange(0, DV_BLOCK)
-    v_mask = offs_v < V_DIM
-    q_row = Q + b.to(tl.int64) * stride_qt + heads[:, None].to(tl.int64) * stride_qh
-    q_main = tl.load(q_row + offs_d[None, :], mask=h_mask[:, None], other=0.0)
-    if UPCAST:
-        q_main = q_main.to(tl.float32)
-    q_rest = q_main  # placeholder when there is no rest part; never used then
-    if D_REST > 0:
-        offs_r = D_MAIN + tl.arange(0, D_REST)
-        r_mask = offs_r < HEAD_DIM
-        q_rest = tl.load(q_row + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)
-        if UPCAST:
-            q_rest = q_rest.to(tl.float32)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    bad = tl.zeros([BLOCK_H], dtype=tl.int1)
-    acc = tl.zeros([BLOCK_H, DV_BLOCK], dtype=tl.float32)
-
+    q_row = Q + b.to(tl.int64) * q_strides.t + heads[:, None].to(tl.int64) * q_strides.h
+    q = _load_rows(q_row, h_mask, W, M.UPCAST)
+    pages = (K, V, kv_indices, page_base, kv_head)
+    sizes = (page_size, num_pages, num_indices)
+    state = _empty_state(BLOCK_H, W.DV_BLOCK)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         # The tile step extend uses too (_tile.py): dropped pages, invisible keys and
         # non-finite values are guarded there once.
-        acc, m_i, l_i, bad = _attend_tile(
-            acc, m_i, l_i, bad, q_main, q_rest, K, V, kv_indices, page_base, offs_n, n_mask,
-            h_mask[:, None] & n_mask[None, :], page_size, num_pages, num_indices, kv_head,
-            sm_scale_log2, cap_in, cap_out, stride_kp, stride_ks, stride_kh, stride_vp,
-            stride_vs, stride_vh, HEAD_DIM, V_DIM, D_MAIN, D_REST, DV_BLOCK, V_FROM_K, IEEE,
-            SOFTCAP, UPCAST,
-        )  # fmt: skip
+        allowed = h_mask[:, None] & n_mask[None, :]
+        state = _attend_tile(
+            state, q, pages, sizes, offs_n, n_mask, allowed, scales, kv_strides, W, M
+        )
 
-    # An empty split (or an empty request) leaves l_i == 0: store 0 and lse = -inf so the
-    # merge gives it no weight.
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    # An empty split (or an empty request) stores 0 and lse = -inf, so the merge gives it
+    # no weight; a row that read a non-finite key or value stores NaN, which it passes on.
+    out, lse = _finish(state)
     if KV_SCALED:
         # FP8 cache: V was stored divided by v_scale; the output is linear in V.
-        out = out * v_scale
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    # A row that read a non-finite key or value: NaN, which the merge passes on.
-    out = tl.where(bad[:, None], float("nan"), out)
-    lse = tl.where(bad, float("nan"), lse)
-    p_row = Part_out + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + s * stride_ps
-    tl.store(p_row + offs_v[None, :], out, mask=h_mask[:, None] & v_mask[None, :])
-    tl.store(Part_lse + b * stride_lb + heads * stride_lh + s, lse, mask=h_mask)
+        out = out * scales.v_scale
+    offs_v = tl.arange(0, W.DV_BLOCK)
+    p_row = Part_out + b.to(tl.int64) * part_strides.ob + heads[:, None] * part_strides.oh
+    p_row += s * part_strides.os
+    tl.store(p_row + offs_v[None, :], out, mask=h_mask[:, None] & (offs_v < W.V_DIM)[None, :])
+    l_row = Part_lse + b * part_strides.lb + heads * part_strides.lh
+    tl.store(l_row + s, lse, mask=h_mask)
 
 
 @triton.jit(do_not_specialize=["num_heads", "num_splits", "num_rows"])
 def _decode_merge_kernel(
-    Part_out,
-    Part_lse,
-    Out,
-    Sinks,
-    num_heads,
-    num_splits,
-    num_rows,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    stride_ot,
-    stride_oh,
-    V_DIM: tl.constexpr,
-    DV_BLOCK: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-):
+    Part_out, Part_lse, part_strides, Out, Lse, out_strides, lse_strides, Sinks,
+    num_heads, num_splits, num_rows,
+    V_DIM: tl.constexpr, DV_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_SINKS: tl.constexpr, STORE_LSE: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = (heads < num_heads) & ((heads * 0 + b) < num_rows)  # output row b exists
     offs_v = tl.arange(0, DV_BLOCK)
     mask = h_mask[:, None] & (offs_v < V_DIM)[None, :]
 
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, DV_BLOCK], dtype=tl.float32)
-    bad = tl.zeros([BLOCK_H], dtype=tl.int1)
-    p_base = Part_out + b.to(tl.int64) * stride_pb + heads[:, None] * stride_ph + offs_v[None, :]
-    l_base = Part_lse + b * stride_lb + heads * stride_lh
+    acc, m, total, bad = _empty_state(BLOCK_H, DV_BLOCK)
+    p_base = Part_out + b.to(tl.int64) * part_strides.ob + heads[:, None] * part_strides.oh
+    p_base += offs_v[None, :]
+    l_base = Part_lse + b * part_strides.lb + heads * part_strides.lh
     for s in range(0, num_splits):
         lse = tl.load(l_base + s, mask=h_mask, other=float("-inf"))
-        part = tl.load(p_base + s * stride_ps, mask=mask, other=0.0)
+        part = tl.load(p_base + s * part_strides.os, mask=mask, other=0.0)
         bad = bad | (lse != lse)  # a split whose rows read a non-finite key or value
         lse = tl.where(lse != lse, float("-inf"), lse)
         m_new = tl.maximum(m, lse)
@@ -213,22 +129,14 @@ def _decode_merge_kernel(
         acc = acc * scale[:, None] + w[:, None] * part
         total = total * scale + w
         m = m_new
+    state = (acc, m, total, bad)
     if HAS_SINKS:
-        # The sink logit (natural log, one per head) joins the denominator only: a split
-        # with lse = sink * log2(e) and a zero partial output.
-        sink = tl.load(Sinks + heads, mask=h_mask, other=0.0) * 1.4426950408889634
-        # The rule for non-finite sinks: NaN gives NaN, +inf takes all the weight (0), and
-        # -inf is no sink (weight exp2(-inf) = 0 below).
-        bad = bad | (sink != sink)
-        sink_all = sink == float("inf")
-        sink = tl.where(sink_all | (sink != sink), 0.0, sink)
-        m_new = tl.maximum(m, sink)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        scale = tl.exp2(m - m_safe)
-        acc = acc * scale[:, None]
-        total = total * scale + tl.exp2(sink - m_safe)
-        acc = tl.where(sink_all[:, None], 0.0, acc)
-    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    out = tl.where(bad[:, None], float("nan"), out)
-    o_ptr = Out + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_v[None, :]
-    tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=mask)
+        # The head's sink logit, as one more split with a zero partial output.
+        state = _fold_sink(state, tl.load(Sinks + heads, mask=h_mask, other=0.0))
+    out, lse = _finish(state)
+    o_ptr = Out + b.to(tl.int64) * out_strides.t + heads[:, None] * out_strides.h
+    tl.store(o_ptr + offs_v[None, :], out.to(Out.dtype.element_ty), mask=mask)
+    if STORE_LSE:
+        tl.store(
+            Lse + b.to(tl.int64) * lse_strides.t + heads * lse_strides.h, lse * LN2, mask=h_mask
+        )

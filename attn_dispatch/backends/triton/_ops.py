@@ -1,9 +1,10 @@
 """Host side of the triton kernels: launch constants, plans and launches.
 
 Everything that needs the host is computed in ``plan_decode`` / ``plan_extend`` from the
-batch's host copies (python ints and CPU tensors), once per forward; ``run_*`` only launches
+batch's host copies (python ints and CPU tensors), once per forward; ``launch`` only launches
 kernels on tensors that already exist on the device, so it is safe to capture in a CUDA graph
-(the output tensor is the one allocation, taken from the graph's pool under capture).
+(the output, lse and split scratch tensors are its allocations, taken from the graph's pool
+under capture).
 """
 
 from __future__ import annotations
@@ -24,8 +25,14 @@ from ._decode import _decode_merge_kernel
 from ._decode import _decode_split_kernel
 from ._dims import DimLayout
 from ._extend import _extend_kernel
+from ._tile import LOG2E
+from ._tile import CacheStrides
+from ._tile import Math
+from ._tile import PartStrides
+from ._tile import RowStrides
+from ._tile import Scales
+from ._tile import Widths
 
-LOG2E = 1.4426950408889634
 #: window_left passed to the kernels for full attention: larger than any kv length, and
 #: small enough that ``kv_len - 1 - FULL_WINDOW`` stays in int32.
 FULL_WINDOW = 1 << 30
@@ -182,41 +189,47 @@ def kernel_mask(
     return buf.view(torch.uint8)
 
 
+def widths(kc: KernelConfig) -> Widths:
+    """The kernels' constexpr head widths (``_dims.DimLayout``)."""
+    lay = kc.layout
+    return Widths(lay.head_dim, lay.v_head_dim, lay.main, lay.rest, lay.v_block)
+
+
+def tile_math(kc: KernelConfig) -> Math:
+    """The tile step's constexpr switches."""
+    return Math(V_FROM_K=kc.v_from_k, IEEE=kc.ieee, SOFTCAP=bool(kc.logit_cap), UPCAST=kc.upcast)
+
+
 def decode_constants(kc: KernelConfig) -> dict[str, Any]:
     """Compile-time arguments of the split kernel (also used to compile it ahead of time)."""
-    lay = kc.layout
     return dict(
-        HEAD_DIM=lay.head_dim, V_DIM=lay.v_head_dim, D_MAIN=lay.main, D_REST=lay.rest,
-        DV_BLOCK=lay.v_block, BLOCK_H=kc.block_h, BLOCK_N=kc.decode_block_n,
-        V_FROM_K=kc.v_from_k, UPCAST=kc.upcast, IEEE=kc.ieee,
-        SOFTCAP=bool(kc.logit_cap), KV_SCALED=kc.kv_scaled,
+        W=widths(kc), M=tile_math(kc), BLOCK_H=kc.block_h, BLOCK_N=kc.decode_block_n,
+        KV_SCALED=kc.kv_scaled,
     )  # fmt: skip
 
 
 def merge_constants(kc: KernelConfig) -> dict[str, Any]:
+    """Compile-time arguments of the merge kernel but ``STORE_LSE`` (per call: ``launch``)."""
     lay = kc.layout
     return dict(V_DIM=lay.v_head_dim, DV_BLOCK=lay.v_block, BLOCK_H=kc.block_h, HAS_SINKS=kc.sinks)
 
 
 def extend_constants(kc: KernelConfig, use_mask: bool) -> dict[str, Any]:
-    lay = kc.layout
+    """Compile-time arguments of the extend kernel but ``STORE_LSE`` (per call: ``launch``)."""
     return dict(
-        HEAD_DIM=lay.head_dim, V_DIM=lay.v_head_dim, D_MAIN=lay.main, D_REST=lay.rest,
-        DV_BLOCK=lay.v_block, BLOCK_M=kc.extend_block_m, BLOCK_N=kc.extend_block_n,
-        USE_MASK=use_mask, V_FROM_K=kc.v_from_k, UPCAST=kc.upcast, IEEE=kc.ieee,
+        W=widths(kc), M=tile_math(kc), BLOCK_M=kc.extend_block_m, BLOCK_N=kc.extend_block_n,
+        USE_MASK=use_mask,
         # WINDOW: skip keys before the window; WINDOW_MASK: mask the rest per row by position
         # (without a custom mask; a tree mask carries its window, see plan_extend).
         WINDOW=kc.window_left is not None, WINDOW_MASK=kc.window_left is not None and not use_mask,
         # CHUNK: skip keys before the chunk; CHUNK_MASK: mask per row (a tree mask carries it).
         CHUNK=kc.chunk_size is not None, CHUNK_MASK=kc.chunk_size is not None and not use_mask,
-        NON_CAUSAL=not kc.causal,
-        SOFTCAP=bool(kc.logit_cap), HAS_SINKS=kc.sinks,
-        KV_SCALED=kc.kv_scaled,
+        NON_CAUSAL=not kc.causal, HAS_SINKS=kc.sinks, KV_SCALED=kc.kv_scaled,
     )  # fmt: skip
 
 
-def score_args(kc: KernelConfig, sm_scale: float, k_scale: float) -> tuple[float, float, float]:
-    """Runtime score arguments ``(sm_scale_log2, cap_in, cap_out)``.
+def score_args(kc: KernelConfig, sm_scale: float, k_scale: float, v_scale: float = 1.0) -> Scales:
+    """Runtime score and output scales.
 
     k_scale multiplies every q.k of an FP8 cache, so it is folded into the score scale
     (one multiply per score instead of one per loaded element).
@@ -224,8 +237,8 @@ def score_args(kc: KernelConfig, sm_scale: float, k_scale: float) -> tuple[float
     scale = sm_scale * k_scale
     cap = kc.logit_cap
     if cap:
-        return scale * LOG2E, scale / cap, cap * LOG2E
-    return scale * LOG2E, 1.0, 1.0
+        return Scales(scale * LOG2E, scale / cap, cap * LOG2E, v_scale)
+    return Scales(scale * LOG2E, 1.0, 1.0, v_scale)
 
 
 def kernel_chunk(kc: KernelConfig) -> int:
@@ -238,15 +251,32 @@ def kernel_window(kc: KernelConfig) -> int:
     return FULL_WINDOW if kc.window_left is None else min(kc.window_left, FULL_WINDOW)
 
 
-def _cache_strides(kc: KernelConfig, cache: torch.Tensor) -> tuple[int, int, int]:
+def _cache_strides(kc: KernelConfig, k_cache: torch.Tensor, v: torch.Tensor) -> CacheStrides:
     if kc.mla:  # [P, page_size, D]: one latent head shared by all query heads
-        return cache.stride(0), cache.stride(1), 0
-    return cache.stride(0), cache.stride(1), cache.stride(2)
+        return CacheStrides(k_cache.stride(0), k_cache.stride(1), 0, v.stride(0), v.stride(1), 0)
+    return CacheStrides(*k_cache.stride()[:3], *v.stride()[:3])
 
 
-def run_decode(
+def common_args(
     kc: KernelConfig,
-    plan: DecodePlan,
+    snap: BatchSnapshot,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v: torch.Tensor,
+    scales: Scales,
+) -> tuple[Any, ...]:
+    """The leading arguments of both attention kernels, in their order: the paged request
+    (q, caches, page table), the score scales, the key bounds and the strides."""
+    return (
+        q, k_cache, v, snap.kv_indptr, snap.kv_indices, snap.kv_lens,
+        scales, kernel_window(kc), kernel_chunk(kc), RowStrides(*q.stride()[:2]),
+        _cache_strides(kc, k_cache, v),
+    )  # fmt: skip
+
+
+def launch(
+    kc: KernelConfig,
+    plan: DecodePlan | ExtendPlan,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor | None,
@@ -254,78 +284,63 @@ def run_decode(
     sinks: torch.Tensor | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-) -> torch.Tensor:
-    lay = kc.layout
-    snap = plan.snap
+    want_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out, lse)`` of one layer from the kernel the plan chose. ``lse`` (float32 [tokens,
+    q_heads], natural log, sink included) is None unless ``want_lse``."""
     v = k_cache if v_cache is None else v_cache
-    out = q.new_empty((q.shape[0], kc.num_q_heads, lay.v_head_dim))
+    snap = plan.snap
+    out = q.new_empty((q.shape[0], kc.num_q_heads, kc.layout.v_head_dim))
+    lse = None
+    if want_lse:
+        lse = torch.empty((q.shape[0], kc.num_q_heads), dtype=torch.float32, device=q.device)
     if snap.kv_lens.numel() == 0:  # no request: nothing to launch
-        return out
+        return out, lse
+    # Without sinks / lse the kernels never read those arguments; any device tensor will do.
+    sink_arg = snap.kv_lens if sinks is None else sinks
+    lse_arg = out if lse is None else lse
+    rows = (out, lse_arg, RowStrides(*out.stride()[:2]), RowStrides(*lse_arg.stride()[:2]))
+    common = common_args(kc, snap, q, k_cache, v, score_args(kc, sm_scale, k_scale, v_scale))
+    sizes = (k_cache.shape[1], kc.group_size)  # page size, q heads per kv head
+    if isinstance(plan, ExtendPlan):
+        # Without a mask the kernel never reads these; any device tensor will do.
+        mask = plan.mask if plan.mask is not None else snap.kv_indices
+        mask_indptr = snap.mask_indptr if snap.mask_indptr is not None else snap.kv_indptr
+        _extend_kernel[(plan.grid[0], kc.num_q_heads, plan.grid[2])](
+            *common, *rows, snap.qo_indptr, mask, mask_indptr, sink_arg, *sizes,
+            q.shape[0], k_cache.shape[0], snap.kv_indices.numel(), mask.numel(),
+            snap.kv_lens.numel(),
+            **plan.constants, STORE_LSE=want_lse,
+            num_warps=kc.extend_warps, num_stages=kc.num_stages,
+        )  # fmt: skip
+        return out, lse
     # The grid's request count, not the snapshot's: the scratch then always covers what the
     # kernels write, and the kernels bound each request by q's rows and the index tensors.
-    b, hq, splits, dv = plan.split_grid[0], kc.num_q_heads, plan.num_splits, lay.v_head_dim
+    b, hq, splits, dv = plan.split_grid[0], kc.num_q_heads, plan.num_splits, kc.layout.v_head_dim
     # Scratch per call, not per plan: calls sharing one plan from several threads (or
     # streams) never write each other's partial results. Under CUDA-graph capture it comes
     # from the graph's pool, so every replay sees the same memory.
     scratch = torch.empty(b * hq * splits * (dv + 1), dtype=torch.float32, device=q.device)
     part_out = scratch[: b * hq * splits * dv].view(b, hq, splits, dv)
     part_lse = scratch[b * hq * splits * dv :].view(b, hq, splits)
+    parts = (part_out, part_lse, PartStrides(*part_out.stride()[:3], *part_lse.stride()[:2]))
     # Head axes from this backend's constants, not the plan: only the request axis may vary.
-    split_grid = (b, kc.num_kv_heads * kc.groups_per_kv, splits)
-    _decode_split_kernel[split_grid](
-        q, k_cache, v, snap.kv_indptr, snap.kv_indices, snap.kv_lens,
-        part_out, part_lse, *score_args(kc, sm_scale, k_scale), v_scale, kernel_window(kc),
-        kernel_chunk(kc),
-        q.stride(0), q.stride(1),
-        *_cache_strides(kc, k_cache), *_cache_strides(kc, v),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        k_cache.shape[1], kc.group_size, kc.groups_per_kv, splits,
+    _decode_split_kernel[(b, kc.num_kv_heads * kc.groups_per_kv, splits)](
+        *common, *parts, *sizes, kc.groups_per_kv, splits,
         k_cache.shape[0], snap.kv_indices.numel(), q.shape[0], snap.kv_lens.numel(),
         **plan.constants, num_warps=kc.decode_warps, num_stages=kc.num_stages,
     )  # fmt: skip
     _decode_merge_kernel[(b, -(-kc.num_q_heads // kc.block_h))](
-        # Without sinks the kernel never reads the Sinks argument; any device tensor will do.
-        part_out, part_lse, out, part_lse if sinks is None else sinks, kc.num_q_heads, splits,
-        out.shape[0],
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
-        **plan.merge_constants, num_warps=4,
+        *parts, *rows, sink_arg, kc.num_q_heads, splits, out.shape[0],
+        **plan.merge_constants, STORE_LSE=want_lse, num_warps=4,
     )  # fmt: skip
-    return out
+    return out, lse
 
 
-def run_extend(
-    kc: KernelConfig,
-    plan: ExtendPlan,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor | None,
-    sm_scale: float,
-    sinks: torch.Tensor | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    lay = kc.layout
-    snap = plan.snap
-    v = k_cache if v_cache is None else v_cache
-    out = q.new_empty((q.shape[0], kc.num_q_heads, lay.v_head_dim))
-    # Without a mask the kernel never reads these; any device tensor will do as the argument.
-    mask = plan.mask if plan.mask is not None else snap.kv_indices
-    mask_indptr = snap.mask_indptr if snap.mask_indptr is not None else snap.kv_indptr
-    if snap.kv_lens.numel() == 0:  # no request: nothing to launch
-        return out
-    _extend_kernel[(plan.grid[0], kc.num_q_heads, plan.grid[2])](
-        q, k_cache, v, out, snap.qo_indptr, snap.kv_indptr, snap.kv_indices, snap.kv_lens,
-        mask, mask_indptr, snap.kv_lens if sinks is None else sinks,
-        *score_args(kc, sm_scale, k_scale), v_scale, kernel_window(kc), kernel_chunk(kc),
-        q.stride(0), q.stride(1),
-        *_cache_strides(kc, k_cache), *_cache_strides(kc, v),
-        out.stride(0), out.stride(1),
-        k_cache.shape[1], kc.group_size,
-        q.shape[0], k_cache.shape[0], snap.kv_indices.numel(), mask.numel(),
-        snap.kv_lens.numel(),
-        **plan.constants, num_warps=kc.extend_warps, num_stages=kc.num_stages,
-    )  # fmt: skip
-    return out
+def run(kc: KernelConfig, plan: DecodePlan | ExtendPlan, *call: Any) -> torch.Tensor:
+    """The output alone: ``launch(kc, plan, *call)[0]`` (either plan; the names below are
+    kept for callers that name the phase)."""
+    return launch(kc, plan, *call)[0]
+
+
+run_decode = run_extend = run

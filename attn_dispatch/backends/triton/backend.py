@@ -202,7 +202,8 @@ class TritonBackend(TorchBackendBase):
         sinks: torch.Tensor | None = None,
         k_scale: float | None = None,
         v_scale: float | None = None,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         check_plan(plan, self, "triton")
         self._checks.check(plan.snap, q, k_cache, v_cache)
         if self._sinks or sinks is not None:
@@ -216,15 +217,34 @@ class TritonBackend(TorchBackendBase):
                 f"triton: a scale was passed but the bound config's kv_dtype is "
                 f"{self.config.kv_dtype!r}, not FP8",
             )
-        if plan.snap.num_requests == 0:  # SGLang's IDLE forward: no grid to launch
-            return q.new_empty((0, self.config.num_q_heads, self._kc.layout.v_head_dim))
+        if not isinstance(return_lse, bool):
+            raise InvalidBatchError("return_lse", "triton: return_lse must be a bool")
         if self._kc.mla:
             v_cache = None  # V is the latent part of k_cache
-        if self._interpreting:
+        if plan.snap.num_requests == 0:  # SGLang's IDLE forward: no grid to launch
+            out, lse = self._empty_outputs(q, return_lse)
+        elif self._interpreting:
             # triton's CPU interpreter keeps the running grid in globals: one launch at a time.
             with _INTERPRETER_LOCK:
-                return self._launch(plan, q, k_cache, v_cache, sm_scale, sinks, ks, vs)
-        return self._launch(plan, q, k_cache, v_cache, sm_scale, sinks, ks, vs)
+                out, lse = _ops.launch(
+                    self._kc, plan, q, k_cache, v_cache, sm_scale, sinks, ks, vs, return_lse
+                )
+        else:
+            out, lse = _ops.launch(
+                self._kc, plan, q, k_cache, v_cache, sm_scale, sinks, ks, vs, return_lse
+            )
+        if return_lse:
+            assert lse is not None
+            return out, lse
+        return out
+
+    def _empty_outputs(
+        self, q: torch.Tensor, return_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        heads = self.config.num_q_heads
+        out = q.new_empty((0, heads, self._kc.layout.v_head_dim))
+        lse = q.new_empty((0, heads), dtype=torch.float32) if return_lse else None
+        return out, lse
 
     def _check_sinks(self, q: torch.Tensor, sinks: Any) -> None:
         if not self._sinks:
@@ -233,22 +253,6 @@ class TritonBackend(TorchBackendBase):
             )
         # The kernels index sinks by head: the core's rule refuses a strided view too.
         self._checks.check_sinks(sinks, q)
-
-    def _launch(
-        self,
-        plan: _ops.DecodePlan | _ops.ExtendPlan,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor | None,
-        sm_scale: float,
-        sinks: torch.Tensor | None,
-        k_scale: float,
-        v_scale: float,
-    ) -> torch.Tensor:
-        kc = self._kc
-        if isinstance(plan, _ops.DecodePlan):
-            return _ops.run_decode(kc, plan, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale)
-        return _ops.run_extend(kc, plan, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale)
 
 
 def kernel_config(
