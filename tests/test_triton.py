@@ -607,9 +607,11 @@ def test_fp8_cache_with_every_variant() -> None:
 
 @pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
 def test_variants_and_fp8_through_attention(phase: Phase) -> None:
-    # The registry path: bind checks the declarations, attention() passes sinks and scales.
+    # The registry path: bind checks the declarations (the variant "lse" included),
+    # attention() passes sinks, scales and return_lse.
     cfg = AttnConfig("mha", 4, 2, 32, 32, dtype="float32", kv_dtype="float8_e5m2", page_size=4,
-                     device=DEVICE, window_left=6, logit_cap=3.0, sinks=True)  # fmt: skip
+                     device=DEVICE, window_left=6, logit_cap=3.0, sinks=True,
+                     return_lse=True)  # fmt: skip
     binding = bind(BackendSpec.uniform("triton"), cfg, label="target")
     runner = SimpleNamespace(attn_binding=binding)
     q_lens = [1, 1] if phase is Phase.DECODE else [4, 3]
@@ -621,9 +623,12 @@ def test_variants_and_fp8_through_attention(phase: Phase) -> None:
     sinks = torch.randn(4, generator=gen).to(DEVICE)
     with attn_scope(runner, batch):
         out = attention(q, k, v, sm_scale=0.2, sinks=sinks, k_scale=0.25, v_scale=0.5)
-    ref = reference(q, k, v, batch, 0.2, 32, window_left=6, logit_cap=3.0, sinks=sinks,
-                    k_scale=0.25, v_scale=0.5)  # fmt: skip
+        state = attention(q, k, v, sm_scale=0.2, sinks=sinks, k_scale=0.25, v_scale=0.5,
+                          return_lse=True)  # fmt: skip
+    ref, ref_lse = reference_state(q, k, v, batch, 0.2, 32, window_left=6, logit_cap=3.0,
+                                   sinks=sinks, k_scale=0.25, v_scale=0.5)  # fmt: skip
     torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
+    check_state(state, out, ref_lse)
 
 
 def test_handler_checks_sinks_and_scales() -> None:
