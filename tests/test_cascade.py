@@ -371,3 +371,39 @@ def test_lse_with_sinks_counts_the_sink_once() -> None:
     assert lse[0, 1] == math.inf and bool((out[0, 1] == 0).all())
     with_sink = torch.logsumexp(torch.cat([s[2], torch.tensor([0.5])]), 0)
     torch.testing.assert_close(lse[0, 2], with_sink, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("isa", () if isinstance(LIB, str) else LIB.isa_list)
+@pytest.mark.parametrize("head_dim", [32, 20])  # 20: not a whole number of vectors
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cascade_on_every_isa_path(isa: str, head_dim: int, dtype: str) -> None:
+    # Every instruction-set path this CPU runs (and the path for head dims that are not a
+    # multiple of the vector width): cascade equals the plain plan, out and lse.
+    tables = [[*PREFIX, 10 + i] for i in range(5)] + [[*PREFIX]]
+    kv_lens = [90, 91, 92, 93, 94, 80]
+    cfg = AttnConfig("mha", 8, 2, head_dim, dtype=dtype, page_size=16, sinks=True)
+    batch = AttnBatch.build(
+        Phase.VERIFY, q_lens=[2] * 6, kv_lens=kv_lens, page_tables=tables, page_size=16,
+        num_pages=16,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(12, 8, head_dim, generator=gen).to(getattr(torch, dtype))
+    k = torch.randn(16, 16, 2, head_dim, generator=gen).to(getattr(torch, dtype))
+    v = torch.randn(16, 16, 2, head_dim, generator=gen).to(getattr(torch, dtype))
+    sinks = torch.randn(8, generator=gen)
+    before = LIB.isa
+    LIB.set_isa(isa)
+    try:
+        got = {}
+        for cascade in (True, False):
+            be = NativeBackend(cfg, cascade=cascade, num_threads=2)
+            plan = be.plan(batch)
+            assert plan.cascade_groups == (1 if cascade else 0)
+            got[cascade] = be.handler(Phase.VERIFY)(
+                q, k, v, plan, head_dim**-0.5, sinks=sinks, return_lse=True
+            )
+    finally:
+        LIB.set_isa(before)
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    torch.testing.assert_close(got[True][0].float(), got[False][0].float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(got[True][1], got[False][1], atol=1e-4, rtol=1e-4)
