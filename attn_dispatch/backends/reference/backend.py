@@ -182,7 +182,7 @@ class TorchBackend(TorchBackendBase):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``[T, Hq, Dv]`` in q's dtype, or ``(out, lse)`` with ``return_lse=True`` (lse
         float32 ``[T, Hq]``: log of the sum of exp(score) over the keys each row attended,
-        the sink included; see ``_OnlineSoftmax.result``)."""
+        the sink included; see ``_OnlineSoftmax.lse``)."""
         check_plan(plan, self, "torch")
         num_pages = self._checks.check(plan.snap, q, k_cache, v_cache)
         c = self.config
