@@ -8,7 +8,9 @@ Layer variants: a sliding window is planned per (query block, request) as the fi
 of those queries can see, so chunks wholly outside the window are never gathered (a decode
 reads ``window_left + 1`` keys per request, rounded out to pages); the logit cap applies to the
 scores of each chunk; sinks join the normaliser at the end. An FP8 cache is dequantised one
-chunk at a time (gathered pages only, never the whole cache).
+chunk at a time (gathered pages only, never the whole cache). The attention state
+(``return_lse=True``) is read off the same online softmax: running max plus log of the running
+sum, with the sink counted once; every form returns it (the chunked-prefix one included).
 
 Window semantics, including tree verify: a query sees the ``window_left + 1`` most recent keys
 *of its own sequence*. Without a custom mask that is keys at positions ``p - window_left ..= p``
@@ -182,7 +184,7 @@ class TorchBackend(TorchBackendBase):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``[T, Hq, Dv]`` in q's dtype, or ``(out, lse)`` with ``return_lse=True`` (lse
         float32 ``[T, Hq]``: log of the sum of exp(score) over the keys each row attended,
-        the sink included; see ``_OnlineSoftmax.result``)."""
+        the sink included; see ``_OnlineSoftmax.lse``)."""
         check_plan(plan, self, "torch")
         num_pages = self._checks.check(plan.snap, q, k_cache, v_cache)
         c = self.config
