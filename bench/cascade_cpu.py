@@ -10,7 +10,8 @@ repeats, so machine noise hits every column alike):
 - shared tables, ``cascade=False``: the same tables read per request;
 - nothing shared: private tables planned with cascade on and off (the planner finds nothing).
 
-Also the plan cost at this batch (cascade found vs nothing to find), the roofline of the same
+Also the plan cost at this batch (cascade found vs nothing to find; the whole ``plan`` and
+the C++ planner alone, which the cascade search is part of), the roofline of the same
 run (read bandwidth of one large tensor; fp32 GEMM throughput of torch.matmul), and the ISA
 path the native kernels ran. Outputs of all layouts are compared (bf16 tolerance).
 """
@@ -18,6 +19,7 @@ path the native kernels ran. Outputs of all layouts are compared (bf16 tolerance
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +29,8 @@ import torch
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
 from attn_dispatch import Phase
+from attn_dispatch.backends._common import BatchSnapshot
+from attn_dispatch.backends.native._lib import NaError
 from attn_dispatch.backends.native.backend import NativeBackend
 
 
@@ -124,6 +128,22 @@ def main() -> None:
         },
         max(25, args.repeats),
     )
+    # The C++ planner alone (the cascade search is part of it), without the Python snapshot.
+    c_plan = {}
+    for label, be, b in (
+        ("na_plan_create, cascade found", on, shared_b),
+        ("na_plan_create, nothing shared", on, private_b),
+        ("na_plan_create, cascade=False", off, shared_b),
+    ):
+        snap = BatchSnapshot.of(b, ps)
+        err = NaError()
+        call = (
+            be._cfg_ref, B, snap.qo_indptr.data_ptr(), snap.kv_indptr.data_ptr(),
+            snap.kv_indices.data_ptr(), snap.kv_indices.numel(), snap.kv_lens.data_ptr(),
+            None, 0, 1, ctypes.byref(err),
+        )  # fmt: skip
+        c_plan[label] = lambda be=be, call=call: be._free(be._create(*call))
+    plan_t.update(median_times(c_plan, 201))
     bw, gemm = roofline()
     flops = B * kv_len * Hq * D * 2  # multiply-adds: q.k and p.v
     base = times["private copies"]
