@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
-import time
-from collections.abc import Callable
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from kernels_cpu import read_bandwidth
+from kernels_cpu import time_side_by_side as median_times
 
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
@@ -34,25 +37,12 @@ from attn_dispatch.backends.native._lib import NaError
 from attn_dispatch.backends.native.backend import NativeBackend
 
 
-def median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Interleaved repeats: each round runs every function once, in turn."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def roofline() -> tuple[float, float]:
-    """(read GB/s of a 256 MB tensor, fp32 GEMM GFMA/s of a 1024^3 matmul) on this run's threads."""
-    x = torch.ones(64 * 1024 * 1024)
+    """(read GB/s of a 1 GiB tensor, fp32 GEMM GFMA/s of a 1024^3 matmul) on this run's threads:
+    the kernels are fp32 arithmetic on AVX2, so fp32 GEMM is their compute roof."""
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    t = median_times({"read": lambda: x.sum(), "gemm": lambda: a @ b}, 7)
-    return x.numel() * 4 / t["read"] / 1e9, 1024**3 / t["gemm"] / 1e9
+    t = median_times({"gemm": lambda: a @ b}, 7)
+    return read_bandwidth(5), 1024**3 / t["gemm"] / 1e9
 
 
 def main() -> None:
