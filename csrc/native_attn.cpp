@@ -397,12 +397,14 @@ std::vector<Group> find_groups(NaPlan& P, int group_heads) {
         while (n < most && ip[n] == lp[n]) ++n;
         lcp.emplace_back(n, i);
       }
-      // The share length that saves the most key reads: (members - 1) x shared pages.
+      // The share length that saves the most key reads, (members - 1) x shared pages, among
+      // those of at least kMinCascadeKeys keys (sorted longest first: the rest are shorter).
       std::stable_sort(lcp.begin(), lcp.end(),
                        [](const auto& x, const auto& y) { return x.first > y.first; });
       int64_t best = 0;
       size_t best_n = 0;
       for (size_t k = 1; k < lcp.size(); ++k) {
+        if (int64_t(lcp[k].first) * ps < na::kMinCascadeKeys) break;
         const int64_t saved = int64_t(k) * lcp[k].first;
         if (saved > best) best = saved, best_n = k + 1;
       }

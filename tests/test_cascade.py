@@ -127,7 +127,7 @@ def run(case: CascadeCase, t: dict[str, Any], **options: Any) -> tuple[Any, Any,
     return plan, out, lse
 
 
-def expected_groups(case: CascadeCase) -> int:
+def expected_groups(case: CascadeCase, masks: list[Any] | None = None) -> int:
     """How many cascade groups the planner must form (its rules, restated from scratch)."""
     ps = case.page_size
     group_heads = case.num_q_heads // case.num_kv_heads
@@ -136,8 +136,14 @@ def expected_groups(case: CascadeCase) -> int:
     for i, (ql, kl, table) in enumerate(zip(case.q_lens, case.kv_lens, case.tables, strict=True)):
         if group_heads * ql > 16:
             continue
-        # Keys every query sees: causal, or the tree mask (all prefix keys allowed here).
-        usable[i] = min(len(table), (kl - ql + 1) // ps)
+        # Keys every query sees from the first: causal, or the run of allowed keys every row
+        # of the tree mask starts with.
+        seen = kl - ql + 1
+        if masks is not None:
+            hidden = ~masks[i]
+            firsts = [int(row.nonzero()[0]) if bool(row.any()) else kl for row in hidden]
+            seen = min(firsts)
+        usable[i] = min(len(table), seen // ps)
         if usable[i] > 0:
             by_first.setdefault(table[0], []).append(i)
     groups = 0
@@ -154,6 +160,8 @@ def expected_groups(case: CascadeCase) -> int:
         lcps.sort(reverse=True)
         best, best_n = 0, 0
         for k in range(1, len(lcps)):
+            if lcps[k] * ps < 64:  # the floor: shorter shares are never chosen
+                break
             if k * lcps[k] > best:
                 best, best_n = k * lcps[k], k + 1
         if best_n >= 2 and lcps[best_n - 1] * ps >= 64:
@@ -172,7 +180,7 @@ def test_cascade_equals_plain_plan_and_reference(case: CascadeCase) -> None:
     plan_on, out_on, lse_on = run(case, t)
     plan_off, out_off, lse_off = run(case, t, cascade=False)
     assert plan_off.cascade_groups == 0
-    assert plan_on.cascade_groups == expected_groups(case)
+    assert plan_on.cascade_groups == expected_groups(case, t["masks"])
     ref_out, ref_lse = reference(case, t)
     tol = tolerance(case)
     torch.testing.assert_close(out_on.double(), ref_out, atol=tol, rtol=tol)
@@ -207,6 +215,9 @@ PREFIX = [0, 1, 2, 3, 4]  # 80 keys at page 16: above the 64-key floor
          [90] * 3, 1, 2),
         ("not a prefix", [[*PREFIX, 10], [11, *PREFIX], [12, *PREFIX]], [90] * 3, 0, 0),
         ("below the key floor", [[0, 1, 2, 10], [0, 1, 2, 11]], [60, 60], 0, 0),
+        # Four share 3 pages (48 keys, below the floor), two of them 5: those two form a group.
+        ("the floor before the savings", [[*PREFIX, 10], [*PREFIX, 11], [0, 1, 2, 12],
+                                          [0, 1, 2, 13]], [90, 90, 60, 60], 1, 2),
         ("two groups", [[*PREFIX, 10], [*PREFIX, 11], [20, 21, 22, 23, 24, 12],
                         [20, 21, 22, 23, 24, 13]], [90] * 4, 2, 4),
         ("last shared page partly read", [PREFIX, PREFIX], [75, 78], 1, 2),
