@@ -290,7 +290,7 @@ def test_tree_mask_hiding_a_shared_key_keeps_that_request_private() -> None:
 
 
 def test_cascade_in_bf16_equals_private_copies() -> None:
-    # The benchmark's shape in small: GQA 4 x 8 heads... bf16 cache, shared vs copied pages.
+    # The benchmark's shape in small (GQA 16/4, bf16 cache): shared pages vs copies of them.
     ps, n, shared, own = 16, 6, 8, 2
     cfg = AttnConfig("mha", 16, 4, 64, dtype="bfloat16", page_size=ps)
     num_pages = shared + n * own + n * shared
