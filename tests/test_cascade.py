@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 
 from attn_dispatch import AttnBatch  # noqa: E402
 from attn_dispatch import AttnConfig  # noqa: E402
+from attn_dispatch import InvalidBatchError  # noqa: E402
 from attn_dispatch import InvalidSpecError  # noqa: E402
 from attn_dispatch import Phase  # noqa: E402
 from attn_dispatch.backends.native._lib import load  # noqa: E402
@@ -359,6 +360,14 @@ def test_cascade_option_refuses_non_bools() -> None:
     cfg = AttnConfig("mha", 4, 2, D, dtype="float32", page_size=16)
     with pytest.raises(InvalidSpecError, match="cascade"):
         NativeBackend(cfg, cascade="yes")  # type: ignore[arg-type]
+
+
+def test_direct_handler_refuses_a_non_bool_return_lse() -> None:
+    case = case_of([[*PREFIX, 10], [*PREFIX, 11]], [90, 90])
+    t = tensors(case)
+    be = NativeBackend(t["cfg"])
+    with pytest.raises(InvalidBatchError, match="return_lse: must be True or False, got 1"):
+        be.handler(Phase.DECODE)(t["q"], t["k"], t["v"], be.plan(t["batch"]), 0.2, return_lse=1)
 
 
 def test_lse_with_sinks_counts_the_sink_once() -> None:

@@ -4,6 +4,7 @@ from, and the deterministic greedy / top-k choice of tokens."""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from collections.abc import Callable
@@ -146,7 +147,7 @@ class Step:
     batch: AttnBatch | None
 
 
-class PagedModel:
+class PagedModel(abc.ABC):
     """What both demo models are: token embedding, blocks of attention over the model's own
     paged cache plus an MLP (the residual stream in fp32), an LM head. Each model defines its
     attention (``_attention``), its cache rows (``_cache_rows``) and its attention shape
@@ -181,15 +182,18 @@ class PagedModel:
             x = x + mlp(x, layer["up"], layer["down"])
         return F.linear(rms(x), self.lm_head)
 
+    @abc.abstractmethod
     def _attention(self, i: int, h: torch.Tensor, cache: Cache, step: Step) -> torch.Tensor:
         """Layer ``i``'s attention output ``[T, heads, v]`` for its normalised input ``h``
         (writing the new tokens' K/V into ``cache`` first: the data contract)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _cache_rows(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
         """The shape of one token's row in the K cache and in the V cache (None: no V cache)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _attn_shape(self) -> dict[str, Any]:
         """The ``AttnConfig`` fields that describe this model's attention layers."""
         raise NotImplementedError

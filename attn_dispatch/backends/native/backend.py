@@ -314,10 +314,12 @@ class NativeBackend(TorchBackendBase):
         if return_lse is not True and return_lse is not False:
             raise InvalidBatchError("return_lse", f"must be True or False, got {return_lse!r}")
         out = torch.empty((plan.num_tokens, cfg.num_q_heads, self.v_head_dim), dtype=self.q_dtype)
-        lse = torch.empty((plan.num_tokens, cfg.num_q_heads), dtype=torch.float32)
-        lse_ptr, lse_numel = (lse.data_ptr(), lse.numel()) if return_lse else (None, 0)
+        lse, lse_ptr, lse_numel = None, None, 0
+        if return_lse:
+            lse = torch.empty((plan.num_tokens, cfg.num_q_heads), dtype=torch.float32)
+            lse_ptr, lse_numel = lse.data_ptr(), lse.numel()
         if plan.num_items == 0:
-            return (out, lse) if return_lse else out
+            return out if lse is None else (out, lse)
         # The kernel bounds every row and page by these element counts, whatever the plan.
         rc = self._run(
             plan.handle.ptr, self._cfg_ref, q.data_ptr(), q.numel(), k_cache.data_ptr(),
@@ -333,4 +335,4 @@ class NativeBackend(TorchBackendBase):
                 "heads do not fit q, the cache or the output); plan the batch again with "
                 "this backend",
             )
-        return (out, lse) if return_lse else out
+        return out if lse is None else (out, lse)
