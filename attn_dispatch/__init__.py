@@ -5,16 +5,24 @@ what the kernels can do for the runner's ``AttnConfig``; ``attn_scope(runner, ba
 runner active in this context during its forward, and layers call ``attention(...)`` or
 ``resolve(phase)``. One runner never changes another's dispatch.
 
-The core imports no torch: importing this package is cheap. ``AttnBatch`` needs torch only
-when it is constructed.
+This module is what a framework uses. What a backend author needs (``Capabilities``, the
+protocols, ``PlanBase``, the registry) is ``attn_dispatch.backend``; SGLang's names are
+``attn_dispatch.integrations.sglang``.
+
+The core imports no torch: importing this package is cheap. ``AttnBatch``, ``tree_mask`` and
+``merge_state(s)`` load their torch-level modules on first use.
+
+This ``__init__`` is the top of the layers (see ``tests/core/test_layers.py``): the one place
+that wires the built-in backends into the default registry.
 """
 
+import warnings
 from typing import TYPE_CHECKING
 from typing import Any
 
-from attn_dispatch._binding import Binding
+from attn_dispatch import _registry
+from attn_dispatch import backend as _backend_surface
 from attn_dispatch._binding import bind
-from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import BackendUnavailableError
@@ -27,23 +35,13 @@ from attn_dispatch._errors import ScopeError
 from attn_dispatch._errors import UnknownBackendError
 from attn_dispatch._errors import UnknownPhaseError
 from attn_dispatch._forms import AttnForm
-from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
-from attn_dispatch._protocol import AttentionBackend
-from attn_dispatch._protocol import BackendBase
-from attn_dispatch._protocol import ChunkedHandler
-from attn_dispatch._protocol import Handler
-from attn_dispatch._protocol import PlanBase
 from attn_dispatch._protocol import Runner
-from attn_dispatch._protocol import check_plan
-from attn_dispatch._protocol import issue_plan
 from attn_dispatch._record import DispatchEvent
 from attn_dispatch._record import DispatchRecorder
 from attn_dispatch._record import record_dispatch
-from attn_dispatch._registry import Registry
-from attn_dispatch._registry import list_backends
-from attn_dispatch._registry import register_backend
-from attn_dispatch._registry import unregister_backend
+from attn_dispatch._route import Binding
+from attn_dispatch._route import Route
 from attn_dispatch._scope import attention
 from attn_dispatch._scope import attention_form
 from attn_dispatch._scope import attn_scope
@@ -53,7 +51,7 @@ from attn_dispatch._scope import resolve
 from attn_dispatch._spec import BackendSpec
 from attn_dispatch._threads import carry_scope
 from attn_dispatch._threads import run_in_thread
-from attn_dispatch.integrations._sglang_rules import phase_of
+from attn_dispatch.backends import BUILTINS as _BUILTINS
 
 if TYPE_CHECKING:
     from attn_dispatch._batch import AttnBatch
@@ -63,44 +61,114 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+# The wiring: the built-in backends join every registry that loads built-ins (the default one
+# included), on first use. Neither the registry nor the backends import each other.
+_registry.install_builtins(_BUILTINS)
+
+# Names that need torch: loaded on first use, so start-up imports of the core stay small.
+_LAZY = {
+    "AttnBatch": "attn_dispatch._batch",
+    "tree_mask": "attn_dispatch._batch",
+    "merge_state": "attn_dispatch.state",
+    "merge_states": "attn_dispatch.state",
+}
+
+# Old top-level names, kept for one release: name -> (new home, attribute there).
+_MOVED = {
+    **{
+        name: ("attn_dispatch.backend", name)
+        for name in (
+            "AttentionBackend",
+            "BackendBase",
+            "Capabilities",
+            "ChunkedHandler",
+            "FormPolicy",
+            "Handler",
+            "PlanBase",
+            "Registry",
+            "check_plan",
+            "issue_plan",
+            "list_backends",
+            "register_backend",
+            "unregister_backend",
+        )
+    },
+    "phase_of": ("attn_dispatch.integrations.sglang", "phase_of"),
+}
+
 
 def __getattr__(name: str) -> Any:
-    # Modules that need torch are loaded on first use: start-up imports of the core stay small.
-    if name in ("AttnBatch", "tree_mask"):
-        from attn_dispatch import _batch
+    import importlib
 
-        return getattr(_batch, name)
-    if name in ("merge_state", "merge_states"):
-        from attn_dispatch import state
-
-        return getattr(state, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    moved = _MOVED.get(name)
+    if moved is not None:
+        module, attr = moved
+        warnings.warn(
+            f"attn_dispatch.{name} moved to {module}.{attr}; import it from there "
+            "(the old name goes in the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'attn_dispatch' has no attribute {name!r}")
 
 
+def _spec_from_server_args(
+    cls: type[BackendSpec],
+    args: object,
+    *,
+    is_draft: bool = False,
+    speculative_algorithm: str | None = None,
+) -> BackendSpec:
+    """Deprecated: ``attn_dispatch.integrations.sglang.spec_from_server_args``."""
+    warnings.warn(
+        "BackendSpec.from_server_args moved to "
+        "attn_dispatch.integrations.sglang.spec_from_server_args (SGLang's rules live with its "
+        "integration); the old name goes in the next release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    from attn_dispatch.integrations.sglang import spec_from_server_args
+
+    spec = spec_from_server_args(
+        args, is_draft=is_draft, speculative_algorithm=speculative_algorithm
+    )
+    return spec if cls is BackendSpec else cls(**spec.to_dict())
+
+
+# BackendSpec.from_server_args, kept for one release: attached here, the layer that may know
+# the SGLang integration (the value types below it may not).
+type.__setattr__(BackendSpec, "from_server_args", classmethod(_spec_from_server_args))
+
+
+def _public(obj: object, module: str = "attn_dispatch") -> None:
+    # Public classes and functions name the module they are imported from, so reprs, docs
+    # and pickles never show a private path (a pickled BackendSpec names attn_dispatch).
+    try:
+        obj.__module__ = module  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass
+
+
 __all__ = [
-    "AttentionBackend",
     "AttnBatch",
     "AttnConfig",
     "AttnDispatchError",
     "AttnForm",
-    "BackendBase",
     "BackendSpec",
     "BackendUnavailableError",
     "Binding",
-    "Capabilities",
-    "ChunkedHandler",
     "DispatchEvent",
     "DispatchRecorder",
     "DuplicateBackendError",
-    "FormPolicy",
-    "Handler",
     "IncompatibleBackendError",
     "InvalidBatchError",
     "InvalidSpecError",
     "NoActiveScopeError",
     "Phase",
-    "PlanBase",
-    "Registry",
+    "Route",
     "Runner",
     "ScopeError",
     "UnknownBackendError",
@@ -110,18 +178,18 @@ __all__ = [
     "attn_scope",
     "bind",
     "carry_scope",
-    "check_plan",
     "current_batch",
     "current_binding",
-    "issue_plan",
-    "list_backends",
     "merge_state",
     "merge_states",
-    "phase_of",
     "record_dispatch",
-    "register_backend",
     "resolve",
     "run_in_thread",
     "tree_mask",
-    "unregister_backend",
 ]
+
+for _name in __all__:
+    if _name not in _LAZY:
+        _public(globals()[_name])
+_public(_spec_from_server_args)
+del _name, _backend_surface

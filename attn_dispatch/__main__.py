@@ -1,5 +1,5 @@
 import sys
 
-from attn_dispatch._cli import main
+from attn_dispatch.cli import main
 
 sys.exit(main())

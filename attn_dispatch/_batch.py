@@ -71,7 +71,7 @@ class AttnBatch:
                 raise InvalidBatchError(name, f"dtype must be torch.int32, got {t.dtype}")
             if t.dim() != 1:
                 raise InvalidBatchError(name, f"must be 1-D, got shape {tuple(t.shape)}")
-        from attn_dispatch.backends import _common  # torch is loaded: tensors exist
+        from attn_dispatch import _contract  # torch is loaded: tensors exist
 
         qo = self.qo_indptr.cpu()
         kv = self.kv_indptr.cpu()
@@ -81,15 +81,15 @@ class AttnBatch:
         put(self, "kv_indptr_host", kv)
         put(self, "kv_lens_host", lens)
         put(self, "num_requests", lens.numel())
-        total, max_q, max_kv = _common.check_metadata(
+        total, max_q, max_kv = _contract.check_metadata(
             self.phase, qo, kv, lens, self.kv_indices.numel(), self.page_size
         )
-        _common.check_indices(kv, self.kv_indices.cpu(), self.num_pages)
+        _contract.check_indices(kv, self.kv_indices.cpu(), self.num_pages)
         put(self, "num_tokens", total)
         put(self, "max_q_len", max_q)
         put(self, "max_kv_len", max_kv)
         if self.custom_mask is not None:  # without one, VERIFY is a causal chain
-            offsets, _ = _common.mask_offsets(self.custom_mask, qo, lens, rows=True)
+            offsets, _ = _contract.mask_offsets(self.custom_mask, qo, lens, rows=True)
             put(self, "mask_indptr", offsets.to(self.custom_mask.device))
 
     # -- builders -----------------------------------------------------------------------------
@@ -252,3 +252,7 @@ def tree_mask(parents: Sequence[int], prefix_len: int) -> torch.Tensor:
         if p >= 0:
             mask[j, prefix_len : prefix_len + q] |= mask[p, prefix_len : prefix_len + q]
     return mask
+
+
+# Public through attn_dispatch (loaded lazily there): reprs and pickles name it.
+AttnBatch.__module__ = tree_mask.__module__ = "attn_dispatch"

@@ -33,7 +33,7 @@ from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
 
 if TYPE_CHECKING:
-    from attn_dispatch._binding import Binding
+    from attn_dispatch._route import Binding
 
 
 class Handler(Protocol):

@@ -14,6 +14,7 @@ import importlib
 import threading
 import warnings
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 from typing import TypeVar
 from typing import overload
@@ -115,9 +116,7 @@ class Registry:
             self._loaded = True
 
     def _load_builtins(self) -> None:
-        from attn_dispatch.backends import BUILTINS
-
-        for name, (module, factory) in BUILTINS.items():
+        for name, (module, factory) in _BUILTINS.items():
             try:
                 light = importlib.import_module(module)
             except ModuleNotFoundError as exc:
@@ -292,6 +291,19 @@ class Registry:
         return f"<Registry {state}>"
 
 
+# The built-in backends: name -> (light module, factory path). The package's __init__ (the one
+# place that knows both the registry and the backends) installs the table; the registry never
+# imports a backend package itself.
+_BUILTINS: dict[str, tuple[str, str]] = {}
+
+
+def install_builtins(table: Mapping[str, tuple[str, str]]) -> None:
+    """Set the built-in backends every ``Registry(builtins=True)`` loads on first use
+    (``attn_dispatch/__init__`` calls it once with ``attn_dispatch.backends.BUILTINS``)."""
+    _BUILTINS.clear()
+    _BUILTINS.update(table)
+
+
 # The registry whose entry points are loading in this context (see _load_entry_points).
 _PLUGIN_TARGET: contextvars.ContextVar[Registry | None] = contextvars.ContextVar(
     "attn_dispatch.plugin_target", default=None
@@ -347,6 +359,7 @@ __all__ = [
     "BackendEntry",
     "Registry",
     "get_backend",
+    "install_builtins",
     "list_backends",
     "register_backend",
     "unregister_backend",

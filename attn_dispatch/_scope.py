@@ -31,7 +31,7 @@ from typing import ParamSpec
 from typing import TypedDict
 from typing import TypeVar
 
-from attn_dispatch._binding import Binding
+from attn_dispatch._route import Binding
 from attn_dispatch._calls import CallRule
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
@@ -424,7 +424,8 @@ def _resolve_error(phase: object) -> Exception:
         tuple(p.name for p in Phase),
         hint=(
             "resolve() takes an attn_dispatch.Phase member; map a framework's forward mode "
-            "(SGLang's ForwardMode, a name, an int) with attn_dispatch.phase_of(mode) first."
+            "(SGLang's ForwardMode, a name, an int) with its integration's phase_of first "
+            "(attn_dispatch.integrations.sglang.phase_of)."
         ),
     )
 

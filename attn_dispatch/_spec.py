@@ -1,4 +1,8 @@
-"""BackendSpec: the kernel names one runner uses, per phase."""
+"""BackendSpec: the kernel names one runner uses, per phase.
+
+A framework's own way of naming them (SGLang's server arguments) is read by its integration:
+``attn_dispatch.integrations.sglang.spec_from_server_args``.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,6 @@ from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch._vocab import VERIFY_MODES as _VERIFY_MODES
 from attn_dispatch._vocab import VerifyMode
-from attn_dispatch.integrations._sglang_rules import server_args_spec
 
 _KEYS = ("prefill", "decode", "verify", "verify_mode")
 _DICT_KEYS = (*_KEYS, "note")
@@ -127,34 +130,6 @@ class BackendSpec:
         if not isinstance(data, dict):
             raise InvalidSpecError("spec", text, "expected a JSON object")
         return cls.from_dict(data)
-
-    @classmethod
-    def from_server_args(
-        cls,
-        args: object,
-        *,
-        is_draft: bool = False,
-        speculative_algorithm: str | None = None,
-    ) -> BackendSpec:
-        """The spec SGLang gives one runner, from its ``ServerArgs`` (or a mapping of them).
-
-        >>> args = {"attention_backend": "triton", "decode_attention_backend": "flashinfer",
-        ...         "speculative_attention_mode": "decode"}
-        >>> str(BackendSpec.from_server_args(args))
-        'prefill=triton,decode=flashinfer,verify_mode=decode'
-        >>> BackendSpec.from_server_args(args, is_draft=True, speculative_algorithm="EAGLE").names
-        ('flashinfer', 'flashinfer', 'flashinfer')
-
-        Reads ``resolved_dict()`` when ``args`` has one (SGLang >= 0.5.23 keeps the raw input
-        in the attributes), else the attributes or mapping keys. The target runner follows
-        ``attention_backends()`` and the hybrid backend; a draft runner follows the rules of
-        ``speculative_algorithm`` (else ``args.speculative_algorithm``, else EAGLE's), as
-        SGLang 0.5.23's draft factories apply them. Names SGLang rewrites are rewritten the
-        same way and listed in ``note``. A phase without a name raises ``InvalidSpecError``.
-        The rules are SGLang's and live with its integration
-        (``attn_dispatch.integrations._sglang_rules``).
-        """
-        return server_args_spec(cls, args, is_draft=is_draft, algorithm=speculative_algorithm)
 
     def backend_for(self, phase: Phase) -> str:
         """The backend name that serves ``phase``."""

@@ -8,13 +8,14 @@ scope then, so one compiled function serves every runner and follows whichever r
 ``attn_scope`` is open on each call. Its fake implementation gives the output shape
 ``[T, Hq, Dv]`` from the inputs alone, which is all the compiler needs.
 
-Importing this module also tells Dynamo to trace ``attn_dispatch.attention`` as that op
-(``torch.compiler.substitute_in_graph``), so model code keeps calling ``attention`` and eager
-calls pay nothing extra. Building a built-in backend imports it (their base class,
-``attn_dispatch.backends._torch_base``, does: they run on torch anyway), so binding any of them
-is enough; a model bound only to third-party backends imports this module itself, once:
+Importing this module registers the op and tells Dynamo to trace ``attn_dispatch.attention``
+as that op (``torch.compiler.substitute_in_graph``), so model code keeps calling ``attention``
+and eager calls pay nothing extra. Registering is explicit: nothing in the package imports this
+module for you (binding a backend does not; the core never imports torch or Dynamo as a side
+effect, and Dynamo imports triton, which must not load before ``TRITON_INTERPRET`` is chosen).
+A process that compiles model code imports it once, before compiling:
 
->>> import attn_dispatch.compile  # not needed after binding a built-in backend
+>>> import attn_dispatch.compile  # once per process, before torch.compile
 >>> @torch.compile(fullgraph=True)
 ... def layer(q, k_cache, v_cache):
 ...     return attention(q, k_cache, v_cache, sm_scale=0.125)

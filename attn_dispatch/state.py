@@ -105,3 +105,7 @@ def merge_state(
     See ``merge_states`` for shapes and the rules for empty parts.
     """
     return merge_states((out_a, out_b), (lse_a, lse_b))
+
+
+# Public through attn_dispatch (loaded lazily there) as well as here: reprs name the package.
+merge_state.__module__ = merge_states.__module__ = "attn_dispatch"

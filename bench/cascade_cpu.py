@@ -32,7 +32,7 @@ from kernels_cpu import time_side_by_side as median_times
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
 from attn_dispatch import Phase
-from attn_dispatch.backends._common import BatchSnapshot
+from attn_dispatch._snapshot import BatchSnapshot
 from attn_dispatch.backends.native._lib import NaError
 from attn_dispatch.backends.native.backend import NativeBackend
 

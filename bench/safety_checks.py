@@ -25,8 +25,8 @@ from attn_dispatch import AttnConfig
 from attn_dispatch import AttnDispatchError
 from attn_dispatch import Phase
 from attn_dispatch import bind
-from attn_dispatch.backends._common import BatchSnapshot
-from attn_dispatch.backends._common import TensorChecks
+from attn_dispatch._snapshot import BatchSnapshot
+from attn_dispatch._tensor_checks import TensorChecks
 from attn_dispatch.backends._common import check_owner
 
 

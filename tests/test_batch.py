@@ -141,7 +141,7 @@ def test_to_keeps_host_copies_on_cpu() -> None:
 
 
 def test_snapshot_owns_checked_copies() -> None:
-    from attn_dispatch.backends._common import BatchSnapshot
+    from attn_dispatch._snapshot import BatchSnapshot
 
     b = raw()
     snap = BatchSnapshot.of(b, 4)
@@ -158,7 +158,7 @@ def test_snapshot_owns_checked_copies() -> None:
 
 
 def test_snapshot_checks_at_the_bound_page_size() -> None:
-    from attn_dispatch.backends._common import BatchSnapshot
+    from attn_dispatch._snapshot import BatchSnapshot
 
     b = raw(page_size=None)
     assert BatchSnapshot.of(b, 4).max_kv_len == 7
@@ -172,25 +172,26 @@ def test_snapshot_checks_at_the_bound_page_size() -> None:
 
 
 def test_snapshot_large_batch_takes_the_vector_path() -> None:
-    from attn_dispatch.backends import _common
+    from attn_dispatch import _contract
+    from attn_dispatch._snapshot import BatchSnapshot
 
-    n = _common._LIST_MAX + 5
+    n = _contract._LIST_MAX + 5
     b = AttnBatch.build(
         Phase.DECODE, q_lens=[1] * n, kv_lens=[3] * n, page_tables=[[i] for i in range(n)],
         page_size=4,
     )  # fmt: skip
-    snap = _common.BatchSnapshot.of(b, 4)
+    snap = BatchSnapshot.of(b, 4)
     assert (snap.num_tokens, snap.max_kv_len, snap.max_page) == (n, 3, n - 1)
     b.kv_lens[n - 2] = 9
     with pytest.raises(InvalidBatchError, match="cannot hold") as err:
-        _common.BatchSnapshot.of(b, 4)
+        BatchSnapshot.of(b, 4)
     assert err.value.request == n - 2
 
 
 def test_tensor_checks_name_the_field() -> None:
     from attn_dispatch import AttnConfig
-    from attn_dispatch.backends._common import BatchSnapshot
-    from attn_dispatch.backends._common import TensorChecks
+    from attn_dispatch._snapshot import BatchSnapshot
+    from attn_dispatch._tensor_checks import TensorChecks
 
     cfg = AttnConfig("mha", 4, 2, 16, dtype="float32", page_size=4)
     checks = TensorChecks.of(cfg, backend="test", layout="contiguous")
@@ -241,8 +242,8 @@ def test_plan_check_is_identity() -> None:
 
 
 def test_refill_checks_everything_before_writing() -> None:
-    from attn_dispatch.backends._common import BatchSnapshot
-    from attn_dispatch.backends._common import refill
+    from attn_dispatch._snapshot import BatchSnapshot
+    from attn_dispatch._snapshot import refill
 
     def decode(lens: list[int], tables: list[list[int]]) -> AttnBatch:
         return AttnBatch.build(

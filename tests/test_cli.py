@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from attn_dispatch._cli import main
+from attn_dispatch.cli import main
 from tests.strategies import MHA_ONLY_CAPS
 from tests.strategies import register_echo
 

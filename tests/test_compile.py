@@ -210,15 +210,17 @@ def test_mla_attention_without_width_names_the_fix_or_falls_back() -> None:
     torch.testing.assert_close(got, want)
 
 
-def test_bind_registers_the_compile_path_without_an_explicit_import() -> None:
-    # A fresh interpreter: only `import torch`, `import attn_dispatch`, bind, then compile.
+def test_the_compile_path_is_registered_by_its_explicit_import_only() -> None:
+    # A fresh interpreter: binding a built-in backend registers nothing (no side effect of
+    # building a backend); `import attn_dispatch.compile` is the one explicit step.
     code = """
 import sys, torch, attn_dispatch
 from attn_dispatch import AttnBatch, AttnConfig, Phase, attention, attn_scope, bind
-assert "attn_dispatch.compile" not in sys.modules
 cfg = AttnConfig(kind="mha", num_q_heads=2, num_kv_heads=1, head_dim=4, dtype="float32")
 b = bind("torch", cfg)
-assert "attn_dispatch.compile" in sys.modules
+assert "attn_dispatch.compile" not in sys.modules
+assert not hasattr(torch.ops.attn_dispatch, "attention")
+import attn_dispatch.compile
 batch = AttnBatch.build(Phase.DECODE, q_lens=[1], kv_lens=[2], page_tables=[[0, 1]], page_size=1)
 q, k = torch.randn(1, 2, 4), torch.randn(2, 1, 1, 4)
 f = torch.compile(lambda q, k: attention(q, k, k, sm_scale=0.5), fullgraph=True, backend="eager")

@@ -27,7 +27,7 @@ from attn_dispatch import InvalidBatchError
 from attn_dispatch import Phase
 from attn_dispatch._vocab import VARIANTS
 from attn_dispatch.backends import flashinfer as fi_caps
-from attn_dispatch.backends._common import window_tree_mask
+from attn_dispatch.backends._masks import window_tree_mask
 
 torch = pytest.importorskip("torch")
 
@@ -680,18 +680,21 @@ def _reference(
 def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Any:
     if not HAS_FLASHINFER:
         pytest.skip("flashinfer-python not installed")
+    import flashinfer
+    import flashinfer.mla
+
     from attn_dispatch.backends.flashinfer import backend as fb
 
     _REAL.update(
-        BatchPrefillWithPagedKVCacheWrapper=fb.flashinfer.BatchPrefillWithPagedKVCacheWrapper,
-        BatchDecodeWithPagedKVCacheWrapper=fb.flashinfer.BatchDecodeWithPagedKVCacheWrapper,
-        BatchMLAPagedAttentionWrapper=fb.BatchMLAPagedAttentionWrapper,
-        MultiLevelCascadeAttentionWrapper=fb.flashinfer.MultiLevelCascadeAttentionWrapper,
+        BatchPrefillWithPagedKVCacheWrapper=flashinfer.BatchPrefillWithPagedKVCacheWrapper,
+        BatchDecodeWithPagedKVCacheWrapper=flashinfer.BatchDecodeWithPagedKVCacheWrapper,
+        BatchMLAPagedAttentionWrapper=flashinfer.mla.BatchMLAPagedAttentionWrapper,
+        MultiLevelCascadeAttentionWrapper=flashinfer.MultiLevelCascadeAttentionWrapper,
     )
-    monkeypatch.setattr(fb.flashinfer, "BatchPrefillWithPagedKVCacheWrapper", _FakePrefill)
-    monkeypatch.setattr(fb.flashinfer, "BatchDecodeWithPagedKVCacheWrapper", _FakeDecode)
-    monkeypatch.setattr(fb.flashinfer, "MultiLevelCascadeAttentionWrapper", _FakeCascade)
-    monkeypatch.setattr(fb, "BatchMLAPagedAttentionWrapper", _FakeMLA)
+    monkeypatch.setattr(flashinfer, "BatchPrefillWithPagedKVCacheWrapper", _FakePrefill)
+    monkeypatch.setattr(flashinfer, "BatchDecodeWithPagedKVCacheWrapper", _FakeDecode)
+    monkeypatch.setattr(flashinfer, "MultiLevelCascadeAttentionWrapper", _FakeCascade)
+    monkeypatch.setattr(flashinfer.mla, "BatchMLAPagedAttentionWrapper", _FakeMLA)
     # the machine has no GPU: run the adapter's host logic on CPU tensors
     monkeypatch.setattr(fb, "_device_for", lambda config: torch.device("cpu"))
     monkeypatch.setattr(fb, "_check_config", lambda config: None)

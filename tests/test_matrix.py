@@ -15,8 +15,8 @@ from attn_dispatch import Capabilities
 from attn_dispatch import FormPolicy
 from attn_dispatch import Phase
 from attn_dispatch import Registry
-from attn_dispatch._cli import main
-from attn_dispatch._cli import render_readme
+from attn_dispatch.cli import main
+from attn_dispatch.cli.matrix import render_readme
 from attn_dispatch._matrix import FIELDS
 from attn_dispatch._matrix import block_commands
 from attn_dispatch._matrix import fields_of
@@ -237,7 +237,7 @@ def test_matrix_imports_no_torch() -> None:
     import sys
 
     code = (
-        "import sys; from attn_dispatch._cli import main; rc = main(['matrix']); "
+        "import sys; from attn_dispatch.cli import main; rc = main(['matrix']); "
         "assert rc == 0 and 'torch' not in sys.modules, sorted(sys.modules)"
     )
     proc = subprocess.run(

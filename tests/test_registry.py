@@ -389,7 +389,7 @@ def test_capabilities_object_is_kept() -> None:
 def test_cli_list_shows_failed_plugins(
     fake_plugins: tuple[list[str], _registry.Registry], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from attn_dispatch._cli import main
+    from attn_dispatch.cli import main
 
     with pytest.warns(RuntimeWarning):
         assert main(["list"], registry=fake_plugins[1]) == 0

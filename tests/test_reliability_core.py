@@ -590,20 +590,20 @@ def test_grouped_binding_config_is_per_group() -> None:
 
 
 def test_check_machine_false_gives_config_reasons_only() -> None:
-    from attn_dispatch._binding import _check
+    from attn_dispatch._binding import check_spec
 
     reg = Registry(builtins=False, plugins=False)
     caps = Capabilities(kinds={"mha"}, requires=("attn_dispatch_no_such_module",))
     reg.register("absent", capabilities=caps, factory=_NoKeywords)
     config_only: dict[Phase, tuple[str, list[str]]] = {}
-    _check("absent", cfg(), None, None, reg, reasons=config_only, machine=False)
+    check_spec("absent", cfg(), registry=reg, reasons=config_only, machine=False)
     assert config_only == {}  # nothing in the config is refused
     everything: dict[Phase, tuple[str, list[str]]] = {}
-    _check("absent", cfg(), None, None, reg, reasons=everything)
+    check_spec("absent", cfg(), registry=reg, reasons=everything)
     assert set(everything) == set(Phase)
     assert all("attn_dispatch_no_such_module" in " ".join(w) for _, w in everything.values())
     refused: dict[Phase, tuple[str, list[str]]] = {}
-    _check("absent", cfg(kind="mla", num_kv_heads=1, head_dim=576, v_head_dim=512),
-           None, None, reg, reasons=refused, machine=False)  # fmt: skip
+    check_spec("absent", cfg(kind="mla", num_kv_heads=1, head_dim=576, v_head_dim=512),
+               registry=reg, reasons=refused, machine=False)  # fmt: skip
     assert set(refused) == set(Phase)
     assert all("'mla'" in " ".join(w) for _, w in refused.values())

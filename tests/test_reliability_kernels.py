@@ -503,7 +503,7 @@ _TRITON_BOUNDS = """
     os.environ["TRITON_INTERPRET"] = "1"
     from attn_dispatch import AttnBatch, AttnConfig, Phase
     from attn_dispatch.backends.triton import _ops
-    from attn_dispatch.backends._common import StepStats
+    from attn_dispatch._snapshot import StepStats
     from attn_dispatch.backends.triton.backend import TritonBackend
 
     def _snap_with_tokens(snap, n):

@@ -411,7 +411,7 @@ def test_group_on_ungrouped_binding(registry_snapshot: object) -> None:
 
 def test_tensor_checks_sinks() -> None:
     torch = pytest.importorskip("torch")
-    from attn_dispatch.backends._common import TensorChecks
+    from attn_dispatch._tensor_checks import TensorChecks
 
     checks = TensorChecks.of(mha_config(sinks=True), backend="x")
     q = torch.zeros(3, 8, 64)

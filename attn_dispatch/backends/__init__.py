@@ -2,8 +2,9 @@
 ``CAPABILITIES`` and ``DEFAULT_FORM_POLICY`` (core imports only) and a heavy ``backend.py``
 imported only at ``bind``.
 
-This module is data only: the registry reads ``BUILTINS`` on first use (it imports nothing
-from the registry, so there is no import cycle between the two).
+This module is data only: the package's ``__init__`` installs ``BUILTINS`` into the registry
+(``attn_dispatch._registry.install_builtins``), which loads the light modules on first use;
+neither this module nor the registry imports the other.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """SGLang's rules, the one place they are written: its forward-mode names -> ``Phase``
 (``phase_of``) and its server arguments -> each runner's ``BackendSpec``
-(``server_args_spec``). Imports no SGLang and nothing that imports this module: the core
-reaches the rules through ``attn_dispatch.phase_of`` and ``BackendSpec.from_server_args``,
-the integration through ``attn_dispatch.integrations.sglang``.
+(``server_args_spec``). Imports no SGLang. Public through ``attn_dispatch.integrations.sglang``
+(``phase_of``, ``spec_from_server_args``); the core knows nothing of SGLang.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
 # is the spec's `verify_mode`, never a property of the name.
 # - DRAFT_EXTEND_V2 runs only on an EAGLE-family draft runner, whose backend for it is
 #   DraftBackendFactory's draft-extend backend (the decode one under speculative_attention_mode
-#   "decode"); `BackendSpec.from_server_args(..., is_draft=True)` names that backend for VERIFY.
+#   "decode"); `spec_from_server_args(..., is_draft=True)` names that backend for VERIFY.
 #   HybridAttnBackend would send it to prefill, but EAGLE v2 replaces the draft runner's hybrid
 #   backend with the draft-extend one, so no runner routes it through the hybrid.
 # - DRAFT_EXTEND (SGLang <= 0.5.13, removed in 0.5.14): HybridAttnBackend routed it like

@@ -6,9 +6,9 @@
     ...     ...
 
 SGLang's rules are written once, in ``attn_dispatch.integrations._sglang_rules``: its
-forward-mode names (``phase_of``, also ``attn_dispatch.phase_of``) and how its server
-arguments name each runner's backends (``spec_from_server_args``, also
-``BackendSpec.from_server_args``).
+forward-mode names (``phase_of``) and how its server arguments name each runner's backends
+(``spec_from_server_args``). The old names ``attn_dispatch.phase_of`` and
+``BackendSpec.from_server_args`` still work for one release, with a DeprecationWarning.
 
 Layer variants as SGLang spells them (``RadixAttention``'s fields): ``sliding_window_size``
 is already FlashInfer's ``window_left`` (SGLang models pass HF's ``sliding_window - 1``;
@@ -38,7 +38,21 @@ def spec_from_server_args(
 
     Resolved values (``resolved_dict()``) when the object has them; the draft follows the
     rules of ``speculative_algorithm`` (default: ``server_args.speculative_algorithm``), as
-    SGLang 0.5.23 applies them. See ``BackendSpec.from_server_args``.
+    SGLang 0.5.23 applies them.
+
+    >>> args = {"attention_backend": "triton", "decode_attention_backend": "flashinfer",
+    ...         "speculative_attention_mode": "decode"}
+    >>> str(spec_from_server_args(args))
+    'prefill=triton,decode=flashinfer,verify_mode=decode'
+    >>> spec_from_server_args(args, is_draft=True, speculative_algorithm="EAGLE").names
+    ('flashinfer', 'flashinfer', 'flashinfer')
+
+    Reads ``resolved_dict()`` when ``server_args`` has one (SGLang >= 0.5.23 keeps the raw
+    input in the attributes), else the attributes or mapping keys. The target runner follows
+    ``attention_backends()`` and the hybrid backend; a draft runner follows the rules of
+    ``speculative_algorithm`` (else ``server_args.speculative_algorithm``, else EAGLE's), as
+    SGLang 0.5.23's draft factories apply them. Names SGLang rewrites are rewritten the same
+    way and listed in ``note``. A phase without a name raises ``InvalidSpecError``.
     """
     return server_args_spec(
         BackendSpec, server_args, is_draft=is_draft, algorithm=speculative_algorithm

@@ -1,8 +1,8 @@
 """The native backend: the shared batch and tensor checks in Python, planning and kernels in
 C++ (ctypes).
 
-``plan`` runs the shared validator (``backends/_common.py``), then ``na_plan_create``, which
-re-checks every index it will follow and keeps private copies of them; the plan is owned by
+``plan`` runs the shared batch contract (``attn_dispatch._snapshot.BatchSnapshot``), then
+``na_plan_create``, which re-checks every index it will follow and keeps private copies of them; the plan is owned by
 the backend object that made it. Each layer call checks its tensors against the plan
 (``TensorChecks``) before one ``na_run``. A bad batch, tensor or plan is an
 ``InvalidBatchError`` naming the field, never a wild read in C++.
@@ -23,14 +23,14 @@ from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
+from attn_dispatch._protocol import BackendBase
 from attn_dispatch._protocol import Handler
 from attn_dispatch._protocol import PlanBase
 from attn_dispatch._protocol import check_plan
 from attn_dispatch._protocol import issue_plan
+from attn_dispatch._snapshot import BatchSnapshot
+from attn_dispatch._tensor_checks import TensorChecks
 from attn_dispatch._values import call_scale
-from attn_dispatch.backends._common import BatchSnapshot
-from attn_dispatch.backends._common import TensorChecks
-from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.native import MAX_HEAD_DIM
 from attn_dispatch.backends.native._lib import NaConfig
 from attn_dispatch.backends.native._lib import NaError
@@ -103,7 +103,7 @@ class NativePlan(PlanBase):
         )
 
 
-class NativeBackend(TorchBackendBase):
+class NativeBackend(BackendBase):
     """C++ paged attention on the CPU for MHA/GQA and absorbed MLA, every phase.
 
     >>> backend = NativeBackend(AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16",

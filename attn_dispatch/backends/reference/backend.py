@@ -33,15 +33,15 @@ from attn_dispatch._batch import AttnBatch
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
+from attn_dispatch._protocol import BackendBase
 from attn_dispatch._protocol import Handler
 from attn_dispatch._protocol import PlanBase
 from attn_dispatch._protocol import check_plan
 from attn_dispatch._protocol import issue_plan
-from attn_dispatch.backends._chunked import chunk_tree_mask
-from attn_dispatch.backends._common import BatchSnapshot
-from attn_dispatch.backends._common import TensorChecks
-from attn_dispatch.backends._common import window_tree_mask
-from attn_dispatch.backends._torch_base import TorchBackendBase
+from attn_dispatch._snapshot import BatchSnapshot
+from attn_dispatch._tensor_checks import TensorChecks
+from attn_dispatch.backends._masks import chunk_tree_mask
+from attn_dispatch.backends._masks import window_tree_mask
 
 # Max fp32 score elements alive at once (64 MiB): bounds memory for any context length.
 SCORE_BUDGET = 1 << 24
@@ -68,10 +68,10 @@ class TorchPlan(PlanBase):
     blocks: tuple[tuple[torch.Tensor, int, torch.Tensor], ...]
 
 
-class TorchBackend(TorchBackendBase):
+class TorchBackend(BackendBase):
     """Reference attention for MHA/GQA and absorbed MLA, every phase, CPU or CUDA.
 
-    Every call is checked before any tensor is indexed (``_common.TensorChecks``); on a CUDA
+    Every call is checked before any tensor is indexed (``attn_dispatch._tensor_checks.TensorChecks``); on a CUDA
     batch whose page indices were not read at plan time, page indices are clamped into the
     cache given at the call (``validate=True`` reads and checks them at plan time instead).
     """
@@ -134,7 +134,7 @@ class TorchBackend(TorchBackendBase):
                 ql, kl = qo[i + 1] - qo[i], lens[i]
                 mask[i, :ql, :kl] = snap.custom_mask[off : off + ql * kl].view(ql, kl)
                 off += ql * kl
-            if chunk is not None:  # the chunk first, then the window (see _chunked)
+            if chunk is not None:  # the chunk first, then the window (see backends._masks)
                 mask = chunk_tree_mask(mask, chunk)
             if window is not None:
                 mask = window_tree_mask(mask, window)

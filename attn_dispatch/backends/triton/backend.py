@@ -1,7 +1,7 @@
 """Triton backend, heavy half: ``TritonBackend(config, **options)`` (imports torch and triton).
 
 Per forward, ``plan(batch)`` takes a checked private copy of the batch's index tensors
-(``_common.BatchSnapshot``: host checks on the host copies, device-to-device copies, no host
+(``attn_dispatch._snapshot.BatchSnapshot``: host checks on the host copies, device-to-device copies, no host
 sync), chooses the kernel (the split-KV decode kernel when every request has one query token,
 the extend kernel otherwise) and the number of KV splits. The per-layer handler checks tensor
 shapes (attribute reads), allocates its output and the decode split scratch (per call, so
@@ -22,13 +22,13 @@ from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
+from attn_dispatch._protocol import BackendBase
 from attn_dispatch._protocol import check_plan
 from attn_dispatch._protocol import issue_plan
+from attn_dispatch._snapshot import BatchSnapshot
+from attn_dispatch._snapshot import refill
+from attn_dispatch._tensor_checks import TensorChecks
 from attn_dispatch._vocab import FP8_DTYPES
-from attn_dispatch.backends._common import BatchSnapshot
-from attn_dispatch.backends._common import TensorChecks
-from attn_dispatch.backends._common import refill
-from attn_dispatch.backends._torch_base import TorchBackendBase
 from attn_dispatch.backends.triton import _interpreter_reasons
 from attn_dispatch.backends.triton import _ops
 from attn_dispatch.backends.triton._dims import DimLayout
@@ -55,7 +55,7 @@ _INTERPRETER_LOCK = threading.Lock()
 _POW2_OPTIONS = ("block_h", "decode_block_n", "extend_block_m", "extend_block_n")
 
 
-class TritonBackend(TorchBackendBase):
+class TritonBackend(BackendBase):
     """Triton kernels for one runner's attention config.
 
     >>> cfg = AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16", page_size=64, device="cuda")

@@ -1,105 +1,29 @@
-"""Command line: ``python -m attn_dispatch list | matrix | explain | demo``.
-
-Exit status: 0 ok, 1 a refusal (a spec that cannot serve the config or model), 2 bad input
-(usage, unknown backend, a bad value, a model config that cannot be read). Bad input is one
-``error:`` line on stderr, never a traceback.
-"""
+"""``python -m attn_dispatch explain``: which backend serves each group and phase of a config
+(or of a model config), and every reason one cannot, with bind's own checks."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import re
-import sys
 from collections.abc import Mapping
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
-from attn_dispatch._binding import _check
 from attn_dispatch._binding import bind
-from attn_dispatch._capabilities import Capabilities
+from attn_dispatch._binding import check_spec
 from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import IncompatibleBackendError
 from attn_dispatch._errors import InvalidSpecError
-from attn_dispatch._matrix import FIELDS
-from attn_dispatch._matrix import FORMATS
-from attn_dispatch._matrix import format_matrix
-from attn_dispatch._matrix import render_blocks
-from attn_dispatch._matrix import support_matrix
 from attn_dispatch._phase import Phase
-from attn_dispatch._registry import DEFAULT_REGISTRY
 from attn_dispatch._registry import Registry
 from attn_dispatch._spec import BackendSpec
 from attn_dispatch._table import format_table
-
-
-def _join(values: object) -> str:
-    return ",".join(sorted(str(getattr(v, "name", v)).lower() for v in values))  # type: ignore[attr-defined]
-
-
-def cmd_list(args: argparse.Namespace, registry: Registry) -> int:
-    rows = []
-    backends = registry.list()
-    for name, caps in backends.items():
-        why = caps.availability_reasons()
-        rows.append(
-            (
-                name,
-                _join(caps.kinds),
-                _join(caps.phases),
-                _join(caps.devices),
-                _join(caps.dtypes),
-                "yes" if not why else "no: " + "; ".join(why),
-            )
-        )
-    # A plugin that failed to load is listed too, with its error: never silently missing.
-    for name, error in sorted(registry.plugin_errors.items()):
-        if name not in backends:
-            rows.append((name, "-", "-", "-", "-", f"no: plugin failed to load: {error}"))
-    print(format_table(("backend", "kinds", "phases", "devices", "dtypes", "available"), rows))
-    return 0
-
-
-# -- matrix -------------------------------------------------------------------------------------
+from attn_dispatch.cli.model import UnsupportedModel
+from attn_dispatch.cli.model import model_configs
 
 
 def _words(text: str) -> list[str]:
     return [w.strip() for w in text.split(",") if w.strip()]
 
-
-def matrix_text(args: argparse.Namespace, registry: Registry) -> str:
-    """What ``matrix`` prints for ``args``."""
-    names = _words(args.backends) if args.backends else None
-    fields = _words(args.fields) if args.fields else None
-    return format_matrix(support_matrix(registry, backends=names), args.format, fields=fields)
-
-
-def render_readme(text: str, registry: Registry) -> str:
-    """``text`` (a README) with every generated matrix block rebuilt from ``registry``."""
-    parser = argparse.ArgumentParser(prog="python -m attn_dispatch matrix")
-    _matrix_args(parser)
-    return render_blocks(text, lambda argv: matrix_text(parser.parse_args(argv), registry))
-
-
-def cmd_matrix(args: argparse.Namespace, registry: Registry) -> int:
-    if args.update_readme is None:
-        print(matrix_text(args, registry))
-        return 0
-    path = Path(args.update_readme)
-    try:
-        old = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InvalidSpecError("--update-readme", str(path), f"cannot read it: {exc}") from None
-    new = render_readme(old, registry)
-    if new != old:
-        path.write_text(new, encoding="utf-8")
-    print(f"{path}: {'updated' if new != old else 'up to date'}")
-    return 0
-
-
-# -- explain ------------------------------------------------------------------------------------
 
 _DEVICE = re.compile(r"[a-z][a-z0-9_]*(:\d+)?")
 
@@ -208,86 +132,6 @@ def _configs(args: argparse.Namespace) -> dict[str, AttnConfig]:
     return groups
 
 
-def _transformers_integration() -> Any:
-    """``attn_dispatch.integrations.transformers`` (imports torch and transformers)."""
-    try:
-        return importlib.import_module("attn_dispatch.integrations.transformers")
-    except ImportError as exc:
-        raise InvalidSpecError(
-            "--model",
-            None,
-            f"reading a model config needs torch and transformers ({exc}); "
-            "pip install 'attn_dispatch[transformers]'",
-        ) from None
-
-
-def model_configs(args: argparse.Namespace) -> tuple[dict[str, AttnConfig], list[str]]:
-    """Group -> AttnConfig of the model config at ``args.model``, mapped by the code ``use()``
-    runs (``layer_groups``, ``attn_configs_for``), and lines that describe it.
-
-    The config is read from the local file system only (``local_files_only``): a path that
-    does not exist is an error, never a Hub download. Sinks are a property of the attention
-    modules, not of the config: like ``use()``, this looks at the modules of the model built
-    on the meta device (no memory, no weights), unless ``--sinks``/``--no-sinks`` says.
-    """
-    path = Path(args.model).expanduser()
-    if not path.exists():
-        raise InvalidSpecError(
-            "--model",
-            str(path),
-            "no such file or directory; pass a model directory holding config.json, or the "
-            "config.json itself (read locally, never downloaded)",
-        )
-    tf = _transformers_integration()
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except Exception as exc:
-        raise InvalidSpecError(
-            "--model", str(path), f"transformers cannot read this config: {exc}"
-        ) from None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layers = tf.layer_groups(config)  # what use() refuses by layer type, refused here too
-    dtype = args.dtype or str(getattr(text, "dtype", None) or "float32").removeprefix("torch.")
-    sinks = _model_has_sinks(config, tf) if args.sinks is None else args.sinks
-    configs: dict[str, AttnConfig] = tf.attn_configs_for(
-        config,
-        dtype=dtype,
-        device=args.device,
-        page_size=args.page_size,
-        tree_verify=args.tree_verify,
-        sinks=sinks,
-        kv_dtype=args.kv_dtype,
-    )
-    if args.sm_scale is not None:
-        configs = {g: c.replace(sm_scale=args.sm_scale) for g, c in configs.items()}
-    counts = ", ".join(f"{layers.count(g)} {g}" for g in configs)
-    header = [
-        f"model:  {path} (model_type {getattr(text, 'model_type', '?')!r}, "
-        f"{len(layers)} layers: {counts}; dtype {dtype}"
-        f"{'' if args.dtype else ' from the config'}, sinks {'yes' if sinks else 'no'})"
-    ]
-    return configs, header
-
-
-def _model_has_sinks(config: Any, tf: Any) -> bool:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    except Exception as exc:
-        raise InvalidSpecError(
-            "--model",
-            type(config).__name__,
-            f"cannot build the model on the meta device to look for attention sinks "
-            f"({type(exc).__name__}: {exc}); say it with --sinks or --no-sinks",
-        ) from None
-    return bool(tf._has_sinks(model))
-
-
 def _verdict(why: Sequence[str]) -> str:
     return "ok" if not why else f"no ({len(why)})"
 
@@ -302,10 +146,9 @@ def cmd_explain(args: argparse.Namespace, registry: Registry) -> int:
     """
     header: list[str] = []
     if args.model is not None:
-        tf = _transformers_integration()
         try:
             targets, header = model_configs(args)
-        except tf.UnsupportedModelError as exc:
+        except UnsupportedModel as exc:
             print(f"model: {args.model}\ncannot serve this model: {exc}")
             return 1
     else:
@@ -368,7 +211,7 @@ def _config_reasons(
     """Phase -> (backend, reasons from the config): bind's own checks, with the machine's
     left out (``explain`` lists those apart)."""
     try:
-        _check(spec, config, label, None, registry, group=group, machine=False)
+        check_spec(spec, config, label=label, registry=registry, group=group, machine=False)
     except IncompatibleBackendError as exc:
         return {p: (name, list(why)) for p, (name, why) in exc.reasons.items()}
     return {}
@@ -398,44 +241,7 @@ def _bind_here(
     return 0
 
 
-def cmd_demo(argv: Sequence[str]) -> int:
-    demo = importlib.import_module("attn_dispatch.demo")
-    return int(demo.main(list(argv)))
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m attn_dispatch",
-        description="Per-runner attention kernel dispatch: inspect backends and bindings.",
-    )
-    sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="list registered backends and whether they can run here")
-    m = sub.add_parser(
-        "matrix",
-        help="what every registered backend declares (its Capabilities), as a table",
-        description="The support matrix: one row per Capabilities field, one column per "
-        "registered backend (third-party ones included), read from their declarations.",
-    )
-    _matrix_args(m)
-    _explain_parser(sub)
-    sub.add_parser(
-        "demo", help="run the speculative-decoding demo (see --help of demo)", add_help=False
-    )
-    return p
-
-
-def _matrix_args(m: argparse.ArgumentParser) -> None:
-    m.add_argument("--format", choices=FORMATS, default="text")
-    m.add_argument("--fields", help=f"comma-separated rows, in order (any of: {', '.join(FIELDS)})")
-    m.add_argument("--backends", help="comma-separated backend names (default: every one)")
-    m.add_argument(
-        "--update-readme",
-        metavar="PATH",
-        help="rewrite the generated matrix blocks of a README in place (for maintainers)",
-    )
-
-
-def _explain_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     e = sub.add_parser(
         "explain",
         help="show which backend serves each phase (and group), or every reason",
@@ -499,7 +305,8 @@ _SHAPE_FLAGS = (
 )
 
 
-def _check_explain_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags ``argparse`` cannot check alone (``--model`` against the shape flags)."""
     if args.model is not None:
         given = [f for f in _SHAPE_FLAGS if getattr(args, f) not in (None, [])]
         if given:
@@ -510,26 +317,3 @@ def _check_explain_args(parser: argparse.ArgumentParser, args: argparse.Namespac
     if missing:
         flags = ", ".join("--" + f.replace("_", "-") for f in missing)
         parser.error(f"explain: the following arguments are required: {flags} (or --model)")
-
-
-def main(argv: Sequence[str] | None = None, *, registry: Registry | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "demo":
-        return cmd_demo(argv[1:])
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.command == "explain":
-        _check_explain_args(parser, args)
-    registry = DEFAULT_REGISTRY if registry is None else registry
-    try:
-        if args.command == "list":
-            return cmd_list(args, registry)
-        if args.command == "matrix":
-            return cmd_matrix(args, registry)
-        return cmd_explain(args, registry)
-    except AttnDispatchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-
-__all__ = ["Capabilities", "main"]

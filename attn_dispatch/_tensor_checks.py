@@ -1,0 +1,196 @@
+"""``TensorChecks``: the per-call checks of ``q``/``k_cache``/``v_cache`` for one backend.
+
+Attribute reads only: shapes, dtypes, devices, layout, and the largest page index of the
+planned snapshot against the cache given at this call (an FP8 config's cache must have the FP8
+dtype itself); ``check_sinks(sinks, q)`` for configs with sinks.
+
+>>> checks = TensorChecks.of(config, backend="mine", layout="rows")   # once per backend object
+>>> checks.check(snap, q, k_cache, v_cache)                           # every layer
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+from typing import Literal
+
+import torch
+
+from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._snapshot import BatchSnapshot
+from attn_dispatch._values import check_sinks
+
+__all__ = ["Layout", "TensorChecks"]
+
+Layout = Literal["any", "rows", "contiguous"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorChecks:
+    """Per-call checks of ``q``/``k_cache``/``v_cache`` for one backend object.
+
+    ``layout``: "any" (the kernel gathers with torch ops), "rows" (last dim stride 1), or
+    "contiguous" (whole tensors). Costs attribute reads only; no device work.
+    """
+
+    backend: str
+    mla: bool
+    q_tail: tuple[int, int]
+    k_tail: tuple[int, ...]
+    v_tail: tuple[int, ...] | None
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    device_type: str
+    layout: Layout
+
+    @classmethod
+    def of(
+        cls,
+        config: Any,
+        *,
+        backend: str,
+        layout: Layout = "any",
+        q_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
+        device_type: str | None = None,
+    ) -> TensorChecks:
+        c = config
+        mla = c.kind == "mla"
+        dv = c.v_head_dim if c.v_head_dim is not None else c.head_dim
+        return cls(
+            backend=backend,
+            mla=mla,
+            q_tail=(c.num_q_heads, c.head_dim),
+            k_tail=(c.page_size, c.head_dim) if mla else (c.page_size, c.num_kv_heads, c.head_dim),
+            v_tail=None if mla else (c.page_size, c.num_kv_heads, dv),
+            q_dtype=q_dtype if q_dtype is not None else getattr(torch, c.dtype),
+            kv_dtype=kv_dtype if kv_dtype is not None else getattr(torch, str(c.kv_dtype)),
+            device_type=device_type if device_type is not None else c.device_type,
+            layout=layout,
+        )
+
+    def check(self, snap: BatchSnapshot, q: Any, k_cache: Any, v_cache: Any) -> int:
+        """Raise ``InvalidBatchError`` unless the tensors fit the config and the snapshot;
+        returns the cache's page count."""
+        try:
+            qs = q.shape
+            ks = k_cache.shape
+            ok = (
+                len(qs) == 3
+                and qs[0] == snap.num_tokens
+                and qs[1:] == self.q_tail
+                and q.dtype == self.q_dtype
+                and ks[1:] == self.k_tail
+                and k_cache.dtype == self.kv_dtype
+                and q.device.type == self.device_type
+                and k_cache.device == q.device
+            )
+            pages = ks[0] if len(ks) else 0
+            if ok and self.v_tail is not None:
+                vs = v_cache.shape
+                ok = (
+                    vs[0] == pages
+                    and vs[1:] == self.v_tail
+                    and v_cache.dtype == self.kv_dtype
+                    and v_cache.device == q.device
+                )
+            elif ok:
+                ok = v_cache is None
+        except AttributeError:
+            ok = False
+        if not ok or (snap.max_page is not None and snap.max_page >= pages):
+            self._explain(snap, q, k_cache, v_cache)
+        if self.layout != "any" and not self._layout_ok(q, k_cache, v_cache):
+            self._explain_layout(q, k_cache, v_cache)
+        return int(pages)
+
+    def check_sinks(self, sinks: Any, q: torch.Tensor) -> None:
+        """Raise ``InvalidBatchError("sinks", ...)`` unless ``sinks`` is a contiguous float32
+        ``[num_q_heads]`` tensor on ``q``'s device: the core's one rule
+        (``attn_dispatch._values.check_sinks``), for a handler called without a binding."""
+        check_sinks(sinks, q, self.q_tail[0], self.backend)
+
+    def _layout_ok(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> bool:
+        if self.layout == "contiguous":
+            return q.is_contiguous() and k.is_contiguous() and (v is None or v.is_contiguous())
+        return q.stride(-1) == 1 and k.stride(-1) == 1 and (v is None or v.stride(-1) == 1)
+
+    def _explain_layout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        for name, t in (("q", q), ("k_cache", k), ("v_cache", v)):
+            if t is not None and not self._layout_ok(t, t, None):
+                need = (
+                    "must be contiguous (call .contiguous())"
+                    if self.layout == "contiguous"
+                    else f"needs contiguous rows (last-dim stride 1, got {t.stride(-1)})"
+                )
+                raise InvalidBatchError(name, f"{self.backend}: {need}")
+
+    def _explain(self, snap: BatchSnapshot, q: Any, k: Any, v: Any) -> None:
+        b = self.backend
+        for name, t in (("q", q), ("k_cache", k)):
+            if not isinstance(t, torch.Tensor):
+                raise InvalidBatchError(name, f"{b}: expected a torch.Tensor, got {type(t)!r}")
+        if q.dim() != 3 or tuple(q.shape[1:]) != self.q_tail:
+            raise InvalidBatchError(
+                "q",
+                f"{b}: shape {tuple(q.shape)} != [tokens, num_q_heads={self.q_tail[0]}, "
+                f"head_dim={self.q_tail[1]}] of the bound config",
+            )
+        if q.shape[0] != snap.num_tokens:
+            raise InvalidBatchError(
+                "q",
+                f"{b}: {q.shape[0]} rows but the batch has {snap.num_tokens} query tokens; "
+                "pass one q row per query token of the planned batch",
+            )
+        if q.dtype != self.q_dtype:
+            raise InvalidBatchError("q", f"{b}: dtype {q.dtype} != bound config's {self.q_dtype}")
+        if q.device.type != self.device_type:
+            raise InvalidBatchError(
+                "q", f"{b}: on {q.device}, the backend was bound for {self.device_type!r}"
+            )
+        if tuple(k.shape[1:]) != self.k_tail or k.dim() != len(self.k_tail) + 1:
+            want = ", ".join(map(str, self.k_tail))
+            raise InvalidBatchError(
+                "k_cache", f"{b}: shape {tuple(k.shape)} != [pages, {want}] of the bound config"
+            )
+        if k.dtype != self.kv_dtype:
+            raise InvalidBatchError(
+                "k_cache", f"{b}: dtype {k.dtype} != bound config's kv dtype {self.kv_dtype}"
+            )
+        if k.device != q.device:
+            raise InvalidBatchError("k_cache", f"{b}: on {k.device}, q on {q.device}")
+        pages = k.shape[0]
+        if self.v_tail is None:
+            if v is not None:
+                raise InvalidBatchError(
+                    "v_cache",
+                    f"{b}: must be None for MLA (V is the first v_head_dim columns of k_cache)",
+                )
+        else:
+            if not isinstance(v, torch.Tensor):
+                raise InvalidBatchError(
+                    "v_cache", f"{b}: an MHA layer needs a v_cache tensor, got {type(v)!r}"
+                )
+            want_v = (pages, *self.v_tail)
+            if tuple(v.shape) != want_v:
+                raise InvalidBatchError(
+                    "v_cache",
+                    f"{b}: shape {tuple(v.shape)} != {list(want_v)} (as many pages as k_cache)",
+                )
+            if v.dtype != self.kv_dtype:
+                raise InvalidBatchError(
+                    "v_cache", f"{b}: dtype {v.dtype} != bound config's kv dtype {self.kv_dtype}"
+                )
+            if v.device != q.device:
+                raise InvalidBatchError("v_cache", f"{b}: on {v.device}, q on {q.device}")
+        if snap.max_page is not None and snap.max_page >= pages:
+            raise InvalidBatchError(
+                "kv_indices",
+                f"{b}: page index {snap.max_page} is out of range for a cache of {pages} pages; "
+                "every page index must name a page of the k_cache/v_cache given to this call",
+            )
+        raise AssertionError("TensorChecks flagged tensors that break no rule")  # pragma: no cover
+
+
+# Public through attn_dispatch.backend (loaded lazily there): reprs and pickles name it.
+TensorChecks.__module__ = "attn_dispatch.backend"

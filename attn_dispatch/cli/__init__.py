@@ -1,0 +1,97 @@
+"""Command line: ``python -m attn_dispatch list | matrix | explain | demo`` (also the
+``attn-dispatch`` script). One module per command: ``listing``, ``matrix``, ``explain`` (with
+``model``, which reads a model config for ``explain --model``).
+
+Exit status: 0 ok, 1 a refusal (a spec that cannot serve the config or model), 2 bad input
+(usage, unknown backend, a bad value, a model config that cannot be read), 3 an internal error
+(a bug: please report it), 130 interrupted, 141 the reader of the output went away (``| head``).
+Whatever happens, the user sees one ``error:`` line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+from attn_dispatch._errors import AttnDispatchError
+from attn_dispatch._registry import DEFAULT_REGISTRY
+from attn_dispatch._registry import Registry
+from attn_dispatch.cli import explain
+from attn_dispatch.cli import listing
+from attn_dispatch.cli import matrix
+
+__all__ = ["main"]
+
+
+def cmd_demo(argv: Sequence[str]) -> int:
+    demo = importlib.import_module("attn_dispatch.demo")
+    return int(demo.main(list(argv)))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m attn_dispatch",
+        description="Per-runner attention kernel dispatch: inspect backends and bindings.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    listing.add_parser(sub)
+    matrix.add_parser(sub)
+    explain.add_parser(sub)
+    sub.add_parser(
+        "demo", help="run the speculative-decoding demo (see --help of demo)", add_help=False
+    )
+    return p
+
+
+def _run(argv: list[str], registry: Registry | None) -> int:
+    if argv and argv[0] == "demo":
+        return cmd_demo(argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "explain":
+        explain.check_args(parser, args)
+    registry = DEFAULT_REGISTRY if registry is None else registry
+    try:
+        if args.command == "list":
+            return listing.cmd_list(args, registry)
+        if args.command == "matrix":
+            return matrix.cmd_matrix(args, registry)
+        return explain.cmd_explain(args, registry)
+    except AttnDispatchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None, *, registry: Registry | None = None) -> int:
+    """Run one command; returns the exit status (see the module's docstring)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        status = _run(args, registry)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # The reader went away (`... | head -1`): stop quietly. Point stdout at /dev/null so
+        # that the interpreter's own flush at exit does not raise a second time.
+        _silence_stdout()
+        return 141
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug of ours: one line, never a traceback (exit 3)
+        print(
+            f"error: internal error, please report it: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
+        return 3
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real file descriptor (a test's capture): nothing to do
+        pass
