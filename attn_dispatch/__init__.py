@@ -16,6 +16,7 @@ This ``__init__`` is the top of the layers (see ``tests/core/test_layers.py``): 
 that wires the built-in backends into the default registry.
 """
 
+import sys
 import warnings
 from typing import TYPE_CHECKING
 from typing import Any
@@ -105,12 +106,15 @@ def __getattr__(name: str) -> Any:
     moved = _MOVED.get(name)
     if moved is not None:
         module, attr = moved
-        warnings.warn(
-            f"attn_dispatch.{name} moved to {module}.{attr}; import it from there "
-            "(the old name goes in the next release)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        # `from attn_dispatch import name` asks twice: importlib's hasattr() on the package,
+        # then the import itself; warn once, at the user's line.
+        if sys._getframe(1).f_globals.get("__name__") != "importlib._bootstrap":
+            warnings.warn(
+                f"attn_dispatch.{name} moved to {module}.{attr}; import it from there "
+                "(the old name goes in the next release)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'attn_dispatch' has no attribute {name!r}")
 

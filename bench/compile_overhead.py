@@ -29,14 +29,14 @@ import torch
 import attn_dispatch.compile as adc
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
-from attn_dispatch import BackendBase
-from attn_dispatch import Capabilities
 from attn_dispatch import Phase
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
-from attn_dispatch import register_backend
 from attn_dispatch._table import format_table
+from attn_dispatch.backend import BackendBase
+from attn_dispatch.backend import Capabilities
+from attn_dispatch.backend import register_backend
 
 
 class NullBackend(BackendBase):

@@ -49,16 +49,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from attn_dispatch import BackendBase  # noqa: E402
-from attn_dispatch import Capabilities  # noqa: E402
 from attn_dispatch import Phase  # noqa: E402
 from attn_dispatch import _scope  # noqa: E402
 from attn_dispatch import attention  # noqa: E402
 from attn_dispatch import attn_scope  # noqa: E402
 from attn_dispatch import bind  # noqa: E402
-from attn_dispatch import register_backend  # noqa: E402
 from attn_dispatch import resolve  # noqa: E402
 from attn_dispatch._config import AttnConfig  # noqa: E402
+from attn_dispatch.backend import BackendBase  # noqa: E402
+from attn_dispatch.backend import Capabilities  # noqa: E402
+from attn_dispatch.backend import register_backend  # noqa: E402
 
 CAPS = Capabilities(kinds={"mha"}, devices={"cpu"}, variants={"window", "logit_cap"})
 CONFIG = AttnConfig("mha", 8, 8, 64, dtype="float32")

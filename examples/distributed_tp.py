@@ -149,8 +149,8 @@ def rank_main(args: argparse.Namespace) -> int:
 
     from attn_dispatch import BackendSpec
     from attn_dispatch import bind
-    from attn_dispatch import list_backends
     from attn_dispatch import record_dispatch
+    from attn_dispatch.backend import list_backends
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))

@@ -23,10 +23,10 @@ import torch
 
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
-from attn_dispatch import BackendBase
-from attn_dispatch import Capabilities
 from attn_dispatch import Phase
-from attn_dispatch import register_backend
+from attn_dispatch.backend import BackendBase
+from attn_dispatch.backend import Capabilities
+from attn_dispatch.backend import register_backend
 
 NAME = "tpdemo"
 CAPABILITIES = Capabilities(

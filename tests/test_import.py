@@ -31,8 +31,9 @@ import json, sys, time
 before = set(sys.modules)
 t0 = time.perf_counter()
 import attn_dispatch
+import attn_dispatch.backend
 t1 = time.perf_counter()
-attn_dispatch.list_backends()  # loads built-ins' light modules and plugins
+attn_dispatch.backend.list_backends()  # loads built-ins' light modules and plugins
 t2 = time.perf_counter()
 print(json.dumps({"import_ms": (t1 - t0) * 1e3, "registry_ms": (t2 - t1) * 1e3,
                   "modules": sorted(sys.modules), "new": sorted(set(sys.modules) - before),
@@ -216,6 +217,9 @@ TORCH_FREE = [
             "compile",
             "cuda_graph",
             "_batch",
+            "_contract",
+            "_snapshot",
+            "_tensor_checks",
             "mla",
             "demo",
             "integrations",
@@ -226,6 +230,21 @@ TORCH_FREE = [
         )
     )
 ]
+
+
+def test_the_backend_surface_is_torch_free_until_a_torch_name_is_used() -> None:
+    # attn_dispatch.backend is imported by every backend module and plugin: its torch-level
+    # names (BatchSnapshot, TensorChecks, refill) load on first use, like AttnBatch.
+    out = _run(
+        "import sys\n"
+        "import attn_dispatch.backend as b\n"
+        "from attn_dispatch.backend import Capabilities, PlanBase, register_backend\n"
+        "print('torch' in sys.modules)\n"
+        "b.BatchSnapshot\n"
+        "print('torch' in sys.modules)\n"
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True"]
 
 
 @pytest.mark.parametrize("module", TORCH_FREE)

@@ -11,7 +11,7 @@ from attn_dispatch import AttnConfig
 from attn_dispatch import AttnDispatchError
 from attn_dispatch import BackendSpec
 from attn_dispatch import bind
-from attn_dispatch import list_backends
+from attn_dispatch.backend import list_backends
 from attn_dispatch.demo.shapes import DraftShape
 from attn_dispatch.demo.shapes import TargetShape
 from attn_dispatch.demo.values import DemoOptions
