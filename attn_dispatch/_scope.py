@@ -424,8 +424,8 @@ def _resolve_error(phase: object) -> Exception:
         tuple(p.name for p in Phase),
         hint=(
             "resolve() takes an attn_dispatch.Phase member; map a framework's forward mode "
-            "(SGLang's ForwardMode, a name, an int) with its integration's phase_of first "
-            "(attn_dispatch.integrations.sglang.phase_of)."
+            "(SGLang's ForwardMode, a name, an int) with its integration's phase_of(mode) "
+            "first (SGLang: attn_dispatch.integrations.sglang.phase_of)."
         ),
     )
 
