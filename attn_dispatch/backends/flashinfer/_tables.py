@@ -3,6 +3,8 @@ request, and the two levels of a cascade plan. Host metadata; device gathers wit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from attn_dispatch._snapshot import BatchSnapshot
@@ -10,6 +12,7 @@ from attn_dispatch._snapshot import BatchSnapshot
 __all__ = ["Levels", "PageTable", "cascade_levels", "page_table"]
 
 
+@dataclass(frozen=True, slots=True)
 class Levels:
     """The two levels of a cascade plan, in FlashInfer's form (host indptrs, device indices)."""
 
@@ -19,6 +22,7 @@ class Levels:
     last_page_len: tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclass(frozen=True, slots=True)
 class PageTable:
     """FlashInfer's view of our page table: exactly ceil(kv_len / page_size) pages per
     request (FlashInfer derives kv_len from the page count and the last page's fill).
