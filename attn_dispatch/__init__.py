@@ -151,7 +151,7 @@ def _public(obj: object, module: str = "attn_dispatch") -> None:
     # Public classes and functions name the module they are imported from, so reprs, docs
     # and pickles never show a private path (a pickled BackendSpec names attn_dispatch).
     try:
-        obj.__module__ = module  # type: ignore[attr-defined]
+        obj.__module__ = module
     except (AttributeError, TypeError):
         pass
 

@@ -24,6 +24,7 @@ from attn_dispatch._phase import Phase
 
 __all__ = ["check_indices", "check_metadata", "mask_offsets"]
 
+
 def check_metadata(
     phase: Phase,
     qo: torch.Tensor,
@@ -206,4 +207,3 @@ def _first(flags: torch.Tensor) -> int | None:
     if flags.numel() == 0 or not bool(flags.any()):
         return None
     return int(flags.int().argmax())
-

@@ -238,4 +238,3 @@ def _grouped_error(
     return InvalidBatchError(
         "group", f"this binding has groups ({names}): {verb} {what} on one of them, {where}"
     )
-

@@ -31,7 +31,6 @@ from typing import ParamSpec
 from typing import TypedDict
 from typing import TypeVar
 
-from attn_dispatch._route import Binding
 from attn_dispatch._calls import CallRule
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
@@ -41,6 +40,7 @@ from attn_dispatch._errors import UnknownPhaseError
 from attn_dispatch._forms import AttnForm
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import Handler
+from attn_dispatch._route import Binding
 
 if TYPE_CHECKING:
     # typing.Unpack is Python 3.11+; the package supports 3.10 (typing_extensions has it).

@@ -54,17 +54,17 @@ from typing import Any
 import torch
 
 from attn_dispatch._batch import AttnBatch
-from attn_dispatch._route import Binding
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
 from attn_dispatch._record import DispatchEvent
 from attn_dispatch._record import record_dispatch
 from attn_dispatch._record import record_events
+from attn_dispatch._route import Binding
 from attn_dispatch._scope import attn_scope
-from attn_dispatch._values import as_int
 from attn_dispatch._snapshot import BatchSnapshot
 from attn_dispatch._snapshot import StepStats
+from attn_dispatch._values import as_int
 
 __all__ = ["CaptureError", "GraphedForward", "assert_not_capturing", "capture_decode"]
 
@@ -75,7 +75,7 @@ _BATCH_STATS = frozenset({"max_q_len", "max_kv_len", "num_pages"})
 # for every plan of one binding), and a backend's token for "the plan its wrapper holds now"
 # (FlashInfer: a new one per plan, refilled into the same persistent buffers in graph mode).
 _IDENTITIES = frozenset({"owner", "ticket"})
-# A snapshot's per-step counts (attn_dispatch._snapshot.StepStats): followed on replay, not compared.
+# A snapshot's per-step counts (_snapshot.StepStats): followed on replay, not compared.
 _PLAIN_STEP = (StepStats,)
 
 

@@ -69,7 +69,6 @@ def per_request_mask(
     return torch.cat(parts) if parts else custom_mask[:0].clone()
 
 
-
 def chunk_tree_mask(mask: torch.Tensor, chunk: int) -> torch.Tensor:
     """Keep, per row of a bool ``[..., queries, keys]`` mask, only the keys of the row's chunk
     (the last ``p % chunk + 1`` allowed keys, p = allowed keys - 1)."""

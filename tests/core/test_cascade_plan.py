@@ -26,7 +26,9 @@ def flat(tables: list[list[int]]) -> tuple[list[int], list[int]]:
     return indptr, [p for t in tables for p in t]
 
 
-def groups(q: list[int], kv: list[int], tables: list[list[int]], ps: int, rule: CascadeRule) -> list[tuple[int, int, int]]:  # fmt: skip
+def groups(
+    q: list[int], kv: list[int], tables: list[list[int]], ps: int, rule: CascadeRule
+) -> list[tuple[int, int, int]]:
     indptr, pages = flat(tables)
     return cascade_groups(q, kv, indptr, pages, ps, rule)
 

@@ -205,8 +205,10 @@ def test_the_checker_fails_on_planted_upward_imports(tmp_path: Path) -> None:
     (pkg / "_phase.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import attn_dispatch.cli\n"
     )
-    table = {"attn_dispatch": 7, "attn_dispatch.cli": 7, "attn_dispatch.backends": 6,
-             "attn_dispatch._errors": 0, "attn_dispatch._spec": 1, "attn_dispatch._phase": 0}  # fmt: skip
+    table = {
+        **{"attn_dispatch": 7, "attn_dispatch.cli": 7, "attn_dispatch.backends": 6},
+        **{"attn_dispatch._errors": 0, "attn_dispatch._spec": 1, "attn_dispatch._phase": 0},
+    }
     bad = upward_imports(modules(pkg, tmp_path), table)
     assert bad == [
         "attn_dispatch._errors (L0) imports attn_dispatch.backends (L6)",

@@ -113,4 +113,3 @@ def test_backend_spec_from_server_args_warns_and_gives_the_integrations_spec() -
 def test_unknown_names_raise_attribute_error(surface: str) -> None:
     with pytest.raises(AttributeError, match="no_such_name"):
         getattr(SURFACES[surface], "no_such_name")  # noqa: B009
-

@@ -71,8 +71,8 @@ class TorchPlan(PlanBase):
 class TorchBackend(BackendBase):
     """Reference attention for MHA/GQA and absorbed MLA, every phase, CPU or CUDA.
 
-    Every call is checked before any tensor is indexed (``attn_dispatch._tensor_checks.TensorChecks``); on a CUDA
-    batch whose page indices were not read at plan time, page indices are clamped into the
+    Every call is checked before any tensor is indexed (``TensorChecks``); on a CUDA batch
+    whose page indices were not read at plan time, page indices are clamped into the
     cache given at the call (``validate=True`` reads and checks them at plan time instead).
     """
 

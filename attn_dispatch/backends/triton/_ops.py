@@ -17,8 +17,8 @@ import torch
 import triton
 
 from attn_dispatch._protocol import PlanBase
-from attn_dispatch.backends._masks import chunk_flat_mask
 from attn_dispatch._snapshot import BatchSnapshot
+from attn_dispatch.backends._masks import chunk_flat_mask
 from attn_dispatch.backends._masks import window_flat_mask
 
 from ._decode import _decode_merge_kernel

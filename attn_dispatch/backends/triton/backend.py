@@ -1,14 +1,13 @@
 """Triton backend, heavy half: ``TritonBackend(config, **options)`` (imports torch and triton).
 
 Per forward, ``plan(batch)`` takes a checked private copy of the batch's index tensors
-(``attn_dispatch._snapshot.BatchSnapshot``: host checks on the host copies, device-to-device copies, no host
-sync), chooses the kernel (the split-KV decode kernel when every request has one query token,
-the extend kernel otherwise) and the number of KV splits. The per-layer handler checks tensor
-shapes (attribute reads), allocates its output and the decode split scratch (per call, so
-threads sharing a plan never share scratch) and launches kernels: no host sync. The kernels
-drop any page index outside ``kv_indices`` or the cache given at the call, so unchecked device
-metadata cannot make them read outside their tensors.
-"""
+(``BatchSnapshot``: host checks on the host copies, device-to-device copies, no host sync),
+chooses the kernel (the split-KV decode kernel when every request has one query token, the
+extend kernel otherwise) and the number of KV splits. The per-layer handler checks tensor shapes
+(attribute reads), allocates its output and the decode split scratch (per call, so threads
+sharing a plan never share scratch) and launches kernels: no host sync. The kernels drop any
+page index outside ``kv_indices`` or the cache given at the call, so unchecked device metadata
+cannot make them read outside their tensors."""
 
 from __future__ import annotations
 
