@@ -1,18 +1,106 @@
-"""Model reading for ``explain --model``: a model config -> the AttnConfig of each layer group."""
+"""Model reading for ``explain --model``: a model config -> the AttnConfig of each layer group.
+
+Only the config is read, never a model built: the time does not grow with the model's sizes
+(a config naming a billion layers is refused, not unrolled). Its numbers are checked before
+transformers sees them, the same way whatever the flags: an attention field that is not a
+whole number in range (``num_attention_heads: 0``, ``num_key_value_heads: 0``, a negative or
+absurd size) is bad input (exit 2), as ``--heads 0`` is.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 from pathlib import Path
 from typing import Any
 
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidSpecError
 
+__all__ = ["UnsupportedModel", "model_configs"]
+
 
 class UnsupportedModel(Exception):
     """The integration refuses this model (a layer type it cannot serve): a refusal, exit 1."""
+
+
+#: Model types whose attention modules hold learned sink logits (no config field says so):
+#: gpt-oss keeps one per head (``sinks``, passed as ``s_aux``). Others: say ``--sinks``.
+SINK_MODEL_TYPES = frozenset({"gpt_oss"})
+
+# Bounds of the attention fields of a config (inclusive). Larger values name no real model
+# and would only make the mapping slow (a list per layer) or overflow the int32 metadata.
+_COUNT_MAX = 1 << 20  # heads, head dims, layers, latent ranks
+_POSITION_MAX = (1 << 31) - 1  # windows and chunks: token positions
+_FIELDS: dict[str, tuple[int, int]] = {
+    "num_hidden_layers": (1, _COUNT_MAX),
+    "num_attention_heads": (1, _COUNT_MAX),
+    "num_key_value_heads": (1, _COUNT_MAX),
+    "head_dim": (1, _COUNT_MAX),
+    "hidden_size": (1, _COUNT_MAX),
+    "qk_nope_head_dim": (0, _COUNT_MAX),
+    "qk_rope_head_dim": (0, _COUNT_MAX),
+    "v_head_dim": (1, _COUNT_MAX),
+    "kv_lora_rank": (1, _COUNT_MAX),
+    "sliding_window": (0, _POSITION_MAX),
+    "attention_chunk_size": (1, _POSITION_MAX),
+}
+_CONFIG_BYTES_MAX = 16 << 20  # a model config is kilobytes; a larger file is not one
+
+
+def _config_file(path: Path) -> Path:
+    return path / "config.json" if path.is_dir() else path
+
+
+def check_config_values(data: object, where: str) -> None:
+    """Refuse (``InvalidSpecError``, exit 2) an attention field of a config.json's object (or
+    of its ``text_config``) that is not a whole number within its bounds. Fields left out or
+    null are transformers' to default."""
+    if not isinstance(data, dict):
+        return  # not a JSON object: transformers says why it cannot read it
+    parts = [("", data)]
+    text = data.get("text_config")
+    if isinstance(text, dict):
+        parts.append(("text_config.", text))
+    for prefix, part in parts:
+        for field, (low, high) in _FIELDS.items():
+            value = part.get(field)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise InvalidSpecError(
+                    "--model",
+                    where,
+                    f"{prefix}{field}={value!r} in its config.json; expected a whole number "
+                    f"in [{low}, {high}]",
+                )
+        types = part.get("layer_types")
+        if isinstance(types, list) and len(types) > _COUNT_MAX:
+            raise InvalidSpecError(
+                "--model", where, f"{prefix}layer_types lists {len(types)} layers"
+            )
+
+
+def _read_raw(path: Path) -> object:
+    """The config.json's JSON value, or None where transformers should report the problem
+    (no such file, not JSON); bounded in size."""
+    file = _config_file(path)
+    try:
+        size = file.stat().st_size
+    except OSError:
+        return None  # transformers names the missing file
+    if size > _CONFIG_BYTES_MAX:
+        raise InvalidSpecError(
+            "--model",
+            str(path),
+            f"{file.name} holds {size} bytes; a model config is far smaller (limit "
+            f"{_CONFIG_BYTES_MAX})",
+        )
+    try:
+        return json.loads(file.read_bytes())
+    except (OSError, ValueError):
+        return None  # transformers names the problem (and its message is the documented one)
 
 
 def _transformers_integration() -> Any:
@@ -34,8 +122,8 @@ def model_configs(args: argparse.Namespace) -> tuple[dict[str, AttnConfig], list
 
     The config is read from the local file system only (``local_files_only``): a path that
     does not exist is an error, never a Hub download. Sinks are a property of the attention
-    modules, not of the config: like ``use()``, this looks at the modules of the model built
-    on the meta device (no memory, no weights), unless ``--sinks``/``--no-sinks`` says.
+    modules, not of the config: ``--sinks``/``--no-sinks`` says, else the model type does
+    (``SINK_MODEL_TYPES``); no model is built to look.
     """
     path = Path(args.model).expanduser()
     if not path.exists():
@@ -45,6 +133,7 @@ def model_configs(args: argparse.Namespace) -> tuple[dict[str, AttnConfig], list
             "no such file or directory; pass a model directory holding config.json, or the "
             "config.json itself (read locally, never downloaded)",
         )
+    check_config_values(_read_raw(path), str(path))
     tf = _transformers_integration()
     from transformers import AutoConfig
 
@@ -55,10 +144,17 @@ def model_configs(args: argparse.Namespace) -> tuple[dict[str, AttnConfig], list
             "--model", str(path), f"transformers cannot read this config: {exc}"
         ) from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(text, "model_type", None) or getattr(config, "model_type", "?")
     dtype = args.dtype or str(getattr(text, "dtype", None) or "float32").removeprefix("torch.")
+    if args.sinks is not None:
+        sinks, why = bool(args.sinks), "as given"
+    else:
+        sinks = getattr(config, "model_type", None) in SINK_MODEL_TYPES or (
+            model_type in SINK_MODEL_TYPES
+        )
+        why = f"model type {model_type!r}; --sinks/--no-sinks to say otherwise"
     try:
         layers = tf.layer_groups(config)  # what use() refuses by layer type, refused here too
-        sinks = _model_has_sinks(config, tf) if args.sinks is None else args.sinks
         configs: dict[str, AttnConfig] = tf.attn_configs_for(
             config,
             dtype=dtype,
@@ -76,25 +172,7 @@ def model_configs(args: argparse.Namespace) -> tuple[dict[str, AttnConfig], list
     header = [
         f"model:  {path} (model_type {getattr(text, 'model_type', '?')!r}, "
         f"{len(layers)} layers: {counts}; dtype {dtype}"
-        f"{'' if args.dtype else ' from the config'}, sinks {'yes' if sinks else 'no'})"
+        f"{'' if args.dtype else ' from the config'}, sinks {'yes' if sinks else 'no'} "
+        f"({why}))"
     ]
     return configs, header
-
-
-def _model_has_sinks(config: Any, tf: Any) -> bool:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    except Exception as exc:
-        raise InvalidSpecError(
-            "--model",
-            type(config).__name__,
-            f"cannot build the model on the meta device to look for attention sinks "
-            f"({type(exc).__name__}: {exc}); say it with --sinks or --no-sinks",
-        ) from None
-    # The integration's public helper (the private name until it exports one).
-    has_sinks = getattr(tf, "has_sinks", None) or tf._has_sinks
-    return bool(has_sinks(model))
