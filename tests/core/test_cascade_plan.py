@@ -159,5 +159,5 @@ def test_native_rule_agrees_with_the_compiled_planner(
         sum(stop - first for first, stop in info.groups),
         sum(info.shared_tokens),
     )  # fmt: skip
-    got = (plan.cascade_groups, plan.cascade_requests, plan.cascade_keys)  # type: ignore[attr-defined]
+    got = (plan.cascade_groups, plan.cascade_requests, plan.cascade_keys)
     assert got == want

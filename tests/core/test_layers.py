@@ -119,8 +119,8 @@ def imports_of(source: str, name: str, is_package: bool, known: set[str]) -> set
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
+            for stmt in node.orelse:
+                visit(stmt)
             return
         if isinstance(node, ast.Import):
             for alias in node.names:
