@@ -94,3 +94,20 @@ def test_every_docs_page_is_in_the_nav() -> None:
     pages = sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md"))
     assert pages
     assert [p for p in pages if p not in nav] == []
+
+
+def test_registry_metadata() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    meta = project["project"]
+    assert meta["license"] == "Apache-2.0" and meta["license-files"] == ["LICENSE"]
+    assert "Apache License" in (ROOT / "LICENSE").read_text(encoding="utf-8")[:200]
+    assert {"Homepage", "Documentation", "Repository", "Issues", "Changelog"} <= set(meta["urls"])
+    assert "Typing :: Typed" in meta["classifiers"] and meta["keywords"]
+    # The typed marker is shipped in the wheel.
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["attn_dispatch"]
+    assert (ROOT / "attn_dispatch" / "py.typed").exists()
+    # The tools CI trusts are pinned, so a tool's release cannot change CI's verdict.
+    extras = meta["optional-dependencies"]
+    pins = {r.split("==")[0]: r for r in extras["dev"] + extras["docs"] if "==" in r}
+    assert {"mypy", "ruff", "mkdocs", "mkdocs-material", "mkdocstrings"} <= set(pins), pins
