@@ -15,11 +15,11 @@ from attn_dispatch import Capabilities
 from attn_dispatch import FormPolicy
 from attn_dispatch import Phase
 from attn_dispatch import Registry
-from attn_dispatch.cli import main
 from attn_dispatch._matrix import FIELDS
 from attn_dispatch._matrix import fields_of
 from attn_dispatch._matrix import format_matrix
 from attn_dispatch._matrix import support_matrix
+from attn_dispatch.cli import main
 from tests.strategies import echo_factory
 from tests.strategies import register_echo
 
