@@ -6,7 +6,12 @@ are blocks of its output that a test regenerates. Every public field of ``Capabi
 row, so a field added there shows up here without a change to this module. Imports no torch.
 
     >>> from attn_dispatch._matrix import format_matrix, support_matrix
-    >>> print(format_matrix(support_matrix(), "text", fields=["kinds", "variants"]))
+    >>> print(format_matrix(support_matrix(backends=["native", "torch"]), "text",
+    ...                     fields=["kinds", "phases"]))
+            native                   torch
+    ------  -----------------------  -----------------------
+    kinds   mha, mla                 mha, mla
+    phases  prefill, decode, verify  prefill, decode, verify
 """
 
 from __future__ import annotations
