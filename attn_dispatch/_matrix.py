@@ -1,9 +1,10 @@
 """The support matrix: what every registered backend declares, as data, text or markdown.
 
 Read from each backend's ``Capabilities`` (and its registered ``FormPolicy``), never written
-by hand: ``python -m attn_dispatch matrix`` prints it, and the README's who-serves-what tables
-are blocks of its output that a test regenerates. Every public field of ``Capabilities`` is a
-row, so a field added there shows up here without a change to this module. Imports no torch.
+by hand: ``python -m attn_dispatch matrix`` prints it, and the who-serves-what tables of
+README.md and docs/ are blocks of its output that a test regenerates. Every public field of
+``Capabilities`` is a row, so a field added there shows up here without a change to this
+module. Imports no torch.
 
     >>> from attn_dispatch._matrix import format_matrix, support_matrix
     >>> print(format_matrix(support_matrix(backends=["native", "torch"]), "text",

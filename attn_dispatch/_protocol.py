@@ -58,7 +58,7 @@ class Handler(Protocol):
     ``v_scale=``) as Python floats in float32's normal range when ``config.kv_dtype`` is FP8;
     ``return_lse=True`` when a call of a ``return_lse=True`` config asks for the attention
     state: the handler then returns ``(out, lse)``, lse float32 ``[tokens, num_q_heads]`` on
-    q's device, contiguous (README, "Attention state (LSE) and merging"). A config without
+    q's device, contiguous (docs/guides/lse-cascade.md). A config without
     them gets the plain positional call. The window and the logit cap are read from the config
     when planning, never per call. A backend that declares ``"sinks"``, ``"lse"`` or an FP8
     ``kv_dtype`` accepts those keyword-only arguments (the ``MHA_CHUNKED`` handler too, after

@@ -118,8 +118,8 @@ class attn_scope:
     Scopes nest (the innermost wins), are restored on any exit (exceptions and
     ``BaseException`` included), and are private to their thread and asyncio task. Also a
     decorator of plain and async functions: ``@attn_scope(runner)`` (not of generators: see
-    the README, "Scopes in generators"). An instance is entered once at a time, by one thread:
-    entering it while it is open raises ``ScopeError`` (in another thread too).
+    docs/concepts/scope.md, "Scopes in generators"). An instance is entered once at a time,
+    by one thread: entering it while it is open raises ``ScopeError`` (in another thread too).
 
     ``prepared``: ``(plan, handler, form)`` from ``binding.prepare(batch)`` made earlier;
     entering then plans nothing (``cuda_graph`` replays a captured plan this way).
