@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +34,48 @@ def listed_members(options: str) -> list[str]:
         r"^(?P<indent>[ \t]+)members:\n(?P<body>(?:(?P=indent)[ \t]+- .*\n?)*)", options, re.M
     )
     return re.findall(r"- (\S+)", m["body"]) if m else []
+
+
+def _pycon_hook() -> Any:
+    # tools/ is not a package: load the hook as a module by its path.
+    spec = importlib.util.spec_from_file_location("docs_pycon", ROOT / "tools" / "docs_pycon.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docstring_examples_become_pycon_blocks() -> None:
+    pytest.importorskip("markdown")
+    fence = _pycon_hook().fence_examples
+    text = [
+        "Prose.",
+        "    >>> x = 1  # doctest: +ELLIPSIS",
+        "    >>> for i in range(2):",
+        "    ...     x += i",
+        "    >>> x",
+        "    2",
+        "",
+        "```python",
+        ">>> inside_a_fence()",
+        "```",
+    ]
+    assert fence(text) == [
+        "Prose.",
+        "",
+        "```pycon",
+        ">>> x = 1",
+        ">>> for i in range(2):",
+        "...     x += i",
+        ">>> x",
+        "2",
+        "```",
+        "",
+        "",
+        "```python",
+        ">>> inside_a_fence()",
+        "```",
+    ]
 
 
 def test_framework_page_lists_every_public_name() -> None:
@@ -77,3 +120,7 @@ def test_built_site_has_an_entry_per_public_name(tmp_path: Path) -> None:
         ids = set(re.findall(r'id="([^"]+)"', html))
         missing = [n for n in names if f"{module}.{n}" not in ids]
         assert missing == [], f"docs/api/{page}.md has no entry for {missing}"
+        # Docstring examples are code (tools/docs_pycon.py), not ">" block quotes.
+        assert "<blockquote>" not in html
+        # Every prompt is a highlighted console prompt (Pygments' "gp" token).
+        assert html.count("&gt;&gt;&gt;") == html.count('<span class="gp">&gt;&gt;&gt; </span>') > 0
