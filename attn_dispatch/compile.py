@@ -37,6 +37,7 @@ A process that compiles model code imports it once, before compiling:
 ...         out = layer(q, k_cache, k_cache)      # the draft's kernel, same compiled code
 >>> sorted(rec.counts())
 [('draft', 'decode', 'native'), ('target', 'decode', 'torch')]
+>>> torch.compiler.reset()   # forget the compiled code: this example cleans up after itself
 
 ``attention(..., return_lse=True)`` is traced as a second op,
 ``torch.ops.attn_dispatch.attention_lse``, with the same arguments and two outputs
@@ -224,6 +225,7 @@ def attention_op(
     ...                         backend="eager")(q, k)
     >>> out.shape
     torch.Size([1, 4, 16])
+    >>> torch.compiler.reset()
 
     ``v_head_dim`` defaults to ``v_cache.shape[-1]``; MLA (``v_cache=None``) must pass it.
     ``sm_scale`` defaults to the bound config's; ``sinks``/``k_scale``/``v_scale``/``group``/
