@@ -109,8 +109,10 @@ class AttnBatch:
     ) -> AttnBatch:
         """Build from plain per-request data.
 
-        >>> AttnBatch.build(Phase.DECODE, q_lens=[1, 1], kv_lens=[5, 9],
-        ...                 page_tables=[[3], [0, 7]], page_size=8)
+        >>> batch = AttnBatch.build(Phase.DECODE, q_lens=[1, 1], kv_lens=[5, 9],
+        ...                         page_tables=[[3], [0, 7]], page_size=8)
+        >>> batch.kv_indptr, batch.kv_indices
+        (tensor([0, 1, 3], dtype=torch.int32), tensor([3, 0, 7], dtype=torch.int32))
 
         ``masks`` (VERIFY trees) is one bool ``[q_len_i, kv_len_i]`` block per request, e.g.
         from ``tree_mask``.
@@ -235,6 +237,9 @@ def tree_mask(parents: Sequence[int], prefix_len: int) -> torch.Tensor:
     come before their children, so every row sees at least itself.
 
     >>> tree_mask([-1, 0, 0], prefix_len=4).int()   # a root with two children
+    tensor([[1, 1, 1, 1, 1, 0, 0],
+            [1, 1, 1, 1, 1, 1, 0],
+            [1, 1, 1, 1, 1, 0, 1]], dtype=torch.int32)
     """
     import torch
 
@@ -256,3 +261,6 @@ def tree_mask(parents: Sequence[int], prefix_len: int) -> torch.Tensor:
 
 # Public through attn_dispatch (loaded lazily there): reprs and pickles name it.
 AttnBatch.__module__ = tree_mask.__module__ = "attn_dispatch"
+# doctest looks for an object's examples in the module its __module__ names, where these are
+# loaded lazily (not in its namespace): list them here so that their examples run.
+__test__ = {"AttnBatch.build": AttnBatch.build, "tree_mask": tree_mask}

@@ -64,8 +64,13 @@ def bind(
 ) -> Binding:
     """Check ``spec`` against ``config`` for every phase, then build the backends.
 
+    >>> config = AttnConfig("mha", num_q_heads=4, num_kv_heads=2, head_dim=16,
+    ...                     dtype="float32", device="cpu", page_size=8)
     >>> binding = bind(BackendSpec.parse("prefill=torch,decode=native"), config, label="target")
-    >>> runner.attn_binding = binding
+    >>> binding.backend_name(Phase.DECODE)
+    'native'
+    >>> class Runner:                # any object with an ``attn_binding`` is a runner
+    ...     attn_binding = binding
 
     Everything that can be checked is checked before any factory runs, and every reason of
     every phase is collected before one ``IncompatibleBackendError`` is raised; an unknown

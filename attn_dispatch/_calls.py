@@ -9,10 +9,18 @@ receive only what passed: a float scale in float32's normal range, ``sinks`` (a 
 (floats in range) only for an FP8 cache, ``return_lse=True`` only when the call asked for it
 (and the config has ``return_lse=True``). No torch.
 
+>>> import torch
+>>> from attn_dispatch import AttnConfig
+>>> config = AttnConfig("mha", 4, 2, 16, dtype="float32", device="cpu", page_size=8,
+...                     sm_scale=0.25, sinks=True, return_lse=True)
+>>> q, sinks = torch.randn(1, 4, 16), torch.zeros(4)
 >>> rule = CallRule.of(config, label="target")
->>> scale = rule.scale(None)                    # the config's sm_scale, or an error
->>> kw = rule.keywords(q, sinks, None, None)    # {"sinks": sinks} for a sinks config
->>> kw = rule.keywords(q, None, None, None, True)  # {"return_lse": True}: an lse config
+>>> rule.scale(None)                            # the config's sm_scale, or an error
+0.25
+>>> sorted(rule.keywords(q, sinks, None, None))        # {"sinks": sinks}: a sinks config
+['sinks']
+>>> sorted(rule.keywords(q, sinks, None, None, True))  # + {"return_lse": True}: an lse config
+['return_lse', 'sinks']
 """
 
 from __future__ import annotations

@@ -145,6 +145,7 @@ def _fmt(values: Iterable[object]) -> str:
 class Capabilities:
     """What a backend can serve; ``reasons(config, phase)`` lists every mismatch.
 
+    >>> from attn_dispatch import AttnConfig, Phase
     >>> caps = Capabilities(kinds={"mha"}, devices={"cpu"}, dtypes={"float32"})
     >>> caps.reasons(AttnConfig("mla", 16, 1, 576, 512, dtype="float32"), Phase.DECODE)
     ["kind 'mla' is not supported (supported: 'mha')"]

@@ -33,7 +33,7 @@ class AttnConfig:
     backends that fix the scale when they plan (FlashInfer) can be bound. ``None`` (the
     default) means each call passes its own ``sm_scale``.
 
-    Layer variants (see the README, "Layer variants and groups"): ``window_left`` (int >= 0;
+    Layer variants (see docs/guides/variants.md): ``window_left`` (int >= 0;
     a query at position p sees keys p - window_left ..= p; None = full attention; HF's
     ``sliding_window = W`` is ``window_left = W - 1``), ``logit_cap`` (finite > 0: scores are
     ``cap * tanh(q.k * sm_scale / cap)``; None or 0.0 = off, stored as None) and ``sinks``
@@ -51,7 +51,7 @@ class AttnConfig:
 
     ``return_lse=True`` (declared by backends as the variant ``"lse"``): calls may ask for the
     attention state too, ``out, lse = attention(..., return_lse=True)``, lse float32
-    ``[tokens, num_q_heads]`` (README, "Attention state (LSE) and merging").
+    ``[tokens, num_q_heads]`` (docs/guides/lse-cascade.md).
     """
 
     kind: Kind

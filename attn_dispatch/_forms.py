@@ -20,6 +20,7 @@ from attn_dispatch._vocab import AttnForm as AttnForm
 class FormPolicy:
     """Which ``AttnForm`` a backend uses per batch. Thresholds are backend options, not globals.
 
+    >>> from attn_dispatch import Phase
     >>> FormPolicy(short_prefix_max=512).choose_for(Phase.PREFILL, prefix_tokens=4096)
     <AttnForm.MHA_CHUNKED: 'mha_chunked'>
 

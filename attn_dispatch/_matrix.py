@@ -1,12 +1,18 @@
 """The support matrix: what every registered backend declares, as data, text or markdown.
 
 Read from each backend's ``Capabilities`` (and its registered ``FormPolicy``), never written
-by hand: ``python -m attn_dispatch matrix`` prints it, and the README's who-serves-what tables
-are blocks of its output that a test regenerates. Every public field of ``Capabilities`` is a
-row, so a field added there shows up here without a change to this module. Imports no torch.
+by hand: ``python -m attn_dispatch matrix`` prints it, and the who-serves-what tables of
+README.md and docs/ are blocks of its output that a test regenerates. Every public field of
+``Capabilities`` is a row, so a field added there shows up here without a change to this
+module. Imports no torch.
 
     >>> from attn_dispatch._matrix import format_matrix, support_matrix
-    >>> print(format_matrix(support_matrix(), "text", fields=["kinds", "variants"]))
+    >>> print(format_matrix(support_matrix(backends=["native", "torch"]), "text",
+    ...                     fields=["kinds", "phases"]))
+            native                   torch
+    ------  -----------------------  -----------------------
+    kinds   mha, mla                 mha, mla
+    phases  prefill, decode, verify  prefill, decode, verify
 """
 
 from __future__ import annotations

@@ -5,12 +5,21 @@ declared on ``AttentionBackend`` below, with its exact signature; nothing else i
 up on a backend object. ``BackendBase`` gives the defaults of the optional members, so a
 backend defines only ``name``, ``plan`` and ``handler``:
 
+>>> from attn_dispatch.backend import Capabilities, Registry
+>>> class MyPlan(PlanBase):
+...     pass
 >>> class MyBackend(BackendBase):
 ...     name = "mine"
 ...     def __init__(self, config, **options): self.config = config
-...     def plan(self, batch): return MyPlan(batch)          # once per forward, on the host
-...     def handler(self, phase): return my_kernel           # once per phase, at bind
->>> register_backend("mine", capabilities=Capabilities(kinds={"mha"}), factory=MyBackend)
+...     def plan(self, batch): return issue_plan(self, MyPlan())  # once per forward, on the host
+...     def handler(self, phase): return self.run                 # once per phase, at bind
+...     def run(self, q, k_cache, v_cache, plan, sm_scale):
+...         check_plan(plan, self, self.name)
+...         return q
+>>> registry = Registry(plugins=False)           # register_backend(...): the default registry
+>>> caps = Capabilities(kinds={"mha"})
+>>> registry.register("mine", capabilities=caps, factory=MyBackend) is MyBackend
+True
 
 What a backend *can serve* (kinds, dtypes, forms, whether it fixes the scale when it plans)
 is declared apart from the object, in its ``Capabilities`` and its registry entry
@@ -49,7 +58,7 @@ class Handler(Protocol):
     ``v_scale=``) as Python floats in float32's normal range when ``config.kv_dtype`` is FP8;
     ``return_lse=True`` when a call of a ``return_lse=True`` config asks for the attention
     state: the handler then returns ``(out, lse)``, lse float32 ``[tokens, num_q_heads]`` on
-    q's device, contiguous (README, "Attention state (LSE) and merging"). A config without
+    q's device, contiguous (docs/guides/lse-cascade.md). A config without
     them gets the plain positional call. The window and the logit cap are read from the config
     when planning, never per call. A backend that declares ``"sinks"``, ``"lse"`` or an FP8
     ``kv_dtype`` accepts those keyword-only arguments (the ``MHA_CHUNKED`` handler too, after
@@ -165,11 +174,17 @@ class PlanBase:
     is refused; ``copy.copy``, ``copy.deepcopy`` and pickling refuse at once. A copyable
     ``owner`` field cannot give that: the copy carries it.
 
+    >>> import dataclasses
     >>> @dataclasses.dataclass(frozen=True, slots=True, eq=False)
     ... class MyPlan(PlanBase):
     ...     num_tokens: int
+    >>> backend = object()                                 # the backend object (its self)
     >>> plan = issue_plan(backend, MyPlan(num_tokens=3))   # in backend.plan(batch)
     >>> check_plan(plan, backend, "mine")                  # in the handler
+    >>> check_plan(dataclasses.replace(plan), backend, "mine")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    attn_dispatch.InvalidBatchError: ...
     """
 
     # The weak reference the issue registry holds (a slotted subclass inherits the slot).

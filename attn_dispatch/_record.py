@@ -152,9 +152,21 @@ def record_events(events: Iterable[DispatchEvent]) -> None:
 class record_dispatch:
     """Record (label, phase, backend, form, group) of every ``attention`` call in this context.
 
+    >>> import torch
+    >>> from attn_dispatch import AttnBatch, AttnConfig, Phase, attention, attn_scope, bind
+    >>> config = AttnConfig("mha", num_q_heads=4, num_kv_heads=2, head_dim=16,
+    ...                     dtype="float32", device="cpu", page_size=8, sm_scale=0.25)
+    >>> class Runner:
+    ...     attn_binding = bind("torch", config, label="target")
+    >>> batch = AttnBatch.build(Phase.DECODE, q_lens=[1], kv_lens=[5], page_tables=[[0]],
+    ...                         page_size=8)
+    >>> q, k_cache = torch.randn(1, 4, 16), torch.randn(1, 8, 2, 16)
     >>> with record_dispatch() as rec:
-    ...     run_forward()
-    >>> rec.counts()[("target", "decode", "flashinfer")]
+    ...     with attn_scope(Runner(), batch):
+    ...         for layer in range(3):
+    ...             out = attention(q, k_cache, k_cache)
+    >>> rec.counts()[("target", "decode", "torch")]
+    3
 
     ``profile=True`` also wraps each call in a ``torch.profiler.record_function`` range named
     ``attn_dispatch/<runner>/<phase>/<backend>[/<form>]``, so a profile shows which runner ran

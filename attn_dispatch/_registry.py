@@ -78,9 +78,16 @@ class Registry:
     """Backend names -> ``BackendEntry``. ``builtins`` / ``plugins``: load the built-in
     backends / the ``attn_dispatch.backends`` entry points on first use.
 
+    >>> from attn_dispatch import AttnConfig, bind
     >>> mine = Registry(plugins=False)
-    >>> mine.register("echo", capabilities=Capabilities(kinds={"mha"}), factory=EchoBackend)
-    >>> binding = bind("echo", config, registry=mine)
+    >>> path = "attn_dispatch.backends.reference.backend:TorchBackend"  # imported at bind
+    >>> mine.register("echo", capabilities=Capabilities(kinds={"mha"}), factory=path)
+    'attn_dispatch.backends.reference.backend:TorchBackend'
+    >>> config = AttnConfig("mha", 4, 2, 16, dtype="float32", device="cpu", page_size=8)
+    >>> bind("echo", config, registry=mine)
+    <Binding echo kind='mha'>
+    >>> "echo" in mine.list(), "torch" in mine.list()   # builtins=True: the built-ins too
+    (True, True)
     """
 
     def __init__(self, *, builtins: bool = True, plugins: bool = True) -> None:
@@ -198,9 +205,13 @@ class Registry:
     ) -> Any:
         """Register a backend under ``name``; also usable as a decorator on the factory.
 
+        >>> from attn_dispatch.backends.reference.backend import TorchBackend
+        >>> registry = Registry(plugins=False)
         >>> @registry.register("mine", capabilities=Capabilities(kinds={"mha"}))
         ... def make_mine(config, **options):
-        ...     return MyBackend(config, **options)
+        ...     return TorchBackend(config, **options)
+        >>> registry.get("mine").factory is make_mine
+        True
 
         A factory may be ``"package.module:attr"``, imported only at ``bind``.
         ``form_policy``: how the backend picks the form of MLA layers per batch (None: the

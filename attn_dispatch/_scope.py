@@ -101,14 +101,25 @@ _UNCHECKED = object()
 class attn_scope:
     """Make ``runner`` the active one in this context for the duration of a forward.
 
-    >>> with attn_scope(target_runner, batch):   # plans batch.phase's backend once
-    ...     out = model(...)                     # layers call attention(...) / resolve(...)
+    >>> import torch
+    >>> from attn_dispatch import AttnBatch, AttnConfig, Phase, attention, bind
+    >>> config = AttnConfig("mha", num_q_heads=4, num_kv_heads=2, head_dim=16,
+    ...                     dtype="float32", device="cpu", page_size=8, sm_scale=0.25)
+    >>> class Runner:                # any object with an ``attn_binding`` is a runner
+    ...     attn_binding = bind("torch", config, label="target")
+    >>> batch = AttnBatch.build(Phase.DECODE, q_lens=[1, 1], kv_lens=[5, 9],
+    ...                         page_tables=[[3], [0, 1]], page_size=8)
+    >>> q, k_cache = torch.randn(2, 4, 16), torch.randn(4, 8, 2, 16)
+    >>> with attn_scope(Runner(), batch):   # plans batch.phase's backend once
+    ...     out = attention(q, k_cache, k_cache)  # what every layer of the forward calls
+    >>> out.shape
+    torch.Size([2, 4, 16])
 
     Scopes nest (the innermost wins), are restored on any exit (exceptions and
     ``BaseException`` included), and are private to their thread and asyncio task. Also a
     decorator of plain and async functions: ``@attn_scope(runner)`` (not of generators: see
-    the README, "Scopes in generators"). An instance is entered once at a time, by one thread:
-    entering it while it is open raises ``ScopeError`` (in another thread too).
+    docs/concepts/scope.md, "Scopes in generators"). An instance is entered once at a time,
+    by one thread: entering it while it is open raises ``ScopeError`` (in another thread too).
 
     ``prepared``: ``(plan, handler, form)`` from ``binding.prepare(batch)`` made earlier;
     entering then plans nothing (``cuda_graph`` replays a captured plan this way).
@@ -394,8 +405,15 @@ def _label(frame: attn_scope | _GroupFrame | None) -> str:
 def resolve(phase: Phase) -> Handler:
     """The handler the active runner uses for ``phase`` (the per-layer hot path).
 
-    >>> with attn_scope(runner):
+    >>> from attn_dispatch import AttnConfig, bind
+    >>> config = AttnConfig("mha", num_q_heads=4, num_kv_heads=2, head_dim=16,
+    ...                     dtype="float32", device="cpu", page_size=8)
+    >>> class Runner:
+    ...     attn_binding = bind("torch", config, label="target")
+    >>> with attn_scope(Runner()):
     ...     handler = resolve(Phase.DECODE)
+    >>> handler is Runner.attn_binding.handler(Phase.DECODE)
+    True
 
     Only ``Phase`` members resolve: an int or a framework's own mode enum raises
     ``UnknownPhaseError`` (map it with ``phase_of(mode)`` first).
@@ -510,7 +528,18 @@ def attention(
 ) -> Any:
     """Run attention for one layer with the active runner's handler for the scope's batch.
 
-    >>> with attn_scope(runner, batch):
+    >>> import torch
+    >>> from attn_dispatch import AttnBatch, AttnConfig, bind
+    >>> head_dim = 16
+    >>> config = AttnConfig("mha", num_q_heads=4, num_kv_heads=2, head_dim=head_dim,
+    ...                     dtype="float32", device="cpu", page_size=8, return_lse=True)
+    >>> class Runner:
+    ...     attn_binding = bind("torch", config, label="target")
+    >>> batch = AttnBatch.build(Phase.DECODE, q_lens=[1, 1], kv_lens=[5, 9],
+    ...                         page_tables=[[3], [0, 1]], page_size=8)
+    >>> q = torch.randn(2, 4, head_dim)
+    >>> k_cache, v_cache = torch.randn(2, 4, 8, 2, head_dim)   # [pages, page_size, kv_heads, dim]
+    >>> with attn_scope(Runner(), batch):
     ...     out = attention(q, k_cache, v_cache, sm_scale=head_dim ** -0.5)
 
     ``sm_scale`` defaults to the bound ``AttnConfig.sm_scale``; given both, they must agree
@@ -528,7 +557,10 @@ def attention(
       (the natural log of the sum of exp(score) over the keys each row attended; see
       ``attn_dispatch.merge_state``); only when the config has ``return_lse=True``.
 
-    >>> out, lse = attention(q, k_cache, v_cache, return_lse=True)  # AttnConfig(return_lse=True)
+    >>> with attn_scope(Runner(), batch):
+    ...     out, lse = attention(q, k_cache, v_cache, sm_scale=0.25, return_lse=True)
+    >>> out.shape, lse.shape, lse.dtype
+    (torch.Size([2, 4, 16]), torch.Size([2, 4]), torch.float32)
 
     Under ``torch.compile`` the same call is traced as one opaque op
     (``attn_dispatch.compile``).

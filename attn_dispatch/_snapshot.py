@@ -6,7 +6,12 @@ so editing the batch's tensors after planning never reaches a kernel, and a batc
 ``page_size`` is still checked against the pages it names. ``refill`` copies a newer snapshot
 into a CUDA-graph-captured plan's buffers.
 
->>> snap = BatchSnapshot.of(batch, config.page_size)          # once per forward
+>>> from attn_dispatch import AttnBatch, Phase
+>>> batch = AttnBatch.build(Phase.DECODE, q_lens=[1, 1], kv_lens=[5, 9],
+...                         page_tables=[[3], [0, 1]], page_size=8)
+>>> snap = BatchSnapshot.of(batch, 8)          # once per forward, at the bound page size
+>>> snap.num_tokens, snap.max_kv_len, snap.max_page
+(2, 9, 3)
 
 On a CUDA batch the snapshot copies the index tensors on the device (no host sync) and checks
 the host copies only; page index values stay unknown (``max_page is None``) unless the

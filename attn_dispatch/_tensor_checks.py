@@ -4,8 +4,17 @@ Attribute reads only: shapes, dtypes, devices, layout, and the largest page inde
 planned snapshot against the cache given at this call (an FP8 config's cache must have the FP8
 dtype itself); ``check_sinks(sinks, q)`` for configs with sinks.
 
+>>> import torch
+>>> from attn_dispatch import AttnBatch, AttnConfig, Phase
+>>> from attn_dispatch.backend import BatchSnapshot
+>>> config = AttnConfig("mha", 4, 2, 16, dtype="float32", device="cpu", page_size=8)
+>>> batch = AttnBatch.build(Phase.DECODE, q_lens=[1, 1], kv_lens=[5, 9],
+...                         page_tables=[[3], [0, 1]], page_size=8)
+>>> snap = BatchSnapshot.of(batch, config.page_size)
+>>> q, k_cache = torch.randn(2, 4, 16), torch.randn(4, 8, 2, 16)
 >>> checks = TensorChecks.of(config, backend="mine", layout="rows")   # once per backend object
->>> checks.check(snap, q, k_cache, v_cache)                           # every layer
+>>> checks.check(snap, q, k_cache, k_cache)       # every layer; returns the cache's page count
+4
 """
 
 from __future__ import annotations

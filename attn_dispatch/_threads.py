@@ -21,8 +21,18 @@ R = TypeVar("R")
 def carry_scope(fn: Callable[P, R]) -> Callable[P, R]:
     """Wrap ``fn`` so it runs in a copy of the caller's context (its scopes included).
 
-    >>> with attn_scope(runner):
-    ...     t = threading.Thread(target=carry_scope(work)); t.start()
+    >>> import threading
+    >>> from attn_dispatch import AttnConfig, bind, current_binding
+    >>> config = AttnConfig("mha", 4, 2, 16, dtype="float32", device="cpu", page_size=8)
+    >>> class Runner:
+    ...     attn_binding = bind("torch", config, label="target")
+    >>> seen = []
+    >>> def work():
+    ...     seen.append(current_binding().label)
+    >>> with attn_scope(Runner()):
+    ...     t = threading.Thread(target=carry_scope(work)); t.start(); t.join()
+    >>> seen
+    ['target']
     """
     ctx = contextvars.copy_context()
 
@@ -37,8 +47,20 @@ def carry_scope(fn: Callable[P, R]) -> Callable[P, R]:
 def run_in_thread(fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
     """Run ``fn(*args, **kwargs)`` in a new thread with the current scope; return its result.
 
-    >>> with attn_scope(runner, batch):
-    ...     out = run_in_thread(layer, q, k_cache, v_cache)
+    >>> import torch
+    >>> from attn_dispatch import AttnBatch, AttnConfig, Phase, attention, bind
+    >>> config = AttnConfig("mha", 4, 2, 16, dtype="float32", device="cpu", page_size=8)
+    >>> class Runner:
+    ...     attn_binding = bind("torch", config, label="target")
+    >>> batch = AttnBatch.build(Phase.DECODE, q_lens=[1], kv_lens=[5], page_tables=[[0]],
+    ...                         page_size=8)
+    >>> q, k_cache = torch.randn(1, 4, 16), torch.randn(1, 8, 2, 16)
+    >>> def layer(q, k_cache, v_cache):
+    ...     return attention(q, k_cache, v_cache, sm_scale=0.25)
+    >>> with attn_scope(Runner(), batch):
+    ...     out = run_in_thread(layer, q, k_cache, k_cache)
+    >>> out.shape
+    torch.Size([1, 4, 16])
     """
     result: list[Any] = []
     error: list[BaseException] = []

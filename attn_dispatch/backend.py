@@ -2,13 +2,26 @@
 
 A framework imports ``attn_dispatch``; a backend imports this module:
 
->>> from attn_dispatch.backend import BackendBase, Capabilities, register_backend
+>>> from attn_dispatch import AttnConfig, Phase, bind
+>>> from attn_dispatch.backend import BackendBase, Capabilities, PlanBase, Registry
+>>> from attn_dispatch.backend import check_plan, issue_plan
+>>> class MyPlan(PlanBase):
+...     pass
 >>> class MyBackend(BackendBase):
 ...     name = "mine"
 ...     def __init__(self, config, **options): self.config = config
-...     def plan(self, batch): return issue_plan(self, MyPlan(batch))   # once per forward
-...     def handler(self, phase): return my_kernel                      # once per phase
->>> register_backend("mine", capabilities=Capabilities(kinds={"mha"}), factory=MyBackend)
+...     def plan(self, batch): return issue_plan(self, MyPlan())   # once per forward
+...     def handler(self, phase): return self.run                  # once per phase
+...     def run(self, q, k_cache, v_cache, plan, sm_scale):       # every layer
+...         check_plan(plan, self, self.name)
+...         return q
+>>> registry = Registry(plugins=False)   # register_backend(...): the default registry
+>>> caps = Capabilities(kinds={"mha"})                # what it serves: checked at bind
+>>> registry.register("mine", capabilities=caps, factory=MyBackend) is MyBackend
+True
+>>> config = AttnConfig("mha", 4, 2, 16, dtype="float32", device="cpu", page_size=8)
+>>> bind("mine", config, label="target", registry=registry)
+<Binding 'target', mine kind='mha'>
 
 - What it can serve: ``Capabilities`` (checked by ``bind`` before any factory runs), and for
   MLA layers the forms it serves and how it picks one per batch (``AttnForm``, ``FormPolicy``).

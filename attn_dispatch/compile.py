@@ -15,14 +15,29 @@ module for you (binding a backend does not; the core never imports torch or Dyna
 effect, and Dynamo imports triton, which must not load before ``TRITON_INTERPRET`` is chosen).
 A process that compiles model code imports it once, before compiling:
 
+>>> import torch
 >>> import attn_dispatch.compile  # once per process, before torch.compile
->>> @torch.compile(fullgraph=True)
+>>> from attn_dispatch import AttnBatch, AttnConfig, Phase, attention, attn_scope, bind
+>>> from attn_dispatch import record_dispatch
+>>> config = AttnConfig("mha", 4, 2, 16, dtype="float32", device="cpu", page_size=8)
+>>> class Target:
+...     attn_binding = bind("torch", config, label="target")
+>>> class Draft:
+...     attn_binding = bind("native", config, label="draft")
+>>> batch = AttnBatch.build(Phase.DECODE, q_lens=[1], kv_lens=[5], page_tables=[[0]],
+...                         page_size=8)
+>>> q, k_cache = torch.randn(1, 4, 16), torch.randn(1, 8, 2, 16)
+>>> @torch.compile(fullgraph=True, backend="eager")   # any backend; eager compiles fastest
 ... def layer(q, k_cache, v_cache):
 ...     return attention(q, k_cache, v_cache, sm_scale=0.125)
->>> with attn_scope(target, batch):
-...     out = layer(q, k_cache, v_cache)      # the target's kernel
->>> with attn_scope(draft, draft_batch):
-...     out = layer(q2, k2, v2)               # the draft's kernel, same compiled code
+>>> with record_dispatch() as rec:
+...     with attn_scope(Target(), batch):
+...         out = layer(q, k_cache, k_cache)      # the target's kernel
+...     with attn_scope(Draft(), batch):
+...         out = layer(q, k_cache, k_cache)      # the draft's kernel, same compiled code
+>>> sorted(rec.counts())
+[('draft', 'decode', 'native'), ('target', 'decode', 'torch')]
+>>> torch.compiler.reset()   # forget the compiled code: this example cleans up after itself
 
 ``attention(..., return_lse=True)`` is traced as a second op,
 ``torch.ops.attn_dispatch.attention_lse``, with the same arguments and two outputs
@@ -197,9 +212,20 @@ def attention_op(
     """``attention(...)`` as the opaque op ``torch.ops.attn_dispatch.attention``
     (``attention_lse`` with ``return_lse=True``, which returns ``(out, lse)``).
 
-    >>> with attn_scope(runner, batch):
+    >>> from attn_dispatch import AttnBatch, AttnConfig, Phase, attn_scope, bind
+    >>> config = AttnConfig("mla", 4, 1, 24, 16, dtype="float32", device="cpu", page_size=8)
+    >>> class Runner:
+    ...     attn_binding = bind("torch", config, label="target")
+    >>> batch = AttnBatch.build(Phase.DECODE, q_lens=[1], kv_lens=[5], page_tables=[[0]],
+    ...                         page_size=8)
+    >>> q, k, s = torch.randn(1, 4, 24), torch.randn(1, 8, 24), 24**-0.5
+    >>> with attn_scope(Runner(), batch):
     ...     out = torch.compile(lambda q, k: attention_op(q, k, None, sm_scale=s,
-    ...                                                    v_head_dim=512), fullgraph=True)(q, k)
+    ...                                                    v_head_dim=16), fullgraph=True,
+    ...                         backend="eager")(q, k)
+    >>> out.shape
+    torch.Size([1, 4, 16])
+    >>> torch.compiler.reset()
 
     ``v_head_dim`` defaults to ``v_cache.shape[-1]``; MLA (``v_cache=None``) must pass it.
     ``sm_scale`` defaults to the bound config's; ``sinks``/``k_scale``/``v_scale``/``group``/

@@ -17,10 +17,25 @@ this module enforces:
    served each ``attention`` call; a forward that opened another runner's scope inside the
    captured region is refused (that runner's kernels would be replayed for this one).
 
->>> graphed = capture_decode(target, decode_batch, step, q, k_cache, v_cache,
-...                          max_pages_per_request=64)
+>>> import torch
+>>> from attn_dispatch import AttnBatch, AttnConfig, Phase, attention, bind
+>>> config = AttnConfig("mha", 4, 2, 16, dtype="float32", device="cpu", page_size=8,
+...                     sm_scale=0.25)
+>>> class Runner:
+...     attn_binding = bind("torch", config, label="target")
+>>> def step(q, k_cache, v_cache):          # one decode forward (here: one layer)
+...     return attention(q, k_cache, v_cache)
+>>> def decode_batch(kv_lens, page_tables):
+...     return AttnBatch.build(Phase.DECODE, q_lens=[1, 1], kv_lens=kv_lens,
+...                            page_tables=page_tables, page_size=8)
+>>> q, k_cache = torch.randn(2, 4, 16), torch.randn(4, 8, 2, 16)
+>>> graphed = capture_decode(Runner(), decode_batch([7, 3], [[0], [2]]), step,
+...                          q, k_cache, k_cache, max_pages_per_request=2)
+>>> steps = [(decode_batch([8, 4], [[0], [2]]), q), (decode_batch([9, 5], [[0, 1], [2]]), q)]
 >>> for batch, q in steps:                  # same number of requests; sequences grow
 ...     out = graphed.replay(batch, q)      # host plan + copies, then one graph launch
+>>> out.shape                               # (off CUDA, replay runs step eagerly)
+torch.Size([2, 4, 16])
 
 Growing sequences: with ``max_pages_per_request=C`` every batch (the captured one and each
 replayed one) is laid out with exactly ``C`` page-table entries per request (``kv_indptr`` is
@@ -274,7 +289,21 @@ def _check_page_size(batch: AttnBatch, bound: int) -> None:
 class GraphedForward:
     """``fn(*inputs)`` of one runner captured for one batch shape; ``replay`` new batches.
 
-    >>> graphed = GraphedForward(target, batch, step, q, k_cache, v_cache)
+    >>> import torch
+    >>> from attn_dispatch import AttnBatch, AttnConfig, Phase, attention, bind
+    >>> config = AttnConfig("mha", 4, 2, 16, dtype="float32", device="cpu", page_size=8,
+    ...                     sm_scale=0.25)
+    >>> class Runner:
+    ...     attn_binding = bind("torch", config, label="target")
+    >>> def step(q, k_cache, v_cache):          # one decode forward (here: one layer)
+    ...     return attention(q, k_cache, v_cache)
+    >>> def decode_batch(kv_lens, page_tables):
+    ...     return AttnBatch.build(Phase.DECODE, q_lens=[1, 1], kv_lens=kv_lens,
+    ...                            page_tables=page_tables, page_size=8)
+    >>> q, k_cache = torch.randn(2, 4, 16), torch.randn(4, 8, 2, 16)
+    >>> graphed = GraphedForward(Runner(), decode_batch([7, 3], [[0], [2]]), step,
+    ...                          q, k_cache, k_cache)
+    >>> next_batch, next_q = decode_batch([8, 4], [[1], [3]]), torch.randn(2, 4, 16)
     >>> out = graphed.replay(next_batch, next_q)   # k_cache, v_cache: the captured ones
 
     The runner's backend plans ``batch`` outside the captured region; ``fn`` runs under that
@@ -452,9 +481,22 @@ def capture_decode(
 ) -> GraphedForward:
     """Capture one decode step of ``runner`` (``GraphedForward`` for a DECODE batch).
 
-    >>> graphed = capture_decode(draft, batch, draft_step, tokens, k_cache, v_cache,
-    ...                          max_pages_per_request=64)
-    >>> out = graphed.replay(next_batch, next_tokens)   # sequences may have grown
+    >>> import torch
+    >>> from attn_dispatch import AttnBatch, AttnConfig, Phase, attention, bind
+    >>> config = AttnConfig("mha", 4, 2, 16, dtype="float32", device="cpu", page_size=8,
+    ...                     sm_scale=0.25)
+    >>> class Runner:
+    ...     attn_binding = bind("torch", config, label="draft")
+    >>> def step(q, k_cache, v_cache):          # one decode forward (here: one layer)
+    ...     return attention(q, k_cache, v_cache)
+    >>> def decode_batch(kv_lens, page_tables):
+    ...     return AttnBatch.build(Phase.DECODE, q_lens=[1, 1], kv_lens=kv_lens,
+    ...                            page_tables=page_tables, page_size=8)
+    >>> q, k_cache = torch.randn(2, 4, 16), torch.randn(4, 8, 2, 16)
+    >>> graphed = capture_decode(Runner(), decode_batch([7, 3], [[0], [2]]), step,
+    ...                          q, k_cache, k_cache, max_pages_per_request=2)
+    >>> next_batch, next_q = decode_batch([9, 4], [[0, 1], [2]]), torch.randn(2, 4, 16)
+    >>> out = graphed.replay(next_batch, next_q)   # sequences may have grown
 
     ``max_pages_per_request`` fixes the page-table capacity of the graph (see the module's
     docstring); without it every replay needs the captured pages per request exactly.

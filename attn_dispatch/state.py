@@ -11,8 +11,21 @@ those keys). Two states over disjoint key sets merge into the state over their u
 An empty part has ``lse = -inf`` and contributes nothing, whatever its ``out`` holds (NaN
 included); two empty parts give ``out = 0`` and ``lse = -inf``. A NaN lse gives a NaN row.
 
+>>> import torch
+>>> q, k, v = torch.randn(3, 2, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+>>> def part(keys):          # attention over some keys: its state (out, lse)
+...     s = torch.einsum("thd,khd->thk", q, k[keys])
+...     return torch.einsum("thk,khd->thd", s.softmax(-1), v[keys]), s.logsumexp(-1)
+>>> out_prefix, lse_prefix = part(slice(0, 4))
+>>> out_suffix, lse_suffix = part(slice(4, 6))
 >>> out, lse = merge_state(out_prefix, lse_prefix, out_suffix, lse_suffix)
+>>> full_out, full_lse = part(slice(0, 6))
+>>> torch.allclose(out, full_out, atol=1e-5), torch.allclose(lse, full_lse, atol=1e-5)
+(True, True)
+>>> (out_a, lse_a), (out_b, lse_b), (out_c, lse_c) = map(part, (slice(0, 1), [1, 2], [3, 4, 5]))
 >>> out, lse = merge_states([out_a, out_b, out_c], [lse_a, lse_b, lse_c])
+>>> torch.allclose(out, full_out, atol=1e-5)
+True
 """
 
 from __future__ import annotations
@@ -66,7 +79,15 @@ def merge_states(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge any number of attention states over disjoint key sets into one.
 
+    >>> import torch
+    >>> q, k, v = torch.randn(3, 2, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    >>> def part(keys):          # attention over some keys: its state (out, lse)
+    ...     s = torch.einsum("thd,khd->thk", q, k[keys])
+    ...     return torch.einsum("thk,khd->thd", s.softmax(-1), v[keys]), s.logsumexp(-1)
+    >>> (out_a, lse_a), (out_b, lse_b), (out_c, lse_c) = map(part, ([0, 1], [2, 3], [4, 5]))
     >>> out, lse = merge_states([out_a, out_b, out_c], [lse_a, lse_b, lse_c])
+    >>> torch.allclose(out, part(slice(0, 6))[0], atol=1e-5)
+    True
 
     ``outs``: ``[tokens, heads, dv]`` of one floating dtype (the result has it);
     ``lses``: float32 ``[tokens, heads]``. The merge is computed in float32 in one pass over
@@ -100,7 +121,16 @@ def merge_state(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two attention states over disjoint key sets: attention over their union.
 
+    >>> import torch
+    >>> q, k, v = torch.randn(3, 2, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    >>> def part(keys):          # attention over some keys: its state (out, lse)
+    ...     s = torch.einsum("thd,khd->thk", q, k[keys])
+    ...     return torch.einsum("thk,khd->thd", s.softmax(-1), v[keys]), s.logsumexp(-1)
+    >>> out_shared, lse_shared = part(slice(0, 4))     # a shared prefix's keys
+    >>> out_own, lse_own = part(slice(4, 6))           # the request's own keys
     >>> out, lse = merge_state(out_shared, lse_shared, out_own, lse_own)
+    >>> torch.allclose(out, part(slice(0, 6))[0], atol=1e-5)
+    True
 
     See ``merge_states`` for shapes and the rules for empty parts.
     """
@@ -109,3 +139,6 @@ def merge_state(
 
 # Public through attn_dispatch (loaded lazily there) as well as here: reprs name the package.
 merge_state.__module__ = merge_states.__module__ = "attn_dispatch"
+# doctest looks for an object's examples in the module its __module__ names, where these are
+# loaded lazily (not in its namespace): list them here so that their examples run.
+__test__ = {"merge_state": merge_state, "merge_states": merge_states}

@@ -1,6 +1,6 @@
 """Adversarial inputs: every backend that runs here, fed what a buggy caller could pass.
 
-The safety rules (README.md, section "Safety guarantees"): no input makes a kernel read or
+The safety rules (docs/concepts/safety.md): no input makes a kernel read or
 write outside its tensors, a handler accepts only its own backend's plans, a plan never sees
 later edits to the batch, unread cache slots never affect the output (NaN included), NaN in q
 gives NaN in that row, an empty batch gives an empty output, and threads sharing a plan match

@@ -333,7 +333,7 @@ def test_explain_usage_errors_exit_2(
     assert words in capsys.readouterr().err
 
 
-# Tiny configs of every family use() serves (README "Using with transformers"), saved with
+# Tiny configs of every family use() serves (docs/integrations/transformers.md), saved with
 # save_pretrained at test time: name -> (config factory, group -> (window_left, cap, sinks)).
 TINY = dict(
     vocab_size=128,

@@ -9,7 +9,7 @@
 2. Invisible keys: a key a row cannot see (causal future, a sibling draft node, outside the
    window, past kv_len, pages in no table) never affects that row, whatever it holds (NaN,
    +-inf in K or V).
-3. One rule for non-finite values a row does read (README "Safety guarantees"): a key whose
+3. One rule for non-finite values a row does read (docs/concepts/safety.md): a key whose
    score is not finite or a value row holding NaN/inf gives a NaN row; FP8 NaN/inf codes
    likewise; a NaN sink gives NaN, a +inf sink 0, a -inf sink is no sink. A window on a mask
    that hides prefix keys keeps the last ``window_left + 1`` keys the mask allows.
@@ -340,8 +340,9 @@ def test_non_finite_sinks_one_rule(backend: str, name: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_window_on_mask_hiding_prefix_keeps_last_allowed_keys(backend: str) -> None:
-    """README rule: a node sees the last window_left + 1 keys its mask allows, even when the
-    mask hides the prefix keys just before the draft (so the window reaches further back)."""
+    """docs/guides/variants.md, "Window and tree verify": a node sees the last
+    window_left + 1 keys its mask allows, even when the mask hides the prefix keys just before
+    the draft (so the window reaches further back)."""
     _skip_unavailable(backend)
     case = _case(
         phase=Phase.VERIFY, window_left=5, q_lens=(3, 2), prefix_lens=(30, 9),

@@ -695,8 +695,9 @@ def test_decorator_refuses_generator_functions(a: Binding) -> None:
 
 
 def test_scope_held_across_yield_leaks_into_the_consumer(a: Binding, b: Binding) -> None:
-    # Why the rule exists (README, "Scopes in generators"): a plain generator runs in its
-    # consumer's context, so a `with` held across a `yield` is visible to the consumer.
+    # Why the rule exists (docs/concepts/scope.md, "Scopes in generators"): a plain generator
+    # runs in its consumer's context, so a `with` held across a `yield` is visible to the
+    # consumer.
     def leaky() -> Iterator[None]:
         with attn_scope(b):
             yield

@@ -139,13 +139,14 @@ def reference_state(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain attention: one request and one head at a time, dense boolean mask, float64.
     Returns ``(out, lse)``: lse float64 [tokens, heads], the natural log of the sum of
-    ``exp(score)`` over the keys a row sees, plus ``exp(sink)`` (README, "LSE").
+    ``exp(score)`` over the keys a row sees, plus ``exp(sink)`` (docs/guides/lse-cascade.md).
 
-    Variants as README.md defines them: the query at position p sees keys p - window_left ..=
-    p (with a tree mask: the last window_left + 1 keys its mask allows, README "Window and
-    tree verify"); s = cap * tanh(s / cap); the sink logit joins the denominator; an FP8 cache holds
-    K / k_scale and V / v_scale (MLA: k_scale for the whole latent row); ``causal=False``: every
-    key of the request; ``chunk``: keys from the query's chunk start (p - p % chunk) on.
+    Variants as docs/guides/variants.md defines them: the query at position p sees keys
+    p - window_left ..= p (with a tree mask: the last window_left + 1 keys its mask allows,
+    "Window and tree verify" there); s = cap * tanh(s / cap); the sink logit joins the
+    denominator; an FP8 cache holds K / k_scale and V / v_scale (MLA: k_scale for the whole
+    latent row); ``causal=False``: every key of the request; ``chunk``: keys from the query's
+    chunk start (p - p % chunk) on.
     """
     q, k_cache = q.cpu().double(), k_cache.cpu().double() * k_scale
     page_size = k_cache.shape[1]
@@ -427,7 +428,7 @@ def run_variant(
     tdt = DTYPES[dtype]
     kdt = FP8[fp8] if fp8 else tdt
     q = torch.randn(batch.num_tokens, hq, d).to(tdt).to(DEVICE)
-    # FP8: values spread over the format's range, stored as K / k_scale (README.md, "FP8 KV cache").
+    # FP8: values spread over the format's range, stored as K / k_scale (docs/guides/fp8.md).
     spread = 3.0 if fp8 else 1.0
     if kind == "mla":
         k_cache, v_cache = (torch.randn(pages, page_size, d) * spread).to(kdt).to(DEVICE), None

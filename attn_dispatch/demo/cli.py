@@ -189,7 +189,8 @@ def main(
     dispatched only to its own backends, 1 if not, 2 for a usage or setup error (one
     ``error:`` line on ``err``, stderr by default).
 
-    >>> main(["--size", "tiny"])
+    >>> import io
+    >>> main(["--size", "tiny"], out=io.StringIO())   # the report goes to ``out``
     0
     """
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -41,7 +41,17 @@ def race(
     the next step (ties: the first named), so a burst of other load on the machine lands on
     all alike. ``total``: the tokens each makes. Returns each one's output and seconds.
 
-    >>> outs, seconds = race({"spec": speculative_steps(...), "greedy": greedy_steps(...)}, 64)
+    >>> from attn_dispatch.demo.engine import greedy_steps, speculative_steps
+    >>> from attn_dispatch.demo.factory import build, prompts_for, sizes
+    >>> from attn_dispatch.demo.values import DemoOptions, Stats
+    >>> opts = DemoOptions(max_new_tokens=8)
+    >>> target, draft = build(opts, device="cpu", dtype="float32", target_spec=None,
+    ...                       draft_spec=None)
+    >>> prompts = prompts_for(opts, sizes()[opts.size].target.vocab)
+    >>> outs, seconds = race({"spec": speculative_steps(target, draft, prompts, opts, Stats()),
+    ...                       "greedy": greedy_steps(target, prompts, 8)}, 8)
+    >>> outs["spec"] == outs["greedy"]
+    True
     """
     its = dict(runs)
     outs: dict[str, list[list[int]]] = {name: [] for name in runs}

@@ -1,7 +1,12 @@
 """Speculative decoding with two runners: each round is propose, verify, accept, free pages.
 
-    >>> target_out = target_greedy(target, prompts, 32)          # the reference
-    >>> out, stats = speculative(target, draft, prompts, DemoOptions(max_new_tokens=32))
+    >>> from attn_dispatch.demo.factory import build, prompts_for, sizes
+    >>> opts = DemoOptions(max_new_tokens=8)
+    >>> target, draft = build(opts, device="cpu", dtype="float32", target_spec=None,
+    ...                       draft_spec=None)
+    >>> prompts = prompts_for(opts, sizes()[opts.size].target.vocab)
+    >>> target_out = target_greedy(target, prompts, 8)            # the reference
+    >>> out, stats = speculative(target, draft, prompts, opts)
     >>> assert out == target_out
 
 The draft proposes a token tree per request (top-``branch`` first tokens, a greedy chain of

@@ -1,9 +1,13 @@
 """SGLang vocabulary -> attn_dispatch values (imports no SGLang).
 
+    >>> import types
     >>> from attn_dispatch.integrations.sglang import forward_phase, spec_from_server_args
-    >>> spec = spec_from_server_args(server_args, is_draft=True)   # the draft runner's own spec
-    >>> with attn_scope(runner, batch):     # batch.phase = forward_phase(forward_batch)
-    ...     ...
+    >>> server_args = {"attention_backend": "triton", "decode_attention_backend": "flashinfer"}
+    >>> str(spec_from_server_args(server_args, is_draft=True))   # the draft runner's own spec
+    'prefill=triton,decode=flashinfer'
+    >>> forward_batch = types.SimpleNamespace(forward_mode="TARGET_VERIFY")  # SGLang's, read
+    >>> forward_phase(forward_batch)        # the phase of the AttnBatch for attn_scope(...)
+    <Phase.VERIFY: 2>
 
 SGLang's rules are written once, in ``attn_dispatch.integrations._sglang_rules``: its
 forward-mode names (``phase_of``) and how its server arguments name each runner's backends
@@ -15,8 +19,15 @@ is already FlashInfer's ``window_left`` (SGLang models pass HF's ``sliding_windo
 ``-1``, ``0`` or None = no window, as ``RadixAttention`` stores ``sliding_window_size or -1``)
 and ``logit_cap`` (``0.0`` = off, tanh capping) is ``AttnConfig.logit_cap``:
 
+    >>> layer = types.SimpleNamespace(tp_q_head_num=8, tp_k_head_num=2, qk_head_dim=64,
+    ...     v_head_dim=64, scaling=0.125, sliding_window_size=4095, logit_cap=30.0)
     >>> cfg = attn_config_from_layer(layer, dtype="bfloat16", page_size=16)
-    >>> AttnConfig(..., **variant_fields(sliding_window_size=4095, logit_cap=30.0))
+    >>> cfg.window_left, cfg.logit_cap
+    (4095, 30.0)
+    >>> AttnConfig("mha", 8, 2, 64, dtype="bfloat16", page_size=16,
+    ...            **variant_fields(sliding_window_size=4095, logit_cap=30.0)) == cfg.replace(
+    ...     sm_scale=None)
+    True
 """
 
 from __future__ import annotations
@@ -112,7 +123,12 @@ def attn_config_from_layer(
     on the model runner rather than on the layer; it applies to the layers with
     ``use_irope=True`` (the chunked ones). An ``ENCODER_ONLY`` layer is ``causal=False``.
 
-    >>> cfg = attn_config_from_layer(self.attn, dtype="bfloat16", page_size=16)
+    >>> import types
+    >>> attn = types.SimpleNamespace(tp_q_head_num=8, tp_k_head_num=2, qk_head_dim=64,
+    ...                              v_head_dim=64, scaling=0.125)   # an SGLang layer's fields
+    >>> cfg = attn_config_from_layer(attn, dtype="bfloat16", page_size=16)
+    >>> cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.sm_scale
+    (8, 2, 64, 0.125)
     """
     if getattr(layer, "is_cross_attention", False):
         raise InvalidSpecError(

@@ -155,8 +155,8 @@ def visible_keys(m: Materialised, i: int) -> torch.Tensor:
 
 def naive_attention(m: Materialised) -> torch.Tensor:
     """Plain per-request, per-head attention in float64 with a dense mask, on the dequantised
-    cache, with the layer variants written out the simplest way (README.md, "Layer
-    variants"): the window keeps the last ``window_left + 1`` keys each query's mask allows
+    cache, with the layer variants written out the simplest way (docs/guides/variants.md):
+    the window keeps the last ``window_left + 1`` keys each query's mask allows
     (for a causal mask: positions ``p - window_left ..= p``), the cap is
     ``cap * tanh(s / cap)``, and a sink is one more logit in the softmax's denominator."""
     return naive_state(m)[0]
@@ -165,7 +165,7 @@ def naive_attention(m: Materialised) -> torch.Tensor:
 def reference_lse(m: Materialised) -> torch.Tensor:
     """float64 ``[tokens, num_q_heads]``: the natural log of the sum of exp(score) over the
     keys each query attends (scores after sm_scale, the FP8 k_scale and the cap), the sink
-    counted once (README, "Attention state (LSE) and merging"); -inf for a row that attends
+    counted once (docs/guides/lse-cascade.md); -inf for a row that attends
     no key."""
     return naive_state(m)[1]
 

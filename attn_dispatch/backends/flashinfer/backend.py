@@ -180,7 +180,21 @@ class FlashInferBackend(BackendBase):
       cascade: plan FlashInfer's two-level cascade when requests share leading pages (see
         ``_cascade`` for where; default True). ``False``: always the plain wrappers.
 
-    >>> import torch; torch.cuda.is_available() or print("needs CUDA")  # doctest: +SKIP
+    On a CUDA device (``bind(..., options={"flashinfer": {...}})`` passes the options):
+
+    ```python
+    cfg = AttnConfig("mha", 32, 8, 128, dtype="bfloat16", page_size=64, device="cuda",
+                     sm_scale=128**-0.5)
+    backend = FlashInferBackend(cfg, use_cuda_graph=True, max_batch_size=64)
+    ```
+
+    Elsewhere it refuses, with every reason (``bind`` gives them before building anything):
+
+    >>> cfg = AttnConfig("mha", 32, 8, 128, dtype="bfloat16", page_size=64, device="cpu")
+    >>> FlashInferBackend(cfg)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    attn_dispatch.BackendUnavailableError: attention backend 'flashinfer' is unavailable: ...
     """
 
     name = "flashinfer"

@@ -14,9 +14,9 @@ sum, with the sink counted once; every form returns it (the chunked-prefix one i
 
 Window semantics, including tree verify: a query sees the ``window_left + 1`` most recent keys
 *of its own sequence*. Without a custom mask that is keys at positions ``p - window_left ..= p``
-(README.md). With a tree mask, the sequence of a draft node is the prefix plus its ancestors
-(the keys its mask allows, in cache order), so the node sees the last ``window_left + 1`` of
-those: exactly what decoding that path token by token would see.
+(docs/guides/variants.md). With a tree mask, the sequence of a draft node is the prefix plus
+its ancestors (the keys its mask allows, in cache order), so the node sees the last
+``window_left + 1`` of those: exactly what decoding that path token by token would see.
 """
 
 from __future__ import annotations
@@ -473,7 +473,7 @@ class _OnlineSoftmax:
     Rows that have seen no visible key keep max = -inf and contribute exp(-inf) = 0, so fully
     masked padding never produces NaN. ``cap``: the logit soft-cap (None = off).
 
-    Non-finite values follow one rule (README "Safety guarantees"): a key a row does not see
+    Non-finite values follow one rule (docs/concepts/safety.md): a key a row does not see
     never reaches it, whatever it holds (its weight is exactly 0, and its value row is zeroed
     where it is not finite, since 0 * NaN is NaN); a row that sees a key whose score is not
     finite (NaN or inf in q or the key, or an overflow) or a value row holding NaN or inf

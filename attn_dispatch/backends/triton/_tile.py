@@ -11,7 +11,7 @@ head) call the same functions, so the guards live in one place:
   is -inf, and a value that is not finite is zeroed before ``p . V`` (0 * NaN is NaN);
 - a row that sees a key whose scaled score is not finite (NaN/inf in q or the key, or an
   overflow), or a value row holding NaN/inf, is marked ``bad``: its output is NaN (the
-  README's rule for every backend).
+  rule of docs/concepts/safety.md for every backend).
 
 The online-softmax state is the tuple ``(acc, m, l, bad)``: the unnormalised output, the
 running max and sum of ``exp2`` (log2 units: scores carry ``log2(e)``), and the NaN flag.

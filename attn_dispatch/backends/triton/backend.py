@@ -57,10 +57,14 @@ _POW2_OPTIONS = ("block_h", "decode_block_n", "extend_block_m", "extend_block_n"
 class TritonBackend(BackendBase):
     """Triton kernels for one runner's attention config.
 
-    >>> cfg = AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16", page_size=64, device="cuda")
-    >>> backend = TritonBackend(cfg, num_kv_splits=4)  # doctest: +SKIP
-    >>> run = backend.handler(Phase.DECODE)  # doctest: +SKIP
-    >>> out = run(q, k_cache, None, backend.plan(batch), 576**-0.5)  # doctest: +SKIP
+    On a CUDA device (or a CPU with ``TRITON_INTERPRET=1`` set before triton is imported):
+
+    ```python
+    cfg = AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16", page_size=64, device="cuda")
+    backend = TritonBackend(cfg, num_kv_splits=4)
+    run = backend.handler(Phase.DECODE)
+    out = run(q, k_cache, None, backend.plan(batch), 576**-0.5)
+    ```
 
     Options (ints): ``num_kv_splits`` forces the decode split count; ``target_programs``,
     ``min_split_tokens``, ``max_splits`` tune the split rule (``_ops.choose_num_splits``);
