@@ -417,7 +417,7 @@ def test_native_rules_on_every_instruction_set_path(isa: str) -> None:
     child = subprocess.run(
         [
             sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-            "tests/test_reliability_kernels.py", "-k", "native and not bounds",
+            "tests/adversarial/test_kernel_safety.py", "-k", "native and not bounds",
         ],
         capture_output=True, text=True, env=env, timeout=900,
     )  # fmt: skip
