@@ -520,8 +520,9 @@ _TRITON_BOUNDS = """
     k = torch.randn(n, 4, 1, 16)
     v = torch.randn(n, 4, 1, 16)
     # A snapshot claiming 1 token while the grid still walks 6 requests: the kernels must
-    # bound request rows by q and the output, not by the plan.
-    forged = dataclasses.replace(plan, snap=_snap_with_tokens(plan.snap, 1))
+    # bound request rows by q and the output, not by the plan. (sealed: the forged copy is
+    # let past the launch's own plan checks, to test the kernels below them.)
+    forged = _ops.sealed(dataclasses.replace(plan, snap=_snap_with_tokens(plan.snap, 1)))
     q = torch.randn(1, 2, 16)
     out = _ops.run_decode(be._kc, forged, q, k, v, 0.25)
     assert out.shape == (1, 2, 16) and torch.isfinite(out).all()
@@ -531,7 +532,7 @@ _TRITON_BOUNDS = """
     pb = AttnBatch.build(Phase.PREFILL, q_lens=[3] * n, kv_lens=[4] * n,
                          page_tables=[[i] for i in range(n)], page_size=4, num_pages=n)
     ep = be.plan(pb)
-    forged = dataclasses.replace(ep, snap=_snap_with_tokens(ep.snap, 2))
+    forged = _ops.sealed(dataclasses.replace(ep, snap=_snap_with_tokens(ep.snap, 2)))
     out = _ops.run_extend(be._kc, forged, torch.randn(2, 2, 16), k, v, 0.25)
     assert out.shape == (2, 2, 16) and torch.isfinite(out).all()
     print("extend bounded")

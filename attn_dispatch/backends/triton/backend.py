@@ -181,6 +181,7 @@ class TritonBackend(TorchBackendBase):
                 f"({plan.grid[2] * self._kc.extend_block_m} rows per request); capture with the "
                 "longest query length",
             )
+        _ops.check_launchable(self._kc, plan)  # not edited since it was issued or refilled
         refill(plan.snap, snap)
         if isinstance(plan, _ops.ExtendPlan) and plan.mask is not None:
             if self._kc.window_left is not None or self._kc.chunk_size is not None:
