@@ -50,7 +50,9 @@ NEEDS: dict[str, Callable[[], str | None] | None] = {
     "dispatch.py": None,
     "gpu_flashinfer.py": lambda: _cuda() or _module("flashinfer")(),
     "gpu_graphs.py": None,  # without CUDA it runs the same code on the CPU (no graph)
-    "gpu_triton.py": _module("triton"),  # without CUDA: under triton's interpreter
+    # Without CUDA its --dry-run runs the kernels under triton's interpreter: minutes, not a
+    # smoke run (tests/backends/triton runs that path).
+    "gpu_triton.py": lambda: _cuda() or _module("triton")(),
     "kernels_cpu.py": _native,
     "native_probe.py": _native,
     "safety_checks.py": None,

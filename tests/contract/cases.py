@@ -64,6 +64,7 @@ def config_of(case: KernelCase, device: str = "cpu") -> AttnConfig:
 def materialise(case: KernelCase, device: str = "cpu") -> Materialised:
     """Random q and a paged cache with shuffled page tables and unused pages."""
     g = torch.Generator().manual_seed(case.seed)
+    f32 = torch.float32  # explicit draws: the same numbers whatever torch's default dtype is
     ps = case.page_size
     need = [math.ceil(k / ps) for k in case.kv_lens]
     total = sum(need) + case.extra_pages
@@ -74,22 +75,24 @@ def materialise(case: KernelCase, device: str = "cpu") -> Materialised:
         at += n
     dtype = getattr(torch, case.dtype)
     t = sum(case.q_lens)
-    q = torch.randn(t, case.num_q_heads, case.head_dim, generator=g).to(dtype)
+    q = torch.randn(t, case.num_q_heads, case.head_dim, generator=g, dtype=f32).to(dtype)
     # An FP8 cache holds K / k_scale and V / v_scale (values from the same random draw).
     kv_dtype = dtype if case.kv_dtype is None else getattr(torch, case.kv_dtype)
     k_div = case.k_scale if case.kv_dtype is not None else 1.0
     v_div = case.v_scale if case.kv_dtype is not None else 1.0
     if case.kind == "mla":
-        k_cache = (torch.randn(total, ps, case.head_dim, generator=g) / k_div).to(kv_dtype)
+        k_cache = (torch.randn(total, ps, case.head_dim, generator=g, dtype=f32) / k_div).to(
+            kv_dtype
+        )
         v_cache = None
     else:
-        k_cache = torch.randn(total, ps, case.num_kv_heads, case.head_dim, generator=g)
+        k_cache = torch.randn(total, ps, case.num_kv_heads, case.head_dim, generator=g, dtype=f32)
         k_cache = (k_cache / k_div).to(kv_dtype)
-        v_cache = torch.randn(total, ps, case.num_kv_heads, case.v_head_dim, generator=g)
+        v_cache = torch.randn(total, ps, case.num_kv_heads, case.v_head_dim, generator=g, dtype=f32)
         v_cache = (v_cache / v_div).to(kv_dtype)
     sinks = None
     if case.sinks:
-        sinks = torch.randn(case.num_q_heads, generator=g) * 2.0
+        sinks = torch.randn(case.num_q_heads, generator=g, dtype=f32) * 2.0
     masks = None
     if case.trees is not None:
         masks = [tree_mask(list(tr), p) for tr, p in zip(case.trees, case.prefix_lens, strict=True)]

@@ -219,7 +219,9 @@ class TritonBackend(TorchBackendBase):
                 f"{self.config.kv_dtype!r}, not FP8",
             )
         if not isinstance(return_lse, bool):
-            raise InvalidBatchError("return_lse", "triton: return_lse must be a bool")
+            raise InvalidBatchError(
+                "return_lse", f"triton: must be a bool (True or False), got {return_lse!r}"
+            )
         if self._kc.mla:
             v_cache = None  # V is the latent part of k_cache
         if plan.snap.num_requests == 0:  # SGLang's IDLE forward: no grid to launch
