@@ -69,7 +69,7 @@ def test_raw_route_return_lse_must_be_a_bool(backend: str, value: Any) -> None:
     be = binding.backend(Phase.DECODE)
     batch, q, k, v = _problem()
     plan = be.plan(batch)
-    run = be.handler(Phase.DECODE)
+    run: Any = be.handler(Phase.DECODE)  # the raw route, return_lse= included
     with pytest.raises(InvalidBatchError) as info:
         run(q, k, v, plan, 0.25, return_lse=value)
     assert info.value.field == "return_lse"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -89,9 +90,10 @@ def test_backend_ignores_the_default_dtype(
         pytest.skip(f"{backend} does not serve {name}: {caps.reasons(m.config, case.phase)}")
     assert torch.get_default_dtype() is default_dtype
     binding = bind(backend, m.config, label=f"default-{default_dtype}")
+    extras: Any = m.extras()
     with attn_scope(binding, m.batch):
         out, lse = attention(
-            m.q, m.k_cache, m.v_cache, sm_scale=m.sm_scale, return_lse=True, **m.extras()
+            m.q, m.k_cache, m.v_cache, sm_scale=m.sm_scale, return_lse=True, **extras
         )
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     want_out, want_lse = naive_state(m)
