@@ -30,13 +30,33 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from attn_dispatch._errors import InvalidBatchError
 
 __all__ = ["merge_state", "merge_states"]
+
+
+def _listed(field: str, parts: Any) -> list[Any]:
+    """``parts`` (any iterable: list, tuple, generator) as a list; one tensor or a string is
+    refused, not iterated (a tensor iterates over its rows, which would merge tokens)."""
+    if isinstance(parts, torch.Tensor):
+        raise InvalidBatchError(
+            field,
+            f"got one tensor {tuple(parts.shape)}; pass a sequence of tensors, one per part: "
+            "merge_states([out_a, out_b], [lse_a, lse_b]) (merge_state for two parts)",
+        )
+    if isinstance(parts, (str, bytes)) or not isinstance(parts, Iterable):
+        raise InvalidBatchError(
+            field,
+            f"got {type(parts).__name__}; pass a sequence (list, tuple or generator) of "
+            "tensors, one per part",
+        )
+    return list(parts)
 
 
 def _check(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> None:
@@ -75,7 +95,7 @@ def _check(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -> None:
 
 
 def merge_states(
-    outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]
+    outs: Iterable[torch.Tensor], lses: Iterable[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge any number of attention states over disjoint key sets into one.
 
@@ -90,10 +110,14 @@ def merge_states(
     True
 
     ``outs``: ``[tokens, heads, dv]`` of one floating dtype (the result has it);
-    ``lses``: float32 ``[tokens, heads]``. The merge is computed in float32 in one pass over
+    ``lses``: float32 ``[tokens, heads]``; any iterable of them (a generator too), one part or
+    more (one part gives a copy of itself). The merge is computed in float32 in one pass over
     the parts (exact to float32 rounding); parts whose lse is ``-inf`` are left out, so their
-    outputs never reach the result.
+    outputs never reach the result. Bad input raises ``InvalidBatchError`` naming the field
+    (``outs``, ``lses``, ``out[i]``, ``lse[i]``, ``parts[i]``).
     """
+    outs = _listed("outs", outs)
+    lses = _listed("lses", lses)
     _check(outs, lses)
     lse = torch.stack(list(lses))  # [n, T, H]
     m = lse.amax(dim=0)

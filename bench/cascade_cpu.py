@@ -1,6 +1,7 @@
 """Cascade (shared-prefix) decode on the native CPU kernels, measured side by side in one run.
 
     python bench/cascade_cpu.py [--batch 16] [--shared 3584] [--own 512] [--threads N]
+    python bench/cascade_cpu.py --quick   # smoke run (tiny sizes, no roofline)
 
 Decode, GQA 32/8 x 128, bf16, page 64 by default. Rows (times are medians of interleaved
 repeats, so machine noise hits every column alike):
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import os
 import sys
 
@@ -55,7 +57,11 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, no roofline")
     args = ap.parse_args()
+    if args.quick:  # figures from a quick run are not comparable: it only checks the script
+        args.batch, args.shared, args.own, args.page_size, args.repeats = 2, 64, 16, 16, 1
+        args.heads, args.head_dim = (4, 2), 32
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     B, ps, (Hq, Hkv), D = args.batch, args.page_size, args.heads, args.head_dim
@@ -116,7 +122,7 @@ def main() -> None:
             "plan, nothing shared": lambda: on.plan(private_b),
             "plan, cascade=False": lambda: off.plan(shared_b),
         },
-        max(25, args.repeats),
+        args.repeats if args.quick else max(25, args.repeats),
     )
     # The C++ planner alone (the cascade search is part of it), without the Python snapshot.
     c_plan = {}
@@ -133,8 +139,8 @@ def main() -> None:
             None, 0, 1, ctypes.byref(err),
         )  # fmt: skip
         c_plan[label] = lambda be=be, call=call: be._free(be._create(*call))
-    plan_t.update(median_times(c_plan, 201))
-    bw, gemm = roofline()
+    plan_t.update(median_times(c_plan, 3 if args.quick else 201))
+    bw, gemm = (math.nan, math.nan) if args.quick else roofline()
     flops = B * kv_len * Hq * D * 2  # multiply-adds: q.k and p.v
     base = times["private copies"]
     print(

@@ -14,7 +14,7 @@ The handler is a no-op (it returns a preallocated tensor), so what is timed is d
 
 Prints ns per call and the ratio to the plain eager ``attention``. No numbers are asserted.
 
-    python bench/compile_overhead.py [--iters 200000]
+    python bench/compile_overhead.py [--iters 200000] [--quick]
 """
 
 from __future__ import annotations
@@ -64,7 +64,10 @@ def per_call_ns(fn: Callable[[], Any], iters: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=100_000)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 100 calls per row")
     args = parser.parse_args()
+    if args.quick:  # checks the script runs; the figures are not comparable
+        args.iters = 100
     torch.set_num_threads(1)
     cfg = AttnConfig(
         kind="mha", num_q_heads=4, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4

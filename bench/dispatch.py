@@ -1,6 +1,6 @@
 """Dispatch overhead, measured side by side in one process (not a test; no assertions).
 
-    python bench/dispatch.py [--repeats 31] [--target-ms 5] [--json PATH]
+    python bench/dispatch.py [--repeats 31] [--target-ms 5] [--json PATH] [--quick]
 
 Every case is a tiny function timed with timeit-style loops; repeats of all cases are
 interleaved (case A, B, C, A, B, C, ...) so a burst of load on a shared machine hits every case
@@ -360,7 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=31, help="interleaved repeats per case")
     ap.add_argument("--target-ms", type=float, default=5.0, help="time per repeat per case")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: 1 repeat, nothing written by default"
+    )
     args = ap.parse_args(argv)
+    if args.quick:  # checks the script runs; its figures must not replace the recorded ones
+        args.repeats, args.target_ms = 1, 0.2
     t0 = time.perf_counter()
     result = run(args.repeats, args.target_ms)
     rows = report(result)
@@ -374,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": time.perf_counter() - t0,
     }
     default = ROOT / "bench" / "results" / "dispatch.json"
-    for path in {default, *([args.json] if args.json else [])}:
+    for path in {*([] if args.quick else [default]), *([args.json] if args.json else [])}:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {path}")

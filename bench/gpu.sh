@@ -137,7 +137,7 @@ run_step graphs-grow 90 "$PY" bench/gpu_graphs.py --device cuda --grow 256 --req
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs)
 run_step pytest-cuda 60 "${PYTEST[@]}" -m cuda tests
 GPU_TESTS=()
-for f in tests/contract tests/test_triton.py tests/test_flashinfer.py; do
+for f in tests/contract tests/backends/triton tests/backends/flashinfer; do
     [ -e "$f" ] && GPU_TESTS+=("$f")
 done
 if [ ${#GPU_TESTS[@]} -gt 0 ]; then

@@ -1,6 +1,7 @@
 """Decode bandwidth of the FlashInfer backend against the GPU's peak, side by side.
 
     python bench/gpu_flashinfer.py            # needs CUDA and flashinfer-python 0.7.x
+    python bench/gpu_flashinfer.py --quick    # smoke run (tiny batch and context)
 
 For each case it times, in one run and on the same tensors:
   - ``attention()`` through attn_dispatch (bind + attn_scope + the FlashInfer handler),
@@ -158,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny batch and context")
     args = p.parse_args(argv)
+    if args.quick:  # checks the script runs; the figures are not comparable
+        args.iters, args.batch, args.ctx = 2, 4, 256
     if not torch.cuda.is_available():
         print("gpu_flashinfer: needs CUDA (torch.cuda.is_available() is False); nothing to run")
         return 0

@@ -8,6 +8,7 @@ graph launch), side by side in one run. A failure in one backend is a row, not a
 
     python bench/gpu_graphs.py                 # on a CUDA machine
     python bench/gpu_graphs.py --device cpu    # smoke run of the same code (no graph)
+    python bench/gpu_graphs.py --quick         # tiny shapes on whichever device
     python bench/gpu_graphs.py --grow 256      # one graph, 256 steps of growing sequences
 
 ``--grow N`` captures one decode graph per backend and kind with a fixed page-table capacity
@@ -302,8 +303,9 @@ def main() -> int:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--grow", type=int, default=0, help="steps of growing sequences")
+    parser.add_argument("--quick", action="store_true", help="smoke run: --small, one iteration")
     args = parser.parse_args()
-    if args.device == "cpu" and not args.small:
+    if args.quick or (args.device == "cpu" and not args.small):
         args.small, args.requests, args.ctx, args.layers, args.iters = True, 3, 10, 2, 3
     if args.grow:
         grow_rows = [

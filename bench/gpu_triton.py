@@ -4,6 +4,7 @@
                                           # batch 64, context 4096, page size 64
     python bench/gpu_triton.py --dry-run  # CPU: same code path under TRITON_INTERPRET=1,
                                           # tiny shapes, numbers meaningless
+    python bench/gpu_triton.py --quick    # those tiny shapes, on CUDA when there is one
 
 Decode is memory bound, so the figure is (K/V bytes the kernel must read) / (kernel time):
 MLA reads 576 x 2 bytes per token, GQA 2 x 8 x 128 x 2 bytes per token (q and output are
@@ -83,7 +84,16 @@ def main() -> int:
     ap.add_argument("--window-context", type=int, default=8192)
     ap.add_argument("--window", type=int, default=1024, help="keys per window (window_left + 1)")
     ap.add_argument("--no-variants", action="store_true", help="skip the window and FP8 rows")
+    ap.add_argument(
+        "--quick", action="store_true", help="the --dry-run sizes, no variant rows (CUDA if any)"
+    )
     args = ap.parse_args()
+    if args.quick:  # a smoke run: the dry run's tiny shapes, on the GPU when there is one
+        import torch
+
+        args.dry_run = not torch.cuda.is_available()
+        args.batch, args.context, args.page_size, args.iters = 2, 96, 16, 1
+        args.window_context, args.window, args.no_variants = 160, 32, True
     if args.dry_run:
         # Must be set before the kernels are defined (first import of the backend module).
         os.environ["TRITON_INTERPRET"] = "1"

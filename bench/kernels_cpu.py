@@ -361,7 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--json", default=os.path.join(os.path.dirname(__file__), "results", "kernels_cpu.json")
     )
+    p.add_argument("--quick", action="store_true", help="smoke run: one tiny workload")
     args = p.parse_args(argv)
+    if args.quick:  # checks the script runs; the recorded results file stays untouched
+        args.repeats, args.no_torch, args.json = 1, True, os.devnull
+        WORKLOADS[:] = [Workload("gqa-decode B2 256", "mha", Phase.DECODE, 4, 2, 64, 64, 2, 256, 1)]
     if args.isa in AVX2_ENV and argv is None and os.environ.get("ATEN_CPU_CAPABILITY") is None:
         # Emulating an AVX2-only machine: torch's own kernels (SDPA, matmul, the torch
         # reference) must not use AVX-512 either, or the ratios compare AVX2 with AVX-512.

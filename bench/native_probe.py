@@ -134,7 +134,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 thread, 1 layer, 1 repeat")
     args = ap.parse_args()
+    if args.quick:
+        args.threads, args.layers, args.repeat = [1], 1, 1
     lib = load()
     assert not isinstance(lib, str), lib
     print(f"native ISA path: {lib.isa} (available: {', '.join(lib.isa_list)})")

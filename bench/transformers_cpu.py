@@ -2,7 +2,7 @@
 
     python bench/transformers_cpu.py [--prompts 256 2048] [--dtypes float32 bfloat16]
                                      [--new 48] [--batch 4] [--rounds 3] [--impls sdpa native]
-                                     [--padded] [--no-memory] [--json PATH]
+                                     [--padded] [--no-memory] [--json PATH] [--quick]
 
 The model is Qwen3-style and random-initialised (seed 0): 8 layers, hidden 512, GQA 8/2 x 64,
 MLP 1536, vocabulary 32000. One model object serves every contender (same weights): sdpa is
@@ -323,7 +323,11 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--memory-child", nargs=3, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="smoke run: one short prompt")
     args = parser.parse_args()
+    if args.quick:  # checks the script runs; the figures are not comparable
+        args.prompts, args.dtypes, args.new, args.batch, args.rounds = [16], ["float32"], 2, 1, 1
+        args.no_memory, args.no_kernels = True, True
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.memory_child is not None:

@@ -1,7 +1,7 @@
 """Layer variants and FP8 caches on the CPU, side by side in one run (no assertions).
 
     python bench/variants_cpu.py [--backends torch] [--repeats 5] [--context 8192]
-                                 [--window 1024] [--json PATH]
+                                 [--window 1024] [--json PATH] [--quick]
 
 1. Sliding-window decode vs full decode at the same context (GQA 32/8 x 128, bf16, page 64):
    interleaved repeats, median ms, and window / full. A backend that does not declare the
@@ -256,7 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk-context", type=int, default=32768)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny contexts, 1 repeat")
     args = ap.parse_args(argv)
+    if args.quick:  # checks the script runs; the figures are not comparable
+        args.repeats, args.context, args.window, args.batch, args.seeds = 1, 256, 64, 1, 1
+        args.chunk, args.chunk_context = 128, 512
     print(
         isa(), f"| threads {torch.get_num_threads()} | {platform.processor() or platform.machine()}"
     )

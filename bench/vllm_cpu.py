@@ -1,6 +1,7 @@
 """vLLM's CPU engine: tokens/s with attn_dispatch ``native`` vs vLLM's own CPU attention.
 
     .venv-vllm/bin/python bench/vllm_cpu.py [--rounds 2] [--layers 4]
+    .venv-vllm/bin/python bench/vllm_cpu.py --quick   # smoke run, writes nothing
 
 One process, one random Llama-shaped model (bf16, saved with transformers at start), the
 same prompts for every contender: batch 8 x 128-token prompts, 64 new tokens each, greedy.
@@ -170,7 +171,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 1 layer, 2 contenders, nothing written"
+    )
     args = parser.parse_args()
+    global BATCH, PROMPT, NEW
+    if args.quick:  # checks the script runs; the figures are not comparable
+        args.rounds, args.layers = 1, 1
+        BATCH, PROMPT, NEW = 2, 16, 4
     import torch
 
     from attn_dispatch._table import format_table
@@ -187,6 +195,8 @@ def main() -> None:
             ad: {"attn_dispatch": {"target": "native", "mixed": "extend"}},
         },
     }
+    if args.quick:
+        contenders = {name: contenders[name] for name in ("vllm", "native")}
     vllm_isa, native_isa = isa_names()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp), args.layers)
@@ -227,6 +237,8 @@ def main() -> None:
             rows,
         )
     )
+    if args.quick:
+        return
     out = Path(__file__).resolve().parent / "results"
     out.mkdir(exist_ok=True)
     (out / "vllm_cpu.json").write_text(

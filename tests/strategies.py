@@ -389,9 +389,9 @@ def attn_configs(draw: st.DrawFn) -> AttnConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Adversarial batches (tests/test_adversarial.py): a valid paged batch, then edits a buggy caller
-# could make to its tensors, before or after planning, plus mismatched q rows, v_cache pages and
-# plans from other runners.
+# Adversarial batches (tests/adversarial/test_backends_child_process.py): a valid paged
+# batch, then edits a buggy caller could make to its tensors, before or after planning, plus
+# mismatched q rows, v_cache pages and plans from other runners.
 
 _EDITABLE = ("kv_indices", "kv_lens", "kv_indptr", "qo_indptr")
 
@@ -423,8 +423,8 @@ def malformed_scenarios(draw: Any, num_pages: int, page_size: int) -> dict[str, 
 
 
 # ---------------------------------------------------------------------------------------------
-# Cascade (shared-prefix) batches for tests/test_cascade.py: page tables that share leading
-# pages in every way the planner must tell apart.
+# Cascade (shared-prefix) batches for tests/backends/native/test_cascade.py: page tables
+# that share leading pages in every way the planner must tell apart.
 
 
 @dataclasses.dataclass(frozen=True)

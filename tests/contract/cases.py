@@ -1,4 +1,4 @@
-"""Turn a KernelCase into tensors, and the naive reference the contract suite checks against."""
+"""Turn a KernelCase into tensors; its reference is the float64 oracle (tests/oracle.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
 from attn_dispatch import tree_mask
+from tests import oracle
 from tests.strategies import KernelCase
 
 
@@ -63,6 +64,7 @@ def config_of(case: KernelCase, device: str = "cpu") -> AttnConfig:
 def materialise(case: KernelCase, device: str = "cpu") -> Materialised:
     """Random q and a paged cache with shuffled page tables and unused pages."""
     g = torch.Generator().manual_seed(case.seed)
+    f32 = torch.float32  # explicit draws: the same numbers whatever torch's default dtype is
     ps = case.page_size
     need = [math.ceil(k / ps) for k in case.kv_lens]
     total = sum(need) + case.extra_pages
@@ -73,22 +75,24 @@ def materialise(case: KernelCase, device: str = "cpu") -> Materialised:
         at += n
     dtype = getattr(torch, case.dtype)
     t = sum(case.q_lens)
-    q = torch.randn(t, case.num_q_heads, case.head_dim, generator=g).to(dtype)
+    q = torch.randn(t, case.num_q_heads, case.head_dim, generator=g, dtype=f32).to(dtype)
     # An FP8 cache holds K / k_scale and V / v_scale (values from the same random draw).
     kv_dtype = dtype if case.kv_dtype is None else getattr(torch, case.kv_dtype)
     k_div = case.k_scale if case.kv_dtype is not None else 1.0
     v_div = case.v_scale if case.kv_dtype is not None else 1.0
     if case.kind == "mla":
-        k_cache = (torch.randn(total, ps, case.head_dim, generator=g) / k_div).to(kv_dtype)
+        k_cache = (torch.randn(total, ps, case.head_dim, generator=g, dtype=f32) / k_div).to(
+            kv_dtype
+        )
         v_cache = None
     else:
-        k_cache = torch.randn(total, ps, case.num_kv_heads, case.head_dim, generator=g)
+        k_cache = torch.randn(total, ps, case.num_kv_heads, case.head_dim, generator=g, dtype=f32)
         k_cache = (k_cache / k_div).to(kv_dtype)
-        v_cache = torch.randn(total, ps, case.num_kv_heads, case.v_head_dim, generator=g)
+        v_cache = torch.randn(total, ps, case.num_kv_heads, case.v_head_dim, generator=g, dtype=f32)
         v_cache = (v_cache / v_div).to(kv_dtype)
     sinks = None
     if case.sinks:
-        sinks = torch.randn(case.num_q_heads, generator=g) * 2.0
+        sinks = torch.randn(case.num_q_heads, generator=g, dtype=f32) * 2.0
     masks = None
     if case.trees is not None:
         masks = [tree_mask(list(tr), p) for tr, p in zip(case.trees, case.prefix_lens, strict=True)]
@@ -126,91 +130,54 @@ def materialise(case: KernelCase, device: str = "cpu") -> Materialised:
 
 
 def visible_keys(m: Materialised, i: int) -> torch.Tensor:
-    """bool ``[q_len, kv_len]`` of request ``i``: which keys each of its queries sees (its
-    mask, or causal; then the window keeps the last ``window_left + 1`` of those)."""
+    """bool ``[q_len, kv_len]`` of request ``i``: which keys each of its queries sees
+    (``tests.oracle.visible_keys`` for this case's config and mask)."""
     c = m.config
     qo = m.batch.qo_indptr_host.tolist()
-    kl = int(m.batch.kv_lens_host[i])
-    ql = qo[i + 1] - qo[i]
-    if m.masks is not None:
-        allowed = m.masks[i].clone()
-    elif not c.causal:
-        allowed = torch.ones(ql, kl, dtype=torch.bool)
-    else:
-        allowed = torch.zeros(ql, kl, dtype=torch.bool)
-        for j in range(ql):
-            allowed[j, : kl - ql + j + 1] = True
-    if c.attention_chunk_size is not None:
-        # A query at sequence position p (its allowed keys - 1) sees (p // C) * C ..= p.
-        for j in range(ql):
-            seen = allowed[j].nonzero().flatten()
-            p = len(seen) - 1
-            allowed[j, seen[: p - p % c.attention_chunk_size]] = False
-    if c.window_left is not None:
-        for j in range(ql):
-            seen = allowed[j].nonzero().flatten()
-            allowed[j, seen[: max(0, len(seen) - (c.window_left + 1))]] = False
-    return allowed
+    return oracle.visible_keys(
+        qo[i + 1] - qo[i],
+        int(m.batch.kv_lens_host[i]),
+        mask=None if m.masks is None else m.masks[i],
+        causal=c.causal,
+        window_left=c.window_left,
+        chunk=c.attention_chunk_size,
+    )
 
 
 def naive_attention(m: Materialised) -> torch.Tensor:
-    """Plain per-request, per-head attention in float64 with a dense mask, on the dequantised
-    cache, with the layer variants written out the simplest way (docs/guides/variants.md):
-    the window keeps the last ``window_left + 1`` keys each query's mask allows
-    (for a causal mask: positions ``p - window_left ..= p``), the cap is
-    ``cap * tanh(s / cap)``, and a sink is one more logit in the softmax's denominator."""
+    """The float64 oracle's output for this case (``tests.oracle``)."""
     return naive_state(m)[0]
 
 
 def reference_lse(m: Materialised) -> torch.Tensor:
-    """float64 ``[tokens, num_q_heads]``: the natural log of the sum of exp(score) over the
-    keys each query attends (scores after sm_scale, the FP8 k_scale and the cap), the sink
-    counted once (docs/guides/lse-cascade.md); -inf for a row that attends
-    no key."""
+    """The float64 oracle's lse for this case: natural log, sink counted once, -inf for a
+    row that attends no key (``tests.oracle``)."""
     return naive_state(m)[1]
 
 
 def naive_state(m: Materialised) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(naive_attention(m), reference_lse(m))`` in one pass, float64."""
+    """``(naive_attention(m), reference_lse(m))``: ``tests.oracle.reference_state`` on the
+    case's own page tables and masks (FP8 scales only for an FP8 cache), float64."""
     c = m.config
-    ps = c.page_size
-    q = m.q.cpu().double()
-    k_scale = m.k_scale if c.kv_fp8 else 1.0
-    v_scale = m.v_scale if c.kv_fp8 else 1.0
-    k_cache = m.k_cache.cpu().double() * k_scale
-    v_cache = None if m.v_cache is None else m.v_cache.cpu().double() * v_scale
-    dv = int(c.v_head_dim or c.head_dim)
-    out = torch.zeros(q.shape[0], c.num_q_heads, dv, dtype=torch.float64)
-    lse = torch.full((q.shape[0], c.num_q_heads), -math.inf, dtype=torch.float64)
     qo = m.batch.qo_indptr_host.tolist()
-    kv_lens = m.batch.kv_lens_host.tolist()
-    for i, table in enumerate(m.page_tables):
-        kl = kv_lens[i]
-        ql = qo[i + 1] - qo[i]
-        pages = [table[t // ps] for t in range(kl)]
-        slots = [t % ps for t in range(kl)]
-        allowed = visible_keys(m, i)
-        for h in range(c.num_q_heads):
-            kvh = h // c.group_size
-            if c.kind == "mla":
-                keys = k_cache[pages, slots]
-                vals = keys[:, :dv]
-            else:
-                assert v_cache is not None
-                keys = k_cache[pages, slots, kvh]
-                vals = v_cache[pages, slots, kvh]
-            qi = q[qo[i] : qo[i + 1], h]
-            s = (qi @ keys.T) * m.sm_scale
-            if c.logit_cap is not None:
-                s = c.logit_cap * torch.tanh(s / c.logit_cap)
-            s = s.masked_fill(~allowed, -math.inf)
-            if m.sinks is not None:
-                sink = torch.full((ql, 1), float(m.sinks[h]), dtype=torch.float64)
-                s = torch.cat((s, sink), dim=1)
-                vals = torch.cat((vals, torch.zeros(1, dv, dtype=torch.float64)))
-            out[qo[i] : qo[i + 1], h] = torch.softmax(s, dim=-1) @ vals
-            lse[qo[i] : qo[i + 1], h] = torch.logsumexp(s, dim=-1)
-    return out, lse
+    return oracle.reference_state(
+        m.q,
+        m.k_cache,
+        m.v_cache,
+        q_lens=[qo[i + 1] - qo[i] for i in range(len(m.page_tables))],
+        kv_lens=m.batch.kv_lens_host.tolist(),
+        page_tables=m.page_tables,
+        masks=m.masks,
+        sm_scale=m.sm_scale,
+        v_head_dim=int(c.v_head_dim or c.head_dim),
+        causal=c.causal,
+        window_left=c.window_left,
+        chunk=c.attention_chunk_size,
+        logit_cap=c.logit_cap,
+        sinks=m.sinks,
+        k_scale=m.k_scale if c.kv_fp8 else 1.0,
+        v_scale=m.v_scale if c.kv_fp8 else 1.0,
+    )
 
 
 def tolerance(dtype: str) -> tuple[float, float]:

@@ -64,7 +64,7 @@ LIMITS: dict[str, Limits] = {
         gqa_ratios=(1, 2, 4),
         max_kv_heads=2,
         # Few widths: on CUDA each one compiles its own kernels (96 = 64 + 32 is covered
-        # in tests/test_triton.py).
+        # in tests/backends/triton/test_backend.py).
         mha_dims=((64, 64), (192, 128)),
         mla_dims=((576, 512), (80, 64)),
         mla_heads=(1, 2, 16),

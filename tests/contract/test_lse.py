@@ -33,6 +33,7 @@ from attn_dispatch import bind
 from attn_dispatch import merge_state
 from attn_dispatch.mla import gather_latent
 from attn_dispatch.mla import latent_prefix_chunks
+from tests import oracle
 from tests.contract.cases import assert_lse_matches
 from tests.contract.cases import lse_tolerance
 from tests.contract.cases import materialise
@@ -311,13 +312,12 @@ def test_torch_mla_forms_give_the_same_state(q_lens: list[int], prefix: list[int
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
     # ... and the absorbed state is the float64 one.
-    want = []
-    k_all, _ = up_proj(gather_latent(cache, b).double())
+    # The oracle over the up-projected keys, one key per page, in gather order.
+    k_all, v_all = up_proj(gather_latent(cache, b).double())
     starts = [0, *torch.cumsum(b.kv_lens_host, 0).tolist()]
-    qo = b.qo_indptr_host.tolist()
-    for i, (ql, kl) in enumerate(zip(q_lens, kv_lens, strict=True)):
-        k = k_all[starts[i] : starts[i] + kl]
-        s = torch.einsum("thd,nhd->htn", q[qo[i] : qo[i + 1]].double(), k) * scale
-        causal = torch.arange(kl)[None, :] <= (kl - ql + torch.arange(ql))[:, None]
-        want.append(torch.logsumexp(s.masked_fill(~causal, -math.inf), dim=-1).T)
-    torch.testing.assert_close(ref_lse.double(), torch.cat(want), atol=1e-5, rtol=1e-5)
+    _, want = oracle.reference_state(
+        q, k_all[:, None], v_all[:, None], q_lens=q_lens, kv_lens=kv_lens,
+        page_tables=[list(range(starts[i], starts[i + 1])) for i in range(len(kv_lens))],
+        sm_scale=scale,
+    )  # fmt: skip
+    torch.testing.assert_close(ref_lse.double(), want, atol=1e-5, rtol=1e-5)

@@ -217,8 +217,19 @@ class FlashInferBackend(BackendBase):
         cascade: bool = True,
     ) -> None:
         _check_config(config)
-        if not isinstance(cascade, bool):
-            raise InvalidSpecError("cascade", cascade, "must be a bool")
+        # Flags are Python bools (numpy and torch bools, ints and strings are refused), the
+        # rule every backend and AttnConfig follow.
+        for flag, value in (
+            ("cascade", cascade),
+            ("validate", validate),
+            ("use_cuda_graph", use_cuda_graph),
+        ):
+            if not isinstance(value, bool):
+                raise InvalidSpecError(flag, value, "must be a bool (True or False)")
+        if decode_tensor_cores is not None and not isinstance(decode_tensor_cores, bool):
+            raise InvalidSpecError(
+                "decode_tensor_cores", decode_tensor_cores, "must be a bool, or None for automatic"
+            )
         self.config = config
         self.device = _device_for(config)
         self.q_dtype = _DTYPES[config.dtype]
@@ -265,7 +276,7 @@ class FlashInferBackend(BackendBase):
         self.sm_scale: float = (
             float(chosen) if chosen is not None else 1.0 / math.sqrt(config.head_dim)
         )
-        self.validate = bool(validate)
+        self.validate = validate
         self.max_num_pages = max_num_pages
         self._checks = TensorChecks.of(
             config,
@@ -415,6 +426,10 @@ class FlashInferBackend(BackendBase):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         check_plan(plan, self, "flashinfer")
         assert isinstance(plan, FlashInferPlan)
+        if not isinstance(return_lse, bool):
+            raise InvalidBatchError(
+                "return_lse", f"flashinfer: must be a bool (True or False), got {return_lse!r}"
+            )
         route = plan.route
         if route.tickets.get(id(plan.wrapper)) is not plan.ticket:
             raise InvalidBatchError(

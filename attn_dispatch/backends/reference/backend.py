@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,7 @@ import torch
 from attn_dispatch._batch import AttnBatch
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import BackendBase
 from attn_dispatch._protocol import Handler
@@ -68,6 +70,31 @@ class TorchPlan(PlanBase):
     blocks: tuple[tuple[torch.Tensor, int, torch.Tensor], ...]
 
 
+#: Address and size of every tensor a plan holds, recorded when it is issued: ``run``
+#: refuses a plan whose tensors were replaced (``object.__setattr__``). Kept beside the plan,
+#: not in it: a CUDA-graph replay compares a captured plan's fields with a new plan's and
+#: copies the new tensors into the captured ones in place (same addresses). Edits inside the
+#: tensors are bounded where they are used (see ``run``).
+_SEALS: weakref.WeakKeyDictionary[TorchPlan, tuple[tuple[int, int], ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _held(plan: TorchPlan) -> list[torch.Tensor]:
+    """Every tensor ``run`` reads through ``plan`` (the snapshot's copies included)."""
+    snap = plan.snap
+    held = [plan.page_table, plan.q_rows, plan.q_valid, plan.out_rows, plan.q_pos, plan.kv_lens]
+    held += [snap.qo_indptr, snap.kv_indptr, snap.kv_indices, snap.kv_lens]
+    held += [t for t in (plan.mask, snap.custom_mask, snap.mask_indptr) if t is not None]
+    for first, _span, lo in plan.blocks:
+        held += (first, lo)
+    return held
+
+
+def _seal(plan: TorchPlan) -> tuple[tuple[int, int], ...]:
+    return tuple((t.data_ptr(), t.numel()) for t in _held(plan))
+
+
 class TorchBackend(BackendBase):
     """Reference attention for MHA/GQA and absorbed MLA, every phase, CPU or CUDA.
 
@@ -89,7 +116,9 @@ class TorchBackend(BackendBase):
         page indices back at plan time to check them (a host sync per forward)."""
         self.config = config
         self.score_budget = int(score_budget)
-        self.validate = bool(validate)
+        if not isinstance(validate, bool):  # the flag rule of every backend: a Python bool
+            raise InvalidSpecError("validate", validate, "must be a bool (True or False)")
+        self.validate = validate
         self.q_dtype = getattr(torch, config.dtype)
         self.kv_dtype = getattr(torch, str(config.kv_dtype))
         self._checks = TensorChecks.of(config, backend="torch")
@@ -162,6 +191,7 @@ class TorchBackend(BackendBase):
             q_block=q_block,
             blocks=blocks,
         )
+        _SEALS[plan] = _seal(plan)
         return issue_plan(self, plan)
 
     def handler(self, phase: Phase) -> Handler:
@@ -186,27 +216,68 @@ class TorchBackend(BackendBase):
         float32 ``[T, Hq]``: log of the sum of exp(score) over the keys each row attended,
         the sink included; see ``_OnlineSoftmax.lse``)."""
         check_plan(plan, self, "torch")
+        _check_flag("return_lse", return_lse)
+        if _SEALS.get(plan) != _seal(plan):
+            raise InvalidBatchError(
+                "plan",
+                "torch: a tensor this plan holds was replaced after the plan was made; plan "
+                "the batch again",
+            )
         num_pages = self._checks.check(plan.snap, q, k_cache, v_cache)
         c = self.config
         if c.sinks:
             self._checks.check_sinks(sinks, q)
-        mla = c.kind == "mla"
-        hkv, dv = c.num_kv_heads, int(c.out_head_dim)
+        dv = int(c.out_head_dim)
         if plan.snap.num_requests == 0:  # SGLang's IDLE forward: nothing to attend
             return _empty(q, c.num_q_heads, dv, return_lse)
+        try:
+            return self._attend(q, k_cache, v_cache, plan, sm_scale, sinks, k_scale, v_scale,
+                                return_lse, num_pages)  # fmt: skip
+        except IndexError as exc:
+            # Every tensor was checked against the plan's snapshot above, so an index out of
+            # range can only come from a plan whose index tensors were edited in place (a page
+            # table entry past the cache, say): torch bounds-checks each CPU gather (off the
+            # CPU the page table is clamped, below); say so in our terms.
+            raise InvalidBatchError(
+                "plan",
+                f"torch: the plan indexes outside the tensors it was given ({exc}); it was "
+                "edited after it was made: plan the batch again",
+            ) from exc
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        plan: TorchPlan,
+        sm_scale: float,
+        sinks: torch.Tensor | None,
+        k_scale: float,
+        v_scale: float,
+        return_lse: bool,
+        num_pages: int,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        mla = c.kind == "mla"
+        hkv, dv = c.num_kv_heads, int(c.out_head_dim)
         b, max_q = plan.q_rows.shape
         max_pages = plan.page_table.shape[1]
         ps = c.page_size
         table = plan.page_table
-        if plan.snap.max_page is None:
-            # Page indices never read on the host (CUDA without validate): keep every gather
-            # inside this call's cache; an out-of-range index gives wrong numbers, not a fault.
+        if plan.snap.max_page is None or not table.is_cpu:
+            # Page indices never read on the host (CUDA without validate), or a device gather
+            # that would assert (not raise) on an edited table: keep every gather inside this
+            # call's cache; an out-of-range index gives wrong numbers, not a fault.
             table = table.clamp(0, max(num_pages - 1, 0))
         window = c.window_left
         chunk = c.attention_chunk_size
         fp8 = c.kv_fp8
         out = torch.empty(b, max_q, c.num_q_heads, dv, dtype=torch.float32, device=q.device)
-        lse = torch.empty(b, max_q, c.num_q_heads, device=q.device) if return_lse else None
+        lse = (
+            torch.empty(b, max_q, c.num_q_heads, dtype=torch.float32, device=q.device)
+            if return_lse
+            else None
+        )
         qp = self._padded_q(q, plan.q_rows)
         in_page = torch.arange(ps, device=q.device)
         for blk, q0 in enumerate(range(0, max_q, plan.q_block)):
@@ -296,6 +367,7 @@ class TorchBackend(BackendBase):
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         c = self.config
+        _check_flag("return_lse", return_lse)
         if c.sinks:
             self._checks.check_sinks(sinks, q)
         if prefix is None:
@@ -387,12 +459,20 @@ class TorchBackend(BackendBase):
         return out, acc.lse(c.num_q_heads, sinks)[valid]
 
 
+def _check_flag(field: str, value: object) -> None:
+    """The flag rule of every backend (raw routes included): a Python bool, nothing else
+    (numpy and torch bools, ints, strings and None are refused)."""
+    if not isinstance(value, bool):
+        raise InvalidBatchError(field, f"torch: must be a bool (True or False), got {value!r}")
+
+
 def _empty(
     q: torch.Tensor, heads: int, dv: int, return_lse: bool
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The result of a batch of no requests (SGLang's IDLE forward)."""
     out = q.new_empty((0, heads, dv))
-    return (out, torch.empty(0, heads, device=q.device)) if return_lse else out
+    lse = torch.empty(0, heads, dtype=torch.float32, device=q.device)
+    return (out, lse) if return_lse else out
 
 
 def _blocks(
@@ -483,9 +563,10 @@ class _OnlineSoftmax:
     def __init__(self, q: torch.Tensor, dv: int, cap: float | None = None) -> None:
         self.q = q
         self.cap = cap
-        self.m = torch.full(q.shape[:-1], -math.inf, device=q.device)
+        # fp32 whatever torch's default dtype is (q is fp32: see _padded_q).
+        self.m = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
         self.l_sum = torch.zeros_like(self.m)
-        self.acc = torch.zeros(*q.shape[:-1], dv, device=q.device)
+        self.acc = torch.zeros(*q.shape[:-1], dv, dtype=torch.float32, device=q.device)
         self.bad = torch.zeros(q.shape[:-1], dtype=torch.bool, device=q.device)
 
     def update(

@@ -10,12 +10,17 @@ under capture).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
+from typing import NamedTuple
+from typing import TypeVar
 
 import torch
 import triton
 
+from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._protocol import PlanBase
 from attn_dispatch._snapshot import BatchSnapshot
 from attn_dispatch.backends._masks import chunk_flat_mask
@@ -32,6 +37,8 @@ from ._tile import PartStrides
 from ._tile import RowStrides
 from ._tile import Scales
 from ._tile import Widths
+
+_P = TypeVar("_P", "DecodePlan", "ExtendPlan")
 
 #: window_left passed to the kernels for full attention: larger than any kv length, and
 #: small enough that ``kv_len - 1 - FULL_WINDOW`` stays in int32.
@@ -116,53 +123,157 @@ class KernelConfig:
         return self.mla and self.layout.v_head_dim == self.layout.main
 
 
+class Constants(NamedTuple):
+    """The kernels' compile-time arguments for one ``KernelConfig`` (read-only mappings):
+    the head widths and tile sizes every load and store is sized by."""
+
+    decode: MappingProxyType[str, Any]
+    merge: MappingProxyType[str, Any]
+    extend_masked: MappingProxyType[str, Any]
+    extend_plain: MappingProxyType[str, Any]
+
+
+_CONSTANTS: dict[int, tuple[KernelConfig, Constants]] = {}
+
+
+def constants_of(kc: KernelConfig) -> Constants:
+    """``kc``'s kernel constants, computed once per ``KernelConfig`` object (one dict lookup
+    and an identity test per call). Launches take them from the backend's own config, never
+    from a plan: a plan edited in place cannot change the widths a kernel runs with."""
+    hit = _CONSTANTS.get(id(kc))
+    if hit is not None and hit[0] is kc:
+        return hit[1]
+    made = Constants(
+        MappingProxyType(decode_constants(kc)),
+        MappingProxyType(merge_constants(kc)),
+        MappingProxyType(extend_constants(kc, True)),
+        MappingProxyType(extend_constants(kc, False)),
+    )
+    if len(_CONSTANTS) > 1024:  # configs come and go with backend objects: stay bounded
+        _CONSTANTS.clear()
+    _CONSTANTS[id(kc)] = (kc, made)  # the entry keeps kc alive, so its id is not reused
+    return made
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class DecodePlan(PlanBase):
-    """Split-KV decode plan; accepted only by the backend object in ``owner``."""
+    """Split-KV decode plan; accepted only by the backend object in ``owner``.
+
+    Nothing here sizes a kernel's loads: the constants come from the backend's own config at
+    each launch, the grids' head axes too, and ``launch`` refuses a plan whose grids or split
+    count no longer match its batch, or whose tensors were swapped (``check_launchable``)."""
 
     owner: Any
     snap: BatchSnapshot
     num_splits: int
     split_grid: tuple[int, int, int]
     merge_grid: tuple[int, int]
-    constants: dict[str, Any]
-    merge_constants: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ExtendPlan(PlanBase):
-    """Extend (prefill / verify) plan; accepted only by the backend object in ``owner``."""
+    """Extend (prefill / verify) plan; accepted only by the backend object in ``owner`` (see
+    ``DecodePlan`` for what a launch re-checks)."""
 
     owner: Any
     snap: BatchSnapshot
     grid: tuple[int, int, int]
     mask: torch.Tensor | None  # uint8 view of the snapshot's custom mask
-    constants: dict[str, Any]
+
+
+#: Address and size of every tensor a plan holds, recorded when it is issued. Kept beside the
+#: plan, not in it: a CUDA-graph replay compares a captured plan's fields with a new plan's,
+#: and refills its tensors in place (same addresses), which this seal allows.
+_SEALS: weakref.WeakKeyDictionary[Any, tuple[tuple[int, int], ...]] = weakref.WeakKeyDictionary()
+
+
+def held_tensors(plan: DecodePlan | ExtendPlan) -> tuple[torch.Tensor, ...]:
+    """Every tensor a launch reads through ``plan``."""
+    snap = plan.snap
+    held = [snap.qo_indptr, snap.kv_indptr, snap.kv_indices, snap.kv_lens]
+    held += [t for t in (snap.custom_mask, snap.mask_indptr) if t is not None]
+    mask = getattr(plan, "mask", None)
+    if mask is not None:
+        held.append(mask)
+    return tuple(held)
+
+
+def _seal(plan: DecodePlan | ExtendPlan) -> tuple[tuple[int, int], ...]:
+    return tuple((t.data_ptr(), t.numel()) for t in held_tensors(plan))
+
+
+def sealed(plan: _P) -> _P:
+    """``plan`` with its tensors' addresses recorded (``plan_decode`` / ``plan_extend``)."""
+    _SEALS[plan] = _seal(plan)
+    return plan
+
+
+def check_launchable(kc: KernelConfig, plan: DecodePlan | ExtendPlan) -> None:
+    """Refuse (``InvalidBatchError``, field ``plan``) a plan changed after it was issued: a
+    tensor it holds replaced, or grids that no longer cover its batch. Host work only
+    (attribute reads and int compares): no device sync. Edits inside the tensors it holds
+    reach the kernels, which bound every index by the tensors of the call (a page outside
+    the cache is dropped): never memory outside them."""
+    if _SEALS.get(plan) != _seal(plan):
+        raise InvalidBatchError(
+            "plan",
+            "triton: a tensor this plan holds was replaced after the plan was made; plan the "
+            "batch again",
+        )
+    snap = plan.snap
+    b = snap.num_requests
+    if isinstance(plan, ExtendPlan):
+        grid = plan.grid
+        ok = (
+            _ints(grid, 3)
+            and grid[0] == b
+            and grid[1] == kc.num_q_heads
+            and grid[2] * kc.extend_block_m >= snap.max_q_len
+        )
+    else:
+        grid, splits = plan.split_grid, plan.num_splits
+        ok = (
+            _ints(grid, 3)
+            and type(splits) is int
+            and grid[0] == b
+            and 1 <= splits == grid[2]
+            and _ints(plan.merge_grid, 2)
+            and plan.merge_grid[0] == b
+        )
+    if not ok:
+        raise InvalidBatchError(
+            "plan",
+            "triton: the plan's launch grid does not match its batch (the plan was edited "
+            "after it was made); plan the batch again",
+        )
+
+
+def _ints(xs: Any, n: int) -> bool:
+    return type(xs) is tuple and len(xs) == n and all(type(x) is int for x in xs)
 
 
 def plan_decode(kc: KernelConfig, owner: Any, snap: BatchSnapshot, num_splits: int) -> DecodePlan:
     """Decode launch plan (the split scratch is allocated per call: see ``run_decode``)."""
     b = snap.num_requests
-    return DecodePlan(
+    plan = DecodePlan(
         owner=owner,
         snap=snap,
         num_splits=num_splits,
         split_grid=(b, kc.num_kv_heads * kc.groups_per_kv, num_splits),
         merge_grid=(b, -(-kc.num_q_heads // kc.block_h)),
-        constants=decode_constants(kc),
-        merge_constants=merge_constants(kc),
     )
+    return sealed(plan)
 
 
 def plan_extend(kc: KernelConfig, owner: Any, snap: BatchSnapshot) -> ExtendPlan:
     mask = snap.custom_mask
-    return ExtendPlan(
+    plan = ExtendPlan(
         owner=owner,
         snap=snap,
         grid=(snap.num_requests, kc.num_q_heads, max(1, -(-snap.max_q_len // kc.extend_block_m))),
         mask=None if mask is None else kernel_mask(kc, snap),
-        constants=extend_constants(kc, mask is not None),
     )
+    return sealed(plan)
 
 
 def kernel_mask(
@@ -288,6 +399,8 @@ def launch(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out, lse)`` of one layer from the kernel the plan chose. ``lse`` (float32 [tokens,
     q_heads], natural log, sink included) is None unless ``want_lse``."""
+    check_launchable(kc, plan)
+    consts = constants_of(kc)
     v = k_cache if v_cache is None else v_cache
     snap = plan.snap
     out = q.new_empty((q.shape[0], kc.num_q_heads, kc.layout.v_head_dim))
@@ -310,7 +423,8 @@ def launch(
             *common, *rows, snap.qo_indptr, mask, mask_indptr, sink_arg, *sizes,
             q.shape[0], k_cache.shape[0], snap.kv_indices.numel(), mask.numel(),
             snap.kv_lens.numel(),
-            **plan.constants, STORE_LSE=want_lse,
+            **(consts.extend_masked if plan.mask is not None else consts.extend_plain),
+            STORE_LSE=want_lse,
             num_warps=kc.extend_warps, num_stages=kc.num_stages,
         )  # fmt: skip
         return out, lse
@@ -328,11 +442,11 @@ def launch(
     _decode_split_kernel[(b, kc.num_kv_heads * kc.groups_per_kv, splits)](
         *common, *parts, *sizes, kc.groups_per_kv, splits,
         k_cache.shape[0], snap.kv_indices.numel(), q.shape[0], snap.kv_lens.numel(),
-        **plan.constants, num_warps=kc.decode_warps, num_stages=kc.num_stages,
+        **consts.decode, num_warps=kc.decode_warps, num_stages=kc.num_stages,
     )  # fmt: skip
     _decode_merge_kernel[(b, -(-kc.num_q_heads // kc.block_h))](
         *parts, *rows, sink_arg, kc.num_q_heads, splits, out.shape[0],
-        **plan.merge_constants, STORE_LSE=want_lse, num_warps=4,
+        **consts.merge, STORE_LSE=want_lse, num_warps=4,
     )  # fmt: skip
     return out, lse
 

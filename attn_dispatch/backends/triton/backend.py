@@ -184,6 +184,7 @@ class TritonBackend(BackendBase):
                 f"({plan.grid[2] * self._kc.extend_block_m} rows per request); capture with the "
                 "longest query length",
             )
+        _ops.check_launchable(self._kc, plan)  # not edited since it was issued or refilled
         refill(plan.snap, snap)
         if isinstance(plan, _ops.ExtendPlan) and plan.mask is not None:
             if self._kc.window_left is not None or self._kc.chunk_size is not None:
@@ -221,7 +222,9 @@ class TritonBackend(BackendBase):
                 f"{self.config.kv_dtype!r}, not FP8",
             )
         if not isinstance(return_lse, bool):
-            raise InvalidBatchError("return_lse", "triton: return_lse must be a bool")
+            raise InvalidBatchError(
+                "return_lse", f"triton: must be a bool (True or False), got {return_lse!r}"
+            )
         if self._kc.mla:
             v_cache = None  # V is the latent part of k_cache
         if plan.snap.num_requests == 0:  # SGLang's IDLE forward: no grid to launch

@@ -217,7 +217,7 @@ def test_bad_arguments_exit_2(args: list[str], capsys: pytest.CaptureFixture[str
 
 
 def test_module_entry_point_subprocess() -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     run = lambda *a: subprocess.run(  # noqa: E731
         [sys.executable, "-m", "attn_dispatch", *a],
@@ -561,7 +561,7 @@ def test_explain_model_unreadable_config_exit_2(
     ],
 )  # fmt: skip
 def test_bad_input_never_prints_a_traceback(args: list[str]) -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, "-m", "attn_dispatch", *args],
         capture_output=True,

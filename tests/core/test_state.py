@@ -1,5 +1,5 @@
 """merge_state / merge_states: merging attention over disjoint key sets equals attention over
-their union (float64 reference), empty parts contribute nothing, bad input is refused."""
+their union (the float64 oracle), empty parts contribute nothing, bad input is refused."""
 
 from __future__ import annotations
 
@@ -15,19 +15,21 @@ from hypothesis import strategies as st
 from attn_dispatch import InvalidBatchError
 from attn_dispatch.state import merge_state
 from attn_dispatch.state import merge_states
+from tests import oracle
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 attention state of q [T, H, D] over k/v [N, H, D]: (out [T, H, Dv], lse [T, H])."""
-    s = torch.einsum("thd,nhd->thn", q.double(), k.double())
-    if k.shape[0] == 0:
-        t, h = q.shape[:2]
-        return torch.zeros(t, h, v.shape[-1], dtype=torch.float64), torch.full(
-            (t, h), -math.inf, dtype=torch.float64
-        )
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    return torch.einsum("thn,nhd->thd", p, v.double()), lse
+    """float64 attention state of q [T, H, D] over k/v [N, H, D]: (out [T, H, Dv], lse [T, H]);
+    the oracle (tests/oracle.py) with the N keys as one page every query sees."""
+    t, h = q.shape[:2]
+    if k.shape[0] == 0:  # no key: out 0, lse -inf (a page of 0 slots cannot hold them)
+        empty = torch.zeros(t, h, v.shape[-1], dtype=torch.float64)
+        return empty, torch.full((t, h), -math.inf, dtype=torch.float64)
+    n = k.shape[0]
+    return oracle.reference_state(
+        q, k[None], v[None], q_lens=[t], kv_lens=[n], page_tables=[[0]], sm_scale=1.0,
+        causal=False,
+    )  # fmt: skip
 
 
 def _parts(seed: int, n: int, cuts: list[int]) -> tuple[torch.Tensor, ...]:

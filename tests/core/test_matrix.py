@@ -23,7 +23,7 @@ from attn_dispatch.cli import main
 from tests.strategies import echo_factory
 from tests.strategies import register_echo
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def toy_rule(config: AttnConfig, phase: Phase) -> Iterable[str]:

@@ -1,6 +1,6 @@
 """Compile the triton kernels for a CUDA target without a GPU (run in a subprocess).
 
-    python -m tests.triton_aot [arch]   # arch 90 by default; prints one line per kernel
+    python -m tests.backends.triton.aot [arch]   # arch 90 by default; prints one line per kernel
 
 The interpreter never runs triton's compiler, so code that interprets fine can still fail to
 compile for a GPU; triton can lower and assemble (ptxas ships in its wheel) on a CPU-only

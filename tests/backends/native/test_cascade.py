@@ -4,7 +4,7 @@ The planner finds requests whose page tables start with the same whole pages and
 pages once for all of them, merging with each request's own keys by log-sum-exp. These tests
 check that it runs exactly when it should (shared prefixes, partly shared tables, not for
 shared pages at another position, not with a window or a chunk, not for long prefill tiles)
-and that its outputs and lse equal the plain plan's and a float64 reference's, for random
+and that its outputs and lse equal the plain plan's and the float64 oracle's, for random
 tables (hypothesis), masks, sinks, caps, FP8 caches and MLA.
 """
 
@@ -27,6 +27,7 @@ from attn_dispatch import InvalidBatchError  # noqa: E402
 from attn_dispatch import InvalidSpecError  # noqa: E402
 from attn_dispatch import Phase  # noqa: E402
 from attn_dispatch.backends.native._lib import load  # noqa: E402
+from tests import oracle  # noqa: E402
 from tests.strategies import CascadeCase  # noqa: E402
 from tests.strategies import cascade_cases  # noqa: E402
 
@@ -82,41 +83,14 @@ def tensors(case: CascadeCase) -> dict[str, Any]:
 
 
 def reference(case: CascadeCase, t: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense float64 attention and its lse (natural log, sink included), per request."""
-    cfg, extras = t["cfg"], t["extras"]
-    ps, mla = case.page_size, case.kind == "mla"
-    ks = extras.get("k_scale", 1.0)
-    vs = ks if mla else extras.get("v_scale", 1.0)
-    sinks = extras.get("sinks")
-    outs, lses, row = [], [], 0
-    for i, (ql, kl) in enumerate(zip(case.q_lens, case.kv_lens, strict=True)):
-        pos = torch.arange(kl)
-        pages = torch.tensor(case.tables[i], dtype=torch.long)[pos // ps]
-        k = t["k"][pages, pos % ps].double() * ks
-        v = k[..., : cfg.v_head_dim] if mla else t["v"][pages, pos % ps].double() * vs
-        if t["masks"] is not None:
-            allowed = t["masks"][i]
-        else:
-            allowed = pos[None, :] <= (kl - ql + torch.arange(ql))[:, None]
-        group = cfg.num_q_heads // cfg.num_kv_heads
-        out = torch.zeros(ql, cfg.num_q_heads, cfg.v_head_dim, dtype=torch.float64)
-        lse = torch.zeros(ql, cfg.num_q_heads, dtype=torch.float64)
-        for h in range(cfg.num_q_heads):
-            kh = k if mla else k[:, h // group]
-            vh = v if mla else v[:, h // group]
-            s = t["q"][row : row + ql, h].double() @ kh.T * D**-0.5
-            if cfg.logit_cap:
-                s = cfg.logit_cap * torch.tanh(s / cfg.logit_cap)
-            s = s.masked_fill(~allowed, -math.inf)
-            if sinks is not None:
-                s = torch.cat([s, torch.full((ql, 1), float(sinks[h]), dtype=torch.float64)], 1)
-            lse[:, h] = torch.logsumexp(s, dim=-1)
-            p = torch.softmax(s, dim=-1)
-            out[:, h] = p[:, :kl] @ vh
-        outs.append(out)
-        lses.append(lse)
-        row += ql
-    return torch.cat(outs), torch.cat(lses)
+    """The float64 oracle (tests/oracle.py): out and lse (natural log, sink included)."""
+    extras = t["extras"]
+    return oracle.reference_state(
+        t["q"], t["k"], t["v"], q_lens=case.q_lens, kv_lens=case.kv_lens,
+        page_tables=case.tables, masks=t["masks"], sm_scale=D**-0.5,
+        v_head_dim=t["cfg"].v_head_dim, logit_cap=t["cfg"].logit_cap, sinks=extras.get("sinks"),
+        k_scale=extras.get("k_scale", 1.0), v_scale=extras.get("v_scale", 1.0),
+    )  # fmt: skip
 
 
 def run(case: CascadeCase, t: dict[str, Any], **options: Any) -> tuple[Any, Any, Any]:

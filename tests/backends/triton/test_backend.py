@@ -1,4 +1,4 @@
-"""Triton backend against a plain per-request, per-head reference.
+"""Triton backend against the float64 oracle (tests/oracle.py).
 
 On a machine without CUDA the kernels run under triton's CPU interpreter. Triton reads
 ``TRITON_INTERPRET`` when a kernel is *defined*, i.e. when ``attn_dispatch.backends.triton.
@@ -47,6 +47,7 @@ from attn_dispatch.backends.triton._dims import dim_reasons
 from attn_dispatch.backends.triton._ops import choose_num_splits
 from attn_dispatch.backends.triton.backend import TritonBackend
 from attn_dispatch.backends.triton.backend import kernel_config
+from tests import oracle
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -137,62 +138,16 @@ def reference_state(
     causal: bool = True,
     chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain attention: one request and one head at a time, dense boolean mask, float64.
-    Returns ``(out, lse)``: lse float64 [tokens, heads], the natural log of the sum of
-    ``exp(score)`` over the keys a row sees, plus ``exp(sink)`` (docs/guides/lse-cascade.md).
-
-    Variants as docs/guides/variants.md defines them: the query at position p sees keys
-    p - window_left ..= p (with a tree mask: the last window_left + 1 keys its mask allows,
-    "Window and tree verify" there); s = cap * tanh(s / cap); the sink logit joins the
-    denominator; an FP8 cache holds K / k_scale and V / v_scale (MLA: k_scale for the whole
-    latent row); ``causal=False``: every key of the request; ``chunk``: keys from the query's
-    chunk start (p - p % chunk) on.
-    """
-    q, k_cache = q.cpu().double(), k_cache.cpu().double() * k_scale
-    page_size = k_cache.shape[1]
-    mla = v_cache is None
-    out = torch.zeros(q.shape[0], q.shape[1], v_head_dim)
-    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float64)
-    for i in range(batch.num_requests):
-        q0, q1 = int(batch.qo_indptr_host[i]), int(batch.qo_indptr_host[i + 1])
-        q_len, kv_len = q1 - q0, int(batch.kv_lens_host[i])
-        pages = batch.kv_indices.cpu()[int(batch.kv_indptr_host[i]) :].long()
-        pos = torch.arange(kv_len)
-        page, slot = pages[pos // page_size], pos % page_size
-        q_pos = kv_len - q_len + torch.arange(q_len)
-        if batch.custom_mask is not None:
-            m0 = int(batch.mask_indptr[i])
-            allowed = batch.custom_mask.cpu()[m0 : m0 + q_len * kv_len].view(q_len, kv_len)
-        elif causal:
-            allowed = pos[None, :] <= q_pos[:, None]
-        else:
-            allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
-        if chunk is not None:
-            allowed = allowed & (pos[None, :] >= (q_pos - q_pos % chunk)[:, None])
-        if window_left is not None and batch.custom_mask is not None:
-            # A draft node sees the last window_left + 1 keys of its own sequence.
-            allowed = window_tree_mask(allowed, window_left)
-        elif window_left is not None:
-            allowed = allowed & (pos[None, :] >= (q_pos - window_left)[:, None])
-        for h in range(q.shape[1]):
-            if mla:
-                keys = k_cache[page, slot]
-                values = keys[:, :v_head_dim]
-            else:
-                kv_h = h // (q.shape[1] // k_cache.shape[2])
-                keys = k_cache[page, slot, kv_h]
-                values = v_cache.cpu().double()[page, slot, kv_h] * v_scale  # type: ignore[union-attr]
-            scores = (q[q0:q1, h] @ keys.T) * sm_scale
-            if logit_cap:
-                scores = logit_cap * torch.tanh(scores / logit_cap)
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            if sinks is not None:
-                sink = torch.full((q1 - q0, 1), float(sinks[h]), dtype=torch.float64)
-                scores = torch.cat([scores, sink], dim=1)
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked row -> 0
-            out[q0:q1, h] = (probs[:, :kv_len] @ values).float()
-            lse[q0:q1, h] = torch.logsumexp(scores, dim=-1)
-    return out, lse
+    """The float64 oracle (tests/oracle.py) on this batch, with the variants given as
+    keywords: ``(out, lse)``, out rounded once to float32 (what these tests compare the
+    kernels' outputs with), lse float64."""
+    q_lens, kv_lens, tables, masks = oracle.batch_layout(batch)
+    out, lse = oracle.reference_state(
+        q, k_cache, v_cache, q_lens=q_lens, kv_lens=kv_lens, page_tables=tables, masks=masks,
+        sm_scale=sm_scale, v_head_dim=v_head_dim, causal=causal, window_left=window_left,
+        chunk=chunk, logit_cap=logit_cap, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    return out.float(), lse
 
 
 def run_case(
@@ -962,7 +917,7 @@ def test_interpreter_switched_on_after_triton_was_imported_is_a_bind_reason() ->
         "    sys.exit(0)\n"
         "sys.exit(1)\n"
     )
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[3]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     done = subprocess.run(
@@ -1064,7 +1019,7 @@ def test_decode_replays_in_a_cuda_graph() -> None:
 
 def test_kernels_compile_for_sm90() -> None:
     # The interpreter never runs triton's compiler: lower and assemble the kernels for sm90
-    # with the launch constants the backend uses on CUDA (tests/triton_aot.py, own process
+    # with the launch constants the backend uses on CUDA (tests/backends/triton/aot.py, own process
     # because TRITON_INTERPRET is read when the kernels are defined).
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
@@ -1072,11 +1027,11 @@ def test_kernels_compile_for_sm90() -> None:
         from triton.compiler import ASTSource  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"this triton build cannot compile for CUDA ahead of time: {exc}")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[3]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [sys.executable, "-m", "tests.triton_aot", "90"],
+        [sys.executable, "-m", "tests.backends.triton.aot", "90"],
         cwd=root,
         env=env,
         capture_output=True,

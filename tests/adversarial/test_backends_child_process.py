@@ -7,7 +7,8 @@ gives NaN in that row, an empty batch gives an empty output, and threads sharing
 serial calls.
 
 Each case may crash a process if a backend breaks a rule (a heap overrun, a segfault), so the
-cases run in a child process (``python -m tests.test_adversarial BACKEND CASE...``) that
+cases run in a child process
+(``python -m tests.adversarial.test_backends_child_process BACKEND CASE...``) that
 reports one line per case; a crash fails the case it was running and the rest run again in a
 new child. One child per backend serves every case, so the module costs a few interpreter
 starts. The hypothesis property runs in the child too, with the active profile's example
@@ -28,10 +29,11 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
-# As in tests/test_triton.py: the triton backend runs on CPU under its interpreter, which must
-# be on before the kernels are defined (the children inherit it; see _run_children).
+# As in tests/backends/triton/test_backend.py: the triton backend runs on CPU under its
+# interpreter, which must be on before the kernels are defined (the children inherit it;
+# see _run_children).
 try:
     import torch as _torch
 
@@ -462,7 +464,8 @@ def property_malformed(env: Env, examples: int) -> None:
 
 
 def child_main(argv: list[str]) -> None:
-    """``python -m tests.test_adversarial BACKEND CASE...`` (``property:N`` for the property)."""
+    """``python -m tests.adversarial.test_backends_child_process BACKEND CASE...``
+    (``property:N`` for the property)."""
     backend, names = argv[0], argv[1:]
     env = Env(backend)
     for name in names:
@@ -517,7 +520,7 @@ def _run_children(backend: str, names: list[str]) -> dict[str, dict[str, Any]]:
     left = list(names)
     while left:
         done = subprocess.run(
-            [sys.executable, "-m", "tests.test_adversarial", backend, *left],
+            [sys.executable, "-m", "tests.adversarial.test_backends_child_process", backend, *left],
             cwd=ROOT,
             env=env,
             capture_output=True,

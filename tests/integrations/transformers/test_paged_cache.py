@@ -17,18 +17,18 @@ from attn_dispatch import record_dispatch  # noqa: E402
 from attn_dispatch.integrations.transformers import PagedCache  # noqa: E402
 from attn_dispatch.integrations.transformers import UnsupportedModelError  # noqa: E402
 from attn_dispatch.integrations.transformers import use  # noqa: E402
-from tests.test_transformers import COMMON  # noqa: E402
-from tests.test_transformers import VARIANT  # noqa: E402
-from tests.test_transformers import VOCAB  # noqa: E402
-from tests.test_transformers import WINDOW  # noqa: E402
-from tests.test_transformers import eager  # noqa: E402
-from tests.test_transformers import gemma2  # noqa: E402
-from tests.test_transformers import generate  # noqa: E402
-from tests.test_transformers import gpt_oss  # noqa: E402
-from tests.test_transformers import left_padded  # noqa: E402
-from tests.test_transformers import llama  # noqa: E402
-from tests.test_transformers import mistral  # noqa: E402
-from tests.test_transformers import qwen2_sliding  # noqa: E402
+from tests.integrations.transformers.test_transformers import COMMON  # noqa: E402
+from tests.integrations.transformers.test_transformers import VARIANT  # noqa: E402
+from tests.integrations.transformers.test_transformers import VOCAB  # noqa: E402
+from tests.integrations.transformers.test_transformers import WINDOW  # noqa: E402
+from tests.integrations.transformers.test_transformers import eager  # noqa: E402
+from tests.integrations.transformers.test_transformers import gemma2  # noqa: E402
+from tests.integrations.transformers.test_transformers import generate  # noqa: E402
+from tests.integrations.transformers.test_transformers import gpt_oss  # noqa: E402
+from tests.integrations.transformers.test_transformers import left_padded  # noqa: E402
+from tests.integrations.transformers.test_transformers import llama  # noqa: E402
+from tests.integrations.transformers.test_transformers import mistral  # noqa: E402
+from tests.integrations.transformers.test_transformers import qwen2_sliding  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

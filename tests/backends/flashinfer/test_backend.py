@@ -27,7 +27,7 @@ from attn_dispatch import InvalidBatchError
 from attn_dispatch import Phase
 from attn_dispatch._vocab import VARIANTS
 from attn_dispatch.backends import flashinfer as fi_caps
-from attn_dispatch.backends._masks import window_tree_mask
+from tests import oracle
 
 torch = pytest.importorskip("torch")
 
@@ -622,45 +622,17 @@ def _reference_state(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     dtype: Any = None,
+    **overrides: Any,
 ) -> tuple[Any, Any]:
-    """Our contract, read directly (independent of the adapter's page-table code), as
-    (out, natural lse) in ``dtype`` (fp32 by default): the config's window and cap; an FP8
-    cache holds K / k_scale and V / v_scale (MLA: k_scale for the whole latent row)."""
+    """Our contract: the float64 oracle (tests/oracle.py) on this config and batch, read
+    independently of the adapter's page-table code, as (out, natural lse) rounded to
+    ``dtype`` (fp32 by default, what the stand-ins compute in); ``overrides`` replace the
+    oracle's keywords (``causal=True`` reads a non-causal config as causal)."""
+    out, lse = oracle.reference_state_for_batch(
+        cfg, batch, q, k_cache, v_cache, scale, k_scale=k_scale, v_scale=v_scale, **overrides
+    )
     dtype = dtype or torch.float32
-    k_cache = k_cache.to(dtype) * k_scale
-    if v_cache is not None:
-        v_cache = v_cache.to(dtype) * v_scale
-    ps = cfg.page_size
-    qo = batch.qo_indptr_host.tolist()
-    kv_indptr = batch.kv_indptr_host.tolist()
-    outs, lses, pos = [], [], 0
-    for i, kv_len in enumerate(batch.kv_lens_host.tolist()):
-        rows = [batch.kv_indices[kv_indptr[i] + t // ps] * ps + t % ps for t in range(kv_len)]
-        idx = torch.tensor(rows, dtype=torch.long)
-        k = k_cache.flatten(0, 1)[idx]
-        v = k[..., : cfg.v_head_dim] if v_cache is None else v_cache.flatten(0, 1)[idx]
-        if cfg.kind == "mla":
-            k, v = k.unsqueeze(1), v.unsqueeze(1)
-        n = qo[i + 1] - qo[i]
-        if batch.custom_mask is not None:
-            allowed = batch.custom_mask[pos : pos + n * kv_len].view(n, kv_len)
-            pos += n * kv_len
-        else:  # causal (a test reads a non-causal layer through an all-True mask)
-            allowed = torch.arange(kv_len)[None, :] <= (kv_len - n + torch.arange(n))[:, None]
-        if cfg.window_left is not None and batch.custom_mask is not None:
-            # a draft node sees the last window_left + 1 keys of its own sequence
-            allowed = window_tree_mask(allowed, cfg.window_left)
-        elif cfg.window_left is not None:
-            q_pos = kv_len - n + torch.arange(n)
-            allowed = allowed & (
-                torch.arange(kv_len)[None, :] >= (q_pos - cfg.window_left)[:, None]
-            )
-        out, lse = _attend_state(
-            q[qo[i] : qo[i + 1]], k, v, allowed, scale, cfg.logit_cap or 0.0, dtype
-        )
-        outs.append(out)
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
+    return out.to(dtype), lse.to(dtype)
 
 
 def _reference(
@@ -672,8 +644,11 @@ def _reference(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    **overrides: Any,
 ) -> Any:
-    return _reference_state(cfg, batch, q, k_cache, v_cache, scale, k_scale, v_scale)[0]
+    return _reference_state(cfg, batch, q, k_cache, v_cache, scale, k_scale, v_scale, **overrides)[
+        0
+    ]
 
 
 @pytest.fixture
@@ -1164,7 +1139,7 @@ def test_non_causal_layers_are_planned_non_causal(fake_flashinfer: Any, phase: P
     full = _batch(phase, q_lens, kv_lens, cfg.page_size, mask=every)
     expected = _reference(cfg, full, q, k_cache, v_cache, 0.125)
     torch.testing.assert_close(out, expected)
-    causal = _reference(cfg, batch, q, k_cache, v_cache, 0.125)
+    causal = _reference(cfg, batch, q, k_cache, v_cache, 0.125, causal=True)
     assert not torch.allclose(out, causal)  # the check can tell the two apart
 
 

@@ -19,10 +19,10 @@ from attn_dispatch.integrations.transformers import attn_configs_for  # noqa: E4
 from attn_dispatch.integrations.transformers import dispatch_mask  # noqa: E402
 from attn_dispatch.integrations.transformers import layer_groups  # noqa: E402
 from attn_dispatch.integrations.transformers import use  # noqa: E402
-from tests.test_transformers import VOCAB  # noqa: E402
-from tests.test_transformers import eager  # noqa: E402
-from tests.test_transformers import generate  # noqa: E402
-from tests.test_transformers import left_padded  # noqa: E402
+from tests.integrations.transformers.test_transformers import VOCAB  # noqa: E402
+from tests.integrations.transformers.test_transformers import eager  # noqa: E402
+from tests.integrations.transformers.test_transformers import generate  # noqa: E402
+from tests.integrations.transformers.test_transformers import left_padded  # noqa: E402
 
 CHUNK = 8  # prompts of 13 and 8 tokens plus 10 new ones cross the boundaries at 8 and 16
 

@@ -27,7 +27,7 @@ from attn_dispatch.backends.reference import CAPABILITIES as TORCH_CAPS  # noqa:
 from attn_dispatch.demo.shapes import DraftShape  # noqa: E402
 from attn_dispatch.demo.shapes import TargetShape  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--size", "tiny", "--dtype", "float32", "--max-new-tokens", "7", "--depth", "2"]
 TINY += ["--batch", "2", "--progress", "rounds"]
 

@@ -39,7 +39,7 @@ from attn_dispatch.backends.native._lib import load  # noqa: E402
 
 NATIVE = load()
 needs_native = pytest.mark.skipif(isinstance(NATIVE, str), reason=f"native library: {NATIVE}")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 10.0  # seconds any thread waits for another before the test fails
 
 

@@ -1,4 +1,4 @@
-"""The native C++ backend against a naive per-request, per-head dense reference.
+"""The native C++ backend against the float64 oracle (tests/oracle.py).
 
 Also: thread-count independence, very long page tables, every validation error path, and the
 "not built" report when the library is missing.
@@ -27,6 +27,7 @@ from attn_dispatch._errors import BackendUnavailableError  # noqa: E402
 from attn_dispatch.backends.native import CAPABILITIES  # noqa: E402
 from attn_dispatch.backends.native._lib import load  # noqa: E402
 from attn_dispatch.backends.native._lib import unavailable_reason  # noqa: E402
+from tests import oracle  # noqa: E402
 
 LIB = load()
 needs_lib = pytest.mark.skipif(isinstance(LIB, str), reason=f"native library: {LIB}")
@@ -36,7 +37,7 @@ if not isinstance(LIB, str):
     from attn_dispatch.backends.native.backend import NativeBackend
 
 
-# -- problem builder and naive reference --------------------------------------------------------
+# -- problem builder (the reference is tests/oracle.py) ------------------------------------------
 
 
 def make_case(
@@ -114,58 +115,16 @@ def make_case(
 
 
 def naive(case: dict[str, Any]) -> torch.Tensor:
-    """Dense fp64 attention, one request and one head at a time (window, cap, sinks and FP8
-    scales as AttnConfig defines them; a window on a tree mask keeps each query's
-    window_left + 1 most recent allowed keys)."""
+    """The float64 oracle (tests/oracle.py) for a case built by ``make_case``."""
     cfg = case["config"]
     extras = case.get("extras", {})
-    ks = extras.get("k_scale", 1.0)
-    vs = extras.get("v_scale", ks) if cfg.kind == "mla" else extras.get("v_scale", 1.0)
-    sinks = extras.get("sinks")
-    ps = cfg.page_size
-    q = case["q"].double()
-    outs = []
-    row = 0
-    for i, (ql, kl) in enumerate(zip(case["q_lens"], case["kv_lens"], strict=True)):
-        pages = torch.tensor(case["tables"][i], dtype=torch.long)
-        pos = torch.arange(kl)
-        page_of, slot_of = pages[pos // ps], pos % ps
-        k = case["k_cache"][page_of, slot_of].double() * ks
-        if cfg.kind == "mla":
-            v = k[..., : cfg.v_head_dim]
-        else:
-            v = case["v_cache"][page_of, slot_of].double() * vs
-        w = cfg.window_left
-        if case["masks"] is not None:
-            allowed = case["masks"][i]
-            if w is not None:
-                # rank of each allowed key counted from the row's end
-                rank = allowed.flip(-1).long().cumsum(-1).flip(-1)
-                allowed = allowed & (rank <= w + 1)
-        else:
-            qpos = kl - ql + torch.arange(ql)
-            allowed = pos[None, :] <= qpos[:, None]
-            if w is not None:
-                allowed = allowed & (pos[None, :] >= qpos[:, None] - w)
-        out = torch.zeros(ql, cfg.num_q_heads, cfg.v_head_dim, dtype=torch.float64)
-        group = cfg.num_q_heads // cfg.num_kv_heads
-        for h in range(cfg.num_q_heads):
-            kh = k if cfg.kind == "mla" else k[:, h // group]
-            vh = v if cfg.kind == "mla" else v[:, h // group]
-            s = q[row : row + ql, h] @ kh.T * case["scale"]
-            if cfg.logit_cap:
-                s = cfg.logit_cap * torch.tanh(s / cfg.logit_cap)
-            s = s.masked_fill(~allowed, -math.inf)
-            if sinks is not None:
-                sink = torch.full((ql, 1), float(sinks[h]), dtype=torch.float64)
-                e = torch.softmax(torch.cat([s, sink], dim=1), dim=-1)[:, :-1]
-                out[:, h] = e @ vh
-            else:
-                p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows that see no key: zeros
-                out[:, h] = p @ vh
-        outs.append(out)
-        row += ql
-    return torch.cat(outs)
+    return oracle.reference(
+        case["q"], case["k_cache"], case["v_cache"], q_lens=case["q_lens"],
+        kv_lens=case["kv_lens"], page_tables=case["tables"], masks=case["masks"],
+        sm_scale=case["scale"], v_head_dim=cfg.v_head_dim, window_left=cfg.window_left,
+        logit_cap=cfg.logit_cap, sinks=extras.get("sinks"),
+        k_scale=extras.get("k_scale", 1.0), v_scale=extras.get("v_scale", 1.0),
+    )  # fmt: skip
 
 
 def run_native(case: dict[str, Any], **options: Any) -> torch.Tensor:
@@ -743,8 +702,8 @@ def test_contract_cases_on_every_instruction_set_path(isa: str) -> None:
             sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
             "tests/contract/test_contract.py::test_edge_cases",
             "tests/contract/test_contract.py::test_variant_edge_cases",
-            "tests/test_native.py::test_matches_naive_reference",
-            "tests/test_native.py::test_variants_match_naive_reference",
+            "tests/backends/native/test_backend.py::test_matches_naive_reference",
+            "tests/backends/native/test_backend.py::test_variants_match_naive_reference",
             "-k", "native or not contract",
         ],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd(), **env},

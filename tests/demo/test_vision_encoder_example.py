@@ -15,7 +15,7 @@ from attn_dispatch import AttnDispatchError  # noqa: E402
 from attn_dispatch import bind  # noqa: E402
 from attn_dispatch import list_backends  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "vision_encoder.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vision_encoder.py"
 
 
 def _example() -> Any:

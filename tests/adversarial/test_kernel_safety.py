@@ -418,7 +418,7 @@ def test_native_rules_on_every_instruction_set_path(isa: str) -> None:
     child = subprocess.run(
         [
             sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-            "tests/test_reliability_kernels.py", "-k", "native and not bounds",
+            "tests/adversarial/test_kernel_safety.py", "-k", "native and not bounds",
         ],
         capture_output=True, text=True, env=env, timeout=900,
     )  # fmt: skip
@@ -438,56 +438,56 @@ def _child(code: str) -> subprocess.CompletedProcess[str]:
 
 
 _NATIVE_BOUNDS = """
-    import ctypes, dataclasses, torch
+    import dataclasses, torch
     from attn_dispatch import AttnBatch, AttnConfig, InvalidBatchError, Phase
-    from attn_dispatch.backends.native import backend as nb
+    from attn_dispatch._snapshot import BatchSnapshot
+    from attn_dispatch.backends.native.backend import NativeBackend
 
+    # The kernel's own bound, through the public handler: a plan of this very backend object,
+    # edited in place (object.__setattr__ on the frozen record, as a buggy caller could) so
+    # that its batch snapshot -- what every Python-side check reads -- fits the tensors while
+    # every other field comes from a plan for a larger batch (80 rows over pages 0..29).
+    # Only the kernel's check of rows and pages against the tensors' element counts stands
+    # between that plan and memory outside them: the call must raise our error (or, where
+    # the edited fields never reach the kernel, give the untouched plan's answer).
     cfg = AttnConfig("mha", 4, 2, 32, 32, dtype="float32", page_size=4, device="cpu")
-    be = nb.NativeBackend(cfg)
-    big = AttnBatch.build(Phase.PREFILL, q_lens=[40, 40], kv_lens=[60, 60],
-                          page_tables=[list(range(15)), list(range(15, 30))], page_size=4,
-                          num_pages=30)
-    small = AttnBatch.build(Phase.PREFILL, q_lens=[2], kv_lens=[2], page_tables=[[0]],
-                            page_size=4, num_pages=1)
-    pb, ps = be.plan(big), be.plan(small)
-    q = torch.randn(2, 4, 32)
-    k = torch.randn(1, 4, 2, 32)
-    v = torch.randn(1, 4, 2, 32)
-    out = torch.empty(2, 4, 32)
-    run = be.library.cdll.na_run
-    ref = ctypes.byref(be._cfg)
+    be = NativeBackend(cfg)
+    run = be.handler(Phase.PREFILL)
 
-    def call(plan, q, k, v, out, sinks=None, n_sinks=0, lse=None):
-        return run(plan.handle.ptr, ref, q.data_ptr(), q.numel(), k.data_ptr(), k.numel(),
-                   v.data_ptr(), v.numel(), out.data_ptr(), out.numel(), 0.2,
-                   None if sinks is None else sinks.data_ptr(), n_sinks, 1.0, 1.0,
-                   None if lse is None else lse.data_ptr(), 0 if lse is None else lse.numel(),
-                   2)
+    def plan_of(q_lens, kv_lens, tables, pages):
+        return be.plan(AttnBatch.build(Phase.PREFILL, q_lens=q_lens, kv_lens=kv_lens,
+                                       page_tables=tables, page_size=4, num_pages=pages))
 
-    # the big plan's 80 rows and 30 pages against tensors for 2 rows and 1 page
-    assert call(pb, q, k, v, out) == -1, "rows past q"
-    big_q, big_out = torch.randn(80, 4, 32), torch.empty(80, 4, 32)
-    assert call(pb, big_q, k, v, big_out) == -1, "pages past the cache"
-    assert call(pb, big_q, torch.randn(30, 4, 2, 32), v, big_out) == -1, "pages past v"
-    kk, vv = torch.randn(30, 4, 2, 32), torch.randn(30, 4, 2, 32)
-    assert call(pb, big_q, kk, vv, out) == -1, "rows past out"
-    assert call(pb, big_q, kk, vv, big_out, torch.zeros(2), 2) == -1, "sinks shorter than Hq"
-    assert call(pb, big_q, kk, vv, big_out, lse=torch.empty(80, 2)) == -1, "lse past its rows"
-    assert call(pb, big_q, kk, vv, big_out) == 0
-    assert call(ps, q, k, v, out) == 0
-    print("ctypes ok")
+    def tampered(plan, donor):
+        for f in dataclasses.fields(plan):
+            if not isinstance(getattr(plan, f.name), BatchSnapshot):
+                object.__setattr__(plan, f.name, getattr(donor, f.name))
+        return plan
 
-    # The handler path with a forged plan (the small plan carrying the big plan's handle),
-    # the owner check bypassed: the kernel's own bound refuses it.
-    nb.check_owner = lambda *a, **k: None
-    forged = dataclasses.replace(ps, handle=pb.handle)
-    try:
-        be.handler(Phase.PREFILL)(q, k, v, forged, 0.2)
-    except InvalidBatchError as exc:
-        assert exc.field == "plan", exc
-        print("forged refused")
-    else:
-        raise SystemExit("a forged plan ran")
+    def check(what, make, q, k, v):
+        want = run(q, k, v, make(), 0.2)  # the untouched plan runs and fits
+        assert want.shape[0] == q.shape[0] and torch.isfinite(want).all(), what
+        plan = tampered(make(), big)
+        try:
+            out = run(q, k, v, plan, 0.2)
+        except InvalidBatchError as exc:
+            assert exc.field == "plan", exc
+            print("refused:", what)
+        else:
+            assert out.shape == want.shape, f"{what}: ran with shape {tuple(out.shape)}"
+            torch.testing.assert_close(out, want)
+            print("refused:", what, "(the edit never reached the kernel)")
+
+    big = plan_of([40, 40], [60, 60], [list(range(15)), list(range(15, 30))], 30)
+    g = torch.Generator().manual_seed(0)
+    cache = lambda: torch.randn(30, 4, 2, 32, generator=g)
+    # rows: a 2-row plan over a 30-page cache; the kernel sees 80 rows against q's 2
+    check("rows past q and the output", lambda: plan_of([2], [2], [[0]], 30),
+          torch.randn(2, 4, 32, generator=g), cache(), cache())
+    # pages: an 80-row plan reading page 0 only, over a 1-page cache; the kernel sees pages
+    # up to 29
+    check("pages past the cache", lambda: plan_of([1] * 80, [1] * 80, [[0]] * 80, 1),
+          torch.randn(80, 4, 32, generator=g), cache()[:1], cache()[:1])
 """
 
 
@@ -496,7 +496,8 @@ def test_bounds_native_plan_that_does_not_fit_the_tensors(backend: str) -> None:
     _skip_unavailable(backend)
     child = _child(_NATIVE_BOUNDS)
     assert child.returncode == 0, child.stderr[-3000:]
-    assert "ctypes ok" in child.stdout and "forged refused" in child.stdout
+    assert "refused: rows past q and the output" in child.stdout, child.stdout
+    assert "refused: pages past the cache" in child.stdout, child.stdout
 
 
 _TRITON_BOUNDS = """
@@ -520,8 +521,9 @@ _TRITON_BOUNDS = """
     k = torch.randn(n, 4, 1, 16)
     v = torch.randn(n, 4, 1, 16)
     # A snapshot claiming 1 token while the grid still walks 6 requests: the kernels must
-    # bound request rows by q and the output, not by the plan.
-    forged = dataclasses.replace(plan, snap=_snap_with_tokens(plan.snap, 1))
+    # bound request rows by q and the output, not by the plan. (sealed: the forged copy is
+    # let past the launch's own plan checks, to test the kernels below them.)
+    forged = _ops.sealed(dataclasses.replace(plan, snap=_snap_with_tokens(plan.snap, 1)))
     q = torch.randn(1, 2, 16)
     out = _ops.run_decode(be._kc, forged, q, k, v, 0.25)
     assert out.shape == (1, 2, 16) and torch.isfinite(out).all()
@@ -531,7 +533,7 @@ _TRITON_BOUNDS = """
     pb = AttnBatch.build(Phase.PREFILL, q_lens=[3] * n, kv_lens=[4] * n,
                          page_tables=[[i] for i in range(n)], page_size=4, num_pages=n)
     ep = be.plan(pb)
-    forged = dataclasses.replace(ep, snap=_snap_with_tokens(ep.snap, 2))
+    forged = _ops.sealed(dataclasses.replace(ep, snap=_snap_with_tokens(ep.snap, 2)))
     out = _ops.run_extend(be._kc, forged, torch.randn(2, 2, 16), k, v, 0.25)
     assert out.shape == (2, 2, 16) and torch.isfinite(out).all()
     print("extend bounded")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "attn_dispatch"
 HEAVY = ("torch", "triton", "flashinfer", "transformers", "numpy")
 

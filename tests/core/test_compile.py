@@ -228,7 +228,7 @@ with attn_scope(b, batch):
     torch.testing.assert_close(f(q, k), attention(q, k, k, sm_scale=0.5))
 print("OK")
 """
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

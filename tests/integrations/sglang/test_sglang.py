@@ -80,7 +80,7 @@ def test_draft_and_target_specs_from_one_set_of_server_args() -> None:
 
 # --- Checked against SGLang itself ---------------------------------------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 GRID_FILE = ROOT / "tests" / "data" / "sglang_grid_0.5.23.json"
 
 
@@ -190,7 +190,7 @@ def _run_grid_tool(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_phase_of_every_real_forward_mode() -> None:
-    from tests.test_phase import SGLANG_MODES
+    from tests.core.test_phase import SGLANG_MODES
 
     proc = _run_grid_tool("--modes")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,124 @@
+"""The bench/ scripts stay importable and runnable: each imports, and runs with ``--quick``.
+
+A benchmark nobody runs rots quietly (bench/safety_checks.py once imported a function the
+library had dropped). Every ``bench/*.py`` is imported in one child process, and each runs
+its ``--quick`` size in a child of its own (a few seconds on a quiet machine; the figures of a
+quick run are not comparable and no results file is written). A script whose hardware or
+package is missing here is skipped with the reason, after its ``--help`` shows ``--quick``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+
+
+def _cuda() -> str | None:
+    import torch
+
+    return None if torch.cuda.is_available() else "needs a CUDA device"
+
+
+def _module(name: str) -> Callable[[], str | None]:
+    def check() -> str | None:
+        return None if importlib.util.find_spec(name) is not None else f"needs {name} installed"
+
+    return check
+
+
+def _native() -> str | None:
+    from attn_dispatch.backends.native._lib import load
+
+    lib = load()
+    return f"needs the native library ({lib})" if isinstance(lib, str) else None
+
+
+#: Every script, and what its quick run needs beyond the dev install (None: nothing).
+NEEDS: dict[str, Callable[[], str | None] | None] = {
+    "cascade_cpu.py": _native,
+    "compile_overhead.py": None,
+    "dispatch.py": None,
+    "gpu_flashinfer.py": lambda: _cuda() or _module("flashinfer")(),
+    "gpu_graphs.py": None,  # without CUDA it runs the same code on the CPU (no graph)
+    # Without CUDA its --dry-run runs the kernels under triton's interpreter: minutes, not a
+    # smoke run (tests/backends/triton runs that path).
+    "gpu_triton.py": lambda: _cuda() or _module("triton")(),
+    "kernels_cpu.py": _native,
+    "native_probe.py": _native,
+    "safety_checks.py": None,
+    "transformers_cpu.py": lambda: _native() or _module("transformers")(),
+    "variants_cpu.py": None,
+    "vllm_cpu.py": lambda: _native() or _module("vllm")(),
+}
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
+
+
+def _env() -> dict[str, str]:
+    # The worktree first (pytest's pythonpath "." does the same for this process).
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+
+
+def test_every_script_is_listed() -> None:
+    """A new bench script must say here what its quick run needs."""
+    assert SCRIPTS == sorted(NEEDS), f"bench/*.py {SCRIPTS} vs the table {sorted(NEEDS)}"
+
+
+def test_every_script_imports() -> None:
+    """Each script imports as a module (its ``main`` does not run) in one child process."""
+    code = (
+        "import importlib.util, sys\n"
+        "for path in sys.argv[1:]:\n"
+        "    name = 'bench_' + path.rsplit('/', 1)[-1][:-3]\n"
+        "    spec = importlib.util.spec_from_file_location(name, path)\n"
+        "    module = importlib.util.module_from_spec(spec)\n"
+        "    spec.loader.exec_module(module)\n"
+        "    assert callable(getattr(module, 'main', None)), path\n"
+        "    print('imported', path)\n"
+    )
+    paths = [str(BENCH / s) for s in SCRIPTS]
+    child = subprocess.run(
+        [sys.executable, "-c", code, *paths], cwd=ROOT, env=_env(), capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.count("imported ") == len(SCRIPTS), child.stdout
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_script_parses() -> None:
+    """bench/gpu.sh (the one prepared CUDA check) is at least valid bash here."""
+    child = subprocess.run(["bash", "-n", str(BENCH / "gpu.sh")], capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_quick_run(script: str) -> None:
+    need = NEEDS.get(script)
+    why = need() if need is not None else None
+    path = str(BENCH / script)
+    if why is not None:
+        helped = subprocess.run(
+            [sys.executable, path, "--help"], cwd=ROOT, env=_env(), capture_output=True,
+            text=True, timeout=300,
+        )  # fmt: skip
+        assert helped.returncode == 0 and "--quick" in helped.stdout, helped.stderr[-2000:]
+        pytest.skip(f"bench/{script}: {why} (its --help lists --quick)")
+    child = subprocess.run(
+        [sys.executable, path, "--quick"], cwd=ROOT, env=_env(), capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert child.returncode == 0, (child.stdout[-2000:], child.stderr[-3000:])
+    assert child.stdout.strip(), f"bench/{script} --quick printed nothing"
