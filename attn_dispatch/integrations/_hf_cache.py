@@ -20,10 +20,10 @@ _MOVED = {
     "UnsupportedModelError": "_common",
     "GroupedBatches": "_cache",
     "PagedCache": "_cache",
-    "PagedLayer": "_cache",
-    "_Step": "_cache",
-    "_scale": "_cache",
-    "_write": "_cache",
+    "PagedLayer": "_layer",
+    "_Step": "_layer",
+    "_scale": "_layer",
+    "_write": "_layer",
     "_Group": "_allocator",
 }
 

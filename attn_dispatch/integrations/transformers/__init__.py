@@ -20,7 +20,8 @@ One module per concept, each importing only those before it:
 - ``_common``: the implementation name, group names, FP8 limits, ``UnsupportedModelError``;
 - ``_config``: reading a model config (``layer_groups``, ``attn_configs_for``, ``has_sinks``);
 - ``_allocator``: page numbers of the paged cache (``PageGroup``);
-- ``_cache``: the transformers ``Cache`` adapters (``PagedCache``, ``PagedLayer``);
+- ``_layer``: one layer's page pools, its writes and page moves (``PagedLayer``);
+- ``_cache``: the transformers ``Cache`` over them (``PagedCache``);
 - ``_view``: what one forward tells the registered functions (``DenseView``);
 - ``_masks``: the 2-D padding mask and the registered mask function (``dispatch_mask``);
 - ``_attention``: the registered attention function, paged and dense paths;
@@ -32,7 +33,6 @@ from __future__ import annotations
 from attn_dispatch.integrations.transformers._attention import attention_forward
 from attn_dispatch.integrations.transformers._cache import GroupedBatches
 from attn_dispatch.integrations.transformers._cache import PagedCache
-from attn_dispatch.integrations.transformers._cache import PagedLayer
 from attn_dispatch.integrations.transformers._common import DEFAULT_PAGE_SIZE
 from attn_dispatch.integrations.transformers._common import FP8_MAX
 from attn_dispatch.integrations.transformers._common import GROUP_CHUNKED
@@ -47,6 +47,7 @@ from attn_dispatch.integrations.transformers._config import attn_config_for
 from attn_dispatch.integrations.transformers._config import attn_configs_for
 from attn_dispatch.integrations.transformers._config import has_sinks
 from attn_dispatch.integrations.transformers._config import layer_groups
+from attn_dispatch.integrations.transformers._layer import PagedLayer
 from attn_dispatch.integrations.transformers._masks import dispatch_mask
 from attn_dispatch.integrations.transformers._use import Bound
 from attn_dispatch.integrations.transformers._use import use
