@@ -23,7 +23,7 @@ from attn_dispatch.integrations.transformers._common import IMPLEMENTATION
 
 if TYPE_CHECKING:
     from attn_dispatch.integrations.transformers._cache import PagedCache
-    from attn_dispatch.integrations.transformers._cache import _Step
+    from attn_dispatch.integrations.transformers._layer import _Step
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

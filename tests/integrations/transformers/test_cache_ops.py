@@ -99,6 +99,7 @@ def rows_of(cache: PagedCache) -> list[list[tuple[int, bytes, bytes]]]:
             group = layer.group
             live = cache.lens[b] - group.skips[b] * cache.page_size
             pages = torch.tensor(group.tables[b], dtype=torch.long)
+            assert layer.keys is not None and layer.values is not None
             k, v = (
                 pool.view(torch.uint8)[pages].flatten(0, 1)[:live].flatten().numpy().tobytes()
                 for pool in (layer.keys, layer.values)
@@ -119,7 +120,7 @@ def snapshot(cache: PagedCache) -> Any:
 
 
 def same_snapshot(a: Any, b: Any) -> bool:
-    return a[:2] == b[:2] and torch.equal(a[2], b[2]) and a[3:] == b[3:]
+    return bool(a[:2] == b[:2] and torch.equal(a[2], b[2]) and a[3:] == b[3:])
 
 
 def step(model: Any, cache: Any, mask: Any, new: Any) -> Any:
