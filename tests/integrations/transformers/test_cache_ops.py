@@ -199,6 +199,10 @@ def test_crop_rolls_back_a_verify_step_exactly(dtype: str, kv_dtype: str | None)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
     cache.crop(0)  # transformers' "trim back to the window": nothing cached goes
     assert cache.dense_len == saved[0] + 3
+    # generate's deferred stop check turns recording off layer by layer: the cache's switch.
+    for layer in cache.layers:
+        layer.record_past = False
+    assert not cache.record_past and not cache.is_recording_past(0)
 
 
 @pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES)
