@@ -40,7 +40,3 @@ def __getattr__(name: str) -> Any:
         stacklevel=2,
     )
     return getattr(importlib.import_module(f"{_NEW}.{where}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(_MOVED)
