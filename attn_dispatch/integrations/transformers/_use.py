@@ -63,6 +63,8 @@ class Bound:
     original_forward: Callable[..., Any]
     page_size: int = DEFAULT_PAGE_SIZE
     paged: bool = True  # K/V live in a PagedCache (False: DeepSeek-V3's latent cache, copied)
+    # The forward's cache argument: "cache" (transformers >= 5.20) or "past_key_values".
+    cache_arg: str = "cache"
 
     @property
     def attn_binding(self) -> Binding:
@@ -184,7 +186,7 @@ def use(
     original = model.forward
     signature = inspect.signature(original)
     cache_arg = "cache" if "cache" in signature.parameters else "past_key_values"
-    bound = Bound(model, binding, previous, original, page_size, paged)
+    bound = Bound(model, binding, previous, original, page_size, paged, cache_arg)
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -369,12 +371,12 @@ def _prepare_generation_cache(bound: Bound, args: tuple[Any, ...], kwargs: dict[
             "runs on its own paged cache (PagedCache), which is dynamic; static, offloaded and "
             "quantized caches are not served. Choices: leave cache_implementation unset"
         )
-    if not bound.paged or model_kwargs.get("cache") is not None:
+    if not bound.paged or model_kwargs.get(bound.cache_arg) is not None:
         return original(model, *args, **kwargs)  # a user's cache: the forward converts it
     if config.use_cache is False or not model._supports_default_dynamic_cache():
         return None
     cache = bound.new_cache(max_length=int(call.arguments["max_cache_length"]))
-    model_kwargs["cache"] = cache
+    model_kwargs[bound.cache_arg] = cache
     if getattr(config, "is_assistant", False):
         cache.activate_past_recording()
     return None
