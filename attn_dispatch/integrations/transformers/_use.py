@@ -63,7 +63,7 @@ class Bound:
     original_forward: Callable[..., Any]
     page_size: int = DEFAULT_PAGE_SIZE
     paged: bool = True  # K/V live in a PagedCache (False: DeepSeek-V3's latent cache, copied)
-    # The forward's cache argument: "cache" (transformers >= 5.20) or "past_key_values".
+    # The forward's cache argument: "cache" (transformers 5.24) or "past_key_values" (5.19).
     cache_arg: str = "cache"
 
     @property
