@@ -21,6 +21,17 @@ import math
 
 
 @dataclasses.dataclass(slots=True, eq=False)
+class Allocation:
+    """A group's page tables as one forward leaves them: made by ``PageGroup.plan``, kept by
+    ``PageGroup.adopt`` when the forward commits, dropped when it fails."""
+
+    tables: list[list[int]]
+    skips: list[int]
+    free: list[int]
+    fresh: int
+
+
+@dataclasses.dataclass(slots=True, eq=False)
 class PageGroup:
     """Page tables of one attention group."""
 
@@ -94,6 +105,25 @@ class PageGroup:
                 free.extend(table[:drop])
                 del table[:drop]
                 skips[b] += drop
+
+    def plan(self, lens: list[int], new_lens: list[int], *, trim: bool) -> Allocation:
+        """Pages for one forward that takes each request from ``lens[b]`` to ``new_lens[b]``
+        tokens (first freeing what the window or chunk left behind, unless the past is
+        recorded); the group itself is unchanged until ``adopt``."""
+        tables = [list(t) for t in self.tables]
+        skips, free, fresh = list(self.skips), list(self.free), self.fresh
+        if trim:
+            self.trim(tables, skips, free, lens)
+        for b, length in enumerate(new_lens):
+            if length != lens[b]:
+                pages = -(-length // self.page_size) - skips[b]
+                fresh = self.extend(tables[b], pages, free, fresh)
+        return Allocation(tables, skips, free, fresh)
+
+    def adopt(self, allocation: Allocation) -> None:
+        """Make a forward's ``plan`` current (the forward committed)."""
+        self.tables, self.skips = allocation.tables, allocation.skips
+        self.free, self.fresh = allocation.free, allocation.fresh
 
     def extend(self, table: list[int], pages: int, free: list[int], fresh: int) -> int:
         """Grow ``table`` to ``pages`` pages, from ``free`` first; returns the new ``fresh``."""

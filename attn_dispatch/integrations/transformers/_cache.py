@@ -262,49 +262,39 @@ class PagedCache(Cache):
             Phase.PREFILL if self.dense_len == 0 else Phase.DECODE if q_len == 1 else Phase.VERIFY
         )
         ps = self.page_size
-        all_real = bool(flat.all())
-        step = _Step(
-            phase, b, q_len, q_rows.to(device), all_real, {}, {}, {}, {}, {}, {}, lens, new_real
-        )
+        step = _Step(phase, b, q_len, q_rows.to(device), bool(flat.all()), lens, new_real)
         for name, group in self.groups.items():
-            tables = [list(t) for t in group.tables]
-            skips = list(group.skips)
-            free = list(group.free)
-            if not self.record_past:
-                group.trim(tables, skips, free, self.lens)
-            fresh = group.fresh
-            slots: list[torch.Tensor] = []
-            for i in rows:
-                fresh = group.extend(tables[i], -(-lens[i] // ps) - skips[i], free, fresh)
-                first = self.lens[i] - skips[i] * ps
-                pos = torch.arange(first, first + counts[i])
-                pages = torch.tensor(tables[i], dtype=torch.long)
-                slots.append(pages[pos // ps] * ps + pos % ps)
-            if fresh > group.capacity:
+            plan = step.pages[name] = group.plan(self.lens, lens, trim=not self.record_past)
+            if plan.fresh > group.capacity:
                 first_size = group.initial_pages(self.max_length, b)
-                self._grow(group, max(fresh, group.capacity * 2, first_size))
-            step.dst[name] = (torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)).to(
-                device
+                self._grow(group, max(plan.fresh, group.capacity * 2, first_size))
+            slots = []
+            for i in rows:
+                first = self.lens[i] - plan.skips[i] * ps
+                pos = torch.arange(first, first + counts[i])
+                pages = torch.tensor(plan.tables[i], dtype=torch.long)
+                slots.append(pages[pos // ps] * ps + pos % ps)
+            step.dst[name] = (
+                torch.cat(slots).to(device)
+                if slots
+                else torch.zeros(0, dtype=torch.long, device=device)
             )
             if rows:
                 step.batches[name] = AttnBatch.build(
                     phase,
                     q_lens=[counts[i] for i in rows],
-                    kv_lens=[lens[i] - skips[i] * ps for i in rows],
-                    page_tables=[tables[i] for i in rows],
+                    kv_lens=[lens[i] - plan.skips[i] * ps for i in rows],
+                    page_tables=[plan.tables[i] for i in rows],
                     page_size=ps,
                     num_pages=group.capacity,
                     device=device,
                 )
-            step.tables[name], step.skips[name] = tables, skips
-            step.free[name], step.fresh[name] = free, fresh
         self._step = step
         return step
 
     def commit(self, step: _Step) -> None:
         for name, group in self.groups.items():
-            group.tables, group.skips = step.tables[name], step.skips[name]
-            group.free, group.fresh = step.free[name], step.fresh[name]
+            group.adopt(step.pages[name])
         self.lens = step.lens
         width = self.dense_len + step.q_len
         if self.history.shape[1] < width:

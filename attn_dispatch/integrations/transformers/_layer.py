@@ -21,6 +21,7 @@ from attn_dispatch._batch import AttnBatch
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import NoActiveScopeError
 from attn_dispatch._phase import Phase
+from attn_dispatch.integrations.transformers._allocator import Allocation
 from attn_dispatch.integrations.transformers._allocator import PageGroup
 from attn_dispatch.integrations.transformers._common import _PUBLIC_MODULE
 from attn_dispatch.integrations.transformers._common import FP8_MAX
@@ -39,14 +40,12 @@ class _Step:
     q_len: int
     q_rows: torch.Tensor  # int64 rows of the flat [B * q] new tokens that are real
     all_real: bool  # every new token is real: q_rows is arange(B * q)
-    dst: dict[str, torch.Tensor]  # per group: flat slot (page * page_size + slot) per real token
-    batches: dict[str, AttnBatch]
-    tables: dict[str, list[list[int]]]
-    skips: dict[str, list[int]]
-    free: dict[str, list[int]]
-    fresh: dict[str, int]
-    lens: list[int]
+    lens: list[int]  # each request's tokens after this forward
     new_real: torch.Tensor  # bool [B, q]
+    dst: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # per group: flat
+    # slot (page * page_size + slot) of each real new token
+    batches: dict[str, AttnBatch] = dataclasses.field(default_factory=dict)
+    pages: dict[str, Allocation] = dataclasses.field(default_factory=dict)
 
 
 def _raw(pool: torch.Tensor) -> torch.Tensor:
