@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import attn_dispatch.integrations.transformers as tfi  # noqa: E402
+import attn_dispatch.integrations.transformers._attention as tf_attention  # noqa: E402
 from attn_dispatch import InvalidSpecError  # noqa: E402
 from attn_dispatch import record_dispatch  # noqa: E402
 from attn_dispatch.integrations.transformers import PagedCache  # noqa: E402
@@ -46,13 +46,13 @@ def test_generate_runs_on_a_paged_cache_read_in_place(monkeypatch: pytest.Monkey
     model = llama()
     bound = use(model, "torch", page_size=4)
     seen: list[tuple[int, int, int]] = []
-    real_attention = tfi.attention
+    from attn_dispatch import attention as real_attention
 
     def spy(q: Any, k: Any, v: Any, **kw: Any) -> Any:
         seen.append((q.shape[0], k.data_ptr(), v.data_ptr()))
         return real_attention(q, k, v, **kw)
 
-    monkeypatch.setattr(tfi, "attention", spy)
+    monkeypatch.setattr(tf_attention, "attention", spy)
     ids, mask, _ = left_padded([9, 5])
     with torch.no_grad():
         out = model.generate(
@@ -65,9 +65,12 @@ def test_generate_runs_on_a_paged_cache_read_in_place(monkeypatch: pytest.Monkey
     cache = out.past_key_values
     assert isinstance(cache, PagedCache) and cache.owner is model
     layers = cache.paged_layers
-    assert all(tuple(la.keys.shape[1:]) == (4, 2, 16) for la in layers)  # pages of 4, Hkv 2
+    pools = set()
+    for la in layers:
+        assert la.keys is not None and la.values is not None
+        assert tuple(la.keys.shape[1:]) == (4, 2, 16)  # pages of 4, Hkv 2
+        pools.add((la.keys.data_ptr(), la.values.data_ptr()))
     # Every attention call, decode included, read the layer's own pools: no copy of past K/V.
-    pools = {(la.keys.data_ptr(), la.values.data_ptr()) for la in layers}
     assert seen and {(k, v) for _, k, v in seen} <= pools
     assert [n for n, _, _ in seen[2:]] == [2] * 10  # 5 decode steps x 2 layers, one row each
     # Only real tokens are stored: 9 + 5 (prompts without padding) + 5 decoded per row... the
@@ -107,7 +110,10 @@ def test_sliding_pages_are_freed_and_tokens_stay_eagers(
     # window: the sliding pools end smaller than the full ones.
     assert sliding.fresh < full.fresh
     if page_size <= 2:
-        assert sliding.layers[0].keys.shape[0] < full.layers[0].keys.shape[0] // 2
+        assert (
+            cache.layers_of("sliding")[0].keys.shape[0]
+            < cache.layers_of("full")[0].keys.shape[0] // 2
+        )
 
 
 def test_a_long_prompt_leaves_the_sliding_pools_small() -> None:
@@ -121,10 +127,10 @@ def test_a_long_prompt_leaves_the_sliding_pools_small() -> None:
         )
     assert torch.equal(out.sequences[:, 96:], expected)
     cache = out.past_key_values
-    full, sliding = cache.groups["full"], cache.groups["sliding"]
-    assert full.layers[0].keys.shape[0] >= 2 * 99 // 4  # every token of both rows
+    sliding = cache.groups["sliding"]
+    assert cache.layers_of("full")[0].keys.shape[0] >= 2 * 99 // 4  # every token of both rows
     # The prefill wrote 96 tokens per row; the window (3 keys) needs one or two pages a row.
-    assert sliding.layers[0].keys.shape[0] <= 8, sliding.layers[0].keys.shape
+    assert cache.layers_of("sliding")[0].keys.shape[0] <= 8, sliding.capacity
     assert all(len(t) <= 2 for t in sliding.tables)
 
 
@@ -333,7 +339,7 @@ def test_a_grouped_scope_plans_each_group_with_its_own_batch() -> None:
     from attn_dispatch import attention
     from attn_dispatch import attn_scope
     from attn_dispatch import bind
-    from attn_dispatch.integrations._hf_cache import GroupedBatches
+    from attn_dispatch.integrations.transformers import GroupedBatches
 
     cfg = AttnConfig(
         kind="mha", num_q_heads=2, num_kv_heads=1, head_dim=8, dtype="float32", page_size=1

@@ -1,0 +1,418 @@
+"""The paged KV cache ``use()`` installs as a transformers model's cache (``PagedCache``).
+
+transformers calls ``cache.update(k, v, layer_idx)`` in every attention layer and hands what it
+returns to the attention function. ``PagedCache`` writes the new tokens straight into
+attn_dispatch pages and returns the layer's page pools, so attention reads the pages in place:
+a decode step writes one token per request and layer and copies no past K/V.
+
+Layout, per attention group (``"full"``, ``"sliding"``, ``"chunked"``): one pool of pages of
+``page_size`` tokens per layer (``[pages, page_size, Hkv, D]``, the contract's NHD layout) and
+one page table per request, shared by the group's layers (the page numbers come from the
+group's ``PageGroup``, ``_allocator``). Only a request's real tokens (its 2-D
+``attention_mask``'s ones) are stored, in order, so padding is never attended. After each
+forward a sliding (chunked) group frees the pages its next query cannot see and shrinks its
+pools when they are mostly free, except while transformers records the past (assisted
+generation rolls candidates back with ``crop``); ``crop`` trims back to the window, as
+``DynamicSlidingWindowLayer`` does.
+
+Every operation transformers' generation modes call (``reorder_cache`` for beam search,
+``crop`` for assisted generation, ``batch_repeat_interleave``, ``batch_select_indices``,
+``reset``) works on whole page tables, for every KV dtype (FP8 pages are moved as bytes: torch
+has no float8 ``index_copy_`` on CPU), and refuses bad arguments with ``InvalidBatchError``
+naming the argument, before anything changes. The pools and their writes are the layers'
+(``_layer.PagedLayer``).
+
+Per forward, ``begin`` (called by ``use()``'s forward wrapper with the 2-D mask) allocates the
+new tokens' slots and builds the ``AttnBatch`` of each group; the layers' ``update`` calls
+write into those slots; ``commit`` makes the new lengths current. A forward that fails leaves
+the cache as it was (its slots lie past the committed lengths).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache
+
+from attn_dispatch._batch import AttnBatch
+from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._phase import Phase
+from attn_dispatch.integrations.transformers._allocator import PageGroup
+from attn_dispatch.integrations.transformers._common import _PUBLIC_MODULE
+from attn_dispatch.integrations.transformers._common import DEFAULT_PAGE_SIZE
+from attn_dispatch.integrations.transformers._common import FP8_MAX
+from attn_dispatch.integrations.transformers._common import GROUP_CHUNKED
+from attn_dispatch.integrations.transformers._common import GROUP_SLIDING
+from attn_dispatch.integrations.transformers._common import UnsupportedModelError
+from attn_dispatch.integrations.transformers._layer import PagedLayer
+from attn_dispatch.integrations.transformers._layer import _Step
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GroupedBatches:
+    """One forward's batches, one per attention group (the sliding group's page tables hold
+    only the window's pages). ``attn_scope`` plans each group with its own batch."""
+
+    phase: Phase
+    group_batches: Mapping[str, AttnBatch]
+
+
+def _index(value: Any, field: str) -> int:
+    """``value`` as an int (a Python or NumPy int, a 0-d integer tensor); bools and floats
+    are refused, naming ``field``."""
+    if isinstance(value, bool) or (
+        isinstance(value, torch.Tensor) and (value.dim() != 0 or value.is_floating_point())
+    ):
+        raise InvalidBatchError(field, f"{value!r}; expected an int")
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+        raise InvalidBatchError(field, f"{value!r}; expected an int")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidBatchError(
+            field, f"{value!r} (a {type(value).__name__}); expected an int"
+        ) from None
+
+
+class PagedCache(Cache):
+    """A transformers ``Cache`` whose layers keep K/V in attn_dispatch pages.
+
+    Made by ``use()`` (for ``generate`` and for forwards that ask for a cache); pass it back as
+    ``cache=``/``past_key_values=`` to continue a sequence::
+
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        isinstance(out.past_key_values, PagedCache)  # True
+
+    It serves only the model it was made for (``owner``) and only inside that model's wrapped
+    forward; ``crop``, ``reorder_cache`` and the batch selections of ``generate`` work on whole
+    page tables.
+    """
+
+    def __init__(
+        self,
+        owner: Any,
+        groups: list[str],
+        window: int | None,
+        *,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        kv_dtype: str | None = None,
+        max_length: int | None = None,
+        chunk: int | None = None,
+    ) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise InvalidBatchError("page_size", f"{page_size!r}; expected an int >= 1")
+        if kv_dtype is not None and kv_dtype not in FP8_MAX:
+            raise InvalidBatchError(
+                "kv_dtype",
+                f"{kv_dtype!r}; expected None (the model's dtype) or one of {sorted(FP8_MAX)!r}",
+            )
+        self.owner = owner
+        self.page_size = page_size
+        self.kv_dtype = kv_dtype
+        self.max_length = max_length
+        self.dense_len = 0
+        self.record_past = False
+        self._step: _Step | None = None
+        self._group_names = groups
+        self._window = window
+        self._batch_size = 0
+        self.groups: dict[str, PageGroup] = {}
+        self._layers_of: dict[str, list[PagedLayer]] = {}
+        self.lens: list[int] = []
+        self.history = torch.zeros(0, 0, dtype=torch.bool)  # real dense columns, per row
+        layers: list[PagedLayer] = []
+        for i, name in enumerate(groups):
+            group = self.groups.get(name)
+            if group is None:
+                w = window if name == GROUP_SLIDING else None
+                c = chunk if name == GROUP_CHUNKED else None
+                group = self.groups[name] = PageGroup(name, w, page_size, c)
+                self._layers_of[name] = []
+            layer = PagedLayer(self, i, group)
+            self._layers_of[name].append(layer)
+            layers.append(layer)
+        self.paged_layers = layers  # the same objects as .layers, typed
+        super().__init__(layers=list(layers))
+
+    # -- what transformers asks ---------------------------------------------------------------
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.dense_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.dense_len + query_length, 0
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size if self.dense_len else -1
+
+    def activate_past_recording(self) -> None:
+        self.record_past = True
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return self.record_past
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` dense positions (a positive value keeps that
+        many, as transformers' legacy form); sliding (chunked) groups trim back to their
+        window (chunk)."""
+        self._no_step("crop")
+        n = _index(tokens_to_remove, "tokens_to_remove")
+        if n > 0:
+            n = min(0, n - self.dense_len)
+        n = -n
+        if n > self.dense_len:
+            raise InvalidBatchError(
+                "tokens_to_remove",
+                f"crop({tokens_to_remove!r}) removes more than the {self.dense_len} cached "
+                "positions",
+            )
+        lens = self.lens
+        if n:
+            gone = self.history[:, self.dense_len - n : self.dense_len].sum(dim=1).tolist()
+            lens = [length - int(g) for length, g in zip(self.lens, gone, strict=True)]
+        # Checked before anything changes: a refused crop leaves the cache as it was.
+        for group in self.groups.values():
+            for b in range(self._batch_size):
+                if group.needed_from(lens[b]) < group.skips[b] * self.page_size:
+                    raise UnsupportedModelError(
+                        f"crop({tokens_to_remove}) goes back before the pages the {group.name} "
+                        "layers kept; call activate_past_recording() before the forwards to "
+                        "roll back"
+                    )
+        self.lens = lens
+        self.dense_len -= n
+        for group in self.groups.values():
+            group.truncate(self.lens)
+            group.trim(group.tables, group.skips, group.free, self.lens)
+            self._compact(group)
+
+    def reset(self) -> None:
+        self._no_step("reset")
+        for layer in self.paged_layers:
+            layer.reset()
+        for group in self.groups.values():
+            group.fresh = group.capacity = 0
+        self._clear(0)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row r becomes a copy of row ``beam_idx[r]`` (beam search); the batch keeps its
+        size."""
+        rows = self._rows(beam_idx, "beam_idx", "reorder_cache")
+        if self.dense_len and len(rows) != self._batch_size:
+            raise InvalidBatchError(
+                "beam_idx",
+                f"{len(rows)} indices for a cache of {self._batch_size} rows; a beam reorder "
+                "names one source row per row",
+            )
+        self._select_rows(rows)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row ``repeats`` times, in place (generate's expansion for beams)."""
+        self._no_step("batch_repeat_interleave")
+        n = _index(repeats, "repeats")
+        if n < 1:
+            raise InvalidBatchError("repeats", f"{repeats!r}; expected an int >= 1")
+        self._select_rows([b for b in range(self._batch_size) for _ in range(n)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` names (integers, or a bool mask over the rows)."""
+        self._select_rows(self._rows(indices, "indices", "batch_select_indices"))
+
+    def layers_of(self, group: str) -> list[PagedLayer]:
+        """The layers of attention group ``group`` (their pools share its page numbers)."""
+        if group not in self._layers_of:
+            raise InvalidBatchError("group", f"{group!r}; this cache has {sorted(self.groups)!r}")
+        return list(self._layers_of[group])
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedCache(groups={sorted(self.groups)}, page_size={self.page_size}, "
+            f"batch={self._batch_size}, positions={self.dense_len})"
+        )
+
+    # -- per forward --------------------------------------------------------------------------
+
+    def begin(self, real: torch.Tensor, q_len: int, device: Any) -> _Step:
+        """Plan one forward: ``real`` is the bool ``[B, cached + new]`` mask (CPU)."""
+        b = int(real.shape[0])
+        if self.dense_len == 0 and not any(self.lens):
+            self._clear(b)
+        elif b != self._batch_size:
+            raise UnsupportedModelError(
+                f"the forward has batch {b} but the cache holds {self._batch_size} sequences"
+            )
+        if not torch.equal(real[:, : self.dense_len], self.history[:, : self.dense_len]):
+            raise UnsupportedModelError(
+                "attention_mask changed for cached positions (a paged cache stores each row's "
+                "real tokens when they are written, so a later mask cannot hide or reveal them); "
+                "pass the same mask for the cached positions, extended for the new tokens"
+            )
+        new_real = real[:, self.dense_len :]
+        counts = new_real.sum(dim=1).tolist()
+        lens = [length + int(n) for length, n in zip(self.lens, counts, strict=True)]
+        flat = new_real.reshape(-1)
+        q_rows = torch.nonzero(flat).flatten()
+        rows = [i for i in range(b) if counts[i]]
+        phase = (
+            Phase.PREFILL if self.dense_len == 0 else Phase.DECODE if q_len == 1 else Phase.VERIFY
+        )
+        ps = self.page_size
+        step = _Step(phase, b, q_len, q_rows.to(device), bool(flat.all()), lens, new_real)
+        for name, group in self.groups.items():
+            plan = step.pages[name] = group.plan(self.lens, lens, trim=not self.record_past)
+            if plan.fresh > group.capacity:
+                first_size = group.initial_pages(self.max_length, b)
+                self._grow(group, max(plan.fresh, group.capacity * 2, first_size))
+            slots = []
+            for i in rows:
+                first = self.lens[i] - plan.skips[i] * ps
+                pos = torch.arange(first, first + counts[i])
+                pages = torch.tensor(plan.tables[i], dtype=torch.long)
+                slots.append(pages[pos // ps] * ps + pos % ps)
+            step.dst[name] = (
+                torch.cat(slots).to(device)
+                if slots
+                else torch.zeros(0, dtype=torch.long, device=device)
+            )
+            if rows:
+                step.batches[name] = AttnBatch.build(
+                    phase,
+                    q_lens=[counts[i] for i in rows],
+                    kv_lens=[lens[i] - plan.skips[i] * ps for i in rows],
+                    page_tables=[plan.tables[i] for i in rows],
+                    page_size=ps,
+                    num_pages=group.capacity,
+                    device=device,
+                )
+        self._step = step
+        return step
+
+    def commit(self, step: _Step) -> None:
+        for name, group in self.groups.items():
+            group.adopt(step.pages[name])
+        self.lens = step.lens
+        width = self.dense_len + step.q_len
+        if self.history.shape[1] < width:
+            grown = torch.zeros(
+                step.batch_size, max(width, 2 * self.history.shape[1]), dtype=torch.bool
+            )
+            grown[:, : self.dense_len] = self.history[:, : self.dense_len]
+            self.history = grown
+        self.history[:, self.dense_len : width] = step.new_real
+        self.dense_len = width
+        self._step = None
+        if not self.record_past:
+            for group in self.groups.values():
+                group.trim(group.tables, group.skips, group.free, self.lens)
+                self._compact(group)
+
+    def abort(self) -> None:
+        self._step = None
+
+    def fill(
+        self, real: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], device: Any
+    ) -> None:
+        """Write a whole dense cache (``[B, Hkv, S, D]`` per layer, ``real`` its bool
+        ``[B, S]`` mask) into pages, as one forward would."""
+        step = self.begin(real, int(real.shape[1]), device)
+        try:
+            for layer, (k, v) in zip(self.paged_layers, kv, strict=True):
+                layer.update(k, v)
+        except BaseException:
+            self.abort()
+            raise
+        self.commit(step)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _no_step(self, what: str) -> None:
+        if self._step is not None:
+            raise UnsupportedModelError(
+                f"PagedCache.{what} during a forward of this cache: its layers are writing the "
+                "forward's tokens; call it between forwards"
+            )
+
+    def _rows(self, indices: Any, field: str, what: str) -> list[int]:
+        """Row indices from a 1-D integer tensor or sequence (or a bool mask over the rows),
+        each in ``[0, batch)`` once the cache holds tokens."""
+        self._no_step(what)
+        if isinstance(indices, torch.Tensor):
+            t = indices.detach()
+        elif isinstance(indices, (list, tuple)):
+            if any(isinstance(i, bool) or not isinstance(i, int) for i in indices):
+                raise InvalidBatchError(field, f"{indices!r}; expected a sequence of ints")
+            t = torch.tensor(indices, dtype=torch.long)
+        else:
+            raise InvalidBatchError(
+                field, f"a {type(indices).__name__}; expected a 1-D integer tensor"
+            )
+        if t.dim() != 1:
+            raise InvalidBatchError(field, f"shape {tuple(t.shape)}; expected one dimension")
+        if t.dtype == torch.bool:
+            if self.dense_len and t.numel() != self._batch_size:
+                raise InvalidBatchError(
+                    field, f"a bool mask of {t.numel()} rows for a cache of {self._batch_size}"
+                )
+            t = torch.nonzero(t.cpu()).flatten()
+        elif t.is_floating_point() or t.is_complex():
+            raise InvalidBatchError(field, f"dtype {t.dtype}; expected an integer dtype")
+        rows = [int(i) for i in t.cpu().tolist()]
+        if not rows:
+            raise InvalidBatchError(field, "no rows; a cache keeps at least one row")
+        bad = [r for r in rows if r < 0 or (self.dense_len and r >= self._batch_size)]
+        if bad:
+            raise InvalidBatchError(
+                field, f"rows {bad!r} outside the cache's batch of {self._batch_size} rows"
+            )
+        return rows
+
+    def _grow(self, group: PageGroup, pages: int) -> None:
+        if pages <= group.capacity:
+            return
+        group.capacity = pages
+        for layer in self._layers_of[group.name]:
+            layer.resize(pages)
+
+    def _compact(self, group: PageGroup) -> None:
+        """Shrink a sliding (chunked) group's pools once they are mostly free (a long
+        prompt's pages, written by the prefill, then left behind by the window): the live
+        pages move to the front, one copy of the window per layer."""
+        plan = group.compaction(self._batch_size)
+        if plan is None:
+            return
+        live, target = plan
+        for layer in self._layers_of[group.name]:
+            layer.keep_pages(live, target)
+        group.compacted(live, target)
+
+    def _clear(self, batch: int) -> None:
+        self._batch_size = batch
+        self.dense_len = 0
+        self.lens = [0] * batch
+        self.history = torch.zeros(batch, 0, dtype=torch.bool)
+        for group in self.groups.values():
+            group.clear(batch)
+
+    def _select_rows(self, rows: list[int]) -> None:
+        """Row r of the new cache is a copy of row ``rows[r]`` (beam reordering, expansion)."""
+        if self.dense_len == 0:
+            self._clear(len(rows))
+            return
+        for group in self.groups.values():
+            sources, destinations = group.copy_rows(rows)
+            if group.fresh > group.capacity:
+                self._grow(group, max(group.fresh, group.capacity * 2))
+            for layer in self._layers_of[group.name]:
+                layer.move_pages(sources, destinations)
+        self.lens = [self.lens[r] for r in rows]
+        self.history = self.history[rows]
+        self._batch_size = len(rows)
+
+
+for _public in (GroupedBatches, PagedCache):
+    _public.__module__ = _PUBLIC_MODULE

@@ -1,0 +1,146 @@
+"""The transformers integration's layout: one module per concept, imports that point only
+down, every name of the former single module still importable from the package, and the
+former ``_hf_cache`` module a shim that warns."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import attn_dispatch.integrations.transformers as tf  # noqa: E402
+
+PACKAGE = Path(tf.__file__).parent
+PREFIX = "attn_dispatch.integrations.transformers"
+# Each module may import only those listed before it (and the core, backends excluded).
+ORDER = [
+    "_common",
+    "_config",
+    "_allocator",
+    "_layer",
+    "_cache",
+    "_view",
+    "_masks",
+    "_attention",
+    "_use",
+    "__init__",
+]
+# What the single module exported before the split, and the private name the CLI reads.
+FORMER_NAMES = [
+    "FP8_MAX",
+    "GROUP_CHUNKED",
+    "GROUP_FULL",
+    "GROUP_SLIDING",
+    "IMPLEMENTATION",
+    "Bound",
+    "DenseView",
+    "PagedCache",
+    "UnsupportedModelError",
+    "attention_forward",
+    "attn_config_for",
+    "attn_configs_for",
+    "dispatch_mask",
+    "layer_groups",
+    "use",
+    "_has_sinks",
+    "DEFAULT_PAGE_SIZE",
+    "GroupedBatches",
+]
+
+
+def test_every_module_is_listed_and_short() -> None:
+    modules = sorted(p.stem for p in PACKAGE.glob("*.py"))
+    assert modules == sorted(ORDER)
+    for path in PACKAGE.glob("*.py"):
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        assert lines <= 650, (path.name, lines)
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules imported anywhere in ``path`` (functions included), except under
+    ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_imports_point_down_and_never_to_the_cli_demo_or_other_integrations() -> None:
+    for i, name in enumerate(ORDER):
+        allowed = {f"{PREFIX}.{m}" for m in ORDER[:i]}
+        for module in _imports(PACKAGE / f"{name}.py"):
+            if module.startswith(PREFIX):
+                assert module in allowed, f"{name} imports {module}, not below it"
+            elif module.startswith("attn_dispatch"):
+                assert not module.startswith(
+                    ("attn_dispatch._cli", "attn_dispatch.demo", "attn_dispatch.integrations")
+                ), f"{name} imports {module}"
+
+
+def test_the_former_names_are_importable_from_the_package() -> None:
+    for name in FORMER_NAMES:
+        assert hasattr(tf, name), name
+    assert tf._has_sinks is tf.has_sinks
+    assert set(tf.__all__) >= {n for n in FORMER_NAMES if not n.startswith("_")} | {"has_sinks"}
+
+
+def test_public_classes_name_the_package() -> None:
+    for cls in (tf.Bound, tf.DenseView, tf.GroupedBatches, tf.PagedCache, tf.PagedLayer):
+        assert cls.__module__ == PREFIX, cls
+    err = tf.UnsupportedModelError("a model this mapping would get wrong")
+    assert repr(type(err)) == f"<class '{PREFIX}.UnsupportedModelError'>"
+    data = pickle.dumps(err)
+    assert PREFIX.encode() in data and b"_common" not in data
+    assert str(pickle.loads(data)) == str(err)
+
+
+def test_has_sinks_finds_learned_sink_tensors_on_any_module() -> None:
+    def attention(sinks: object) -> object:
+        module = torch.nn.Module()
+        module.sinks = sinks  # gpt-oss: one learned logit per head, on the attention module
+        return module
+
+    with_sinks = torch.nn.Sequential(
+        torch.nn.Linear(2, 2), attention(torch.nn.Parameter(torch.zeros(4)))
+    )
+    assert tf.has_sinks(with_sinks)
+    assert not tf.has_sinks(torch.nn.Sequential(torch.nn.Linear(2, 2), attention(None)))
+    assert not tf.has_sinks(torch.nn.Linear(2, 2))
+
+
+def test_the_former_cache_module_warns_and_answers_the_same_objects() -> None:
+    shim = importlib.import_module("attn_dispatch.integrations._hf_cache")
+    for name, new in (
+        ("PagedCache", tf.PagedCache),
+        ("PagedLayer", tf.PagedLayer),
+        ("GroupedBatches", tf.GroupedBatches),
+        ("UnsupportedModelError", tf.UnsupportedModelError),
+        ("FP8_MAX", tf.FP8_MAX),
+        ("DEFAULT_PAGE_SIZE", tf.DEFAULT_PAGE_SIZE),
+    ):
+        with pytest.warns(DeprecationWarning, match=f"{name} moved .*{PREFIX}"):
+            assert getattr(shim, name) is new
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+            shim.nothing  # noqa: B018
+    with pytest.warns(DeprecationWarning):
+        from attn_dispatch.integrations._hf_cache import PagedCache
+    assert PagedCache is tf.PagedCache
