@@ -38,7 +38,7 @@ def config_fingerprint(config: AttnConfig | None) -> str:
     configs with the same fingerprint have attention layers of the same shape.
 
     >>> config_fingerprint(AttnConfig("mha", 8, 2, 64, dtype="float32"))
-    'e2ee6da9bab6c5e8'
+    'b09d2d8493043457'
     """
     if config is None:
         return "-"
