@@ -137,8 +137,25 @@ def rows_from_tally(recorder: DispatchRecorder) -> list[DispatchRow]:
         key = (e.label, e.phase.name.lower(), e.group, e.backend, e.form, "-")
         sums.setdefault(key, [0, None])[0] += 1
     return sorted(
-        DispatchRow(r, p, g, b, f, c, calls=calls, bound=config)
-        for (r, p, g, b, f, c), (calls, config) in sums.items()
+        (
+            DispatchRow(r, p, g, b, f, c, calls=calls, bound=config)
+            for (r, p, g, b, f, c), (calls, config) in sums.items()
+        ),
+        key=row_order,
+    )
+
+
+def row_order(row: DispatchRow) -> tuple[Any, ...]:
+    """Runners by label (unlabelled last), then phases in serving order (prefill, decode,
+    verify), then group, backend, form, config."""
+    return (
+        row.runner is None,
+        row.runner or "",
+        Phase.parse(row.phase).value,
+        row.group or "",
+        row.backend,
+        row.form or "",
+        row.config,
     )
 
 
