@@ -187,9 +187,9 @@ def record_events(events: Iterable[DispatchEvent]) -> None:
 class record_dispatch:
     """Record (label, phase, backend, form, group) of every ``attention`` call in this context.
 
-    >>> with record_dispatch() as rec:
-    ...     run_forward()
-    >>> rec.counts()[("target", "decode", "flashinfer")]
+        with record_dispatch() as rec:
+            run_forward()
+        rec.counts()[("target", "decode", "flashinfer")]
 
     ``profile=True`` also wraps each call in a ``torch.profiler.record_function`` range named
     ``attn_dispatch/<runner>/<phase>/<backend>[/<form>]``, so a profile shows which runner ran
