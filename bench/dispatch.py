@@ -161,7 +161,10 @@ def build_cases() -> list[Case]:
     cases.append(Case("floor", "f(p)", {"f": floor, "p": one}, set_floor))
 
     def enter(b: Any, batch: Any = None) -> Callable[[], None]:
-        return lambda: attn_scope(b, batch).__enter__() and None
+        def go() -> None:
+            attn_scope(b, batch).__enter__()
+
+        return go
 
     cases.append(Case("resolve", "f(p)", {"f": resolve, "p": p}, enter(binding)))
     cases.append(

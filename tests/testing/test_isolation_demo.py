@@ -68,14 +68,14 @@ def _verify_alone(target: Runner, prompts: list[list[int]]) -> None:
 def _workloads(order: tuple[str, ...]) -> tuple[Callable[[], None], Callable[[], None]]:
     def alone() -> None:
         target = _start(("target",))["target"]
-        prompts = prompts_for(OPTS, target.model.shape.vocab)
+        prompts = prompts_for(OPTS, sizes()[OPTS.size].target.vocab)
         engine.target_greedy(target, prompts, OPTS.max_new_tokens)
         _verify_alone(target, prompts)
 
     def together() -> None:
         runners = _start(order)
         target, draft = runners["target"], runners["draft"]
-        prompts = prompts_for(OPTS, target.model.shape.vocab)
+        prompts = prompts_for(OPTS, sizes()[OPTS.size].target.vocab)
         reference = engine.target_greedy(target, prompts, OPTS.max_new_tokens)
         outputs, _ = engine.speculative(target, draft, prompts, OPTS)
         assert outputs == reference  # the demo's own check: speculation changes nothing

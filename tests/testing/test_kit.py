@@ -140,8 +140,7 @@ def test_importing_the_kit_imports_neither_torch_nor_hypothesis() -> None:
 
 
 def test_pyproject_declares_the_extra_and_the_plugin() -> None:
-    import tomllib
-
+    tomllib = pytest.importorskip("tomllib", reason="the standard TOML reader is Python 3.11+")
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
     project = data["project"]
     assert any(d.startswith("hypothesis") for d in project["optional-dependencies"]["testing"])

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from attn_dispatch import Phase
 from attn_dispatch.testing import assert_isolated
 from tests.testing import minifw as fw
 from tests.testing.minifw import Process
@@ -221,12 +222,12 @@ def test_call_counts_may_differ_only_where_allowed() -> None:
 
 def test_a_phase_run_on_one_side_only_needs_permission() -> None:
     def alone() -> None:
-        fw.OwnedSpecRunner("target", "fa3", fw.TARGET_CONFIG).step(fw.Phase.PREFILL)
+        fw.OwnedSpecRunner("target", "fa3", fw.TARGET_CONFIG).step(Phase.PREFILL)
 
     def together() -> None:
         t = fw.OwnedSpecRunner("target", "fa3", fw.TARGET_CONFIG)
-        t.step(fw.Phase.PREFILL)
-        t.step(fw.Phase.VERIFY)
+        t.step(Phase.PREFILL)
+        t.step(Phase.VERIFY)
 
     text = _fails("target", alone, together)
     assert "verify ran only together" in text
