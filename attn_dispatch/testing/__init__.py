@@ -30,6 +30,21 @@ from attn_dispatch.testing._rows import format_rows
 from attn_dispatch.testing._rows import ledgers
 from attn_dispatch.testing._rows import record_rows
 
+# Public names report their public module (repr, pickling by reference, docs).
+for _name in (
+    "DispatchRow",
+    "Isolation",
+    "Ledger",
+    "RowRecorder",
+    "assert_isolated",
+    "config_fingerprint",
+    "format_rows",
+    "ledgers",
+    "record_rows",
+):
+    globals()[_name].__module__ = __name__
+del _name
+
 __all__ = [
     "DispatchRow",
     "Isolation",

@@ -226,3 +226,14 @@ def test_assert_rows_refuses(registry_snapshot: object, bad: str) -> None:
     label, phases = ("target", ["verify"]) if bad == "verify" else ("targte", None)
     with pytest.raises(AssertionError, match="did not dispatch as its spec"):
         assert_rows(rec, label, "ra", phases=phases)
+
+
+def test_public_names_report_their_public_module() -> None:
+    import pickle
+
+    import attn_dispatch.testing as kit
+
+    for name in kit.__all__:
+        assert getattr(kit, name).__module__ == "attn_dispatch.testing", name
+    ledger = Ledger("target", (("decode", None, "torch", None, "0123456789abcdef"),))
+    assert pickle.loads(pickle.dumps(ledger)) == ledger
