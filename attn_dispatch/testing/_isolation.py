@@ -7,6 +7,7 @@ from collections.abc import Callable
 from collections.abc import Iterable
 from typing import Any
 
+from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch._spec import BackendSpec
 from attn_dispatch.testing._rows import DispatchRow
@@ -73,8 +74,15 @@ def assert_isolated(
     other runners alive, what differs (backend, form, config fields, counts) and the full
     rows; returns an ``Isolation`` when the runner is isolated.
     """
+    for name, fn in (("alone", alone), ("together", together)):
+        if not callable(fn):
+            raise InvalidSpecError(
+                name, fn, "pass a function of no arguments that starts the runners and serves"
+            )
     allowed = _phases(allow_call_count_diff)
     spec = BackendSpec.parse(expect) if isinstance(expect, str) else expect
+    if spec is not None and not isinstance(spec, BackendSpec):
+        raise InvalidSpecError("expect", spec, "pass a BackendSpec, a spec string, or None")
     with record_rows() as rec:
         alone()
     alone_rows = tuple(rec.rows())
@@ -112,13 +120,16 @@ def assert_isolated(
                     bad[side] = bad[side] or r
         if bad["alone"] or bad["together"]:
             first = (bad["alone"], bad["together"])
-    if not problems:
-        first, found = _first_difference(mine_a, mine_t, allowed, hints)
+    if mine_a and mine_t:
+        diff_first, found = _first_difference(mine_a, mine_t, allowed, hints)
+        first = first or diff_first
         problems.extend(found)
     if problems:
+        checked = bool(mine_a and mine_t)
         raise AssertionError(
             _message(
                 label,
+                checked,
                 problems,
                 sorted(hints),
                 first,
@@ -250,6 +261,7 @@ def _what_differs(a: DispatchRow | None, t: DispatchRow | None, hints: set[str])
 
 def _message(
     label: str,
+    checked: bool,
     problems: list[str],
     hints: list[str],
     first: tuple[DispatchRow | None, DispatchRow | None] | None,
@@ -262,6 +274,8 @@ def _message(
     others_a, others_t = others
     lines = [
         f"runner {label!r} is not isolated: it dispatched differently with other runners alive"
+        if checked
+        else f"runner {label!r} cannot be checked for isolation: it made no attention calls"
     ]
     if first is not None:
         ra, rt = first

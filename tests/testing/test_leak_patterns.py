@@ -31,7 +31,7 @@ def _fails(label: str, alone: Callable[[], Any], together: Callable[[], Any], **
     text = str(err.value)
     if os.environ.get("KIT_PRINT"):
         print(f"\n----- {label}\n{text}")
-    assert text.startswith(f"runner {label!r} is not isolated")
+    assert text.startswith(f"runner {label!r} ")
     return text
 
 
@@ -241,6 +241,7 @@ def test_expect_checks_every_row_against_the_spec() -> None:
     assert_isolated("target", run, run, expect="fa3")
     text = _fails("target", run, run, expect="prefill=fa3,decode=flashinfer")
     assert "decode ran backend 'fa3', but the spec expected for runner 'target'" in text
+    assert "first difference, together: decode: backend 'fa3'" in text
 
 
 def test_a_runner_that_never_dispatched_fails() -> None:
@@ -248,4 +249,20 @@ def test_a_runner_that_never_dispatched_fails() -> None:
         fw.serve([fw.OwnedSpecRunner("target", "fa3", fw.TARGET_CONFIG)])
 
     text = _fails("targte", run, run)
+    assert text.startswith("runner 'targte' cannot be checked for isolation")
     assert "made no attention calls in the 'alone' workload (runners that did: 'target')" in text
+
+
+def test_bad_arguments_raise_our_errors() -> None:
+    from attn_dispatch import InvalidSpecError
+    from attn_dispatch import UnknownPhaseError
+
+    def run() -> None:
+        fw.serve([fw.OwnedSpecRunner("target", "fa3", fw.TARGET_CONFIG)])
+
+    with pytest.raises(InvalidSpecError, match="function of no arguments"):
+        assert_isolated("target", run, None)  # type: ignore[arg-type]
+    with pytest.raises(UnknownPhaseError):
+        assert_isolated("target", run, run, allow_call_count_diff=["verfy"])
+    with pytest.raises(InvalidSpecError):
+        assert_isolated("target", run, run, expect="prefill=fa3,decdoe=fa3")
