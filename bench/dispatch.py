@@ -27,6 +27,14 @@ Cases:
   sdpa_kernel       `with torch.nn.attention.sdpa_kernel(MATH): pass`
   resolve_runners_1 / _10000, resolve_backends_1 / _1000, resolve_depth_1 / _100: resolve
                     with that many runners bound, backends registered, scopes nested
+  attention_rec_tally  attention() while record_dispatch(tally=True) is open in its context:
+                    what attn_dispatch.testing's isolation checks record (a count per runner,
+                    phase, form and group); the ratio row shows the ns it adds per call
+  attention_rec_events attention() while a plain record_dispatch() is open (one event per call)
+  attention_after_rec  attention() after a recorder was opened and closed (nothing left)
+
+The recording cases switch the process-wide call hook on only while they are timed (it is
+what record_dispatch installs), so the other cases run without it.
 
 Results go to bench/results/dispatch.json (gitignored) and to --json PATH when given.
 """
@@ -50,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from attn_dispatch import Phase  # noqa: E402
+from attn_dispatch import _record  # noqa: E402
 from attn_dispatch import _scope  # noqa: E402
 from attn_dispatch import attention  # noqa: E402
 from attn_dispatch import attn_scope  # noqa: E402
@@ -119,6 +128,7 @@ class Case:
     env: dict[str, Any]
     setup: Callable[[], Any] | None = None  # enters this case's scopes (in its own Context)
     ctx: contextvars.Context = dataclasses.field(default_factory=contextvars.Context)
+    recording: bool = False  # time it with the record_dispatch call hook installed
     number: int = 0
     samples: list[float] = dataclasses.field(default_factory=list)
 
@@ -151,7 +161,10 @@ def build_cases() -> list[Case]:
     cases.append(Case("floor", "f(p)", {"f": floor, "p": one}, set_floor))
 
     def enter(b: Any, batch: Any = None) -> Callable[[], None]:
-        return lambda: attn_scope(b, batch).__enter__() and None
+        def go() -> None:
+            attn_scope(b, batch).__enter__()
+
+        return go
 
     cases.append(Case("resolve", "f(p)", {"f": resolve, "p": p}, enter(binding)))
     cases.append(
@@ -170,6 +183,28 @@ def build_cases() -> list[Case]:
             enter(binding, Batch(Phase.DECODE)),
         )
     )
+
+    # Recording (attn_dispatch.testing records with tally=True): the recorder is open in the
+    # case's own context; the hook goes on only while the case is timed (see run()).
+    def recording(**kw: Any) -> Callable[[], None]:
+        def setup() -> None:
+            _record.record_dispatch(**kw).__enter__()
+            attn_scope(binding, Batch(Phase.DECODE)).__enter__()
+
+        return setup
+
+    call = "f(None, None, None, sm_scale=1.0)"
+    cases.append(Case("attention_rec_tally", call, {"f": attention}, recording(tally=True)))
+    cases[-1].recording = True
+    cases.append(Case("attention_rec_events", call, {"f": attention}, recording()))
+    cases[-1].recording = True
+
+    def opened_and_closed() -> None:
+        with _record.record_dispatch(tally=True):
+            pass
+        attn_scope(binding, Batch(Phase.DECODE)).__enter__()
+
+    cases.append(Case("attention_after_rec", call, {"f": attention}, opened_and_closed))
     grouped = bind("bench_noop", GROUPS, label="bench")
     cases.append(
         Case(
@@ -273,12 +308,22 @@ def build_cases() -> list[Case]:
     return cases
 
 
+def _timed(case: Case, timer: timeit.Timer, n: int) -> float:
+    if not case.recording:
+        return case.ctx.run(timer.timeit, n)
+    _scope._set_call_hook(_record._recorded_call)
+    try:
+        return case.ctx.run(timer.timeit, n)
+    finally:
+        _scope._set_call_hook(None)
+
+
 def calibrate(case: Case, target_s: float) -> None:
     timer = case.timer()
     n = 1
     while True:
         # The least of three runs: one burst of load must not shrink the loop count.
-        t = min(case.ctx.run(timer.timeit, n) for _ in range(3))
+        t = min(_timed(case, timer, n) for _ in range(3))
         if t >= target_s / 4:
             case.number = max(1, int(n * target_s / t))
             return
@@ -290,11 +335,15 @@ def run(repeats: int, target_ms: float) -> dict[str, Any]:
     for c in cases:
         if c.setup is not None:
             c.ctx.run(c.setup)
+    # The recorders stay open in their cases' contexts; the hook they installed goes on only
+    # while a recording case is timed.
+    _scope._set_call_hook(None)
+    for c in cases:
         calibrate(c, target_ms / 1e3)
     timers = {c.name: c.timer() for c in cases}
     for _ in range(repeats):
         for c in cases:  # interleaved: load bursts hit every case alike
-            t = c.ctx.run(timers[c.name].timeit, c.number)
+            t = _timed(c, timers[c.name], c.number)
             c.samples.append(t / c.number * 1e9)
     ns = {c.name: statistics.median(c.samples) for c in cases}
     spread = {c.name: (min(c.samples), max(c.samples)) for c in cases}
@@ -321,6 +370,14 @@ TARGETS = [
     ("resolve 10000 / 1 runners", "resolve_runners_10000", "resolve_runners_1", 1.1, "<="),
     ("resolve 1000 / 1 backends", "resolve_backends_1000", "resolve_backends_1", 1.1, "<="),
     ("resolve depth 100 / 1", "resolve_depth_100", "resolve_depth_1", 1.1, "<="),
+    ("attention after rec / none", "attention_after_rec", "attention", 1.1, "<="),
+    ("rec events / rec tally", "attention_rec_events", "attention_rec_tally", None, ""),
+]
+
+# Differences in ns per call (numerator - denominator): what recording adds to a call.
+DIFFS = [
+    ("rec tally adds (ns/call)", "attention_rec_tally", "attention", 1000.0, "<="),
+    ("rec events adds (ns/call)", "attention_rec_events", "attention", None, ""),
 ]
 
 
@@ -352,7 +409,32 @@ def report(result: dict[str, Any]) -> list[dict[str, Any]]:
         mark = "" if ok is None else ("yes" if ok else "MISS")
         print(f"{label:<28}{value:>10.2f}{low:>10.2f}  {target:<10}{mark:>5}")
         rows.append({"ratio": label, "median": value, "of_minima": low, "target": target, "ok": ok})
+    for label, num, den, limit, cmp in DIFFS:
+        if num not in ns or den not in ns:
+            continue
+        value, low = ns[num] - ns[den], lows[num] - lows[den]
+        ok = None if limit is None else value <= limit
+        target = f"{cmp} {limit:g}" if limit is not None else ""
+        mark = "" if ok is None else ("yes" if ok else "MISS")
+        print(f"{label:<28}{value:>10.1f}{low:>10.1f}  {target:<10}{mark:>5}")
+        rows.append({"ratio": label, "median": value, "of_minima": low, "target": target, "ok": ok})
     return rows
+
+
+def machine() -> str:
+    """The CPU model and its widest vector ISA (every case is single-threaded Python)."""
+    model, flags = platform.processor() or "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("", "unknown CPU", "x86_64"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    isa = next((i for i in ("amx_bf16", "avx512f", "avx2") if i in flags), "baseline")
+    return f"{model}; ISA {isa}; 1 thread (pure Python); Python {sys.version.split()[0]}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,11 +449,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:  # checks the script runs; its figures must not replace the recorded ones
         args.repeats, args.target_ms = 1, 0.2
     t0 = time.perf_counter()
+    print(machine())
     result = run(args.repeats, args.target_ms)
     rows = report(result)
     out = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "machine": machine(),
         "repeats": args.repeats,
         "ns_per_call_median": result["ns"],
         "ns_per_call_min_max": result["spread"],

@@ -1,0 +1,86 @@
+"""The pytest plugin of ``attn_dispatch.testing`` (entry point ``pytest11``: attn_dispatch).
+
+Inert unless a test uses it: it registers one marker and defines one fixture, and records
+nothing until the fixture is requested.
+
+- fixture ``attn_dispatch_rows``: a ``RowRecorder`` recording this test's attention calls
+  (from the fixture's set-up to its teardown). ``attn_dispatch_rows.rows_of("target")``.
+- ``assert_rows(recorder, label, spec, *, phases=None)``: every row of runner ``label``
+  names the backend ``spec`` gives its phase; with ``phases``, exactly those phases ran.
+- marker ``@pytest.mark.attn_dispatch_expect("target", "prefill=torch,decode=native")``:
+  records the test and checks the runner's rows with ``assert_rows`` after it passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from collections.abc import Iterator
+
+import pytest
+
+from attn_dispatch._phase import Phase
+from attn_dispatch._spec import BackendSpec
+from attn_dispatch.testing._rows import RowRecorder
+from attn_dispatch.testing._rows import format_rows
+from attn_dispatch.testing._rows import phase_name
+from attn_dispatch.testing._rows import record_rows
+
+MARKER = "attn_dispatch_expect"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{MARKER}(label, spec, phases=None): check after the test that every attention call "
+        "of runner `label` ran the backend `spec` names for its phase (attn_dispatch.testing)",
+    )
+
+
+def assert_rows(
+    recorder: RowRecorder,
+    label: str,
+    spec: BackendSpec | str,
+    *,
+    phases: Iterable[Phase | str] | None = None,
+) -> None:
+    """AssertionError unless runner ``label`` made calls, each on the backend ``spec`` names
+    for its phase (and, with ``phases``, in exactly those phases)."""
+    spec = BackendSpec.parse(spec) if isinstance(spec, str) else spec
+    rows = recorder.rows_of(label)
+    problems = []
+    if not rows:
+        seen = ", ".join(repr(r) for r in recorder.runners()) or "none"
+        problems.append(f"runner {label!r} made no attention calls (runners that did: {seen})")
+    for r in rows:
+        want = spec.backend_for(Phase.parse(r.phase))
+        if r.backend != want:
+            problems.append(f"{r.phase}: ran backend {r.backend!r}, the spec names {want!r}")
+    if phases is not None:
+        want_phases = {phase_name(p) for p in phases}
+        ran = {r.phase for r in rows}
+        if ran != want_phases:
+            problems.append(f"phases run: {sorted(ran)!r}, expected {sorted(want_phases)!r}")
+    if problems:
+        lines = [f"runner {label!r} did not dispatch as its spec ({spec}) says:"]
+        lines += [f"  - {p}" for p in problems]
+        lines += ["  every row recorded:", format_rows(recorder.rows(), indent="    ")]
+        raise AssertionError("\n".join(lines))
+
+
+@pytest.fixture
+def attn_dispatch_rows() -> Iterator[RowRecorder]:
+    """Record this test's attention calls as dispatch rows (``attn_dispatch.testing``)."""
+    with record_rows() as rec:
+        yield rec
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    markers = list(item.iter_markers(MARKER))
+    if not markers:  # inert: no recorder, no cost
+        return (yield)
+    with record_rows() as rec:
+        result = yield  # a failing test raises here: its own failure is the one reported
+    for m in markers:
+        assert_rows(rec, *m.args, **m.kwargs)
+    return result
