@@ -482,7 +482,7 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
             )
         k_cache, v_cache = self._pages(kv_cache, d)
         extras: dict[str, Any] = {}
-        if d.config.sinks:
+        if d.config.sinks and self.sinks is not None:  # sinks=True: vLLM passed the tensor
             extras["sinks"] = self.sinks.to(torch.float32)
         if d.fp8:
             extras["k_scale"] = float(layer._k_scale_float)
@@ -662,11 +662,15 @@ class AttnDispatchCPUBuilder(CPUAttentionMetadataBuilder):  # type: ignore[misc]
 
 
 __all__ = [
+    "DRAFT_MODEL_TAGS",
     "KV_DTYPES",
+    "PROPOSER_MODULES",
     "AttnDispatchCPUBackend",
     "AttnDispatchCPUBuilder",
     "AttnDispatchCPUImpl",
     "DispatchMetadata",
     "LayerDispatch",
+    "check_draft_layer_names",
     "layer_config",
+    "speculation_runs_draft_attention",
 ]

@@ -43,7 +43,6 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
     import gc
 
     import vllm
-    from vllm.inputs import TokensPrompt
 
     from attn_dispatch import record_dispatch
 
@@ -56,7 +55,7 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
             if hasattr(layer, "impl")
         }
 
-    results = []
+    results: list[dict[str, Any]] = []
     for engine in job["engines"]:
         kwargs = dict(
             model=engine["model"],
@@ -78,15 +77,15 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
             results.append({"error": [type(exc).__name__, str(exc)]})
             continue
         params = vllm.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+        prompts: list[Any] = [{"prompt_token_ids": p} for p in PROMPTS]  # vLLM's TokensPrompt
         with record_dispatch() as rec:
             outs = llm.generate(prompts, params, use_tqdm=False)
-        spec = {}
+        spec: dict[str, Any] = {}
         for m in llm.get_metrics():
             if m.name.startswith("vllm:spec_decode_"):
                 value = getattr(m, "values", None)
                 spec[m.name.removeprefix("vllm:spec_decode_")] = (
-                    list(value) if value is not None else m.value
+                    list(value) if value is not None else getattr(m, "value", None)
                 )
         results.append(
             {
@@ -155,7 +154,7 @@ def runs(models: dict[str, str]) -> dict[str, dict[str, Any]]:
     t, tx = models["target"], models["exact_target"]
     eagle, eagle3 = _spec("eagle", models["eagle"]), _spec("eagle3", models["eagle3"])
     medusa = _spec("medusa", models["medusa"])
-    engines = {
+    engines: dict[str, dict[str, Any]] = {
         # vLLM's own CPU attention, no speculation: the target's greedy tokens.
         "own": {"model": t},
         "eagle": {
