@@ -166,3 +166,37 @@ def medusa(path: Path, *, seed: int = 3, heads: int = 3) -> str:
         torch_dtype="float32",
     )
     return _write(path, config, w)
+
+
+def mimo_with_mtp(path: Path, *, seed: int = 4) -> str:
+    """A MiMo target (Qwen2 layers, q/k/v biases) whose checkpoint also holds one MTP layer
+    (``model.mtp_layers.0.*``: token and hidden norms, ``input_proj`` [H, 2H], a decoder block,
+    a final norm): vLLM's ``mtp`` method builds the draft from the same checkpoint."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    w: dict[str, Any] = {
+        "model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=g),
+        "model.norm.weight": torch.ones(HIDDEN),
+        "lm_head.weight": torch.randn(VOCAB, HIDDEN, generator=g) * 0.1,
+    }
+    norms = ("input_layernorm", "post_attention_layernorm")
+    prefixes = [f"model.layers.{i}." for i in range(TARGET_LAYERS)]
+    for prefix in [*prefixes, "model.mtp_layers.0.mtp_block."]:
+        w.update(_layer(prefix, g, qkv_in=HIDDEN, norms=norms, quiet=False))
+        for proj, width in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
+            w[f"{prefix}self_attn.{proj}_proj.bias"] = torch.zeros(width * HEAD_DIM)
+    mtp = "model.mtp_layers.0."
+    for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
+        w[f"{mtp}{norm}.weight"] = torch.ones(HIDDEN)
+    w[f"{mtp}input_proj.weight"] = torch.randn(HIDDEN, 2 * HIDDEN, generator=g) * 0.05
+    config = _config(
+        architectures=["MiMoForCausalLM"],
+        model_type="mimo",
+        num_hidden_layers=TARGET_LAYERS,
+        num_nextn_predict_layers=1,
+        use_sliding_window=False,
+        max_window_layers=TARGET_LAYERS,
+    )
+    config.pop("head_dim")
+    return _write(path, config, w)
