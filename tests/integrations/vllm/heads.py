@@ -182,7 +182,8 @@ def mimo_with_mtp(path: Path, *, seed: int = 4) -> str:
     }
     norms = ("input_layernorm", "post_attention_layernorm")
     prefixes = [f"model.layers.{i}." for i in range(TARGET_LAYERS)]
-    for prefix in [*prefixes, "model.mtp_layers.0.mtp_block."]:
+    # The MTP block's own decoder-layer weights sit directly under model.mtp_layers.0.
+    for prefix in [*prefixes, "model.mtp_layers.0."]:
         w.update(_layer(prefix, g, qkv_in=HIDDEN, norms=norms, quiet=False))
         for proj, width in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
             w[f"{prefix}self_attn.{proj}_proj.bias"] = torch.zeros(width * HEAD_DIM)
@@ -192,7 +193,7 @@ def mimo_with_mtp(path: Path, *, seed: int = 4) -> str:
     w[f"{mtp}input_proj.weight"] = torch.randn(HIDDEN, 2 * HIDDEN, generator=g) * 0.05
     config = _config(
         architectures=["MiMoForCausalLM"],
-        model_type="mimo",
+        model_type="qwen2",  # MiMo configs are Qwen2 ones; vLLM keys on the architecture
         num_hidden_layers=TARGET_LAYERS,
         num_nextn_predict_layers=1,
         use_sliding_window=False,

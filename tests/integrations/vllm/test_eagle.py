@@ -141,6 +141,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "medusa": heads.medusa(root / "medusa", heads=K),
         "exact_target": heads.target(root / "exact_target", exact=True),
         "exact_eagle": heads.eagle1(root / "exact_eagle", exact=True),
+        "mimo": heads.mimo_with_mtp(root / "mimo"),
     }
 
 
@@ -181,6 +182,13 @@ def runs(models: dict[str, str]) -> dict[str, dict[str, Any]]:
             "model": tx,
             "spec": _spec("eagle", models["exact_eagle"]),
             "attn_dispatch": {"target": "native", "draft": "prefill=torch,decode=native"},
+        },
+        "mimo_own": {"model": models["mimo"]},
+        # MTP: the draft is the checkpoint's own MTP layer (one token a round for MiMo).
+        "mtp": {
+            "model": models["mimo"],
+            "spec": {"method": "mtp", "num_speculative_tokens": 1},
+            "attn_dispatch": {"target": "native", "draft": "torch"},
         },
     }
     return dict(zip(engines, _run(list(engines.values())), strict=True))
@@ -264,6 +272,22 @@ def test_medusa_has_no_draft_runner(runs: dict[str, dict[str, Any]]) -> None:
     assert {lab for lab, _, _ in _counts(run)} == {"target"}
     assert _counts(run)[("target", "verify", "native")] > 0
     assert run["spec"]["num_drafts"] > 0
+
+
+def test_mtp_layer_is_the_draft(runs: dict[str, dict[str, Any]]) -> None:
+    own, run = runs["mimo_own"], runs["mtp"]
+    assert run["tokens"] == own["tokens"]
+    # vLLM builds the MTP layer with the target's layer numbering, under the EAGLE proposer.
+    assert run["labels"] == {
+        "model.layers.0.self_attn.attn": "target",
+        "model.layers.1.self_attn.attn": "target",
+        "model.layers.2.self_attn.attn": "draft",
+    }
+    assert _backends(run, "target") == {"native"} and _backends(run, "draft") == {"torch"}
+    c = _counts(run)
+    # One draft token a round: the MTP layer's pass over the verified tokens, no decode pass.
+    assert c[("target", "verify", "native")] == 2 * c[("draft", "verify", "torch")] > 0
+    assert ("draft", "decode", "torch") not in c
 
 
 # ---------------------------------------------------------------------------------------------
