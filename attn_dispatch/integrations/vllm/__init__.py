@@ -17,18 +17,27 @@ Keys of ``additional_config["attn_dispatch"]`` (``Settings.parse``):
 
 - ``"target"``: the target model's ``BackendSpec`` string (``"native"``,
   ``"prefill=torch,decode=native"``).
-- ``"draft"``: the draft model's spec; required when the engine runs a draft model
-  (``speculative_config`` method ``draft_model``, EAGLE-style heads), refused when it has none.
-  Never copied from the target: the draft's choice is its own.
+- ``"draft"``: the draft's spec; required when vLLM's proposer has attention layers of its own
+  (``speculative_config`` methods ``draft_model``, ``eagle``, ``eagle3``, ``mtp``, ...: vLLM's
+  ``uses_draft_kv_cache()``), refused when it has none (no speculation, ``ngram``, ``suffix``,
+  ``medusa``). Never copied from the target: the draft's choice is its own.
 - ``"mixed"``: ``"split"`` (default) or ``"extend"``: how a step that mixes phases runs (below).
 
-Phase of each request of a step (``request_phase``): one query token -> DECODE; with
-speculative decoding (k tokens), a multi-token step on a cache of at most 1 + k tokens (the
-target verifying the drafts) or 2 + k (the draft's pass over them and the bonus token) ->
-VERIFY; otherwise (a prompt or a chunk of one, over its cached prefix) -> PREFILL. vLLM schedules
-decodes and prefills in one step; with ``"split"`` such a step makes one ``AttnBatch`` per
-phase present and every layer calls each phase's backend on its own rows; ``"extend"`` runs the
-whole step as one batch of the "largest" phase present (PREFILL over VERIFY over DECODE).
+Which runner a layer belongs to is what vLLM says while it builds the layer: a layer built by
+vLLM's proposer (a proposer object on the call stack, under one of its model tags such as
+``"eagle_head"`` or ``"draft_model"``) is the draft's, any other the target's; the two signals
+must agree, and the layers labelled ``"draft"`` must be those the proposer records as its own
+(checked when vLLM builds the metadata builders). Anything else fails at start with the reason.
+EAGLE heads are built under the target's model config, so the config cannot tell.
+
+Phase of each request of a step (``request_phase``, under the rule of the layer's runner): one
+query token -> DECODE; with speculative decoding (k tokens), at most 1 + k query tokens over a
+cached prefix (the target verifying the drafts) or, for the draft, 2 + k (its pass over them and
+the bonus token) -> VERIFY; otherwise (a prompt or a chunk of one, over its cached prefix) ->
+PREFILL. vLLM schedules decodes and prefills in one step; with ``"split"`` such a step makes
+one ``AttnBatch`` per phase present and every layer calls each phase's backend on its own rows;
+``"extend"`` runs the whole step as one batch of the "largest" phase present (PREFILL over
+VERIFY over DECODE).
 
 Import cost: this module imports no vLLM and no torch; ``attn_dispatch.integrations.vllm.backend``
 holds the vLLM classes.

@@ -8,10 +8,13 @@ import itertools
 import torch
 
 from attn_dispatch._batch import AttnBatch
+from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
+from attn_dispatch.integrations.vllm import MIXED_MODES
 from attn_dispatch.integrations.vllm import request_phase
 
 _PHASE_ORDER = (Phase.DECODE, Phase.VERIFY, Phase.PREFILL)
+_MAX_BLOCK_ID = 2**30  # pages 2b and 2b + 1 stay within int32
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -37,12 +40,22 @@ def step_parts(
 
     ``query_start_loc`` int32 ``[R+1]``, ``seq_lens`` int32 ``[R]`` (cached + new tokens),
     ``block_table`` int32 ``[R, max_blocks]`` (vLLM block ids). Requests with no query token
-    are left out. Pages are ``2 * block id`` (K of the block; V is the next page).
+    are left out (vLLM pads a step with them). Pages are ``2 * block id`` (K of the block; V is
+    the next page).
+
+    Every input is checked first: a wrong one raises ``InvalidBatchError`` naming the field
+    (and the request), before anything is built, so that no request is dropped or read out of
+    another's pages.
     """
-    qo = query_start_loc.to(torch.int64)
-    q_lens = (qo[1:] - qo[:-1]).tolist()
-    kv_lens = seq_lens.tolist()
-    starts = qo.tolist()
+    starts, q_lens, kv_lens = _checked(
+        query_start_loc,
+        seq_lens,
+        block_table,
+        block_size=block_size,
+        num_speculative_tokens=num_speculative_tokens,
+        mixed=mixed,
+        draft=draft,
+    )
     phases = [
         request_phase(q, k, num_speculative_tokens, draft=draft) if q > 0 else None
         for q, k in zip(q_lens, kv_lens, strict=True)
@@ -64,6 +77,114 @@ def step_parts(
             )
         )
     return tuple(out)
+
+
+def _int_vector(name: str, t: object, length: int | None) -> list[int]:
+    """The values of a 1-D integer tensor, or ``InvalidBatchError`` naming ``name``."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidBatchError(name, f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise InvalidBatchError(name, f"expected an integer tensor, got dtype {t.dtype}")
+    if t.dim() != 1:
+        raise InvalidBatchError(name, f"expected one dimension, got shape {tuple(t.shape)}")
+    if length is not None and t.shape[0] != length:
+        raise InvalidBatchError(
+            name, f"expected {length} entries, got {t.shape[0]} (shape {tuple(t.shape)})"
+        )
+    values: list[int] = t.tolist()
+    return values
+
+
+def _checked(
+    query_start_loc: object,
+    seq_lens: object,
+    block_table: object,
+    *,
+    block_size: int,
+    num_speculative_tokens: int,
+    mixed: str,
+    draft: bool,
+) -> tuple[list[int], list[int], list[int]]:
+    """``(starts, q_lens, kv_lens)`` of a valid step, or the first problem as an
+    ``InvalidBatchError`` (fields are the ``step_parts`` argument names; the annotations say
+    what is expected, the checks hold whatever a caller passes)."""
+    for name, value, low in (
+        ("block_size", block_size, 1),
+        ("num_speculative_tokens", num_speculative_tokens, 0),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise InvalidBatchError(name, f"expected an int >= {low}, got {value!r}")
+    if mixed not in MIXED_MODES:
+        raise InvalidBatchError("mixed", f"expected one of {MIXED_MODES!r}, got {mixed!r}")
+    if not isinstance(draft, bool):
+        raise InvalidBatchError("draft", f"expected a bool, got {draft!r}")
+    starts = _int_vector("query_start_loc", query_start_loc, None)
+    if not starts:
+        raise InvalidBatchError("query_start_loc", "expected R + 1 >= 1 entries, got none")
+    kv_lens = _int_vector("seq_lens", seq_lens, len(starts) - 1)
+    if starts[0] < 0:
+        raise InvalidBatchError("query_start_loc", f"starts at {starts[0]!r}, expected >= 0")
+    q_lens = [b - a for a, b in itertools.pairwise(starts)]
+    for i, (q, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if q < 0:
+            raise InvalidBatchError(
+                "query_start_loc",
+                f"decreases from {starts[i]!r} to {starts[i + 1]!r} (a negative query length; "
+                "offsets must not decrease)",
+                request=i,
+            )
+        if kv < 0:
+            raise InvalidBatchError("seq_lens", f"negative length {kv!r}", request=i)
+        if kv < q:
+            raise InvalidBatchError(
+                "seq_lens",
+                f"{kv!r} tokens, fewer than the request's {q!r} query tokens (seq_lens counts "
+                "the cached and the new tokens)",
+                request=i,
+            )
+    if not isinstance(block_table, torch.Tensor):
+        raise InvalidBatchError(
+            "block_table", f"expected a torch.Tensor, got {type(block_table).__name__}"
+        )
+    if (
+        block_table.dtype.is_floating_point
+        or block_table.dtype.is_complex
+        or (block_table.dtype == torch.bool)
+    ):
+        raise InvalidBatchError(
+            "block_table", f"expected an integer tensor, got dtype {block_table.dtype}"
+        )
+    if block_table.dim() != 2 or block_table.shape[0] < len(q_lens):
+        raise InvalidBatchError(
+            "block_table",
+            f"expected [{len(q_lens)}, max_blocks] (a row per request), got shape "
+            f"{tuple(block_table.shape)}",
+        )
+    width = block_table.shape[1]
+    # The blocks each request reads (none for a request left out: its row is never read).
+    need = [-(-kv // block_size) if q else 0 for q, kv in zip(q_lens, kv_lens, strict=True)]
+    for i, n in enumerate(need):
+        if n > width:
+            raise InvalidBatchError(
+                "block_table",
+                f"{width} block(s) per row, but seq_lens {kv_lens[i]!r} at block_size "
+                f"{block_size!r} needs {n}",
+                request=i,
+            )
+    if need and width:
+        read = torch.arange(width).unsqueeze(0) < torch.tensor(need).unsqueeze(1)
+        rows = block_table[: len(need)]
+        # Page 2b + 1 (V of block b) must fit the int32 page indices the batch carries.
+        bad = ((rows < 0) | (rows >= _MAX_BLOCK_ID)) & read
+        if bool(bad.any()):
+            i = int(bad.any(dim=1).nonzero()[0])
+            raise InvalidBatchError(
+                "block_table",
+                f"block ids must be in [0, {_MAX_BLOCK_ID}); the {need[i]} block(s) the "
+                f"request reads are {block_table[i, : need[i]].tolist()!r}",
+                request=i,
+            )
+    return starts, q_lens, kv_lens
 
 
 def _rows(reqs: list[int], starts: list[int], q_lens: list[int]) -> slice | torch.Tensor:

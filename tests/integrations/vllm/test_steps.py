@@ -1,0 +1,170 @@
+"""The vLLM step mapping (``step_parts``) on hand-made steps: torch only, no vLLM.
+
+Each wrong input is refused with ``InvalidBatchError`` naming the field (and the request),
+never a raw IndexError and never a request silently left out; right inputs split as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attn_dispatch import InvalidBatchError  # noqa: E402
+from attn_dispatch import Phase  # noqa: E402
+from attn_dispatch.integrations.vllm._steps import step_parts  # noqa: E402
+
+I32 = torch.int32
+
+
+def _step(**over: Any) -> tuple[Any, ...]:
+    """A valid step of three requests (decode, prompt, decode; block size 4), with fields
+    replaced by ``over``."""
+    args: dict[str, Any] = dict(
+        query_start_loc=torch.tensor([0, 1, 6, 7], dtype=I32),
+        seq_lens=torch.tensor([9, 5, 3], dtype=I32),
+        block_table=torch.tensor([[3, 5, 8], [1, 2, 0], [4, 0, 0]], dtype=I32),
+        block_size=4,
+        num_speculative_tokens=0,
+        mixed="split",
+    )
+    args.update(over)
+    return step_parts(
+        args.pop("query_start_loc"), args.pop("seq_lens"), args.pop("block_table"), **args
+    )
+
+
+def _refused(field: str, request: int | None, match: str, **over: Any) -> InvalidBatchError:
+    with pytest.raises(InvalidBatchError, match=match) as err:
+        _step(**over)
+    assert err.value.field == field
+    assert err.value.request == request
+    assert isinstance(err.value, ValueError)
+    assert f"{field}:" in str(err.value)
+    return err.value
+
+
+def test_valid_step_splits_every_request() -> None:
+    dec, pre = _step()
+    assert dec.batch.phase is Phase.DECODE and pre.batch.phase is Phase.PREFILL
+    # Not consecutive: the decodes' rows are gathered (0 and 6), the prompt is one slice.
+    assert dec.rows.tolist() == [0, 6] and pre.rows == slice(1, 6)
+    assert dec.batch.kv_indices.tolist() == [6, 10, 16, 8]
+    assert pre.batch.kv_indices.tolist() == [2, 4]
+    assert dec.batch.kv_lens.tolist() == [9, 3] and pre.batch.q_lens() == [5]
+
+
+def test_block_table_narrower_than_a_sequence() -> None:
+    # Request 0 has 9 tokens: 3 blocks of 4; a 2-wide table cannot hold it (was IndexError).
+    err = _refused(
+        "block_table", 0, "needs 3", block_table=torch.tensor([[3, 5], [1, 2], [4, 0]], dtype=I32)
+    )
+    assert "2 block(s) per row" in str(err)
+    # Fewer rows than requests.
+    _refused("block_table", None, r"a row per request", block_table=torch.tensor([[3, 5, 8]]))
+    _refused("block_table", None, "shape", block_table=torch.tensor([3, 5, 8], dtype=I32))
+
+
+def test_decreasing_query_start_loc_is_refused_not_dropped() -> None:
+    # 0, 6, 1, 7: request 1 would have -5 query tokens and was silently left out.
+    err = _refused(
+        "query_start_loc", 1, "decreases from 6 to 1", query_start_loc=torch.tensor([0, 6, 1, 7])
+    )
+    assert "negative query length" in str(err)
+    _refused("query_start_loc", None, "starts at -1", query_start_loc=torch.tensor([-1, 1, 6, 7]))
+    _refused("query_start_loc", None, "none", query_start_loc=torch.tensor([], dtype=I32))
+
+
+def test_negative_and_short_seq_lens() -> None:
+    _refused("seq_lens", 2, "negative length -1", seq_lens=torch.tensor([9, 5, -1]))
+    # The prompt has 5 query tokens; seq_lens counts them too, so 4 is impossible.
+    _refused(
+        "seq_lens", 1, "fewer than the request's 5 query tokens", seq_lens=torch.tensor([9, 4, 3])
+    )
+    _refused("seq_lens", None, "expected 3 entries, got 2", seq_lens=torch.tensor([9, 5]))
+
+
+def test_block_ids_out_of_range() -> None:
+    table = torch.tensor([[3, 5, 8], [1, -1, 0], [4, 0, 0]], dtype=I32)
+    _refused("block_table", 1, r"\[1, -1\]", block_table=table)
+    huge = torch.tensor([[3, 5, 2**31], [1, 2, 0], [4, 0, 0]], dtype=torch.int64)
+    _refused("block_table", 0, "block ids must be in", block_table=huge)
+    # Entries past what a request reads are vLLM's padding and are not looked at.
+    pad = torch.tensor([[3, 5, 8, -1], [1, 2, -1, -1], [4, -1, -1, -1]], dtype=I32)
+    assert [p.batch.kv_indices.tolist() for p in _step(block_table=pad)] == [[6, 10, 16, 8], [2, 4]]
+
+
+def test_wrong_types_and_scalars() -> None:
+    _refused("seq_lens", None, "integer tensor", seq_lens=torch.tensor([9.0, 5.0, 3.0]))
+    _refused("query_start_loc", None, "torch.Tensor", query_start_loc=[0, 1, 6, 7])
+    _refused("query_start_loc", None, "one dimension", query_start_loc=torch.zeros(2, 2, dtype=I32))
+    _refused("block_table", None, "integer tensor", block_table=torch.zeros(3, 3, dtype=torch.bool))
+    _refused("block_size", None, "int >= 1", block_size=0)
+    _refused("block_size", None, "int >= 1", block_size=True)
+    _refused("num_speculative_tokens", None, "int >= 0", num_speculative_tokens=-1)
+    _refused("mixed", None, "'split', 'extend'", mixed="both")
+    _refused("draft", None, "bool", draft=1)
+
+
+def test_requests_without_query_tokens_are_left_out_and_padding_is_free() -> None:
+    # vLLM pads a step with requests of no query token; their seq_lens and rows do not matter.
+    (dec,) = step_parts(
+        torch.tensor([0, 1, 1, 1], dtype=I32),
+        torch.tensor([9, 0, 0], dtype=I32),
+        torch.tensor([[3, 5, 8], [-1, -1, -1], [-1, -1, -1]], dtype=I32),
+        block_size=4,
+        num_speculative_tokens=0,
+        mixed="split",
+    )
+    assert dec.batch.phase is Phase.DECODE and dec.rows == slice(0, 1)
+    assert (
+        step_parts(
+            torch.tensor([0], dtype=I32),
+            torch.tensor([], dtype=I32),
+            torch.zeros(0, 3, dtype=I32),
+            block_size=4,
+            num_speculative_tokens=0,
+            mixed="split",
+        )
+        == ()
+    )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_valid_steps_cover_every_query_row_once(seed: int) -> None:
+    """Whatever the mix, every query row of every request lands in exactly one part, and each
+    part's pages are its requests' own blocks."""
+    g = torch.Generator().manual_seed(seed)
+    n = 12
+    q = torch.randint(0, 7, (n,), generator=g)
+    cached = torch.randint(0, 30, (n,), generator=g)
+    kv = q + cached
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q.cumsum(0)])
+    bs = 8
+    table = torch.randperm(n * 8, generator=g).view(n, 8).to(I32)
+    for mixed in ("split", "extend"):
+        for k in (0, 3):
+            parts = step_parts(
+                qsl.to(I32), kv.to(I32), table, block_size=bs, num_speculative_tokens=k, mixed=mixed
+            )
+            rows = (
+                torch.cat(
+                    [
+                        torch.arange(60)[p.rows] if isinstance(p.rows, slice) else p.rows
+                        for p in parts
+                    ]
+                )
+                if parts
+                else torch.zeros(0, dtype=torch.int64)
+            )
+            assert sorted(rows.tolist()) == list(range(int(qsl[-1])))
+            pages = sorted(x for p in parts for x in p.batch.kv_indices.tolist())
+            want = sorted(
+                2 * int(table[i, b])
+                for i in range(n)
+                if q[i] > 0
+                for b in range(-(-int(kv[i]) // bs))
+            )
+            assert pages == want
