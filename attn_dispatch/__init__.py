@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from attn_dispatch.state import merge_state
     from attn_dispatch.state import merge_states
 
-__version__ = "0.1.0"
+from attn_dispatch._version import __version__ as __version__
 
 # The wiring: the built-in backends join every registry that loads built-ins (the default one
 # included), on first use. Neither the registry nor the backends import each other.

@@ -6,7 +6,7 @@ process group is used):
 - ``check_agreement(bindings, group=None)``: run once at start-up on every rank of a process
   group, after each rank bound its runners. Every rank sends a summary of its bindings (spec
   per runner label, the config of each layer group with the per-rank head counts left out,
-  page size, KV dtype and scales kind, library and native ABI versions) to every other rank;
+  page size, KV dtype and scales kind, library version, each backend's build) to every rank;
   if any field differs, *every* rank raises ``RankMismatchError`` naming each rank's value of
   each differing field. Ranks that disagree about a kernel or a KV layout otherwise corrupt
   output silently or crash on the first request (vLLM 46204, 51756; SGLang 31968).
@@ -88,16 +88,6 @@ class RankMismatchError(AttnDispatchError, RuntimeError):
         )
 
 
-def _native_abi() -> int | None:
-    # Only the version the package expects; the library checks itself against it at load.
-    try:
-        from attn_dispatch.backends.native import _lib
-    except Exception:  # pragma: no cover - the native package always imports
-        return None
-    version = getattr(_lib, "ABI_VERSION", None)
-    return int(version) if isinstance(version, int) else None
-
-
 def _config_summary(config: Any) -> dict[str, Any]:
     fields = {
         f.name: getattr(config, f.name)
@@ -117,6 +107,11 @@ def _one_binding(b: Binding) -> dict[str, Any]:
         "spec": b.spec.to_dict(),
         "config": _config_summary(b.config),
         "backends": {p.name.lower(): b.backend_name(p) for p in Phase},
+        # A backend with a compiled part says which build it runs (native: its C ABI
+        # version); two ranks with different builds must not serve one model together.
+        "builds": {
+            name: getattr(obj, "abi_version", None) for name, obj in sorted(b.backends.items())
+        },
     }
 
 
@@ -126,8 +121,8 @@ def binding_summary(bindings: Binding | Mapping[str, Binding]) -> dict[str, Any]
     ``bindings`` is one ``Binding`` (summarised under its label, or ``""``) or a mapping of
     runner label to ``Binding``.
     """
-    import attn_dispatch
     from attn_dispatch._binding import Binding
+    from attn_dispatch._version import __version__
 
     if isinstance(bindings, Binding):
         runners: Mapping[str, Binding] = {bindings.label or "": bindings}
@@ -139,9 +134,7 @@ def binding_summary(bindings: Binding | Mapping[str, Binding]) -> dict[str, Any]
             f"got {type(bindings).__name__}; pass a Binding or a mapping of runner label to "
             "Binding",
         )
-    out: dict[str, Any] = {
-        "library": {"version": attn_dispatch.__version__, "native_abi": _native_abi()}
-    }
+    out: dict[str, Any] = {"library": {"version": __version__}}
     for label in sorted(runners):
         b = runners[label]
         if not isinstance(b, Binding):

@@ -93,6 +93,8 @@ class TuneReport:
     sizes: TuneSizes
     timings: tuple[PhaseTiming, ...]
     recommended: Mapping[str, str]
+    #: Registered backends that cannot run on this machine at all, with the reason.
+    unavailable: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def table(self) -> str:
         """A plain-text table: one row per group x phase x backend, fastest first."""
@@ -115,6 +117,8 @@ class TuneReport:
         head = ("group", "phase", "backend", "call ms", "plan ms", "forward ms", "note")
         lines = [f"machine: {self.machine}; threads: {self.threads}; sizes: {self.sizes}"]
         lines.append(format_table(head, rows))
+        for name, why in self.unavailable.items():
+            lines.append(f"not timed: {name}: {why}")
         for group, spec in self.recommended.items():
             lines.append(f"recommended{'' if not group else f' [{group}]'}: {spec}")
         return "\n".join(lines)
@@ -127,6 +131,7 @@ class TuneReport:
                 "sizes": dataclasses.asdict(self.sizes),
                 "timings": [dataclasses.asdict(t) for t in self.timings],
                 "recommended": dict(self.recommended),
+                "unavailable": dict(self.unavailable),
             },
             indent=2,
         )
@@ -339,10 +344,6 @@ def tune(
             served.sort(key=lambda c: c.forward_s(sizes.layers) or math.inf)
             timings.extend(served)
             timings.extend(c for c in cells if c.call_s is None)
-            timings.extend(
-                PhaseTiming(group, phase.name.lower(), n, None, None, refused=f"unavailable: {why}")
-                for n, why in unavailable
-            )
             if served:
                 best[phase] = served[0].backend
         if len(best) == len(phases) == len(Phase):
@@ -357,4 +358,5 @@ def tune(
         sizes=sizes,
         timings=tuple(timings),
         recommended=recommended,
+        unavailable=dict(unavailable),
     )

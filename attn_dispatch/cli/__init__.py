@@ -1,6 +1,6 @@
-"""Command line: ``python -m attn_dispatch list | matrix | explain | demo`` (also the
-``attn-dispatch`` script). One module per command: ``listing``, ``matrix``, ``explain`` (with
-``model``, which reads a model config for ``explain --model``).
+"""Command line: ``python -m attn_dispatch list | matrix | explain | tune | demo`` (also the
+``attn-dispatch`` script). One module per command: ``listing``, ``matrix``, ``explain``,
+``tune`` (with ``model``, which reads a model config for ``explain --model``).
 
 Exit status: 0 ok, 1 a refusal (a spec that cannot serve the config or model), 2 bad input
 (usage, unknown backend, a bad value, a model config that cannot be read), 3 an internal error
@@ -22,6 +22,7 @@ from attn_dispatch._registry import Registry
 from attn_dispatch.cli import explain
 from attn_dispatch.cli import listing
 from attn_dispatch.cli import matrix
+from attn_dispatch.cli import tune
 
 __all__ = ["main"]
 
@@ -40,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_parser(sub)
     matrix.add_parser(sub)
     explain.add_parser(sub)
+    tune.add_parser(sub)
     sub.add_parser(
         "demo", help="run the speculative-decoding demo (see --help of demo)", add_help=False
     )
@@ -51,14 +53,16 @@ def _run(argv: list[str], registry: Registry | None) -> int:
         return cmd_demo(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "explain":
-        explain.check_args(parser, args)
+    if args.command in ("explain", "tune"):
+        explain.check_args(parser, args, args.command)
     registry = DEFAULT_REGISTRY if registry is None else registry
     try:
         if args.command == "list":
             return listing.cmd_list(args, registry)
         if args.command == "matrix":
             return matrix.cmd_matrix(args, registry)
+        if args.command == "tune":
+            return tune.cmd_tune(args, registry)
         return explain.cmd_explain(args, registry)
     except AttnDispatchError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -241,20 +241,9 @@ def _bind_here(
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    e = sub.add_parser(
-        "explain",
-        help="show which backend serves each phase (and group), or every reason",
-        description="Check a spec against one layer shape (--kind, --heads, --head-dim, ...) "
-        "or against a transformers model config (--model), with bind's own checks.",
-    )
-    e.add_argument(
-        "--spec",
-        required=True,
-        action="append",
-        help="e.g. 'prefill=triton,decode=flashinfer' or 'torch'; with groups, one for all or "
-        "GROUP:SPEC once per group ('sliding:native')",
-    )
+def add_shape_arguments(e: argparse.ArgumentParser) -> None:
+    """The flags that describe the layers (one shape, groups, or ``--model``): shared by
+    ``explain`` and ``tune``."""
     e.add_argument(
         "--model",
         help="a transformers model directory or its config.json (read locally, the way use() "
@@ -289,6 +278,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="a layer group: the config above with these AttnConfig fields changed; repeat "
         "for each group (e.g. --group sliding:window_left=4095 --group full)",
     )
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    e = sub.add_parser(
+        "explain",
+        help="show which backend serves each phase (and group), or every reason",
+        description="Check a spec against one layer shape (--kind, --heads, --head-dim, ...) "
+        "or against a transformers model config (--model), with bind's own checks.",
+    )
+    e.add_argument(
+        "--spec",
+        required=True,
+        action="append",
+        help="e.g. 'prefill=triton,decode=flashinfer' or 'torch'; with groups, one for all or "
+        "GROUP:SPEC once per group ('sliding:native')",
+    )
+    add_shape_arguments(e)
     e.add_argument("--label", default=None)
     e.add_argument(
         "--static",
@@ -305,15 +311,34 @@ _SHAPE_FLAGS = (
 )
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, command: str = "explain"
+) -> None:
     """Flags ``argparse`` cannot check alone (``--model`` against the shape flags)."""
+    if getattr(args, "demo", None) is not None:
+        given = [f for f in (*_SHAPE_FLAGS, "model") if getattr(args, f) not in (None, [])]
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            parser.error(f"{command}: --demo names the layer shapes; drop {flags}")
+        return
     if args.model is not None:
         given = [f for f in _SHAPE_FLAGS if getattr(args, f) not in (None, [])]
         if given:
             flags = ", ".join("--" + f.replace("_", "-") for f in given)
-            parser.error(f"explain: --model derives the layer shapes; drop {flags}")
+            parser.error(f"{command}: --model derives the layer shapes; drop {flags}")
         return
     missing = [f for f in ("kind", "heads", "head_dim") if getattr(args, f) is None]
     if missing:
         flags = ", ".join("--" + f.replace("_", "-") for f in missing)
-        parser.error(f"explain: the following arguments are required: {flags} (or --model)")
+        parser.error(f"{command}: the following arguments are required: {flags} (or --model)")
+
+
+def layer_configs(args: argparse.Namespace) -> tuple[dict[str, AttnConfig], list[str]] | str:
+    """Group -> config from ``--model`` or the shape flags, and header lines; or the reason
+    the model cannot be served (a string)."""
+    if args.model is not None:
+        try:
+            return model_configs(args)
+        except UnsupportedModel as exc:
+            return str(exc)
+    return _configs(args), []

@@ -23,6 +23,7 @@ PACKAGE = ROOT / "attn_dispatch"
 LAYERS: dict[str, int] = {
     # L0 vocabulary, values, errors, phase: no behaviour beyond checks
     "attn_dispatch._errors": 0,
+    "attn_dispatch._version": 0,
     "attn_dispatch._vocab": 0,
     "attn_dispatch._values": 0,
     "attn_dispatch._dtypes": 0,
@@ -66,6 +67,7 @@ LAYERS: dict[str, int] = {
     "attn_dispatch": 7,
     "attn_dispatch.__main__": 7,
     "attn_dispatch.cli": 7,
+    "attn_dispatch.tune": 7,
     "attn_dispatch.cli.*": 7,
     "attn_dispatch.integrations": 7,
     "attn_dispatch.integrations.*": 7,

@@ -13,11 +13,11 @@ import sys
 
 import torch.distributed as dist
 
-import attn_dispatch
+import attn_dispatch._version
 from attn_dispatch import AttnConfig
 from attn_dispatch import BackendSpec
 from attn_dispatch import bind
-from attn_dispatch.backends.native import _lib
+from attn_dispatch.backends.native.backend import NativeBackend
 from attn_dispatch.distributed import RankMismatchError
 from attn_dispatch.distributed import check_agreement
 
@@ -63,12 +63,15 @@ CASES = [
 def main() -> int:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    version, abi = attn_dispatch.__version__, _lib.ABI_VERSION
+    version, abi = attn_dispatch._version.__version__, NativeBackend.abi_version
     for case in CASES:
-        attn_dispatch.__version__ = (
+        attn_dispatch._version.__version__ = (
             "0.0.0-other" if rank == 1 and case == "library_version" else version
         )
-        _lib.ABI_VERSION = abi + 1 if rank == 1 and case == "native_abi" else abi
+        # A rank that loaded another native build (its C ABI version differs).
+        NativeBackend.abi_version = (  # type: ignore[method-assign]
+            property(lambda self: 999) if rank == 1 and case == "native_abi" else abi
+        )
         try:
             check_agreement(bindings(rank, case))
             result = "ok"

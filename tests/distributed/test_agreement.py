@@ -122,7 +122,7 @@ def test_compatible_ranks_pass(two_ranks, case):
         ("verify_mode", "spec.verify_mode", ("'prefill'", "'decode'")),
         ("missing_runner", "runner 'draft'", ("<not bound on this rank>",)),
         ("library_version", "library.version", ("'0.0.0-other'",)),
-        ("native_abi", "library.native_abi", ()),
+        ("native_abi", "builds.native", ("999",)),
     ],
 )
 def test_each_mismatch_class_is_caught_on_every_rank(two_ranks, case, field, values):

@@ -1,0 +1,88 @@
+"""``python -m attn_dispatch tune``: time every backend per layer group x phase, recommend a spec.
+
+It recommends; it never changes a binding. The timings are this machine's (its CPU, the ISA
+path native runs, torch's thread count), printed with the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from attn_dispatch._config import AttnConfig
+from attn_dispatch._registry import Registry
+from attn_dispatch.cli import explain
+
+__all__ = ["add_parser", "cmd_tune"]
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    t = sub.add_parser(
+        "tune",
+        help="time every backend per layer group and phase on this machine; recommend a spec",
+        description="Times every backend that can serve each layer group x phase (prefill, "
+        "decode, verify) at sizes derived from the shapes (or given), and prints the table "
+        "and the fastest spec per group. It recommends; it never binds anything for you.",
+    )
+    explain.add_shape_arguments(t)
+    t.add_argument("--backends", help="comma-separated candidates (default: every available one)")
+    t.add_argument("--prefill-len", type=int, default=512, help="prompt tokens per request")
+    t.add_argument("--prefill-batch", type=int, default=2)
+    t.add_argument("--decode-batch", type=int, default=8, help="requests in decode/verify")
+    t.add_argument("--context", type=int, default=1024, help="tokens in the cache per request")
+    t.add_argument("--draft-tokens", type=int, default=4, help="verify: new tokens per request")
+    t.add_argument("--repeats", type=int, default=5, help="timed calls per cell (after warm-up)")
+    t.add_argument(
+        "--demo",
+        choices=("tiny", "base", "wide"),
+        help="tune the demo's two runners at this size (groups 'target' and 'draft'; the "
+        "dtype is --dtype or float32); replaces the shape flags and --model",
+    )
+    t.add_argument("--format", choices=("text", "json"), default="text")
+
+
+def _demo_configs(args: argparse.Namespace) -> tuple[dict[str, AttnConfig], list[str]]:
+    import torch
+
+    from attn_dispatch.demo.factory import sizes
+    from attn_dispatch.demo.models import build_models
+    from attn_dispatch.demo.values import DemoOptions
+
+    size = sizes()[args.demo]
+    dtype = args.dtype or "float32"
+    target, draft = build_models(
+        size.target, size.draft, seed=0, dtype=getattr(torch, dtype), device=args.device
+    )
+    page = DemoOptions().page_size
+    configs = {
+        "target": target.attn_config(page_size=page, device=args.device),
+        "draft": draft.attn_config(page_size=1, device=args.device),
+    }
+    return configs, [f"demo: size {args.demo!r}, dtype {dtype}: the target and its draft"]
+
+
+def cmd_tune(args: argparse.Namespace, registry: Registry) -> int:
+    from attn_dispatch.tune import TuneSizes
+    from attn_dispatch.tune import tune
+
+    got = _demo_configs(args) if args.demo else explain.layer_configs(args)
+    if isinstance(got, str):
+        print(f"model: {args.model}\ncannot serve this model: {got}")
+        return 1
+    configs, header = got
+    sizes = TuneSizes(
+        prefill_batch=args.prefill_batch,
+        prefill_len=args.prefill_len,
+        decode_batch=args.decode_batch,
+        context=args.context,
+        draft_tokens=args.draft_tokens,
+        repeats=args.repeats,
+    )
+    names = None if not args.backends else [n.strip() for n in args.backends.split(",") if n]
+    report = tune(configs, sizes=sizes, backends=names, registry=registry)
+    if args.format == "json":
+        print(report.to_json())
+        return 0
+    for line in header:
+        print(line)
+    print(report.table())
+    return 0
