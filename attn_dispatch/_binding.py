@@ -126,7 +126,9 @@ def check_spec(
     if registry is None:
         registry = DEFAULT_REGISTRY
     elif not isinstance(registry, Registry):
-        raise InvalidSpecError("registry", registry, "pass an attn_dispatch.Registry or None")
+        raise InvalidSpecError(
+            "registry", registry, "pass an attn_dispatch.backend.Registry or None"
+        )
     factory_options, override_policies = _split_options(spec, options)
     who = f"runner {label!r}" if label is not None else "bind"
     if group is not None:
@@ -292,7 +294,9 @@ def _split_options(
             policy = rest.pop("form_policy")
             if not isinstance(policy, FormPolicy):
                 raise InvalidSpecError(
-                    f"options[{name!r}]['form_policy']", policy, "pass an attn_dispatch.FormPolicy"
+                    f"options[{name!r}]['form_policy']",
+                    policy,
+                    "pass an attn_dispatch.backend.FormPolicy",
                 )
             policies[name] = policy
         factory_options[name] = rest
@@ -323,8 +327,8 @@ def _build(
         raise BackendUnavailableError(
             name,
             f"{what} returned {type(backend).__name__}, which is not an AttentionBackend "
-            f"(missing: {', '.join(missing)}); subclass attn_dispatch.BackendBase and define "
-            "name, plan(batch) and handler(phase)",
+            f"(missing: {', '.join(missing)}); subclass attn_dispatch.backend.BackendBase and "
+            "define name, plan(batch) and handler(phase)",
             runner=label,
         )
     if isinstance(backend, BackendBase) and type(backend).plan is BackendBase.plan:
@@ -365,7 +369,7 @@ def _handler_of(
             f"{what} takes no {', '.join(f'{k}=' for k in missing)} keyword, but the bound "
             f"config needs it (sinks={config.sinks}, kv_dtype={config.kv_dtype!r}, "
             f"return_lse={config.return_lse}) and its Capabilities declare it; give the handler "
-            f"keyword-only parameters {', '.join(missing)} (see attn_dispatch.Handler)",
+            f"keyword-only parameters {', '.join(missing)} (see attn_dispatch.backend.Handler)",
             runner=label,
         )
     return run  # type: ignore[return-value]

@@ -44,7 +44,7 @@ class UnknownBackendError(AttnDispatchError, KeyError):
         self.message = (
             f"{where}unknown attention backend {name!r}.{hint} "
             f"Registered backends: {choices}. Register a new one with "
-            f"attn_dispatch.register_backend(name, capabilities=..., factory=...)."
+            f"attn_dispatch.backend.register_backend(name, capabilities=..., factory=...)."
         )
         super().__init__(self.message)
 

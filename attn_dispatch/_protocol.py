@@ -231,7 +231,7 @@ def issue_plan(owner: object, plan: _P) -> _P:
     except TypeError:
         raise TypeError(
             f"{type(plan).__name__} cannot be issued as a plan: it holds no weak reference "
-            "slot; derive it from attn_dispatch.PlanBase"
+            "slot; derive it from attn_dispatch.backend.PlanBase"
         ) from None
     with _ISSUE_LOCK:
         _ISSUED[key] = (ref, owner)

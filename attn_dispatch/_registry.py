@@ -143,7 +143,7 @@ class Registry:
                     self._put(obj, replace=False)
                 elif callable(obj):
                     # A plugin's register function writes to the default registry (it calls
-                    # attn_dispatch.register_backend) or takes the registry to fill.
+                    # attn_dispatch.backend.register_backend) or takes the registry to fill.
                     if _takes_registry(obj):
                         obj(self)
                     else:
@@ -232,11 +232,11 @@ class Registry:
         _check_name(name)
         if not isinstance(capabilities, Capabilities):
             raise InvalidSpecError(
-                "capabilities", capabilities, "pass an attn_dispatch.Capabilities instance"
+                "capabilities", capabilities, "pass an attn_dispatch.backend.Capabilities instance"
             )
         if form_policy is not None and not isinstance(form_policy, FormPolicy):
             raise InvalidSpecError(
-                "form_policy", form_policy, "pass an attn_dispatch.FormPolicy or None"
+                "form_policy", form_policy, "pass an attn_dispatch.backend.FormPolicy or None"
             )
         if factory is not None:
             if isinstance(factory, str):

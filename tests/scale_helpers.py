@@ -16,10 +16,10 @@ import torch
 
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
-from attn_dispatch import BackendBase
 from attn_dispatch import Phase
-from attn_dispatch import register_backend
-from attn_dispatch import unregister_backend
+from attn_dispatch.backend import BackendBase
+from attn_dispatch.backend import register_backend
+from attn_dispatch.backend import unregister_backend
 from attn_dispatch.backends.reference import CAPABILITIES as TORCH_CAPS
 from attn_dispatch.backends.reference.backend import TorchBackend
 

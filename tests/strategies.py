@@ -17,12 +17,12 @@ from typing import Any
 from hypothesis import strategies as st
 
 from attn_dispatch import AttnConfig
-from attn_dispatch import BackendBase
 from attn_dispatch import BackendSpec
-from attn_dispatch import Capabilities
 from attn_dispatch import Phase
 from attn_dispatch import _registry
-from attn_dispatch import register_backend
+from attn_dispatch.backend import BackendBase
+from attn_dispatch.backend import Capabilities
+from attn_dispatch.backend import register_backend
 
 # ---------------------------------------------------------------------------------------------
 # Kernel cases for the contract suite. A case is plain data; tests/contract/cases.py turns it

@@ -494,7 +494,7 @@ def _available(backend: str) -> str | None:
     """Why ``backend`` cannot run here, or None."""
     import torch
 
-    from attn_dispatch import list_backends
+    from attn_dispatch.backend import list_backends
 
     if backend in CUDA_ONLY and not torch.cuda.is_available():
         return f"{backend} needs CUDA (none on this machine)"

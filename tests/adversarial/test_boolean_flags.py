@@ -24,7 +24,7 @@ from attn_dispatch import Phase
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
-from attn_dispatch import list_backends
+from attn_dispatch.backend import list_backends
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

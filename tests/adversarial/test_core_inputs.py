@@ -533,8 +533,8 @@ CORE_SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
 import attn_dispatch as ad
-from attn_dispatch import (AttnConfig, BackendBase, Capabilities, Phase, Registry, attention,
-                           attn_scope, bind, resolve)
+from attn_dispatch import AttnConfig, Phase, attention, attn_scope, bind, resolve
+from attn_dispatch.backend import BackendBase, Capabilities, Registry
 class Batch:
     phase = Phase.DECODE
 class Echo(BackendBase):

@@ -20,7 +20,7 @@ from attn_dispatch import Phase
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
-from attn_dispatch import list_backends
+from attn_dispatch.backend import list_backends
 from tests.contract.cases import lse_tolerance
 from tests.contract.cases import materialise
 from tests.contract.cases import naive_state

@@ -24,7 +24,7 @@ from attn_dispatch import Phase
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
-from attn_dispatch import list_backends
+from attn_dispatch.backend import list_backends
 from tests.contract.cases import Materialised
 from tests.contract.cases import assert_lse_matches
 from tests.contract.cases import config_of

@@ -24,13 +24,13 @@ from hypothesis import settings
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
 from attn_dispatch import AttnForm
-from attn_dispatch import FormPolicy
 from attn_dispatch import Phase
 from attn_dispatch import attention
 from attn_dispatch import attention_form
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
 from attn_dispatch import merge_state
+from attn_dispatch.backend import FormPolicy
 from attn_dispatch.mla import gather_latent
 from attn_dispatch.mla import latent_prefix_chunks
 from tests import oracle

@@ -9,21 +9,21 @@ import pytest
 
 from attn_dispatch import AttnConfig
 from attn_dispatch import AttnDispatchError
-from attn_dispatch import BackendBase
 from attn_dispatch import BackendSpec
 from attn_dispatch import BackendUnavailableError
 from attn_dispatch import Binding
-from attn_dispatch import Capabilities
-from attn_dispatch import FormPolicy
 from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import InvalidBatchError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
-from attn_dispatch import Registry
 from attn_dispatch import Runner
 from attn_dispatch import UnknownBackendError
 from attn_dispatch import bind
-from attn_dispatch import register_backend
+from attn_dispatch.backend import BackendBase
+from attn_dispatch.backend import Capabilities
+from attn_dispatch.backend import FormPolicy
+from attn_dispatch.backend import Registry
+from attn_dispatch.backend import register_backend
 from tests.strategies import ANY_CAPS
 from tests.strategies import MHA_ONLY_CAPS
 from tests.strategies import EchoBackend
@@ -276,7 +276,7 @@ def test_bad_backend_objects_are_backend_unavailable(factory: Any, words: str) -
 
 
 def test_a_backend_base_subclass_without_plan_is_refused_at_bind() -> None:
-    from attn_dispatch import BackendBase
+    from attn_dispatch.backend import BackendBase
 
     class NoPlan(BackendBase):
         name = "noplan"

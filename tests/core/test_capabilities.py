@@ -7,9 +7,9 @@ from collections.abc import Iterable
 import pytest
 
 from attn_dispatch import AttnConfig
-from attn_dispatch import Capabilities
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
+from attn_dispatch.backend import Capabilities
 from tests.strategies import mha_config
 from tests.strategies import mla_config
 

@@ -49,7 +49,7 @@ def test_list(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_list_shows_why_unavailable(capsys: pytest.CaptureFixture[str]) -> None:
-    from attn_dispatch import Capabilities
+    from attn_dispatch.backend import Capabilities
 
     register_echo(
         "needs",
@@ -101,7 +101,7 @@ def test_explain_incompatible(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def _cuda_backend(name: str) -> None:
-    from attn_dispatch import Capabilities
+    from attn_dispatch.backend import Capabilities
 
     register_echo(
         name,
@@ -251,7 +251,7 @@ def _configs_printed(out: str) -> dict[str, str]:
 
 
 def test_explain_variant_flags_reach_the_config(capsys: pytest.CaptureFixture[str]) -> None:
-    from attn_dispatch import Capabilities
+    from attn_dispatch.backend import Capabilities
 
     register_echo("plain", Capabilities(kinds={"mha"}, devices={"cpu"}))
     args = [*MHA_ARGS, "--window-left", "7", "--logit-cap", "30", "--sinks"]
@@ -267,7 +267,7 @@ def test_explain_variant_flags_reach_the_config(capsys: pytest.CaptureFixture[st
 
 
 def test_explain_groups_with_a_spec_per_group(capsys: pytest.CaptureFixture[str]) -> None:
-    from attn_dispatch import Capabilities
+    from attn_dispatch.backend import Capabilities
 
     register_echo("nowindow", Capabilities(kinds={"mha"}, devices={"cpu"}))
     groups = ["--group", "sliding:window_left=15,kv_dtype=fp8", "--group", "full"]
@@ -454,7 +454,7 @@ def test_explain_model_maps_each_family_as_use_does(
 def test_explain_model_refusals_set_the_exit_status(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from attn_dispatch import Capabilities
+    from attn_dispatch.backend import Capabilities
 
     families = _families()
     gpt = _saved(tmp_path, "gpt_oss", families["gpt_oss"][0]())

@@ -23,9 +23,7 @@ if not torch.cuda.is_available():
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
 from attn_dispatch import AttnDispatchError
-from attn_dispatch import BackendBase
 from attn_dispatch import BackendUnavailableError
-from attn_dispatch import Capabilities
 from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import InvalidBatchError
 from attn_dispatch import Phase
@@ -35,8 +33,10 @@ from attn_dispatch import attention_form
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
 from attn_dispatch import record_dispatch
-from attn_dispatch import register_backend
-from attn_dispatch import unregister_backend
+from attn_dispatch.backend import BackendBase
+from attn_dispatch.backend import Capabilities
+from attn_dispatch.backend import register_backend
+from attn_dispatch.backend import unregister_backend
 from attn_dispatch.cuda_graph import CaptureError
 from attn_dispatch.cuda_graph import GraphedForward
 from attn_dispatch.cuda_graph import assert_not_capturing
@@ -463,7 +463,7 @@ def _graph_backends() -> list[str]:
 
 @pytest.mark.parametrize("backend", _graph_backends())
 def test_one_graph_replays_growing_sequences_across_page_boundaries(backend: str) -> None:
-    from attn_dispatch import list_backends
+    from attn_dispatch.backend import list_backends
 
     why = list_backends()[backend].availability_reasons()
     if why:

@@ -15,7 +15,6 @@ import pytest
 
 from attn_dispatch import BackendSpec
 from attn_dispatch import Binding
-from attn_dispatch import Capabilities
 from attn_dispatch import DispatchEvent
 from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import Phase
@@ -24,6 +23,7 @@ from attn_dispatch import attn_scope
 from attn_dispatch import bind
 from attn_dispatch import record_dispatch
 from attn_dispatch import resolve
+from attn_dispatch.backend import Capabilities
 from tests.strategies import MHA_ONLY_CAPS
 from tests.strategies import EchoHandler
 from tests.strategies import FakeBatch

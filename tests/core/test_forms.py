@@ -26,9 +26,9 @@ from attn_dispatch import attention_form
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
 from attn_dispatch import record_dispatch
-from attn_dispatch import register_backend
-from attn_dispatch import unregister_backend
 from attn_dispatch._forms import FormPolicy
+from attn_dispatch.backend import register_backend
+from attn_dispatch.backend import unregister_backend
 from attn_dispatch.backends.reference import CAPABILITIES as TORCH_CAPS
 from attn_dispatch.backends.reference.backend import TorchBackend
 from attn_dispatch.mla import gather_latent
@@ -111,7 +111,7 @@ def test_builtin_default_policies_on_a_table_of_batches(backend: str) -> None:
     registry entry declares) on the same batches, and every form it returns is declared."""
     import importlib
 
-    from attn_dispatch import list_backends
+    from attn_dispatch.backend import list_backends
 
     light = importlib.import_module(
         f"attn_dispatch.backends.{'reference' if backend == 'torch' else backend}"
@@ -387,7 +387,7 @@ def test_seed_scenario_forms_follow_own_backend(extra_backends: list[str]) -> No
 @pytest.mark.parametrize("backend", ["torch", "triton", "native"])
 def test_decompressed_prefill_matches_absorbed_per_backend(backend: str) -> None:
     """Each backend's MHA (decompressed) form gives the absorbed form's numbers."""
-    from attn_dispatch import list_backends
+    from attn_dispatch.backend import list_backends
 
     caps = list_backends().get(backend)
     if caps is None or caps.availability_reasons():

@@ -45,8 +45,8 @@ from attn_dispatch import attn_scope
 from attn_dispatch import bind
 from attn_dispatch import carry_scope
 from attn_dispatch import current_binding
-from attn_dispatch import register_backend
 from attn_dispatch import resolve
+from attn_dispatch.backend import register_backend
 from tests.strategies import ANY_CAPS
 from tests.strategies import EchoBackend
 from tests.strategies import EchoHandler

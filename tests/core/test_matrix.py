@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from attn_dispatch import AttnConfig
-from attn_dispatch import Capabilities
-from attn_dispatch import FormPolicy
 from attn_dispatch import Phase
-from attn_dispatch import Registry
 from attn_dispatch._matrix import FIELDS
 from attn_dispatch._matrix import fields_of
 from attn_dispatch._matrix import format_matrix
 from attn_dispatch._matrix import support_matrix
+from attn_dispatch.backend import Capabilities
+from attn_dispatch.backend import FormPolicy
+from attn_dispatch.backend import Registry
 from attn_dispatch.cli import main
 from tests.strategies import echo_factory
 from tests.strategies import register_echo
@@ -181,7 +181,7 @@ def test_cli_matrix_includes_registered_backends(capsys: pytest.CaptureFixture[s
         out = capsys.readouterr().out.split()
         assert out == ["thirdparty", "-------", "-" * 10, "kinds", "mha", "devices", "cpu"]
     finally:
-        from attn_dispatch import unregister_backend
+        from attn_dispatch.backend import unregister_backend
 
         unregister_backend("thirdparty")
 

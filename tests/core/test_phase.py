@@ -9,7 +9,7 @@ import pytest
 from attn_dispatch import AttnDispatchError
 from attn_dispatch import Phase
 from attn_dispatch import UnknownPhaseError
-from attn_dispatch import phase_of
+from attn_dispatch.integrations.sglang import phase_of
 
 # Where SGLang runs each ForwardMode, stated from its code rather than from our table:
 # HybridAttnBackend._select_backend (0.5.23) sends DECODE/IDLE to the decode backend,

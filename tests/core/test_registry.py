@@ -17,16 +17,16 @@ from attn_dispatch import AttnConfig
 from attn_dispatch import AttnDispatchError
 from attn_dispatch import BackendSpec
 from attn_dispatch import BackendUnavailableError
-from attn_dispatch import Capabilities
 from attn_dispatch import DuplicateBackendError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
 from attn_dispatch import UnknownBackendError
 from attn_dispatch import _registry
 from attn_dispatch import bind
-from attn_dispatch import list_backends
-from attn_dispatch import register_backend
-from attn_dispatch import unregister_backend
+from attn_dispatch.backend import Capabilities
+from attn_dispatch.backend import list_backends
+from attn_dispatch.backend import register_backend
+from attn_dispatch.backend import unregister_backend
 from tests.strategies import ANY_CAPS
 from tests.strategies import MHA_ONLY_CAPS
 from tests.strategies import EchoBackend
@@ -400,7 +400,7 @@ def test_cli_list_shows_failed_plugins(
 
 
 ZERO_ARG_PLUGIN = """
-from attn_dispatch import register_backend
+from attn_dispatch.backend import register_backend
 from tests.strategies import ANY_CAPS, echo_factory
 
 def register():  # a zero-argument register function calls the module-level register_backend

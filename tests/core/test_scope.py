@@ -27,11 +27,11 @@ from attn_dispatch import bind
 from attn_dispatch import carry_scope
 from attn_dispatch import current_batch
 from attn_dispatch import current_binding
-from attn_dispatch import phase_of
-from attn_dispatch import register_backend
 from attn_dispatch import resolve
 from attn_dispatch import run_in_thread
 from attn_dispatch._scope import iter_scopes
+from attn_dispatch.backend import register_backend
+from attn_dispatch.integrations.sglang import phase_of
 from tests.strategies import ANY_CAPS
 from tests.strategies import EchoBackend
 from tests.strategies import FakeBatch

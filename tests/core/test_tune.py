@@ -73,7 +73,7 @@ def test_a_backend_that_cannot_serve_is_refused_with_bind_reason():
         page_size=8,
         logit_cap=30.0,
     )
-    from attn_dispatch import list_backends
+    from attn_dispatch.backend import list_backends
 
     refusing = [
         n

@@ -13,8 +13,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from attn_dispatch import AttnConfig
-from attn_dispatch import BackendBase
-from attn_dispatch import Capabilities
 from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import InvalidBatchError
 from attn_dispatch import InvalidSpecError
@@ -22,8 +20,10 @@ from attn_dispatch import Phase
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
-from attn_dispatch import list_backends
-from attn_dispatch import register_backend
+from attn_dispatch.backend import BackendBase
+from attn_dispatch.backend import Capabilities
+from attn_dispatch.backend import list_backends
+from attn_dispatch.backend import register_backend
 from tests.strategies import FakeBatch
 from tests.strategies import mha_config
 from tests.strategies import mla_config

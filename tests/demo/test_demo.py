@@ -224,8 +224,8 @@ def test_target_forms_give_the_same_tokens(policy: str, forms: set[str]) -> None
     # The form is the runner's own backend's choice (its form_policy); the model follows
     # attention_form(). A second PREFILL on a cached prefix exercises the prefix paths.
     from attn_dispatch import AttnForm
-    from attn_dispatch import FormPolicy
     from attn_dispatch import Phase
+    from attn_dispatch.backend import FormPolicy
     from attn_dispatch.backends.reference.backend import TorchBackend
     from attn_dispatch.demo.layers import greedy
     from attn_dispatch.demo.runner import SeqKV

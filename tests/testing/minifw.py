@@ -34,7 +34,7 @@ DECODE_STEPS = 3
 
 
 def register_backends() -> None:
-    from attn_dispatch import Capabilities
+    from attn_dispatch.backend import Capabilities
 
     # Every backend binds every config here: the leaks below pass bind's checks and change
     # only which kernel or shape runs (the kind of leak only an isolation test can see).

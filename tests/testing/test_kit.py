@@ -83,7 +83,7 @@ def test_config_fingerprint_sees_every_field() -> None:
 
 
 def test_rows_aggregate_per_runner_phase_group_and_config(registry_snapshot: object) -> None:
-    from attn_dispatch import Capabilities
+    from attn_dispatch.backend import Capabilities
 
     register_echo("ra", Capabilities(kinds={"mha"}, devices={"cpu"}, variants={"window"}))
     grouped = bind("ra", {"sliding": mha_config(window_left=3), "full": mha_config()}, label="g")

@@ -9,11 +9,11 @@ from hypothesis import strategies as st
 
 from attn_dispatch import AttnConfig
 from attn_dispatch import BackendSpec
-from attn_dispatch import Capabilities
 from attn_dispatch import Phase
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
+from attn_dispatch.backend import Capabilities
 from attn_dispatch.testing import assert_isolated
 from attn_dispatch.testing import strategies as ads
 from tests.strategies import FakeBatch
@@ -30,7 +30,7 @@ def test_small_profile_is_registered_and_small() -> None:
 @ads.small
 @given(data=st.data())
 def test_configs_for_a_backend_bind(name: str, data: st.DataObject) -> None:
-    from attn_dispatch import list_backends
+    from attn_dispatch.backend import list_backends
 
     missing = list_backends()[name].availability_reasons("cpu")
     if missing:

@@ -22,9 +22,9 @@ from attn_dispatch import BackendSpec
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
 from attn_dispatch import UnknownPhaseError
-from attn_dispatch import phase_of
 from attn_dispatch.integrations.sglang import attn_config_from_layer
 from attn_dispatch.integrations.sglang import forward_phase
+from attn_dispatch.integrations.sglang import phase_of
 from attn_dispatch.integrations.sglang import spec_from_server_args
 from attn_dispatch.integrations.sglang import variant_fields
 
