@@ -21,20 +21,20 @@ torch = pytest.importorskip("torch")
 
 from attn_dispatch import AttnBatch  # noqa: E402
 from attn_dispatch import AttnConfig  # noqa: E402
-from attn_dispatch import BackendBase  # noqa: E402
 from attn_dispatch import BackendUnavailableError  # noqa: E402
-from attn_dispatch import Capabilities  # noqa: E402
 from attn_dispatch import InvalidBatchError  # noqa: E402
 from attn_dispatch import InvalidSpecError  # noqa: E402
 from attn_dispatch import NoActiveScopeError  # noqa: E402
 from attn_dispatch import Phase  # noqa: E402
-from attn_dispatch import Registry  # noqa: E402
 from attn_dispatch import ScopeError  # noqa: E402
 from attn_dispatch import attention  # noqa: E402
 from attn_dispatch import attn_scope  # noqa: E402
 from attn_dispatch import bind  # noqa: E402
 from attn_dispatch import current_binding  # noqa: E402
 from attn_dispatch import resolve  # noqa: E402
+from attn_dispatch.backend import BackendBase  # noqa: E402
+from attn_dispatch.backend import Capabilities  # noqa: E402
+from attn_dispatch.backend import Registry  # noqa: E402
 from attn_dispatch.backends.native._lib import load  # noqa: E402
 
 NATIVE = load()

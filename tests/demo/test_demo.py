@@ -20,9 +20,9 @@ from attn_dispatch import Phase  # noqa: E402
 from attn_dispatch import bind  # noqa: E402
 from attn_dispatch import demo  # noqa: E402
 from attn_dispatch import record_dispatch  # noqa: E402
-from attn_dispatch import register_backend  # noqa: E402
-from attn_dispatch import unregister_backend  # noqa: E402
 from attn_dispatch._spec import BackendSpec  # noqa: E402
+from attn_dispatch.backend import register_backend  # noqa: E402
+from attn_dispatch.backend import unregister_backend  # noqa: E402
 from attn_dispatch.backends.reference import CAPABILITIES as TORCH_CAPS  # noqa: E402
 from attn_dispatch.demo.shapes import DraftShape  # noqa: E402
 from attn_dispatch.demo.shapes import TargetShape  # noqa: E402

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from attn_dispatch import AttnDispatchError  # noqa: E402
 from attn_dispatch import bind  # noqa: E402
-from attn_dispatch import list_backends  # noqa: E402
+from attn_dispatch.backend import list_backends  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vision_encoder.py"
 

@@ -11,8 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from attn_dispatch import register_backend  # noqa: E402
-from attn_dispatch import unregister_backend  # noqa: E402
+from attn_dispatch.backend import register_backend  # noqa: E402
+from attn_dispatch.backend import unregister_backend  # noqa: E402
 from attn_dispatch.backends.reference import CAPABILITIES as TORCH_CAPS  # noqa: E402
 from attn_dispatch.integrations.transformers import use  # noqa: E402
 from attn_dispatch.testing import assert_isolated  # noqa: E402

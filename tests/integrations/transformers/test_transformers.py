@@ -15,8 +15,8 @@ from attn_dispatch import IncompatibleBackendError  # noqa: E402
 from attn_dispatch import InvalidSpecError  # noqa: E402
 from attn_dispatch import UnknownBackendError  # noqa: E402
 from attn_dispatch import record_dispatch  # noqa: E402
-from attn_dispatch import register_backend  # noqa: E402
-from attn_dispatch import unregister_backend  # noqa: E402
+from attn_dispatch.backend import register_backend  # noqa: E402
+from attn_dispatch.backend import unregister_backend  # noqa: E402
 from attn_dispatch.backends.reference import CAPABILITIES as TORCH_CAPS  # noqa: E402
 from attn_dispatch.integrations.transformers import FP8_MAX  # noqa: E402
 from attn_dispatch.integrations.transformers import IMPLEMENTATION  # noqa: E402
