@@ -16,6 +16,7 @@ from attn_dispatch import AttnDispatchError
 from attn_dispatch import BackendSpec
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
+from attn_dispatch.integrations.sglang import spec_from_server_args
 from tests.strategies import backend_names
 from tests.strategies import backend_specs
 
@@ -235,14 +236,14 @@ def test_from_server_args(
     kw: dict[str, Any], is_draft: bool, expected: BackendSpec, as_mapping: bool
 ) -> None:
     args: Any = dict(vars(_args(**kw))) if as_mapping else _args(**kw)
-    assert BackendSpec.from_server_args(args, is_draft=is_draft) == expected
+    assert spec_from_server_args(args, is_draft=is_draft) == expected
 
 
 def test_from_server_args_missing_attributes_default() -> None:
     # Older server args lack the newer fields entirely.
     args = types.SimpleNamespace(attention_backend="triton")
-    assert BackendSpec.from_server_args(args) == BackendSpec.uniform("triton")
-    assert BackendSpec.from_server_args(args, is_draft=True) == BackendSpec.uniform("triton")
+    assert spec_from_server_args(args) == BackendSpec.uniform("triton")
+    assert spec_from_server_args(args, is_draft=True) == BackendSpec.uniform("triton")
 
 
 @pytest.mark.parametrize(
@@ -255,18 +256,18 @@ def test_from_server_args_missing_attributes_default() -> None:
 )
 def test_from_server_args_missing_names(kw: dict[str, Any], missing: str) -> None:
     with pytest.raises(InvalidSpecError) as info:
-        BackendSpec.from_server_args(_args(**kw))
+        spec_from_server_args(_args(**kw))
     err = info.value
     assert err.field == "attention_backend" and err.value is None
     assert f"no backend for {missing}" in str(err)
     # A draft without an override has the same problem: nothing is guessed.
     with pytest.raises(InvalidSpecError):
-        BackendSpec.from_server_args(_args(**kw), is_draft=True)
+        spec_from_server_args(_args(**kw), is_draft=True)
 
 
 def test_from_server_args_bad_mode() -> None:
     with pytest.raises(InvalidSpecError) as info:
-        BackendSpec.from_server_args(_args(attention_backend="fa3", speculative_attention_mode="x"))
+        spec_from_server_args(_args(attention_backend="fa3", speculative_attention_mode="x"))
     assert info.value.field == "verify_mode" and info.value.value == "x"
 
 
@@ -284,19 +285,19 @@ class _ResolvedServerArgs:
 def test_from_server_args_prefers_resolved_values() -> None:
     # On this CPU SGLang resolves an unset attention_backend to torch_native.
     args = _ResolvedServerArgs({"attention_backend": None}, {"attention_backend": "torch_native"})
-    assert BackendSpec.from_server_args(args) == BackendSpec.uniform("torch_native")
+    assert spec_from_server_args(args) == BackendSpec.uniform("torch_native")
     args = _ResolvedServerArgs(
         {"attention_backend": "tokenspeed_mla"},
         {"attention_backend": "cutedsl_mla", "prefill_attention_backend": "trtllm_mla"},
     )
-    spec = BackendSpec.from_server_args(args)
+    spec = spec_from_server_args(args)
     assert (spec.prefill, spec.decode) == ("trtllm_mla", "cutedsl_mla")
     assert spec.note is None  # resolved values need no rename
 
 
 def test_from_server_args_renames_raw_tokenspeed_with_a_note() -> None:
     raw = {"attention_backend": "tokenspeed_mla", "speculative_algorithm": "EAGLE"}
-    spec = BackendSpec.from_server_args(raw)
+    spec = spec_from_server_args(raw)
     assert (spec.prefill, spec.decode, spec.verify_mode) == ("trtllm_mla", "cutedsl_mla", "decode")
     assert spec.note is not None
     for words in ("'tokenspeed_mla' -> 'cutedsl_mla'", "'trtllm_mla'", "'decode'"):
@@ -304,7 +305,7 @@ def test_from_server_args_renames_raw_tokenspeed_with_a_note() -> None:
     assert "note=" in repr(spec) and "tokenspeed_mla" in repr(spec)
     # The draft extends on trtllm_mla (the factory's build for cutedsl_mla), decodes on
     # cutedsl_mla; DRAFT_EXTEND_V2 (VERIFY) is named since verify_mode would say cutedsl_mla.
-    draft = BackendSpec.from_server_args(raw, is_draft=True)
+    draft = spec_from_server_args(raw, is_draft=True)
     assert draft.names == ("trtllm_mla", "cutedsl_mla", "trtllm_mla")
     assert "draft-extend 'cutedsl_mla' -> 'trtllm_mla'" in (draft.note or "")
 
@@ -316,26 +317,26 @@ def test_eagle_draft_extends_on_the_decode_backend_in_mode_decode(algorithm: str
         decode_attention_backend="flashinfer",
         speculative_attention_mode="decode",
     )
-    draft = BackendSpec.from_server_args(args, is_draft=True, speculative_algorithm=algorithm)
+    draft = spec_from_server_args(args, is_draft=True, speculative_algorithm=algorithm)
     assert draft.names == ("flashinfer", "flashinfer", "flashinfer")
-    target = BackendSpec.from_server_args(args, speculative_algorithm=algorithm)
+    target = spec_from_server_args(args, speculative_algorithm=algorithm)
     assert target.names == ("triton", "flashinfer", "flashinfer")
     # Mode "prefill": the draft extends on the prefill backend.
     args.speculative_attention_mode = "prefill"
-    draft = BackendSpec.from_server_args(args, is_draft=True, speculative_algorithm=algorithm)
+    draft = spec_from_server_args(args, is_draft=True, speculative_algorithm=algorithm)
     assert draft.names == ("triton", "flashinfer", "triton")
 
 
 def test_speculative_algorithm_read_from_args_and_keyword_wins() -> None:
     args = _args(attention_backend="fa4", speculative_algorithm="DFLASH")
     # fa4 is among SGLang's draft choices: the DFLASH draft runs it for everything.
-    assert BackendSpec.from_server_args(args, is_draft=True) == BackendSpec.uniform("fa4")
+    assert spec_from_server_args(args, is_draft=True) == BackendSpec.uniform("fa4")
     args = _args(prefill_attention_backend="flashmla", decode_attention_backend="triton")
     for algorithm in ("DFLASH", "dspark", types.SimpleNamespace(name="DFLASH")):
-        spec = BackendSpec.from_server_args(args, is_draft=True, speculative_algorithm=algorithm)  # type: ignore[arg-type]
+        spec = spec_from_server_args(args, is_draft=True, speculative_algorithm=algorithm)  # type: ignore[arg-type]
         assert spec.names == ("flashinfer",) * 3  # flashmla is not a DFLASH draft choice
         assert spec.note is not None and "'flashmla' -> 'flashinfer'" in spec.note
-    spec = BackendSpec.from_server_args(
+    spec = spec_from_server_args(
         _args(attention_backend="triton", speculative_draft_attention_backend="fa3"),
         is_draft=True,
         speculative_algorithm="DSPARK",
@@ -345,9 +346,9 @@ def test_speculative_algorithm_read_from_args_and_keyword_wins() -> None:
 
 def test_ngram_has_no_draft_runner() -> None:
     args = _args(attention_backend="triton", speculative_algorithm="NGRAM")
-    assert BackendSpec.from_server_args(args) == BackendSpec.uniform("triton")
+    assert spec_from_server_args(args) == BackendSpec.uniform("triton")
     with pytest.raises(InvalidSpecError) as info:
-        BackendSpec.from_server_args(args, is_draft=True)
+        spec_from_server_args(args, is_draft=True)
     assert info.value.field == "speculative_algorithm" and info.value.value == "NGRAM"
     assert "no draft" in str(info.value)
 
@@ -355,7 +356,7 @@ def test_ngram_has_no_draft_runner() -> None:
 @pytest.mark.parametrize("bad", ["MEDUSA", "", 3])
 def test_unknown_speculative_algorithm(bad: object) -> None:
     with pytest.raises(InvalidSpecError) as info:
-        BackendSpec.from_server_args(
+        spec_from_server_args(
             _args(attention_backend="triton"),
             speculative_algorithm=bad,  # type: ignore[arg-type]
         )
@@ -380,3 +381,10 @@ def test_note_is_provenance_not_identity() -> None:
     with pytest.raises(InvalidSpecError) as info:
         BackendSpec("a", "b", note=3)  # type: ignore[arg-type]
     assert info.value.field == "note"
+
+
+def test_from_server_args_is_a_deprecated_alias() -> None:
+    args = _args(attention_backend="triton")
+    with pytest.deprecated_call(match="spec_from_server_args"):
+        spec = BackendSpec.from_server_args(args)
+    assert spec == spec_from_server_args(args)
