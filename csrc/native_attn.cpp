@@ -149,7 +149,15 @@ int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
 extern "C" {
 
-int32_t na_abi_version(void) { return 5; }
+int32_t na_abi_version(void) { return NA_ABI_VERSION; }
+
+int64_t na_struct_size(const char* name) {
+  if (name == nullptr) return -1;
+  if (std::strcmp(name, "NaConfig") == 0) return int64_t(sizeof(NaConfig));
+  if (std::strcmp(name, "NaError") == 0) return int64_t(sizeof(NaError));
+  if (std::strcmp(name, "NaPlanInfo") == 0) return int64_t(sizeof(NaPlanInfo));
+  return -1;
+}
 
 const char* na_isa(void) { return kernels()->name; }
 

@@ -12,6 +12,11 @@
 #define NA_API
 #endif
 
+// The one definition of the ABI version: na_abi_version() returns it; Python reads it from the
+// library (never a second literal) and checks each struct it mirrors with na_struct_size.
+// Bump it with any change to a struct, an entry point's arguments or their meaning.
+#define NA_ABI_VERSION 6
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -94,7 +99,10 @@ NA_API int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, int64_
 NA_API const char* na_isa(void);
 NA_API int na_set_isa(const char* name);
 NA_API const char* na_isa_list(void);  // comma-separated paths this CPU and build can run
-NA_API int32_t na_abi_version(void);
+NA_API int32_t na_abi_version(void);  // NA_ABI_VERSION
+// sizeof the named struct of this header ("NaConfig", "NaError", "NaPlanInfo"); -1 for a name
+// this library does not have. The Python mirror refuses a library whose sizes differ from its.
+NA_API int64_t na_struct_size(const char* name);
 
 #ifdef __cplusplus
 }

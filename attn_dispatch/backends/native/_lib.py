@@ -3,6 +3,12 @@
 The library is a plain C ABI shared object built by ``setup.py`` next to this file
 (``_native_attn<EXT_SUFFIX>``). When the build failed, ``setup.py`` leaves the reason in
 ``_native_attn.build-error.txt`` and the backend reports "not built: <why>".
+
+The ABI version is defined once, ``NA_ABI_VERSION`` in ``csrc/native_attn.h``; Python reads it
+from the library (``NativeLibrary.abi_version``). What keeps the mirror honest is the layout
+check at load: each struct mirrored here is compared by size with the library's own
+``sizeof`` (``na_struct_size``), and a library that differs, or predates the check, is refused
+with the struct named and both sizes, never called.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LIB_STEM = "_native_attn"
 BUILD_ERROR_FILE = HERE / f"{LIB_STEM}.build-error.txt"
-ABI_VERSION = 5
 # Points the loader at another library file (development, or tests of the "not built" path).
 ENV_LIBRARY = "ATTN_DISPATCH_NATIVE_LIB"
 
@@ -57,12 +62,18 @@ class NaPlanInfo(ctypes.Structure):
     ]  # fmt: skip
 
 
+#: The structs mirrored from csrc/native_attn.h, checked by size against the library at load.
+MIRRORED_STRUCTS: tuple[type[ctypes.Structure], ...] = (NaConfig, NaError, NaPlanInfo)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class NativeLibrary:
     """The loaded library with typed entry points."""
 
     path: Path
     cdll: ctypes.CDLL
+    #: NA_ABI_VERSION of the header the library was built from (read from the library).
+    abi_version: int
 
     @property
     def isa(self) -> str:
@@ -101,6 +112,8 @@ def _declare(cdll: ctypes.CDLL) -> None:
     c_i32, c_i64, vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     cdll.na_abi_version.restype = c_i32
     cdll.na_abi_version.argtypes = []
+    cdll.na_struct_size.restype = c_i64
+    cdll.na_struct_size.argtypes = [ctypes.c_char_p]
     cdll.na_isa.restype = ctypes.c_char_p
     cdll.na_isa.argtypes = []
     cdll.na_isa_list.restype = ctypes.c_char_p
@@ -142,16 +155,43 @@ def _load(path: Path | None) -> NativeLibrary | str:
         return f"not built: library file {str(path)!r} does not exist"
     try:
         cdll = ctypes.CDLL(str(path))
-        _declare(cdll)
-        version = int(cdll.na_abi_version())
+        version = int(_version(cdll))
     except (OSError, AttributeError) as exc:
         return f"not built: cannot load {str(path)!r}: {exc}"
-    if version != ABI_VERSION:
+    try:
+        _declare(cdll)
+    except AttributeError as exc:  # an older library: an entry point this package calls is gone
         return (
-            f"not built: {str(path)!r} has ABI version {version}, this package needs "
-            f"{ABI_VERSION} (rebuild it)"
+            f"not built: {str(path)!r} (ABI version {version}) lacks an entry point this package "
+            f"calls ({exc}); rebuild it (`python setup.py build_ext --inplace`)"
         )
-    return NativeLibrary(path=path, cdll=cdll)
+    mismatch = layout_mismatch(cdll)
+    if mismatch is not None:
+        return f"not built: {str(path)!r} (ABI version {version}): {mismatch}; rebuild it"
+    return NativeLibrary(path=path, cdll=cdll, abi_version=version)
+
+
+def _version(cdll: ctypes.CDLL) -> int:
+    fn = cdll.na_abi_version
+    fn.restype, fn.argtypes = ctypes.c_int32, []
+    return int(fn())
+
+
+def layout_mismatch(
+    cdll: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] | None = None
+) -> str | None:
+    """None when every mirrored struct has the library's size, else which differs and how."""
+    for struct in MIRRORED_STRUCTS if structs is None else structs:
+        name = struct.__name__
+        theirs = int(cdll.na_struct_size(name.encode()))
+        ours = ctypes.sizeof(struct)
+        if theirs != ours:
+            have = "has no such struct" if theirs < 0 else f"has {theirs} bytes"
+            return (
+                f"struct {name} differs between the library and the Python mirror "
+                f"(library: {have}, mirror in {__name__}: {ours} bytes)"
+            )
+    return None
 
 
 def load(path: str | os.PathLike[str] | None = None) -> NativeLibrary | str:
