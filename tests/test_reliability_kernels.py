@@ -454,14 +454,18 @@ _NATIVE_BOUNDS = """
     v = torch.randn(1, 4, 2, 32)
     out = torch.empty(2, 4, 32)
     run = be.library.cdll.na_run
-    ref = ctypes.byref(be._cfg)
+    from attn_dispatch.backends.native._lib import NaRunArgs
 
     def call(plan, q, k, v, out, sinks=None, n_sinks=0, lse=None):
-        return run(plan.handle.ptr, ref, q.data_ptr(), q.numel(), k.data_ptr(), k.numel(),
-                   v.data_ptr(), v.numel(), out.data_ptr(), out.numel(), 0.2,
-                   None if sinks is None else sinks.data_ptr(), n_sinks, 1.0, 1.0,
-                   None if lse is None else lse.data_ptr(), 0 if lse is None else lse.numel(),
-                   2)
+        args = NaRunArgs(
+            q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(),
+            sinks=None if sinks is None else sinks.data_ptr(),
+            lse=None if lse is None else lse.data_ptr(), q_numel=q.numel(), k_numel=k.numel(),
+            v_numel=v.numel(), out_numel=out.numel(), sinks_numel=n_sinks,
+            lse_numel=0 if lse is None else lse.numel(), sm_scale=0.2, k_scale=1.0,
+            v_scale=1.0, num_threads=2,
+        )
+        return run(be._runner, be._issued[id(plan)].plan_id, ctypes.byref(args))
 
     # the big plan's 80 rows and 30 pages against tensors for 2 rows and 1 page
     assert call(pb, q, k, v, out) == -1, "rows past q"
@@ -476,10 +480,11 @@ _NATIVE_BOUNDS = """
     assert call(ps, q, k, v, out) == 0
     print("ctypes ok")
 
-    # The handler path with a forged plan (the small plan carrying the big plan's handle),
-    # the owner check bypassed: the kernel's own bound refuses it.
-    nb.check_owner = lambda *a, **k: None
-    forged = dataclasses.replace(ps, handle=pb.handle)
+    # The handler path with a forged plan (the small plan's private record pointing at the
+    # big plan's C++ id), the Python ownership check bypassed: the kernel's own bound refuses it.
+    nb.check_plan = lambda *a, **k: None
+    be._issued[id(ps)] = dataclasses.replace(be._issued[id(ps)], plan_id=be._issued[id(pb)].plan_id)
+    forged = ps
     try:
         be.handler(Phase.PREFILL)(q, k, v, forged, 0.2)
     except InvalidBatchError as exc:

@@ -33,7 +33,7 @@ class NaConfig(ctypes.Structure):
             (n, ctypes.c_int32)
             for n in (
                 "kind", "q_dtype", "kv_dtype", "num_q_heads", "num_kv_heads", "head_dim",
-                "v_head_dim", "page_size", "split_target", "window_left",
+                "v_head_dim", "page_size", "window_left",
             )
         ),
         ("logit_cap", ctypes.c_float),
@@ -62,8 +62,42 @@ class NaPlanInfo(ctypes.Structure):
     ]  # fmt: skip
 
 
+class NaPlanArgs(ctypes.Structure):
+    _fields_ = [
+        ("num_requests", ctypes.c_int32),
+        ("decode", ctypes.c_int32),
+        ("split_target", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("qo_indptr", ctypes.c_void_p),
+        ("kv_indptr", ctypes.c_void_p),
+        ("kv_indices", ctypes.c_void_p),
+        ("num_indices", ctypes.c_int64),
+        ("kv_lens", ctypes.c_void_p),
+        ("mask", ctypes.c_void_p),
+        ("mask_len", ctypes.c_int64),
+    ]
+
+
+class NaRunArgs(ctypes.Structure):
+    _fields_ = [
+        *((n, ctypes.c_void_p) for n in ("q", "k", "v", "out", "sinks", "lse")),
+        *(
+            (n, ctypes.c_int64)
+            for n in ("q_numel", "k_numel", "v_numel", "out_numel", "sinks_numel", "lse_numel")
+        ),
+        *((n, ctypes.c_float) for n in ("sm_scale", "k_scale", "v_scale")),
+        ("num_threads", ctypes.c_int32),
+    ]
+
+
+# csrc/native_attn.h return codes (NA_OK, NA_BAD_ARGS, ...).
+NA_OK, NA_BAD_ARGS, NA_NO_MEMORY = 0, -1, -2
+NA_UNKNOWN_PLAN, NA_FOREIGN_PLAN, NA_UNKNOWN_RUNNER, NA_BAD_CONFIG = -3, -4, -5, -6
+
 #: The structs mirrored from csrc/native_attn.h, checked by size against the library at load.
-MIRRORED_STRUCTS: tuple[type[ctypes.Structure], ...] = (NaConfig, NaError, NaPlanInfo)
+MIRRORED_STRUCTS: tuple[type[ctypes.Structure], ...] = (
+    NaConfig, NaError, NaPlanInfo, NaPlanArgs, NaRunArgs,
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,7 +143,7 @@ _cache: dict[str, NativeLibrary | str] = {}
 
 
 def _declare(cdll: ctypes.CDLL) -> None:
-    c_i32, c_i64, vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    c_i32, c_i64 = ctypes.c_int32, ctypes.c_int64
     cdll.na_abi_version.restype = c_i32
     cdll.na_abi_version.argtypes = []
     cdll.na_struct_size.restype = c_i64
@@ -120,22 +154,19 @@ def _declare(cdll: ctypes.CDLL) -> None:
     cdll.na_isa_list.argtypes = []
     cdll.na_set_isa.restype = ctypes.c_int
     cdll.na_set_isa.argtypes = [ctypes.c_char_p]
-    cdll.na_plan_create.restype = vp
+    u64, u64p = ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)
+    cdll.na_runner_create.restype = ctypes.c_int
+    cdll.na_runner_create.argtypes = [ctypes.POINTER(NaConfig), u64p]
+    cdll.na_runner_free.restype = None
+    cdll.na_runner_free.argtypes = [u64]
+    cdll.na_plan_create.restype = ctypes.c_int
     cdll.na_plan_create.argtypes = [
-        ctypes.POINTER(NaConfig), c_i32, vp, vp, vp, c_i64, vp, vp, c_i64, c_i32,
-        ctypes.POINTER(NaError),
+        u64, ctypes.POINTER(NaPlanArgs), u64p, ctypes.POINTER(NaPlanInfo), ctypes.POINTER(NaError),
     ]  # fmt: skip
-    cdll.na_plan_free.restype = None
-    cdll.na_plan_free.argtypes = [vp]
-    cdll.na_plan_info.restype = None
-    cdll.na_plan_info.argtypes = [vp, ctypes.POINTER(NaPlanInfo)]
+    cdll.na_plan_free.restype = ctypes.c_int
+    cdll.na_plan_free.argtypes = [u64, u64]
     cdll.na_run.restype = ctypes.c_int
-    # plan, cfg, q, q_numel, k, k_numel, v, v_numel, out, out_numel, sm_scale, sinks,
-    # sinks_numel, k_scale, v_scale, lse, lse_numel, num_threads
-    cdll.na_run.argtypes = [
-        vp, ctypes.POINTER(NaConfig), vp, c_i64, vp, c_i64, vp, c_i64, vp, c_i64,
-        ctypes.c_float, vp, c_i64, ctypes.c_float, ctypes.c_float, vp, c_i64, c_i32,
-    ]  # fmt: skip
+    cdll.na_run.argtypes = [u64, u64, ctypes.POINTER(NaRunArgs)]
 
 
 def _load(path: Path | None) -> NativeLibrary | str:
