@@ -584,6 +584,10 @@ struct PlanEntry {
   uint64_t runner;
 };
 std::mutex g_table_mu;
+// fork() while another thread holds the table lock would leave the child's copy locked
+// forever: hold it across fork so both sides start with it free (the tables are copied whole).
+const int g_table_atfork = pthread_atfork([] { g_table_mu.lock(); }, [] { g_table_mu.unlock(); },
+                                          [] { g_table_mu.unlock(); });
 auto* g_runners = new std::unordered_map<uint64_t, NaConfig>();
 auto* g_plans = new std::unordered_map<uint64_t, PlanEntry>();
 uint64_t g_next_id = 0, g_id_key = 0;
