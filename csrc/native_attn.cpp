@@ -9,10 +9,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -149,7 +152,17 @@ int ceil_div(int64_t a, int64_t b) { return int((a + b - 1) / b); }
 
 extern "C" {
 
-int32_t na_abi_version(void) { return 5; }
+int32_t na_abi_version(void) { return NA_ABI_VERSION; }
+
+int64_t na_struct_size(const char* name) {
+  if (name == nullptr) return -1;
+  if (std::strcmp(name, "NaConfig") == 0) return int64_t(sizeof(NaConfig));
+  if (std::strcmp(name, "NaError") == 0) return int64_t(sizeof(NaError));
+  if (std::strcmp(name, "NaPlanInfo") == 0) return int64_t(sizeof(NaPlanInfo));
+  if (std::strcmp(name, "NaPlanArgs") == 0) return int64_t(sizeof(NaPlanArgs));
+  if (std::strcmp(name, "NaRunArgs") == 0) return int64_t(sizeof(NaRunArgs));
+  return -1;
+}
 
 const char* na_isa(void) { return kernels()->name; }
 
@@ -177,6 +190,7 @@ const char* na_isa_list(void) {
 
 struct NaPlan {
   NaConfig cfg;
+  int32_t split_target = 1;
   int32_t causal = 1;
   int32_t num_requests = 0;
   int64_t num_tokens = 0, max_page = -1, scratch_rows = 0;
@@ -190,14 +204,6 @@ struct NaPlan {
 };
 
 namespace {
-
-bool same_config(const NaConfig& a, const NaConfig& b) {
-  return a.kind == b.kind && a.q_dtype == b.q_dtype && a.kv_dtype == b.kv_dtype &&
-         a.num_q_heads == b.num_q_heads && a.num_kv_heads == b.num_kv_heads &&
-         a.head_dim == b.head_dim && a.v_head_dim == b.v_head_dim && a.page_size == b.page_size &&
-         a.window_left == b.window_left && a.logit_cap == b.logit_cap &&
-         a.causal == b.causal && a.chunk_size == b.chunk_size;
-}
 
 bool config_ok(const NaConfig& c) {
   auto dtype_ok = [](int d) { return d == NA_F32 || d == NA_BF16 || d == NA_F16; };
@@ -469,7 +475,7 @@ int make_items(NaPlan& P) {
   }
   // Split the keys only when the tiles alone cannot keep every thread busy. The target is
   // chosen by the caller from a fixed floor, so small thread counts plan the same splits.
-  const int64_t target = std::max(1, c.split_target);
+  const int64_t target = std::max(1, P.split_target);
   const int want = tiles > 0 && tiles < target ? ceil_div(target, tiles) : 1;
   // How a span of keys is cut: (splits, keys per split), splits 1 meaning whole.
   auto cut = [&](int span) {
@@ -556,7 +562,52 @@ int make_items(NaPlan& P) {
     }
   }
   P.scratch_rows = rows_used;
+  // Every output row is written by exactly one direct tile or merge: the handler hands back
+  // an output it never filled otherwise. Checked once per plan (a planner bug, never input).
+  int64_t covered = 0;
+  for (const NaItem& it : P.items) {
+    if (it.slot < 0) covered += int64_t(it.kv_head_end - it.kv_head) * (it.h1 - it.h0) * (it.q1 - it.q0);
+  }
+  for (const NaMerge& mg : P.merges) {
+    covered += int64_t(mg.kv_head_end - mg.kv_head) * (mg.h1 - mg.h0) * (mg.q1 - mg.q0);
+  }
+  if (covered != P.num_tokens * Hq) return NA_E_INTERNAL;
   return 0;
+}
+
+// The library's tables of live runners and plans. Ids are a 64-bit counter passed through a
+// bijective mixer keyed per process, so they are never reused (a freed id stays dead) and
+// not guessable from one another. The maps are leaked on purpose: no destructor runs at exit
+// while another thread may still be inside na_run.
+struct PlanEntry {
+  std::shared_ptr<const NaPlan> plan;
+  uint64_t runner;
+};
+std::mutex g_table_mu;
+// fork() while another thread holds the table lock would leave the child's copy locked
+// forever: hold it across fork so both sides start with it free (the tables are copied whole).
+const int g_table_atfork = pthread_atfork([] { g_table_mu.lock(); }, [] { g_table_mu.unlock(); },
+                                          [] { g_table_mu.unlock(); });
+auto* g_runners = new std::unordered_map<uint64_t, NaConfig>();
+auto* g_plans = new std::unordered_map<uint64_t, PlanEntry>();
+uint64_t g_next_id = 0, g_id_key = 0;
+
+uint64_t mix64(uint64_t x) {  // splitmix64's finaliser: a bijection on 64-bit values
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+uint64_t new_id_locked() {
+  if (g_id_key == 0) {
+    std::random_device rd;
+    g_id_key = (uint64_t(rd()) << 32 | rd()) ^ uint64_t(reinterpret_cast<uintptr_t>(&g_next_id));
+  }
+  for (;;) {
+    const uint64_t id = mix64(++g_next_id ^ g_id_key);
+    if (id != 0 && !g_runners->count(id) && !g_plans->count(id)) return id;
+  }
 }
 
 // The calling thread's scratch for split-KV partial results: each call has its own, so
@@ -567,74 +618,126 @@ thread_local std::vector<float> tls_scratch;
 
 extern "C" {
 
-NaPlan* na_plan_create(const NaConfig* cfg, int32_t num_requests, const int32_t* qo_indptr,
-                       const int32_t* kv_indptr, const int32_t* kv_indices, int64_t num_indices,
-                       const int32_t* kv_lens, const uint8_t* mask, int64_t mask_len,
-                       int32_t decode, NaError* err) {
-  if (err) *err = NaError{0, -1, 0, 0};
-  if (cfg == nullptr || !config_ok(*cfg) || num_requests < 0 || num_indices < 0 ||
-      qo_indptr == nullptr || kv_indptr == nullptr ||
-      (num_requests > 0 && kv_lens == nullptr) || (num_indices > 0 && kv_indices == nullptr) ||
-      (mask == nullptr && mask_len != 0) || mask_len < 0) {
-    fail(err, NA_E_CONFIG, -1);
-    return nullptr;
-  }
-  NaPlan* P = nullptr;
+int na_runner_create(const NaConfig* cfg, uint64_t* runner) {
+  if (cfg == nullptr || runner == nullptr || !config_ok(*cfg)) return NA_BAD_CONFIG;
   try {
-    P = new NaPlan();
-    P->cfg = *cfg;
-    P->num_requests = num_requests;
-    int rc = validate(*P, qo_indptr, kv_indptr, kv_indices, num_indices, kv_lens, mask,
-                      mask_len, decode, err);
+    std::lock_guard<std::mutex> lk(g_table_mu);
+    const uint64_t id = new_id_locked();
+    g_runners->emplace(id, *cfg);
+    *runner = id;
+  } catch (const std::bad_alloc&) {
+    return NA_NO_MEMORY;
+  }
+  return NA_OK;
+}
+
+void na_runner_free(uint64_t runner) {
+  std::lock_guard<std::mutex> lk(g_table_mu);
+  if (g_runners->erase(runner) == 0) return;
+  for (auto it = g_plans->begin(); it != g_plans->end();) {
+    it = it->second.runner == runner ? g_plans->erase(it) : std::next(it);
+  }
+}
+
+int na_plan_create(uint64_t runner, const NaPlanArgs* a, uint64_t* plan_id, NaPlanInfo* info,
+                   NaError* err) {
+  if (err) *err = NaError{0, -1, 0, 0};
+  NaConfig cfg;
+  {
+    std::lock_guard<std::mutex> lk(g_table_mu);
+    auto found = g_runners->find(runner);
+    if (found == g_runners->end()) return NA_UNKNOWN_RUNNER;
+    cfg = found->second;
+  }
+  if (a == nullptr || plan_id == nullptr || info == nullptr || a->num_requests < 0 ||
+      a->num_indices < 0 || a->qo_indptr == nullptr || a->kv_indptr == nullptr ||
+      (a->num_requests > 0 && a->kv_lens == nullptr) ||
+      (a->num_indices > 0 && a->kv_indices == nullptr) ||
+      (a->mask == nullptr && a->mask_len != 0) || a->mask_len < 0) {
+    fail(err, NA_E_CONFIG, -1);
+    return NA_BAD_ARGS;
+  }
+  std::shared_ptr<NaPlan> P;
+  try {
+    P = std::make_shared<NaPlan>();
+    P->cfg = cfg;
+    P->split_target = std::max(1, a->split_target);
+    P->num_requests = a->num_requests;
+    int rc = validate(*P, a->qo_indptr, a->kv_indptr, a->kv_indices, a->num_indices, a->kv_lens,
+                      a->mask, a->mask_len, a->decode, err);
     if (rc == 0) {
       rc = make_items(*P);
       if (rc != 0) fail(err, rc, -1);
     }
-    if (rc != 0) {
-      delete P;
-      return nullptr;
-    }
+    if (rc != 0) return NA_BAD_ARGS;
+    *info = NaPlanInfo{P->num_tokens,    P->num_requests,
+                       P->max_page,      int64_t(P->items.size()),
+                       int64_t(P->merges.size()), P->scratch_rows,
+                       P->cascade_groups, P->cascade_requests,
+                       P->cascade_keys};
+    std::lock_guard<std::mutex> lk(g_table_mu);
+    if (!g_runners->count(runner)) return NA_UNKNOWN_RUNNER;  // freed meanwhile
+    const uint64_t id = new_id_locked();
+    g_plans->emplace(id, PlanEntry{std::move(P), runner});
+    *plan_id = id;
   } catch (const std::bad_alloc&) {
-    delete P;
     fail(err, NA_E_NO_MEMORY, -1);
-    return nullptr;
+    return NA_NO_MEMORY;
   }
-  return P;
+  return NA_OK;
 }
 
-void na_plan_free(NaPlan* plan) { delete plan; }
-
-void na_plan_info(const NaPlan* P, NaPlanInfo* info) {
-  *info = NaPlanInfo{P->num_tokens,    P->num_requests,
-                     P->max_page,      int64_t(P->items.size()),
-                     int64_t(P->merges.size()), P->scratch_rows,
-                     P->cascade_groups, P->cascade_requests,
-                     P->cascade_keys};
+int na_plan_free(uint64_t runner, uint64_t plan) {
+  std::shared_ptr<const NaPlan> dead;  // destroyed after the lock is released
+  std::lock_guard<std::mutex> lk(g_table_mu);
+  auto found = g_plans->find(plan);
+  if (found == g_plans->end()) return NA_UNKNOWN_PLAN;
+  if (found->second.runner != runner) return NA_FOREIGN_PLAN;
+  dead = std::move(found->second.plan);
+  g_plans->erase(found);
+  return NA_OK;
 }
 
-int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, int64_t q_numel,
-           const void* k, int64_t k_numel, const void* v, int64_t v_numel, void* out,
-           int64_t out_numel, float sm_scale, const float* sinks, int64_t sinks_numel,
-           float k_scale, float v_scale, float* lse, int64_t lse_numel, int32_t num_threads) {
-  if (plan == nullptr || cfg == nullptr || !same_config(plan->cfg, *cfg)) return -1;
+int na_run(uint64_t runner, uint64_t plan_id, const NaRunArgs* a) {
+  std::shared_ptr<const NaPlan> held;  // keeps the plan alive through the call, freed or not
+  {
+    std::lock_guard<std::mutex> lk(g_table_mu);
+    if (!g_runners->count(runner)) return NA_UNKNOWN_RUNNER;
+    auto found = g_plans->find(plan_id);
+    if (found == g_plans->end()) return NA_UNKNOWN_PLAN;
+    if (found->second.runner != runner) return NA_FOREIGN_PLAN;
+    held = found->second.plan;
+  }
+  if (a == nullptr) return NA_BAD_ARGS;
+  const NaPlan* plan = held.get();
   const NaConfig& c = plan->cfg;
   const bool mla = c.kind == NA_MLA;
-  if (plan->items.empty()) return 0;
-  if (q == nullptr || k == nullptr || out == nullptr || (!mla && v == nullptr)) return -1;
+  const void *q = a->q, *k = a->k, *v = a->v;
+  void* out = a->out;
+  const int64_t q_numel = a->q_numel, k_numel = a->k_numel, v_numel = a->v_numel;
+  const int64_t out_numel = a->out_numel, sinks_numel = a->sinks_numel;
+  const int64_t lse_numel = a->lse_numel;
+  const float* sinks = a->sinks;
+  float* lse = a->lse;
+  const float sm_scale = a->sm_scale, k_scale = a->k_scale, v_scale = a->v_scale;
+  const int32_t num_threads = a->num_threads;
+  // out and lse hold exactly the plan's rows: every one of them is written below.
+  const int64_t T = plan->num_tokens, Hq = c.num_q_heads;
+  if (out_numel != T * Hq * c.v_head_dim) return NA_BAD_ARGS;
+  if (lse != nullptr && lse_numel != T * Hq) return NA_BAD_ARGS;
+  if (plan->items.empty()) return NA_OK;
+  if (q == nullptr || k == nullptr || out == nullptr || (!mla && v == nullptr)) return NA_BAD_ARGS;
   // Every row and page the plan names must lie inside the tensors given (64-bit products:
   // the factors are int32, so no overflow).
-  const int64_t T = plan->num_tokens, Hq = c.num_q_heads;
-  if (q_numel < 0 || T * Hq * c.head_dim > q_numel) return -1;
-  if (out_numel < 0 || T * Hq * c.v_head_dim > out_numel) return -1;
+  if (q_numel < 0 || T * Hq * c.head_dim > q_numel) return NA_BAD_ARGS;
   const int64_t pages = plan->max_page + 1;
   const int64_t k_page = int64_t(c.page_size) * (mla ? 1 : c.num_kv_heads) * c.head_dim;
-  if (k_numel < 0 || pages * k_page > k_numel) return -1;
+  if (k_numel < 0 || pages * k_page > k_numel) return NA_BAD_ARGS;
   if (!mla && (v_numel < 0 || pages * int64_t(c.page_size) * c.num_kv_heads * c.v_head_dim >
                                   v_numel)) {
-    return -1;
+    return NA_BAD_ARGS;
   }
-  if (sinks != nullptr && sinks_numel < Hq) return -1;
-  if (lse != nullptr && (lse_numel < 0 || T * Hq > lse_numel)) return -1;
+  if (sinks != nullptr && sinks_numel < Hq) return NA_BAD_ARGS;
   NaProblem p{};
   p.q = q;
   p.k = k;

@@ -2,6 +2,11 @@
 // Every pointer is host memory. na_plan_create validates the batch (every index it will
 // follow) and keeps private copies of it; na_run checks the tensors' page counts against the
 // plan, so the kernels only ever read memory inside the tensors they are given.
+//
+// The library never trusts a pointer handed back by the caller: runners (one per backend
+// object, holding its config) and plans live in tables owned by the library and are named by
+// opaque 64-bit ids that are never reused (a freed id stays dead). Each plan is bound to the
+// runner that made it; na_run looks both up and refuses an unknown, freed or foreign id.
 #ifndef NATIVE_ATTN_H
 #define NATIVE_ATTN_H
 #include <stdint.h>
@@ -11,6 +16,11 @@
 #else
 #define NA_API
 #endif
+
+// The one definition of the ABI version: na_abi_version() returns it; Python reads it from the
+// library (never a second literal) and checks each struct it mirrors with na_struct_size.
+// Bump it with any change to a struct, an entry point's arguments or their meaning.
+#define NA_ABI_VERSION 7
 
 #ifdef __cplusplus
 extern "C" {
@@ -24,7 +34,6 @@ enum { NA_MHA = 0, NA_MLA = 1 };
 typedef struct {
   int32_t kind, q_dtype, kv_dtype;
   int32_t num_q_heads, num_kv_heads, head_dim, v_head_dim, page_size;
-  int32_t split_target;  // split-KV aims for at least this many work items
   int32_t window_left;   // -1: full attention; else a query at p sees keys p-window_left ..= p
   float logit_cap;       // 0: off; else s = cap * tanh(s / cap) after scaling
   int32_t causal;        // 1: bottom-right causal (without a custom mask); 0: every key
@@ -45,13 +54,12 @@ enum {
   NA_E_MASK = 7,
   NA_E_TOO_LARGE = 8,
   NA_E_NO_MEMORY = 9,
+  NA_E_INTERNAL = 10,  // the planner's own invariant failed (a bug, never the input)
 };
 typedef struct {
   int32_t field, request;
   int64_t a, b;
 } NaError;
-
-typedef struct NaPlan NaPlan;  // opaque; owns copies of every index array it uses
 
 typedef struct {
   int64_t num_tokens, num_requests, max_page, num_items, num_merges, scratch_rows;
@@ -60,41 +68,78 @@ typedef struct {
   int64_t cascade_groups, cascade_requests, cascade_keys;
 } NaPlanInfo;
 
-// Validates and plans one batch. qo_indptr, kv_indptr [B+1], kv_lens [B], kv_indices
-// [num_indices], mask (bytes, NULL: causal) [mask_len]. decode: every request has one query.
-// Returns NULL and fills *err when the batch is refused.
-NA_API NaPlan* na_plan_create(const NaConfig* cfg, int32_t num_requests,
-                              const int32_t* qo_indptr, const int32_t* kv_indptr,
-                              const int32_t* kv_indices, int64_t num_indices,
-                              const int32_t* kv_lens, const uint8_t* mask, int64_t mask_len,
-                              int32_t decode, NaError* err);
-NA_API void na_plan_free(NaPlan* plan);
-NA_API void na_plan_info(const NaPlan* plan, NaPlanInfo* info);
+// One batch to plan. qo_indptr, kv_indptr [B+1], kv_lens [B], kv_indices [num_indices],
+// mask (bytes, NULL: causal) [mask_len]. decode: every request has one query. split_target:
+// split-KV aims for at least this many work items.
+typedef struct {
+  int32_t num_requests, decode, split_target, reserved;
+  const int32_t* qo_indptr;
+  const int32_t* kv_indptr;
+  const int32_t* kv_indices;
+  int64_t num_indices;
+  const int32_t* kv_lens;
+  const uint8_t* mask;
+  int64_t mask_len;
+} NaPlanArgs;
 
-// Runs one layer. q [T, Hq, D], k [k_pages, ps, Hkv, D] (MLA: [k_pages, ps, D]),
-// v [v_pages, ps, Hkv, Dv] (MLA: NULL), out [T, Hq, Dv], all contiguous, dtypes as cfg.
-// *_numel: the number of elements each tensor holds. The kernels never index past them,
-// whatever the plan says: a plan whose tokens, pages or heads do not fit the tensors given
-// (a plan made for another batch, a forged handle) is refused before any kernel runs.
+// One layer call. q [T, Hq, D], k [k_pages, ps, Hkv, D] (MLA: [k_pages, ps, D]),
+// v [v_pages, ps, Hkv, Dv] (MLA: NULL), out [T, Hq, Dv], all contiguous, dtypes as the
+// runner's config. *_numel: the number of elements each tensor holds. The kernels never index
+// past them, whatever the plan says: a plan whose tokens, pages or heads do not fit the tensors
+// given is refused before any kernel runs; out (and lse) must hold exactly the plan's rows.
 // sinks: NULL or float32 [sinks_numel >= Hq] (one logit per q head, joins the softmax
 // denominator only). k_scale / v_scale: FP8 caches' dequantisation factors (1 otherwise; MLA
 // uses k_scale for the latent, V included).
-// lse: NULL or float32 [lse_numel >= T * Hq]: each row's natural log of the sum of exp of its
+// lse: NULL or float32 [lse_numel == T * Hq]: each row's natural log of the sum of exp of its
 // scores (sink included), -inf for a row that saw no key, NaN for a NaN row.
-// Returns 0; -1 bad arguments (config differs from the plan's, a tensor too small for the
-// plan); -2 out of memory.
-NA_API int na_run(const NaPlan* plan, const NaConfig* cfg, const void* q, int64_t q_numel,
-                  const void* k, int64_t k_numel, const void* v, int64_t v_numel, void* out,
-                  int64_t out_numel, float sm_scale, const float* sinks, int64_t sinks_numel,
-                  float k_scale, float v_scale, float* lse, int64_t lse_numel,
-                  int32_t num_threads);
+typedef struct {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  const float* sinks;
+  float* lse;
+  int64_t q_numel, k_numel, v_numel, out_numel, sinks_numel, lse_numel;
+  float sm_scale, k_scale, v_scale;
+  int32_t num_threads;
+} NaRunArgs;
+
+// Return codes of the entry points below.
+enum {
+  NA_OK = 0,
+  NA_BAD_ARGS = -1,       // a tensor too small for the plan, out/lse not the plan's size
+  NA_NO_MEMORY = -2,      // a per-thread buffer could not be allocated
+  NA_UNKNOWN_PLAN = -3,   // never issued, or freed
+  NA_FOREIGN_PLAN = -4,   // a live plan of another runner
+  NA_UNKNOWN_RUNNER = -5, // never created, or freed
+  NA_BAD_CONFIG = -6,     // na_runner_create: the config is refused
+};
+
+// A runner: one backend object's config, kept by the library. *runner receives its id.
+NA_API int na_runner_create(const NaConfig* cfg, uint64_t* runner);
+// Frees the runner and every plan it still has; an unknown id is ignored.
+NA_API void na_runner_free(uint64_t runner);
+
+// Validates and plans one batch for `runner`. Returns NA_OK with *plan and *info filled, a
+// NA_UNKNOWN_RUNNER, or NA_BAD_ARGS with *err naming the refused field.
+NA_API int na_plan_create(uint64_t runner, const NaPlanArgs* args, uint64_t* plan,
+                          NaPlanInfo* info, NaError* err);
+// Frees a plan of `runner`: NA_OK, or NA_UNKNOWN_PLAN / NA_FOREIGN_PLAN (nothing freed).
+NA_API int na_plan_free(uint64_t runner, uint64_t plan);
+
+// Runs one layer with a live plan of `runner`. Returns NA_OK or a code above.
+NA_API int na_run(uint64_t runner, uint64_t plan, const NaRunArgs* args);
 
 // Instruction-set path: name of the one in use, and forcing one ("generic", "avx2",
 // "avx512", "avx512bf16"); returns 0 when set, -1 when this CPU/build lacks it.
 NA_API const char* na_isa(void);
 NA_API int na_set_isa(const char* name);
 NA_API const char* na_isa_list(void);  // comma-separated paths this CPU and build can run
-NA_API int32_t na_abi_version(void);
+NA_API int32_t na_abi_version(void);  // NA_ABI_VERSION
+// sizeof the named struct of this header ("NaConfig", "NaError", "NaPlanInfo", "NaPlanArgs",
+// "NaRunArgs"); -1 for a name
+// this library does not have. The Python mirror refuses a library whose sizes differ from its.
+NA_API int64_t na_struct_size(const char* name);
 
 #ifdef __cplusplus
 }

@@ -91,7 +91,7 @@ def test_replaced_plan_is_refused(backend: str) -> None:
         dataclasses.replace(plan, **{snap_field: getattr(other, snap_field)}),
     ]
     if backend == "native":
-        forged.append(dataclasses.replace(plan, handle=other.handle))
+        forged.append(dataclasses.replace(plan, num_tokens=other.num_tokens))
     for bad in forged:
         with pytest.raises(InvalidBatchError, match="copy of a plan") as err:
             run(q, k, v, bad, 0.25)

@@ -3,6 +3,12 @@
 The library is a plain C ABI shared object built by ``setup.py`` next to this file
 (``_native_attn<EXT_SUFFIX>``). When the build failed, ``setup.py`` leaves the reason in
 ``_native_attn.build-error.txt`` and the backend reports "not built: <why>".
+
+The ABI version is defined once, ``NA_ABI_VERSION`` in ``csrc/native_attn.h``; Python reads it
+from the library (``NativeLibrary.abi_version``). What keeps the mirror honest is the layout
+check at load: each struct mirrored here is compared by size with the library's own
+``sizeof`` (``na_struct_size``), and a library that differs, or predates the check, is refused
+with the struct named and both sizes, never called.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LIB_STEM = "_native_attn"
 BUILD_ERROR_FILE = HERE / f"{LIB_STEM}.build-error.txt"
-ABI_VERSION = 5
 # Points the loader at another library file (development, or tests of the "not built" path).
 ENV_LIBRARY = "ATTN_DISPATCH_NATIVE_LIB"
 
@@ -28,7 +33,7 @@ class NaConfig(ctypes.Structure):
             (n, ctypes.c_int32)
             for n in (
                 "kind", "q_dtype", "kv_dtype", "num_q_heads", "num_kv_heads", "head_dim",
-                "v_head_dim", "page_size", "split_target", "window_left",
+                "v_head_dim", "page_size", "window_left",
             )
         ),
         ("logit_cap", ctypes.c_float),
@@ -57,12 +62,52 @@ class NaPlanInfo(ctypes.Structure):
     ]  # fmt: skip
 
 
+class NaPlanArgs(ctypes.Structure):
+    _fields_ = [
+        ("num_requests", ctypes.c_int32),
+        ("decode", ctypes.c_int32),
+        ("split_target", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("qo_indptr", ctypes.c_void_p),
+        ("kv_indptr", ctypes.c_void_p),
+        ("kv_indices", ctypes.c_void_p),
+        ("num_indices", ctypes.c_int64),
+        ("kv_lens", ctypes.c_void_p),
+        ("mask", ctypes.c_void_p),
+        ("mask_len", ctypes.c_int64),
+    ]
+
+
+class NaRunArgs(ctypes.Structure):
+    _fields_ = [
+        *((n, ctypes.c_void_p) for n in ("q", "k", "v", "out", "sinks", "lse")),
+        *(
+            (n, ctypes.c_int64)
+            for n in ("q_numel", "k_numel", "v_numel", "out_numel", "sinks_numel", "lse_numel")
+        ),
+        *((n, ctypes.c_float) for n in ("sm_scale", "k_scale", "v_scale")),
+        ("num_threads", ctypes.c_int32),
+    ]
+
+
+# csrc/native_attn.h return codes (NA_OK, NA_BAD_ARGS, ...).
+NA_OK, NA_BAD_ARGS, NA_NO_MEMORY = 0, -1, -2
+NA_UNKNOWN_PLAN, NA_FOREIGN_PLAN, NA_UNKNOWN_RUNNER, NA_BAD_CONFIG = -3, -4, -5, -6
+
+#: The structs mirrored from csrc/native_attn.h, checked by size against the library at load.
+MIRRORED_STRUCTS: tuple[type[ctypes.Structure], ...] = (
+    NaConfig, NaError, NaPlanInfo, NaPlanArgs, NaRunArgs,
+)  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class NativeLibrary:
     """The loaded library with typed entry points."""
 
     path: Path
     cdll: ctypes.CDLL
+    #: NA_ABI_VERSION of the header the library was built from (read from the library).
+    abi_version: int
 
     @property
     def isa(self) -> str:
@@ -98,31 +143,30 @@ _cache: dict[str, NativeLibrary | str] = {}
 
 
 def _declare(cdll: ctypes.CDLL) -> None:
-    c_i32, c_i64, vp = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    c_i32, c_i64 = ctypes.c_int32, ctypes.c_int64
     cdll.na_abi_version.restype = c_i32
     cdll.na_abi_version.argtypes = []
+    cdll.na_struct_size.restype = c_i64
+    cdll.na_struct_size.argtypes = [ctypes.c_char_p]
     cdll.na_isa.restype = ctypes.c_char_p
     cdll.na_isa.argtypes = []
     cdll.na_isa_list.restype = ctypes.c_char_p
     cdll.na_isa_list.argtypes = []
     cdll.na_set_isa.restype = ctypes.c_int
     cdll.na_set_isa.argtypes = [ctypes.c_char_p]
-    cdll.na_plan_create.restype = vp
+    u64, u64p = ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)
+    cdll.na_runner_create.restype = ctypes.c_int
+    cdll.na_runner_create.argtypes = [ctypes.POINTER(NaConfig), u64p]
+    cdll.na_runner_free.restype = None
+    cdll.na_runner_free.argtypes = [u64]
+    cdll.na_plan_create.restype = ctypes.c_int
     cdll.na_plan_create.argtypes = [
-        ctypes.POINTER(NaConfig), c_i32, vp, vp, vp, c_i64, vp, vp, c_i64, c_i32,
-        ctypes.POINTER(NaError),
+        u64, ctypes.POINTER(NaPlanArgs), u64p, ctypes.POINTER(NaPlanInfo), ctypes.POINTER(NaError),
     ]  # fmt: skip
-    cdll.na_plan_free.restype = None
-    cdll.na_plan_free.argtypes = [vp]
-    cdll.na_plan_info.restype = None
-    cdll.na_plan_info.argtypes = [vp, ctypes.POINTER(NaPlanInfo)]
+    cdll.na_plan_free.restype = ctypes.c_int
+    cdll.na_plan_free.argtypes = [u64, u64]
     cdll.na_run.restype = ctypes.c_int
-    # plan, cfg, q, q_numel, k, k_numel, v, v_numel, out, out_numel, sm_scale, sinks,
-    # sinks_numel, k_scale, v_scale, lse, lse_numel, num_threads
-    cdll.na_run.argtypes = [
-        vp, ctypes.POINTER(NaConfig), vp, c_i64, vp, c_i64, vp, c_i64, vp, c_i64,
-        ctypes.c_float, vp, c_i64, ctypes.c_float, ctypes.c_float, vp, c_i64, c_i32,
-    ]  # fmt: skip
+    cdll.na_run.argtypes = [u64, u64, ctypes.POINTER(NaRunArgs)]
 
 
 def _load(path: Path | None) -> NativeLibrary | str:
@@ -142,16 +186,43 @@ def _load(path: Path | None) -> NativeLibrary | str:
         return f"not built: library file {str(path)!r} does not exist"
     try:
         cdll = ctypes.CDLL(str(path))
-        _declare(cdll)
-        version = int(cdll.na_abi_version())
+        version = int(_version(cdll))
     except (OSError, AttributeError) as exc:
         return f"not built: cannot load {str(path)!r}: {exc}"
-    if version != ABI_VERSION:
+    try:
+        _declare(cdll)
+    except AttributeError as exc:  # an older library: an entry point this package calls is gone
         return (
-            f"not built: {str(path)!r} has ABI version {version}, this package needs "
-            f"{ABI_VERSION} (rebuild it)"
+            f"not built: {str(path)!r} (ABI version {version}) lacks an entry point this package "
+            f"calls ({exc}); rebuild it (`python setup.py build_ext --inplace`)"
         )
-    return NativeLibrary(path=path, cdll=cdll)
+    mismatch = layout_mismatch(cdll)
+    if mismatch is not None:
+        return f"not built: {str(path)!r} (ABI version {version}): {mismatch}; rebuild it"
+    return NativeLibrary(path=path, cdll=cdll, abi_version=version)
+
+
+def _version(cdll: ctypes.CDLL) -> int:
+    fn = cdll.na_abi_version
+    fn.restype, fn.argtypes = ctypes.c_int32, []
+    return int(fn())
+
+
+def layout_mismatch(
+    cdll: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] | None = None
+) -> str | None:
+    """None when every mirrored struct has the library's size, else which differs and how."""
+    for struct in MIRRORED_STRUCTS if structs is None else structs:
+        name = struct.__name__
+        theirs = int(cdll.na_struct_size(name.encode()))
+        ours = ctypes.sizeof(struct)
+        if theirs != ours:
+            have = "has no such struct" if theirs < 0 else f"has {theirs} bytes"
+            return (
+                f"struct {name} differs between the library and the Python mirror "
+                f"(library: {have}, mirror in {__name__}: {ours} bytes)"
+            )
+    return None
 
 
 def load(path: str | os.PathLike[str] | None = None) -> NativeLibrary | str:

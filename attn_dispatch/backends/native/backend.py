@@ -2,16 +2,28 @@
 C++ (ctypes).
 
 ``plan`` runs the shared batch contract (``attn_dispatch._snapshot.BatchSnapshot``), then
-``na_plan_create``, which re-checks every index it will follow and keeps private copies of them;
-the plan is owned by the backend object that made it. Each layer call checks its tensors against
-the plan (``TensorChecks``) before one ``na_run``. A bad batch, tensor or plan is an
-``InvalidBatchError`` naming the field, never a wild read in C++."""
+``na_plan_create``, which re-checks every index it will follow and keeps private copies of
+them; the plan is owned by the backend object that made it. Each layer call checks its tensors against the plan
+(``TensorChecks``) before one ``na_run``. A bad batch, tensor or plan is an
+``InvalidBatchError`` naming the field, never a wild read in C++.
+
+Nothing the kernels trust travels in the plan object. The C++ library keeps its own tables:
+each backend object is a runner there (its config, fixed at construction) and each plan an
+entry bound to that runner, both named by 64-bit ids it never reuses. The plan's id lives in
+this backend's private table keyed by the plan object's identity (a weak reference: the C++
+plan is freed with the Python one), never in a field of the plan, and ``na_run`` refuses an
+unknown, freed or other runner's id by itself. A plan's fields are informational: editing
+them (``object.__setattr__``) changes nothing a kernel reads, and ``out`` is sized from the
+library's own row count (``na_run`` refuses any other size, so no row is left unwritten).
+"""
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
 import functools
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -31,9 +43,16 @@ from attn_dispatch._snapshot import BatchSnapshot
 from attn_dispatch._tensor_checks import TensorChecks
 from attn_dispatch._values import call_scale
 from attn_dispatch.backends.native import MAX_HEAD_DIM
+from attn_dispatch.backends.native._lib import NA_FOREIGN_PLAN
+from attn_dispatch.backends.native._lib import NA_NO_MEMORY
+from attn_dispatch.backends.native._lib import NA_OK
+from attn_dispatch.backends.native._lib import NA_UNKNOWN_PLAN
+from attn_dispatch.backends.native._lib import NA_UNKNOWN_RUNNER
 from attn_dispatch.backends.native._lib import NaConfig
 from attn_dispatch.backends.native._lib import NaError
+from attn_dispatch.backends.native._lib import NaPlanArgs
 from attn_dispatch.backends.native._lib import NaPlanInfo
+from attn_dispatch.backends.native._lib import NaRunArgs
 from attn_dispatch.backends.native._lib import NativeLibrary
 from attn_dispatch.backends.native._lib import load
 
@@ -46,34 +65,42 @@ _E_FIELDS = {
     2: "qo_indptr", 3: "kv_indptr", 4: "kv_lens", 5: "kv_indices", 6: "qo_indptr",
     7: "custom_mask", 8: "kv_lens",
 }  # fmt: skip
+_RUN_REFUSALS = {
+    NA_UNKNOWN_PLAN: "names no live plan of the native library (freed, or never issued)",
+    NA_FOREIGN_PLAN: "is a live plan of another native runner (another backend object)",
+    NA_UNKNOWN_RUNNER: "was run on a native runner the library no longer has",
+}
 # Split-KV aims for at least this many work items whatever the thread count, so plans (and
 # therefore results, bit for bit) are the same for 1..8 threads; more threads raise it.
 SPLIT_FLOOR = 32
 _INT32_MAX = 2**31 - 1
 
 
-class _PlanHandle:
-    """Owns one C++ plan (private copies of the batch's index arrays and the work items)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Issued:
+    """This backend's private record of one plan: what the kernels trust, from the library."""
 
-    __slots__ = ("_free", "ptr")
+    ref: weakref.ref[Any]  # the plan object (identity; a copy or a stand-in never matches)
+    plan_id: int  # the library's id of the C++ plan
+    phase: Phase
+    num_tokens: int  # rows of the output, from the library's own count
 
-    def __init__(self, ptr: int, free: Any) -> None:
-        self.ptr = ptr
-        self._free = free
 
-    def __del__(self) -> None:
-        free, self._free = self._free, None
-        if free is not None:
-            free(self.ptr)
+def _free_plan(free: Any, runner: int, plan_id: int) -> None:
+    try:
+        free(runner, plan_id)
+    except Exception:  # interpreter shutdown: the library may already be gone
+        pass
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class NativePlan(PlanBase):
     """What ``NativeBackend.plan`` computed for one forward (shared by every layer).
 
-    Immutable: the C++ side holds private copies of every index array the kernels read, so
-    later edits to the batch's tensors never reach them. Only the backend object that made a
-    plan accepts it (``owner``).
+    Immutable, and informational only: the C++ side holds private copies of every index array
+    the kernels read (later edits to the batch's tensors, or to ``snapshot``, never reach
+    them), and the C++ plan's id is kept by the backend that made it, keyed by this object's
+    identity, never in a field here. Only the backend object that made a plan accepts it.
     """
 
     owner: NativeBackend
@@ -83,7 +110,6 @@ class NativePlan(PlanBase):
     max_page: int  # largest page index referenced, -1 when none
     num_items: int
     num_merges: int
-    handle: _PlanHandle
     snapshot: BatchSnapshot  # the shared validator's view (per-call tensor checks read it)
     #: Cascade: groups of requests whose page tables start with the same pages (read once per
     #: group), the requests in them, and the shared keys summed over the groups. 0 when off.
@@ -119,6 +145,12 @@ class NativeBackend(BackendBase):
     """
 
     name = "native"
+
+    @property
+    def abi_version(self) -> int:
+        """The C ABI version of the loaded kernel library (``NA_ABI_VERSION``): the build
+        ``attn_dispatch.distributed.check_agreement`` compares across ranks."""
+        return self.library.abi_version
 
     def __init__(
         self,
@@ -179,7 +211,6 @@ class NativeBackend(BackendBase):
             config.head_dim,
             self.v_head_dim,
             config.page_size,
-            0,
             window_c,
             cap,
             1 if config.causal else 0,
@@ -187,12 +218,20 @@ class NativeBackend(BackendBase):
             1 if cascade else 0,
         )
         self.cascade = cascade
-        self._cfg_ref = ctypes.byref(self._cfg)
         self._checks = TensorChecks.of(config, backend="native", layout="contiguous")
         self._run = lib.cdll.na_run
         self._create = lib.cdll.na_plan_create
         self._free = lib.cdll.na_plan_free
-        self._info = lib.cdll.na_plan_info
+        # This object's runner in the library: the config is copied there once; plans and
+        # calls name the runner, and the library checks that each plan is this runner's.
+        runner = ctypes.c_uint64(0)
+        if lib.cdll.na_runner_create(ctypes.byref(self._cfg), ctypes.byref(runner)) != NA_OK:
+            raise InvalidSpecError("config", config, "the native library refused the config")
+        self._runner: int = runner.value
+        weakref.finalize(self, lib.cdll.na_runner_free, self._runner)
+        # id(plan) -> _Issued, for the plans this object made and that are still alive.
+        self._issued: dict[int, _Issued] = {}
+        self._issued_lock = threading.Lock()
 
     def threads(self) -> int:
         return self.num_threads if self.num_threads is not None else max(1, torch.get_num_threads())
@@ -213,18 +252,27 @@ class NativeBackend(BackendBase):
         )  # fmt: skip
         mask = snap.custom_mask
         mask_ptr, mask_len = (None, 0) if mask is None else (mask.data_ptr(), mask.numel())
-        self._cfg.split_target = max(SPLIT_FLOOR, 4 * self.threads())
-        err = NaError()
-        ptr = self._create(
-            self._cfg_ref, snap.num_requests, qo.data_ptr(), kv_indptr.data_ptr(),
-            kv_indices.data_ptr(), kv_indices.numel(), kv_lens.data_ptr(), mask_ptr, mask_len,
-            1 if snap.phase is Phase.DECODE else 0, ctypes.byref(err),
+        args = NaPlanArgs(
+            num_requests=snap.num_requests,
+            decode=1 if snap.phase is Phase.DECODE else 0,
+            split_target=max(SPLIT_FLOOR, 4 * self.threads()),
+            qo_indptr=qo.data_ptr(),
+            kv_indptr=kv_indptr.data_ptr(),
+            kv_indices=kv_indices.data_ptr(),
+            num_indices=kv_indices.numel(),
+            kv_lens=kv_lens.data_ptr(),
+            mask=mask_ptr,
+            mask_len=mask_len,
+        )
+        err, info, plan_id = NaError(), NaPlanInfo(), ctypes.c_uint64(0)
+        rc = self._create(
+            self._runner, ctypes.byref(args), ctypes.byref(plan_id), ctypes.byref(info),
+            ctypes.byref(err),
         )  # fmt: skip
-        if not ptr:
+        if rc == NA_NO_MEMORY:
+            raise MemoryError("native attention: no memory for the plan")
+        if rc != NA_OK:
             raise self._plan_error(err)
-        handle = _PlanHandle(ptr, self._free)
-        info = NaPlanInfo()
-        self._info(ptr, ctypes.byref(info))
         plan = NativePlan(
             owner=self,
             phase=snap.phase,
@@ -233,13 +281,39 @@ class NativeBackend(BackendBase):
             max_page=info.max_page,
             num_items=info.num_items,
             num_merges=info.num_merges,
-            handle=handle,
             snapshot=snap,
             cascade_groups=info.cascade_groups,
             cascade_requests=info.cascade_requests,
             cascade_keys=info.cascade_keys,
         )
+        self._remember(plan, plan_id.value, snap.phase, info.num_tokens)
         return issue_plan(self, plan)
+
+    def _remember(self, plan: NativePlan, plan_id: int, phase: Phase, num_tokens: int) -> None:
+        key = id(plan)
+        issued, lock = self._issued, self._issued_lock
+        free, runner = self._free, self._runner
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            # The plan object is gone: drop the record (if still its own) and the C++ plan.
+            with lock:
+                entry = issued.get(key)
+                if entry is not None and entry.ref is ref:
+                    del issued[key]
+            _free_plan(free, runner, plan_id)
+
+        record = _Issued(weakref.ref(plan, forget), plan_id, phase, num_tokens)
+        with lock:
+            issued[key] = record
+
+    def _record(self, plan: object) -> _Issued:
+        """This object's record of ``plan`` (looked up by identity), or our error."""
+        issued = self._issued.get(id(plan))
+        if issued is None or issued.ref() is not plan:
+            raise InvalidBatchError(
+                "plan", "native: this plan was not made by this backend object (or was freed)"
+            )
+        return issued
 
     @staticmethod
     def _plan_error(err: NaError) -> InvalidBatchError:
@@ -260,6 +334,8 @@ class NativeBackend(BackendBase):
             problem = f"DECODE needs exactly one query per request, got {a!r}"
         elif err.field == 8:
             problem = "the batch is too large for the native planner (over 2^31 scratch rows)"
+        elif err.field == 10:
+            raise RuntimeError("native attention: the planner's row coverage check failed (a bug)")
         elif err.field == 9:
             raise MemoryError("native attention: no memory for the plan")
         elif field is None:
@@ -290,10 +366,13 @@ class NativeBackend(BackendBase):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
         check_plan(plan, self, "native")
-        if plan.phase is not phase:
+        # What the kernel trusts comes from this object's own record of the plan, never from
+        # the plan's (editable) fields.
+        issued = self._record(plan)
+        if issued.phase is not phase:
             raise InvalidBatchError(
                 "phase",
-                f"the plan is for {plan.phase.name}, this handler serves {phase.name}",
+                f"the plan is for {issued.phase.name}, this handler serves {phase.name}",
             )
         self._checks.check(plan.snapshot, q, k_cache, v_cache)
         sinks_ptr, sinks_numel = None, 0
@@ -312,13 +391,37 @@ class NativeBackend(BackendBase):
         scale = call_scale("sm_scale", sm_scale)
         if return_lse is not True and return_lse is not False:
             raise InvalidBatchError("return_lse", f"must be True or False, got {return_lse!r}")
-        out = torch.empty((plan.num_tokens, cfg.num_q_heads, self.v_head_dim), dtype=self.q_dtype)
+        rows = issued.num_tokens
+        # Every row is written by the kernel (na_run refuses an out of any other size).
+        out = torch.empty((rows, cfg.num_q_heads, self.v_head_dim), dtype=self.q_dtype)
         lse, lse_ptr, lse_numel = None, None, 0
         if return_lse:
-            lse = torch.empty((plan.num_tokens, cfg.num_q_heads), dtype=torch.float32)
+            lse = torch.empty((rows, cfg.num_q_heads), dtype=torch.float32)
             lse_ptr, lse_numel = lse.data_ptr(), lse.numel()
-        if plan.num_items == 0:
-            return out if lse is None else (out, lse)
+        # The kernel bounds every row and page by these element counts, whatever the plan.
+        args = NaRunArgs(
+            q=q.data_ptr(), k=k_cache.data_ptr(), v=v_ptr, out=out.data_ptr(), sinks=sinks_ptr,
+            lse=lse_ptr, q_numel=q.numel(), k_numel=k_cache.numel(), v_numel=v_numel,
+            out_numel=out.numel(), sinks_numel=sinks_numel, lse_numel=lse_numel, sm_scale=scale,
+            k_scale=ks, v_scale=vs, num_threads=self.threads(),
+        )  # fmt: skip
+        rc = self._run(self._runner, issued.plan_id, ctypes.byref(args))
+        if rc != NA_OK:
+            if rc == NA_NO_MEMORY:
+                raise MemoryError("native attention: a per-thread buffer could not be allocated")
+            if rc in _RUN_REFUSALS:
+                raise InvalidBatchError(
+                    "plan",
+                    f"native: the plan's id {_RUN_REFUSALS[rc]}; plan the batch again with this "
+                    "backend",
+                )
+            raise InvalidBatchError(
+                "plan",
+                "the native kernel refused the plan for these tensors (its tokens, pages or "
+                "heads do not fit q, the cache or the output); plan the batch again with "
+                "this backend",
+            )
+        return out if lse is None else (out, lse)
         # The kernel bounds every row and page by these element counts, whatever the plan.
         rc = self._run(
             plan.handle.ptr, self._cfg_ref, q.data_ptr(), q.numel(), k_cache.data_ptr(),
