@@ -16,6 +16,9 @@ little. Columns (times in ms, ratios = time / raw):
   ``sdpa mask`` / ``sdpa split``: with ``extend="mask"`` / ``"split"`` forced.
 - ``native``: the native backend (when it is built).
 
+Backends are timed over one forward of ``LAYERS`` layer calls (one plan, as in a model),
+raw SDPA over as many calls; every figure is per layer call.
+
 ``--quick``: 3 repeats. The header names the threads and torch's CPU capability (ISA).
 """
 
@@ -43,6 +46,9 @@ from attn_dispatch import bind
 from attn_dispatch._table import format_table
 
 HEADS, KV_HEADS, DIM, PAGE = 32, 8, 128, 64
+#: Layer calls per timed forward: the backends plan once per forward (as in a model), raw
+#: SDPA has no plan; every contender is timed over this many layer calls.
+LAYERS = 4
 SHAPES = [("prefill 1024 B2", 2, 1024, 1024), ("extend 128+896 B2", 2, 1024, 128)]
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -111,8 +117,11 @@ def _backend(c: dict[str, object], dtype: torch.dtype, spec: str, **opts: object
     q, kc, vc, batch = c["q"], c["k_cache"], c["v_cache"], c["batch"]
 
     def run() -> object:
+        # One forward: plan once, then the layers (per-layer time = this / LAYERS).
         with attn_scope(binding, batch):
-            return attention(q, kc, vc, sm_scale=DIM**-0.5)
+            for _ in range(LAYERS):
+                out = attention(q, kc, vc, sm_scale=DIM**-0.5)
+        return out
 
     return run
 
@@ -122,6 +131,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), action="append")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else args.repeats
@@ -134,7 +144,7 @@ def main() -> None:
         f"{getattr(torch.cpu, '_is_amx_tile_supported', lambda: False)()}, median of {repeats}"
     )
     rows = []
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in [getattr(torch, d) for d in (args.dtype or ("bfloat16", "float32"))]:
         for name, batch, ctx, q_len in SHAPES:
             c = _case(batch, ctx, q_len, dtype)
             runs: dict[str, Callable[[], object]] = {
@@ -152,9 +162,18 @@ def main() -> None:
             for _ in range(repeats):
                 for key, fn in runs.items():
                     t0 = time.perf_counter()
-                    fn()
-                    times[key].append(time.perf_counter() - t0)
+                    if key.startswith("raw"):
+                        for _ in range(LAYERS):
+                            fn()
+                    else:
+                        fn()
+                    times[key].append((time.perf_counter() - t0) / LAYERS)
             med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            print(
+                f"# {name} {dtype}: min "
+                + ", ".join(f"{k} {min(v) * 1e3:.1f}" for k, v in times.items()),
+                flush=True,
+            )
             raw = med["raw"]
             row = [f"{name} {str(dtype).split('.')[1]}", f"{raw:.1f}"]
             row += [f"{med[k]:.1f} ({med[k] / raw:.2f}x)" for k in runs if k != "raw"]

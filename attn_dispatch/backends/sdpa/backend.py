@@ -528,15 +528,14 @@ class SdpaBackend(TorchBackendBase):
             if not isinstance(x, torch.Tensor) or tuple(x.shape) != (t, self.hq, d):
                 raise InvalidBatchError(
                     name,
-                    f"shape {tuple(getattr(x, 'shape', ()))} != [{t}, {self.hq}, {d}] "
-                    "(new tokens)",
+                    f"shape {tuple(getattr(x, 'shape', ()))} != [{t}, {self.hq}, {d}] (new tokens)",
                 )
             if x.dtype != self.q_dtype or x.device != q.device:
                 raise InvalidBatchError(
                     name, f"dtype {x.dtype} on {x.device}, want {self.q_dtype} on {q.device}"
                 )
         b = snap.num_requests
-        hq, e, dv = self.hq, self.e, self.dv
+        hq, dv = self.hq, self.dv
         out = torch.empty(t, hq, dv, dtype=self.q_dtype, device=q.device)
         lse_out = torch.empty(t, hq, device=q.device) if return_lse else None
         if b == 0:
