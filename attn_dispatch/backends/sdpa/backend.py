@@ -7,8 +7,8 @@ with equal lengths), made of one or two *parts* over key ranges of those request
 - causal prefill/extend: the cached prefix (every new token sees all of it, no mask) and the
   new tokens (a square, top-left-aligned ``is_causal`` block), merged by their LSE
   (``extend="split"``), or one call with a bottom-right causal mask (``extend="mask"``);
-  ``extend="auto"`` (the default) masks only when the queries are few (verify chains, short
-  extends) and splits otherwise (bench/sdpa_notes.md has the measurements);
+  ``extend="auto"`` (the default) masks while the mask has at most ``MASK_MAX_ELEMENTS``
+  entries and splits beyond (bench/sdpa_notes.md has the measurements);
 - decode: one query over its visible keys, no mask;
 - window / chunked attention: queries in blocks (cut at chunk boundaries) over the keys the
   block can see, with an additive band mask where rows' first keys differ;
@@ -60,9 +60,10 @@ from attn_dispatch.backends._torch_base import TorchBackendBase
 
 Extend = Literal["auto", "split", "mask"]
 _EXTENDS = ("auto", "split", "mask")
-#: ``extend="auto"``: one masked call when a request has at most this many new tokens
-#: (verify chains, short extends); prefix and new tokens as two parts beyond.
-MASK_MAX_QUERIES = 16
+#: ``extend="auto"``: one masked call while its mask (queries x keys) has at most this many
+#: entries, prefix and new tokens as two parts merged by LSE beyond (a mask that size costs
+#: 8 MiB in bf16; bench/sdpa_notes.md has the measurements behind the choice).
+MASK_MAX_ELEMENTS = 1 << 22
 #: Query block of windowed layers (rows per masked call).
 WINDOW_BLOCK = 256
 _NEG_INF = -math.inf
@@ -296,7 +297,8 @@ class SdpaBackend(TorchBackendBase):
         if lo_a == lo_b:  # every row starts at the same key: prefix + causal square
             if a == lo_a:
                 return (_Part(a, b, causal=True),)
-            if self.extend == "mask" or (self.extend == "auto" and n <= MASK_MAX_QUERIES):
+            small = n * (b - lo_a) <= MASK_MAX_ELEMENTS
+            if self.extend == "mask" or (self.extend == "auto" and small):
                 rel = torch.arange(n)[:, None] + (a - lo_a) >= torch.arange(b - lo_a)[None, :]
                 return (_Part(lo_a, b, mask=masks.additive(rel, ("causal", n, b - lo_a))),)
             return (_Part(lo_a, a), _Part(a, b, causal=True))

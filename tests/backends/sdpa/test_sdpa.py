@@ -121,9 +121,13 @@ def test_split_and_mask_give_the_same_state() -> None:
 
 
 def test_uniform_batch_is_one_call_and_decode_is_grouped() -> None:
-    plan = _plan(_case(q_lens=(5, 5, 5), prefix_lens=(0, 0, 0)))
+    # (in_place=False: a request whose shuffled pages happen to be consecutive would be read
+    # in place, from another source, and so not grouped.)
+    plan = _plan(_case(q_lens=(5, 5, 5), prefix_lens=(0, 0, 0)), in_place=False)
     assert [c.count for c in plan.calls] == [3]  # type: ignore[attr-defined]
-    plan = _plan(_case(phase=Phase.DECODE, q_lens=(1, 1, 1, 1), prefix_lens=(9, 9, 9, 30)))
+    plan = _plan(
+        _case(phase=Phase.DECODE, q_lens=(1, 1, 1, 1), prefix_lens=(9, 9, 9, 30)), in_place=False
+    )
     assert [c.count for c in plan.calls] == [3, 1]  # type: ignore[attr-defined]
     # Two parts per call after a prefix with extend="split"; one masked call with "mask".
     plan = _plan(_case(q_lens=(40, 40), prefix_lens=(9, 9)), extend="split")
