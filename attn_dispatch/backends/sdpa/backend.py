@@ -105,6 +105,10 @@ class SdpaPlan(PlanBase):
     num_tokens: int
     #: Page indices to gather (int64, on the batch's device), request after request.
     pages: torch.Tensor
+    #: On CPU: the same pages as runs ``(first page, count)`` of consecutive pages, gathered
+    #: with one ``torch.cat`` of cache slices (``index_select`` stalled for seconds under
+    #: a loaded machine's thread contention; bench/sdpa_notes.md). None on CUDA.
+    runs: tuple[tuple[int, int], ...] | None
     calls: tuple[_Call, ...]
     #: Requests read in place (their pages follow each other in the cache).
     in_place: int
@@ -223,6 +227,7 @@ class SdpaBackend(TorchBackendBase):
                 gather.append((start, need))
                 rows += need * ps
         pages_t = _page_list(snap.kv_indices, gather, dev)
+        runs = None if host_idx is None else _runs(host_idx, gather)
         units = self._units(snap, qo, lens)
         calls = _group(units, where, lens)
         plan = SdpaPlan(
@@ -231,6 +236,7 @@ class SdpaBackend(TorchBackendBase):
             phase=snap.phase,
             num_tokens=snap.num_tokens,
             pages=pages_t,
+            runs=runs,
             calls=calls,
             in_place=in_place,
         )
@@ -357,10 +363,11 @@ class SdpaBackend(TorchBackendBase):
             # Page indices never read on the host (CUDA without validate): keep every gather
             # inside this call's cache; an out-of-range index gives wrong numbers, not a fault.
             pages = pages.clamp(0, max(num_pages - 1, 0))
-        kbuf = self._gather("k", k_cache, pages, self.d, ks, self.k_direct)
+        runs = plan.runs
+        kbuf = self._gather("k", k_cache, pages, runs, self.d, ks, self.k_direct)
         vbuf = kbuf
         if not self.mla:
-            vbuf = self._gather("v", v_cache, pages, self.dv, vs, self.v_direct)
+            vbuf = self._gather("v", v_cache, pages, runs, self.dv, vs, self.v_direct)
         kflat = vflat = None
         if plan.in_place:
             kflat = k_cache.view(-1, self.h_cache, self.e)
@@ -369,8 +376,8 @@ class SdpaBackend(TorchBackendBase):
         return self._attend(plan, qc, (kbuf, kflat), (vbuf, vflat), scale, sinks, return_lse)
 
     def _gather(
-        self, name: str, cache: torch.Tensor, pages: torch.Tensor, width: int, scale: float,
-        direct: bool,
+        self, name: str, cache: torch.Tensor, pages: torch.Tensor,
+        runs: tuple[tuple[int, int], ...] | None, width: int, scale: float, direct: bool,
     ) -> torch.Tensor:  # fmt: skip
         """The pages of ``pages`` as rows ``[pages * page_size, heads, e]`` in the compute
         dtype: one ``index_select`` into this thread's buffer; converted, scaled and padded
@@ -380,15 +387,18 @@ class SdpaBackend(TorchBackendBase):
         rows = n * ps
         if n == 0:  # every request is read in place
             return torch.empty(0, h, e, dtype=self.dtype, device=cache.device)
-        if direct and cache.is_contiguous():
-            flat = cache.view(cache.shape[0], -1)
-            if self.device_type == "cpu":
+        flat = cache.view(cache.shape[0], -1)
+        if direct:
+            if runs is not None:
                 out = self._buffers.get(name, rows * h * e, self.dtype, zero=False)
-                torch.index_select(flat, 0, pages, out=out.view(n, -1))
+                _cat_runs(flat, runs, out.view(n, -1))
             else:
                 out = flat.index_select(0, pages)
             return out.view(rows, h, e)
-        picked = cache.index_select(0, pages).view(rows, h, width)
+        if runs is not None:
+            picked = _cat_runs(flat, runs, None).view(rows, h, width)
+        else:
+            picked = flat.index_select(0, pages).view(rows, h, width)
         if self.device_type == "cpu":
             buf = self._buffers.get(name, rows * h * e, self.dtype, zero=width < e)
             out = buf.view(rows, h, e)
@@ -423,7 +433,7 @@ class SdpaBackend(TorchBackendBase):
                 lse_out = torch.empty(t, hq, dtype=torch.float32, device=q.device)
         for call in calls:
             m = call.count * call.n
-            qv = q[call.q0 : call.q0 + m].unflatten(0, (call.count, call.n)).transpose(1, 2)
+            qv = q[call.q0 : call.q0 + m].reshape(call.count, call.n, hq, e).transpose(1, 2)
             merged = len(call.parts) > 1
             o_acc: torch.Tensor | None = None
             l_acc: torch.Tensor | None = None
@@ -660,6 +670,29 @@ def _page_list(
         return torch.zeros(0, dtype=torch.int64, device=dev)
     pos = torch.cat([torch.arange(s, s + n) for s, n in gather])
     return indices.index_select(0, pos.to(dev)).long()
+
+
+def _runs(host_idx: list[int], gather: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The gathered pages as runs ``(first page, count)`` of consecutive page indices."""
+    runs: list[list[int]] = []
+    for start, need in gather:
+        for p in host_idx[start : start + need]:
+            if runs and runs[-1][0] + runs[-1][1] == p:
+                runs[-1][1] += 1
+            else:
+                runs.append([p, 1])
+    return tuple((p, c) for p, c in runs)
+
+
+def _cat_runs(
+    flat: torch.Tensor, runs: tuple[tuple[int, int], ...], out: torch.Tensor | None
+) -> torch.Tensor:
+    """Rows ``flat[p : p + c]`` of every run, one after the other (``out`` when given). The
+    page indices were checked against this cache at the call (``TensorChecks``)."""
+    parts = [flat[p : p + c] for p, c in runs]
+    if out is None:
+        return torch.cat(parts)
+    return torch.cat(parts, out=out)
 
 
 def _group(
