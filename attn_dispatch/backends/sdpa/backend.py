@@ -68,6 +68,8 @@ MASK_MAX_ELEMENTS = 1 << 22
 WINDOW_BLOCK = 256
 _NEG_INF = -math.inf
 _SOURCE_BUF, _SOURCE_CACHE = 0, 1
+#: Keys or values of one layer call: (tensor, heads, head stride, row stride) in elements.
+_Source = tuple[torch.Tensor, int, int, int]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -368,54 +370,62 @@ class SdpaBackend(TorchBackendBase):
         vbuf = kbuf
         if not self.mla:
             vbuf = self._gather("v", v_cache, pages, runs, self.dv, vs, self.v_direct)
-        kflat = vflat = None
-        if plan.in_place:
-            kflat = k_cache.view(-1, self.h_cache, self.e)
-            vflat = kflat if self.mla else v_cache.view(-1, self.h_cache, self.e)
+        h, e = self.h_cache, self.e
+        kflat: _Source | None = None
+        vflat: _Source | None = None
+        if plan.in_place:  # the cache itself, [rows, heads, e]
+            kflat = (k_cache, h, e, h * e)
+            vflat = kflat if self.mla else (v_cache, h, e, h * e)
         qc = q if self.q_direct else _widen(q, self.d, self.e, self.dtype)
         return self._attend(plan, qc, (kbuf, kflat), (vbuf, vflat), scale, sinks, return_lse)
 
     def _gather(
         self, name: str, cache: torch.Tensor, pages: torch.Tensor,
         runs: tuple[tuple[int, int], ...] | None, width: int, scale: float, direct: bool,
-    ) -> torch.Tensor:  # fmt: skip
-        """The pages of ``pages`` as rows ``[pages * page_size, heads, e]`` in the compute
-        dtype: one ``index_select`` into this thread's buffer; converted, scaled and padded
-        to ``e`` columns when the cache is FP8, another dtype or narrower."""
+    ) -> _Source:  # fmt: skip
+        """The pages of ``pages`` in the compute dtype, converted, scaled and padded to ``e``
+        columns when the cache is FP8, another dtype or narrower. On CPU head-major
+        ``[heads, rows, e]`` in this thread's buffer (the CPU flash kernel ran 15-20% faster
+        on head-major K/V than on the cache's ``[rows, heads, e]``; bench/sdpa_notes.md), one
+        ``index_select`` over a permuted view of the cache; on CUDA ``[rows, heads, e]``."""
         ps, h, e = self.config.page_size, self.h_cache, self.e
         n = pages.numel()
         rows = n * ps
         if n == 0:  # every request is read in place
-            return torch.empty(0, h, e, dtype=self.dtype, device=cache.device)
-        flat = cache.view(cache.shape[0], -1)
+            return torch.empty(0, dtype=self.dtype, device=cache.device), h, 0, 0
+        cpu = self.device_type == "cpu"
+        if direct and cpu:
+            buf = self._buffers.get(name, rows * h * e, self.dtype, zero=False)
+            src = cache.view(cache.shape[0], ps, h, e).permute(2, 0, 1, 3)
+            torch.index_select(src, 1, pages, out=buf.view(h, n, ps, e))
+            return buf, h, rows * e, e
         if direct:
-            if runs is not None:
-                out = self._buffers.get(name, rows * h * e, self.dtype, zero=False)
-                _cat_runs(flat, runs, out.view(n, -1))
-            else:
-                out = flat.index_select(0, pages)
-            return out.view(rows, h, e)
+            out = cache.view(cache.shape[0], -1).index_select(0, pages)
+            return out, h, e, h * e
         if runs is not None:
-            picked = _cat_runs(flat, runs, None).view(rows, h, width)
+            picked = _cat_runs(cache.view(cache.shape[0], -1), runs, None).view(rows, h, width)
         else:
-            picked = flat.index_select(0, pages).view(rows, h, width)
-        if self.device_type == "cpu":
+            picked = cache.index_select(0, pages).view(rows, h, width)
+        if cpu:
             buf = self._buffers.get(name, rows * h * e, self.dtype, zero=width < e)
-            out = buf.view(rows, h, e)
+            out = buf.view(h, rows, e)
+            picked = picked.transpose(0, 1)
         else:
             out = torch.zeros(rows, h, e, dtype=self.dtype, device=cache.device)
         target = out[..., :width] if width < e else out
         target.copy_(picked)
         if scale != 1.0:
             target.mul_(scale)
-        return out
+        if cpu:
+            return out, h, rows * e, e
+        return out, h, e, h * e
 
     def _attend(
         self,
         plan: SdpaPlan,
         q: torch.Tensor,
-        keys: tuple[torch.Tensor, torch.Tensor | None],
-        values: tuple[torch.Tensor, torch.Tensor | None],
+        keys: tuple[_Source, _Source | None],
+        values: tuple[_Source, _Source | None],
         scale: float,
         sinks: torch.Tensor | None,
         return_lse: bool,
@@ -438,8 +448,8 @@ class SdpaBackend(TorchBackendBase):
             o_acc: torch.Tensor | None = None
             l_acc: torch.Tensor | None = None
             for part in call.parts:
-                kv = _rows(keys[call.source], call, part)
-                vv = _rows(values[call.source], call, part)
+                kv = _rows(keys[call.source], call, part, e)
+                vv = _rows(values[call.source], call, part, e)
                 o, lse = self._sdpa(qv, kv, vv, part, scale, need_lse or merged)
                 if o_acc is None or l_acc is None or lse is None:
                     o_acc, l_acc = o, lse
@@ -727,15 +737,15 @@ def _same_parts(a: tuple[_Part, ...], b: tuple[_Part, ...]) -> bool:
     )
 
 
-def _rows(src: torch.Tensor | None, call: _Call, part: _Part) -> torch.Tensor:
-    """``[count, heads, k1 - k0, e]``: keys ``k0:k1`` of each request of ``call``, a view."""
+def _rows(src: _Source | None, call: _Call, part: _Part, e: int) -> torch.Tensor:
+    """``[count, heads, k1 - k0, e]``: keys ``k0:k1`` of each request of ``call``, a view of
+    ``src`` (``(tensor, heads, head stride, row stride)``)."""
     assert src is not None
-    _, h, e = src.shape
-    row = h * e
-    return src.as_strided(
+    t, h, hs, rs = src
+    return t.as_strided(
         (call.count, h, part.k1 - part.k0, e),
-        (call.stride * row, e, row, 1),
-        src.storage_offset() + (call.base + part.k0) * row,
+        (call.stride * rs, hs, rs, 1),
+        t.storage_offset() + (call.base + part.k0) * rs,
     )
 
 
