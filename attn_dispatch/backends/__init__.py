@@ -23,6 +23,10 @@ BUILTINS: dict[str, tuple[str, str]] = {
         "attn_dispatch.backends.triton",
         "attn_dispatch.backends.triton.backend:TritonBackend",
     ),
+    "sdpa": (
+        "attn_dispatch.backends.sdpa",
+        "attn_dispatch.backends.sdpa.backend:SdpaBackend",
+    ),
     "flashinfer": (
         "attn_dispatch.backends.flashinfer",
         "attn_dispatch.backends.flashinfer.backend:FlashInferBackend",

@@ -44,10 +44,11 @@ from tests.strategies import variant_cases
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-BACKENDS = ["torch", "native", "flashinfer", "triton"]
+BACKENDS = ["torch", "native", "flashinfer", "triton", "sdpa"]
 LIMITS: dict[str, Limits] = {
     "torch": DEFAULT_LIMITS,
     "native": DEFAULT_LIMITS,
+    "sdpa": DEFAULT_LIMITS,
     # FlashInfer: 16-bit only; MLA latent % 128 and rope % 64 (576/512, 192/128).
     "flashinfer": Limits(
         mla_dims=((576, 512), (192, 128)),

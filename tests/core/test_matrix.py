@@ -129,7 +129,7 @@ def test_text_and_markdown_show_each_declared_value() -> None:
 def test_builtin_backends_match_their_capabilities() -> None:
     reg = Registry(plugins=False)
     matrix = support_matrix(reg)
-    assert set(matrix) == {"torch", "native", "triton", "flashinfer"}
+    assert set(matrix) == {"torch", "native", "triton", "flashinfer", "sdpa"}
     for name, caps in reg.list().items():
         row = matrix[name]
         assert set(row["kinds"]) == set(caps.kinds)
