@@ -135,7 +135,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else args.repeats
-    from attn_dispatch import list_backends
+    from attn_dispatch.backend import list_backends
 
     have_native = not list_backends()["native"].availability_reasons()
     print(

@@ -3,8 +3,8 @@ C++ (ctypes).
 
 ``plan`` runs the shared batch contract (``attn_dispatch._snapshot.BatchSnapshot``), then
 ``na_plan_create``, which re-checks every index it will follow and keeps private copies of
-them; the plan is owned by the backend object that made it. Each layer call checks its tensors against the plan
-(``TensorChecks``) before one ``na_run``. A bad batch, tensor or plan is an
+them; the plan is owned by the backend object that made it. Each layer call checks its
+tensors against the plan (``TensorChecks``) before one ``na_run``. A bad batch, tensor or plan is an
 ``InvalidBatchError`` naming the field, never a wild read in C++.
 
 Nothing the kernels trust travels in the plan object. The C++ library keeps its own tables:

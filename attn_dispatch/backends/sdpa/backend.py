@@ -47,16 +47,16 @@ from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
+from attn_dispatch._protocol import BackendBase
 from attn_dispatch._protocol import Handler
 from attn_dispatch._protocol import PlanBase
 from attn_dispatch._protocol import check_plan
 from attn_dispatch._protocol import issue_plan
+from attn_dispatch._snapshot import BatchSnapshot
+from attn_dispatch._tensor_checks import TensorChecks
 from attn_dispatch._values import call_scale
 from attn_dispatch.backends._chunked import chunk_tree_mask
-from attn_dispatch.backends._common import BatchSnapshot
-from attn_dispatch.backends._common import TensorChecks
-from attn_dispatch.backends._common import window_tree_mask
-from attn_dispatch.backends._torch_base import TorchBackendBase
+from attn_dispatch.backends._masks import window_tree_mask
 
 Extend = Literal["auto", "split", "mask"]
 _EXTENDS = ("auto", "split", "mask")
@@ -136,7 +136,7 @@ class _Buffers(threading.local):
         return buf[:numel]
 
 
-class SdpaBackend(TorchBackendBase):
+class SdpaBackend(BackendBase):
     """Paged attention through ``scaled_dot_product_attention``, CPU and CUDA.
 
     Options: ``extend`` ("auto", "split" or "mask": how a causal block after a cached prefix

@@ -28,10 +28,10 @@ from attn_dispatch import Phase
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
-from attn_dispatch import list_backends
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._forms import AttnForm
 from attn_dispatch._forms import FormPolicy
+from attn_dispatch.backend import list_backends
 from attn_dispatch.mla import gather_latent
 from attn_dispatch.mla import latent_prefix_chunks
 from tests.contract.cases import assert_lse_matches
