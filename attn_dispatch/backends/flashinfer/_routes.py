@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import cast
 
 import flashinfer
 import flashinfer.mla
@@ -181,7 +182,7 @@ class PrefillRoute(MHARoute):
     lse_keywords = MappingProxyType({"return_lse": True, "lse_base": "ln"})
 
     def _wrapper_class(self) -> Callable[..., Any]:
-        return flashinfer.BatchPrefillWithPagedKVCacheWrapper
+        return cast("Callable[..., Any]", flashinfer.BatchPrefillWithPagedKVCacheWrapper)
 
     def _options(self) -> dict[str, Any]:
         return {"kv_layout": "NHD", "backend": self.backend.prefill_backend}
@@ -250,7 +251,7 @@ class DecodeRoute(MHARoute):
             )
 
     def _wrapper_class(self) -> Callable[..., Any]:
-        return flashinfer.BatchDecodeWithPagedKVCacheWrapper
+        return cast("Callable[..., Any]", flashinfer.BatchDecodeWithPagedKVCacheWrapper)
 
     def _options(self) -> dict[str, Any]:
         return {
@@ -281,7 +282,7 @@ class CascadeRoute(MHARoute):
     name = "MultiLevelCascadeAttentionWrapper"
 
     def _wrapper_class(self) -> Callable[..., Any]:
-        return flashinfer.MultiLevelCascadeAttentionWrapper
+        return cast("Callable[..., Any]", flashinfer.MultiLevelCascadeAttentionWrapper)
 
     def _options(self) -> dict[str, Any]:
         return {"num_levels": 2, "kv_layout": "NHD"}
@@ -317,7 +318,7 @@ class MLARoute(Route):
         self.always_lse = backend.lse
 
     def _wrapper_class(self) -> Callable[..., Any]:
-        return flashinfer.mla.BatchMLAPagedAttentionWrapper
+        return cast("Callable[..., Any]", flashinfer.mla.BatchMLAPagedAttentionWrapper)
 
     def _options(self) -> dict[str, Any]:
         return {"backend": self.backend.mla_backend}

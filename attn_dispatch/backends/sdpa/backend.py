@@ -55,7 +55,7 @@ from attn_dispatch._protocol import issue_plan
 from attn_dispatch._snapshot import BatchSnapshot
 from attn_dispatch._tensor_checks import TensorChecks
 from attn_dispatch._values import call_scale
-from attn_dispatch.backends._chunked import chunk_tree_mask
+from attn_dispatch.backends._masks import chunk_tree_mask
 from attn_dispatch.backends._masks import window_tree_mask
 
 Extend = Literal["auto", "split", "mask"]
