@@ -4,8 +4,11 @@ A framework's own test suite can check that a runner (the target) dispatches the
 with other runners alive (its draft, the draft's children, an encoder) as it does alone: the
 bug family of SGLang 28528 (a draft's start-up changing the target's kernels), caught in CI.
 
->>> from attn_dispatch.testing import assert_isolated
->>> assert_isolated("target", alone=serve_target, together=serve_with_draft)   # doctest: +SKIP
+.. code-block:: python
+
+    from attn_dispatch.testing import assert_isolated
+
+    assert_isolated("target", alone=serve_target, together=serve_with_draft)
 
 - ``assert_isolated(label, alone, together)``: compare runner ``label``'s dispatch rows.
 - ``record_rows()``: record rows (runner, phase, group, backend, form, config, calls).

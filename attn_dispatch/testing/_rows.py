@@ -37,6 +37,7 @@ def config_fingerprint(config: AttnConfig | None) -> str:
     Every field takes part (dims, dtypes, page size, variants, scale): two runners bound to
     configs with the same fingerprint have attention layers of the same shape.
 
+    >>> from attn_dispatch import AttnConfig
     >>> config_fingerprint(AttnConfig("mha", 8, 2, 64, dtype="float32"))
     'b09d2d8493043457'
     """
@@ -194,9 +195,11 @@ def record_rows() -> Iterator[RowRecorder]:
     """Record dispatch rows of every ``attention`` call in this context (threads and tasks
     that inherit it included, as for ``record_dispatch``); cheap: a tally per call.
 
-    >>> with record_rows() as rec:
-    ...     run_forward()                      # doctest: +SKIP
-    >>> rec.rows_of("target")                  # doctest: +SKIP
+    .. code-block:: python
+
+        with record_rows() as rec:
+            run_forward()
+        rec.rows_of("target")
     """
     with record_dispatch(tally=True) as recorder:
         yield RowRecorder(recorder)

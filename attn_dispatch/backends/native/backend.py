@@ -131,10 +131,16 @@ class NativePlan(PlanBase):
 class NativeBackend(BackendBase):
     """C++ paged attention on the CPU for MHA/GQA and absorbed MLA, every phase.
 
+    >>> from attn_dispatch import AttnBatch
     >>> backend = NativeBackend(AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16",
     ...                                    page_size=64), num_threads=2)
+    >>> batch = AttnBatch.build(Phase.DECODE, q_lens=[1], kv_lens=[70], page_tables=[[1, 0]],
+    ...                         page_size=64)
+    >>> q = torch.randn(1, 16, 576, dtype=torch.bfloat16)
+    >>> k_cache = torch.randn(2, 64, 576, dtype=torch.bfloat16)
     >>> plan = backend.plan(batch)
-    >>> out = backend.handler(Phase.DECODE)(q, k_cache, None, plan, 576 ** -0.5)
+    >>> backend.handler(Phase.DECODE)(q, k_cache, None, plan, 576 ** -0.5).shape
+    torch.Size([1, 16, 512])
 
     ``num_threads`` defaults to ``torch.get_num_threads()``, read at every call. MLA runs in
     the absorbed form, except prefill without a cached prefix, which runs decompressed (ragged
