@@ -1,0 +1,360 @@
+"""Measure which backend is fastest per layer group and phase on this machine (``tune``).
+
+``tune(configs)`` times every registered backend that can serve each layer group x phase
+(prefill, decode, verify) at sizes derived from the config (or given), on this machine, and
+recommends one spec string per group: the fastest backend per phase. It only recommends;
+binding stays the caller's choice. ``python -m attn_dispatch tune`` prints the table.
+
+A backend that cannot serve a phase is listed with the reason ``bind`` gives; nothing is
+emulated or substituted. The other phases of a timed binding are served by the reference
+(``torch``), so only the timed phase's backend varies.
+
+>>> from attn_dispatch import AttnConfig
+>>> cfg = AttnConfig(kind="mha", num_q_heads=4, num_kv_heads=2, head_dim=16,
+...                  dtype="float32", page_size=16)
+>>> report = tune({"": cfg}, sizes=TuneSizes(prefill_len=32, decode_batch=2,
+...               context=64, repeats=2), backends=["torch"])
+>>> report.recommended[""]
+'torch'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import time
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+
+from attn_dispatch._errors import AttnDispatchError
+from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._phase import Phase
+
+__all__ = ["PhaseTiming", "TuneReport", "TuneSizes", "machine_name", "tune"]
+
+# The backend that serves the phases not being timed: it serves every config it is given.
+_BASELINE = "torch"
+# Seconds of timed calls per cell, at most (and at least one call).
+_CELL_BUDGET_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TuneSizes:
+    """The batch shapes ``tune`` times (per phase, per layer group).
+
+    Prefill: ``prefill_batch`` prompts of ``prefill_len`` tokens over no prefix. Decode:
+    ``decode_batch`` requests with ``context`` tokens each. Verify: the same requests with
+    ``draft_tokens`` new tokens each. ``repeats`` timed calls per cell (after one warm-up);
+    ``layers`` calls per forward (the plan is paid once per forward).
+    """
+
+    prefill_batch: int = 2
+    prefill_len: int = 512
+    decode_batch: int = 8
+    context: int = 1024
+    draft_tokens: int = 4
+    repeats: int = 5
+    layers: int = 1
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidSpecError(f.name, v, "must be an int >= 1")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PhaseTiming:
+    """One backend on one group x phase: median seconds per call and per plan, or why not."""
+
+    group: str
+    phase: str
+    backend: str
+    call_s: float | None
+    plan_s: float | None
+    refused: str | None = None
+
+    def forward_s(self, layers: int) -> float | None:
+        """One forward: one plan and ``layers`` calls."""
+        if self.call_s is None or self.plan_s is None:
+            return None
+        return self.plan_s + layers * self.call_s
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TuneReport:
+    """What ``tune`` measured, and the recommended spec per group."""
+
+    machine: str
+    threads: int
+    sizes: TuneSizes
+    timings: tuple[PhaseTiming, ...]
+    recommended: Mapping[str, str]
+
+    def table(self) -> str:
+        """A plain-text table: one row per group x phase x backend, fastest first."""
+        from attn_dispatch._table import format_table
+
+        rows = []
+        for t in self.timings:
+            f = t.forward_s(self.sizes.layers)
+            rows.append(
+                (
+                    t.group or "-",
+                    t.phase,
+                    t.backend,
+                    "-" if t.call_s is None else f"{t.call_s * 1e3:.3f}",
+                    "-" if t.plan_s is None else f"{t.plan_s * 1e3:.3f}",
+                    "-" if f is None else f"{f * 1e3:.3f}",
+                    "" if t.refused is None else f"refused: {t.refused}",
+                )
+            )
+        head = ("group", "phase", "backend", "call ms", "plan ms", "forward ms", "note")
+        lines = [f"machine: {self.machine}; threads: {self.threads}; sizes: {self.sizes}"]
+        lines.append(format_table(head, rows))
+        for group, spec in self.recommended.items():
+            lines.append(f"recommended{'' if not group else f' [{group}]'}: {spec}")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "machine": self.machine,
+                "threads": self.threads,
+                "sizes": dataclasses.asdict(self.sizes),
+                "timings": [dataclasses.asdict(t) for t in self.timings],
+                "recommended": dict(self.recommended),
+            },
+            indent=2,
+        )
+
+
+def machine_name(device: str = "cpu") -> str:
+    """The CPU (and the ISA path native runs) or the CUDA device, for every figure."""
+    import platform
+
+    if device.startswith("cuda"):
+        import torch
+
+        return f"{torch.cuda.get_device_name(device)} (CUDA)"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    from attn_dispatch.backends.native import _lib
+
+    lib = _lib.load()
+    isa = f"native unavailable: {lib}" if isinstance(lib, str) else f"native ISA {lib.isa}"
+    return f"{cpu}; {isa}"
+
+
+def _batch_for(config: Any, phase: Phase, sizes: TuneSizes, gen: Any) -> tuple[Any, ...]:
+    import torch
+
+    from attn_dispatch._batch import AttnBatch
+    from attn_dispatch._batch import tree_mask
+
+    ps = config.page_size
+    if phase is Phase.PREFILL:
+        q_lens = [sizes.prefill_len] * sizes.prefill_batch
+        kv_lens = list(q_lens)
+    elif phase is Phase.DECODE:
+        q_lens = [1] * sizes.decode_batch
+        kv_lens = [sizes.context] * sizes.decode_batch
+    else:
+        q_lens = [sizes.draft_tokens] * sizes.decode_batch
+        kv_lens = [sizes.context + sizes.draft_tokens] * sizes.decode_batch
+    need = [math.ceil(k / ps) for k in kv_lens]
+    perm = torch.randperm(sum(need), generator=gen).tolist()
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n])
+        at += n
+    masks = None
+    if phase is Phase.VERIFY and config.tree_verify:
+        parents = [-1, *range(sizes.draft_tokens - 1)]  # a chain, as a tree
+        masks = [tree_mask(parents, k - sizes.draft_tokens) for k in kv_lens]
+    dtype = getattr(torch, config.dtype)
+    kv_dtype = getattr(torch, config.kv_dtype)
+    device = config.device
+    batch = AttnBatch.build(
+        phase,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        page_tables=tables,
+        page_size=ps,
+        num_pages=len(perm),
+        masks=masks,
+        device=device,
+    )
+    q = torch.randn(sum(q_lens), config.num_q_heads, config.head_dim, generator=gen)
+    if config.kind == "mla":
+        k = torch.randn(len(perm), ps, config.head_dim, generator=gen)
+        v = None
+    else:
+        k = torch.randn(len(perm), ps, config.num_kv_heads, config.head_dim, generator=gen)
+        v = torch.randn(len(perm), ps, config.num_kv_heads, config.v_head_dim, generator=gen)
+    q = q.to(device=device, dtype=dtype)
+    k = k.to(device=device, dtype=kv_dtype)
+    v = None if v is None else v.to(device=device, dtype=kv_dtype)
+    extras: dict[str, Any] = {}
+    if config.sinks:
+        extras["sinks"] = torch.zeros(config.num_q_heads, device=device)
+    if config.kv_fp8:
+        extras["k_scale"] = 1.0
+        if config.kind != "mla":
+            extras["v_scale"] = 1.0
+    return batch, q, k, v, extras
+
+
+def _spec_for(phase: Phase, backend: str) -> Any:
+    from attn_dispatch._spec import BackendSpec
+
+    names = {p: (backend if p is phase else _BASELINE) for p in Phase}
+    return BackendSpec(
+        prefill=names[Phase.PREFILL], decode=names[Phase.DECODE], verify=names[Phase.VERIFY]
+    )
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _time_one(
+    group: str, config: Any, phase: Phase, backend: str, sizes: TuneSizes, registry: Any
+) -> PhaseTiming:
+    import torch
+
+    from attn_dispatch._binding import bind
+    from attn_dispatch._scope import attention
+    from attn_dispatch._scope import attn_scope
+
+    try:
+        binding = bind(
+            _spec_for(phase, backend), config, label=f"tune:{backend}", registry=registry
+        )
+    except AttnDispatchError as e:
+        reason = str(e).splitlines()
+        why = next((r.strip(" -") for r in reason if backend in r or "needs" in r), reason[0])
+        return PhaseTiming(group, phase.name.lower(), backend, None, None, refused=why)
+    gen = torch.Generator().manual_seed(0)
+    batch, q, k, v, extras = _batch_for(config, phase, sizes, gen)
+    sm_scale = config.sm_scale
+    kw: dict[str, Any] = dict(extras)
+    if sm_scale is None:
+        kw["sm_scale"] = 1.0 / math.sqrt(config.head_dim)
+    calls: list[float] = []
+    plans: list[float] = []
+    rounds = sizes.repeats + 1
+    i = 0
+    while i < rounds:
+        _sync(config.device)
+        t0 = time.perf_counter()
+        with attn_scope(binding, batch):
+            _sync(config.device)
+            t1 = time.perf_counter()
+            attention(q, k, v, **kw)
+            _sync(config.device)
+            t2 = time.perf_counter()
+        if i:  # the first round warms caches and lazy initialisation
+            plans.append(t1 - t0)
+            calls.append(t2 - t1)
+        else:
+            # A slow cell (the reference at large sizes) gets fewer rounds: about a second.
+            rounds = 1 + max(1, min(sizes.repeats, int(_CELL_BUDGET_S / max(t2 - t0, 1e-9))))
+        i += 1
+    return PhaseTiming(
+        group, phase.name.lower(), backend, statistics.median(calls), statistics.median(plans)
+    )
+
+
+def _spec_text(best: Mapping[Phase, str], config: Any) -> str:
+    from attn_dispatch._spec import BackendSpec
+
+    if len(set(best.values())) == 1:
+        return next(iter(best.values()))
+    spec = BackendSpec(
+        prefill=best[Phase.PREFILL], decode=best[Phase.DECODE], verify=best[Phase.VERIFY]
+    )
+    return str(spec)
+
+
+def tune(
+    configs: Mapping[str, Any],
+    *,
+    sizes: TuneSizes | None = None,
+    backends: Sequence[str] | None = None,
+    registry: Any = None,
+    phases: Sequence[Phase] = tuple(Phase),
+) -> TuneReport:
+    """Time every backend that can serve each group x phase; recommend the fastest per phase.
+
+    ``configs`` maps a layer-group name to its ``AttnConfig`` (``{"": cfg}`` for a model
+    with one kind of layer). ``backends`` limits the candidates (default: every registered
+    backend available on this machine). MLA configs are timed in the absorbed form
+    (``mha_head_dim`` is set aside): the form a backend picks for prefill is its own choice.
+    """
+    import torch
+
+    from attn_dispatch._registry import DEFAULT_REGISTRY
+
+    sizes = sizes or TuneSizes()
+    reg = registry or DEFAULT_REGISTRY
+    listed = reg.list()
+    unavailable: list[tuple[str, str]] = []
+    if backends is None:
+        names = [n for n, caps in listed.items() if not caps.availability_reasons()]
+        unavailable = [
+            (n, "; ".join(caps.availability_reasons()))
+            for n, caps in listed.items()
+            if caps.availability_reasons()
+        ]
+    else:
+        unknown = [n for n in backends if n not in listed]
+        if unknown:
+            raise InvalidSpecError("backends", unknown, f"choose from {sorted(listed)!r}")
+        names = list(backends)
+    timings: list[PhaseTiming] = []
+    recommended: dict[str, str] = {}
+    device = "cpu"
+    for group, config in configs.items():
+        device = config.device
+        if config.kind == "mla" and config.mha_head_dim is not None:
+            config = dataclasses.replace(config, mha_head_dim=None, mha_v_head_dim=None)
+        best: dict[Phase, str] = {}
+        for phase in phases:
+            cells = [_time_one(group, config, phase, n, sizes, reg) for n in names]
+            served = [c for c in cells if c.call_s is not None]
+            served.sort(key=lambda c: c.forward_s(sizes.layers) or math.inf)
+            timings.extend(served)
+            timings.extend(c for c in cells if c.call_s is None)
+            timings.extend(
+                PhaseTiming(group, phase.name.lower(), n, None, None, refused=f"unavailable: {why}")
+                for n, why in unavailable
+            )
+            if served:
+                best[phase] = served[0].backend
+        if len(best) == len(phases) == len(Phase):
+            recommended[group] = _spec_text(best, config)
+        elif best:
+            recommended[group] = ",".join(f"{p.name.lower()}={b}" for p, b in best.items())
+        else:
+            recommended[group] = "(no backend can serve this group here)"
+    return TuneReport(
+        machine=machine_name(device),
+        threads=torch.get_num_threads(),
+        sizes=sizes,
+        timings=tuple(timings),
+        recommended=recommended,
+    )
