@@ -42,9 +42,11 @@ from attn_dispatch._binding import bind
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._errors import ScopeError
 from attn_dispatch._phase import Phase
 from attn_dispatch._scope import attention
 from attn_dispatch._scope import attn_scope
+from attn_dispatch._spec import BackendSpec
 from attn_dispatch.integrations.transformers import UnsupportedModelError
 from attn_dispatch.integrations.vllm import DRAFT
 from attn_dispatch.integrations.vllm import TARGET
@@ -369,6 +371,7 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
             attn_type=attn_type,
             sinks=sinks,
         )
+        settings = _test_rank_spec(settings)
         self._settings = settings
         self.dispatch = _make_dispatch(label, settings, config)
 
@@ -624,6 +627,7 @@ class AttnDispatchCPUBuilder(CPUAttentionMetadataBuilder):  # type: ignore[misc]
             impl.rebind_page_size(self.block_size)
             labels[name] = impl.dispatch.label
         check_draft_layer_names(labels)
+        _agree_across_ranks(bindings_of_layers(vllm_config, layer_names))
         # The builders vLLM's proposer makes for its passes hold only draft layers; a group of
         # the target's may also hold the draft's layers (same KV spec), which never run in the
         # target's forward. Each layer reads the parts of its own runner's phase rule
@@ -661,8 +665,158 @@ class AttnDispatchCPUBuilder(CPUAttentionMetadataBuilder):  # type: ignore[misc]
         return md
 
 
+# ---------------------------------------------------------------------------------------------
+# Across ranks: agreement at start-up, and each worker's table for the caller
+
+
+#: What ``_agree_across_ranks`` did in this worker process (``worker_table`` reports it).
+_AGREEMENTS: list[dict[str, Any]] = []
+#: Test hook, read only by the engine tests: ``"<tp rank>:<spec>"`` makes that rank bind its
+#: target runner with ``<spec>`` instead, to show a disagreement is caught at start-up.
+TEST_RANK_SPEC_ENV = "ATTN_DISPATCH_VLLM_TEST_RANK_SPEC"
+
+
+def _tp_group() -> Any:
+    """vLLM's tensor-parallel group coordinator, or None outside a distributed engine."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_tp_group()
+
+
+def bindings_of_layers(vllm_config: Any, layer_names: Any = None) -> dict[str, Binding]:
+    """Runner label (``"target"``, ``"draft"``; ``"target#1"``... when a runner has several
+    layer configs) -> ``Binding``, over the attn_dispatch layers named (all when None)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    found: dict[str, list[Binding]] = {}
+    for _, layer in sorted(get_layers_from_vllm_config(vllm_config, Attention, layer_names).items()):
+        d = getattr(layer.impl, "dispatch", None)
+        if isinstance(d, LayerDispatch):
+            same = found.setdefault(d.label, [])
+            if not any(b is d.binding for b in same):
+                same.append(d.binding)
+    out: dict[str, Binding] = {}
+    for label, bindings in sorted(found.items()):
+        for i, b in enumerate(sorted(bindings, key=lambda b: repr(b.config))):
+            out[label if i == 0 else f"{label}#{i}"] = b
+    return out
+
+
+def _agree_across_ranks(bindings: dict[str, Binding]) -> None:
+    """``check_agreement`` over vLLM's tensor-parallel group when it has more than one rank.
+
+    Run where vLLM builds each KV group's metadata builder (start-up, after every layer of
+    the group is bound at its final page size): every rank builds the same groups in the same
+    order, so each rank makes the same collective calls. The TP group's CPU (gloo) group
+    carries the summaries; a pipeline stage's ranks form their own TP group (stages bind
+    different layers, so they are not compared).
+    """
+    from attn_dispatch.distributed import check_agreement
+
+    tp = _tp_group()
+    if tp is None or tp.world_size <= 1:
+        return
+    check_agreement(bindings, group=tp.cpu_group)
+    _AGREEMENTS.append(
+        {"group": "tp", "world": int(tp.world_size), "runners": sorted(bindings), "agreed": True}
+    )
+
+
+def _test_rank_spec(settings: Settings) -> Settings:
+    """The engine tests' hook (``TEST_RANK_SPEC_ENV``); without it, ``settings`` unchanged."""
+    import os
+
+    raw = os.environ.get(TEST_RANK_SPEC_ENV)
+    tp = _tp_group() if raw else None
+    if not raw or tp is None:
+        return settings
+    rank, _, spec = raw.partition(":")
+    if int(rank) != tp.rank_in_group:
+        return settings
+    return dataclasses.replace(settings, target=BackendSpec.parse(spec))
+
+
+def worker_table(worker: Any) -> dict[str, Any]:
+    """One worker's dispatch table (``LLM.collective_rpc`` calls it in every worker).
+
+    JSON-able: ``rank`` (global), ``tp_rank``, ``tp_size``; ``runners``: label -> ``spec``,
+    ``table`` (phase -> backend), ``configs`` (the distinct layer configs this rank bound:
+    heads per rank, head size, page size, dtypes) and ``layers`` (how many); ``agreement``:
+    what ``check_agreement`` found at start-up (empty on a single rank).
+    """
+    tp = _tp_group()
+    ctx = worker.model_runner.compilation_config.static_forward_context
+    runners: dict[str, dict[str, Any]] = {}
+    for _, layer in sorted(ctx.items()):
+        d = getattr(getattr(layer, "impl", None), "dispatch", None)
+        if not isinstance(d, LayerDispatch):
+            continue
+        r = runners.setdefault(
+            d.label,
+            {
+                "spec": str(d.binding.spec),
+                "table": dict(d.binding.table()),
+                "configs": [],
+                "layers": 0,
+            },
+        )
+        r["layers"] += 1
+        c = d.config
+        cfg = {
+            "num_q_heads": c.num_q_heads,
+            "num_kv_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "page_size": c.page_size,
+            "dtype": str(c.dtype),
+            "kv_dtype": str(c.kv_dtype),
+        }
+        if cfg not in r["configs"]:
+            r["configs"].append(cfg)
+    return {
+        "rank": int(getattr(worker, "rank", 0)),
+        "tp_rank": 0 if tp is None else int(tp.rank_in_group),
+        "tp_size": 1 if tp is None else int(tp.world_size),
+        "runners": runners,
+        "agreement": list(_AGREEMENTS),
+    }
+
+
+_WORKER_RECORDER: list[Any] = []
+
+
+def worker_start_recording(worker: Any) -> None:
+    """Open a ``record_dispatch`` in this worker (``record_ranks`` calls it in every worker).
+
+    vLLM's workers run every RPC, ``execute_model`` included, on one thread, so the
+    recorder opened here sees the steps that follow until ``worker_stop_recording``.
+    """
+    from attn_dispatch._record import record_dispatch
+
+    if _WORKER_RECORDER:
+        raise ScopeError("record_ranks is already open in this vLLM worker")
+    ctx = record_dispatch()
+    _WORKER_RECORDER.append((ctx, ctx.__enter__()))
+
+
+def worker_stop_recording(worker: Any) -> list[list[Any]]:
+    """Close this worker's recorder; ``[[label, phase, backend, calls], ...]``."""
+    if not _WORKER_RECORDER:
+        raise ScopeError("record_ranks was not opened in this vLLM worker")
+    ctx, rec = _WORKER_RECORDER.pop()
+    ctx.__exit__(None, None, None)
+    return [[*key, n] for key, n in sorted(rec.counts().items(), key=str)]
+
+
 __all__ = [
     "DRAFT_MODEL_TAGS",
+    "TEST_RANK_SPEC_ENV",
+    "bindings_of_layers",
+    "worker_start_recording",
+    "worker_stop_recording",
+    "worker_table",
     "KV_DTYPES",
     "PROPOSER_MODULES",
     "AttnDispatchCPUBackend",
