@@ -94,7 +94,7 @@ def _run(engine: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
         f"{proc.stderr[-6000:]}"
     )
     result: dict[str, Any] = json.loads(lines[-1])
-    result["stderr"] = proc.stderr
+    result["log"] = proc.stdout + proc.stderr  # vLLM's workers log to stdout
     return result
 
 
@@ -167,9 +167,18 @@ def test_tp2_rank_that_binds_another_spec_stops_the_engine(model: str) -> None:
         }
     )
     assert "error" in got, got.get("tokens")
-    log = got["stderr"]
-    assert "RankMismatchError" in log, log[-4000:]
-    assert "backends.decode: rank 0: 'native', rank 1: 'torch'" in log, log[-4000:]
+    # The caller sees vLLM's "Worker failed with error '<our message>'".
+    message = got["error"][1]
+    assert "runner 'target'.backends.decode: rank 0: 'native', rank 1: 'torch'" in message
+    assert "runner 'target'.spec.decode: rank 0: 'native', rank 1: 'torch'" in message
+    # Each worker logs its own RankMismatchError: both ranks stopped, none waits forever.
+    log = got["log"]
+    for rank in (0, 1):
+        assert f"Worker_TP{rank}" in log and "RankMismatchError: the 2 ranks" in log, log[-4000:]
+        assert any(
+            f"Worker_TP{rank}" in line and "RankMismatchError: the 2 ranks" in line
+            for line in log.splitlines()
+        ), rank
 
 
 if __name__ == "__main__":
