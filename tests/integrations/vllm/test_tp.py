@@ -134,9 +134,9 @@ def test_tp2_each_rank_binds_its_own_head_slice(ours_tp2: dict[str, Any]) -> Non
         assert set(t["runners"]) == {"target"}
         assert target["layers"] == 2
         # GQA 4/2 split over 2 ranks: 2 query heads and 1 KV head per rank.
-        assert [(c["num_q_heads"], c["num_kv_heads"], c["page_size"]) for c in target["configs"]] == [
-            (2, 1, BLOCK)
-        ]
+        assert [
+            (c["num_q_heads"], c["num_kv_heads"], c["page_size"]) for c in target["configs"]
+        ] == [(2, 1, BLOCK)]
         assert target["table"]["prefill"] == "torch" and target["table"]["decode"] == "native"
 
 
