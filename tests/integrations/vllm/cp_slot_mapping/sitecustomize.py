@@ -14,8 +14,6 @@ part of attn_dispatch.
 
 from __future__ import annotations
 
-from typing import Any
-
 
 def _install() -> None:
     import torch
@@ -31,12 +29,12 @@ def _install() -> None:
         block_table: torch.Tensor,
         block_table_stride: int,
         slot_mapping: torch.Tensor,
-        KV_CACHE_BLOCK_SIZE: int,  # noqa: N803 - vLLM's keyword names
-        TOTAL_CP_WORLD_SIZE: int = 1,  # noqa: N803
-        TOTAL_CP_RANK: int = 0,  # noqa: N803
-        CP_KV_CACHE_INTERLEAVE_SIZE: int = 1,  # noqa: N803
-        PAD_ID: int = -1,  # noqa: N803
-        **rest: Any,
+        KV_CACHE_BLOCK_SIZE: int,  # vLLM passes these positionally, named as its kernel
+        TOTAL_CP_WORLD_SIZE: int = 1,
+        TOTAL_CP_RANK: int = 0,
+        CP_KV_CACHE_INTERLEAVE_SIZE: int = 1,
+        PAD_ID: int = -1,
+        BLOCK_SIZE: int = 1024,
     ) -> None:
         if TOTAL_CP_WORLD_SIZE == 1:
             return original(  # type: ignore[no-any-return]
@@ -48,8 +46,11 @@ def _install() -> None:
                 block_table_stride,
                 slot_mapping,
                 KV_CACHE_BLOCK_SIZE,
-                PAD_ID=PAD_ID,
-                **rest,
+                TOTAL_CP_WORLD_SIZE,
+                TOTAL_CP_RANK,
+                CP_KV_CACHE_INTERLEAVE_SIZE,
+                PAD_ID,
+                BLOCK_SIZE,
             )
         bs, world, rank = KV_CACHE_BLOCK_SIZE, TOTAL_CP_WORLD_SIZE, TOTAL_CP_RANK
         inter = CP_KV_CACHE_INTERLEAVE_SIZE
