@@ -4,10 +4,12 @@ Installed with the package (``pip install "attn_dispatch[vllm]"``), the ``vllm.g
 entry point ``attn_dispatch`` (``register`` below) runs in every vLLM process. It stays inert
 until an engine asks for it through vLLM's own plugin configuration:
 
-    >>> llm = vllm.LLM(model=path, additional_config={"attn_dispatch": {
-    ...     "target": "native", "draft": "prefill=torch,decode=native"}},
-    ...     speculative_config={"method": "draft_model", "model": draft_path,
-    ...                         "num_speculative_tokens": 3})
+.. code-block:: python
+
+    llm = vllm.LLM(model=path, additional_config={"attn_dispatch": {
+        "target": "native", "draft": "prefill=torch,decode=native"}},
+        speculative_config={"method": "draft_model", "model": draft_path,
+                            "num_speculative_tokens": 3})
 
 (``vllm serve ... --additional-config '{"attn_dispatch": {"target": "native"}}'`` is the same.)
 Without the ``"attn_dispatch"`` key every vLLM object behaves exactly as vLLM's own CPU
