@@ -21,6 +21,13 @@ Rows:
   per phase per layer, ``native extend`` one prefill call for the whole step.
 
 Writes ``bench/results/vllm_cpu.json``.
+
+``--breakdown``: where a step's time goes around the kernels, vLLM's own attention against
+``native`` in one run (``StepClock``): per step, the metadata build (for the plugin: of
+which ``step_parts``, its batch building from vLLM's tensors), the KV writes, and every
+layer's attention call (for the plugin: of which ``Binding.prepare`` and the ``attention()``
+call through the scope; the rest is the scope, slicing and copies). Writes
+``bench/results/vllm_cpu_breakdown.json``.
 """
 
 from __future__ import annotations
