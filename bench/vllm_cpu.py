@@ -179,7 +179,7 @@ def breakdown(model: str, rounds: int) -> None:
         for i in range(BATCH)
     ]
     params = vllm.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-    contenders = {
+    contenders: dict[str, dict[str, Any]] = {
         "vllm": {},
         "native": {"additional_config": {"attn_dispatch": {"target": "native"}}},
     }
