@@ -167,15 +167,14 @@ def breakdown(model: str, rounds: int) -> None:
     """Per-step figures: vLLM's own attention against the plugin's ``native``, same run."""
     import torch
     import vllm
-    from vllm.inputs import TokensPrompt
 
     from attn_dispatch._table import format_table
     from attn_dispatch.integrations.vllm import register
 
     register()
     clock = StepClock()
-    prompts = [
-        TokensPrompt(prompt_token_ids=[(31 * i + 7 * j) % 2000 + 1 for j in range(PROMPT)])
+    prompts: list[Any] = [  # vLLM's TokensPrompt shape
+        {"prompt_token_ids": [(31 * i + 7 * j) % 2000 + 1 for j in range(PROMPT)]}
         for i in range(BATCH)
     ]
     params = vllm.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
