@@ -1,6 +1,6 @@
 """vLLM's CPU engine: tokens/s with attn_dispatch ``native`` vs vLLM's own CPU attention.
 
-    .venv-vllm/bin/python bench/vllm_cpu.py [--rounds 2] [--layers 4]
+    .venv-vllm/bin/python bench/vllm_cpu.py [--rounds 2] [--layers 4] [--breakdown]
     .venv-vllm/bin/python bench/vllm_cpu.py --quick   # smoke run, writes nothing
 
 One process, one random Llama-shaped model (bf16, saved with transformers at start), the
@@ -22,6 +22,13 @@ Rows:
   per phase per layer, ``native extend`` one prefill call for the whole step.
 
 Writes ``bench/results/vllm_cpu.json``.
+
+``--breakdown``: where a step's time goes around the kernels, vLLM's own attention against
+``native`` in one run (``StepClock``): per step, the metadata build (for the plugin: of
+which ``step_parts``, its batch building from vLLM's tensors), the KV writes, and every
+layer's attention call (for the plugin: of which ``Binding.prepare`` and the ``attention()``
+call through the scope; the rest is the scope, slicing and copies). Writes
+``bench/results/vllm_cpu_breakdown.json``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from typing import ClassVar
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -107,6 +115,145 @@ class AttentionClock:
         return timed
 
 
+class StepClock:
+    """Where a step's time goes around the kernels (``--breakdown``): seconds per bucket,
+    measured by wrapping the plugin's entry points (buckets nest; see ``BUCKETS``). Both
+    contenders run through the plugin's classes; vLLM's own rows fill ``build``,
+    ``forward`` and ``kv write`` only (its builder and impl are what the plugin calls)."""
+
+    #: bucket -> (owner, attribute). ``forward`` contains ``plan`` and ``attention``;
+    #: ``build`` contains ``step parts`` (the plugin's batch building from vLLM's tensors).
+    BUCKETS: ClassVar[dict[str, tuple[str, str]]] = {
+        "build": ("AttnDispatchCPUBuilder", "build"),
+        "step parts": ("backend", "step_parts"),
+        "forward": ("AttnDispatchCPUImpl", "forward"),
+        "plan": ("Binding", "prepare"),
+        "attention": ("backend", "attention"),
+        "kv write": ("AttnDispatchCPUImpl", "do_kv_cache_update"),
+    }
+
+    def __init__(self) -> None:
+        from attn_dispatch._binding import Binding
+        from attn_dispatch.integrations.vllm import backend
+
+        owners = {
+            "AttnDispatchCPUBuilder": backend.AttnDispatchCPUBuilder,
+            "AttnDispatchCPUImpl": backend.AttnDispatchCPUImpl,
+            "Binding": Binding,
+            "backend": backend,
+        }
+        self.seconds = dict.fromkeys(self.BUCKETS, 0.0)
+        self.calls = dict.fromkeys(self.BUCKETS, 0)
+        for bucket, (owner, attr) in self.BUCKETS.items():
+            obj = owners[owner]
+            setattr(obj, attr, self._timed(bucket, getattr(obj, attr)))
+
+    def reset(self) -> None:
+        for k in self.seconds:
+            self.seconds[k], self.calls[k] = 0.0, 0
+
+    def _timed(self, bucket: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[bucket] += time.perf_counter() - t0
+                self.calls[bucket] += 1
+
+        return timed
+
+
+def breakdown(model: str, rounds: int) -> None:
+    """Per-step figures: vLLM's own attention against the plugin's ``native``, same run."""
+    import torch
+    import vllm
+
+    from attn_dispatch._table import format_table
+    from attn_dispatch.integrations.vllm import register
+
+    register()
+    clock = StepClock()
+    prompts: list[Any] = [  # vLLM's TokensPrompt shape
+        {"prompt_token_ids": [(31 * i + 7 * j) % 2000 + 1 for j in range(PROMPT)]}
+        for i in range(BATCH)
+    ]
+    params = vllm.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    contenders: dict[str, dict[str, Any]] = {
+        "vllm": {},
+        "native": {"additional_config": {"attn_dispatch": {"target": "native"}}},
+    }
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(rounds):
+        for name, extra in contenders.items():
+            llm = vllm.LLM(
+                model=model,
+                skip_tokenizer_init=True,
+                dtype="bfloat16",
+                enforce_eager=True,
+                max_model_len=512,
+                seed=0,
+                **extra,
+            )
+            llm.generate(prompts[:1], vllm.SamplingParams(max_tokens=4), use_tqdm=False)
+            clock.reset()
+            t0 = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            steps = max(clock.calls["build"], 1)  # one metadata build per step (one KV group)
+            row = {"step": wall / steps, "steps": steps}
+            row.update({k: v / steps for k, v in clock.seconds.items()})
+            if name not in best or row["step"] < best[name]["step"]:
+                best[name] = row
+            del llm
+            gc.collect()
+    ms = 1e3
+    rows = []
+    for name, r in best.items():
+        inner = r["plan"] + r["attention"]
+        rows.append(
+            [
+                name,
+                f"{r['steps']:.0f}",
+                f"{r['step'] * ms:.2f}",
+                f"{r['build'] * ms:.3f}",
+                f"{r['step parts'] * ms:.3f}" if name != "vllm" else "-",
+                f"{r['kv write'] * ms:.3f}",
+                f"{r['forward'] * ms:.3f}",
+                f"{r['plan'] * ms:.3f}" if name != "vllm" else "-",
+                f"{r['attention'] * ms:.3f}" if name != "vllm" else "-",
+                f"{(r['forward'] - inner) * ms:.3f}" if name != "vllm" else "-",
+            ]
+        )
+    print()
+    print(
+        f"per step, ms (mean over the timed generate; best of {rounds}); torch threads "
+        f"{torch.get_num_threads()}; forward = every layer's attention call, of which plan "
+        "(Binding.prepare, once per step and binding), attention (the kernel call through the "
+        "scope) and the rest (scope, slicing, copies)"
+    )
+    print(
+        format_table(
+            [
+                "attention",
+                "steps",
+                "step",
+                "build",
+                "step parts",
+                "kv write",
+                "forward",
+                "plan",
+                "attention()",
+                "forward rest",
+            ],
+            rows,
+        )
+    )
+    out = Path(__file__).resolve().parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / "vllm_cpu_breakdown.json").write_text(json.dumps(best, indent=2))
+
+
 def run(contenders: dict[str, dict[str, Any]], model: str, rounds: int) -> dict[str, Any]:
     import vllm
     from vllm.inputs import TokensPrompt
@@ -174,12 +321,22 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 1 layer, 2 contenders, nothing written"
     )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="per-step figures (batch building, planning, kernel calls) instead of tokens/s",
+    )
     args = parser.parse_args()
     global BATCH, PROMPT, NEW
     if args.quick:  # checks the script runs; the figures are not comparable
         args.rounds, args.layers = 1, 1
         BATCH, PROMPT, NEW = 2, 16, 4
     import torch
+
+    if args.breakdown:
+        with tempfile.TemporaryDirectory() as tmp:
+            breakdown(make_model(Path(tmp), args.layers), args.rounds)
+        return
 
     from attn_dispatch._table import format_table
 

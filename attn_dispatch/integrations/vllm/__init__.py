@@ -4,10 +4,12 @@ Installed with the package (``pip install "attn_dispatch[vllm]"``), the ``vllm.g
 entry point ``attn_dispatch`` (``register`` below) runs in every vLLM process. It stays inert
 until an engine asks for it through vLLM's own plugin configuration:
 
-    >>> llm = vllm.LLM(model=path, additional_config={"attn_dispatch": {
-    ...     "target": "native", "draft": "prefill=torch,decode=native"}},
-    ...     speculative_config={"method": "draft_model", "model": draft_path,
-    ...                         "num_speculative_tokens": 3})
+.. code-block:: python
+
+    llm = vllm.LLM(model=path, additional_config={"attn_dispatch": {
+        "target": "native", "draft": "prefill=torch,decode=native"}},
+        speculative_config={"method": "draft_model", "model": draft_path,
+                            "num_speculative_tokens": 3})
 
 (``vllm serve ... --additional-config '{"attn_dispatch": {"target": "native"}}'`` is the same.)
 Without the ``"attn_dispatch"`` key every vLLM object behaves exactly as vLLM's own CPU
@@ -177,6 +179,54 @@ def request_phase(
     return Phase.PREFILL
 
 
+def rank_tables(llm: Any) -> list[dict[str, Any]]:
+    """Each vLLM worker's dispatch table, in worker order (``LLM.collective_rpc``).
+
+    With ``tensor_parallel_size > 1`` (and by default) vLLM runs its model in worker
+    processes, where an in-process ``record_dispatch`` sees nothing; this asks every worker.
+    Each entry (JSON-able): ``rank``, ``tp_rank``, ``tp_size``; ``runners``: label ->
+    ``{"spec", "table": {phase: backend}, "configs": [per-rank heads, head size, page size,
+    dtypes], "layers"}``; ``agreement``: the ``check_agreement`` runs at start-up (empty on a
+    single rank).
+
+    .. code-block:: python
+
+        for t in rank_tables(llm):
+            print(t["tp_rank"], t["runners"]["target"]["table"], t["runners"]["target"]["configs"])
+    """
+    from attn_dispatch.integrations.vllm.backend import worker_table
+
+    return list(llm.collective_rpc(worker_table))
+
+
+class record_ranks:
+    """``record_dispatch`` in every vLLM worker: the calls each rank made, by runner and phase.
+
+    .. code-block:: python
+
+        with record_ranks(llm) as rec:
+            llm.generate(prompts, params)
+        rec.counts  # per worker: [[label, phase, backend, calls], ...]
+
+    ``counts`` is filled when the block exits (one list per worker, worker order).
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+        self.counts: list[list[list[Any]]] | None = None
+
+    def __enter__(self) -> record_ranks:
+        from attn_dispatch.integrations.vllm.backend import worker_start_recording
+
+        self._llm.collective_rpc(worker_start_recording)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        from attn_dispatch.integrations.vllm.backend import worker_stop_recording
+
+        self.counts = list(self._llm.collective_rpc(worker_stop_recording))
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: route vLLM's CPU_ATTN to our subclass.
 
@@ -197,6 +247,8 @@ __all__ = [
     "MIXED_MODES",
     "TARGET",
     "Settings",
+    "rank_tables",
+    "record_ranks",
     "register",
     "request_phase",
     "settings_of",

@@ -26,6 +26,7 @@ bytes stay its own (vLLM zeroes whole blocks when it hands them out).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 from typing import Any
 
@@ -42,9 +43,11 @@ from attn_dispatch._binding import bind
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._errors import ScopeError
 from attn_dispatch._phase import Phase
 from attn_dispatch._scope import attention
 from attn_dispatch._scope import attn_scope
+from attn_dispatch._spec import BackendSpec
 from attn_dispatch.integrations.transformers import UnsupportedModelError
 from attn_dispatch.integrations.vllm import DRAFT
 from attn_dispatch.integrations.vllm import TARGET
@@ -318,7 +321,18 @@ class AttnDispatchCPUBackend(CPUAttentionBackend):  # type: ignore[misc]
 
 
 class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
-    """One attention layer. Inactive (``dispatch is None``): vLLM's own CPU attention."""
+    """One attention layer. Inactive (``dispatch is None``): vLLM's own CPU attention.
+
+    Decode context parallel (vLLM's ``decode_context_parallel_size``): an active layer
+    returns the decode softmax LSE, natural log (``can_return_lse_for_decode``,
+    ``lse_base_on_e``, ``attn_dispatch.distributed.LSE_BASE``), so vLLM starts it; an
+    inactive one keeps vLLM's answer (no LSE), so vLLM refuses DCP for it as before.
+    """
+
+    # Read by vLLM's backend selector before any engine config is known (the class answer);
+    # each instance then says what it does (``__init__``).
+    supports_dcp: bool = True
+    lse_base_on_e: bool = True
 
     def __init__(
         self,
@@ -348,7 +362,12 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
             sinks,
         )
         self.dispatch: LayerDispatch | None = None
+        self._dcp: LayerDispatch | None = None
         self._views: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        # Inactive: vLLM's own CPU attention returns no LSE; DCP is refused for it by vLLM.
+        self.can_return_lse_for_decode = False
+        self.need_to_return_lse_for_decode = False
+        self.supports_dcp = False
         vllm_config = get_current_vllm_config()
         settings = settings_of(vllm_config)
         if settings is None:
@@ -369,8 +388,33 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
             attn_type=attn_type,
             sinks=sinks,
         )
+        settings = _test_rank_spec(settings)
         self._settings = settings
         self.dispatch = _make_dispatch(label, settings, config)
+        self.can_return_lse_for_decode = True
+        self.supports_dcp = True
+        self.need_to_return_lse_for_decode = self.dcp_world_size > 1
+        if self.dcp_world_size > 1:
+            self._bind_dcp()
+
+    def _bind_dcp(self) -> None:
+        """Decode context parallel: decode runs the query heads of every DCP rank over this
+        rank's share of the KV tokens and returns the LSE (a second binding: ``num_q_heads``
+        times the DCP size, ``return_lse=True``)."""
+        d = self.dispatch
+        assert d is not None
+        if d.fp8:
+            raise UnsupportedModelError(
+                "decode_context_parallel_size > 1 with an FP8 KV cache is not served by "
+                "attn_dispatch yet. Choices: kv_cache_dtype='auto', or no decode context parallel"
+            )
+        self._dcp = _make_dispatch(
+            d.label,
+            self._settings,
+            d.config.replace(
+                num_q_heads=d.config.num_q_heads * self.dcp_world_size, return_lse=True
+            ),
+        )
 
     def rebind_page_size(self, page_size: int) -> None:
         """Bind again for the kernel block size vLLM settled on (still at start-up)."""
@@ -379,6 +423,8 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
             self.dispatch = _make_dispatch(
                 d.label, self._settings, d.config.replace(page_size=page_size)
             )
+            if self._dcp is not None:
+                self._bind_dcp()
 
     # -- per step ------------------------------------------------------------------------
 
@@ -489,6 +535,11 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
             extras["v_scale"] = float(layer._v_scale_float)
         binding = d.binding
         out = output.view(output.shape[0], d.config.num_q_heads, d.config.head_dim)
+        if self._dcp is not None:
+            self._forward_dcp(
+                d, self._dcp, query, key, value, k_cache, v_cache, attn_metadata, out, extras
+            )
+            return output
         draft = d.label == DRAFT
         for part in attn_metadata.parts_for(draft):
             prepared = attn_metadata.prepared(binding, draft, part)
@@ -499,6 +550,175 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
                 result = attention(q, k_cache, v_cache, **extras)
             out[part.rows] = result
         return output
+
+    def _forward_dcp(
+        self,
+        d: LayerDispatch,
+        dcp_d: LayerDispatch,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: DispatchMetadata,
+        out: torch.Tensor,
+        extras: dict[str, Any],
+    ) -> None:
+        """One layer under decode context parallel (``DcpStep``).
+
+        Decode requests: the query heads of every DCP rank (all-gathered) attend to this
+        rank's tokens with ``return_lse=True``; every rank's ``(out, lse)`` is all-gathered
+        and merged (``merge_states``, natural log), and this rank keeps its own heads. Prompt
+        requests (no cached context): plain causal attention of the step's own keys, which
+        every rank has in full for its heads, on pages built for the step.
+        """
+        from vllm.distributed.parallel_state import get_dcp_group
+
+        from attn_dispatch.state import merge_states
+
+        step = md.dcp_step(self.dcp_world_size, self.dcp_rank)
+        cfg = d.config
+        heads = cfg.num_q_heads
+        if step.decode is not None:
+            group = get_dcp_group()
+            q = query[step.decode_rows].reshape(-1, heads, cfg.head_dim).contiguous()
+            q_all = group.all_gather(q, dim=1)
+            prepared = md.prepared(dcp_d.binding, False, _DCP_DECODE, step.decode)
+            with attn_scope(dcp_d.binding, step.decode, prepared):
+                part_out, part_lse = attention(q_all, k_cache, v_cache, return_lse=True, **extras)
+            outs = group.all_gather(part_out.unsqueeze(0).contiguous(), dim=0)
+            lses = group.all_gather(part_lse.unsqueeze(0).contiguous(), dim=0)
+            merged, _ = merge_states(list(outs.unbind(0)), list(lses.unbind(0)))
+            rank = self.dcp_rank
+            out[step.decode_rows] = merged[:, rank * heads : (rank + 1) * heads].to(out.dtype)
+        if step.prompt is not None:
+            ps = cfg.page_size
+            rows = step.prompt_rows
+            k_new = key[rows].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            v_new = value[rows].reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            shape = (step.prompt_pages * ps, cfg.num_kv_heads, cfg.head_dim)
+            k_pages = k_new.new_zeros(shape)
+            v_pages = v_new.new_zeros(shape)
+            k_pages.index_copy_(0, step.prompt_slots, k_new.to(k_pages.dtype))
+            v_pages.index_copy_(0, step.prompt_slots, v_new.to(v_pages.dtype))
+            kp = k_pages.view(-1, ps, cfg.num_kv_heads, cfg.head_dim)
+            vp = v_pages.view(-1, ps, cfg.num_kv_heads, cfg.head_dim)
+            q = query[rows].reshape(-1, heads, cfg.head_dim).contiguous()
+            prepared = md.prepared(d.binding, False, _DCP_PROMPT, step.prompt)
+            with attn_scope(d.binding, step.prompt, prepared):
+                out[rows] = attention(q, kp, vp, **extras)
+
+
+# Plan keys of the DCP batches (``DispatchMetadata.prepared``; step parts use 0, 1, 2).
+_DCP_DECODE, _DCP_PROMPT = -1, -2
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class DcpStep:
+    """One step's batches on one decode-context-parallel rank (``DispatchMetadata.dcp_step``).
+
+    ``decode``: the single-token requests over this rank's share of their tokens (vLLM's
+    interleaved layout: token t lives on rank ``(t // interleave) % world``, at local slot
+    ``(t // (interleave * world)) * interleave + t % interleave``); ``prompt``: requests with
+    no cached context, over pages of their own new keys (``prompt_slots``: where each new
+    token goes in those pages).
+    """
+
+    decode: Any
+    decode_rows: torch.Tensor
+    prompt: Any
+    prompt_rows: torch.Tensor
+    prompt_slots: torch.Tensor
+    prompt_pages: int
+
+
+def dcp_local_len(seq_len: int, world: int, rank: int, interleave: int) -> int:
+    """How many of a request's first ``seq_len`` tokens rank ``rank`` holds (vLLM's layout).
+
+    >>> [dcp_local_len(5, 2, r, 1) for r in (0, 1)], [dcp_local_len(5, 2, r, 2) for r in (0, 1)]
+    ([3, 2], [3, 2])
+    """
+    cycle = world * interleave
+    full, rest = divmod(seq_len, cycle)
+    return full * interleave + min(max(rest - rank * interleave, 0), interleave)
+
+
+def _dcp_step(md: DispatchMetadata, world: int, rank: int) -> DcpStep:
+    from attn_dispatch._batch import AttnBatch
+
+    qsl = md.query_start_loc.tolist()
+    seq = md.seq_lens.tolist()
+    bs = md.block_size
+    dec_reqs: list[int] = []
+    dec_lens: list[int] = []
+    prompt_reqs: list[int] = []
+    for i, kv in enumerate(seq):
+        q = qsl[i + 1] - qsl[i]
+        if q == 0:
+            continue
+        if kv == q:
+            prompt_reqs.append(i)
+        elif q == 1:
+            local = dcp_local_len(kv, world, rank, md.interleave)
+            if local == 0:
+                raise UnsupportedModelError(
+                    f"decode context parallel: request {i} ({kv} tokens) has no token on DCP "
+                    f"rank {rank} (interleave {md.interleave}, {world} ranks); attn_dispatch "
+                    "needs every rank to hold at least one. Choices: cp_kv_cache_interleave_size=1"
+                )
+            dec_reqs.append(i)
+            dec_lens.append(local)
+        else:
+            raise UnsupportedModelError(
+                f"decode context parallel: request {i} runs {q} new tokens over {kv - q} cached "
+                "ones (a prompt chunk over a cached prefix, or a speculative verify); "
+                "attn_dispatch serves decode steps and prompts without cached context under "
+                "decode_context_parallel_size > 1. Choices: enable_prefix_caching=False, "
+                "enable_chunked_prefill=False, no speculative decoding"
+            )
+    i32 = torch.int32
+    empty = torch.zeros(0, dtype=torch.int64)
+    decode = None
+    decode_rows = empty
+    if dec_reqs:
+        pages = [-(-n // bs) for n in dec_lens]
+        table = md.block_table.index_select(0, torch.tensor(dec_reqs, dtype=torch.int64))
+        width = max(pages)
+        if table.shape[1] < width:
+            raise InvalidBatchError(
+                "block_table", f"{table.shape[1]} blocks per row; a local length needs {width}"
+            )
+        keep = torch.arange(width).unsqueeze(0) < torch.tensor(pages).unsqueeze(1)
+        decode = AttnBatch(
+            phase=Phase.DECODE,
+            qo_indptr=torch.arange(len(dec_reqs) + 1, dtype=i32),
+            kv_indptr=torch.tensor([0, *itertools.accumulate(pages)], dtype=i32),
+            kv_indices=(table[:, :width].cpu()[keep] * 2).to(i32),
+            kv_lens=torch.tensor(dec_lens, dtype=i32),
+            page_size=bs,
+        )
+        decode_rows = torch.tensor([qsl[i] for i in dec_reqs], dtype=torch.int64)
+    prompt = None
+    prompt_rows = prompt_slots = empty
+    n_pages = 0
+    if prompt_reqs:
+        q_lens = [qsl[i + 1] - qsl[i] for i in prompt_reqs]
+        pages = [-(-n // bs) for n in q_lens]
+        n_pages = sum(pages)
+        base = list(itertools.accumulate(pages, initial=0))
+        prompt = AttnBatch(
+            phase=Phase.PREFILL if max(q_lens) > 1 else Phase.DECODE,
+            qo_indptr=torch.tensor(list(itertools.accumulate(q_lens, initial=0)), dtype=i32),
+            kv_indptr=torch.tensor(base, dtype=i32),
+            kv_indices=torch.arange(n_pages, dtype=i32),
+            kv_lens=torch.tensor(q_lens, dtype=i32),
+            page_size=bs,
+        )
+        prompt_rows = torch.cat([torch.arange(qsl[i], qsl[i + 1]) for i in prompt_reqs])
+        prompt_slots = torch.cat(
+            [torch.arange(n) + b * bs for n, b in zip(q_lens, base, strict=False)]
+        )
+    return DcpStep(decode, decode_rows, prompt, prompt_rows, prompt_slots, n_pages)
 
 
 def _check_draft_key(vllm_config: Any, settings: Settings) -> None:
@@ -555,8 +775,17 @@ class DispatchMetadata:
     num_speculative_tokens: int
     mixed: str
     causal: bool = True
+    #: Decode context parallel: vLLM's ``cp_kv_cache_interleave_size`` (0: no DCP).
+    interleave: int = 0
     _parts: dict[bool, tuple[StepPart, ...]] = dataclasses.field(default_factory=dict)
     _plans: dict[tuple[int, bool, int], Any] = dataclasses.field(default_factory=dict)
+    _dcp: DcpStep | None = None
+
+    def dcp_step(self, world: int, rank: int) -> DcpStep:
+        """This step's batches on decode-context-parallel rank ``rank`` (built once)."""
+        if self._dcp is None:
+            self._dcp = _dcp_step(self, world, rank)
+        return self._dcp
 
     def parts_for(self, draft: bool) -> tuple[StepPart, ...]:
         """The step's parts under the target's (``draft=False``) or the draft's phase rule."""
@@ -574,11 +803,18 @@ class DispatchMetadata:
             )
         return found
 
-    def prepared(self, binding: Binding, draft: bool, part: StepPart) -> Any:
-        key = (id(binding), draft, part.index)
+    def prepared(
+        self, binding: Binding, draft: bool, part: StepPart | int, batch: Any = None
+    ) -> Any:
+        """``binding``'s plan of a part (a ``StepPart``, or an index and its batch), made once
+        per step at the first layer that runs it."""
+        index = part.index if isinstance(part, StepPart) else part
+        key = (id(binding), draft, index)
         found = self._plans.get(key)
         if found is None:
-            found = self._plans[key] = binding.prepare(part.batch)
+            found = self._plans[key] = binding.prepare(
+                part.batch if isinstance(part, StepPart) else batch
+            )
         return found
 
     def phases(self, draft: bool = False) -> tuple[Phase, ...]:
@@ -624,11 +860,18 @@ class AttnDispatchCPUBuilder(CPUAttentionMetadataBuilder):  # type: ignore[misc]
             impl.rebind_page_size(self.block_size)
             labels[name] = impl.dispatch.label
         check_draft_layer_names(labels)
+        _agree_across_ranks(bindings_of_layers(vllm_config, layer_names))
         # The builders vLLM's proposer makes for its passes hold only draft layers; a group of
         # the target's may also hold the draft's layers (same KV spec), which never run in the
         # target's forward. Each layer reads the parts of its own runner's phase rule
         # (DispatchMetadata.parts_for); this is the rule built eagerly.
         self.draft = bool(labels) and set(labels.values()) == {DRAFT}
+        from vllm.distributed.parallel_state import get_dcp_world_size_and_rank
+
+        self.dcp_world, self.dcp_rank = get_dcp_world_size_and_rank(
+            bool(getattr(kv_cache_spec, "dcp_sharded", False))
+        )
+        self.interleave = int(vllm_config.parallel_config.cp_kv_cache_interleave_size)
 
     def build(
         self,
@@ -657,20 +900,185 @@ class AttnDispatchCPUBuilder(CPUAttentionMetadataBuilder):  # type: ignore[misc]
             num_speculative_tokens=self.num_speculative_tokens,
             mixed=self.mixed,
         )
+        if self.dcp_world > 1:
+            md.interleave = self.interleave
+            md.dcp_step(self.dcp_world, self.dcp_rank)  # checks the step now
+            return md
         md.parts_for(self.draft)  # checks the step now, where vLLM built it
         return md
+
+
+# ---------------------------------------------------------------------------------------------
+# Across ranks: agreement at start-up, and each worker's table for the caller
+
+
+#: What ``_agree_across_ranks`` did in this worker process (``worker_table`` reports it).
+_AGREEMENTS: list[dict[str, Any]] = []
+#: Test hook, read only by the engine tests: ``"<tp rank>:<spec>"`` makes that rank bind its
+#: target runner with ``<spec>`` instead, to show a disagreement is caught at start-up.
+TEST_RANK_SPEC_ENV = "ATTN_DISPATCH_VLLM_TEST_RANK_SPEC"
+
+
+def _tp_group() -> Any:
+    """vLLM's tensor-parallel group coordinator, or None outside a distributed engine."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():  # type: ignore[no-untyped-call]
+        return None
+    return parallel_state.get_tp_group()
+
+
+def bindings_of_layers(vllm_config: Any, layer_names: Any = None) -> dict[str, Binding]:
+    """Runner label (``"target"``, ``"draft"``; ``"target#1"``... when a runner has several
+    layer configs) -> ``Binding``, over the attn_dispatch layers named (all when None)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    found: dict[str, list[Binding]] = {}
+    for _, layer in sorted(
+        get_layers_from_vllm_config(vllm_config, Attention, layer_names).items()
+    ):
+        d = getattr(layer.impl, "dispatch", None)
+        if isinstance(d, LayerDispatch):
+            same = found.setdefault(d.label, [])
+            if not any(b is d.binding for b in same):
+                same.append(d.binding)
+    out: dict[str, Binding] = {}
+    for label, bindings in sorted(found.items()):
+        for i, b in enumerate(sorted(bindings, key=lambda b: repr(b.config))):
+            out[label if i == 0 else f"{label}#{i}"] = b
+    return out
+
+
+def _agree_across_ranks(bindings: dict[str, Binding]) -> None:
+    """``check_agreement`` over vLLM's tensor-parallel group when it has more than one rank.
+
+    Run where vLLM builds each KV group's metadata builder (start-up, after every layer of
+    the group is bound at its final page size): every rank builds the same groups in the same
+    order, so each rank makes the same collective calls. The TP group's CPU (gloo) group
+    carries the summaries; a pipeline stage's ranks form their own TP group (stages bind
+    different layers, so they are not compared).
+    """
+    from attn_dispatch.distributed import check_agreement
+
+    tp = _tp_group()
+    if tp is None or tp.world_size <= 1:
+        return
+    check_agreement(bindings, group=tp.cpu_group)
+    _AGREEMENTS.append(
+        {"group": "tp", "world": int(tp.world_size), "runners": sorted(bindings), "agreed": True}
+    )
+
+
+def _test_rank_spec(settings: Settings) -> Settings:
+    """The engine tests' hook (``TEST_RANK_SPEC_ENV``); without it, ``settings`` unchanged."""
+    import os
+
+    raw = os.environ.get(TEST_RANK_SPEC_ENV)
+    tp = _tp_group() if raw else None
+    if not raw or tp is None:
+        return settings
+    rank, _, spec = raw.partition(":")
+    if int(rank) != tp.rank_in_group:
+        return settings
+    return dataclasses.replace(settings, target=BackendSpec.parse(spec))
+
+
+def worker_table(worker: Any) -> dict[str, Any]:
+    """One worker's dispatch table (``LLM.collective_rpc`` calls it in every worker).
+
+    JSON-able: ``rank`` (global), ``tp_rank``, ``tp_size``; ``runners``: label -> ``spec``,
+    ``table`` (phase -> backend), ``configs`` (the distinct layer configs this rank bound:
+    heads per rank, head size, page size, dtypes; ``dcp_configs``: under decode context
+    parallel, the decode binding's) and ``layers`` (how many); ``agreement``:
+    what ``check_agreement`` found at start-up (empty on a single rank).
+    """
+    tp = _tp_group()
+    ctx = worker.model_runner.compilation_config.static_forward_context
+    runners: dict[str, dict[str, Any]] = {}
+    for _, layer in sorted(ctx.items()):
+        d = getattr(getattr(layer, "impl", None), "dispatch", None)
+        if not isinstance(d, LayerDispatch):
+            continue
+        r = runners.setdefault(
+            d.label,
+            {
+                "spec": str(d.binding.spec),
+                "table": dict(d.binding.table()),
+                "configs": [],
+                "layers": 0,
+            },
+        )
+        r["layers"] += 1
+        bound = [("configs", d)]
+        dcp = getattr(layer.impl, "_dcp", None)
+        if isinstance(dcp, LayerDispatch):  # decode context parallel's decode binding
+            bound.append(("dcp_configs", dcp))
+        for key, one in bound:
+            c = one.config
+            cfg = {
+                "num_q_heads": c.num_q_heads,
+                "num_kv_heads": c.num_kv_heads,
+                "head_dim": c.head_dim,
+                "page_size": c.page_size,
+                "dtype": str(c.dtype),
+                "kv_dtype": str(c.kv_dtype),
+                "return_lse": c.return_lse,
+            }
+            if cfg not in r.setdefault(key, []):
+                r[key].append(cfg)
+    return {
+        "rank": int(getattr(worker, "rank", 0)),
+        "tp_rank": 0 if tp is None else int(tp.rank_in_group),
+        "tp_size": 1 if tp is None else int(tp.world_size),
+        "runners": runners,
+        "agreement": list(_AGREEMENTS),
+    }
+
+
+_WORKER_RECORDER: list[Any] = []
+
+
+def worker_start_recording(worker: Any) -> None:
+    """Open a ``record_dispatch`` in this worker (``record_ranks`` calls it in every worker).
+
+    vLLM's workers run every RPC, ``execute_model`` included, on one thread, so the
+    recorder opened here sees the steps that follow until ``worker_stop_recording``.
+    """
+    from attn_dispatch._record import record_dispatch
+
+    if _WORKER_RECORDER:
+        raise ScopeError("record_ranks is already open in this vLLM worker")
+    ctx = record_dispatch()
+    _WORKER_RECORDER.append((ctx, ctx.__enter__()))
+
+
+def worker_stop_recording(worker: Any) -> list[list[Any]]:
+    """Close this worker's recorder; ``[[label, phase, backend, calls], ...]``."""
+    if not _WORKER_RECORDER:
+        raise ScopeError("record_ranks was not opened in this vLLM worker")
+    ctx, rec = _WORKER_RECORDER.pop()
+    ctx.__exit__(None, None, None)
+    return [[*key, n] for key, n in sorted(rec.counts().items(), key=str)]
 
 
 __all__ = [
     "DRAFT_MODEL_TAGS",
     "KV_DTYPES",
     "PROPOSER_MODULES",
+    "TEST_RANK_SPEC_ENV",
     "AttnDispatchCPUBackend",
     "AttnDispatchCPUBuilder",
     "AttnDispatchCPUImpl",
+    "DcpStep",
     "DispatchMetadata",
     "LayerDispatch",
+    "bindings_of_layers",
     "check_draft_layer_names",
+    "dcp_local_len",
     "layer_config",
     "speculation_runs_draft_attention",
+    "worker_start_recording",
+    "worker_stop_recording",
+    "worker_table",
 ]

@@ -63,7 +63,13 @@ def _write(path: Path, config: dict[str, Any], weights: dict[str, Any]) -> str:
 
 
 def _layer(
-    prefix: str, g: Any, *, qkv_in: int, norms: tuple[str, ...], quiet: bool
+    prefix: str,
+    g: Any,
+    *,
+    qkv_in: int,
+    norms: tuple[str, ...],
+    quiet: bool,
+    kv_heads: int = KV_HEADS,
 ) -> dict[str, Any]:
     """One Llama decoder layer's weights; ``quiet``: attention and MLP outputs are zero."""
     import torch
@@ -73,8 +79,8 @@ def _layer(
 
     w = {
         f"{prefix}self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, qkv_in),
-        f"{prefix}self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, qkv_in),
-        f"{prefix}self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, qkv_in),
+        f"{prefix}self_attn.k_proj.weight": rand(kv_heads * HEAD_DIM, qkv_in),
+        f"{prefix}self_attn.v_proj.weight": rand(kv_heads * HEAD_DIM, qkv_in),
         f"{prefix}self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
         f"{prefix}mlp.gate_proj.weight": rand(2 * HIDDEN, HIDDEN),
         f"{prefix}mlp.up_proj.weight": rand(2 * HIDDEN, HIDDEN),
@@ -88,8 +94,9 @@ def _layer(
     return w
 
 
-def target(path: Path, *, seed: int = 0, exact: bool = False) -> str:
-    """A Llama target of ``TARGET_LAYERS`` layers (GQA 4/2 x 32, hidden 128, vocab 256)."""
+def target(path: Path, *, seed: int = 0, exact: bool = False, kv_heads: int = KV_HEADS) -> str:
+    """A Llama target of ``TARGET_LAYERS`` layers (GQA 4/2 x 32, hidden 128, vocab 256;
+    ``kv_heads=1``: MQA, what vLLM's decode context parallel at 2 ranks needs)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -106,9 +113,11 @@ def target(path: Path, *, seed: int = 0, exact: bool = False) -> str:
                 qkv_in=HIDDEN,
                 norms=("input_layernorm", "post_attention_layernorm"),
                 quiet=exact,
+                kv_heads=kv_heads,
             )
         )
-    return _write(path, _config(num_hidden_layers=TARGET_LAYERS), w)
+    config = _config(num_hidden_layers=TARGET_LAYERS, num_key_value_heads=kv_heads)
+    return _write(path, config, w)
 
 
 def eagle1(path: Path, *, seed: int = 1, exact: bool = False) -> str:
