@@ -36,6 +36,8 @@ from attn_dispatch import AttnConfig
 from attn_dispatch import Phase
 from attn_dispatch._snapshot import BatchSnapshot
 from attn_dispatch.backends.native._lib import NaError
+from attn_dispatch.backends.native._lib import NaPlanArgs
+from attn_dispatch.backends.native._lib import NaPlanInfo
 from attn_dispatch.backends.native.backend import NativeBackend
 
 
@@ -132,13 +134,27 @@ def main() -> None:
         ("na_plan_create, cascade=False", off, shared_b),
     ):
         snap = BatchSnapshot.of(b, ps)
-        err = NaError()
-        call = (
-            be._cfg_ref, B, snap.qo_indptr.data_ptr(), snap.kv_indptr.data_ptr(),
-            snap.kv_indices.data_ptr(), snap.kv_indices.numel(), snap.kv_lens.data_ptr(),
-            None, 0, 1, ctypes.byref(err),
+        args_c = NaPlanArgs(
+            num_requests=snap.num_requests, decode=1, split_target=max(32, 4 * be.threads()),
+            qo_indptr=snap.qo_indptr.data_ptr(), kv_indptr=snap.kv_indptr.data_ptr(),
+            kv_indices=snap.kv_indices.data_ptr(), num_indices=snap.kv_indices.numel(),
+            kv_lens=snap.kv_lens.data_ptr(), mask=None, mask_len=0,
         )  # fmt: skip
-        c_plan[label] = lambda be=be, call=call: be._free(be._create(*call))
+
+        def create_free(
+            be: NativeBackend = be, args_c: NaPlanArgs = args_c, snap: BatchSnapshot = snap
+        ) -> None:
+            # One plan made and freed in the library's own table (ABI 7); ``snap`` keeps the
+            # index tensors that args_c points at alive.
+            err, info, plan_id = NaError(), NaPlanInfo(), ctypes.c_uint64(0)
+            rc = be._create(
+                be._runner, ctypes.byref(args_c), ctypes.byref(plan_id), ctypes.byref(info),
+                ctypes.byref(err),
+            )  # fmt: skip
+            assert rc == 0, rc
+            be._free(be._runner, plan_id.value)
+
+        c_plan[label] = create_free
     plan_t.update(median_times(c_plan, 3 if args.quick else 201))
     bw, gemm = (math.nan, math.nan) if args.quick else roofline()
     flops = B * kv_len * Hq * D * 2  # multiply-adds: q.k and p.v

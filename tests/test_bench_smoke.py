@@ -56,6 +56,7 @@ NEEDS: dict[str, Callable[[], str | None] | None] = {
     "kernels_cpu.py": _native,
     "native_probe.py": _native,
     "safety_checks.py": None,
+    "sdpa_cpu.py": None,
     "transformers_cpu.py": lambda: _native() or _module("transformers")(),
     "variants_cpu.py": None,
     "vllm_cpu.py": lambda: _native() or _module("vllm")(),
@@ -84,6 +85,7 @@ def test_every_script_imports() -> None:
         "    name = 'bench_' + path.rsplit('/', 1)[-1][:-3]\n"
         "    spec = importlib.util.spec_from_file_location(name, path)\n"
         "    module = importlib.util.module_from_spec(spec)\n"
+        "    sys.modules[name] = module  # dataclasses look their module up there\n"
         "    spec.loader.exec_module(module)\n"
         "    assert callable(getattr(module, 'main', None)), path\n"
         "    print('imported', path)\n"

@@ -428,19 +428,3 @@ class NativeBackend(BackendBase):
                 "this backend",
             )
         return out if lse is None else (out, lse)
-        # The kernel bounds every row and page by these element counts, whatever the plan.
-        rc = self._run(
-            plan.handle.ptr, self._cfg_ref, q.data_ptr(), q.numel(), k_cache.data_ptr(),
-            k_cache.numel(), v_ptr, v_numel, out.data_ptr(), out.numel(), scale, sinks_ptr,
-            sinks_numel, ks, vs, lse_ptr, lse_numel, self.threads(),
-        )  # fmt: skip
-        if rc != 0:
-            if rc == -2:
-                raise MemoryError("native attention: a per-thread buffer could not be allocated")
-            raise InvalidBatchError(
-                "plan",
-                "the native kernel refused the plan for these tensors (its tokens, pages or "
-                "heads do not fit q, the cache or the output); plan the batch again with "
-                "this backend",
-            )
-        return out if lse is None else (out, lse)

@@ -377,7 +377,17 @@ class SdpaBackend(BackendBase):
             kflat = (k_cache, h, e, h * e)
             vflat = kflat if self.mla else (v_cache, h, e, h * e)
         qc = q if self.q_direct else _widen(q, self.d, self.e, self.dtype)
-        return self._attend(plan, qc, (kbuf, kflat), (vbuf, vflat), scale, sinks, return_lse)
+        result = self._attend(plan, qc, (kbuf, kflat), (vbuf, vflat), scale, sinks, return_lse)
+        # The contract: NaN in a query row gives NaN in that row (out and lse), in every
+        # backend. The CPU flash kernel's running max skips a NaN score and returns the row
+        # as if the query were finite, so the rows are marked here (one pass over q).
+        bad = q.isnan().any(dim=-1)
+        if bool(bad.any()):
+            out, lse = result if isinstance(result, tuple) else (result, None)
+            out.masked_fill_(bad.unsqueeze(-1), math.nan)
+            if lse is not None:
+                lse.masked_fill_(bad, math.nan)
+        return result
 
     def _gather(
         self, name: str, cache: torch.Tensor, pages: torch.Tensor,

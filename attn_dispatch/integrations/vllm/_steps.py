@@ -10,8 +10,8 @@ import torch
 from attn_dispatch._batch import AttnBatch
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
-from attn_dispatch.integrations.vllm import MIXED_MODES
-from attn_dispatch.integrations.vllm import request_phase
+from attn_dispatch.integrations.vllm._settings import MIXED_MODES
+from attn_dispatch.integrations.vllm._settings import request_phase
 
 _PHASE_ORDER = (Phase.DECODE, Phase.VERIFY, Phase.PREFILL)
 _MAX_BLOCK_ID = 2**30  # pages 2b and 2b + 1 stay within int32

@@ -49,10 +49,10 @@ from attn_dispatch._scope import attention
 from attn_dispatch._scope import attn_scope
 from attn_dispatch._spec import BackendSpec
 from attn_dispatch.integrations.transformers import UnsupportedModelError
-from attn_dispatch.integrations.vllm import DRAFT
-from attn_dispatch.integrations.vllm import TARGET
-from attn_dispatch.integrations.vllm import Settings
-from attn_dispatch.integrations.vllm import settings_of
+from attn_dispatch.integrations.vllm._settings import DRAFT
+from attn_dispatch.integrations.vllm._settings import TARGET
+from attn_dispatch.integrations.vllm._settings import Settings
+from attn_dispatch.integrations.vllm._settings import settings_of
 from attn_dispatch.integrations.vllm._steps import StepPart
 from attn_dispatch.integrations.vllm._steps import step_parts
 
