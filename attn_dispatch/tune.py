@@ -250,8 +250,15 @@ def _time_one(
             _spec_for(phase, backend), config, label=f"tune:{backend}", registry=registry
         )
     except AttnDispatchError as e:
-        reason = str(e).splitlines()
-        why = next((r.strip(" -") for r in reason if backend in r or "needs" in r), reason[0])
+        # bind lists one "- <phase> -> '<backend>': <reason>" line per reason: keep this
+        # phase's reasons (the headline and the closing advice say nothing about it).
+        mark = f"{phase.name.lower()} -> {backend!r}: "
+        why = "; ".join(
+            line.strip().removeprefix("- ").removeprefix(mark)
+            for line in str(e).splitlines()
+            if line.strip().removeprefix("- ").startswith(mark)
+        )
+        why = why or str(e).splitlines()[0]
         return PhaseTiming(group, phase.name.lower(), backend, None, None, refused=why)
     gen = torch.Generator().manual_seed(0)
     batch, q, k, v, extras = _batch_for(config, phase, sizes, gen)
