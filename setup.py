@@ -96,7 +96,7 @@ class BuildNative(build_ext):
         self.compiler.link_shared_object(
             objects,
             str(output),
-            extra_postargs=["-pthread"],
+            extra_postargs=["-pthread", "-ldl"],  # dlopen: finding torch's OpenMP runtime
             target_lang="c++",
         )
 

@@ -19,14 +19,17 @@
 #include <utility>
 #include <vector>
 
+#include <dlfcn.h>
+
 #include "kernels.h"
 
 namespace {
 
-// A small persistent pool of our own. Not OpenMP: torch ships its own libgomp, and a second
-// OpenMP runtime in the same process competes with it for the same cores (and some builds
-// abort at load). Callers are serialised; ctypes releases the GIL, so two Python threads may
-// call in at once.
+// A small persistent pool of our own, used when torch's OpenMP runtime is not loaded (see
+// gomp_parallel) and in forked children. Never a second OpenMP runtime: torch ships its own
+// libgomp, and another one in the same process competes with it for the same cores (and
+// some builds abort at load). Callers are serialised; ctypes releases the GIL, so two Python
+// threads may call in at once.
 class Pool {
  public:
   // Runs fn(0) .. fn(n-1), fn(0) on the calling thread; returns when all have finished.
@@ -78,12 +81,41 @@ class Pool {
 };
 
 Pool* g_pool = nullptr;
+std::atomic<bool> g_forked{false};  // set in a forked child: torch's OpenMP team is gone
 std::once_flag g_pool_once;
 
 // A forked child has none of the parent's threads: forget the pool (leaked on purpose, its
 // mutexes may be held by threads that no longer exist) and build a new one on first use.
 void forget_pool_in_child() {
   g_pool = new Pool();
+  g_forked.store(true);
+}
+
+// torch's OpenMP runtime, when this process has loaded it (torch links libgomp.so.1 and
+// loads it before any tensor reaches us). Running the items on torch's own team instead of
+// a second set of threads matters because torch's OpenMP workers spin for a while after
+// each parallel op: right after a GEMM, a pool of our own competes with them for the same
+// cores (measured: decode 1.2-1.5x slower when it follows a 2-thread matmul; with
+// OMP_WAIT_POLICY=passive the gap closes). Found with dlopen(RTLD_NOLOAD), so the library
+// never loads an OpenMP runtime itself and has no link dependency on one. A forked child
+// uses our pool: an OpenMP team does not survive fork().
+using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
+std::atomic<GompParallel> g_gomp{nullptr};
+
+Pool& pool();
+
+GompParallel gomp_parallel() {
+  pool();  // registers the fork handler that switches a child to our pool
+  if (g_forked.load(std::memory_order_relaxed)) return nullptr;
+  GompParallel fn = g_gomp.load(std::memory_order_acquire);
+  if (fn != nullptr) return fn;
+  static const bool disabled = std::getenv("NATIVE_ATTN_OWN_POOL") != nullptr;
+  if (disabled) return nullptr;
+  void* h = dlopen("libgomp.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (h == nullptr) return nullptr;  // not loaded (yet): our pool, and look again next call
+  fn = reinterpret_cast<GompParallel>(dlsym(h, "GOMP_parallel"));
+  if (fn != nullptr) g_gomp.store(fn, std::memory_order_release);
+  return fn;
 }
 
 Pool& pool() {
@@ -785,13 +817,22 @@ int na_run(uint64_t runner, uint64_t plan_id, const NaRunArgs* a) {
     if (count <= 0) return;
     const int n = std::max(1, std::min(num_threads, count));
     std::atomic<int> next{0};
-    pool().run(n, [&](int) {
+    auto take_items = [&]() {
       for (;;) {
         const int i = next.fetch_add(1, std::memory_order_relaxed);
         if (i >= count) break;
         if (const int rc = body(i)) status.store(rc);
       }
-    });
+    };
+    using Take = decltype(take_items);
+    if (n > 1) {
+      if (const GompParallel gp = gomp_parallel()) {
+        // The items never throw (allocation failures are return codes).
+        gp([](void* d) { (*static_cast<Take*>(d))(); }, &take_items, unsigned(n), 0);
+        return;
+      }
+    }
+    pool().run(n, [&](int) { take_items(); });
   };
   parallel(int(plan->items.size()), [&](int i) { return kern->item(&p, &plan->items[i]); });
   if (status.load() != 0) return status.load();
