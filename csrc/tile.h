@@ -95,6 +95,40 @@ struct Tile {
   int64_t vstride() const { return mla ? D : int64_t(Hkv) * Dv; }
 };
 
+// The lines of the rows a few blocks ahead, issued a few at a time between the compute
+// steps of the current block. A burst of hundreds of prefetches fills the core's miss
+// buffers and stalls it until memory answers (fetch and compute then add up instead of
+// overlapping); spread evenly, the block's compute hides the fetch of a later block.
+struct PfCursor {
+  const char* rows[2 * BK];
+  int len[2 * BK];
+  int nrows = 0, row = 0, line = 0, quota = 1;
+  void reset() { nrows = row = line = 0; }
+  void add(const void* r, int lines) {
+    if (lines <= 0) return;
+    rows[nrows] = static_cast<const char*>(r);
+    len[nrows++] = lines;
+  }
+  // Spread the queued lines over `calls` calls of step().
+  void plan(int calls) {
+    int total = 0;
+    for (int i = 0; i < nrows; ++i) total += len[i];
+    quota = std::max(1, (total + calls - 1) / std::max(1, calls));
+  }
+  void step() {
+    for (int q = quota; q > 0 && row < nrows; --q) {
+      __builtin_prefetch(rows[row] + 64 * line, 0, 1);  // prefetcht2: into L2
+      if (++line == len[row]) {
+        line = 0;
+        ++row;
+      }
+    }
+  }
+  void flush() {
+    while (row < nrows) step();
+  }
+};
+
 // Per-row state of a tile besides the buffers: the block's rescale factor, the causal limit,
 // whether the row is NaN already, and its custom-mask row.
 struct RowState {
