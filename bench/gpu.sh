@@ -10,7 +10,9 @@
 #        -d .whl flashinfer-python==0.7.4 apache-tvm-ffi nvidia-cudnn-frontend ...
 #    (torch, triton, pytest, hypothesis and numpy are expected on the machine already);
 # 2. runs the GPU benchmarks that are present: bench/gpu_triton.py (decode bandwidth, then
-#    sliding window vs full and FP8 vs bf16 decode rows), bench/gpu_flashinfer.py;
+#    sliding window vs full and FP8 vs bf16 decode rows), bench/gpu_flashinfer.py, and
+#    bench/gpu_sdpa.py (the sdpa backend's paged prefill, extend and decode against raw SDPA
+#    on contiguous K/V, with the largest difference between them);
 # 3. runs the CUDA-graph replay check (bench/gpu_graphs.py: capture per runner, compare, time)
 #    and one graph replayed for 256 steps of growing sequences (--grow 256), equal to eager;
 # 4. runs the CUDA tests (pytest -m cuda) and the suites whose kernels run only on CUDA;
@@ -114,8 +116,9 @@ fi
 # even if a later step runs out of time (triton's JIT compiles many variants in the tests). ---------------------------------------------------
 # gpu_triton also times the layer-variant rows (window 1024 vs full at context 8192, FP8 vs
 # bf16 caches): a few more kernel compiles, hence its longer limit.
-for bench in gpu_triton gpu_flashinfer; do
+for bench in gpu_triton gpu_flashinfer gpu_sdpa; do
     limit=75
+    [ "$bench" = gpu_sdpa ] && limit=45
     [ "$bench" = gpu_triton ] && limit=110
     if [ -f "bench/$bench.py" ]; then
         run_step "$bench" "$limit" "$PY" "bench/$bench.py"

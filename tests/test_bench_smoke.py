@@ -50,6 +50,7 @@ NEEDS: dict[str, Callable[[], str | None] | None] = {
     "dispatch.py": None,
     "gpu_flashinfer.py": lambda: _cuda() or _module("flashinfer")(),
     "gpu_graphs.py": None,  # without CUDA it runs the same code on the CPU (no graph)
+    "gpu_sdpa.py": None,  # without CUDA its quick run is --dry-run on the CPU
     # Without CUDA its --dry-run runs the kernels under triton's interpreter: minutes, not a
     # smoke run (tests/backends/triton runs that path).
     "gpu_triton.py": lambda: _cuda() or _module("triton")(),
