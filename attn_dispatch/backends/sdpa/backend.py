@@ -17,13 +17,14 @@ with equal lengths), made of one or two *parts* over key ranges of those request
 - ``causal=False``: all keys, no mask.
 
 Per layer call the pages each request reads are gathered, whole pages at a time, into a
-buffer reused by the calling thread: on CPU head-major ``[heads, rows, e]``, one copy per run
-of consecutive pages (the CPU flash kernel runs 1.3-2x slower on the cache's own
-``[rows, heads, e]`` layout than on head-major K/V, more than the gather costs; an FP8 cache
-is converted and scaled there). A request whose pages follow each other in the cache is read
-in place, as a view, where that layout is as fast (``in_place="auto"``: on CUDA, and on CPU
-when the cache has one KV head, where rows are head-major already). Parts are merged and sinks applied through the LSE in
-fp32: ``out * sigmoid(lse - sink)``, ``lse' = logaddexp(lse, sink)``.
+buffer reused by the calling thread: on CPU head-major ``[heads, rows, e]`` (the CPU flash
+kernel runs 1.3-2x slower on the cache's own ``[rows, heads, e]`` layout than on head-major
+K/V, more than the gather costs), one copy per run of consecutive pages when the runs are
+few, else one ``index_select`` and one transposing copy; an FP8 cache is converted and
+scaled there. A request whose pages follow each other in the cache is read in place, as a
+view, where that layout is as fast (``in_place="auto"``: on CUDA, and on CPU when the cache
+has one KV head, where rows are head-major already). Parts are merged and sinks applied
+through the LSE in fp32: ``out * sigmoid(lse - sink)``, ``lse' = logaddexp(lse, sink)``.
 
 On CPU every call is ``aten._scaled_dot_product_flash_attention_for_cpu`` (the op the public
 function runs there), which returns the natural-log LSE. On CUDA calls that need no LSE go to
@@ -72,10 +73,15 @@ MASK_MAX_ELEMENTS = 1 << 22
 WINDOW_BLOCK = 256
 _NEG_INF = -math.inf
 _SOURCE_BUF, _SOURCE_CACHE = 0, 1
-#: CPU gather: one copy per run of consecutive pages while runs average at least this many
-#: bytes (a copy's own cost is a few microseconds); below, one ``index_select`` into a
-#: row-major scratch buffer and one transposing copy (two passes, no Python loop).
+#: CPU gather: one copy per run of consecutive pages while there are at most
+#: ``RUN_COPY_MAX_RUNS`` runs averaging at least ``RUN_COPY_MIN_BYTES``; otherwise one
+#: ``index_select`` into a row-major scratch buffer and one transposing copy (two passes,
+#: two parallel regions). Each copy is a parallel region of its own: on a machine shared
+#: with other work, every region can wait a time slice for its second thread (64 per-page
+#: copies made a 2-thread layer call 1.4-5x slower there), and a copy's own cost is a few
+#: microseconds; on an idle machine the per-run copies are ~1.5x faster than two passes.
 RUN_COPY_MIN_BYTES = 16 << 10
+RUN_COPY_MAX_RUNS = 8
 #: Keys or values of one layer call: (tensor, heads, head stride, row stride) in elements.
 _Source = tuple[torch.Tensor, int, int, int]
 
@@ -427,7 +433,8 @@ class SdpaBackend(BackendBase):
             out = buf.view(h, n, ps, e)
             target = out[..., :width] if width < e else out
             paged = cache.view(cache.shape[0], ps, h, width)
-            if len(runs) * RUN_COPY_MIN_BYTES <= n * ps * h * width * cache.element_size():
+            nbytes = n * ps * h * width * cache.element_size()
+            if len(runs) <= RUN_COPY_MAX_RUNS and len(runs) * RUN_COPY_MIN_BYTES <= nbytes:
                 # One copy per run, transposing (and converting) as it goes. The page
                 # indices were checked against this cache at the call (``TensorChecks``).
                 src = paged.permute(2, 0, 1, 3)

@@ -188,6 +188,7 @@ def test_both_cpu_gathers_match_reference(
     from attn_dispatch.backends.sdpa import backend as sdpa_backend
 
     monkeypatch.setattr(sdpa_backend, "RUN_COPY_MIN_BYTES", min_bytes)
+    monkeypatch.setattr(sdpa_backend, "RUN_COPY_MAX_RUNS", 1 << 30)
     check(_case(q_lens=(5, 3), prefix_lens=(9, 14), seed=5, **over))
     check(_case(q_lens=(2,), prefix_lens=(3,), seed=6, **over))
 
