@@ -1,8 +1,16 @@
-"""transformers generate on the CPU: use(model, "native") vs transformers' own sdpa (no asserts).
+"""transformers generate on the CPU: use(model, spec) vs transformers' own sdpa, per spec.
 
-    python bench/transformers_cpu.py [--prompts 256 2048] [--dtypes float32 bfloat16]
-                                     [--new 48] [--batch 4] [--rounds 3] [--impls sdpa native]
-                                     [--padded] [--no-memory] [--json PATH] [--quick]
+    python bench/transformers_cpu.py [--cases 256:48 2048:256] [--dtypes float32 bfloat16]
+                                     [--batch 4] [--rounds 3] [--threads 2]
+                                     [--impls sdpa native prefill=sdpa,decode=native]
+                                     [--prompts 256 --new 48] [--padded] [--no-memory]
+                                     [--json PATH] [--quick]
+
+Issue 36's targets (fp32, batch 4, 2 threads, same tokens): ``prefill=sdpa,decode=native``
+>= 1.05x transformers' sdpa at 256-token prompts with 48 new tokens and >= 1.3x at 2048 with
+256; ``native`` alone never slower than sdpa. The last table prints those ratios (wall and
+CPU time) with the target and the load average; ``--cases PROMPT:NEW`` sets the shapes
+(``--prompts`` with one ``--new`` does too).
 
 The model is Qwen3-style and random-initialised (seed 0): 8 layers, hidden 512, GQA 8/2 x 64,
 MLP 1536, vocabulary 32000. One model object serves every contender (same weights): sdpa is
@@ -196,6 +204,14 @@ def first_difference(got: torch.Tensor, ref: torch.Tensor) -> str:
     return f"no (step {int(steps[0])})"
 
 
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "n/a"
+
+
 def run_case(dtype: str, length: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     model = make_model(getattr(torch, dtype))
     ids, mask = prompts(args.batch, length, args.padded)
@@ -231,6 +247,7 @@ def run_case(dtype: str, length: int, args: argparse.Namespace) -> list[dict[str
             {
                 "dtype": dtype,
                 "prompt": length,
+                "new": args.new,
                 "impl": impl,
                 "gen_tok_s": n / med(wall[impl]),
                 "x_sdpa": med(wall["sdpa"]) / med(wall[impl]) if "sdpa" in wall else None,
@@ -309,11 +326,29 @@ def attention_alone(dtype: str, length: int, args: argparse.Namespace) -> list[t
     return rows
 
 
+#: Issue 36's targets: minimum ``x sdpa`` per (spec, prompt); native never slower than sdpa.
+TARGETS = {("prefill=sdpa,decode=native", 256): 1.05, ("prefill=sdpa,decode=native", 2048): 1.3}
+
+
+def target_row(r: dict[str, Any]) -> tuple[str, ...]:
+    want = TARGETS.get((r["impl"], r["prompt"]), 1.0 if r["impl"] == "native" else None)
+    x, xc = r["x_sdpa"], r["x_sdpa_cpu"]
+    met = "-" if want is None or x is None else ("yes" if x >= want else "no")
+    return (
+        r["dtype"], f"{r['prompt']}:{r['new']}", r["impl"],
+        "-" if x is None else f"{x:.2f}", "-" if xc is None else f"{xc:.2f}",
+        "-" if want is None else f">= {want:.2f}", met,
+    )  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", type=int, nargs="+", default=[256, 2048])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--impls", nargs="+", default=["sdpa", "native"])
+    parser.add_argument("--cases", nargs="+", default=["256:48", "2048:256"])
+    parser.add_argument("--prompts", type=int, nargs="+", default=None)
+    parser.add_argument("--dtypes", nargs="+", default=["float32"])
+    parser.add_argument(
+        "--impls", nargs="+", default=["sdpa", "native", "prefill=sdpa,decode=native"]
+    )
     parser.add_argument("--new", type=int, default=48)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
@@ -328,6 +363,10 @@ def main() -> None:
     if args.quick:  # checks the script runs; the figures are not comparable
         args.prompts, args.dtypes, args.new, args.batch, args.rounds = [16], ["float32"], 2, 1, 1
         args.no_memory, args.no_kernels = True, True
+    if args.prompts is not None:
+        cases = [(p, args.new) for p in args.prompts]
+    else:
+        cases = [(int(c.split(":")[0]), int(c.split(":")[1])) for c in args.cases]
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.memory_child is not None:
@@ -341,17 +380,22 @@ def main() -> None:
     print(
         f"# {platform.processor() or platform.machine()}; native ISA path: {isa}; torch "
         f"{torch.__version__} CPU capability {torch.backends.cpu.get_cpu_capability()}; "
-        f"threads {torch.get_num_threads()}; batch {args.batch}, {args.new} new tokens, "
-        f"{'left-padded' if args.padded else 'unpadded'} prompts, {args.rounds} rounds"
+        f"threads {torch.get_num_threads()}; batch {args.batch}, "
+        f"{'left-padded' if args.padded else 'unpadded'} prompts, {args.rounds} rounds; "
+        f"load {loadavg()}",
+        flush=True,
     )
     results = []
     for dtype in args.dtypes:
-        for length in args.prompts:
-            results.extend(run_case(dtype, length, args))
-            sys.stdout.flush()
+        for length, new in cases:
+            results.extend(
+                run_case(dtype, length, argparse.Namespace(**{**vars(args), "new": new}))
+            )
+            print(f"# done {dtype} {length}:{new}, load {loadavg()}", flush=True)
     header = (
         "dtype",
         "prompt",
+        "new",
         "impl",
         "gen tok/s",
         "x sdpa",
@@ -370,6 +414,7 @@ def main() -> None:
         (
             r["dtype"],
             str(r["prompt"]),
+            str(r["new"]),
             r["impl"],
             f"{r['gen_tok_s']:.1f}",
             ratio(r["x_sdpa"]),
@@ -383,10 +428,13 @@ def main() -> None:
         for r in results
     ]
     print(format_table(header, table))
+    print(f"\n# targets (x sdpa = sdpa's time / this spec's, same run); load {loadavg()}")
+    print(format_table(("dtype", "prompt:new", "impl", "x sdpa", "x sdpa (cpu)", "target", "met"),
+                       [target_row(r) for r in results if r["impl"] != "sdpa"]))  # fmt: skip
     kernels = []
     if not args.no_kernels:
         for dtype in args.dtypes:
-            for length in args.prompts:
+            for length, _new in cases:
                 kernels.extend(attention_alone(dtype, length, args))
         print("\n# one layer's attention alone, CPU ms per call (what bounds the ratios above)")
         print(

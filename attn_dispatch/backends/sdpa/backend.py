@@ -17,10 +17,14 @@ with equal lengths), made of one or two *parts* over key ranges of those request
 - ``causal=False``: all keys, no mask.
 
 Per layer call the pages each request reads are gathered, whole pages at a time, into a
-buffer reused by the calling thread (one ``index_select``; an FP8 cache is converted and
-scaled there; a request whose pages follow each other in the cache is read in place, as a
-view, when no conversion is needed). Parts are merged and sinks applied through the LSE in
-fp32: ``out * sigmoid(lse - sink)``, ``lse' = logaddexp(lse, sink)``.
+buffer reused by the calling thread: on CPU head-major ``[heads, rows, e]`` (the CPU flash
+kernel runs 1.3-2x slower on the cache's own ``[rows, heads, e]`` layout than on head-major
+K/V, more than the gather costs), one copy per run of consecutive pages when the runs are
+few, else one ``index_select`` and one transposing copy; an FP8 cache is converted and
+scaled there. A request whose pages follow each other in the cache is read in place, as a
+view, where that layout is as fast (``in_place="auto"``: on CUDA, and on CPU when the cache
+has one KV head, where rows are head-major already). Parts are merged and sinks applied
+through the LSE in fp32: ``out * sigmoid(lse - sink)``, ``lse' = logaddexp(lse, sink)``.
 
 On CPU every call is ``aten._scaled_dot_product_flash_attention_for_cpu`` (the op the public
 function runs there), which returns the natural-log LSE. On CUDA calls that need no LSE go to
@@ -60,6 +64,7 @@ from attn_dispatch.backends._masks import window_tree_mask
 
 Extend = Literal["auto", "split", "mask"]
 _EXTENDS = ("auto", "split", "mask")
+InPlace = bool | Literal["auto"]
 #: ``extend="auto"``: one masked call while its mask (queries x keys) has at most this many
 #: entries, prefix and new tokens as two parts merged by LSE beyond (a mask that size costs
 #: 8 MiB in bf16; bench/sdpa_notes.md has the measurements behind the choice).
@@ -68,6 +73,15 @@ MASK_MAX_ELEMENTS = 1 << 22
 WINDOW_BLOCK = 256
 _NEG_INF = -math.inf
 _SOURCE_BUF, _SOURCE_CACHE = 0, 1
+#: CPU gather: one copy per run of consecutive pages while there are at most
+#: ``RUN_COPY_MAX_RUNS`` runs averaging at least ``RUN_COPY_MIN_BYTES``; otherwise one
+#: ``index_select`` into a row-major scratch buffer and one transposing copy (two passes,
+#: two parallel regions). Each copy is a parallel region of its own: on a machine shared
+#: with other work, every region can wait a time slice for its second thread (64 per-page
+#: copies made a 2-thread layer call 1.4-5x slower there), and a copy's own cost is a few
+#: microseconds; on an idle machine the per-run copies are ~1.5x faster than two passes.
+RUN_COPY_MIN_BYTES = 16 << 10
+RUN_COPY_MAX_RUNS = 8
 #: Keys or values of one layer call: (tensor, heads, head stride, row stride) in elements.
 _Source = tuple[torch.Tensor, int, int, int]
 
@@ -107,9 +121,8 @@ class SdpaPlan(PlanBase):
     num_tokens: int
     #: Page indices to gather (int64, on the batch's device), request after request.
     pages: torch.Tensor
-    #: On CPU: the same pages as runs ``(first page, count)`` of consecutive pages, gathered
-    #: with one ``torch.cat`` of cache slices (``index_select`` stalled for seconds under
-    #: a loaded machine's thread contention; bench/sdpa_notes.md). None on CUDA.
+    #: On CPU: the same pages as runs ``(first page, count)`` of consecutive pages, copied
+    #: one run at a time into head-major buffers. None on CUDA.
     runs: tuple[tuple[int, int], ...] | None
     calls: tuple[_Call, ...]
     #: Requests read in place (their pages follow each other in the cache).
@@ -141,7 +154,9 @@ class SdpaBackend(BackendBase):
 
     Options: ``extend`` ("auto", "split" or "mask": how a causal block after a cached prefix
     runs, see the module docstring), ``window_block`` (query rows per masked window call),
-    ``in_place`` (read requests whose pages follow each other without gathering), ``validate``
+    ``in_place`` (read requests whose pages follow each other without gathering: ``"auto"``
+    where the kernel reads the cache's layout as fast as gathered K/V, True always, False
+    never), ``validate``
     (CUDA: read page indices back at plan time to check them; otherwise they are clamped into
     the cache given at each call).
     """
@@ -154,16 +169,17 @@ class SdpaBackend(BackendBase):
         *,
         extend: Extend = "auto",
         window_block: int = WINDOW_BLOCK,
-        in_place: bool = True,
+        in_place: InPlace = "auto",
         validate: bool = False,
     ) -> None:
         if extend not in _EXTENDS:
             raise InvalidSpecError("extend", extend, f"choose one of {_EXTENDS!r}")
         if isinstance(window_block, bool) or not isinstance(window_block, int) or window_block < 1:
             raise InvalidSpecError("window_block", window_block, "must be a positive int")
-        for name, flag in (("in_place", in_place), ("validate", validate)):
-            if not isinstance(flag, bool):
-                raise InvalidSpecError(name, flag, "must be True or False")
+        if not isinstance(validate, bool):
+            raise InvalidSpecError("validate", validate, "must be True or False")
+        if not isinstance(in_place, bool) and in_place != "auto":
+            raise InvalidSpecError("in_place", in_place, "must be True, False or 'auto'")
         if config.logit_cap:
             raise InvalidSpecError(
                 "logit_cap", config.logit_cap, "the sdpa backend serves no logit soft-cap"
@@ -191,8 +207,13 @@ class SdpaBackend(BackendBase):
         self.k_direct = not convert and self.d == self.e
         self.v_direct = self.mla or (not convert and self.dv == self.e)
         self.q_direct = self.q_dtype == self.dtype and self.d == self.e
-        self.in_place = in_place and self.k_direct and self.v_direct
         self.device_type = config.device_type
+        # On CPU the flash kernel ran 1.3-2x slower on the cache's [rows, heads, e] view than
+        # on head-major K/V, more than the gather it saves (bench/sdpa_notes.md); with one
+        # KV head the cache's rows are head-major already.
+        fast_view = self.device_type != "cpu" or self.h_cache == 1
+        wanted = fast_view if in_place == "auto" else in_place
+        self.in_place = wanted and self.k_direct and self.v_direct
         self._checks = TensorChecks.of(config, backend="sdpa", layout="rows")
         self._buffers = _Buffers()
 
@@ -380,9 +401,11 @@ class SdpaBackend(BackendBase):
         result = self._attend(plan, qc, (kbuf, kflat), (vbuf, vflat), scale, sinks, return_lse)
         # The contract: NaN in a query row gives NaN in that row (out and lse), in every
         # backend. The CPU flash kernel's running max skips a NaN score and returns the row
-        # as if the query were finite, so the rows are marked here (one pass over q).
-        bad = q.isnan().any(dim=-1)
-        if bool(bad.any()):
+        # as if the query were finite, so the rows are marked here. First one reduction with
+        # no temporary: a NaN in q makes the sum NaN, so a sum that is not NaN proves q has
+        # none; only a NaN sum (NaN in q, or +inf meeting -inf) looks row by row.
+        if bool(q.sum().isnan()):
+            bad = q.isnan().any(dim=-1)
             out, lse = result if isinstance(result, tuple) else (result, None)
             out.masked_fill_(bad.unsqueeze(-1), math.nan)
             if lse is not None:
@@ -395,39 +418,48 @@ class SdpaBackend(BackendBase):
     ) -> _Source:  # fmt: skip
         """The pages of ``pages`` in the compute dtype, converted, scaled and padded to ``e``
         columns when the cache is FP8, another dtype or narrower. On CPU head-major
-        ``[heads, rows, e]`` in this thread's buffer (the CPU flash kernel ran 15-20% faster
-        on head-major K/V than on the cache's ``[rows, heads, e]``; bench/sdpa_notes.md), one
-        ``index_select`` over a permuted view of the cache; on CUDA ``[rows, heads, e]``."""
+        ``[heads, rows, e]`` in this thread's buffer (the layout the CPU flash kernel reads
+        fastest; bench/sdpa_notes.md); on CUDA ``[rows, heads, e]``."""
         ps, h, e = self.config.page_size, self.h_cache, self.e
         n = pages.numel()
         rows = n * ps
         if n == 0:  # every request is read in place
             return torch.empty(0, dtype=self.dtype, device=cache.device), h, 0, 0
-        cpu = self.device_type == "cpu"
-        if direct and cpu:
-            buf = self._buffers.get(name, rows * h * e, self.dtype, zero=False)
-            src = cache.view(cache.shape[0], ps, h, e).permute(2, 0, 1, 3)
-            torch.index_select(src, 1, pages, out=buf.view(h, n, ps, e))
+        if self.device_type == "cpu":
+            assert runs is not None
+            buf = self._buffers.get(name, rows * h * e, self.dtype, zero=width < e)
+            # Padding columns sit at the same offsets (mod e) whatever the row count, so the
+            # zeros written when the buffer was made stay zero: gathers write columns < width.
+            out = buf.view(h, n, ps, e)
+            target = out[..., :width] if width < e else out
+            paged = cache.view(cache.shape[0], ps, h, width)
+            nbytes = n * ps * h * width * cache.element_size()
+            if len(runs) <= RUN_COPY_MAX_RUNS and len(runs) * RUN_COPY_MIN_BYTES <= nbytes:
+                # One copy per run, transposing (and converting) as it goes. The page
+                # indices were checked against this cache at the call (``TensorChecks``).
+                src = paged.permute(2, 0, 1, 3)
+                j = 0
+                for p, count in runs:
+                    target[:, j : j + count].copy_(src[:, p : p + count])
+                    j += count
+            else:
+                scratch = self._buffers.get(
+                    name + "_rows", rows * h * width, cache.dtype, zero=False
+                ).view(n, ps, h, width)
+                torch.index_select(paged, 0, pages, out=scratch)
+                target.copy_(scratch.permute(2, 0, 1, 3))
+            if scale != 1.0:
+                target.mul_(scale)
             return buf, h, rows * e, e
         if direct:
             out = cache.view(cache.shape[0], -1).index_select(0, pages)
             return out, h, e, h * e
-        if runs is not None:
-            picked = _cat_runs(cache.view(cache.shape[0], -1), runs, None).view(rows, h, width)
-        else:
-            picked = cache.index_select(0, pages).view(rows, h, width)
-        if cpu:
-            buf = self._buffers.get(name, rows * h * e, self.dtype, zero=width < e)
-            out = buf.view(h, rows, e)
-            picked = picked.transpose(0, 1)
-        else:
-            out = torch.zeros(rows, h, e, dtype=self.dtype, device=cache.device)
+        picked = cache.index_select(0, pages).view(rows, h, width)
+        out = torch.zeros(rows, h, e, dtype=self.dtype, device=cache.device)
         target = out[..., :width] if width < e else out
         target.copy_(picked)
         if scale != 1.0:
             target.mul_(scale)
-        if cpu:
-            return out, h, rows * e, e
         return out, h, e, h * e
 
     def _attend(
@@ -702,17 +734,6 @@ def _runs(host_idx: list[int], gather: list[tuple[int, int]]) -> tuple[tuple[int
             else:
                 runs.append([p, 1])
     return tuple((p, c) for p, c in runs)
-
-
-def _cat_runs(
-    flat: torch.Tensor, runs: tuple[tuple[int, int], ...], out: torch.Tensor | None
-) -> torch.Tensor:
-    """Rows ``flat[p : p + c]`` of every run, one after the other (``out`` when given). The
-    page indices were checked against this cache at the call (``TensorChecks``)."""
-    parts = [flat[p : p + c] for p, c in runs]
-    if out is None:
-        return torch.cat(parts)
-    return torch.cat(parts, out=out)
 
 
 def _group(

@@ -31,6 +31,7 @@ the cache as it was (its slots lie past the committed lengths).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from collections.abc import Mapping
 from typing import Any
@@ -41,6 +42,7 @@ from transformers.cache_utils import Cache
 from attn_dispatch._batch import AttnBatch
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
+from attn_dispatch._values import INT32_MAX
 from attn_dispatch.integrations.transformers._allocator import PageGroup
 from attn_dispatch.integrations.transformers._common import _PUBLIC_MODULE
 from attn_dispatch.integrations.transformers._common import DEFAULT_PAGE_SIZE
@@ -255,39 +257,38 @@ class PagedCache(Cache):
         new_real = real[:, self.dense_len :]
         counts = new_real.sum(dim=1).tolist()
         lens = [length + int(n) for length, n in zip(self.lens, counts, strict=True)]
-        flat = new_real.reshape(-1)
-        q_rows = torch.nonzero(flat).flatten()
         rows = [i for i in range(b) if counts[i]]
+        # Every new token real (no padding among them): the rows are 0..B*q-1 in order.
+        all_real = len(rows) == b and all(n == q_len for n in counts)
+        q_rows = (
+            torch.arange(b * q_len, device=device)
+            if all_real
+            else torch.nonzero(new_real.reshape(-1)).flatten().to(device)
+        )
         phase = (
             Phase.PREFILL if self.dense_len == 0 else Phase.DECODE if q_len == 1 else Phase.VERIFY
         )
         ps = self.page_size
-        step = _Step(phase, b, q_len, q_rows.to(device), bool(flat.all()), lens, new_real)
+        step = _Step(phase, b, q_len, q_rows, all_real, lens, new_real)
+        total_new = sum(counts)
         for name, group in self.groups.items():
             plan = step.pages[name] = group.plan(self.lens, lens, trim=not self.record_past)
             if plan.fresh > group.capacity:
                 first_size = group.initial_pages(self.max_length, b)
                 self._grow(group, max(plan.fresh, group.capacity * 2, first_size))
-            slots = []
-            for i in rows:
-                first = self.lens[i] - plan.skips[i] * ps
-                pos = torch.arange(first, first + counts[i])
-                pages = torch.tensor(plan.tables[i], dtype=torch.long)
-                slots.append(pages[pos // ps] * ps + pos % ps)
-            step.dst[name] = (
-                torch.cat(slots).to(device)
-                if slots
-                else torch.zeros(0, dtype=torch.long, device=device)
-            )
+            tables = [plan.tables[i] for i in rows]
+            firsts = [self.lens[i] - plan.skips[i] * ps for i in rows]
+            dst = _slots(tables, firsts, [counts[i] for i in rows], ps, total_new)
+            step.dst[name] = dst.to(device)
             if rows:
-                step.batches[name] = AttnBatch.build(
+                step.batches[name] = _batch(
                     phase,
-                    q_lens=[counts[i] for i in rows],
-                    kv_lens=[lens[i] - plan.skips[i] * ps for i in rows],
-                    page_tables=[plan.tables[i] for i in rows],
-                    page_size=ps,
-                    num_pages=group.capacity,
-                    device=device,
+                    [counts[i] for i in rows],
+                    [lens[i] - plan.skips[i] * ps for i in rows],
+                    tables,
+                    ps,
+                    group.capacity,
+                    device,
                 )
         self._step = step
         return step
@@ -412,6 +413,62 @@ class PagedCache(Cache):
         self.lens = [self.lens[r] for r in rows]
         self.history = self.history[rows]
         self._batch_size = len(rows)
+
+
+#: New tokens of a forward up to which their cache slots are computed in Python (a decode
+#: step: a few ints) rather than with per-row tensor ops (a prefill).
+_PY_SLOTS = 64
+
+
+def _slots(
+    tables: list[list[int]], firsts: list[int], counts: list[int], ps: int, total: int
+) -> torch.Tensor:
+    """int64 flat slots (``page * ps + offset``) of each row's new tokens, positions
+    ``firsts[r]:firsts[r] + counts[r]`` of its table, rows one after the other."""
+    if total <= _PY_SLOTS:
+        flat = [
+            table[pos // ps] * ps + pos % ps
+            for table, first, n in zip(tables, firsts, counts, strict=True)
+            for pos in range(first, first + n)
+        ]
+        return torch.tensor(flat, dtype=torch.long)
+    parts = []
+    for table, first, n in zip(tables, firsts, counts, strict=True):
+        pos = torch.arange(first, first + n)
+        parts.append(torch.tensor(table, dtype=torch.long)[pos // ps] * ps + pos % ps)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def _batch(
+    phase: Phase,
+    q_lens: list[int],
+    kv_lens: list[int],
+    tables: list[list[int]],
+    ps: int,
+    num_pages: int,
+    device: Any,
+) -> AttnBatch:
+    """The forward's batch for one group. The lists come from this cache's own allocator
+    (ints, tables as long as the lengths need): the int32 tensors are made directly and
+    ``AttnBatch`` checks the contract on them, rather than ``AttnBatch.build`` checking every
+    page number in Python first (a tenth of a decode step's time outside the kernels at 2048
+    tokens). Values past int32 go through ``build``, which refuses them with our error."""
+    if max(num_pages, max(kv_lens), sum(q_lens)) > INT32_MAX:
+        return AttnBatch.build(
+            phase, q_lens=q_lens, kv_lens=kv_lens, page_tables=tables, page_size=ps,
+            num_pages=num_pages, device=device,
+        )  # fmt: skip
+    i32 = torch.int32
+    batch = AttnBatch(
+        phase=phase,
+        qo_indptr=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=i32),
+        kv_indptr=torch.tensor([0, *itertools.accumulate(map(len, tables))], dtype=i32),
+        kv_indices=torch.tensor([p for t in tables for p in t], dtype=i32),
+        kv_lens=torch.tensor(kv_lens, dtype=i32),
+        page_size=ps,
+        num_pages=num_pages,
+    )
+    return batch if str(device) == "cpu" else batch.to(device)
 
 
 for _public in (GroupedBatches, PagedCache):

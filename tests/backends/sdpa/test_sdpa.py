@@ -136,26 +136,61 @@ def test_uniform_batch_is_one_call_and_decode_is_grouped() -> None:
     assert [len(c.parts) for c in plan.calls] == [1]  # type: ignore[attr-defined]
 
 
-def test_consecutive_pages_are_read_in_place() -> None:
-    """A request whose pages follow each other is a view of the cache (no gather); shuffled
-    ones are gathered; both give the reference's numbers."""
-    cfg = AttnConfig("mha", 4, 2, 16, dtype="float32", page_size=4)
+@pytest.mark.parametrize(
+    ("kv_heads", "option", "in_place"),
+    [(2, None, 0), (2, True, 1), (2, False, 0), (1, None, 1), (1, False, 0)],
+)
+def test_consecutive_pages_read_in_place_where_the_layout_is_as_fast(
+    kv_heads: int, option: bool | None, in_place: int
+) -> None:
+    """A request whose pages follow each other can be a view of the cache (no gather). On
+    CPU ``auto`` does that only with one KV head (rows already head-major): with more, the
+    flash kernel is slower on the cache's layout than the gather costs. Every way gives the
+    reference's numbers."""
+    cfg = AttnConfig("mha", 4, kv_heads, 16, dtype="float32", page_size=4)
     batch = AttnBatch.build(
         Phase.PREFILL, q_lens=[3, 2], kv_lens=[10, 6], page_tables=[[2, 3, 4], [7, 0]],
         page_size=4, num_pages=8,
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
     q = torch.randn(5, 4, 16, generator=g)
-    k = torch.randn(8, 4, 2, 16, generator=g)
-    v = torch.randn(8, 4, 2, 16, generator=g)
+    k = torch.randn(8, 4, kv_heads, 16, generator=g)
+    v = torch.randn(8, 4, kv_heads, 16, generator=g)
+    options = None if option is None else {"sdpa": {"in_place": option}}
     outs = {}
     for name in ("sdpa", "torch"):
-        with attn_scope(bind(name, cfg), batch):
+        with attn_scope(bind(name, cfg, options=options if name == "sdpa" else None), batch):
             outs[name] = attention(q, k, v, sm_scale=0.25)
-    plan = bind("sdpa", cfg).plan(batch)
-    assert plan.in_place == 1  # type: ignore[attr-defined]
-    assert plan.pages.tolist() == [7, 0]  # type: ignore[attr-defined]
+    plan = bind("sdpa", cfg, options=options).plan(batch)
+    assert plan.in_place == in_place  # type: ignore[attr-defined]
+    gathered = [7, 0] if in_place else [2, 3, 4, 7, 0]
+    assert plan.pages.tolist() == gathered  # type: ignore[attr-defined]
     torch.testing.assert_close(outs["sdpa"], outs["torch"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("min_bytes", [0, 1 << 50], ids=["per-run copies", "index_select"])
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},
+        {"v_head_dim": 32},  # V padded to q/k's width: zero columns in a reused buffer
+        {"kind": "mla", "head_dim": 80, "v_head_dim": 64, "num_kv_heads": 1},
+        {"kv_dtype": "float8_e4m3fn", "k_scale": 0.5, "v_scale": 2.0},
+    ],
+    ids=["mha", "narrow-v", "mla", "fp8"],
+)
+def test_both_cpu_gathers_match_reference(
+    monkeypatch: pytest.MonkeyPatch, min_bytes: int, over: dict[str, object]
+) -> None:
+    """The CPU gather copies run by run, or (runs too short for a copy each) index_selects
+    into scratch and transposes; both give the reference's numbers, over two forwards of
+    different sizes that reuse the buffers."""
+    from attn_dispatch.backends.sdpa import backend as sdpa_backend
+
+    monkeypatch.setattr(sdpa_backend, "RUN_COPY_MIN_BYTES", min_bytes)
+    monkeypatch.setattr(sdpa_backend, "RUN_COPY_MAX_RUNS", 1 << 30)
+    check(_case(q_lens=(5, 3), prefix_lens=(9, 14), seed=5, **over))
+    check(_case(q_lens=(2,), prefix_lens=(3,), seed=6, **over))
 
 
 # -- refusals ------------------------------------------------------------------------------------
@@ -175,7 +210,7 @@ def test_logit_cap_refused_at_bind_with_the_reason() -> None:
 
 def test_bad_options_refused() -> None:
     cfg = AttnConfig("mha", 4, 2, 64, dtype="float32", page_size=16)
-    for opts in ({"extend": "fast"}, {"window_block": 0}, {"in_place": 1}):
+    for opts in ({"extend": "fast"}, {"window_block": 0}, {"in_place": 1}, {"in_place": "yes"}):
         with pytest.raises((InvalidSpecError, IncompatibleBackendError)):
             bind("sdpa", cfg, options={"sdpa": opts})
 

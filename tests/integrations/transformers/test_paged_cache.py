@@ -386,3 +386,37 @@ def test_a_forward_without_cache_gives_eagers_logits(
         out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     real = mask.bool()
     torch.testing.assert_close(out[real], ref[real], rtol=1e-4, atol=1e-4)
+
+
+def test_a_forwards_batch_and_slots_match_the_checked_builder() -> None:
+    """begin() makes the batch from int32 tensors of the allocator's lists and a decode
+    step's slots in Python: the same batch as ``AttnBatch.build`` and the same slots as the
+    tensor path; values past int32 still go through ``build``, which refuses them."""
+    from attn_dispatch import AttnBatch
+    from attn_dispatch import InvalidBatchError
+    from attn_dispatch import Phase
+    from attn_dispatch.integrations.transformers import _cache
+
+    tables = [[7, 2, 9], [4], [0, 5]]
+    q_lens, kv_lens = [1, 3, 2], [9, 4, 6]
+    for phase in (Phase.DECODE, Phase.VERIFY):
+        if phase is Phase.DECODE:
+            q_lens = [1, 1, 1]
+        got = _cache._batch(phase, q_lens, kv_lens, tables, 4, 10, "cpu")
+        want = AttnBatch.build(
+            phase, q_lens=q_lens, kv_lens=kv_lens, page_tables=tables, page_size=4, num_pages=10
+        )
+        for field in ("qo_indptr", "kv_indptr", "kv_indices", "kv_lens"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), field
+        assert (got.num_tokens, got.max_kv_len, got.num_pages) == (
+            want.num_tokens, want.max_kv_len, want.num_pages,
+        )  # fmt: skip
+    firsts, counts = [8, 1, 4], [1, 3, 2]
+    small = _cache._slots(tables, firsts, counts, 4, sum(counts))
+    large = _cache._slots(tables, firsts, counts, 4, _cache._PY_SLOTS + 1)
+    assert small.tolist() == large.tolist() == [9 * 4 + 0, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3,
+                                                5 * 4 + 0, 5 * 4 + 1]  # fmt: skip
+    with pytest.raises(InvalidBatchError):  # a page past the pools: the contract check
+        _cache._batch(Phase.DECODE, [1], [4], [[10]], 4, 10, "cpu")
+    with pytest.raises(InvalidBatchError):  # past int32: build's own error
+        _cache._batch(Phase.DECODE, [1], [2**31], [[0]], 4, 10, "cpu")
