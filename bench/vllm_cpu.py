@@ -10,11 +10,12 @@ default, one after the other), the same prompts for every contender: batch 8 x 1
 prompts, 64 new tokens each, greedy.
 The contenders take turns (round 1: each once, round 2: each again, ...) and the best round of
 each is reported, so a burst of other load lands on all of them alike. tokens/s = new tokens
-/ wall time of ``llm.generate`` (start-up excluded; each engine generates once before it is
-timed). ``attention s``: the time spent in the attention layers (KV writes and forwards) during
-that generate, measured the same way for every contender. ``tokens as vllm's``: tokens equal
-to vLLM's up to each request's first difference (in bf16 a near-tie may flip and greedy
-decoding diverges from there; the fp32 tests check identity).
+/ wall time of ``llm.generate`` (start-up excluded; each engine first generates 4 tokens
+for the same prompts: the first run of each batch shape builds vLLM's oneDNN kernels, and
+prefix caching is off). ``attention s``: the time spent in the attention layers (KV writes
+and forwards) during that generate, measured the same way for every contender. ``tokens as
+vllm's``: tokens equal to vLLM's up to each request's first difference (in bf16 a near-tie
+may flip and greedy decoding diverges from there; the fp32 tests check identity).
 
 Rows:
 
@@ -208,6 +209,10 @@ def breakdown(model: str, rounds: int, shape: str, args: Any) -> None:
     import torch
     import vllm
 
+    # Before the timed generate each engine runs the same prompts for 4 tokens: the first run
+    # of each batch shape builds vLLM's oneDNN matmul kernels; prefix caching is off, so the
+    # timed run computes every prompt again.
+    warm = vllm.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     from attn_dispatch._table import format_table
     from attn_dispatch.integrations.vllm import register
 
@@ -236,9 +241,10 @@ def breakdown(model: str, rounds: int, shape: str, args: Any) -> None:
                 enforce_eager=True,
                 max_model_len=512,
                 seed=0,
+                enable_prefix_caching=False,
                 **extra,
             )
-            llm.generate(prompts[:1], vllm.SamplingParams(max_tokens=4), use_tqdm=False)
+            llm.generate(prompts, warm, use_tqdm=False)
             clock.reset()
             t0 = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
@@ -305,6 +311,10 @@ def run(contenders: dict[str, dict[str, Any]], model: str, rounds: int) -> dict[
 
     from attn_dispatch.integrations.vllm import register
 
+    # Before the timed generate each engine runs the same prompts for 4 tokens: the first run
+    # of each batch shape builds vLLM's oneDNN matmul kernels; prefix caching is off, so the
+    # timed run computes every prompt again.
+    warm = vllm.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     register()  # what the entry point does; here even without an installed package
     clock = _once(AttentionClock)
 
@@ -312,7 +322,6 @@ def run(contenders: dict[str, dict[str, Any]], model: str, rounds: int) -> dict[
         TokensPrompt(prompt_token_ids=[(31 * i + 7 * j) % 2000 + 1 for j in range(PROMPT)])
         for i in range(BATCH)
     ]
-    warm = [TokensPrompt(prompt_token_ids=[5, 6, 7, 8])]
     params = vllm.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     best: dict[str, float] = {}
     attn: dict[str, float] = {}
@@ -326,9 +335,10 @@ def run(contenders: dict[str, dict[str, Any]], model: str, rounds: int) -> dict[
                 enforce_eager=True,
                 max_model_len=512,
                 seed=0,
+                enable_prefix_caching=False,
                 **extra,
             )
-            llm.generate(warm, vllm.SamplingParams(max_tokens=4), use_tqdm=False)
+            llm.generate(prompts, warm, use_tqdm=False)
             clock.seconds = 0.0
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
