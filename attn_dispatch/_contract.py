@@ -149,10 +149,16 @@ def _verdict_tensors(
 def check_indices(kv: torch.Tensor, indices: torch.Tensor, num_pages: int | None) -> int:
     """The largest page index of a host ``kv_indices`` (-1 when empty); raises for a
     negative index or one ``>= num_pages``."""
-    if indices.numel() == 0:
+    n = indices.numel()
+    if n == 0:
         return -1
-    lo_t, hi_t = torch.aminmax(indices)
-    lo, hi = lo_t.item(), hi_t.item()
+    if n <= _LIST_MAX_INDICES and indices.dim() == 1:
+        # A small host read and two C passes cost less than aminmax and two .item() calls.
+        vals = indices.tolist()
+        lo, hi = min(vals), max(vals)
+    else:
+        lo_t, hi_t = torch.aminmax(indices)
+        lo, hi = lo_t.item(), hi_t.item()
     if lo < 0 or (num_pages is not None and hi >= num_pages):
         limit = num_pages if num_pages is not None else hi + 1
         where = int(((indices < 0) | (indices >= limit)).int().argmax())

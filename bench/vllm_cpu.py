@@ -1,25 +1,31 @@
 """vLLM's CPU engine: tokens/s with attn_dispatch ``native`` vs vLLM's own CPU attention.
 
-    .venv-vllm/bin/python bench/vllm_cpu.py [--rounds 2] [--layers 4] [--breakdown]
+    .venv-vllm/bin/python bench/vllm_cpu.py [--model bench|tiny|both] [--rounds 2]
+        [--layers 4] [--mixed] [--breakdown]
     .venv-vllm/bin/python bench/vllm_cpu.py --quick   # smoke run, writes nothing
 
-One process, one random Llama-shaped model (bf16, saved with transformers at start), the
-same prompts for every contender: batch 8 x 128-token prompts, 64 new tokens each, greedy.
+One process, random Llama-shaped models (bf16, saved with transformers at start; ``--model``:
+``bench``, hidden 1024, GQA 16/4 x 64; ``tiny``, issue 36's hidden 256, GQA 4/2 x 64; both by
+default, one after the other), the same prompts for every contender: batch 8 x 128-token
+prompts, 64 new tokens each, greedy.
 The contenders take turns (round 1: each once, round 2: each again, ...) and the best round of
 each is reported, so a burst of other load lands on all of them alike. tokens/s = new tokens
-/ wall time of ``llm.generate`` (start-up excluded; each engine generates once before it is
-timed). ``attention s``: the time spent in the attention layers (KV writes and forwards) during
-that generate, measured the same way for every contender. ``tokens as vllm's``: tokens equal
-to vLLM's up to each request's first difference (in bf16 a near-tie may flip and greedy
-decoding diverges from there; the fp32 tests check identity).
+/ wall time of ``llm.generate`` (start-up excluded; each engine first generates 4 tokens
+for the same prompts: the first run of each batch shape builds vLLM's oneDNN kernels, and
+prefix caching is off). ``attention s``: the time spent in the attention layers (KV writes
+and forwards) during that generate, measured the same way for every contender. ``tokens as
+vllm's``: tokens equal to vLLM's up to each request's first difference (in bf16 a near-tie
+may flip and greedy decoding diverges from there; the fp32 tests check identity).
 
 Rows:
 
 - ``vllm``: vLLM's CPU attention (its kernel ISA named: "vec" on AVX2 x86, "amx" with AMX).
 - ``native``: ``additional_config={"attn_dispatch": {"target": "native"}}``.
-- ``*, mixed``: the same with ``max_num_batched_tokens=256``, so the 128-token prompts prefill
-  in chunks while earlier requests decode: steps mix phases. ``native split`` makes one call
-  per phase per layer, ``native extend`` one prefill call for the whole step.
+- ``prefill=sdpa,decode=native``: the same with that spec (PyTorch's fused attention for
+  prefill, native for decode).
+- ``*, mixed`` (``--mixed``): the same with ``max_num_batched_tokens=256``, so the 128-token
+  prompts prefill in chunks while earlier requests decode: steps mix phases. ``native split``
+  makes one call per phase per layer, ``native extend`` one prefill call for the whole step.
 
 Writes ``bench/results/vllm_cpu.json``.
 
@@ -28,7 +34,7 @@ Writes ``bench/results/vllm_cpu.json``.
 which ``step_parts``, its batch building from vLLM's tensors), the KV writes, and every
 layer's attention call (for the plugin: of which ``Binding.prepare`` and the ``attention()``
 call through the scope; the rest is the scope, slicing and copies). Writes
-``bench/results/vllm_cpu_breakdown.json``.
+``bench/results/vllm_cpu_breakdown_<model>.json``.
 """
 
 from __future__ import annotations
@@ -52,25 +58,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 BATCH, PROMPT, NEW = 8, 128, 64
 
 
-def make_model(root: Path, layers: int) -> str:
+#: Model shapes (``--model``): hidden size, intermediate size, query heads, KV heads; head
+#: size 64, vocabulary 2048. ``bench``: this script's own; ``tiny``: issue 36's small Llama,
+#: where the per-step costs around the kernels weigh most.
+SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "bench": (1024, 2048, 16, 4),
+    "tiny": (256, 512, 4, 2),
+}
+
+
+def shape_text(shape: str, layers: int) -> str:
+    hidden, _, qh, kvh = SHAPES[shape]
+    return f"{shape}: {layers} layers, hidden {hidden}, GQA {qh}/{kvh} x 64"
+
+
+def make_model(root: Path, layers: int, shape: str = "bench") -> str:
     import torch
     import transformers
 
+    hidden, inter, qh, kvh = SHAPES[shape]
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=2048,
-        hidden_size=1024,
-        intermediate_size=2048,
+        hidden_size=hidden,
+        intermediate_size=inter,
         num_hidden_layers=layers,
-        num_attention_heads=16,
-        num_key_value_heads=4,
+        num_attention_heads=qh,
+        num_key_value_heads=kvh,
         head_dim=64,
         max_position_embeddings=1024,
     )
     model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    path = root / "llama_bench"
+    path = root / f"llama_{shape}"
     model.save_pretrained(path)
     return str(path)
+
+
+def load_text() -> str:
+    """``/proc/loadavg``'s three averages (printed with every figure: a shared machine)."""
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
 
 
 def isa_names() -> tuple[str, str]:
@@ -90,6 +119,17 @@ def isa_names() -> tuple[str, str]:
     lib = load()
     native = lib if isinstance(lib, str) else lib.isa
     return f"{vllm_isa} ({build})", native
+
+
+_CLOCKS: dict[type, Any] = {}
+
+
+def _once(cls: type) -> Any:
+    """One clock of each kind per process: each wraps class attributes, and wrapping twice
+    would count every call twice."""
+    if cls not in _CLOCKS:
+        _CLOCKS[cls] = cls()
+    return _CLOCKS[cls]
 
 
 class AttentionClock:
@@ -164,16 +204,20 @@ class StepClock:
         return timed
 
 
-def breakdown(model: str, rounds: int) -> None:
+def breakdown(model: str, rounds: int, shape: str, args: Any) -> None:
     """Per-step figures: vLLM's own attention against the plugin's ``native``, same run."""
     import torch
     import vllm
 
+    # Before the timed generate each engine runs the same prompts for 4 tokens: the first run
+    # of each batch shape builds vLLM's oneDNN matmul kernels; prefix caching is off, so the
+    # timed run computes every prompt again.
+    warm = vllm.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     from attn_dispatch._table import format_table
     from attn_dispatch.integrations.vllm import register
 
     register()
-    clock = StepClock()
+    clock = _once(StepClock)
     prompts: list[Any] = [  # vLLM's TokensPrompt shape
         {"prompt_token_ids": [(31 * i + 7 * j) % 2000 + 1 for j in range(PROMPT)]}
         for i in range(BATCH)
@@ -182,8 +226,12 @@ def breakdown(model: str, rounds: int) -> None:
     contenders: dict[str, dict[str, Any]] = {
         "vllm": {},
         "native": {"additional_config": {"attn_dispatch": {"target": "native"}}},
+        "prefill=sdpa,decode=native": {
+            "additional_config": {"attn_dispatch": {"target": "prefill=sdpa,decode=native"}}
+        },
     }
     best: dict[str, dict[str, float]] = {}
+    load_before = load_text()
     for _ in range(rounds):
         for name, extra in contenders.items():
             llm = vllm.LLM(
@@ -193,9 +241,10 @@ def breakdown(model: str, rounds: int) -> None:
                 enforce_eager=True,
                 max_model_len=512,
                 seed=0,
+                enable_prefix_caching=False,
                 **extra,
             )
-            llm.generate(prompts[:1], vllm.SamplingParams(max_tokens=4), use_tqdm=False)
+            llm.generate(prompts, warm, use_tqdm=False)
             clock.reset()
             t0 = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
@@ -227,7 +276,9 @@ def breakdown(model: str, rounds: int) -> None:
         )
     print()
     print(
-        f"per step, ms (mean over the timed generate; best of {rounds}); torch threads "
+        f"model {shape_text(shape, args.layers)}, batch {BATCH} x {PROMPT}, {NEW} new; load "
+        f"{load_before} | {load_text()}; per step, ms (mean over the timed generate; best of "
+        f"{rounds}); torch threads "
         f"{torch.get_num_threads()}; forward = every layer's attention call, of which plan "
         "(Binding.prepare, once per step and binding), attention (the kernel call through the "
         "scope) and the rest (scope, slicing, copies)"
@@ -251,7 +302,7 @@ def breakdown(model: str, rounds: int) -> None:
     )
     out = Path(__file__).resolve().parent / "results"
     out.mkdir(exist_ok=True)
-    (out / "vllm_cpu_breakdown.json").write_text(json.dumps(best, indent=2))
+    (out / f"vllm_cpu_breakdown_{shape}.json").write_text(json.dumps(best, indent=2))
 
 
 def run(contenders: dict[str, dict[str, Any]], model: str, rounds: int) -> dict[str, Any]:
@@ -260,14 +311,17 @@ def run(contenders: dict[str, dict[str, Any]], model: str, rounds: int) -> dict[
 
     from attn_dispatch.integrations.vllm import register
 
+    # Before the timed generate each engine runs the same prompts for 4 tokens: the first run
+    # of each batch shape builds vLLM's oneDNN matmul kernels; prefix caching is off, so the
+    # timed run computes every prompt again.
+    warm = vllm.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     register()  # what the entry point does; here even without an installed package
-    clock = AttentionClock()
+    clock = _once(AttentionClock)
 
     prompts = [
         TokensPrompt(prompt_token_ids=[(31 * i + 7 * j) % 2000 + 1 for j in range(PROMPT)])
         for i in range(BATCH)
     ]
-    warm = [TokensPrompt(prompt_token_ids=[5, 6, 7, 8])]
     params = vllm.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     best: dict[str, float] = {}
     attn: dict[str, float] = {}
@@ -281,9 +335,10 @@ def run(contenders: dict[str, dict[str, Any]], model: str, rounds: int) -> dict[
                 enforce_eager=True,
                 max_model_len=512,
                 seed=0,
+                enable_prefix_caching=False,
                 **extra,
             )
-            llm.generate(warm, vllm.SamplingParams(max_tokens=4), use_tqdm=False)
+            llm.generate(prompts, warm, use_tqdm=False)
             clock.seconds = 0.0
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -319,7 +374,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 1 layer, 2 contenders, nothing written"
+        "--model",
+        choices=[*SHAPES, "both"],
+        default="both",
+        help="model shape: bench (hidden 1024, GQA 16/4), tiny (hidden 256, GQA 4/2), or both",
+    )
+    parser.add_argument(
+        "--mixed",
+        action="store_true",
+        help="add the mixed-step rows (max_num_batched_tokens=256: chunked prefill + decode)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 1 layer, tiny model, nothing written"
     )
     parser.add_argument(
         "--breakdown",
@@ -329,13 +395,15 @@ def main() -> None:
     args = parser.parse_args()
     global BATCH, PROMPT, NEW
     if args.quick:  # checks the script runs; the figures are not comparable
-        args.rounds, args.layers = 1, 1
+        args.rounds, args.layers, args.model = 1, 1, "tiny"
         BATCH, PROMPT, NEW = 2, 16, 4
     import torch
 
+    shapes = list(SHAPES) if args.model == "both" else [args.model]
     if args.breakdown:
-        with tempfile.TemporaryDirectory() as tmp:
-            breakdown(make_model(Path(tmp), args.layers), args.rounds)
+        for shape in shapes:
+            with tempfile.TemporaryDirectory() as tmp:
+                breakdown(make_model(Path(tmp), args.layers, shape), args.rounds, shape, args)
         return
 
     from attn_dispatch._table import format_table
@@ -345,44 +413,59 @@ def main() -> None:
     contenders: dict[str, dict[str, Any]] = {
         "vllm": {},
         "native": {ad: {"attn_dispatch": {"target": "native"}}},
-        "vllm, mixed": dict(mixed),
-        "native split, mixed": {**mixed, ad: {"attn_dispatch": {"target": "native"}}},
-        "native extend, mixed": {
-            **mixed,
-            ad: {"attn_dispatch": {"target": "native", "mixed": "extend"}},
+        "prefill=sdpa,decode=native": {
+            ad: {"attn_dispatch": {"target": "prefill=sdpa,decode=native"}}
         },
     }
-    if args.quick:
-        contenders = {name: contenders[name] for name in ("vllm", "native")}
-    vllm_isa, native_isa = isa_names()
-    with tempfile.TemporaryDirectory() as tmp:
-        model = make_model(Path(tmp), args.layers)
-        res = run(contenders, model, args.rounds)
-    secs, attn, toks = res["seconds"], res["attention"], res["tokens"]
-    rows = []
-    for name in contenders:
-        ref = "vllm, mixed" if "mixed" in name else "vllm"
-        isa = vllm_isa if name.startswith("vllm") else native_isa
-        rows.append(
-            [
-                name,
-                isa,
-                f"{BATCH * NEW / secs[name]:.1f}",
-                f"{secs[ref] / secs[name]:.2f}",
-                f"{attn[name]:.2f}",
-                f"{attn[ref] / attn[name]:.2f}",
-                _same(toks[name], toks[ref]),
-            ]
+    if args.mixed:
+        contenders.update(
+            {
+                "vllm, mixed": dict(mixed),
+                "native split, mixed": {**mixed, ad: {"attn_dispatch": {"target": "native"}}},
+                "native extend, mixed": {
+                    **mixed,
+                    ad: {"attn_dispatch": {"target": "native", "mixed": "extend"}},
+                },
+            }
         )
+    vllm_isa, native_isa = isa_names()
+    rows = []
+    results: dict[str, Any] = {}
+    loads = [load_text()]
+    for shape in shapes:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = make_model(Path(tmp), args.layers, shape)
+            res = run(contenders, model, args.rounds)
+        loads.append(load_text())
+        results[shape] = res
+        secs, attn, toks = res["seconds"], res["attention"], res["tokens"]
+        for name in contenders:
+            ref = "vllm, mixed" if "mixed" in name else "vllm"
+            isa = vllm_isa if name.startswith("vllm") else native_isa
+            rows.append(
+                [
+                    shape,
+                    name,
+                    isa,
+                    f"{BATCH * NEW / secs[name]:.1f}",
+                    f"{secs[ref] / secs[name]:.2f}",
+                    f"{attn[name]:.2f}",
+                    f"{attn[ref] / attn[name]:.2f}",
+                    _same(toks[name], toks[ref]),
+                ]
+            )
     print()
     print(
-        f"vLLM {__import__('vllm').__version__} CPU engine, bf16 Llama ({args.layers} layers, "
-        f"hidden 1024, GQA 16/4 x 64), batch {BATCH} x {PROMPT}-token prompts, {NEW} new "
-        f"tokens, greedy; torch threads {torch.get_num_threads()}; best of {args.rounds} rounds"
+        f"vLLM {__import__('vllm').__version__} CPU engine, bf16 Llama "
+        f"({'; '.join(shape_text(s, args.layers) for s in shapes)}), batch {BATCH} x "
+        f"{PROMPT}-token prompts, {NEW} new tokens, greedy; torch threads "
+        f"{torch.get_num_threads()}; best of {args.rounds} rounds; native ISA {native_isa}, "
+        f"vLLM's {vllm_isa}; load (1/5/15 min) before and after each model: " + " | ".join(loads)
     )
     print(
         format_table(
             [
+                "model",
                 "attention",
                 "isa",
                 "tokens/s",
@@ -403,8 +486,9 @@ def main() -> None:
             {
                 "vllm_isa": vllm_isa,
                 "native_isa": native_isa,
-                "seconds": secs,
-                "attention_seconds": attn,
+                "load": loads,
+                "seconds": {s: r["seconds"] for s, r in results.items()},
+                "attention_seconds": {s: r["attention"] for s, r in results.items()},
                 "rows": rows,
                 "layers": args.layers,
             },

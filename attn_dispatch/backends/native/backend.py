@@ -299,6 +299,9 @@ class NativeBackend(BackendBase):
         key = id(plan)
         issued, lock = self._issued, self._issued_lock
         free, runner = self._free, self._runner
+        # Held by the closure: at interpreter shutdown module globals may already be None
+        # when the last plans are collected.
+        free_plan = _free_plan
 
         def forget(ref: weakref.ref[Any]) -> None:
             # The plan object is gone: drop the record (if still its own) and the C++ plan.
@@ -306,7 +309,7 @@ class NativeBackend(BackendBase):
                 entry = issued.get(key)
                 if entry is not None and entry.ref is ref:
                     del issued[key]
-            _free_plan(free, runner, plan_id)
+            free_plan(free, runner, plan_id)
 
         record = _Issued(weakref.ref(plan, forget), plan_id, phase, num_tokens)
         with lock:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 
 import torch
 
@@ -15,6 +16,9 @@ from attn_dispatch.integrations.vllm._settings import request_phase
 
 _PHASE_ORDER = (Phase.DECODE, Phase.VERIFY, Phase.PREFILL)
 _MAX_BLOCK_ID = 2**30  # pages 2b and 2b + 1 stay within int32
+#: Steps whose blocks read (requests x widest table) are at most this many are built from
+#: Python ints (one host read); larger ones with tensor ops, whose fixed cost then pays off.
+_LIST_CELLS = 4096
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -47,7 +51,7 @@ def step_parts(
     (and the request), before anything is built, so that no request is dropped or read out of
     another's pages.
     """
-    starts, q_lens, kv_lens = _checked(
+    starts, q_lens, kv_lens, tables = _checked(
         query_start_loc,
         seq_lens,
         block_table,
@@ -72,7 +76,9 @@ def step_parts(
         out.append(
             StepPart(
                 index,
-                _batch(phase, reqs, q_lens, kv_lens, block_table, block_size),
+                _batch(phase, reqs, q_lens, kv_lens, block_table, block_size)
+                if tables is None
+                else _batch_lists(phase, reqs, q_lens, kv_lens, tables, block_size),
                 _rows(reqs, starts, q_lens),
             )
         )
@@ -104,10 +110,13 @@ def _checked(
     num_speculative_tokens: int,
     mixed: str,
     draft: bool,
-) -> tuple[list[int], list[int], list[int]]:
-    """``(starts, q_lens, kv_lens)`` of a valid step, or the first problem as an
+) -> tuple[list[int], list[int], list[int], list[list[int]] | None]:
+    """``(starts, q_lens, kv_lens, tables)`` of a valid step, or the first problem as an
     ``InvalidBatchError`` (fields are the ``step_parts`` argument names; the annotations say
-    what is expected, the checks hold whatever a caller passes)."""
+    what is expected, the checks hold whatever a caller passes). ``tables``: the block ids
+    each request reads (the first ``need`` of its row, as read here, checked), when the step
+    is small enough to read as Python ints (``_LIST_CELLS``); else None (``_batch`` reads
+    the tensor)."""
     for name, value, low in (
         ("block_size", block_size, 1),
         ("num_speculative_tokens", num_speculative_tokens, 0),
@@ -125,23 +134,9 @@ def _checked(
     if starts[0] < 0:
         raise InvalidBatchError("query_start_loc", f"starts at {starts[0]!r}, expected >= 0")
     q_lens = [b - a for a, b in itertools.pairwise(starts)]
-    for i, (q, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
-        if q < 0:
-            raise InvalidBatchError(
-                "query_start_loc",
-                f"decreases from {starts[i]!r} to {starts[i + 1]!r} (a negative query length; "
-                "offsets must not decrease)",
-                request=i,
-            )
-        if kv < 0:
-            raise InvalidBatchError("seq_lens", f"negative length {kv!r}", request=i)
-        if kv < q:
-            raise InvalidBatchError(
-                "seq_lens",
-                f"{kv!r} tokens, fewer than the request's {q!r} query tokens (seq_lens counts "
-                "the cached and the new tokens)",
-                request=i,
-            )
+    # One pass in C over a valid step; the loop below names the first problem.
+    if q_lens and (min(q_lens) < 0 or any(map(operator.lt, kv_lens, q_lens))):
+        _name_length_problem(starts, q_lens, kv_lens)
     if not isinstance(block_table, torch.Tensor):
         raise InvalidBatchError(
             "block_table", f"expected a torch.Tensor, got {type(block_table).__name__}"
@@ -163,7 +158,8 @@ def _checked(
     width = block_table.shape[1]
     # The blocks each request reads (none for a request left out: its row is never read).
     need = [-(-kv // block_size) if q else 0 for q, kv in zip(q_lens, kv_lens, strict=True)]
-    for i, n in enumerate(need):
+    wmax = max(need, default=0)
+    for i, n in enumerate(need if wmax > width else ()):
         if n > width:
             raise InvalidBatchError(
                 "block_table",
@@ -171,20 +167,57 @@ def _checked(
                 f"{block_size!r} needs {n}",
                 request=i,
             )
-    if need and width:
-        read = torch.arange(width).unsqueeze(0) < torch.tensor(need).unsqueeze(1)
-        rows = block_table[: len(need)]
-        # Page 2b + 1 (V of block b) must fit the int32 page indices the batch carries.
-        bad = ((rows < 0) | (rows >= _MAX_BLOCK_ID)) & read
-        if bool(bad.any()):
-            i = int(bad.any(dim=1).nonzero()[0])
+    if not wmax:
+        return starts, q_lens, kv_lens, None
+    rows = block_table[: len(need)]
+    if len(need) * wmax <= _LIST_CELLS:
+        # The common step (decodes over short tables): one host read of the blocks read, and
+        # the check and the batch both work on those ints (a torch op costs ~3 us here).
+        listed: list[list[int]] = rows[:, :wmax].tolist()
+        tables = [row[:n] for row, n in zip(listed, need, strict=True)]
+        for i, blocks in enumerate(tables):
+            if blocks and (min(blocks) < 0 or max(blocks) >= _MAX_BLOCK_ID):
+                raise _bad_blocks(i, need[i], blocks)
+        return starts, q_lens, kv_lens, tables
+    read = torch.arange(wmax).unsqueeze(0) < torch.tensor(need).unsqueeze(1)
+    sub = rows[:, :wmax]
+    # Page 2b + 1 (V of block b) must fit the int32 page indices the batch carries.
+    bad = ((sub < 0) | (sub >= _MAX_BLOCK_ID)) & read
+    if bool(bad.any()):
+        i = int(bad.any(dim=1).nonzero()[0])
+        raise _bad_blocks(i, need[i], block_table[i, : need[i]].tolist())
+    return starts, q_lens, kv_lens, None
+
+
+def _name_length_problem(starts: list[int], q_lens: list[int], kv_lens: list[int]) -> None:
+    """Raise the first query/KV length problem of a step (``_checked`` found one)."""
+    for i, (q, kv) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        if q < 0:
             raise InvalidBatchError(
-                "block_table",
-                f"block ids must be in [0, {_MAX_BLOCK_ID}); the {need[i]} block(s) the "
-                f"request reads are {block_table[i, : need[i]].tolist()!r}",
+                "query_start_loc",
+                f"decreases from {starts[i]!r} to {starts[i + 1]!r} (a negative query length; "
+                "offsets must not decrease)",
                 request=i,
             )
-    return starts, q_lens, kv_lens
+        if kv < 0:
+            raise InvalidBatchError("seq_lens", f"negative length {kv!r}", request=i)
+        if kv < q:
+            raise InvalidBatchError(
+                "seq_lens",
+                f"{kv!r} tokens, fewer than the request's {q!r} query tokens (seq_lens counts "
+                "the cached and the new tokens)",
+                request=i,
+            )
+
+
+def _bad_blocks(i: int, need: int, blocks: list[int]) -> InvalidBatchError:
+    # Page 2b + 1 (V of block b) must fit the int32 page indices the batch carries.
+    return InvalidBatchError(
+        "block_table",
+        f"block ids must be in [0, {_MAX_BLOCK_ID}); the {need} block(s) the request reads "
+        f"are {blocks!r}",
+        request=i,
+    )
 
 
 def _rows(reqs: list[int], starts: list[int], q_lens: list[int]) -> slice | torch.Tensor:
@@ -192,6 +225,34 @@ def _rows(reqs: list[int], starts: list[int], q_lens: list[int]) -> slice | torc
     if last - first + 1 == len(reqs):  # consecutive requests: one slice of q, no copy
         return slice(starts[first], starts[last] + q_lens[last])
     return torch.cat([torch.arange(starts[i], starts[i] + q_lens[i]) for i in reqs])
+
+
+def _batch_lists(
+    phase: Phase,
+    reqs: list[int],
+    q_lens: list[int],
+    kv_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
+) -> AttnBatch:
+    """``_batch`` from the checked block ids as ints: one tensor holds the four index
+    vectors (``AttnBatch`` checks them again, and every plan copies them)."""
+    sel_q = [q_lens[i] for i in reqs]
+    sel_kv = [kv_lens[i] for i in reqs]
+    qo = list(itertools.accumulate(sel_q, initial=0))
+    kv = list(itertools.accumulate((len(tables[i]) for i in reqs), initial=0))
+    pages = [2 * b for i in reqs for b in tables[i]]
+    r = len(reqs)
+    buf = torch.tensor(qo + kv + sel_kv + pages, dtype=torch.int32)
+    qo_t, kv_t, lens_t, idx_t = buf.split_with_sizes((r + 1, r + 1, r, len(pages)))
+    return AttnBatch(
+        phase=phase,
+        qo_indptr=qo_t,
+        kv_indptr=kv_t,
+        kv_indices=idx_t,
+        kv_lens=lens_t,
+        page_size=block_size,
+    )
 
 
 def _batch(

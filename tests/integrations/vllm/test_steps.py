@@ -14,9 +14,19 @@ torch = pytest.importorskip("torch")
 
 from attn_dispatch import InvalidBatchError  # noqa: E402
 from attn_dispatch import Phase  # noqa: E402
+from attn_dispatch.integrations.vllm import _steps  # noqa: E402
 from attn_dispatch.integrations.vllm._steps import step_parts  # noqa: E402
 
 I32 = torch.int32
+
+
+@pytest.fixture(autouse=True, params=["lists", "tensors"])
+def path(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on both ways a step is built: small steps as Python ints (one host
+    read), large ones with tensor ops (``_LIST_CELLS`` 0 sends every step there)."""
+    if request.param == "tensors":
+        monkeypatch.setattr(_steps, "_LIST_CELLS", 0)
+    return str(request.param)
 
 
 def _step(**over: Any) -> tuple[Any, ...]:
@@ -168,3 +178,46 @@ def test_random_valid_steps_cover_every_query_row_once(seed: int) -> None:
                 for b in range(-(-int(kv[i]) // bs))
             )
             assert pages == want
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_both_paths_build_the_same_batches(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Python-int path (small steps) and the tensor path (large ones) give equal parts,
+    and refuse the same bad block id with the same request named."""
+    g = torch.Generator().manual_seed(100 + seed)
+    n = 9
+    q = torch.randint(0, 5, (n,), generator=g)
+    kv = q + torch.randint(0, 40, (n,), generator=g)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q.cumsum(0)]).to(I32)
+    table = torch.randperm(n * 6, generator=g).view(n, 6).to(I32)
+
+    def build() -> list[tuple[Any, ...]]:
+        parts = step_parts(
+            qsl, kv.to(I32), table, block_size=8, num_speculative_tokens=2, mixed="split"
+        )
+        return [
+            (
+                p.batch.phase,
+                p.batch.qo_indptr.tolist(),
+                p.batch.kv_indptr.tolist(),
+                p.batch.kv_indices.tolist(),
+                p.batch.kv_lens.tolist(),
+                p.rows if isinstance(p.rows, slice) else p.rows.tolist(),
+            )
+            for p in parts
+        ]
+
+    monkeypatch.setattr(_steps, "_LIST_CELLS", 4096)
+    small = build()
+    monkeypatch.setattr(_steps, "_LIST_CELLS", 0)
+    assert build() == small and small
+    # A negative block id inside what the last reading request reads: both paths name it.
+    last = max(i for i in range(n) if q[i] > 0)
+    table[last, 0] = -3
+    fields = []
+    for cells in (4096, 0):
+        monkeypatch.setattr(_steps, "_LIST_CELLS", cells)
+        with pytest.raises(InvalidBatchError, match="block ids must be in") as err:
+            build()
+        fields.append((err.value.field, err.value.request))
+    assert fields == [("block_table", last)] * 2

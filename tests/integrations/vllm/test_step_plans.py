@@ -1,0 +1,136 @@
+"""One step's plans (``DispatchMetadata.prepared``): made once per step per runner and part,
+reused by that runner's layers only, and never carried into the next step.
+
+Runs ``DispatchMetadata`` on hand-made steps (vLLM imported, no engine).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from attn_dispatch import AttnConfig  # noqa: E402
+from attn_dispatch import bind  # noqa: E402
+from attn_dispatch.backends.native._lib import load  # noqa: E402
+from attn_dispatch.integrations.vllm.backend import DispatchMetadata  # noqa: E402
+
+I32 = torch.int32
+BS = 16
+LIB = load()
+SPECS = [
+    "torch",
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(isinstance(LIB, str), reason=f"native library: {LIB}"),
+    ),
+]
+
+
+def _config(**over: Any) -> AttnConfig:
+    base: dict[str, Any] = dict(
+        kind="mha",
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype="float32",
+        page_size=BS,
+        device="cpu",
+        sm_scale=0.25,
+    )
+    base.update(over)
+    return AttnConfig(**base)
+
+
+def _step(table: torch.Tensor, seq: list[int]) -> DispatchMetadata:
+    n = len(seq)
+    return DispatchMetadata(
+        num_actual_tokens=n,
+        max_query_len=1,
+        max_seq_len=max(seq),
+        query_start_loc=torch.arange(n + 1, dtype=I32),
+        seq_lens=torch.tensor(seq, dtype=I32),
+        block_table=table,
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+        block_size=BS,
+        num_speculative_tokens=0,
+        mixed="split",
+    )
+
+
+def _pages(plan: Any) -> list[int]:
+    """The page indices a plan was made for (its private snapshot)."""
+    p = plan[0]
+    snap = p.snapshot if hasattr(p, "snapshot") else p.snap  # native's / torch's name
+    return [int(x) for x in snap.kv_indices.tolist()]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_layers_of_one_runner_share_the_steps_plan(spec: str) -> None:
+    binding = bind(spec, _config(), label="target")
+    md = _step(torch.tensor([[3, 4], [7, 0]], dtype=I32), [20, 5])
+    (part,) = md.parts_for(False)
+    first = md.prepared(binding, False, part)
+    # Every later layer of the runner reads the same plan (planned once per step).
+    assert all(md.prepared(binding, False, part) is first for _ in range(4))
+    assert _pages(first) == [6, 8, 14]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_two_runners_never_share_a_plan(spec: str) -> None:
+    target = bind(spec, _config(), label="target")
+    draft = bind(spec, _config(), label="draft")  # same config, its own backend objects
+    md = _step(torch.tensor([[3, 4], [7, 0]], dtype=I32), [20, 5])
+    (part,) = md.parts_for(False)
+    (dpart,) = md.parts_for(True)
+    a = md.prepared(target, False, part)
+    b = md.prepared(draft, True, dpart)
+    assert a is not b and a[0] is not b[0]
+    assert a[0].owner is target.backend(part.batch.phase)
+    assert b[0].owner is draft.backend(dpart.batch.phase)
+    # The same runner under the other runner's phase rule is a plan of its own too.
+    assert md.prepared(target, True, dpart) is not a
+    # Each plan runs on its own runner's handler only: the other's refuses it.
+    q = torch.randn(2, 4, 16)
+    cache = torch.randn(16, BS, 2, 16)
+    phase = part.batch.phase
+    target.handler(phase)(q, cache, cache, a[0], 0.25)
+    with pytest.raises(Exception, match="plan"):
+        draft.handler(phase)(q, cache, cache, a[0], 0.25)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_new_step_plans_again_with_its_own_page_table(spec: str) -> None:
+    binding = bind(spec, _config(), label="target")
+    table = torch.tensor([[3, 4], [7, 0]], dtype=I32)
+    md1 = _step(table, [20, 5])
+    (p1,) = md1.parts_for(False)
+    plan1 = md1.prepared(binding, False, p1)
+    # vLLM edits its block table in place between steps: the built step keeps what it read,
+    # and the next step's metadata plans again from the new table.
+    table[0, 1] = 9
+    table[1, 0] = 2
+    assert p1.batch.kv_indices.tolist() == [6, 8, 14]
+    md2 = _step(table, [20, 5])
+    (p2,) = md2.parts_for(False)
+    plan2 = md2.prepared(binding, False, p2)
+    assert plan2 is not plan1 and plan2[0] is not plan1[0]
+    assert _pages(plan1) == [6, 8, 14]
+    assert _pages(plan2) == [6, 18, 4]
+
+
+def test_a_bad_page_table_is_refused_in_every_step() -> None:
+    """The checks run once per step's batch, never skipped because a previous step passed."""
+    from attn_dispatch import InvalidBatchError
+
+    binding = bind("torch", _config(), label="target")
+    table = torch.tensor([[3, 4], [7, 0]], dtype=I32)
+    md = _step(table, [20, 5])
+    md.prepared(binding, False, md.parts_for(False)[0])
+    table[1, 0] = -1
+    with pytest.raises(InvalidBatchError, match="block ids must be in") as err:
+        _step(table, [20, 5]).parts_for(False)
+    assert err.value.field == "block_table" and err.value.request == 1
