@@ -29,9 +29,6 @@
 #ifndef NA_PF_AHEAD
 #define NA_PF_AHEAD 1
 #endif
-#ifndef NA_PF_HINT
-#define NA_PF_HINT _MM_HINT_T2
-#endif
 
 namespace NA_NS {
 
@@ -213,15 +210,12 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
   const int klines = int((kstride * int64_t(sizeof(KT)) + 63) / 64);
   const int vlines = mla ? 0 : int((vstride * int64_t(sizeof(KT)) + 63) / 64);
   constexpr int pf_ahead = NA_PF_AHEAD;
-  // The first blocks, which the in-loop prefetch (pf_ahead blocks ahead) never covers.
-  for (int pos = it.k0; pos < std::min(it.k1, it.k0 + pf_ahead * BK); ++pos) {
-    const int64_t slot = T.slot(pos);
-    const char* kr = reinterpret_cast<const char*>(kbase + slot * kstride);
-    for (int i = 0; i < klines; ++i) _mm_prefetch(kr + 64 * i, NA_PF_HINT);
-    const char* vr = reinterpret_cast<const char*>(vbase + slot * vstride);
-    for (int i = 0; i < vlines; ++i) _mm_prefetch(vr + 64 * i, NA_PF_HINT);
-  }
+  // The first blocks, which the in-loop prefetch (pf_ahead blocks ahead) never covers: at
+  // once, as nothing else can run before them.
   PfCursor pf;
+  pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + pf_ahead * BK), kbase, vbase, kstride,
+                vstride, klines, vlines);
+  pf.flush();
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
     const int n = std::min(BK, it.k1 - k0);
     for (int t = 0; t < BK; ++t) {
@@ -234,16 +228,10 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
     const int nt = (n + 3) / 4 * 4;
     // Rows to prefetch: NA_PF_AHEAD blocks ahead, whole rows (every head) in address order,
     // issued a few lines per compute step (score tile, value chunk) over this block.
-    pf.flush();
-    pf.reset();
     {
       const int ka = k0 + pf_ahead * BK;
-      const int na_ = std::max(0, std::min(BK, it.k1 - ka));
-      for (int t = 0; t < na_; ++t) {
-        const int64_t slot = T.slot(ka + t);
-        pf.add(kbase + slot * kstride, klines);
-        pf.add(vbase + slot * vstride, vlines);
-      }
+      pf.queue_rows(T, ka, std::min(it.k1, ka + BK), kbase, vbase, kstride, vstride, klines,
+                    vlines);
       const int calls = nkv * ((Rp1 / 4) * (nt / 4) * (D / 32) + ((R1 + 7) / 8) * (Dv / 32));
       pf.plan(calls);
     }

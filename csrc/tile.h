@@ -106,6 +106,10 @@ struct PfCursor {
   void reset() { nrows = row = line = 0; }
   void add(const void* r, int lines) {
     if (lines <= 0) return;
+    if (nrows == 2 * BK) {  // full (more than one block queued): issue what is queued first
+      flush();
+      reset();
+    }
     rows[nrows] = static_cast<const char*>(r);
     len[nrows++] = lines;
   }
@@ -126,6 +130,19 @@ struct PfCursor {
   }
   void flush() {
     while (row < nrows) step();
+  }
+  // Issues what is left of the previous queue, then queues whole rows (every head) of key
+  // positions pos0 .. pos1 - 1 of the tile's request, K then V per token, in address order.
+  template <typename KT>
+  void queue_rows(const Tile& T, int pos0, int pos1, const KT* kbase, const KT* vbase,
+                  int64_t kstride, int64_t vstride, int klines, int vlines) {
+    flush();
+    reset();
+    for (int pos = pos0; pos < pos1; ++pos) {
+      const int64_t slot = T.slot(pos);
+      add(kbase + slot * kstride, klines);
+      add(vbase + slot * vstride, vlines);
+    }
   }
 };
 
