@@ -204,15 +204,35 @@ class StepClock:
         return timed
 
 
+def warm_engine(model: str, extra: dict[str, Any], prompts: list[Any]) -> Any:
+    """A bf16 eager engine for ``model`` (``extra``: its attention settings), warmed up.
+
+    Before the timed generate each engine runs the same prompts for 4 tokens: the first run
+    of each batch shape builds vLLM's oneDNN matmul kernels; prefix caching is off, so the
+    timed run computes every prompt again.
+    """
+    import vllm
+
+    llm = vllm.LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=512,
+        seed=0,
+        enable_prefix_caching=False,
+        **extra,
+    )
+    warm = vllm.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, warm, use_tqdm=False)
+    return llm
+
+
 def breakdown(model: str, rounds: int, shape: str, args: Any) -> None:
     """Per-step figures: vLLM's own attention against the plugin's ``native``, same run."""
     import torch
     import vllm
 
-    # Before the timed generate each engine runs the same prompts for 4 tokens: the first run
-    # of each batch shape builds vLLM's oneDNN matmul kernels; prefix caching is off, so the
-    # timed run computes every prompt again.
-    warm = vllm.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     from attn_dispatch._table import format_table
     from attn_dispatch.integrations.vllm import register
 
@@ -234,17 +254,7 @@ def breakdown(model: str, rounds: int, shape: str, args: Any) -> None:
     load_before = load_text()
     for _ in range(rounds):
         for name, extra in contenders.items():
-            llm = vllm.LLM(
-                model=model,
-                skip_tokenizer_init=True,
-                dtype="bfloat16",
-                enforce_eager=True,
-                max_model_len=512,
-                seed=0,
-                enable_prefix_caching=False,
-                **extra,
-            )
-            llm.generate(prompts, warm, use_tqdm=False)
+            llm = warm_engine(model, extra, prompts)
             clock.reset()
             t0 = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
@@ -311,10 +321,6 @@ def run(contenders: dict[str, dict[str, Any]], model: str, rounds: int) -> dict[
 
     from attn_dispatch.integrations.vllm import register
 
-    # Before the timed generate each engine runs the same prompts for 4 tokens: the first run
-    # of each batch shape builds vLLM's oneDNN matmul kernels; prefix caching is off, so the
-    # timed run computes every prompt again.
-    warm = vllm.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     register()  # what the entry point does; here even without an installed package
     clock = _once(AttentionClock)
 
@@ -328,17 +334,7 @@ def run(contenders: dict[str, dict[str, Any]], model: str, rounds: int) -> dict[
     tokens: dict[str, list[list[int]]] = {}
     for r in range(rounds):
         for name, extra in contenders.items():
-            llm = vllm.LLM(
-                model=model,
-                skip_tokenizer_init=True,
-                dtype="bfloat16",
-                enforce_eager=True,
-                max_model_len=512,
-                seed=0,
-                enable_prefix_caching=False,
-                **extra,
-            )
-            llm.generate(prompts, warm, use_tqdm=False)
+            llm = warm_engine(model, extra, prompts)
             clock.seconds = 0.0
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
