@@ -419,6 +419,7 @@ def test_cache_dtype_differs_from_q(kv_dtype: str) -> None:
 # -- CUDA ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.cuda  # bench/gpu.sh runs `pytest -m cuda` on the GPU machine
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
 @pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.name.lower())
 def test_cuda_matches_reference(phase: Phase) -> None:
