@@ -100,21 +100,19 @@ void forget_pool_in_child() {
 // never loads an OpenMP runtime itself and has no link dependency on one. A forked child
 // uses our pool: an OpenMP team does not survive fork().
 using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
-std::atomic<GompParallel> g_gomp{nullptr};
 
 Pool& pool();
 
 GompParallel gomp_parallel() {
   pool();  // registers the fork handler that switches a child to our pool
   if (g_forked.load(std::memory_order_relaxed)) return nullptr;
-  GompParallel fn = g_gomp.load(std::memory_order_acquire);
-  if (fn != nullptr) return fn;
-  static const bool disabled = std::getenv("NATIVE_ATTN_OWN_POOL") != nullptr;
-  if (disabled) return nullptr;
-  void* h = dlopen("libgomp.so.1", RTLD_NOW | RTLD_NOLOAD);
-  if (h == nullptr) return nullptr;  // not loaded (yet): our pool, and look again next call
-  fn = reinterpret_cast<GompParallel>(dlsym(h, "GOMP_parallel"));
-  if (fn != nullptr) g_gomp.store(fn, std::memory_order_release);
+  // Looked up once, at the first call with more than one thread: a tensor has reached us by
+  // then, so torch (and its runtime) is loaded if it ever will be.
+  static const GompParallel fn = []() -> GompParallel {
+    if (std::getenv("NATIVE_ATTN_OWN_POOL") != nullptr) return nullptr;
+    void* h = dlopen("libgomp.so.1", RTLD_NOW | RTLD_NOLOAD);
+    return h == nullptr ? nullptr : reinterpret_cast<GompParallel>(dlsym(h, "GOMP_parallel"));
+  }();
   return fn;
 }
 
