@@ -33,11 +33,12 @@ def check_prefix_chunk(
     num_requests: int,
     heads: int,
     widths: tuple[int, int],
-    dtype: torch.dtype,
+    dtype: torch.dtype | None,
     device: torch.device,
 ) -> list[int]:
     """The chunk's indptr as ints, once ``k_chunk``/``v_chunk``/``indptr`` fit the layer;
-    else ``InvalidBatchError`` naming what does not."""
+    else ``InvalidBatchError`` naming what does not. ``dtype=None`` takes any floating
+    dtype (a handler that converts the chunk itself)."""
     for name, x, width in (("k_chunk", k_chunk, widths[0]), ("v_chunk", v_chunk, widths[1])):
         if not isinstance(x, torch.Tensor):
             raise InvalidBatchError("prefix", f"{name} must be a torch.Tensor, got {type(x)!r}")
@@ -45,9 +46,11 @@ def check_prefix_chunk(
             raise InvalidBatchError(
                 "prefix", f"{name} shape {tuple(x.shape)} != [rows, {heads}, {width}]"
             )
-        if x.dtype != dtype or x.device != device:
+        dtype_ok = x.dtype.is_floating_point if dtype is None else x.dtype == dtype
+        if not dtype_ok or x.device != device:
+            want = "a floating dtype" if dtype is None else str(dtype)
             raise InvalidBatchError(
-                "prefix", f"{name} is {x.dtype} on {x.device}, want {dtype} on {device}"
+                "prefix", f"{name} is {x.dtype} on {x.device}, want {want} on {device}"
             )
     rows = int(k_chunk.shape[0])
     if v_chunk.shape[0] != rows:

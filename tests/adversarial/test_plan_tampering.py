@@ -11,6 +11,9 @@ walked) and, on a fresh plan per case, makes one edit:
 - a tensor on the way edited in place: filled with a large index, -1, 0 (ints), NaN/0/-inf
   (floats), True/False (bools), or its first entry moved by one.
 
+The K/V caches are views into larger tensors whose other pages hold NaN, so a read outside
+the view (in its storage) cannot pass for the right answer.
+
 Every case must give our ``InvalidBatchError`` or the answer of the batch the plan was made
 for (float64 oracle), within seconds; a raw torch error, another answer or a long run fails.
 The sdpa and triton backends hand out handles with nothing mutable inside (the records their
@@ -139,8 +142,14 @@ def _child(backend: str) -> None:
                      tree_verify=True)  # fmt: skip
     binding = bind(backend, cfg)
     g = torch.Generator().manual_seed(11)
-    k = torch.randn(10, 4, 2, 16, generator=g)
-    v = torch.randn(10, 4, 2, 16, generator=g)
+    # The caches are views of larger tensors whose other pages hold NaN: a read outside
+    # the view (in its storage) shows in the output.
+    k_store = torch.full((14, 4, 2, 16), math.nan)
+    v_store = torch.full((14, 4, 2, 16), math.nan)
+    k = k_store[2:12]
+    v = v_store[2:12]
+    k.copy_(torch.randn(10, 4, 2, 16, generator=g))
+    v.copy_(torch.randn(10, 4, 2, 16, generator=g))
     tree = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 1]], dtype=torch.bool)
     batches = {
         "decode": AttnBatch.build(Phase.DECODE, q_lens=[1, 1], kv_lens=[9, 6],
@@ -163,13 +172,12 @@ def _child(backend: str) -> None:
             path
             for path, obj, _p, _n in _walk(first)
             if isinstance(obj, (torch.Tensor, list, dict, set, bytearray))
-            or (hasattr(obj, "__dict__") or hasattr(obj, "__slots__"))
-            and not _frozen(obj)
+            or ((hasattr(obj, "__dict__") or hasattr(obj, "__slots__")) and not _frozen(obj))
         ]
         report(case=f"{label}: mutable", outcome="listed", detail=mutable)
         names = [path for path, *_ in _walk(first)]
         for index, item in enumerate(_walk(first)):
-            for edit_no, (what, _apply) in enumerate(_edits(item)):
+            for edit_no, _edit in enumerate(_edits(item)):
                 plan = binding.plan(batch)
                 fresh = _walk(plan)
                 assert [p for p, *_ in fresh] == names, "plans of one batch differ in shape"

@@ -40,6 +40,7 @@ from attn_dispatch._protocol import check_plan
 from attn_dispatch._protocol import issue_plan
 from attn_dispatch._snapshot import BatchSnapshot
 from attn_dispatch._tensor_checks import TensorChecks
+from attn_dispatch.backends._chunks import check_prefix_chunk
 from attn_dispatch.backends._masks import chunk_tree_mask
 from attn_dispatch.backends._masks import window_tree_mask
 from attn_dispatch.backends.reference._seal import Seals
@@ -386,11 +387,10 @@ class TorchBackend(BackendBase):
         qstart = qpos - qpos % chunk if chunk is not None else None
         seen = [0] * b
         for k_c, v_c, indptr in prefix:
-            ind = [int(x) for x in indptr]
-            if len(ind) != b + 1:
-                raise InvalidBatchError(
-                    "prefix", f"chunk indptr has {len(ind)} entries, want {b + 1}"
-                )
+            ind = check_prefix_chunk(
+                k_c, v_c, indptr, num_requests=b, heads=c.num_q_heads,
+                widths=(c.head_dim, dv), dtype=None, device=dev,
+            )  # fmt: skip
             n = max(max(ind[i + 1] - ind[i] for i in range(b)), 1)
             cs = torch.arange(n)
             clen = torch.tensor([ind[i + 1] - ind[i] for i in range(b)])

@@ -174,8 +174,14 @@ class TritonPlan(PlanBase):
     token: object = field(default_factory=object)
 
 
+class _Record:
+    """Base of the private launch records: weakly referenceable (``_SEALS`` is keyed by them)."""
+
+    __slots__ = ("__weakref__",)
+
+
 @dataclass(frozen=True, slots=True, eq=False)
-class DecodePlan:
+class DecodePlan(_Record):
     """Split-KV decode launch record (private to the backend object).
 
     Nothing here sizes a kernel's loads: the constants come from the backend's own config at
@@ -190,7 +196,7 @@ class DecodePlan:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class ExtendPlan:
+class ExtendPlan(_Record):
     """Extend (prefill / verify) launch record, private to the backend object (see
     ``DecodePlan`` for what a launch re-checks)."""
 
