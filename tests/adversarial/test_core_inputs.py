@@ -139,7 +139,7 @@ run = be.handler(Phase.DECODE)
 q = torch.randn(2, 4, 16); k = torch.randn(8, 4, 2, 16); v = torch.randn(8, 4, 2, 16)
 run(q, k, v, plan, 0.25)
 outcomes = []
-for bad in (dataclasses.replace(plan, snap=small.snap), dataclasses.replace(plan)):
+for bad in (dataclasses.replace(plan, num_requests=small.num_requests), dataclasses.replace(plan)):
     try:
         run(q, k, v, bad, 0.25)
         outcomes.append("ran")
