@@ -17,7 +17,9 @@ the view (in its storage) cannot pass for the right answer.
 Every case must give our ``InvalidBatchError`` or the answer of the batch the plan was made
 for (float64 oracle), within seconds; a raw torch error, another answer or a long run fails.
 The sdpa and triton backends hand out handles with nothing mutable inside (the records their
-handlers read stay with the backend object), which the test checks too. Each backend runs in
+handlers read stay with the backend object), which the test checks too; the torch reference
+checks its plan against the record it kept at issue; native's plan lives in C, which bounds
+every read by the element counts it is given. Each backend runs in
 a child process (``python -m tests.adversarial.test_plan_tampering BACKEND``): an edit that
 made a kernel read outside its tensors could crash rather than raise.
 """
@@ -230,10 +232,14 @@ def _results(backend: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "torch", "triton"])
+@pytest.mark.parametrize("backend", ["sdpa", "torch", "triton", "native"])
 def test_every_edit_of_an_issued_plan_is_refused_or_answered_right(backend: str) -> None:
-    if backend == "triton":
-        pytest.importorskip("triton")
+    from attn_dispatch import list_backends
+
+    caps = list_backends().get(backend)
+    why = ["not registered"] if caps is None else list(caps.availability_reasons())
+    if why:
+        pytest.skip(f"backend {backend!r} cannot run here: {'; '.join(why)}")
     rows = _results(backend)
     cases = [r for r in rows if r["outcome"] != "listed"]
     assert len(cases) >= 6, rows  # the walk reached the plan's fields

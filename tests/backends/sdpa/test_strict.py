@@ -169,3 +169,35 @@ def test_prefix_chunks_that_fit_match_the_reference() -> None:
     got = be.run_chunked(q, q, q, batch, 0.25, [(k_c, v_c, [0, 3])])
     want = TorchBackend(be.config).run_chunked(q, q, q, batch, 0.25, [(k_c, v_c, [0, 3])])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_captured_decode_replays_each_new_step() -> None:
+    """A plan is a handle, so a CUDA-graph replay re-plans through ``update_plan`` (the
+    records stay with the backend); off CUDA the replay runs eagerly on the captured plan."""
+    from attn_dispatch import attention
+    from attn_dispatch import attn_scope
+    from attn_dispatch import bind
+    from attn_dispatch.cuda_graph import capture_decode
+
+    cfg = AttnConfig("mha", 4, 2, 16, dtype="float32", device="cpu", page_size=8, sm_scale=0.25)
+    binding = bind("sdpa", cfg)
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+        return attention(q, k, v)
+
+    def batch(lens: list[int], tables: list[list[int]]) -> AttnBatch:
+        return AttnBatch.build(Phase.DECODE, q_lens=[1] * len(lens), kv_lens=lens,
+                               page_tables=tables, page_size=8)  # fmt: skip
+
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(2, 4, 16, generator=g), torch.randn(4, 8, 2, 16, generator=g)
+    graphed = capture_decode(binding, batch([7, 3], [[0], [2]]), step, q, k, k,
+                             max_pages_per_request=2)  # fmt: skip
+    for lens, tables in (([8, 4], [[0], [2]]), ([9, 5], [[0, 1], [3]])):
+        new = batch(lens, tables)
+        got = graphed.replay(new, q)
+        with attn_scope(binding, new):
+            torch.testing.assert_close(got, step(q, k, k))
+    backend: Any = binding.backend(Phase.DECODE)
+    with pytest.raises(InvalidBatchError):  # another token count than the captured plan's
+        backend.update_plan(graphed.plan, batch([4, 4, 4], [[0], [1], [2]]))
