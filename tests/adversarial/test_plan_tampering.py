@@ -253,5 +253,20 @@ def test_every_edit_of_an_issued_plan_is_refused_or_answered_right(backend: str)
         assert listed and all(r["detail"] == [] for r in listed), listed
 
 
+def test_a_snapshots_step_counts_change_only_by_follow() -> None:
+    import copy
+    import pickle
+
+    from attn_dispatch._snapshot import StepStats
+
+    step = StepStats(3, 2, 9, 4)
+    with pytest.raises(AttributeError, match="read-only"):
+        step.max_page = 0  # type: ignore[misc]
+    step.follow(StepStats(5, 1, 7, 2))
+    assert (step.num_tokens, step.max_q_len, step.max_kv_len, step.max_page) == (5, 1, 7, 2)
+    for twin in (copy.copy(step), copy.deepcopy(step), pickle.loads(pickle.dumps(step))):
+        assert twin is not step and twin.max_page == 2 and twin.num_tokens == 5
+
+
 if __name__ == "__main__":
     _child(sys.argv[1])
