@@ -1,12 +1,12 @@
 """The package's layers point down only: each module imports modules of its own layer or below.
 
 The table is ``LAYERS`` of tools/layers.py, the one copy (the docs render it); every module of
-attn_dispatch/ must be in it, so a new module declares its layer before it can import anything. An entry ending in ``.*``
-covers a package's submodules. An import is any ``import``/``from ... import`` statement
-anywhere in a module (function-level ones included: a lazy import is still a dependency) and
-any ``importlib.import_module("attn_dispatch....")`` with a constant name; ``if
-TYPE_CHECKING:`` blocks are left out (annotations only). Importing a package's parents as a
-side effect of Python's import system does not count.
+attn_dispatch/ must be in it, so a new module declares its layer before it can import anything.
+An entry ending in ``.*`` covers a package's submodules. An import is any ``import``/``from
+... import`` statement anywhere in a module (function-level ones included: a lazy import is
+still a dependency) and any ``importlib.import_module("attn_dispatch....")`` with a constant
+name; ``if TYPE_CHECKING:`` blocks are left out (annotations only). Importing a package's
+parents as a side effect of Python's import system does not count.
 """
 
 from __future__ import annotations
@@ -204,10 +204,8 @@ def test_the_docs_show_the_table() -> None:
 
 def test_the_table_refuses_a_module_in_two_layers() -> None:
     layer = LAYERS_TOOL.Layer
-    saved = LAYERS_TOOL.LAYERS
-    LAYERS_TOOL.LAYERS = (layer(0, "a", "", ("_x",)), layer(1, "b", "", ("_x",)))
-    try:
+    twice = (layer(0, "a", "", ("_x",)), layer(1, "b", "", ("_x",)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LAYERS_TOOL, "LAYERS", twice)
         with pytest.raises(ValueError, match="in layers 0 and 1"):
             LAYERS_TOOL.table()
-    finally:
-        LAYERS_TOOL.LAYERS = saved
