@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +28,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: A fence at the start of a line, with the line before it (where a marker may stand).
+#: A fence, maybe indented (inside an admonition or a list), with the line before it (where a
+#: marker may stand); the closing fence has the opening one's indent.
 FENCE = re.compile(
-    r"(?:^(?P<before>[^\n]*)\n)?^```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```[ \t]*$",
+    r"(?:^(?P<before>[^\n]*)\n)?^(?P<indent>[ \t]*)```(?P<lang>[\w-]*)[^\n]*\n"
+    r"(?P<body>.*?)^(?P=indent)```[ \t]*$",
     re.MULTILINE | re.DOTALL,
 )
 SKETCH = re.compile(r"^<!--\s*sketch:(?P<reason>.*?)-->\s*$")
@@ -58,7 +61,8 @@ def python_blocks(path: Path, root: Path = ROOT) -> list[Block]:
             reason = marker["reason"].strip()
             if not reason:
                 raise ValueError(f"{rel}:{line}: a sketch marker must say why the block cannot run")
-        found.append(Block(rel, line, m["body"], reason))
+        body = textwrap.dedent(m["body"]) if m["indent"] else m["body"]
+        found.append(Block(rel, line, body, reason))
     return found
 
 
@@ -130,11 +134,18 @@ def test_the_parser_reads_markers_and_refuses_a_bare_one(tmp_path: Path) -> None
     page = tmp_path / "page.md"
     page.write_text(
         "Intro\n\n```python\nx = 1\n```\n\n<!-- sketch: needs a GPU -->\n```python\n"
-        "import cuda_thing\n```\n\n```bash\nls\n```\n\n```python\nassert x == 1\n```\n",
+        "import cuda_thing\n```\n\n```bash\nls\n```\n\n```python\nassert x == 1\n```\n"
+        '\n??? example "In an admonition"\n\n    ```python\n    y = x + 1\n    ```\n',
         encoding="utf-8",
     )
     blocks = python_blocks(page, tmp_path)
-    assert [(b.line, b.sketch) for b in blocks] == [(3, None), (8, "needs a GPU"), (16, None)]
+    assert [(b.line, b.sketch) for b in blocks] == [
+        (3, None),
+        (8, "needs a GPU"),
+        (16, None),
+        (22, None),
+    ]
+    assert blocks[-1].code == "y = x + 1\n"  # dedented
     code = program(blocks)
     assert "cuda_thing" not in code
     # Line numbers of the program are the page's, so a traceback points into the page.
