@@ -79,3 +79,25 @@ def test_no_placeholder_or_invented_project_address() -> None:
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     assert "urls" not in meta
     assert "repo_url" not in (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+
+
+#: A module named in backticks: `attn_dispatch.x.y`, `attn_dispatch/x/y.py`, or a private one
+#: given relative to the package (`_scope`, `backends/_cascade`).
+MODULE_REF = re.compile(r"`(attn_dispatch[./][\w./]*|(?:[a-z]\w*/)*_[a-z]\w*)`")
+
+
+def _exists(ref: str) -> bool:
+    path = ref.removesuffix(".py").replace(".", "/")
+    if not path.startswith("attn_dispatch"):
+        path = f"attn_dispatch/{path}"
+    return (ROOT / f"{path}.py").exists() or (ROOT / path / "__init__.py").exists()
+
+
+def test_the_development_page_names_only_modules_that_exist() -> None:
+    # Its module map once described 0.1.0; the page now points at the layer table, and every
+    # module it still names must be there.
+    text = (ROOT / "docs" / "development.md").read_text(encoding="utf-8")
+    refs = MODULE_REF.findall(text)
+    assert "attn_dispatch/_env.py" in refs
+    assert [r for r in refs if not _exists(r)] == []
+    assert _exists("backends/_cascade") and not _exists("backends/_common")
