@@ -1,0 +1,121 @@
+"""What ``register`` changes in SGLang, and how ``unregister`` takes it back (imports SGLang).
+
+Three things, all keyed by the backend name ``"attn_dispatch"``:
+
+1. ``ATTENTION_BACKENDS["attn_dispatch"]`` (SGLang's attention registry): the factory SGLang
+   calls with each model runner whose backend is this one (target and draft runners alike).
+2. The name joins SGLang's argument choices for ``attention_backend`` (and the prefill/decode
+   ones) and for ``speculative_draft_attention_backend``.
+3. A BEFORE hook (SGLang's ``HookRegistry``) on ``DraftBackendFactory._create_backend``: that
+   method picks EAGLE-family draft backends from a closed name map; the hook adds this name to
+   the map it is handed, so the draft-extend backend and the multi-step draft decode are ours
+   too. It adds nothing for any other name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attn_dispatch.integrations.sglang_engine import BACKEND_NAME
+from attn_dispatch.integrations.sglang_engine import DRAFT
+from attn_dispatch.integrations.sglang_engine import FACTORY_TARGET
+
+
+def _create_runner_backend(runner: Any) -> Any:
+    from attn_dispatch.integrations.sglang_engine.backend import AttnDispatchSGLangBackend
+
+    return AttnDispatchSGLangBackend(runner)
+
+
+def _factory_before(
+    factory: Any,
+    backend_name: str,
+    backend_map: dict[str, Any],
+    error_template: str,
+    stamps_children: bool = False,
+) -> None:
+    """BEFORE ``DraftBackendFactory._create_backend``: add our name to its (fresh) map."""
+    from attn_dispatch.integrations.sglang_engine.backend import AttnDispatchMultiStepDraftBackend
+    from attn_dispatch.integrations.sglang_engine.backend import AttnDispatchSGLangBackend
+
+    runner = factory.draft_model_runner
+    if stamps_children:  # create_decode_backend: the multi-step draft decode container
+
+        def build() -> tuple[str, Any]:
+            return BACKEND_NAME, AttnDispatchMultiStepDraftBackend(
+                runner, factory.topk, factory.speculative_num_steps
+            )
+    else:  # create_draft_extend_backend: the draft runner's backend for its other forwards
+
+        def build() -> tuple[str, Any]:
+            return BACKEND_NAME, AttnDispatchSGLangBackend(runner, label=DRAFT)
+
+    backend_map[BACKEND_NAME] = build
+
+
+def _hook_registry() -> Any:
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return HookRegistry
+
+
+def install() -> None:
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.layers.attention import attention_registry
+    from sglang.srt.plugins.hook_registry import HookType
+    from sglang.srt.plugins.hook_registry import _current_plugin_source
+
+    attention_registry.ATTENTION_BACKENDS[BACKEND_NAME] = _create_runner_backend
+    # The add_* helpers are list.extend: add the name once however often plugins load.
+    if BACKEND_NAME not in choices.ATTENTION_BACKEND_CHOICES:
+        choices.add_attention_backend_choices([BACKEND_NAME])
+    if BACKEND_NAME not in choices.DRAFT_ATTENTION_BACKEND_CHOICES:
+        choices.add_draft_attention_backend_choices([BACKEND_NAME])
+    registry = _hook_registry()
+    hooks = registry._hooks[FACTORY_TARGET]
+    if not any(hook is _factory_before for _, hook, _ in hooks):
+        registry.register(FACTORY_TARGET, _factory_before, HookType.BEFORE)
+    # Inside SGLang's load_plugins (a plugin source is set) the loader applies every hook once
+    # all plugins ran; called by hand afterwards, apply ours now (apply_hooks skips targets it
+    # already patched).
+    if _current_plugin_source.get() is None:
+        if FACTORY_TARGET in registry._patched:
+            _reapply(registry)
+        else:
+            registry.apply_hooks()
+
+
+def _original(fn: Any) -> Any:
+    while hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def _reapply(registry: Any) -> None:
+    """Put the factory method back as SGLang shipped it, then apply the hooks still listed."""
+    import pkgutil
+
+    owner_path, attr = FACTORY_TARGET.rsplit(".", 1)
+    owner = pkgutil.resolve_name(owner_path)
+    setattr(owner, attr, _original(owner.__dict__[attr]))
+    registry._patched.discard(FACTORY_TARGET)
+    if registry._hooks.get(FACTORY_TARGET):
+        registry._apply_target(FACTORY_TARGET, registry._hooks[FACTORY_TARGET])
+        registry._patched.add(FACTORY_TARGET)
+
+
+def uninstall() -> None:
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.layers.attention import attention_registry
+
+    attention_registry.ATTENTION_BACKENDS.pop(BACKEND_NAME, None)
+    for names in (choices.ATTENTION_BACKEND_CHOICES, choices.DRAFT_ATTENTION_BACKEND_CHOICES):
+        while BACKEND_NAME in names:
+            names.remove(BACKEND_NAME)
+    registry = _hook_registry()
+    hooks = registry._hooks.get(FACTORY_TARGET, [])
+    kept = [h for h in hooks if h[1] is not _factory_before]
+    if len(kept) != len(hooks):
+        registry._hooks[FACTORY_TARGET] = kept
+        if FACTORY_TARGET in registry._patched:
+            _reapply(registry)
