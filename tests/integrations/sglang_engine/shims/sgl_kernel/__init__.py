@@ -101,6 +101,19 @@ def verify_tree_greedy_cpu(**kwargs: Any) -> None:
     verify_tree_greedy_triton(**renamed)
 
 
+def copy_all_layer_kv_cache_cpu(
+    data_ptrs: torch.Tensor, strides: torch.Tensor, tgt_loc: torch.Tensor, src_loc: torch.Tensor
+) -> None:
+    """Copy rows src -> tgt in every KV buffer (each named by its address and row bytes)."""
+    import ctypes
+
+    pairs = list(zip(tgt_loc.tolist(), src_loc.tolist(), strict=True))
+    for ptr, stride in zip(data_ptrs.tolist(), strides.tolist(), strict=True):
+        for t, s in pairs:
+            if t != s:
+                ctypes.memmove(ptr + t * stride, ptr + s * stride, stride)
+
+
 def _absent(name: str) -> Any:
     def missing(*args: Any, **kwargs: Any) -> None:
         raise NotImplementedError(f"test shim sgl_kernel: {name} is not written here")
@@ -109,6 +122,5 @@ def _absent(name: str) -> Any:
     return missing
 
 
-copy_all_layer_kv_cache_cpu = _absent("copy_all_layer_kv_cache_cpu")
 rotate_input_ids_cpu = _absent("rotate_input_ids_cpu")
 build_draft_decode_metadata_cpu = _absent("build_draft_decode_metadata_cpu")
