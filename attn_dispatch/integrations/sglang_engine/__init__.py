@@ -87,7 +87,9 @@ class Settings:
                 ) from None
         if not isinstance(raw, Mapping):
             raise InvalidSpecError(
-                ENV_VAR, raw, 'expected a JSON object such as {"target": "native", "draft": "torch"}'
+                ENV_VAR,
+                raw,
+                'expected a JSON object such as {"target": "native", "draft": "torch"}',
             )
         unknown = sorted(str(k) for k in raw if k not in _KEYS)
         if unknown:
@@ -102,7 +104,9 @@ class Settings:
             )
         options = raw.get("options", {})
         if not isinstance(options, Mapping) or not all(
-            isinstance(name, str) and isinstance(kw, Mapping) and all(isinstance(k, str) for k in kw)
+            isinstance(name, str)
+            and isinstance(kw, Mapping)
+            and all(isinstance(k, str) for k in kw)
             for name, kw in options.items()
         ):
             raise InvalidSpecError(
@@ -129,10 +133,10 @@ class Settings:
             raise InvalidSpecError(
                 "draft",
                 None,
-                f"this SGLang engine runs a draft model on the {BACKEND_NAME!r} attention backend, "
-                "and a draft's attention backends are its own choice: add "
-                f'"draft": "<spec>" to {ENV_VAR} (the target\'s spec is never copied to the draft), '
-                "or give the draft another backend (speculative_draft_attention_backend)",
+                f"this SGLang engine runs a draft model on the {BACKEND_NAME!r} attention "
+                "backend, and a draft's attention backends are its own choice: add "
+                f'"draft": "<spec>" to {ENV_VAR} (the target\'s spec is never copied to the '
+                "draft), or give the draft another backend (speculative_draft_attention_backend)",
             )
         return self.draft
 

@@ -95,9 +95,17 @@ def _reapply(registry: Any) -> None:
     """Put the factory method back as SGLang shipped it, then apply the hooks still listed."""
     import pkgutil
 
+    from sglang.srt.plugins.hook_registry import _propagate_patch
+
     owner_path, attr = FACTORY_TARGET.rsplit(".", 1)
     owner = pkgutil.resolve_name(owner_path)
-    setattr(owner, attr, _original(owner.__dict__[attr]))
+    current = owner.__dict__[attr]
+    original = _original(current)
+    setattr(owner, attr, original)
+    # SGLang's apply_hooks also rebinds every module-level name that held the original; take
+    # those back too, so no module keeps calling the hooked method.
+    if current is not original:
+        _propagate_patch(current, original, owner)
     registry._patched.discard(FACTORY_TARGET)
     if registry._hooks.get(FACTORY_TARGET):
         registry._apply_target(FACTORY_TARGET, registry._hooks[FACTORY_TARGET])

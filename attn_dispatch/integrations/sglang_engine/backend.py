@@ -42,7 +42,6 @@ from attn_dispatch._binding import bind
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
-from attn_dispatch._phase import Phase
 from attn_dispatch._record import record_dispatch
 from attn_dispatch._scope import attention
 from attn_dispatch._scope import attn_scope
@@ -127,6 +126,8 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
                 "a quantized KV cache is not served by this integration; use kv_cache_dtype='auto'",
             )
         self.device = model_runner.device
+        # AttnConfig names a device type ("cpu", "cuda"); SGLang's may carry an index.
+        self.device_type = torch.device(self.device).type
         self.pool = pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.page_size = int(pool.page_size)
@@ -157,7 +158,7 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
                 dtype=self.dtype,
                 kv_dtype=self.kv_dtype if self.kv_dtype != self.dtype else None,
                 page_size=self.page_size,
-                device=self.device if isinstance(self.device, str) else str(self.device),
+                device=self.device_type,
                 tree_verify=self.tree_verify,
             )
         )
@@ -178,7 +179,7 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
             layer,
             dtype=self.dtype,
             page_size=self.page_size,
-            device=str(self.device),
+            device=self.device_type,
             kv_dtype=self.kv_dtype if self.kv_dtype != self.dtype else None,
             tree_verify=self.tree_verify,
         )
@@ -188,7 +189,8 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
 
     def _pages(self, req: int, slots: torch.Tensor) -> list[int]:
         """The pages of one request's token slots (positions 0..n-1), checked page-aligned."""
-        slots = slots.to(torch.int64)
+        # Host copies: the page table is built once per forward, on the host (AttnBatch.build).
+        slots = slots.to(device="cpu", dtype=torch.int64)
         p = self.page_size
         if p == 1:
             return [int(s) for s in slots.tolist()]
@@ -218,7 +220,8 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
             # SGLang's CPU tree mask: one [n, n] block per request, the prefix implied.
             for i, s in enumerate(seq_lens):
                 block = flat[i * n * n : (i + 1) * n * n].view(n, n)
-                masks.append(torch.cat([torch.ones(n, s, dtype=torch.bool), block], dim=1))
+                prefix = torch.ones(n, s, dtype=torch.bool, device=block.device)
+                masks.append(torch.cat([prefix, block], dim=1))
             return masks
         at = 0
         for s in seq_lens:
@@ -262,6 +265,7 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
             page_size=self.page_size,
             num_pages=self.num_pages,
             masks=masks,
+            device=self.device,
         )
 
     def forward(
@@ -303,6 +307,7 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
                 f"{batch.num_tokens} (the {self.label} runner, {forward_batch.forward_mode.name})",
             )
         rec = self._recorder
+        out: torch.Tensor
         if rec is None:
             with attn_scope(binding, batch):
                 out = attention(query, k_pages, v_pages)
@@ -371,6 +376,7 @@ class AttnDispatchMultiStepDraftBackend:
                 page_tables=tables,
                 page_size=first.page_size,
                 num_pages=first.num_pages,
+                device=first.device,
             )
 
 

@@ -28,7 +28,9 @@ def assign_req_to_token_pool_cpu(
 ) -> None:
     """req_to_token[req, start:end] = the request's run of out_cache_loc (runs concatenated)."""
     at = 0
-    for req, (s, e) in zip(req_pool_indices.tolist(), _spans(start_offset, end_offset)):
+    for req, (s, e) in zip(
+        req_pool_indices.tolist(), _spans(start_offset, end_offset), strict=True
+    ):
         n = e - s
         req_to_token[req, s:e] = out_cache_loc[at : at + n].to(req_to_token.dtype)
         at += n
@@ -44,7 +46,9 @@ def assign_extend_cache_locs_cpu(
 ) -> None:
     """The reverse: out_cache_loc's runs = req_to_token[req, start:end]."""
     at = 0
-    for req, (s, e) in zip(req_pool_indices.tolist(), _spans(start_offset, end_offset)):
+    for req, (s, e) in zip(
+        req_pool_indices.tolist(), _spans(start_offset, end_offset), strict=True
+    ):
         n = e - s
         out_cache_loc[at : at + n] = req_to_token[req, s:e].to(out_cache_loc.dtype)
         at += n
@@ -61,7 +65,7 @@ def assign_draft_cache_locs_contiguous_cpu(
 ) -> None:
     """Each request's topk * num_cols slots from seq_lens on, in request order."""
     width = topk * num_cols
-    for i, (req, s) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+    for i, (req, s) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist(), strict=True)):
         out_cache_loc[i * width : (i + 1) * width] = req_to_token[req, s : s + width].to(
             out_cache_loc.dtype
         )
