@@ -10,6 +10,11 @@ Three things, all keyed by the backend name ``"attn_dispatch"``:
    method picks EAGLE-family draft backends from a closed name map; the hook adds this name to
    the map it is handed, so the draft-extend backend and the multi-step draft decode are ours
    too. It adds nothing for any other name.
+4. An AROUND hook on ``sglang.srt.models.sarvam_moe.get_attn_forward_method``: SGLang picks a
+   Sarvam MLA layer's form (separate or concatenated rope) from the process-wide backend pair,
+   so a Sarvam draft on its own backend gets the form of the target's. While this backend is
+   in the pair, the hook reads the names SGLang stamped on the backend of the forward running
+   now (the runner's own) instead; otherwise it calls SGLang's function unchanged.
 """
 
 from __future__ import annotations
@@ -53,6 +58,37 @@ def _factory_before(
     backend_map[BACKEND_NAME] = build
 
 
+SARVAM_TARGET = "sglang.srt.models.sarvam_moe.get_attn_forward_method"
+
+
+def _sarvam_around(original: Any, forward_batch: Any) -> Any:
+    """AROUND ``sarvam_moe.get_attn_forward_method``: the runner's own backend names."""
+    from sglang.srt.model_executor.forward_context import get_attn_backend
+    from sglang.srt.model_executor.forward_context import has_forward_context
+    from sglang.srt.models import sarvam_moe
+
+    pair = tuple(sarvam_moe.attention_backends())
+    if BACKEND_NAME not in pair or not has_forward_context():
+        return original(forward_batch)
+    backend = get_attn_backend()
+    prefill = getattr(backend, "prefill_attention_backend_str", None)
+    decode = getattr(backend, "decode_attention_backend_str", None)
+    if prefill is None or decode is None:  # unstamped: nothing better to read than SGLang's
+        return original(forward_batch)
+    mode = forward_batch.forward_mode
+    if mode.is_decode_or_idle():
+        name = decode
+    else:
+        name = prefill
+        # SGLang's one special case, kept: FA3 prefills without speculation in MHA form.
+        if mode.is_extend_without_speculative() and name == "fa3":
+            return sarvam_moe.AttnForwardMethod.MHA_PREFILL
+    return sarvam_moe.AttentionBackendRegistry.get_forward_method(name, None, forward_batch)
+
+
+_HOOKS = ((FACTORY_TARGET, _factory_before, "BEFORE"), (SARVAM_TARGET, _sarvam_around, "AROUND"))
+
+
 def _hook_registry() -> Any:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -72,17 +108,17 @@ def install() -> None:
     if BACKEND_NAME not in choices.DRAFT_ATTENTION_BACKEND_CHOICES:
         choices.add_draft_attention_backend_choices([BACKEND_NAME])
     registry = _hook_registry()
-    hooks = registry._hooks[FACTORY_TARGET]
-    if not any(hook is _factory_before for _, hook, _ in hooks):
-        registry.register(FACTORY_TARGET, _factory_before, HookType.BEFORE)
+    for target, fn, kind in _HOOKS:
+        if not any(hook is fn for _, hook, _ in registry._hooks[target]):
+            registry.register(target, fn, HookType[kind])
     # Inside SGLang's load_plugins (a plugin source is set) the loader applies every hook once
     # all plugins ran; called by hand afterwards, apply ours now (apply_hooks skips targets it
     # already patched).
     if _current_plugin_source.get() is None:
-        if FACTORY_TARGET in registry._patched:
-            _reapply(registry)
-        else:
-            registry.apply_hooks()
+        for target, _, _ in _HOOKS:
+            if target in registry._patched:
+                _reapply(registry, target)
+        registry.apply_hooks()
 
 
 def _original(fn: Any) -> Any:
@@ -91,25 +127,25 @@ def _original(fn: Any) -> Any:
     return fn
 
 
-def _reapply(registry: Any) -> None:
-    """Put the factory method back as SGLang shipped it, then apply the hooks still listed."""
+def _reapply(registry: Any, target: str) -> None:
+    """Put ``target`` back as SGLang shipped it, then apply the hooks still listed for it."""
     import pkgutil
 
     from sglang.srt.plugins.hook_registry import _propagate_patch
 
-    owner_path, attr = FACTORY_TARGET.rsplit(".", 1)
+    owner_path, attr = target.rsplit(".", 1)
     owner = pkgutil.resolve_name(owner_path)
-    current = owner.__dict__[attr]
+    current = vars(owner)[attr]
     original = _original(current)
     setattr(owner, attr, original)
     # SGLang's apply_hooks also rebinds every module-level name that held the original; take
     # those back too, so no module keeps calling the hooked method.
     if current is not original:
         _propagate_patch(current, original, owner)
-    registry._patched.discard(FACTORY_TARGET)
-    if registry._hooks.get(FACTORY_TARGET):
-        registry._apply_target(FACTORY_TARGET, registry._hooks[FACTORY_TARGET])
-        registry._patched.add(FACTORY_TARGET)
+    registry._patched.discard(target)
+    if registry._hooks.get(target):
+        registry._apply_target(target, registry._hooks[target])
+        registry._patched.add(target)
 
 
 def uninstall() -> None:
@@ -121,9 +157,10 @@ def uninstall() -> None:
         while BACKEND_NAME in names:
             names.remove(BACKEND_NAME)
     registry = _hook_registry()
-    hooks = registry._hooks.get(FACTORY_TARGET, [])
-    kept = [h for h in hooks if h[1] is not _factory_before]
-    if len(kept) != len(hooks):
-        registry._hooks[FACTORY_TARGET] = kept
-        if FACTORY_TARGET in registry._patched:
-            _reapply(registry)
+    for target, fn, _ in _HOOKS:
+        hooks = registry._hooks.get(target, [])
+        kept = [h for h in hooks if h[1] is not fn]
+        if len(kept) != len(hooks):
+            registry._hooks[target] = kept
+            if target in registry._patched:
+                _reapply(registry, target)

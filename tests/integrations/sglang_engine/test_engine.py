@@ -263,3 +263,43 @@ def test_draft_without_spec_refused_at_start_up(engine_runs: dict[str, Any]) -> 
     stderr = engine_runs["_stderr"]
     assert "InvalidSpecError" in stderr
     assert 'add "draft": "<spec>" to ATTN_DISPATCH_SGLANG' in stderr
+
+
+@needs_sglang
+def test_sarvam_form_reads_the_runners_own_backend() -> None:
+    """SGLang's Sarvam MLA layers pick their form (separate or concatenated rope) from the
+    process-wide backend pair. With the target on attn_dispatch and a Sarvam draft on
+    FlashInfer, plain SGLang hands the draft the form of the pair's name (concatenated, the
+    fallback), which FlashInfer's MLA kernels do not take; with the plugin the draft's own
+    stamped backend decides (separate rope), and unregister puts SGLang's function back."""
+    code = """
+import json
+from types import SimpleNamespace
+from sglang.srt.models import sarvam_moe
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from attn_dispatch.integrations.sglang_engine import register, unregister
+# The process-wide pair of an engine whose target runs on attn_dispatch.
+sarvam_moe.attention_backends = lambda: ("attn_dispatch", "attn_dispatch")
+draft = SimpleNamespace(prefill_attention_backend_str="flashinfer",
+                        decode_attention_backend_str="flashinfer")
+def form(mode):
+    with forward_context(ForwardContext(attn_backend=draft)):
+        return sarvam_moe.get_attn_forward_method(SimpleNamespace(forward_mode=mode)).name
+modes = [ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND_V2]
+before = [form(m) for m in modes]
+register()
+after = [form(m) for m in modes]
+unregister()
+print(json.dumps([before, after, [form(m) for m in modes]]))
+"""
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE / "shims"), str(ROOT)])
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    before, after, again = json.loads(out.stdout.strip().splitlines()[-1])
+    assert before == ["MLA_CONCAT_ROPE"] * 2  # the bug: the target's name decides
+    assert after == ["MLA_SEPARATE_ROPE"] * 2  # the draft's own FlashInfer decides
+    assert again == before
