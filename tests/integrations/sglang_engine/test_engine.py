@@ -88,19 +88,18 @@ RUNS: list[dict[str, Any]] = [
         "page": 4,
         "spec": {"algorithm": "EAGLE3"},
     },
-    # No draft spec: the draft runner must refuse at start-up.
-    {
-        "name": "no_draft_spec",
-        "backend": "attn_dispatch",
-        "env": {"target": TARGET_SPEC},
-        "spec": {"algorithm": "STANDALONE", "draft": "draft"},
-    },
 ]
+# No draft spec: the draft runner must refuse at start-up. Its own child process: SGLang's
+# engine kills its parent process when the scheduler subprocess dies.
+REFUSED = {
+    "name": "no_draft_spec",
+    "backend": "attn_dispatch",
+    "env": {"target": TARGET_SPEC},
+    "spec": {"algorithm": "STANDALONE", "draft": "draft"},
+}
 
 
-@pytest.fixture(scope="module")
-def engine_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    work = tmp_path_factory.mktemp("sglang_engine")
+def _run_engines(work: Path, runs: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "SGLANG_USE_CPU_ENGINE": "1",
@@ -110,14 +109,20 @@ def engine_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ),
     }
     env.pop(ENV_VAR, None)
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "engine_run.py"), str(work), json.dumps(RUNS)],
+    return subprocess.run(
+        [sys.executable, str(HERE / "engine_run.py"), str(work), json.dumps(runs)],
         capture_output=True,
         text=True,
         env=env,
         timeout=1500,
         check=False,
     )
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("sglang_engine")
+    proc = _run_engines(work, RUNS)
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -127,7 +132,7 @@ def engine_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for r in results.values():
         print(r["name"], r.get("setup_s"), r.get("record"), r.get("error"))
     assert proc.returncode == 0, proc.stderr[-6000:]
-    results["_stderr"] = proc.stderr
+    results["_work"] = str(work)
     return results
 
 
@@ -257,12 +262,13 @@ def test_each_runner_on_its_own_spec(engine_runs: dict[str, Any], name: str) -> 
 
 @needs_sglang
 def test_draft_without_spec_refused_at_start_up(engine_runs: dict[str, Any]) -> None:
-    run = engine_runs["no_draft_spec"]
-    assert "tokens" not in run and "error" in run
-    # The scheduler subprocess died with our error, naming what to add.
-    stderr = engine_runs["_stderr"]
-    assert "InvalidSpecError" in stderr
-    assert 'add "draft": "<spec>" to ATTN_DISPATCH_SGLANG' in stderr
+    # After the other engines (the models are made); the engine never serves a request.
+    proc = _run_engines(Path(engine_runs["_work"]), [REFUSED])
+    assert '"tokens"' not in proc.stdout, proc.stdout
+    # The draft runner's start-up (in the scheduler subprocess) raised our error, naming the
+    # key to add, and the engine did not start.
+    assert "InvalidSpecError: draft=None" in proc.stderr, proc.stderr[-4000:]
+    assert 'add "draft": "<spec>" to ATTN_DISPATCH_SGLANG' in proc.stderr
 
 
 @needs_sglang
