@@ -13,6 +13,7 @@ __all__ = [
     "NATIVE_ISA",
     "NATIVE_LIB",
     "NATIVE_OWN_POOL",
+    "SGLANG_SPECS",
     "SKIP_NATIVE",
     "TRITON_INTERPRET",
     "VLLM_TEST_RANK_SPEC",
@@ -41,3 +42,9 @@ TRITON_INTERPRET = "TRITON_INTERPRET"
 #: ``"<tp rank>:<spec>"``: in vLLM's engine, that tensor-parallel rank binds its target runner
 #: with ``<spec>`` instead (the engine tests use it to show a disagreement fails at start-up).
 VLLM_TEST_RANK_SPEC = "ATTN_DISPATCH_VLLM_TEST_RANK_SPEC"
+
+#: JSON ``{"target": spec, "draft": spec, ...}``: the runners' specs of an SGLang engine whose
+#: attention backend is ``"attn_dispatch"`` (SGLang's arguments carry names only); set before
+#: the engine starts, its scheduler subprocess inherits it. Read by
+#: ``integrations/sglang_engine`` when SGLang builds that backend.
+SGLANG_SPECS = "ATTN_DISPATCH_SGLANG"

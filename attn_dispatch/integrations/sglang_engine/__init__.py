@@ -46,13 +46,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from attn_dispatch._env import SGLANG_SPECS
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._spec import BackendSpec
 
 #: The attention backend name SGLang's arguments use (``attention_backend="attn_dispatch"``).
 BACKEND_NAME = "attn_dispatch"
 #: The environment variable holding the specs (JSON); read in the scheduler subprocess.
-ENV_VAR = "ATTN_DISPATCH_SGLANG"
+ENV_VAR = SGLANG_SPECS
 #: The labels of the two runners' bindings (``record_dispatch()`` shows them).
 TARGET = "target"
 DRAFT = "draft"
@@ -152,8 +153,7 @@ def _spec(field: str, value: object) -> BackendSpec:
 def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
     """The engine's ``Settings`` from ``ATTN_DISPATCH_SGLANG``; unset is an ``InvalidSpecError``
     (this is read only once SGLang builds a backend of this name)."""
-    env = os.environ if environ is None else environ
-    raw = env.get(ENV_VAR)
+    raw = os.environ.get(SGLANG_SPECS) if environ is None else environ.get(SGLANG_SPECS)
     if raw is None:
         raise InvalidSpecError(
             ENV_VAR,
