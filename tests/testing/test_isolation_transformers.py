@@ -89,8 +89,10 @@ def test_target_generating_alone_vs_with_an_assistant_on_other_backends() -> Non
         "target",
         alone,
         together,
-        # Assisted generation checks candidates in VERIFY forwards and decodes less.
+        # Assisted generation checks candidates in VERIFY forwards instead of decoding: the
+        # target runs no decode step together and no verify step alone.
         allow_call_count_diff=["decode", "verify"],
+        allow_one_side=["decode", "verify"],
         expect=TARGET_SPEC,
     )
     assert torch.equal(outputs["alone"], outputs["together"])  # greedy: same tokens
