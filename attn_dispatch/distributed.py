@@ -9,7 +9,9 @@ process group is used):
   page size, KV dtype and scales kind, library version, each backend's build) to every rank;
   if any field differs, *every* rank raises ``RankMismatchError`` naming each rank's value of
   each differing field. Ranks that disagree about a kernel or a KV layout otherwise corrupt
-  output silently or crash on the first request (vLLM 46204, 51756; SGLang 31968).
+  output silently or crash on the first request (vLLM 46204, 51756; SGLang 31968). A rank
+  that fails on its own input before the exchange still takes part (with a failure marker),
+  so no rank waits for it: every rank raises ``RankFailedError`` naming it and why.
 - Context parallelism: each rank holds part of every request's KV tokens
   (``owned_positions``: a contiguous split, or vLLM's interleaved decode-context-parallel
   layout), runs ``attention(..., return_lse=True)`` over its part (``local_verify_mask``

@@ -18,6 +18,8 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
+from typing import cast
 
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._registry import DEFAULT_REGISTRY
@@ -37,8 +39,16 @@ def cmd_demo(argv: Sequence[str]) -> int:
     return int(demo.main(list(argv)))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error on one line like every other refusal (exit 2): the
+    problem, and where the usage is (``--help``), not the usage block itself."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (for usage: {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m attn_dispatch",
         description="Per-runner attention kernel dispatch: inspect backends and bindings.",
     )
@@ -48,7 +58,12 @@ def _parser() -> argparse.ArgumentParser:
         help="on an internal error (exit 3), print its traceback too (for a bug report); "
         "accepted anywhere on the command line",
     )
-    sub = p.add_subparsers(dest="command", required=True)
+    # Every subcommand's parser is a _Parser too (one-line usage errors); typed as the
+    # base class, which the command modules' add_parser functions take.
+    sub = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]",
+        p.add_subparsers(dest="command", required=True, parser_class=_Parser),
+    )
     listing.add_parser(sub)
     matrix.add_parser(sub)
     explain.add_parser(sub)

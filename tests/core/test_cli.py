@@ -705,3 +705,23 @@ def test_without_the_flag_the_internal_error_says_how_to_see_it(
     assert main(["list"], registry=_Broken()) == 3  # type: ignore[arg-type]
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in line and "run again with --traceback" in line
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["frobnicate"],
+        ["explain"],
+        ["explain", "--spec", "torch", "--kind", "gqa", "--heads", "1", "--head-dim", "64"],
+        ["explain", "--spec", "torch", "--kind", "mha", "--heads", "many", "--head-dim", "64"],
+        ["tune", *_TINY, "--backends", ","],
+        ["tune", *_TINY, "--repeats", "1e3"],
+        ["tune", "--kind", "mha", "--model", "x"],
+        ["matrix", "--format", "yaml"],
+        ["list", "--nope"],
+    ],
+)  # fmt: skip
+def test_every_usage_error_is_one_line(args: list[str]) -> None:
+    line = _one_line(_cli(*args))
+    assert "(for usage: python -m attn_dispatch" in line and line.endswith("--help)"), line
