@@ -217,7 +217,9 @@ def check_agreement(bindings: Binding | Mapping[str, Binding], group: Any = None
         mine: dict[str, Any] = binding_summary(bindings)
     except Exception as exc:  # any failure here: the other ranks must still be released
         failure = exc
-        mine = {_FAILED: f"{type(exc).__name__}: {exc}"}
+        why = f"{type(exc).__name__}: {exc}"
+        # Bounded: it travels to every rank and into every rank's message.
+        mine = {_FAILED: why if len(why) <= _WHY_MAX else why[: _WHY_MAX - 3] + "..."}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)
     failures = {
@@ -233,6 +235,7 @@ def check_agreement(bindings: Binding | Mapping[str, Binding], group: Any = None
 # The key of the failure marker a rank sends instead of its summary (no summary has it: a
 # summary's keys are "library" and "runner ..."), so ranks of older versions still compare.
 _FAILED = "<failed before the check>"
+_WHY_MAX = 2000
 
 
 class _NoGroupError(AttnDispatchError, RuntimeError):
