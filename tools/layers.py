@@ -82,6 +82,7 @@ LAYERS: tuple[Layer, ...] = (
             "testing.*",
             "distributed",
             "distributed.*",
+            "kv_layout",
         ),
     ),
     Layer(
