@@ -101,6 +101,7 @@ LAYERS: tuple[Layer, ...] = (
             "cli",
             "cli.*",
             "tune",
+            "dispatch_table",
             "integrations",
             "integrations.*",
             "demo",
