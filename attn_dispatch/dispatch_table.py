@@ -582,4 +582,3 @@ def spec_from_table(
     if groups == ("",):
         return table.spec(label, "")
     return {g: table.spec(label, g) for g in groups}
-
