@@ -157,3 +157,17 @@ def test_the_module_imports_no_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_ranks_compare_the_kv_layout_up_to_the_head_split() -> None:
+    from attn_dispatch.distributed import binding_summary
+    from attn_dispatch.distributed import compare_summaries
+
+    rank0 = binding_summary({"t": bind("torch", FP8)})
+    half = binding_summary({"t": bind("torch", dataclasses.replace(FP8, num_q_heads=4,
+                                                                    num_kv_heads=1))})  # fmt: skip
+    assert compare_summaries([rank0, half]) == {}  # each rank holds its own heads
+    assert rank0["runner 't'"]["kv_layout"]["bytes_per_page_per_kv_head"] == 4096 // 2
+    e5m2 = binding_summary({"t": bind("torch", dataclasses.replace(FP8, kv_dtype="float8_e5m2"))})
+    diffs = compare_summaries([rank0, e5m2])
+    assert diffs["runner 't'.kv_layout.kv_dtype"] == ["float8_e4m3fn", "float8_e5m2"]

@@ -289,3 +289,17 @@ def test_tune_save_through_the_cli(tmp_path: Path) -> None:
     assert isinstance(spec, BackendSpec)
     # The spec printed as recommended is the one the table replays.
     assert f"recommended: {spec}" in run.stdout
+
+
+def test_ranks_that_loaded_different_tables_disagree(table: DispatchTable, tmp_path: Path) -> None:
+    from attn_dispatch.distributed import binding_summary
+    from attn_dispatch.distributed import compare_summaries
+
+    same = table.spec("target")
+    other = DispatchTable(_edit(table, "environment/threads", 64)).spec("target")
+    assert same == other and same.note != other.note  # same kernels, another measurement
+    ranks = [binding_summary({"target": bind(s, MHA)}) for s in (same, same, other)]
+    assert compare_summaries(ranks[:2]) == {}
+    diffs = compare_summaries(ranks)
+    assert list(diffs) == ["runner 'target'.spec.note"]
+    assert table.fingerprint() in diffs["runner 'target'.spec.note"][0]
