@@ -107,6 +107,7 @@ def cmd_tune(args: argparse.Namespace, registry: Registry) -> int:
 
 def _save_table(args: argparse.Namespace, report: Any, configs: dict[str, AttnConfig]) -> None:
     from attn_dispatch.dispatch_table import DispatchTable
+    from attn_dispatch.dispatch_table import DispatchTableError
 
     if args.demo:  # each demo group is a runner of its own, with one kind of layer
         per_label = {g: {"": c} for g, c in configs.items()}
@@ -123,5 +124,8 @@ def _save_table(args: argparse.Namespace, report: Any, configs: dict[str, AttnCo
         per_label = {args.label: configs}
         reports = {args.label: report}
     table = DispatchTable.from_reports(reports, per_label)
-    table.save(args.save)
+    try:
+        table.save(args.save)
+    except OSError as exc:
+        raise DispatchTableError(args.save, "file", f"cannot write it: {exc}") from None
     print(f"saved dispatch table {args.save} ({table.fingerprint()})", file=sys.stderr)

@@ -303,3 +303,44 @@ def test_ranks_that_loaded_different_tables_disagree(table: DispatchTable, tmp_p
     diffs = compare_summaries(ranks)
     assert list(diffs) == ["runner 'target'.spec.note"]
     assert table.fingerprint() in diffs["runner 'target'.spec.note"][0]
+
+
+SHAPE = ["--kind", "mha", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+         "--dtype", "float32", "--page-size", "8"]  # fmt: skip
+
+
+def test_explain_replays_a_table_and_refuses_a_stale_one(
+    table: DispatchTable, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attn_dispatch.cli import main
+
+    path = tmp_path / "t.json"
+    table.save(path)
+    assert main(["explain", "--table", str(path), "--label", "target", *SHAPE]) == 0
+    out = capsys.readouterr().out
+    spec = table.spec("target")
+    assert table.explain("target").splitlines()[1] in out and f"spec:   {spec}" in out
+    # The table's runner has groups; these layers have none: refused, not guessed.
+    assert main(["explain", "--table", str(path), "--label", "gemma", *SHAPE]) == 2
+    assert "groups ['full', 'sliding']" in capsys.readouterr().err
+    stale = _write(tmp_path, _edit(table, "environment/torch", "2.12.0"), "stale.json")
+    assert main(["explain", "--table", str(stale), "--label", "target", *SHAPE]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: dispatch table") and "torch: saved '2.12.0'" in err
+    with pytest.raises(SystemExit) as e:  # neither --spec nor --table: a usage error
+        main(["explain", *SHAPE])
+    assert e.value.code == 2 and "--spec or --table" in capsys.readouterr().err
+
+
+def test_tune_save_to_an_unwritable_place_is_our_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attn_dispatch.cli import main
+
+    where = tmp_path / "no" / "such" / "dir" / "t.json"
+    args = ["tune", *SHAPE, "--prefill-len", "8", "--prefill-batch", "1", "--decode-batch", "1",
+            "--context", "8", "--draft-tokens", "1", "--repeats", "1", "--backends", "torch",
+            "--save", str(where)]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: dispatch table {where}: file: cannot write it")
