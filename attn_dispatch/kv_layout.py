@@ -63,6 +63,9 @@ SCALE_KINDS = ("none", "per_tensor", "per_token", "per_block")
 #: The base of a returned log-sum-exp: ``"e"`` (natural log: attn_dispatch, vLLM with
 #: ``is_lse_base_on_e``) or ``"2"`` (log2: some FlashAttention/FlashInfer paths).
 LSE_BASES = ("e", "2")
+# attn_dispatch's own (``attention(..., return_lse=True)``); attn_dispatch.distributed.LSE_BASE
+# says the same (a test holds them equal; that module imports this one).
+_LSE_BASE = "e"
 
 
 class InvalidKVLayoutError(AttnDispatchError, ValueError):
@@ -259,7 +262,6 @@ def kv_layout(source: Any, *, group: str | None = None) -> KVLayout:
     (``"per_tensor"``), and its LSE is the natural log.
     """
     from attn_dispatch._config import AttnConfig
-    from attn_dispatch.distributed import LSE_BASE
 
     config = source
     groups = getattr(source, "groups", None)
@@ -294,7 +296,7 @@ def kv_layout(source: Any, *, group: str | None = None) -> KVLayout:
         bytes_per_page=_element_bytes(
             config.kind, config.page_size, config.num_kv_heads, config.head_dim, v_dim, kv
         ),
-        lse_base=LSE_BASE,
+        lse_base=_LSE_BASE,
     )
 
 

@@ -171,3 +171,9 @@ def test_ranks_compare_the_kv_layout_up_to_the_head_split() -> None:
     e5m2 = binding_summary({"t": bind("torch", dataclasses.replace(FP8, kv_dtype="float8_e5m2"))})
     diffs = compare_summaries([rank0, e5m2])
     assert diffs["runner 't'.kv_layout.kv_dtype"] == ["float8_e4m3fn", "float8_e5m2"]
+
+
+def test_lse_base_is_the_librarys() -> None:
+    from attn_dispatch.distributed import LSE_BASE
+
+    assert kv_layout(FP8).lse_base == LSE_BASE
