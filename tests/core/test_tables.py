@@ -344,3 +344,22 @@ def test_tune_save_to_an_unwritable_place_is_our_error(
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: dispatch table {where}: file: cannot write it")
+
+
+def test_tune_demo_save_files_each_runner_under_its_label(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attn_dispatch.cli import main
+
+    out = tmp_path / "demo.json"
+    args = ["tune", "--demo", "tiny", "--prefill-len", "8", "--prefill-batch", "1",
+            "--decode-batch", "1", "--context", "8", "--draft-tokens", "1", "--repeats", "1",
+            "--backends", "torch,sdpa", "--save", str(out)]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    table = DispatchTable.load(out)
+    assert table.labels == ("draft", "target")
+    for label in table.labels:
+        assert table.groups(label) == ("",)
+        assert f"recommended [{label}]: {table.spec(label)}" in printed
+    assert table.config("draft", "").page_size == 1  # the draft's own config, not the target's
