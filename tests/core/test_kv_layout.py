@@ -177,3 +177,15 @@ def test_lse_base_is_the_librarys() -> None:
     from attn_dispatch.distributed import LSE_BASE
 
     assert kv_layout(FP8).lse_base == LSE_BASE
+
+
+def test_every_dtype_a_config_takes_has_a_layout() -> None:
+    # A dtype added to the vocabulary must get its byte size here, or check_agreement (which
+    # summarises every binding's layout) would refuse configs that bind.
+    from attn_dispatch._vocab import DTYPE_NAMES
+
+    for name in sorted(DTYPE_NAMES - {"float8_e4m3fn", "float8_e5m2"}):
+        for kv in (name, "float8_e4m3fn", "float8_e5m2"):
+            cfg = AttnConfig("mha", num_q_heads=2, num_kv_heads=1, head_dim=8, dtype=name,
+                             kv_dtype=kv)  # fmt: skip
+            assert kv_layout(cfg).kv_dtype == kv
