@@ -217,6 +217,9 @@ class DispatchTable:
     data: Mapping[str, Any]
     source: str = "<table>"
 
+    def __post_init__(self) -> None:
+        _validated(self.data, self.source)  # however it was made, a table is well-formed
+
     # -- building and writing ------------------------------------------------------------
 
     @classmethod
@@ -266,7 +269,7 @@ class DispatchTable:
             "sizes": sizes_seen or {},
             "runners": runners,
         }
-        return cls(_validated(data, "<new table>"), "<new table>")
+        return cls(data, "<new table>")
 
     def to_json(self) -> str:
         return json.dumps(self.data, indent=2, sort_keys=True) + "\n"
@@ -295,9 +298,9 @@ class DispatchTable:
             )
         try:
             data = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:  # ValueError: also ints over 4300 digits
             raise DispatchTableError(source, "json", f"not JSON: {exc}") from None
-        return cls(_validated(data, source), source)
+        return cls(data, source)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> DispatchTable:

@@ -246,7 +246,7 @@ class KVLayout:
             )
         try:
             fields = json.loads(body.decode("ascii"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # bad UTF-8/ASCII or JSON
             raise InvalidKVLayoutError("data", body[:64], f"not ASCII JSON: {exc}") from None
         return cls.from_dict(fields)
 

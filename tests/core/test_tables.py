@@ -193,12 +193,24 @@ def test_malformed_tables_are_refused_naming_the_field(
 
 @pytest.mark.parametrize(
     ("text", "field"),
-    [("not json", "json"), ("[1, 2]", "table"), ("[" * 100_000, "json"), ("", "json")],
+    [
+        ("not json", "json"),
+        ("[1, 2]", "table"),
+        ("[" * 100_000, "json"),
+        ("", "json"),
+        ('{"version": ' + "9" * 5000 + "}", "json"),
+    ],
 )
 def test_text_that_is_not_a_table_is_refused(text: str, field: str) -> None:
     with pytest.raises(DispatchTableError) as e:
         DispatchTable.from_json(text)
     assert e.value.field == field
+
+
+def test_a_table_made_directly_is_checked_too() -> None:
+    with pytest.raises(DispatchTableError) as e:
+        DispatchTable({"format": FORMAT, "version": 2})
+    assert e.value.field == "version"
 
 
 def test_oversized_files_are_refused_unread(tmp_path: Path) -> None:
