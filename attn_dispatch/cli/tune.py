@@ -7,6 +7,9 @@ path native runs, torch's thread count), printed with the table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import sys
+from typing import Any
 
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._registry import Registry
@@ -42,6 +45,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "dtype is --dtype or float32); replaces the shape flags and --model",
     )
     t.add_argument("--format", choices=("text", "json"), default="text")
+    t.add_argument(
+        "--save",
+        metavar="FILE",
+        help="also write a dispatch table (winner and runner-up per runner, group and phase, "
+        "with the environment it holds for) for spec_from_table (docs/guides/tune.md)",
+    )
+    t.add_argument(
+        "--label",
+        default="model",
+        help="the runner label the table files these groups under (default 'model'; the "
+        "demo's runners are 'target' and 'draft')",
+    )
 
 
 def backend_names(text: str) -> list[str]:
@@ -100,6 +115,8 @@ def cmd_tune(args: argparse.Namespace, registry: Registry) -> int:
         repeats=args.repeats,
     )
     report = tune(configs, sizes=sizes, backends=args.backends, registry=registry)
+    if args.save:
+        _save_table(args, report, configs)
     if args.format == "json":
         print(report.to_json())
         return 0
@@ -107,3 +124,29 @@ def cmd_tune(args: argparse.Namespace, registry: Registry) -> int:
         print(line)
     print(report.table())
     return 0
+
+
+def _save_table(args: argparse.Namespace, report: Any, configs: dict[str, AttnConfig]) -> None:
+    from attn_dispatch.dispatch_table import DispatchTable
+    from attn_dispatch.dispatch_table import DispatchTableError
+
+    if args.demo:  # each demo group is a runner of its own, with one kind of layer
+        per_label = {g: {"": c} for g, c in configs.items()}
+        reports = {
+            g: dataclasses.replace(
+                report,
+                timings=tuple(
+                    dataclasses.replace(t, group="") for t in report.timings if t.group == g
+                ),
+            )
+            for g in configs
+        }
+    else:
+        per_label = {args.label: configs}
+        reports = {args.label: report}
+    table = DispatchTable.from_reports(reports, per_label)
+    try:
+        table.save(args.save)
+    except OSError as exc:
+        raise DispatchTableError(args.save, "file", f"cannot write it: {exc}") from None
+    print(f"saved dispatch table {args.save} ({table.fingerprint()})", file=sys.stderr)
