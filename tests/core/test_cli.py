@@ -725,3 +725,16 @@ def test_without_the_flag_the_internal_error_says_how_to_see_it(
 def test_every_usage_error_is_one_line(args: list[str]) -> None:
     line = _one_line(_cli(*args))
     assert "(for usage: python -m attn_dispatch" in line and line.endswith("--help)"), line
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero_link"])
+def test_a_dispatch_table_that_is_not_a_regular_file_is_refused(tmp_path: Path, kind: str) -> None:
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    table = tmp_path / "table.json"
+    if kind == "fifo":
+        os.mkfifo(table)
+    else:
+        table.symlink_to("/dev/zero")
+    line = _one_line(_cli("explain", *_TINY, "--table", str(table)))
+    assert line.startswith("error: --table=") and "not a regular file" in line, line
