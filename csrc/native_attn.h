@@ -125,8 +125,8 @@ NA_API int na_runner_create(const NaConfig* cfg, uint64_t* runner);
 // Frees the runner and every plan it still has; an unknown id is ignored.
 NA_API void na_runner_free(uint64_t runner);
 
-// Validates and plans one batch for `runner`. Returns NA_OK with *plan and *info filled, a
-// NA_UNKNOWN_RUNNER, or NA_BAD_ARGS with *err naming the refused field.
+// Validates and plans one batch for `runner`. Returns NA_OK with *plan and *info filled,
+// NA_UNKNOWN_RUNNER, NA_NO_MEMORY, or NA_BAD_ARGS with *err naming the refused field.
 NA_API int na_plan_create(uint64_t runner, const NaPlanArgs* args, uint64_t* plan,
                           NaPlanInfo* info, NaError* err);
 // Frees a plan of `runner`: NA_OK, or NA_UNKNOWN_PLAN / NA_FOREIGN_PLAN (nothing freed).

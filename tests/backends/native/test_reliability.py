@@ -75,9 +75,9 @@ _SETUP = textwrap.dedent(
 )
 
 
-def _child(body: str, *, timeout: int = 120, cwd: Path | None = None) -> str:
+def _child(body: str, *, timeout: int = 120) -> str:
     """Runs _SETUP + body in a fresh interpreter; returns stdout (fails on error or hang)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(cwd or "")]))}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("NATIVE_ATTN_OWN_POOL", None)
     try:
         done = subprocess.run(
@@ -86,7 +86,7 @@ def _child(body: str, *, timeout: int = 120, cwd: Path | None = None) -> str:
             text=True,
             timeout=timeout,
             env=env,
-            cwd=cwd or ROOT,
+            cwd=ROOT,
         )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the child hung (killed after {timeout} s): {exc.stdout!r} {exc.stderr!r}")
