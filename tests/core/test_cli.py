@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 import attn_dispatch
-
 from attn_dispatch.cli import main
 from tests.strategies import MHA_ONLY_CAPS
 from tests.strategies import register_echo
@@ -49,7 +48,7 @@ def test_list(capsys: pytest.CaptureFixture[str]) -> None:
         "available",
     ]
     rows = {line.split()[0]: line.split() for line in lines[2:]}
-    assert rows["torch"][1:6] == [
+    assert rows["torch"][1:8] == [
         "mha,mla",
         "decode,prefill,verify",
         "cpu,cuda",
