@@ -117,7 +117,7 @@ def _name_set(field: str, value: object) -> frozenset[str] | None:
             field, value, "pass a set of entry-point names, e.g. {'mine'}, or None"
         )
     names = frozenset(value)
-    bad = sorted((repr(n) for n in names if not isinstance(n, str) or not n), key=str)
+    bad = sorted(repr(n) for n in names if not isinstance(n, str) or not n)
     if bad:
         raise InvalidSpecError(
             field, value, f"entry-point names are non-empty strings, got {', '.join(bad)}"
@@ -125,14 +125,15 @@ def _name_set(field: str, value: object) -> frozenset[str] | None:
     return names
 
 
-def _env_allow() -> frozenset[str] | None:
-    """``ATTN_DISPATCH_PLUGINS``, as vLLM reads ``VLLM_PLUGINS``: unset, every entry point;
-    otherwise a comma-separated allow-list, where empty or ``none`` allows none."""
+def _env_allow() -> tuple[str, frozenset[str] | None]:
+    """``ATTN_DISPATCH_PLUGINS`` (its text, and its allow-list), as vLLM reads
+    ``VLLM_PLUGINS``: unset, every entry point (``None``); otherwise a comma-separated
+    allow-list, where empty or ``none`` allows none."""
     raw = os.environ.get(_env.PLUGINS)
     if raw is None:
-        return None
+        return "", None
     names = frozenset(n.strip() for n in raw.split(",") if n.strip())
-    return frozenset() if names == {_NO_PLUGINS} else names
+    return raw, frozenset() if names == {_NO_PLUGINS} else names
 
 
 def _check_name(name: object) -> str:
@@ -223,24 +224,24 @@ class Registry:
             self._put(entry, replace=True)
             self._origins[name] = BUILTIN_ORIGIN
 
-    def _blocked_because(self, name: str, env_allow: frozenset[str] | None) -> str | None:
+    def _blocked_because(self, name: str, env: tuple[str, frozenset[str] | None]) -> str | None:
         if name in self._block:
             return f"blocked by Registry(block={sorted(self._block)!r})"
         if self._allow is not None and name not in self._allow:
             return f"not in Registry(allow={sorted(self._allow)!r})"
+        raw, env_allow = env
         if env_allow is not None and name not in env_allow:
-            raw = os.environ.get(_env.PLUGINS, "")
             return f"not allowed by {_env.PLUGINS}={raw!r}"
         return None
 
     def _load_entry_points(self) -> None:
         from importlib.metadata import entry_points
 
-        env_allow = _env_allow()
+        env = _env_allow()  # read once per load: every entry point sees the same value
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             origin = _ep_origin(ep)
             self.plugin_origins[ep.name] = origin
-            why_not = self._blocked_because(ep.name, env_allow)
+            why_not = self._blocked_because(ep.name, env)
             if why_not is not None:
                 self.plugins_blocked[ep.name] = why_not  # never imported
                 continue
