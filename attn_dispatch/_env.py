@@ -13,6 +13,7 @@ __all__ = [
     "NATIVE_ISA",
     "NATIVE_LIB",
     "NATIVE_OWN_POOL",
+    "PLUGINS",
     "SGLANG_SPECS",
     "SKIP_NATIVE",
     "TRITON_INTERPRET",
@@ -22,6 +23,11 @@ __all__ = [
 #: A path: the native backend loads this shared library instead of the one built next to the
 #: package (development, or tests of the "not built" path). Read by ``backends/native/_lib.py``.
 NATIVE_LIB = "ATTN_DISPATCH_NATIVE_LIB"
+
+#: Which ``attn_dispatch.backends`` entry points load, as ``VLLM_PLUGINS`` in vLLM: unset, all;
+#: ``"a,b"``, only those entry-point names; empty or ``none``, none. Read by ``_registry.py``
+#: when a registry first loads its plugins.
+PLUGINS = "ATTN_DISPATCH_PLUGINS"
 
 #: Set (to anything non-empty) while building: skip the native kernels; the backend then
 #: reports "not built: ..." at bind. Read by ``setup.py``.
