@@ -155,3 +155,33 @@ class DuplicateBackendError(AttnDispatchError, ValueError):
             f"an attention backend named {name!r} is already registered; pass replace=True to "
             "replace it (existing bindings keep the old one), or choose another name."
         )
+
+
+class RankFailedError(AttnDispatchError, RuntimeError):
+    """A collective check across ranks (``distributed.check_agreement``) that some rank could
+    not take part in: it failed on its own input before the exchange. Every rank raises it
+    (none waits for the failed one), naming each failed rank and why.
+
+    Attributes: ``failures`` (rank -> ``"ErrorType: message"``), ``world``, ``rank`` (the rank
+    that raised this copy).
+    """
+
+    failures: dict[int, str]
+    world: int
+    rank: int
+
+    def __init__(self, failures: Mapping[int, str], world: int, rank: int) -> None:
+        failures = dict(sorted(failures.items()))
+        lines = "\n".join(f"  rank {r}: {why}" for r, why in failures.items())
+        who = ", ".join(str(r) for r in failures)
+        message = (
+            f"rank(s) {who} of the {world} ranks of this process group failed before the "
+            f"agreement check (seen on rank {rank}):\n{lines}\nFix the input of the rank(s) "
+            "named above and restart every rank."
+        )
+        self._carry(message, failures=failures, world=world, rank=rank)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from the constructor's arguments: an error raised in a worker reaches the
+        # parent process with the same type, fields and message.
+        return (type(self), (self.failures, self.world, self.rank))

@@ -7,6 +7,9 @@ path native runs, torch's thread count), printed with the table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import sys
+from typing import Any
 
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._registry import Registry
@@ -24,7 +27,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "and the fastest spec per group. It recommends; it never binds anything for you.",
     )
     explain.add_shape_arguments(t)
-    t.add_argument("--backends", help="comma-separated candidates (default: every available one)")
+    t.add_argument(
+        "--backends",
+        type=backend_names,
+        help="comma-separated candidates (default: every available one)",
+    )
     t.add_argument("--prefill-len", type=int, default=512, help="prompt tokens per request")
     t.add_argument("--prefill-batch", type=int, default=2)
     t.add_argument("--decode-batch", type=int, default=8, help="requests in decode/verify")
@@ -38,6 +45,32 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "dtype is --dtype or float32); replaces the shape flags and --model",
     )
     t.add_argument("--format", choices=("text", "json"), default="text")
+    t.add_argument(
+        "--save",
+        metavar="FILE",
+        help="also write a dispatch table (winner and runner-up per runner, group and phase, "
+        "with the environment it holds for) for spec_from_table (docs/guides/tune.md)",
+    )
+    t.add_argument(
+        "--label",
+        default="model",
+        help="the runner label the table files these groups under (default 'model'; the "
+        "demo's runners are 'target' and 'draft')",
+    )
+
+
+def backend_names(text: str) -> list[str]:
+    """``--backends a,b``: at least one name, each once (``,`` alone names none: refused,
+    not a run that times nothing)."""
+    names = [w.strip() for w in text.split(",")]
+    if not any(names):
+        raise argparse.ArgumentTypeError(f"{text!r} names no backend; e.g. --backends torch,native")
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty name between commas")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{text!r} names {', '.join(twice)} more than once")
+    return names
 
 
 def _demo_configs(args: argparse.Namespace) -> tuple[dict[str, AttnConfig], list[str]]:
@@ -62,8 +95,12 @@ def _demo_configs(args: argparse.Namespace) -> tuple[dict[str, AttnConfig], list
 
 def cmd_tune(args: argparse.Namespace, registry: Registry) -> int:
     from attn_dispatch.tune import TuneSizes
+    from attn_dispatch.tune import check_device
     from attn_dispatch.tune import tune
 
+    # Before anything is built for it (the demo's models, the batches): tune measures this
+    # machine, so the device must be one of its own.
+    check_device(args.device)
     got = _demo_configs(args) if args.demo else explain.layer_configs(args)
     if isinstance(got, str):
         print(f"model: {args.model}\ncannot serve this model: {got}")
@@ -77,8 +114,9 @@ def cmd_tune(args: argparse.Namespace, registry: Registry) -> int:
         draft_tokens=args.draft_tokens,
         repeats=args.repeats,
     )
-    names = None if not args.backends else [n.strip() for n in args.backends.split(",") if n]
-    report = tune(configs, sizes=sizes, backends=names, registry=registry)
+    report = tune(configs, sizes=sizes, backends=args.backends, registry=registry)
+    if args.save:
+        _save_table(args, report, configs)
     if args.format == "json":
         print(report.to_json())
         return 0
@@ -86,3 +124,29 @@ def cmd_tune(args: argparse.Namespace, registry: Registry) -> int:
         print(line)
     print(report.table())
     return 0
+
+
+def _save_table(args: argparse.Namespace, report: Any, configs: dict[str, AttnConfig]) -> None:
+    from attn_dispatch.dispatch_table import DispatchTable
+    from attn_dispatch.dispatch_table import DispatchTableError
+
+    if args.demo:  # each demo group is a runner of its own, with one kind of layer
+        per_label = {g: {"": c} for g, c in configs.items()}
+        reports = {
+            g: dataclasses.replace(
+                report,
+                timings=tuple(
+                    dataclasses.replace(t, group="") for t in report.timings if t.group == g
+                ),
+            )
+            for g in configs
+        }
+    else:
+        per_label = {args.label: configs}
+        reports = {args.label: report}
+    table = DispatchTable.from_reports(reports, per_label)
+    try:
+        table.save(args.save)
+    except OSError as exc:
+        raise DispatchTableError(args.save, "file", f"cannot write it: {exc}") from None
+    print(f"saved dispatch table {args.save} ({table.fingerprint()})", file=sys.stderr)

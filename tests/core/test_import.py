@@ -13,7 +13,6 @@ torch-free module must import on its own in a fresh interpreter.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -21,6 +20,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.imports import modules
+from tests.imports import path_imports
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "attn_dispatch"
@@ -93,57 +95,13 @@ def test_import_loads_only_the_standard_library() -> None:
 # -- the import graph ---------------------------------------------------------------------------
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
 def _all_modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    return modules(PACKAGE, ROOT)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _imports(path: Path, name: str, modules: dict[str, Path]) -> set[str]:
+def _imports(path: Path, name: str, known: dict[str, Path]) -> set[str]:
     """Our modules that ``path`` imports, anywhere in its body except TYPE_CHECKING blocks."""
-    tree = ast.parse(path.read_text(), str(path))
-    is_pkg = path.name == "__init__.py"
-    found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.split(".")[0] == "attn_dispatch":
-                    found.add(alias.name)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = name if is_pkg else name.rpartition(".")[0]
-                for _ in range(node.level - 1):
-                    pkg = pkg.rpartition(".")[0]
-                base = f"{pkg}.{base}" if base else pkg
-            if base.split(".")[0] == "attn_dispatch":
-                for alias in node.names:
-                    sub = f"{base}.{alias.name}"
-                    found.add(sub if sub in modules else base)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    found.discard(name)
-    return {m for m in found if m in modules}
+    return {m for m in path_imports(path, name, set(known)) if m in known}
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
