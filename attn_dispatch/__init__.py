@@ -16,8 +16,6 @@ This ``__init__`` is the top of the layers (see ``tests/core/test_layers.py``): 
 that wires the built-in backends into the default registry.
 """
 
-import sys
-import warnings
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -74,77 +72,13 @@ _LAZY = {
     "merge_states": "attn_dispatch.state",
 }
 
-# Old top-level names, kept for one release: name -> (new home, attribute there).
-_MOVED = {
-    **{
-        name: ("attn_dispatch.backend", name)
-        for name in (
-            "AttentionBackend",
-            "BackendBase",
-            "Capabilities",
-            "ChunkedHandler",
-            "FormPolicy",
-            "Handler",
-            "PlanBase",
-            "Registry",
-            "check_plan",
-            "issue_plan",
-            "list_backends",
-            "register_backend",
-            "unregister_backend",
-        )
-    },
-    "phase_of": ("attn_dispatch.integrations.sglang", "phase_of"),
-}
-
 
 def __getattr__(name: str) -> Any:
     import importlib
 
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    moved = _MOVED.get(name)
-    if moved is not None:
-        module, attr = moved
-        # `from attn_dispatch import name` asks twice: importlib's hasattr() on the package,
-        # then the import itself; warn once, at the user's line.
-        if sys._getframe(1).f_globals.get("__name__") != "importlib._bootstrap":
-            warnings.warn(
-                f"attn_dispatch.{name} moved to {module}.{attr}; import it from there "
-                "(the old name goes in the next release)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'attn_dispatch' has no attribute {name!r}")
-
-
-def _spec_from_server_args(
-    cls: type[BackendSpec],
-    args: object,
-    *,
-    is_draft: bool = False,
-    speculative_algorithm: str | None = None,
-) -> BackendSpec:
-    """Deprecated: ``attn_dispatch.integrations.sglang.spec_from_server_args``."""
-    warnings.warn(
-        "BackendSpec.from_server_args moved to "
-        "attn_dispatch.integrations.sglang.spec_from_server_args (SGLang's rules live with its "
-        "integration); the old name goes in the next release",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    from attn_dispatch.integrations.sglang import spec_from_server_args
-
-    spec = spec_from_server_args(
-        args, is_draft=is_draft, speculative_algorithm=speculative_algorithm
-    )
-    return spec if cls is BackendSpec else cls(**spec.to_dict())
-
-
-# BackendSpec.from_server_args, kept for one release: attached here, the layer that may know
-# the SGLang integration (the value types below it may not).
-type.__setattr__(BackendSpec, "from_server_args", classmethod(_spec_from_server_args))
 
 
 def _public(obj: object, module: str = "attn_dispatch") -> None:
@@ -195,5 +129,4 @@ __all__ = [
 for _name in __all__:
     if _name not in _LAZY:
         _public(globals()[_name])
-_public(_spec_from_server_args)
 del _name, _backend_surface

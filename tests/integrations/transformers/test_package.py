@@ -1,13 +1,12 @@
 """The transformers integration's layout: one module per concept, imports that point only
 down, every name of the former single module still importable from the package, and the
-former ``_hf_cache`` module a shim that warns."""
+former ``_hf_cache`` module gone (0.2.0 keeps no compatibility layer)."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import pickle
-import warnings
 from pathlib import Path
 
 import pytest
@@ -125,22 +124,7 @@ def test_has_sinks_finds_learned_sink_tensors_on_any_module() -> None:
     assert not tf.has_sinks(torch.nn.Linear(2, 2))
 
 
-def test_the_former_cache_module_warns_and_answers_the_same_objects() -> None:
-    shim = importlib.import_module("attn_dispatch.integrations._hf_cache")
-    for name, new in (
-        ("PagedCache", tf.PagedCache),
-        ("PagedLayer", tf.PagedLayer),
-        ("GroupedBatches", tf.GroupedBatches),
-        ("UnsupportedModelError", tf.UnsupportedModelError),
-        ("FP8_MAX", tf.FP8_MAX),
-        ("DEFAULT_PAGE_SIZE", tf.DEFAULT_PAGE_SIZE),
-    ):
-        with pytest.warns(DeprecationWarning, match=f"{name} moved .*{PREFIX}"):
-            assert getattr(shim, name) is new
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-            shim.nothing  # noqa: B018
-    with pytest.warns(DeprecationWarning):
-        from attn_dispatch.integrations._hf_cache import PagedCache
-    assert PagedCache is tf.PagedCache
+def test_the_former_cache_module_is_gone() -> None:
+    # 0.2.0 keeps no compatibility layer: the names live in the package only.
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("attn_dispatch.integrations._hf_cache")
