@@ -25,25 +25,32 @@ from attn_dispatch._binding import bind
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import BackendUnavailableError
+from attn_dispatch._errors import CallError
+from attn_dispatch._errors import CaptureError
 from attn_dispatch._errors import DuplicateBackendError
 from attn_dispatch._errors import IncompatibleBackendError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import NoActiveScopeError
+from attn_dispatch._errors import NoProcessGroupError
+from attn_dispatch._errors import RankMismatchError
 from attn_dispatch._errors import ScopeError
+from attn_dispatch._errors import StartupError
 from attn_dispatch._errors import UnknownBackendError
 from attn_dispatch._errors import UnknownPhaseError
+from attn_dispatch._errors import UnsupportedModelError
+from attn_dispatch._errors import UsageError
 from attn_dispatch._forms import AttnForm
+from attn_dispatch._frame import attn_scope
 from attn_dispatch._phase import Phase
-from attn_dispatch._protocol import Runner
 from attn_dispatch._record import DispatchEvent
 from attn_dispatch._record import DispatchRecorder
 from attn_dispatch._record import record_dispatch
 from attn_dispatch._route import Binding
 from attn_dispatch._route import Route
+from attn_dispatch._route import Runner
 from attn_dispatch._scope import attention
 from attn_dispatch._scope import attention_form
-from attn_dispatch._scope import attn_scope
 from attn_dispatch._scope import current_batch
 from attn_dispatch._scope import current_binding
 from attn_dispatch._scope import resolve
@@ -98,6 +105,8 @@ __all__ = [
     "BackendSpec",
     "BackendUnavailableError",
     "Binding",
+    "CallError",
+    "CaptureError",
     "DispatchEvent",
     "DispatchRecorder",
     "DuplicateBackendError",
@@ -105,12 +114,17 @@ __all__ = [
     "InvalidBatchError",
     "InvalidSpecError",
     "NoActiveScopeError",
+    "NoProcessGroupError",
     "Phase",
+    "RankMismatchError",
     "Route",
     "Runner",
     "ScopeError",
+    "StartupError",
     "UnknownBackendError",
     "UnknownPhaseError",
+    "UnsupportedModelError",
+    "UsageError",
     "attention",
     "attention_form",
     "attn_scope",

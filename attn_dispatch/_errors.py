@@ -1,4 +1,32 @@
-"""Error types. Each also subclasses the builtin it refines (``except ValueError`` works)."""
+"""Every error attn_dispatch raises, in two kinds a server handles differently.
+
+A start-up error refuses to start (fix the configuration and restart); a per-call error fails
+one request (answer it with an error and keep serving), and a usage error among those is a
+bug in the calling code. Each class also subclasses the builtin it refines (``except
+ValueError`` works), carries the offending values as attributes, and survives pickling with
+its type, attributes and message (a worker's error reaches the parent process intact)::
+
+    AttnDispatchError
+    ├── StartupError                  refuse to start
+    │   ├── UnknownBackendError       (KeyError)     a backend name nobody registered
+    │   ├── IncompatibleBackendError  (ValueError)   bind refuses: every reason per phase
+    │   ├── InvalidSpecError          (ValueError)   a spec, config or option value
+    │   ├── BackendUnavailableError   (RuntimeError) a backend that cannot be built here
+    │   ├── DuplicateBackendError     (ValueError)   a name registered twice
+    │   ├── UnsupportedModelError     (ValueError)   a model an integration cannot serve
+    │   ├── RankMismatchError         (RuntimeError) ranks that bound different things
+    │   └── NoProcessGroupError       (RuntimeError) a rank check without a process group
+    └── CallError                     fail one request
+        ├── InvalidBatchError         (ValueError)   a batch, tensor, plan or call argument
+        ├── NoActiveScopeError        (RuntimeError) dispatch outside every attn_scope
+        ├── ScopeError                (RuntimeError) a scope exited out of order or twice
+        ├── UnknownPhaseError         (ValueError)   not a Phase / an unknown forward mode
+        ├── CaptureError              (RuntimeError) a CUDA-graph rule broken
+        ├── UsageError                (RuntimeError) an API called in a way it does not take
+        └── CacheFullError            (MemoryError)  the demo's page pool is exhausted
+
+``tests/core/test_errors.py`` holds this tree against the classes.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +39,13 @@ from typing import Any
 # its ``name`` and ``value`` (so the per-phase mappings are typed ``Any``).
 
 
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
+    """Unpickle an error without calling its ``__init__`` (whose parameters are not
+    ``args``): ``args`` (the message) and then the pickled attributes are put back as they
+    were."""
+    return cls.__new__(cls, *args)
+
+
 class AttnDispatchError(Exception):
     """Base class of every error raised by attn_dispatch."""
 
@@ -21,8 +56,24 @@ class AttnDispatchError(Exception):
             setattr(self, name, value)
         super().__init__(message)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception's own reduce re-calls cls(*args): with __init__(name, reasons, ...) that
+        # fails in the unpickling process (a worker's error became BrokenProcessPool) or
+        # wraps the message twice. Rebuild from args and restore the attributes instead.
+        return (_rebuild, (type(self), self.args), self.__dict__ or None)
 
-class UnknownBackendError(AttnDispatchError, KeyError):
+
+class StartupError(AttnDispatchError):
+    """A configuration that cannot serve: refuse to start (raised by ``bind``, the registry,
+    the integrations' set-up, the cross-rank check); fix it and restart."""
+
+
+class CallError(AttnDispatchError):
+    """One request (one forward or one call) that cannot be served: fail that request and
+    keep serving; the binding, the scope stack and every other runner are unchanged."""
+
+
+class UnknownBackendError(StartupError, KeyError):
     """A backend name that is not registered.
 
     Attributes: ``name``, ``registered`` (sorted names), ``suggestions`` (close matches).
@@ -52,7 +103,7 @@ class UnknownBackendError(AttnDispatchError, KeyError):
         return self.message
 
 
-class IncompatibleBackendError(AttnDispatchError, ValueError):
+class IncompatibleBackendError(StartupError, ValueError):
     """A spec that cannot serve a config, with every reason of every phase.
 
     Attributes: ``label``; ``reasons``: mapping phase -> (backend name, tuple of reasons).
@@ -80,7 +131,7 @@ class IncompatibleBackendError(AttnDispatchError, ValueError):
         super().__init__("\n".join(lines))
 
 
-class NoActiveScopeError(AttnDispatchError, RuntimeError):
+class NoActiveScopeError(CallError, RuntimeError):
     """Dispatch was asked for outside every ``attn_scope``."""
 
     def __init__(self, what: str = "resolve") -> None:
@@ -94,7 +145,7 @@ class NoActiveScopeError(AttnDispatchError, RuntimeError):
         )
 
 
-class BackendUnavailableError(AttnDispatchError, RuntimeError):
+class BackendUnavailableError(StartupError, RuntimeError):
     """A backend whose factory could not be loaded or built, or built something unusable."""
 
     name: str  # the backend
@@ -107,7 +158,7 @@ class BackendUnavailableError(AttnDispatchError, RuntimeError):
         self._carry(message, name=name, reason=reason, runner=runner)
 
 
-class UnknownPhaseError(AttnDispatchError, ValueError):
+class UnknownPhaseError(CallError, ValueError):
     """A phase or forward-mode name we do not know. Attributes: ``name``, ``known``."""
 
     def __init__(self, name: str, known: tuple[str, ...], *, hint: str = "") -> None:
@@ -120,7 +171,7 @@ class UnknownPhaseError(AttnDispatchError, ValueError):
         )
 
 
-class InvalidBatchError(AttnDispatchError, ValueError):
+class InvalidBatchError(CallError, ValueError):
     """Bad batch metadata or tensors."""
 
     field: str  # the AttnBatch field or argument that is wrong
@@ -133,11 +184,11 @@ class InvalidBatchError(AttnDispatchError, ValueError):
         self._carry(message, field=field, problem=problem, request=request)
 
 
-class ScopeError(AttnDispatchError, RuntimeError):
+class ScopeError(CallError, RuntimeError):
     """A scope used wrongly: exited out of order, exited twice, or re-entered."""
 
 
-class InvalidSpecError(AttnDispatchError, ValueError):
+class InvalidSpecError(StartupError, ValueError):
     """A BackendSpec or AttnConfig with bad values. Attributes: ``field``, ``value``."""
 
     def __init__(self, field: str, value: object, problem: str) -> None:
@@ -146,7 +197,7 @@ class InvalidSpecError(AttnDispatchError, ValueError):
         super().__init__(f"{field}={value!r}: {problem}")
 
 
-class DuplicateBackendError(AttnDispatchError, ValueError):
+class DuplicateBackendError(StartupError, ValueError):
     """``register_backend`` with a name already taken and ``replace=False``."""
 
     def __init__(self, name: str) -> None:
@@ -154,4 +205,75 @@ class DuplicateBackendError(AttnDispatchError, ValueError):
         super().__init__(
             f"an attention backend named {name!r} is already registered; pass replace=True to "
             "replace it (existing bindings keep the old one), or choose another name."
+        )
+
+
+class UnsupportedModelError(StartupError, ValueError):
+    """A model (or a mask, cache or option it asks for) that an integration cannot serve
+    faithfully (the transformers and vLLM integrations); the message names what and the
+    choices."""
+
+
+class RankMismatchError(StartupError, RuntimeError):
+    """Ranks of one process group bound runners that cannot work together.
+
+    ``differences`` maps ``"<runner>.<field>"`` to the value each rank holds (rank order);
+    ``world``: the number of ranks.
+    """
+
+    def __init__(self, differences: Mapping[str, Sequence[Any]], world: int) -> None:
+        self.differences = dict(differences)
+        self.world = world
+        lines = []
+        for key, values in self.differences.items():
+            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            lines.append(f"  {key}: {per_rank}")
+        super().__init__(
+            f"the {world} ranks of this process group bound runners that disagree on "
+            f"{len(self.differences)} field(s):\n" + "\n".join(lines) + "\nEvery rank must bind "
+            "the same spec per runner label, configs equal up to the per-rank head split, and "
+            "the same attn_dispatch build; fix the rank(s) whose value differs and restart."
+        )
+
+
+class NoProcessGroupError(StartupError, RuntimeError):
+    """A cross-rank check (``attn_dispatch.distributed``) asked for without an initialised
+    ``torch.distributed`` process group."""
+
+    def __init__(self, what: str = "check_agreement") -> None:
+        self.what = what
+        super().__init__(
+            f"{what} needs an initialised torch.distributed process group; call "
+            "torch.distributed.init_process_group(...) on every rank first (or pass group=)"
+        )
+
+
+class CaptureError(CallError, RuntimeError):
+    """A CUDA-graph rule broken: planning during capture, or another runner inside a graph."""
+
+
+class UsageError(CallError, RuntimeError):
+    """An API called in a way it does not take (a bug in the calling code, not bad request
+    data): ``attention()`` in a scope opened without a batch, ``group=`` on a runner bound
+    without groups (or a group it does not have), a prepared plan of another binding.
+
+    Attributes: ``api`` (the function or argument misused), ``problem``.
+    """
+
+    api: str
+    problem: str
+
+    def __init__(self, api: str, problem: str) -> None:
+        self._carry(f"{api}: {problem}", api=api, problem=problem)
+
+
+class CacheFullError(CallError, MemoryError):
+    """A runner's page pool has too few free pages (the demo's allocator). Attributes:
+    ``label``, ``requested``, ``free``, ``num_pages``."""
+
+    def __init__(self, label: str, requested: int, free: int, num_pages: int) -> None:
+        self.label, self.requested, self.free, self.num_pages = label, requested, free, num_pages
+        super().__init__(
+            f"runner {label!r}: {requested} pages requested, {free} of {num_pages} free; pass "
+            "a larger --num-pages or fewer tokens"
         )

@@ -47,6 +47,7 @@ LAYERS: dict[str, int] = {
     "attn_dispatch._binding": 3,
     "attn_dispatch._matrix": 3,
     # L4 scope, record, threads: the hot path
+    "attn_dispatch._frame": 4,
     "attn_dispatch._scope": 4,
     "attn_dispatch._record": 4,
     "attn_dispatch._threads": 4,

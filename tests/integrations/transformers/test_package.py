@@ -48,7 +48,6 @@ FORMER_NAMES = [
     "dispatch_mask",
     "layer_groups",
     "use",
-    "_has_sinks",
     "DEFAULT_PAGE_SIZE",
     "GroupedBatches",
 ]
@@ -96,8 +95,8 @@ def test_imports_point_down_and_never_to_the_cli_demo_or_other_integrations() ->
 def test_the_former_names_are_importable_from_the_package() -> None:
     for name in FORMER_NAMES:
         assert hasattr(tf, name), name
-    assert tf._has_sinks is tf.has_sinks
-    assert set(tf.__all__) >= {n for n in FORMER_NAMES if not n.startswith("_")} | {"has_sinks"}
+    assert not hasattr(tf, "_has_sinks")  # the pre-0.2 private alias is gone
+    assert set(tf.__all__) >= set(FORMER_NAMES) | {"has_sinks"}
 
 
 def test_public_classes_name_the_package() -> None:
