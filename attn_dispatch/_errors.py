@@ -43,7 +43,10 @@ def _rebuild(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
     """Unpickle an error without calling its ``__init__`` (whose parameters are not
     ``args``): ``args`` (the message) and then the pickled attributes are put back as they
     were."""
-    return cls.__new__(cls, *args)
+    # Exception.__new__, not cls.__new__: every class here has AttnDispatchError first, so
+    # Exception's is the constructor its instances are made with (MemoryError's own, which
+    # CacheFullError's lookup would find, refuses a subclass whose first base is ours).
+    return Exception.__new__(cls, *args)
 
 
 class AttnDispatchError(Exception):
