@@ -19,6 +19,7 @@ that wires the built-in backends into the default registry.
 from typing import TYPE_CHECKING
 from typing import Any
 
+from attn_dispatch import _dynamo_hook
 from attn_dispatch import _registry
 from attn_dispatch import backend as _backend_surface
 from attn_dispatch._binding import bind
@@ -70,6 +71,9 @@ from attn_dispatch._version import __version__ as __version__
 # The wiring: the built-in backends join every registry that loads built-ins (the default one
 # included), on first use. Neither the registry nor the backends import each other.
 _registry.install_builtins(_BUILTINS)
+# torch.compile over attention works without `import attn_dispatch.compile`: its op is
+# registered when Dynamo loads (now, if it already has), never before (see _dynamo_hook).
+_dynamo_hook.install()
 
 # Names that need torch: loaded on first use, so start-up imports of the core stay small.
 _LAZY = {

@@ -56,6 +56,7 @@ LAYERS: dict[str, int] = {
     "attn_dispatch.state": 5,
     "attn_dispatch.mla": 5,
     "attn_dispatch.compile": 5,
+    "attn_dispatch._dynamo_hook": 5,
     "attn_dispatch.cuda_graph": 5,
     "attn_dispatch.testing": 5,
     "attn_dispatch.testing.*": 5,
