@@ -23,6 +23,7 @@ from attn_dispatch import _dynamo_hook
 from attn_dispatch import _registry
 from attn_dispatch import backend as _backend_surface
 from attn_dispatch._binding import bind
+from attn_dispatch._binding import check
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import BackendUnavailableError
@@ -134,6 +135,7 @@ __all__ = [
     "attn_scope",
     "bind",
     "carry_scope",
+    "check",
     "current_batch",
     "current_binding",
     "merge_state",
