@@ -82,7 +82,9 @@ class _DynamoFinder(importlib.abc.MetaPathFinder):
         _remove(self)  # one import only; the finders below answer it
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
+            spec: importlib.machinery.ModuleSpec | None = (
+                find(fullname, path, target) if find is not None else None
+            )
             if spec is not None:
                 break
         else:
