@@ -7,6 +7,7 @@ Building one validates its fields (``InvalidSpecError``); checking a config agai
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import types
 from collections.abc import Callable
@@ -365,11 +366,8 @@ class Capabilities:
         for name in ("forms", "variants"):
             if isinstance(fields[name], Mapping):
                 fields[name] = dict(fields[name])
-        return (_rebuild, (type(self), fields))
-
-
-def _rebuild(cls: type[Capabilities], fields: dict[str, Any]) -> Capabilities:
-    return cls(**fields)
+        # A partial of the public class: the pickle names no private module.
+        return (functools.partial(type(self), **fields), ())
 
 
 def _importable(module: str) -> bool:

@@ -39,16 +39,6 @@ from typing import Any
 # its ``name`` and ``value`` (so the per-phase mappings are typed ``Any``).
 
 
-def _rebuild(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
-    """Unpickle an error without calling its ``__init__`` (whose parameters are not
-    ``args``): ``args`` (the message) and then the pickled attributes are put back as they
-    were."""
-    # Exception.__new__, not cls.__new__: every class here has AttnDispatchError first, so
-    # Exception's is the constructor its instances are made with (MemoryError's own, which
-    # CacheFullError's lookup would find, refuses a subclass whose first base is ours).
-    return Exception.__new__(cls, *args)
-
-
 class AttnDispatchError(Exception):
     """Base class of every error raised by attn_dispatch."""
 
@@ -62,8 +52,13 @@ class AttnDispatchError(Exception):
     def __reduce__(self) -> tuple[Any, ...]:
         # Exception's own reduce re-calls cls(*args): with __init__(name, reasons, ...) that
         # fails in the unpickling process (a worker's error became BrokenProcessPool) or
-        # wraps the message twice. Rebuild from args and restore the attributes instead.
-        return (_rebuild, (type(self), self.args), self.__dict__ or None)
+        # wraps the message twice. Instead the instance is made without __init__ from its
+        # args (the message) and gets its attributes back. Exception.__new__, not cls.__new__:
+        # every class here has AttnDispatchError first, so Exception's is the constructor its
+        # instances are made with (MemoryError's own, which CacheFullError's lookup finds,
+        # refuses a subclass whose first base is ours); and a pickle names only builtins and
+        # the public class, never a private helper.
+        return (Exception.__new__, (type(self), *self.args), self.__dict__ or None)
 
 
 class StartupError(AttnDispatchError):

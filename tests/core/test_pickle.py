@@ -206,6 +206,8 @@ def test_error_round_trips_with_type_fields_and_message(cls: type[AttnDispatchEr
     assert str(back) == str(err)  # the same message, not wrapped twice
     assert back.args == err.args
     assert vars(back) == vars(err)  # every field (the offending values)
+    if cls.__module__ == "attn_dispatch":  # public: the pickle names no private module
+        assert b"attn_dispatch._" not in pickle.dumps(err)
     # A second trip changes nothing (nothing accumulates).
     again = pickle.loads(pickle.dumps(back))
     assert str(again) == str(err) and vars(again) == vars(err)
@@ -228,6 +230,11 @@ def vars_of(value: Any) -> list[Any]:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return [getattr(value, f.name) for f in dataclasses.fields(value)]
     return []
+
+
+def test_capabilities_pickles_name_no_private_module() -> None:
+    for caps in list_backends().values():
+        assert b"attn_dispatch._capabilities" not in pickle.dumps(caps)
 
 
 def test_builtin_capabilities_keep_their_per_phase_forms() -> None:
