@@ -83,6 +83,7 @@ LAYERS: tuple[Layer, ...] = (
             "testing.*",
             "distributed",
             "distributed.*",
+            "kv_layout",
         ),
     ),
     Layer(
@@ -101,6 +102,7 @@ LAYERS: tuple[Layer, ...] = (
             "cli",
             "cli.*",
             "tune",
+            "dispatch_table",
             "integrations",
             "integrations.*",
             "demo",
