@@ -29,14 +29,18 @@ from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import CallError
 from attn_dispatch._errors import CaptureError
+from attn_dispatch._errors import DispatchTableError
 from attn_dispatch._errors import DuplicateBackendError
 from attn_dispatch._errors import IncompatibleBackendError
+from attn_dispatch._errors import IncompatibleKVLayoutError
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._errors import InvalidKVLayoutError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import NoActiveScopeError
 from attn_dispatch._errors import NoProcessGroupError
 from attn_dispatch._errors import RankMismatchError
 from attn_dispatch._errors import ScopeError
+from attn_dispatch._errors import StaleTableError
 from attn_dispatch._errors import StartupError
 from attn_dispatch._errors import UnknownBackendError
 from attn_dispatch._errors import UnknownPhaseError
@@ -114,9 +118,12 @@ __all__ = [
     "CaptureError",
     "DispatchEvent",
     "DispatchRecorder",
+    "DispatchTableError",
     "DuplicateBackendError",
     "IncompatibleBackendError",
+    "IncompatibleKVLayoutError",
     "InvalidBatchError",
+    "InvalidKVLayoutError",
     "InvalidSpecError",
     "NoActiveScopeError",
     "NoProcessGroupError",
@@ -125,6 +132,7 @@ __all__ = [
     "Route",
     "Runner",
     "ScopeError",
+    "StaleTableError",
     "StartupError",
     "UnknownBackendError",
     "UnknownPhaseError",

@@ -15,7 +15,11 @@ its type, attributes and message (a worker's error reaches the parent process in
     │   ├── DuplicateBackendError     (ValueError)   a name registered twice
     │   ├── UnsupportedModelError     (ValueError)   a model an integration cannot serve
     │   ├── RankMismatchError         (RuntimeError) ranks that bound different things
-    │   └── NoProcessGroupError       (RuntimeError) a rank check without a process group
+    │   ├── NoProcessGroupError       (RuntimeError) a rank check without a process group
+    │   ├── DispatchTableError        (ValueError)   a dispatch table that cannot be read
+    │   ├── StaleTableError           (RuntimeError) a table measured in another environment
+    │   ├── InvalidKVLayoutError      (ValueError)   a KV layout descriptor with a bad field
+    │   └── IncompatibleKVLayoutError (ValueError)   two bindings that read KV pages differently
     └── CallError                     fail one request
         ├── InvalidBatchError         (ValueError)   a batch, tensor, plan or call argument
         ├── NoActiveScopeError        (RuntimeError) dispatch outside every attn_scope
@@ -274,4 +278,83 @@ class CacheFullError(CallError, MemoryError):
         super().__init__(
             f"runner {label!r}: {requested} pages requested, {free} of {num_pages} free; pass "
             "a larger --num-pages or fewer tokens"
+        )
+
+
+class DispatchTableError(StartupError, ValueError):
+    """A dispatch table that cannot be read: not JSON, too large, an unknown format version,
+    a missing or ill-typed field, or a label/group it does not hold (a start-up error).
+
+    Attributes: ``source`` (the path or ``"<text>"``), ``field``, ``problem``.
+    """
+
+    source: str
+    field: str
+    problem: str
+
+    def __init__(self, source: str, field: str, problem: str) -> None:
+        self._carry(
+            f"dispatch table {source}: {field}: {problem}",
+            source=source,
+            field=field,
+            problem=problem,
+        )
+
+
+class StaleTableError(StartupError, RuntimeError):
+    """A dispatch table measured in another environment (a start-up error).
+
+    ``differences`` maps each changed field (``"torch"``, ``"builds.native"``, ...) to
+    ``(saved, now)``.
+    """
+
+    source: str
+    differences: dict[str, tuple[Any, Any]]
+
+    def __init__(self, source: str, differences: Mapping[str, tuple[Any, Any]]) -> None:
+        diffs = dict(differences)
+        lines = [f"  {k}: saved {a!r}, now {b!r}" for k, (a, b) in diffs.items()]
+        self._carry(
+            f"dispatch table {source} was measured in another environment; "
+            f"{len(diffs)} field(s) changed:\n" + "\n".join(lines) + "\nRe-run "
+            "`python -m attn_dispatch tune ... --save FILE` here, or pass on_stale='retune' "
+            "to measure again at start-up.",
+            source=source,
+            differences=diffs,
+        )
+
+
+class InvalidKVLayoutError(StartupError, ValueError):
+    """A KV layout descriptor with a bad field, or bytes that are not one (a start-up error).
+
+    Attributes: ``field``, ``value``, ``problem``.
+    """
+
+    field: str
+    value: object
+    problem: str
+
+    def __init__(self, field: str, value: object, problem: str) -> None:
+        self._carry(
+            f"KV layout: {field}={value!r}: {problem}", field=field, value=value, problem=problem
+        )
+
+
+class IncompatibleKVLayoutError(StartupError, ValueError):
+    """Two bindings whose KV pages would be read differently (a start-up error).
+
+    ``differences`` maps each differing field to ``(a's value, b's value)``.
+    """
+
+    differences: dict[str, tuple[Any, Any]]
+
+    def __init__(self, differences: Mapping[str, tuple[Any, Any]]) -> None:
+        diffs = dict(differences)
+        lines = [f"  {k}: {a!r} != {b!r}" for k, (a, b) in diffs.items()]
+        self._carry(
+            f"KV pages cannot be handed between these two layouts: {len(diffs)} field(s) "
+            "differ:\n" + "\n".join(lines) + "\nBind both sides with the same KV layout "
+            "(page size, heads per rank, head dims, KV dtype and scales, LSE base), or convert "
+            "the pages on the way.",
+            differences=diffs,
         )

@@ -84,6 +84,18 @@ ERRORS: dict[type[AttnDispatchError], Callable[[], AttnDispatchError]] = {
         "attention(group=...)", "runner 'g' has no group 'global'"
     ),
     errors_module.CacheFullError: lambda: errors_module.CacheFullError("target", 9, 2, 16),
+    errors_module.DispatchTableError: lambda: errors_module.DispatchTableError(
+        "t.json", "version", "unknown format version 9"
+    ),
+    errors_module.StaleTableError: lambda: errors_module.StaleTableError(
+        "t.json", {"torch": ("2.12.0", "2.13.0")}
+    ),
+    errors_module.InvalidKVLayoutError: lambda: errors_module.InvalidKVLayoutError(
+        "page_size", 0, "must be a positive int"
+    ),
+    errors_module.IncompatibleKVLayoutError: lambda: errors_module.IncompatibleKVLayoutError(
+        {"page_size": (16, 64)}
+    ),
 }
 
 
