@@ -18,10 +18,10 @@ from attn_dispatch import AttnConfig
 from attn_dispatch import AttnForm
 from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import InvalidBatchError
-from attn_dispatch import UsageError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import NoActiveScopeError
 from attn_dispatch import Phase
+from attn_dispatch import UsageError
 from attn_dispatch import attention
 from attn_dispatch import attention_form
 from attn_dispatch import attn_scope

@@ -36,11 +36,10 @@ from hypothesis.stateful import rule
 
 from attn_dispatch import BackendSpec
 from attn_dispatch import Binding
-from attn_dispatch import InvalidBatchError
-from attn_dispatch import UsageError
 from attn_dispatch import NoActiveScopeError
 from attn_dispatch import Phase
 from attn_dispatch import ScopeError
+from attn_dispatch import UsageError
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind

@@ -17,12 +17,12 @@ from attn_dispatch import AttnDispatchError
 from attn_dispatch import Binding
 from attn_dispatch import CallError
 from attn_dispatch import InvalidBatchError
-from attn_dispatch import UsageError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import NoActiveScopeError
 from attn_dispatch import Phase
 from attn_dispatch import ScopeError
 from attn_dispatch import UnknownPhaseError
+from attn_dispatch import UsageError
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind

@@ -114,3 +114,17 @@ def test_our_deprecation_warnings_fail_the_tests_and_others_do_not() -> None:
 def test_unknown_names_raise_attribute_error(surface: str) -> None:
     with pytest.raises(AttributeError, match="no_such_name"):
         getattr(SURFACES[surface], "no_such_name")  # noqa: B009
+
+
+def test_one_version_source() -> None:
+    # pyproject reads the version from _version.py (0.1 kept two copies that disagreed with
+    # the changelog); the build's metadata and attn_dispatch.__version__ are one value.
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = Path(attn_dispatch.__file__).resolve().parents[1] / "pyproject.toml"
+    project = tomllib.loads(pyproject.read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    dynamic = project["tool"]["setuptools"]["dynamic"]["version"]
+    assert dynamic == {"attr": "attn_dispatch._version.__version__"}
+    assert attn_dispatch.__version__ == "0.2.0"

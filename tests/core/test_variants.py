@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from attn_dispatch import AttnConfig
 from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import InvalidBatchError
-from attn_dispatch import UsageError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
+from attn_dispatch import UsageError
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
