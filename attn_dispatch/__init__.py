@@ -38,6 +38,7 @@ from attn_dispatch._errors import InvalidKVLayoutError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import NoActiveScopeError
 from attn_dispatch._errors import NoProcessGroupError
+from attn_dispatch._errors import RankFailedError
 from attn_dispatch._errors import RankMismatchError
 from attn_dispatch._errors import ScopeError
 from attn_dispatch._errors import StaleTableError
@@ -128,6 +129,7 @@ __all__ = [
     "NoActiveScopeError",
     "NoProcessGroupError",
     "Phase",
+    "RankFailedError",
     "RankMismatchError",
     "Route",
     "Runner",

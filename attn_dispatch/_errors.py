@@ -15,6 +15,7 @@ its type, attributes and message (a worker's error reaches the parent process in
     │   ├── DuplicateBackendError     (ValueError)   a name registered twice
     │   ├── UnsupportedModelError     (ValueError)   a model an integration cannot serve
     │   ├── RankMismatchError         (RuntimeError) ranks that bound different things
+    │   ├── RankFailedError           (RuntimeError) a rank failed before the agreement check
     │   ├── NoProcessGroupError       (RuntimeError) a rank check without a process group
     │   ├── DispatchTableError        (ValueError)   a dispatch table that cannot be read
     │   ├── StaleTableError           (RuntimeError) a table measured in another environment
@@ -358,3 +359,28 @@ class IncompatibleKVLayoutError(StartupError, ValueError):
             "the pages on the way.",
             differences=diffs,
         )
+
+
+class RankFailedError(StartupError, RuntimeError):
+    """A collective check across ranks (``distributed.check_agreement``) that some rank could
+    not take part in: it failed on its own input before the exchange. Every rank raises it
+    (none waits for the failed one), naming each failed rank and why.
+
+    Attributes: ``failures`` (rank -> ``"ErrorType: message"``), ``world``, ``rank`` (the rank
+    that raised this copy).
+    """
+
+    failures: dict[int, str]
+    world: int
+    rank: int
+
+    def __init__(self, failures: Mapping[int, str], world: int, rank: int) -> None:
+        failures = dict(sorted(failures.items()))
+        lines = "\n".join(f"  rank {r}: {why}" for r, why in failures.items())
+        who = ", ".join(str(r) for r in failures)
+        message = (
+            f"rank(s) {who} of the {world} ranks of this process group failed before the "
+            f"agreement check (seen on rank {rank}):\n{lines}\nFix the input of the rank(s) "
+            "named above and restart every rank."
+        )
+        self._carry(message, failures=failures, world=world, rank=rank)

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 from collections.abc import Mapping
 from collections.abc import Sequence
+from pathlib import Path
 
 from attn_dispatch._binding import bind
 from attn_dispatch._binding import check
@@ -17,6 +19,7 @@ from attn_dispatch._phase import Phase
 from attn_dispatch._registry import Registry
 from attn_dispatch._spec import BackendSpec
 from attn_dispatch._table import format_table
+from attn_dispatch.cli._files import read_regular
 from attn_dispatch.cli.model import UnsupportedModel
 from attn_dispatch.cli.model import model_configs
 
@@ -207,9 +210,13 @@ def _table_spec(
 ) -> BackendSpec | dict[str, BackendSpec]:
     """The spec a dispatch table holds for ``--label`` (checked for staleness), and where each
     choice came from (into ``header``)."""
+    from attn_dispatch.dispatch_table import MAX_TABLE_BYTES
     from attn_dispatch.dispatch_table import DispatchTable
     from attn_dispatch.dispatch_table import spec_from_table
 
+    # Only a regular file of bounded size is read (a FIFO would block the open forever).
+    with contextlib.suppress(FileNotFoundError):  # the table's own loader names it
+        read_regular(Path(args.table), "--table", MAX_TABLE_BYTES, what="a dispatch table")
     spec = spec_from_table(args.table, label=args.label)
     table = DispatchTable.load(args.table)
     label = args.label if args.label is not None else table.labels[0]

@@ -75,6 +75,7 @@ def test_every_error_is_of_one_kind() -> None:
         ("DuplicateBackendError", StartupError),
         ("UnsupportedModelError", StartupError),
         ("RankMismatchError", StartupError),
+        ("RankFailedError", StartupError),
         ("InvalidBatchError", CallError),
         ("NoActiveScopeError", CallError),
         ("ScopeError", CallError),

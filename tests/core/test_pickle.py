@@ -88,6 +88,9 @@ ERRORS: dict[type[AttnDispatchError], Callable[[], AttnDispatchError]] = {
     errors_module.RankMismatchError: lambda: errors_module.RankMismatchError(
         {"target.spec": ["native", "torch"]}, 2
     ),
+    errors_module.RankFailedError: lambda: errors_module.RankFailedError(
+        {1: "InvalidSpecError: page_size=0: must be a positive int"}, 2, 0
+    ),
     errors_module.NoProcessGroupError: lambda: errors_module.NoProcessGroupError("merge_ranks"),
     errors_module.CaptureError: lambda: errors_module.CaptureError("plan during capture"),
     errors_module.UsageError: lambda: errors_module.UsageError(

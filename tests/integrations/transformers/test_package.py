@@ -4,7 +4,6 @@ former ``_hf_cache`` module gone (0.2.0 keeps no compatibility layer)."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import pickle
 from pathlib import Path
@@ -16,8 +15,11 @@ pytest.importorskip("transformers")
 
 import attn_dispatch  # noqa: E402
 import attn_dispatch.integrations.transformers as tf  # noqa: E402
+from tests.imports import modules  # noqa: E402
+from tests.imports import path_imports  # noqa: E402
 
 PACKAGE = Path(tf.__file__).parent
+ROOT = PACKAGE.parents[2]
 PREFIX = "attn_dispatch.integrations.transformers"
 # Each module may import only those listed before it (and the core, backends excluded).
 ORDER = [
@@ -63,22 +65,10 @@ def test_every_module_is_listed_and_short() -> None:
 
 
 def _imports(path: Path) -> set[str]:
-    """Modules imported anywhere in ``path`` (functions included), except under
-    ``if TYPE_CHECKING:``."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-    return found
+    """Our modules imported anywhere in ``path`` (functions included), except under
+    ``if TYPE_CHECKING:`` (the suite's one scanner, tests/imports.py)."""
+    known = set(modules(ROOT / "attn_dispatch", ROOT))
+    return path_imports(path, f"{PREFIX}.{path.stem}", known)
 
 
 def test_imports_point_down_and_never_to_the_cli_demo_or_other_integrations() -> None:
