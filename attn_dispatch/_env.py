@@ -13,6 +13,8 @@ __all__ = [
     "NATIVE_ISA",
     "NATIVE_LIB",
     "NATIVE_OWN_POOL",
+    "PLUGINS",
+    "SGLANG_SPECS",
     "SKIP_NATIVE",
     "TRITON_INTERPRET",
     "VLLM_TEST_RANK_SPEC",
@@ -21,6 +23,11 @@ __all__ = [
 #: A path: the native backend loads this shared library instead of the one built next to the
 #: package (development, or tests of the "not built" path). Read by ``backends/native/_lib.py``.
 NATIVE_LIB = "ATTN_DISPATCH_NATIVE_LIB"
+
+#: Which ``attn_dispatch.backends`` entry points load, as ``VLLM_PLUGINS`` in vLLM: unset, all;
+#: ``"a,b"``, only those entry-point names; empty or ``none``, none. Read by ``_registry.py``
+#: when a registry first loads its plugins.
+PLUGINS = "ATTN_DISPATCH_PLUGINS"
 
 #: Set (to anything non-empty) while building: skip the native kernels; the backend then
 #: reports "not built: ..." at bind. Read by ``setup.py``.
@@ -41,3 +48,9 @@ TRITON_INTERPRET = "TRITON_INTERPRET"
 #: ``"<tp rank>:<spec>"``: in vLLM's engine, that tensor-parallel rank binds its target runner
 #: with ``<spec>`` instead (the engine tests use it to show a disagreement fails at start-up).
 VLLM_TEST_RANK_SPEC = "ATTN_DISPATCH_VLLM_TEST_RANK_SPEC"
+
+#: JSON ``{"target": spec, "draft": spec, ...}``: the runners' specs of an SGLang engine whose
+#: attention backend is ``"attn_dispatch"`` (SGLang's arguments carry names only); set before
+#: the engine starts, its scheduler subprocess inherits it. Read by
+#: ``integrations/sglang_engine`` when SGLang builds that backend.
+SGLANG_SPECS = "ATTN_DISPATCH_SGLANG"

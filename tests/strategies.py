@@ -221,6 +221,7 @@ class RegistrySnapshot:
         reg._ensure_loaded()
         with reg._lock:
             self.entries = dict(reg._entries)
+            self.origins = dict(reg._origins)
             self.plugin_errors = dict(reg.plugin_errors)
 
     def restore(self) -> None:
@@ -228,6 +229,8 @@ class RegistrySnapshot:
         with reg._lock:
             reg._entries.clear()
             reg._entries.update(self.entries)
+            reg._origins.clear()
+            reg._origins.update(self.origins)
             reg.plugin_errors.clear()
             reg.plugin_errors.update(self.plugin_errors)
 

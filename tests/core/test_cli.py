@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+import attn_dispatch
 from attn_dispatch.cli import main
 from tests.strategies import MHA_ONLY_CAPS
 from tests.strategies import register_echo
@@ -36,13 +37,24 @@ def test_list(capsys: pytest.CaptureFixture[str]) -> None:
     register_echo("mhaonly", MHA_ONLY_CAPS)
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["backend", "kinds", "phases", "devices", "dtypes", "available"]
+    assert lines[0].split() == [
+        "backend",
+        "kinds",
+        "phases",
+        "devices",
+        "dtypes",
+        "distribution",
+        "version",
+        "available",
+    ]
     rows = {line.split()[0]: line.split() for line in lines[2:]}
-    assert rows["torch"][1:6] == [
+    assert rows["torch"][1:8] == [
         "mha,mla",
         "decode,prefill,verify",
         "cpu,cuda",
         "bfloat16,float16,float32",
+        "attn_dispatch",
+        attn_dispatch.__version__,
         "yes",
     ]
     assert rows["mhaonly"][1:3] == ["mha", "decode,prefill,verify"]
