@@ -37,9 +37,10 @@ from typing import TYPE_CHECKING
 from typing import Any
 from typing import Literal
 
-from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._errors import NoProcessGroupError as _NoGroupError
 from attn_dispatch._errors import RankFailedError
+from attn_dispatch._errors import RankMismatchError
 from attn_dispatch._phase import Phase
 
 if TYPE_CHECKING:
@@ -70,27 +71,6 @@ Layout = Literal["contiguous", "interleaved"]
 # Config fields that legitimately differ between ranks of one tensor-parallel group: each
 # rank holds its own slice of the heads.
 _PER_RANK_FIELDS = frozenset({"num_q_heads", "num_kv_heads"})
-
-
-class RankMismatchError(AttnDispatchError, RuntimeError):
-    """Ranks of one process group bound runners that cannot work together.
-
-    ``differences`` maps ``"<runner>.<field>"`` to the value each rank holds (rank order).
-    """
-
-    def __init__(self, differences: Mapping[str, Sequence[Any]], world: int) -> None:
-        self.differences = dict(differences)
-        self.world = world
-        lines = []
-        for key, values in self.differences.items():
-            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-            lines.append(f"  {key}: {per_rank}")
-        super().__init__(
-            f"the {world} ranks of this process group bound runners that disagree on "
-            f"{len(self.differences)} field(s):\n" + "\n".join(lines) + "\nEvery rank must bind "
-            "the same spec per runner label, configs equal up to the per-rank head split, and "
-            "the same attn_dispatch build; fix the rank(s) whose value differs and restart."
-        )
 
 
 def _config_summary(config: Any) -> dict[str, Any]:
@@ -250,14 +230,6 @@ def check_agreement(bindings: Binding | Mapping[str, Binding], group: Any = None
 # summary's keys are "library" and "runner ..."), so ranks of older versions still compare.
 _FAILED = "<failed before the check>"
 _WHY_MAX = 2000
-
-
-class _NoGroupError(AttnDispatchError, RuntimeError):
-    def __init__(self) -> None:
-        super().__init__(
-            "check_agreement needs an initialised torch.distributed process group; call "
-            "torch.distributed.init_process_group(...) on every rank first (or pass group=)"
-        )
 
 
 # -- context parallelism ------------------------------------------------------------------------

@@ -103,8 +103,8 @@ for mod in ("triton", "flashinfer", "attn_dispatch"):
         print(mod, getattr(m, "__version__", "?"), getattr(m, "__file__", ""))
     except Exception as exc:
         print(mod, "NOT IMPORTABLE:", type(exc).__name__, exc)
-import attn_dispatch
-for name, caps in attn_dispatch.list_backends().items():
+from attn_dispatch.backend import list_backends
+for name, caps in list_backends().items():
     why = caps.availability_reasons("cuda")
     print(f"backend {name}: {'available' if not why else '; '.join(why)}")
 EOF

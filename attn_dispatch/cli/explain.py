@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from attn_dispatch._binding import bind
-from attn_dispatch._binding import check_spec
+from attn_dispatch._binding import check
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import IncompatibleBackendError
 from attn_dispatch._errors import InvalidSpecError
@@ -172,7 +172,7 @@ def cmd_explain(args: argparse.Namespace, registry: Registry) -> int:
     from_machine: dict[tuple[str, str], None] = {}
     for group, cfg in targets.items():
         gspec = spec[group] if isinstance(spec, dict) else spec
-        found = _config_reasons(gspec, cfg, args.label, registry, group or None)
+        found = _config_reasons(gspec, cfg, args.label, registry)
         for phase in Phase:
             name, why = found.get(phase, (gspec.names[phase], []))
             # The machine's reasons depend on the backend and the device, not on the phase.
@@ -239,15 +239,12 @@ def _spec_text(spec: BackendSpec | Mapping[str, BackendSpec]) -> str:
 
 
 def _config_reasons(
-    spec: BackendSpec, config: AttnConfig, label: str | None, registry: Registry, group: str | None
+    spec: BackendSpec, config: AttnConfig, label: str | None, registry: Registry
 ) -> dict[Phase, tuple[str, list[str]]]:
-    """Phase -> (backend, reasons from the config): bind's own checks, with the machine's
-    left out (``explain`` lists those apart)."""
-    try:
-        check_spec(spec, config, label=label, registry=registry, group=group, machine=False)
-    except IncompatibleBackendError as exc:
-        return {p: (name, list(why)) for p, (name, why) in exc.reasons.items()}
-    return {}
+    """Phase -> (backend, reasons from the config): bind's own checks (``check``), with the
+    machine's left out (``explain`` lists those apart)."""
+    found = check(spec, config, label=label, registry=registry, machine=False)
+    return {p: (name, list(why)) for p, (name, why) in found.items()}
 
 
 def _bind_here(

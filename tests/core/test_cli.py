@@ -66,7 +66,9 @@ def test_list_shows_why_unavailable(capsys: pytest.CaptureFixture[str]) -> None:
     register_echo(
         "needs",
         Capabilities(
-            requires=("no_such_mod_cli",), availability=(lambda: ["not built: run make"],)
+            kinds={"mha", "mla"},
+            requires=("no_such_mod_cli",),
+            availability=(lambda: ["not built: run make"],),
         ),
     )
     assert main(["list"]) == 0

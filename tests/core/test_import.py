@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.imports import imports_of
 from tests.imports import modules
 from tests.imports import path_imports
 
@@ -104,6 +106,13 @@ def _imports(path: Path, name: str, known: dict[str, Path]) -> set[str]:
     return {m for m in path_imports(path, name, set(known)) if m in known}
 
 
+def _imports_with_annotations(path: Path, name: str, known: dict[str, Path]) -> set[str]:
+    """``_imports`` with the ``if TYPE_CHECKING:`` blocks counted too (annotation edges)."""
+    source = re.sub(r"^if TYPE_CHECKING:", "if True:", path.read_text(), flags=re.M)
+    found = imports_of(source, name, path.name == "__init__.py", set(known))
+    return {m for m in found if m in known}
+
+
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -147,11 +156,25 @@ def test_import_graph_has_no_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def test_annotation_imports_have_no_cycle_either() -> None:
+    # In the core (below the backends): the last one was _protocol naming Binding (in _route,
+    # which imports _protocol) for the Runner protocol; Runner now lives beside Binding.
+    outer = ("attn_dispatch.backends", "attn_dispatch.integrations", "attn_dispatch.cli",
+             "attn_dispatch.demo")  # fmt: skip
+    modules = {n: p for n, p in _all_modules().items() if not n.startswith(outer)}
+    graph = {name: _imports_with_annotations(path, name, modules) for name, path in modules.items()}
+    assert "attn_dispatch._config" in graph["attn_dispatch._capabilities"]  # a typing-only edge
+    assert "attn_dispatch._route" not in graph["attn_dispatch._protocol"]
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle (annotations included): " + " -> ".join(cycle or [])
+
+
 def test_bind_imports_neither_compile_nor_torch() -> None:
     # The old side effect: bind() imported attn_dispatch.compile when torch was loaded.
     out = _run(
         "import sys\n"
-        "from attn_dispatch import AttnConfig, Capabilities, BackendBase, bind, Registry\n"
+        "from attn_dispatch import AttnConfig, bind\n"
+        "from attn_dispatch.backend import BackendBase, Capabilities, Registry\n"
         "class B(BackendBase):\n"
         "    name = 'b'\n"
         "    def __init__(self, config, **o): pass\n"

@@ -45,11 +45,11 @@ from attn_dispatch._env import VLLM_TEST_RANK_SPEC
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import ScopeError
+from attn_dispatch._errors import UnsupportedModelError
 from attn_dispatch._phase import Phase
 from attn_dispatch._scope import attention
 from attn_dispatch._scope import attn_scope
 from attn_dispatch._spec import BackendSpec
-from attn_dispatch.integrations.transformers import UnsupportedModelError
 from attn_dispatch.integrations.vllm._settings import DRAFT
 from attn_dispatch.integrations.vllm._settings import TARGET
 from attn_dispatch.integrations.vllm._settings import Settings
