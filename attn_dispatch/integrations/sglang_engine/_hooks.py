@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from attn_dispatch.integrations.sglang_engine import BACKEND_NAME
-from attn_dispatch.integrations.sglang_engine import DRAFT
-from attn_dispatch.integrations.sglang_engine import FACTORY_TARGET
+from attn_dispatch.integrations.sglang_engine._settings import BACKEND_NAME
+from attn_dispatch.integrations.sglang_engine._settings import DRAFT
+from attn_dispatch.integrations.sglang_engine._settings import FACTORY_TARGET
 
 
 def _create_runner_backend(runner: Any) -> Any:

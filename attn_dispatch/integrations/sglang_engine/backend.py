@@ -47,11 +47,11 @@ from attn_dispatch._scope import attention
 from attn_dispatch._scope import attn_scope
 from attn_dispatch.integrations._sglang_rules import phase_of
 from attn_dispatch.integrations.sglang import attn_config_from_layer
-from attn_dispatch.integrations.sglang_engine import BACKEND_NAME
-from attn_dispatch.integrations.sglang_engine import DRAFT
-from attn_dispatch.integrations.sglang_engine import TARGET
-from attn_dispatch.integrations.sglang_engine import Settings
-from attn_dispatch.integrations.sglang_engine import settings_from_env
+from attn_dispatch.integrations.sglang_engine._settings import BACKEND_NAME
+from attn_dispatch.integrations.sglang_engine._settings import DRAFT
+from attn_dispatch.integrations.sglang_engine._settings import TARGET
+from attn_dispatch.integrations.sglang_engine._settings import Settings
+from attn_dispatch.integrations.sglang_engine._settings import settings_from_env
 
 # -- the dispatch record of this process (the "record" setting) -------------------------------
 
