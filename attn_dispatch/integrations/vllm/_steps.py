@@ -76,21 +76,40 @@ def step_parts(
         out.append(
             StepPart(
                 index,
-                _batch(phase, reqs, q_lens, kv_lens, block_table, block_size)
-                if tables is None
-                else _batch_lists(phase, reqs, q_lens, kv_lens, tables, block_size),
+                _batch_lists(phase, reqs, q_lens, kv_lens, tables, block_size)
+                if isinstance(tables, list)
+                else _batch(phase, reqs, q_lens, kv_lens, tables, block_size),
                 _rows(reqs, starts, q_lens),
             )
         )
     return tuple(out)
 
 
-def _int_vector(name: str, t: object, length: int | None) -> list[int]:
-    """The values of a 1-D integer tensor, or ``InvalidBatchError`` naming ``name``."""
+def _integer_tensor(name: str, t: object) -> torch.Tensor:
+    """``t`` when it is an integer tensor on the CPU, or ``InvalidBatchError`` naming ``name``.
+
+    The one rule of every index field, on both ways a step is built: any integer dtype
+    (signed or unsigned, 8 to 64 bits; vLLM's are int32) whose values the checks below then
+    bound; a host tensor, since the step is read on the host (a meta tensor has no values, a
+    device tensor would be a copy per step that vLLM's CPU engine never makes).
+    """
     if not isinstance(t, torch.Tensor):
         raise InvalidBatchError(name, f"expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise InvalidBatchError(name, f"expected an integer tensor, got dtype {t.dtype}")
+        raise InvalidBatchError(
+            name, f"expected an integer tensor (any width, e.g. int32), got dtype {t.dtype}"
+        )
+    if t.device.type != "cpu":
+        raise InvalidBatchError(
+            name,
+            f"expected a CPU tensor (the step is read on the host), got device {str(t.device)!r}",
+        )
+    return t
+
+
+def _int_vector(name: str, t: object, length: int | None) -> list[int]:
+    """The values of a 1-D integer tensor, or ``InvalidBatchError`` naming ``name``."""
+    t = _integer_tensor(name, t)
     if t.dim() != 1:
         raise InvalidBatchError(name, f"expected one dimension, got shape {tuple(t.shape)}")
     if length is not None and t.shape[0] != length:
@@ -110,13 +129,14 @@ def _checked(
     num_speculative_tokens: int,
     mixed: str,
     draft: bool,
-) -> tuple[list[int], list[int], list[int], list[list[int]] | None]:
+) -> tuple[list[int], list[int], list[int], list[list[int]] | torch.Tensor | None]:
     """``(starts, q_lens, kv_lens, tables)`` of a valid step, or the first problem as an
     ``InvalidBatchError`` (fields are the ``step_parts`` argument names; the annotations say
     what is expected, the checks hold whatever a caller passes). ``tables``: the block ids
     each request reads (the first ``need`` of its row, as read here, checked), when the step
-    is small enough to read as Python ints (``_LIST_CELLS``); else None (``_batch`` reads
-    the tensor)."""
+    is small enough to read as Python ints (``_LIST_CELLS``); else the checked rows as an
+    int32 or int64 tensor ``[R, widest]`` (``_batch`` reads it); None when no request reads
+    a block (no query token in the step)."""
     for name, value, low in (
         ("block_size", block_size, 1),
         ("num_speculative_tokens", num_speculative_tokens, 0),
@@ -137,18 +157,7 @@ def _checked(
     # One pass in C over a valid step; the loop below names the first problem.
     if q_lens and (min(q_lens) < 0 or any(map(operator.lt, kv_lens, q_lens))):
         _name_length_problem(starts, q_lens, kv_lens)
-    if not isinstance(block_table, torch.Tensor):
-        raise InvalidBatchError(
-            "block_table", f"expected a torch.Tensor, got {type(block_table).__name__}"
-        )
-    if (
-        block_table.dtype.is_floating_point
-        or block_table.dtype.is_complex
-        or (block_table.dtype == torch.bool)
-    ):
-        raise InvalidBatchError(
-            "block_table", f"expected an integer tensor, got dtype {block_table.dtype}"
-        )
+    block_table = _integer_tensor("block_table", block_table)
     if block_table.dim() != 2 or block_table.shape[0] < len(q_lens):
         raise InvalidBatchError(
             "block_table",
@@ -181,12 +190,17 @@ def _checked(
         return starts, q_lens, kv_lens, tables
     read = torch.arange(wmax).unsqueeze(0) < torch.tensor(need).unsqueeze(1)
     sub = rows[:, :wmax]
+    if sub.dtype not in (torch.int32, torch.int64):
+        # The list path reads any integer dtype as Python ints; the same values here: int64
+        # holds every id the bound below lets through (and an 8-bit id cannot be compared
+        # with the bound, nor doubled into a page index, in its own dtype).
+        sub = sub.to(torch.int64)
     # Page 2b + 1 (V of block b) must fit the int32 page indices the batch carries.
     bad = ((sub < 0) | (sub >= _MAX_BLOCK_ID)) & read
     if bool(bad.any()):
         i = int(bad.any(dim=1).nonzero()[0])
         raise _bad_blocks(i, need[i], block_table[i, : need[i]].tolist())
-    return starts, q_lens, kv_lens, None
+    return starts, q_lens, kv_lens, sub
 
 
 def _name_length_problem(starts: list[int], q_lens: list[int], kv_lens: list[int]) -> None:
@@ -260,9 +274,11 @@ def _batch(
     reqs: list[int],
     q_lens: list[int],
     kv_lens: list[int],
-    block_table: torch.Tensor,
+    block_table: torch.Tensor | None,
     block_size: int,
 ) -> AttnBatch:
+    """One phase's ``AttnBatch`` from the checked rows (int32 or int64, ids in range)."""
+    assert block_table is not None  # a present phase has a request that reads a block
     sel_q = [q_lens[i] for i in reqs]
     sel_kv = [kv_lens[i] for i in reqs]
     pages = [-(-k // block_size) for k in sel_kv]
@@ -270,7 +286,8 @@ def _batch(
     table = block_table.index_select(0, idx)
     width = max(pages)
     keep = torch.arange(width).unsqueeze(0) < torch.tensor(pages).unsqueeze(1)
-    kv_indices = (table[:, :width][keep] * 2).to(torch.int32)
+    # Ids are < 2**30 (checked): doubled in int32, page 2b + 1 still fits.
+    kv_indices = table[:, :width][keep].to(torch.int32) * 2
     i32 = torch.int32
     return AttnBatch(
         phase=phase,
