@@ -76,7 +76,7 @@ def step_parts(
         out.append(
             StepPart(
                 index,
-                _batch_lists(phase, reqs, q_lens, kv_lens, tables, block_size)
+                batch_from_lists(phase, reqs, q_lens, kv_lens, tables, block_size)
                 if isinstance(tables, list)
                 else _batch(phase, reqs, q_lens, kv_lens, tables, block_size),
                 _rows(reqs, starts, q_lens),
@@ -147,6 +147,18 @@ def _checked(
         raise InvalidBatchError("mixed", f"expected one of {MIXED_MODES!r}, got {mixed!r}")
     if not isinstance(draft, bool):
         raise InvalidBatchError("draft", f"expected a bool, got {draft!r}")
+    starts, q_lens, kv_lens = step_lengths(query_start_loc, seq_lens)
+    # The blocks each request reads (none for a request left out: its row is never read).
+    need = [-(-kv // block_size) if q else 0 for q, kv in zip(q_lens, kv_lens, strict=True)]
+    return starts, q_lens, kv_lens, step_blocks(block_table, need, kv_lens, block_size)
+
+
+def step_lengths(
+    query_start_loc: object, seq_lens: object
+) -> tuple[list[int], list[int], list[int]]:
+    """``(starts, q_lens, kv_lens)`` of a step, checked: offsets that start at 0 or later and
+    never decrease, ``seq_lens`` (cached + new tokens) at least each query length; else an
+    ``InvalidBatchError`` naming the field and the request."""
     starts = _int_vector("query_start_loc", query_start_loc, None)
     if not starts:
         raise InvalidBatchError("query_start_loc", "expected R + 1 >= 1 entries, got none")
@@ -157,29 +169,48 @@ def _checked(
     # One pass in C over a valid step; the loop below names the first problem.
     if q_lens and (min(q_lens) < 0 or any(map(operator.lt, kv_lens, q_lens))):
         _name_length_problem(starts, q_lens, kv_lens)
+    return starts, q_lens, kv_lens
+
+
+def step_blocks(
+    block_table: object,
+    need: list[int],
+    lens: list[int],
+    block_size: int,
+    *,
+    lens_name: str = "seq_lens",
+    as_lists: bool = False,
+) -> list[list[int]] | torch.Tensor | None:
+    """The block ids each request reads (request i: the first ``need[i]`` of its row), checked:
+    an integer CPU table with a row per request, wide enough, ids in ``[0, 2**30)``; else an
+    ``InvalidBatchError`` naming the request. ``lens`` (named ``lens_name``) are the token
+    counts ``need`` was computed from, for the message.
+
+    As Python ints (``list[list[int]]``) when the step is small (``_LIST_CELLS``) or
+    ``as_lists``; else the checked rows ``[R, widest]`` as an int32 or int64 tensor; None
+    when no request reads a block.
+    """
     block_table = _integer_tensor("block_table", block_table)
-    if block_table.dim() != 2 or block_table.shape[0] < len(q_lens):
+    if block_table.dim() != 2 or block_table.shape[0] < len(need):
         raise InvalidBatchError(
             "block_table",
-            f"expected [{len(q_lens)}, max_blocks] (a row per request), got shape "
+            f"expected [{len(need)}, max_blocks] (a row per request), got shape "
             f"{tuple(block_table.shape)}",
         )
     width = block_table.shape[1]
-    # The blocks each request reads (none for a request left out: its row is never read).
-    need = [-(-kv // block_size) if q else 0 for q, kv in zip(q_lens, kv_lens, strict=True)]
     wmax = max(need, default=0)
     for i, n in enumerate(need if wmax > width else ()):
         if n > width:
             raise InvalidBatchError(
                 "block_table",
-                f"{width} block(s) per row, but seq_lens {kv_lens[i]!r} at block_size "
+                f"{width} block(s) per row, but {lens_name} {lens[i]!r} at block_size "
                 f"{block_size!r} needs {n}",
                 request=i,
             )
     if not wmax:
-        return starts, q_lens, kv_lens, None
+        return None
     rows = block_table[: len(need)]
-    if len(need) * wmax <= _LIST_CELLS:
+    if as_lists or len(need) * wmax <= _LIST_CELLS:
         # The common step (decodes over short tables): one host read of the blocks read, and
         # the check and the batch both work on those ints (a torch op costs ~3 us here).
         listed: list[list[int]] = rows[:, :wmax].tolist()
@@ -187,7 +218,7 @@ def _checked(
         for i, blocks in enumerate(tables):
             if blocks and (min(blocks) < 0 or max(blocks) >= _MAX_BLOCK_ID):
                 raise _bad_blocks(i, need[i], blocks)
-        return starts, q_lens, kv_lens, tables
+        return tables
     read = torch.arange(wmax).unsqueeze(0) < torch.tensor(need).unsqueeze(1)
     sub = rows[:, :wmax]
     if sub.dtype not in (torch.int32, torch.int64):
@@ -200,7 +231,7 @@ def _checked(
     if bool(bad.any()):
         i = int(bad.any(dim=1).nonzero()[0])
         raise _bad_blocks(i, need[i], block_table[i, : need[i]].tolist())
-    return starts, q_lens, kv_lens, sub
+    return sub
 
 
 def _name_length_problem(starts: list[int], q_lens: list[int], kv_lens: list[int]) -> None:
@@ -241,7 +272,7 @@ def _rows(reqs: list[int], starts: list[int], q_lens: list[int]) -> slice | torc
     return torch.cat([torch.arange(starts[i], starts[i] + q_lens[i]) for i in reqs])
 
 
-def _batch_lists(
+def batch_from_lists(
     phase: Phase,
     reqs: list[int],
     q_lens: list[int],
@@ -249,7 +280,8 @@ def _batch_lists(
     tables: list[list[int]],
     block_size: int,
 ) -> AttnBatch:
-    """``_batch`` from the checked block ids as ints: one tensor holds the four index
+    """One phase's ``AttnBatch`` of requests ``reqs`` from their checked block ids as ints
+    (``tables[i]``: request i's blocks; ``kv_lens[i]`` its tokens): one tensor holds the four index
     vectors (``AttnBatch`` checks them again, and every plan copies them)."""
     sel_q = [q_lens[i] for i in reqs]
     sel_kv = [kv_lens[i] for i in reqs]
@@ -299,4 +331,10 @@ def _batch(
     )
 
 
-__all__ = ["StepPart", "step_parts"]
+__all__ = [
+    "StepPart",
+    "batch_from_lists",
+    "step_blocks",
+    "step_lengths",
+    "step_parts",
+]

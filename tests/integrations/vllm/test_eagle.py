@@ -303,7 +303,7 @@ def test_every_vllm_method_is_classified() -> None:
     from vllm.config.speculative import SpeculativeConfig
     from vllm.config.speculative import SpeculativeMethod
 
-    from attn_dispatch.integrations.vllm.backend import speculation_runs_draft_attention
+    from attn_dispatch.integrations.vllm._runners import speculation_runs_draft_attention
 
     def flat(t: Any) -> list[str]:
         out: list[str] = []
@@ -330,18 +330,18 @@ def test_runner_signals_must_agree() -> None:
     from vllm.compilation.backends import set_model_tag
 
     from attn_dispatch.integrations.transformers import UnsupportedModelError
-    from attn_dispatch.integrations.vllm.backend import _runner_of
+    from attn_dispatch.integrations.vllm._runners import runner_of
 
     spec = type("S", (), {"method": "eagle", "uses_draft_kv_cache": lambda self: True})()
     cfg = type("C", (), {"speculative_config": spec})()
     # A stand-in proposer: a class of vLLM's proposer modules, building a layer in a method.
     Proposer = type("FakeProposer", (), {"__module__": "vllm.v1.spec_decode.fake"})
-    Proposer.build = lambda self: _runner_of(cfg)  # type: ignore[attr-defined]
-    assert _runner_of(cfg) == "target"
+    Proposer.build = lambda self: runner_of(cfg)  # type: ignore[attr-defined]
+    assert runner_of(cfg) == "target"
     with set_model_tag("eagle_head"):
         assert Proposer().build() == "draft"
         with pytest.raises(UnsupportedModelError, match="no speculative proposer is building"):
-            _runner_of(cfg)
+            runner_of(cfg)
     with pytest.raises(UnsupportedModelError, match="FakeProposer is building it") as err:
         Proposer().build()
     assert "'backbone'" in str(err.value) and "eagle_head" in str(err.value)
@@ -353,7 +353,7 @@ def test_runner_signals_must_agree() -> None:
 
 def test_draft_layer_names_are_checked_against_vllms_proposer() -> None:
     from attn_dispatch.integrations.transformers import UnsupportedModelError
-    from attn_dispatch.integrations.vllm.backend import check_draft_layer_names
+    from attn_dispatch.integrations.vllm._runners import check_draft_layer_names
 
     drafter = type("D", (), {"_draft_attn_layer_names": {"model.layers.2.self_attn.attn"}})()
     Runner = type("FakeRunner", (), {"__module__": "vllm.v1.worker.fake", "drafter": drafter})
@@ -372,7 +372,7 @@ def test_each_layer_steps_with_its_runners_phase_rule() -> None:
     than the target ever verifies (PREFILL, a chunk)."""
     torch = pytest.importorskip("torch")
     from attn_dispatch import Phase
-    from attn_dispatch.integrations.vllm.backend import DispatchMetadata
+    from attn_dispatch.integrations.vllm._metadata import DispatchMetadata
 
     qsl = torch.tensor([0, K + 2, K + 3], dtype=torch.int32)
     seq = torch.tensor([40, 41], dtype=torch.int32)

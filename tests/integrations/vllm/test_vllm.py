@@ -455,7 +455,7 @@ def test_layer_config_maps_and_refuses() -> None:
     from types import SimpleNamespace
 
     from attn_dispatch.integrations.transformers import UnsupportedModelError
-    from attn_dispatch.integrations.vllm.backend import layer_config
+    from attn_dispatch.integrations.vllm._layers import layer_config
 
     cfg = SimpleNamespace(
         model_config=SimpleNamespace(dtype=torch.bfloat16),
