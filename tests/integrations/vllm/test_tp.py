@@ -163,14 +163,16 @@ def test_tp2_ranks_agreed_at_start(ours_tp2: dict[str, Any]) -> None:
 
 
 def test_tp2_rank_that_binds_another_spec_stops_the_engine(model: str) -> None:
-    """One rank (the test hook) binds decode=torch while the other binds native: every rank
-    raises RankMismatchError at start-up, naming each rank's backend."""
+    """One rank binds decode=torch while the other binds native (the test patches rank 1's
+    settings in its worker: ``rank_spec/sitecustomize.py``): every rank raises
+    RankMismatchError at start-up, naming each rank's backend."""
     got = _run(
         {
             "model": model,
             "attn_dispatch": {"target": "prefill=torch,decode=native"},
-            "env": {"ATTN_DISPATCH_VLLM_TEST_RANK_SPEC": "1:torch"},
-        }
+            "env": {"TEST_RANK_SPEC": "1:torch"},
+        },
+        pythonpath=[RANK_SPEC],
     )
     assert "error" in got, got.get("tokens")
     # The caller sees vLLM's "Worker failed with error '<our message>'".
@@ -196,6 +198,7 @@ LSE_REFUSAL = (
 )
 CPU_REFUSAL = "Context Parallelism is not supported on CPU."
 CP_SLOTS = ROOT / "tests" / "integrations" / "vllm" / "cp_slot_mapping"
+RANK_SPEC = ROOT / "tests" / "integrations" / "vllm" / "rank_spec"
 
 
 @pytest.fixture(scope="module")
