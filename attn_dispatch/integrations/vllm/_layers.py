@@ -37,7 +37,7 @@ KV_DTYPES = {
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(slots=True, eq=False)  # mutable: the engine's caches
 class EngineState:
     """What the plugin keeps for one vLLM engine (``engine_state``)."""
 
