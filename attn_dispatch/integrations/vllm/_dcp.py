@@ -4,11 +4,13 @@ rank, and one layer's attention over them.
 vLLM shards every request's KV tokens over the ranks of a DCP group; which tokens a rank holds
 is ``attn_dispatch.distributed.owned_positions`` (the ``"interleaved"`` layout, vLLM's
 ``cp_kv_cache_interleave_size``), the one definition of that layout: a rank's local cache holds
-its positions in order, so a decode request's local length is how many it owns.
+its positions in order, so a decode request's local length is how many it owns
+(``local_lengths``).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from typing import Any
@@ -24,7 +26,7 @@ from attn_dispatch._scope import attn_scope
 from attn_dispatch.distributed import owned_positions
 from attn_dispatch.integrations.transformers import UnsupportedModelError
 from attn_dispatch.integrations.vllm._layers import LayerDispatch
-from attn_dispatch.integrations.vllm._steps import batch_from_lists
+from attn_dispatch.integrations.vllm._steps import batch_from_table
 from attn_dispatch.integrations.vllm._steps import step_blocks
 from attn_dispatch.integrations.vllm._steps import step_lengths
 
@@ -49,6 +51,27 @@ class DcpStep:
     prompt_pages: int
 
 
+def local_lengths(kv_lens: list[int], *, world: int, rank: int, interleave: int) -> list[int]:
+    """How many of each request's ``kv_lens[i]`` tokens rank ``rank`` holds: the length of
+    ``owned_positions(kv_len, rank=rank, world=world, interleave=interleave)``.
+
+    The interleaved layout repeats every ``world * interleave`` tokens, so the rank's offsets
+    in one such cycle (``owned_positions`` over one cycle) give every count: whole cycles times
+    their number, plus those below the remainder. One layout call per step instead of one list
+    of ``kv_len / world`` positions per request and step (milliseconds at long contexts).
+
+    >>> local_lengths([5, 9, 2], world=2, rank=1, interleave=2)
+    [2, 4, 0]
+    """
+    cycle = world * interleave
+    offsets = owned_positions(cycle, rank=rank, world=world, interleave=interleave)
+    out = []
+    for kv in kv_lens:
+        full, rest = divmod(kv, cycle)
+        out.append(full * len(offsets) + bisect.bisect_left(offsets, rest))
+    return out
+
+
 def dcp_step(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -63,6 +86,7 @@ def dcp_step(
     block table holding this rank's blocks); a step this path cannot serve is an
     ``UnsupportedModelError`` naming the request, a malformed one an ``InvalidBatchError``."""
     starts, q_lens, kv_lens = step_lengths(query_start_loc, seq_lens)
+    owned = local_lengths(kv_lens, world=world, rank=rank, interleave=interleave)
     dec_reqs: list[int] = []
     local_lens = [0] * len(q_lens)
     prompt_reqs: list[int] = []
@@ -72,7 +96,7 @@ def dcp_step(
         if kv == q:
             prompt_reqs.append(i)
         elif q == 1:
-            local = len(owned_positions(kv, rank=rank, world=world, interleave=interleave))
+            local = owned[i]
             if local == 0:
                 raise UnsupportedModelError(
                     f"decode context parallel: request {i} ({kv} tokens) has no token on DCP "
@@ -95,16 +119,17 @@ def dcp_step(
     decode_rows = empty
     if dec_reqs:
         need = [-(-n // block_size) for n in local_lens]
-        tables = step_blocks(
+        # Tensor ops: a decode over a long context reads many blocks (ints cost more there).
+        table = step_blocks(
             block_table,
             need,
             local_lens,
             block_size,
             lens_name="this rank's share of seq_lens",
-            as_lists=True,
+            as_lists=False,
         )
-        assert isinstance(tables, list)  # as_lists, and a decode request reads a block
-        decode = batch_from_lists(Phase.DECODE, dec_reqs, q_lens, local_lens, tables, block_size)
+        assert isinstance(table, torch.Tensor)  # a decode request reads a block
+        decode = batch_from_table(Phase.DECODE, dec_reqs, q_lens, local_lens, table, block_size)
         decode_rows = torch.tensor([starts[i] for i in dec_reqs], dtype=torch.int64)
     prompt = None
     prompt_rows = prompt_slots = empty
@@ -194,4 +219,12 @@ def forward_dcp(
             out[rows] = attention(q, kp, vp, **extras)
 
 
-__all__ = ["DCP_DECODE", "DCP_PROMPT", "DcpStep", "StepPlans", "dcp_step", "forward_dcp"]
+__all__ = [
+    "DCP_DECODE",
+    "DCP_PROMPT",
+    "DcpStep",
+    "StepPlans",
+    "dcp_step",
+    "forward_dcp",
+    "local_lengths",
+]

@@ -78,7 +78,7 @@ def step_parts(
                 index,
                 batch_from_lists(phase, reqs, q_lens, kv_lens, tables, block_size)
                 if isinstance(tables, list)
-                else _batch(phase, reqs, q_lens, kv_lens, tables, block_size),
+                else batch_from_table(phase, reqs, q_lens, kv_lens, tables, block_size),
                 _rows(reqs, starts, q_lens),
             )
         )
@@ -135,8 +135,8 @@ def _checked(
     what is expected, the checks hold whatever a caller passes). ``tables``: the block ids
     each request reads (the first ``need`` of its row, as read here, checked), when the step
     is small enough to read as Python ints (``_LIST_CELLS``); else the checked rows as an
-    int32 or int64 tensor ``[R, widest]`` (``_batch`` reads it); None when no request reads
-    a block (no query token in the step)."""
+    int32 or int64 tensor ``[R, widest]`` (``batch_from_table`` reads it); None when no
+    request reads a block (no query token in the step)."""
     for name, value, low in (
         ("block_size", block_size, 1),
         ("num_speculative_tokens", num_speculative_tokens, 0),
@@ -179,16 +179,16 @@ def step_blocks(
     block_size: int,
     *,
     lens_name: str = "seq_lens",
-    as_lists: bool = False,
+    as_lists: bool | None = None,
 ) -> list[list[int]] | torch.Tensor | None:
     """The block ids each request reads (request i: the first ``need[i]`` of its row), checked:
     an integer CPU table with a row per request, wide enough, ids in ``[0, 2**30)``; else an
     ``InvalidBatchError`` naming the request. ``lens`` (named ``lens_name``) are the token
     counts ``need`` was computed from, for the message.
 
-    As Python ints (``list[list[int]]``) when the step is small (``_LIST_CELLS``) or
-    ``as_lists``; else the checked rows ``[R, widest]`` as an int32 or int64 tensor; None
-    when no request reads a block.
+    As Python ints (``list[list[int]]``) when the step is small (``_LIST_CELLS``), else the
+    checked rows ``[R, widest]`` as an int32 or int64 tensor (``as_lists`` True or False: that
+    form whatever the size); None when no request reads a block.
     """
     block_table = _integer_tensor("block_table", block_table)
     if block_table.dim() != 2 or block_table.shape[0] < len(need):
@@ -210,7 +210,7 @@ def step_blocks(
     if not wmax:
         return None
     rows = block_table[: len(need)]
-    if as_lists or len(need) * wmax <= _LIST_CELLS:
+    if as_lists if as_lists is not None else len(need) * wmax <= _LIST_CELLS:
         # The common step (decodes over short tables): one host read of the blocks read, and
         # the check and the batch both work on those ints (a torch op costs ~3 us here).
         listed: list[list[int]] = rows[:, :wmax].tolist()
@@ -301,7 +301,7 @@ def batch_from_lists(
     )
 
 
-def _batch(
+def batch_from_table(
     phase: Phase,
     reqs: list[int],
     q_lens: list[int],
@@ -334,6 +334,7 @@ def _batch(
 __all__ = [
     "StepPart",
     "batch_from_lists",
+    "batch_from_table",
     "step_blocks",
     "step_lengths",
     "step_parts",

@@ -217,3 +217,19 @@ def test_dcp_prompt_and_refusals() -> None:
     narrow = torch.tensor([[3], [4]], dtype=I32)
     with pytest.raises(InvalidBatchError, match="share of seq_lens 5 at block_size 4 needs 2"):
         _dcp_metadata([1, 1], [9, 3], narrow, block=4, interleave=1).dcp_step(2, 0)
+
+
+def test_dcp_local_lengths_are_the_layouts_counts() -> None:
+    from attn_dispatch.distributed import owned_positions
+    from attn_dispatch.integrations.vllm._dcp import local_lengths
+
+    lens = list(range(0, 70))
+    for world in (1, 2, 3, 4):
+        for interleave in (1, 2, 3, 16):
+            for rank in range(world):
+                got = local_lengths(lens, world=world, rank=rank, interleave=interleave)
+                want = [
+                    len(owned_positions(n, rank=rank, world=world, interleave=interleave))
+                    for n in lens
+                ]
+                assert got == want, (world, interleave, rank)
