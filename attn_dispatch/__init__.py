@@ -16,36 +16,48 @@ This ``__init__`` is the top of the layers (see ``tests/core/test_layers.py``): 
 that wires the built-in backends into the default registry.
 """
 
-import sys
-import warnings
 from typing import TYPE_CHECKING
 from typing import Any
 
+from attn_dispatch import _dynamo_hook
 from attn_dispatch import _registry
 from attn_dispatch import backend as _backend_surface
 from attn_dispatch._binding import bind
+from attn_dispatch._binding import check
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import BackendUnavailableError
+from attn_dispatch._errors import CallError
+from attn_dispatch._errors import CaptureError
+from attn_dispatch._errors import DispatchTableError
 from attn_dispatch._errors import DuplicateBackendError
 from attn_dispatch._errors import IncompatibleBackendError
+from attn_dispatch._errors import IncompatibleKVLayoutError
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._errors import InvalidKVLayoutError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import NoActiveScopeError
+from attn_dispatch._errors import NoProcessGroupError
+from attn_dispatch._errors import RankFailedError
+from attn_dispatch._errors import RankMismatchError
 from attn_dispatch._errors import ScopeError
+from attn_dispatch._errors import StaleTableError
+from attn_dispatch._errors import StartupError
 from attn_dispatch._errors import UnknownBackendError
 from attn_dispatch._errors import UnknownPhaseError
+from attn_dispatch._errors import UnsupportedModelError
+from attn_dispatch._errors import UsageError
 from attn_dispatch._forms import AttnForm
+from attn_dispatch._frame import attn_scope
 from attn_dispatch._phase import Phase
-from attn_dispatch._protocol import Runner
 from attn_dispatch._record import DispatchEvent
 from attn_dispatch._record import DispatchRecorder
 from attn_dispatch._record import record_dispatch
 from attn_dispatch._route import Binding
 from attn_dispatch._route import Route
+from attn_dispatch._route import Runner
 from attn_dispatch._scope import attention
 from attn_dispatch._scope import attention_form
-from attn_dispatch._scope import attn_scope
 from attn_dispatch._scope import current_batch
 from attn_dispatch._scope import current_binding
 from attn_dispatch._scope import resolve
@@ -65,6 +77,9 @@ from attn_dispatch._version import __version__ as __version__
 # The wiring: the built-in backends join every registry that loads built-ins (the default one
 # included), on first use. Neither the registry nor the backends import each other.
 _registry.install_builtins(_BUILTINS)
+# torch.compile over attention works without `import attn_dispatch.compile`: its op is
+# registered when Dynamo loads (now, if it already has), never before (see _dynamo_hook).
+_dynamo_hook.install()
 
 # Names that need torch: loaded on first use, so start-up imports of the core stay small.
 _LAZY = {
@@ -74,77 +89,13 @@ _LAZY = {
     "merge_states": "attn_dispatch.state",
 }
 
-# Old top-level names, kept for one release: name -> (new home, attribute there).
-_MOVED = {
-    **{
-        name: ("attn_dispatch.backend", name)
-        for name in (
-            "AttentionBackend",
-            "BackendBase",
-            "Capabilities",
-            "ChunkedHandler",
-            "FormPolicy",
-            "Handler",
-            "PlanBase",
-            "Registry",
-            "check_plan",
-            "issue_plan",
-            "list_backends",
-            "register_backend",
-            "unregister_backend",
-        )
-    },
-    "phase_of": ("attn_dispatch.integrations.sglang", "phase_of"),
-}
-
 
 def __getattr__(name: str) -> Any:
     import importlib
 
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    moved = _MOVED.get(name)
-    if moved is not None:
-        module, attr = moved
-        # `from attn_dispatch import name` asks twice: importlib's hasattr() on the package,
-        # then the import itself; warn once, at the user's line.
-        if sys._getframe(1).f_globals.get("__name__") != "importlib._bootstrap":
-            warnings.warn(
-                f"attn_dispatch.{name} moved to {module}.{attr}; import it from there "
-                "(the old name goes in the next release)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'attn_dispatch' has no attribute {name!r}")
-
-
-def _spec_from_server_args(
-    cls: type[BackendSpec],
-    args: object,
-    *,
-    is_draft: bool = False,
-    speculative_algorithm: str | None = None,
-) -> BackendSpec:
-    """Deprecated: ``attn_dispatch.integrations.sglang.spec_from_server_args``."""
-    warnings.warn(
-        "BackendSpec.from_server_args moved to "
-        "attn_dispatch.integrations.sglang.spec_from_server_args (SGLang's rules live with its "
-        "integration); the old name goes in the next release",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    from attn_dispatch.integrations.sglang import spec_from_server_args
-
-    spec = spec_from_server_args(
-        args, is_draft=is_draft, speculative_algorithm=speculative_algorithm
-    )
-    return spec if cls is BackendSpec else cls(**spec.to_dict())
-
-
-# BackendSpec.from_server_args, kept for one release: attached here, the layer that may know
-# the SGLang integration (the value types below it may not).
-type.__setattr__(BackendSpec, "from_server_args", classmethod(_spec_from_server_args))
 
 
 def _public(obj: object, module: str = "attn_dispatch") -> None:
@@ -164,24 +115,37 @@ __all__ = [
     "BackendSpec",
     "BackendUnavailableError",
     "Binding",
+    "CallError",
+    "CaptureError",
     "DispatchEvent",
     "DispatchRecorder",
+    "DispatchTableError",
     "DuplicateBackendError",
     "IncompatibleBackendError",
+    "IncompatibleKVLayoutError",
     "InvalidBatchError",
+    "InvalidKVLayoutError",
     "InvalidSpecError",
     "NoActiveScopeError",
+    "NoProcessGroupError",
     "Phase",
+    "RankFailedError",
+    "RankMismatchError",
     "Route",
     "Runner",
     "ScopeError",
+    "StaleTableError",
+    "StartupError",
     "UnknownBackendError",
     "UnknownPhaseError",
+    "UnsupportedModelError",
+    "UsageError",
     "attention",
     "attention_form",
     "attn_scope",
     "bind",
     "carry_scope",
+    "check",
     "current_batch",
     "current_binding",
     "merge_state",
@@ -195,5 +159,4 @@ __all__ = [
 for _name in __all__:
     if _name not in _LAZY:
         _public(globals()[_name])
-_public(_spec_from_server_args)
 del _name, _backend_surface

@@ -91,14 +91,63 @@ def bind(
     if isinstance(config, Mapping):
         return _bind_groups(spec, config, label, options, registry)
     if isinstance(spec, Mapping):
-        raise InvalidSpecError(
-            "spec",
-            dict(spec),
-            "a mapping group -> spec needs a mapping group -> config too: "
-            "bind({'sliding': s1, 'full': s2}, {'sliding': cfg_a, 'full': cfg_b})",
-        )
+        raise _specs_without_groups(spec)
     checked = check_spec(spec, config, label=label, options=options, registry=registry)
     return _build_checked(checked, config, label)
+
+
+def _specs_without_groups(spec: Mapping[str, BackendSpec | str]) -> InvalidSpecError:
+    return InvalidSpecError(
+        "spec",
+        dict(spec),
+        "a mapping group -> spec needs a mapping group -> config too: "
+        "bind({'sliding': s1, 'full': s2}, {'sliding': cfg_a, 'full': cfg_b})",
+    )
+
+
+def check(
+    spec: BackendSpec | str | Mapping[str, BackendSpec | str],
+    config: AttnConfig | Mapping[str, AttnConfig],
+    *,
+    label: str | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    registry: Registry | None = None,
+    machine: bool = True,
+) -> dict[Phase, tuple[str, tuple[str, ...]]]:
+    """Every reason ``bind`` would refuse ``spec`` for ``config`` with, without building any
+    backend: empty when ``bind`` would pass its checks.
+
+    >>> config = AttnConfig("mha", num_q_heads=4, num_kv_heads=2, head_dim=16,
+    ...                     dtype="float32", device="cuda")
+    >>> check("prefill=torch,decode=native", config, machine=False)
+    {<Phase.DECODE: 1>: ('native', ("device 'cuda' is not supported (supported: 'cpu')",))}
+    >>> check("torch", config, machine=False)
+    {}
+
+    The same checks as ``bind``, so argument parsing can refuse a spec cheaply (no factory
+    runs, nothing is imported beyond the backends' capabilities): the result maps each phase
+    that cannot be served to ``(backend name, reasons)``, as ``IncompatibleBackendError.reasons``
+    does. What ``bind`` refuses before checking capabilities still raises: a malformed spec or
+    config (``InvalidSpecError``) and an unregistered name (``UnknownBackendError``). Groups
+    (``config`` a mapping group -> config) are checked as ``bind`` checks them, each reason
+    naming its group. ``machine=False`` leaves out what depends on this machine (modules,
+    CUDA): the config checked as on a machine that has what each backend needs.
+
+    A passing check does not promise that ``bind`` succeeds: a backend's factory may still fail
+    when it builds (``BackendUnavailableError``).
+    """
+    try:
+        if isinstance(config, Mapping):
+            _check_groups(spec, config, label, options, registry, machine=machine)
+        else:
+            if isinstance(spec, Mapping):
+                raise _specs_without_groups(spec)
+            check_spec(
+                spec, config, label=label, options=options, registry=registry, machine=machine
+            )
+    except IncompatibleBackendError as exc:
+        return {phase: (name, tuple(why)) for phase, (name, why) in exc.reasons.items()}
+    return {}
 
 
 def check_spec(
@@ -201,6 +250,22 @@ def _bind_groups(
     options: Mapping[str, Mapping[str, Any]] | None,
     registry: Registry | None,
 ) -> Binding:
+    checked = _check_groups(spec, configs, label, options, registry)
+    groups = {n: _build_checked(checked[n], configs[n], label, n) for n in checked}
+    return Binding._grouped(groups, label)
+
+
+def _check_groups(
+    spec: BackendSpec | str | Mapping[str, BackendSpec | str],
+    configs: Mapping[str, AttnConfig],
+    label: str | None,
+    options: Mapping[str, Mapping[str, Any]] | None,
+    registry: Registry | None,
+    *,
+    machine: bool = True,
+) -> dict[str, CheckedSpec]:
+    """Every group checked before any factory runs: one ``IncompatibleBackendError`` with
+    every reason of every group (each line names its group)."""
     names = list(configs)
     if not names:
         raise InvalidSpecError("config", {}, "a grouped binding needs at least one group")
@@ -230,13 +295,13 @@ def _bind_groups(
             registry=registry,
             group=n,
             reasons=reasons,
+            machine=machine,
         )
         for n in names
     }
     if reasons:
         raise IncompatibleBackendError(label, reasons, config=dict(configs))
-    groups = {n: _build_checked(checked[n], configs[n], label, n) for n in names}
-    return Binding._grouped(groups, label)
+    return checked
 
 
 def _add_served_by(

@@ -7,6 +7,7 @@ Building one validates its fields (``InvalidSpecError``); checking a config agai
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import types
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from collections.abc import Iterable
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
+from typing import Any
 
 from attn_dispatch._dtypes import dtype_name
 from attn_dispatch._errors import InvalidSpecError
@@ -29,6 +31,8 @@ CheckFn = Callable[["AttnConfig", Phase], Iterable[str]]
 AvailabilityFn = Callable[[], Iterable[str]]
 
 ALL_PHASES = frozenset(Phase)
+# The default of ``kinds``, refused on construction: it must be declared.
+_UNDECLARED: frozenset[str] = frozenset()
 
 
 def _members(field: str, values: object) -> list[object]:
@@ -160,10 +164,15 @@ class Capabilities:
     for every phase or a mapping phase -> set, like ``forms``; a backend that declares none
     serves none. FP8 caches are declared in ``kv_dtypes`` (``"float8_e4m3fn"``,
     ``"float8_e5m2"``). A field given the wrong shape (``kinds="mha"`` instead of
-    ``{"mha"}``) raises ``InvalidSpecError``.
+    ``{"mha"}``) raises ``InvalidSpecError``. ``kinds`` is required; ``custom_mask`` (tree
+    verify) is off unless declared. A value of ``Capabilities`` pickles (its checks pickle as
+    references to their functions).
     """
 
-    kinds: AbstractSet[str] = frozenset({"mha", "mla"})
+    # Required: a backend says which kinds of layer it serves (a default of both let a
+    # backend that declares nothing bind MLA). Left out, it is refused with InvalidSpecError
+    # naming the choices, not with the dataclass's bare TypeError.
+    kinds: AbstractSet[str] = _UNDECLARED
     phases: AbstractSet[Phase] = ALL_PHASES
     devices: AbstractSet[str] = frozenset({"cpu"})
     dtypes: AbstractSet[str] = frozenset({"float32", "float16", "bfloat16"})
@@ -171,7 +180,8 @@ class Capabilities:
     head_dims: AbstractSet[int] | None = None
     v_head_dims: AbstractSet[int] | None = None
     page_sizes: AbstractSet[int] | None = None
-    custom_mask: bool = True
+    # Off unless declared: tree verify binds only to a backend that says it takes the mask.
+    custom_mask: bool = False
     plans_scale: bool = False
     requires: tuple[str, ...] = ()
     min_compute_capability: tuple[int, int] | None = None
@@ -196,6 +206,13 @@ class Capabilities:
         # Accept any iterables (sets, lists) and store immutable, hashable values; a str
         # where a set belongs would otherwise become a set of its characters.
         put = object.__setattr__
+        if self.kinds is _UNDECLARED or not self.kinds:
+            raise InvalidSpecError(
+                "kinds",
+                None if self.kinds is _UNDECLARED else self.kinds,
+                "declare the kinds of layer this backend serves: kinds={'mha'}, {'mla'} or "
+                "{'mha', 'mla'} (there is no default)",
+            )
         put(self, "kinds", _strings("kinds", self.kinds))
         if not self.kinds <= _KINDS:
             raise InvalidSpecError(
@@ -341,6 +358,16 @@ class Capabilities:
 
     def replace(self, **changes: object) -> Capabilities:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt through the constructor from its own fields: a per-phase mapping is stored
+        # as a read-only mappingproxy, which pickle refuses (native, triton, flashinfer).
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        for name in ("forms", "variants"):
+            if isinstance(fields[name], Mapping):
+                fields[name] = dict(fields[name])
+        # A partial of the public class: the pickle names no private module.
+        return (functools.partial(type(self), **fields), ())
 
 
 def _importable(module: str) -> bool:

@@ -13,6 +13,8 @@ __all__ = [
     "NATIVE_ISA",
     "NATIVE_LIB",
     "NATIVE_OWN_POOL",
+    "PLUGINS",
+    "SGLANG_SPECS",
     "SKIP_NATIVE",
     "TRITON_INTERPRET",
 ]
@@ -20,6 +22,11 @@ __all__ = [
 #: A path: the native backend loads this shared library instead of the one built next to the
 #: package (development, or tests of the "not built" path). Read by ``backends/native/_lib.py``.
 NATIVE_LIB = "ATTN_DISPATCH_NATIVE_LIB"
+
+#: Which ``attn_dispatch.backends`` entry points load, as ``VLLM_PLUGINS`` in vLLM: unset, all;
+#: ``"a,b"``, only those entry-point names; empty or ``none``, none. Read by ``_registry.py``
+#: when a registry first loads its plugins.
+PLUGINS = "ATTN_DISPATCH_PLUGINS"
 
 #: Set (to anything non-empty) while building: skip the native kernels; the backend then
 #: reports "not built: ..." at bind. Read by ``setup.py``.
@@ -36,3 +43,9 @@ NATIVE_OWN_POOL = "NATIVE_ATTN_OWN_POOL"
 #: ``1``/``true``/``yes``/``on``: triton's CPU interpreter is on, so the triton backend may bind
 #: on a CPU (tests). triton's own variable; the triton backend reads it at bind.
 TRITON_INTERPRET = "TRITON_INTERPRET"
+
+#: JSON ``{"target": spec, "draft": spec, ...}``: the runners' specs of an SGLang engine whose
+#: attention backend is ``"attn_dispatch"`` (SGLang's arguments carry names only); set before
+#: the engine starts, its scheduler subprocess inherits it. Read by
+#: ``integrations/sglang_engine`` when SGLang builds that backend.
+SGLANG_SPECS = "ATTN_DISPATCH_SGLANG"

@@ -32,7 +32,6 @@ import threading
 import weakref
 from collections.abc import Callable
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 from typing import Any
 from typing import Protocol
 from typing import TypeVar
@@ -40,9 +39,6 @@ from typing import runtime_checkable
 
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
-
-if TYPE_CHECKING:
-    from attn_dispatch._route import Binding
 
 
 class Handler(Protocol):
@@ -261,11 +257,3 @@ def check_plan(plan: Any, owner: object, backend: str) -> None:
         "handler; pass the plan of the same binding (binding.plan(batch) / the active "
         "attn_scope), never one from another runner",
     )
-
-
-@runtime_checkable
-class Runner(Protocol):
-    """Anything that owns a ``Binding``: a model runner, a draft worker, a wrapper."""
-
-    @property
-    def attn_binding(self) -> Binding: ...

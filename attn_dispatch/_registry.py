@@ -8,25 +8,38 @@ A ``Registry`` is an object (as pluggy's ``PluginManager`` is); the module-level
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import importlib
+import inspect
+import os
 import threading
 import warnings
 from collections.abc import Callable
+from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
 from typing import TypeVar
 from typing import overload
 
+from attn_dispatch import _env
 from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._errors import BackendUnavailableError
 from attn_dispatch._errors import DuplicateBackendError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import UnknownBackendError
 from attn_dispatch._forms import FormPolicy
+from attn_dispatch._version import __version__
 
 ENTRY_POINT_GROUP = "attn_dispatch.backends"
+
+#: The one shape an ``attn_dispatch.backends`` entry point may have, quoted in every refusal.
+PLUGIN_SHAPE = (
+    "an attn_dispatch.backends entry point names a function register(registry) that calls "
+    "registry.register(...)"
+)
+
+#: The value of ``ATTN_DISPATCH_PLUGINS`` (besides the empty string) that loads no plugin.
+_NO_PLUGINS = "none"
 
 Factory = Callable[..., Any]
 F = TypeVar("F", bound=Factory)
@@ -68,6 +81,61 @@ class BackendEntry:
         return obj  # type: ignore[no-any-return]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a backend name or an entry point came from: the distribution (as installed:
+    its name and version; ``None`` when the entry point has no distribution metadata) and
+    the entry point (``None`` for the built-ins)."""
+
+    distribution: str | None
+    version: str | None
+    entry_point: str | None = None
+
+
+#: The origin of every built-in backend.
+BUILTIN_ORIGIN = Origin("attn_dispatch", __version__)
+
+
+def _ep_origin(ep: Any) -> Origin:
+    dist = getattr(ep, "dist", None)
+    if dist is None:  # an EntryPoint made by hand, not read from a distribution's metadata
+        return Origin(None, None, ep.name)
+    try:
+        name = dist.metadata["Name"]
+        version = dist.version
+    except Exception:  # broken metadata must not stop the plugin from being recorded
+        name, version = None, None
+    return Origin(name, version, ep.name)
+
+
+def _name_set(field: str, value: object) -> frozenset[str] | None:
+    if value is None:
+        return None
+    # A bare string would be taken letter by letter: the classic allow="mine" mistake.
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise InvalidSpecError(
+            field, value, "pass a set of entry-point names, e.g. {'mine'}, or None"
+        )
+    names = frozenset(value)
+    bad = sorted(repr(n) for n in names if not isinstance(n, str) or not n)
+    if bad:
+        raise InvalidSpecError(
+            field, value, f"entry-point names are non-empty strings, got {', '.join(bad)}"
+        )
+    return names
+
+
+def _env_allow() -> tuple[str, frozenset[str] | None]:
+    """``ATTN_DISPATCH_PLUGINS`` (its text, and its allow-list), as vLLM reads
+    ``VLLM_PLUGINS``: unset, every entry point (``None``); otherwise a comma-separated
+    allow-list, where empty or ``none`` allows none."""
+    raw = os.environ.get(_env.PLUGINS)
+    if raw is None:
+        return "", None
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    return raw, frozenset() if names == {_NO_PLUGINS} else names
+
+
 def _check_name(name: object) -> str:
     if not isinstance(name, str) or not name or any(c in name for c in ",= \t"):
         raise InvalidSpecError("name", name, "a backend name is a non-empty word without ',', '='")
@@ -77,6 +145,11 @@ def _check_name(name: object) -> str:
 class Registry:
     """Backend names -> ``BackendEntry``. ``builtins`` / ``plugins``: load the built-in
     backends / the ``attn_dispatch.backends`` entry points on first use.
+
+    ``allow`` (a set of entry-point names, ``None``: all) and ``block`` choose which entry
+    points load; the ``ATTN_DISPATCH_PLUGINS`` variable is a second allow-list read at the
+    first use, and an entry point loads only if both allow it. A blocked one is never
+    imported; it is listed in ``plugins_blocked`` with the reason.
 
     >>> from attn_dispatch import AttnConfig, bind
     >>> mine = Registry(plugins=False)
@@ -90,15 +163,32 @@ class Registry:
     (True, True)
     """
 
-    def __init__(self, *, builtins: bool = True, plugins: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        builtins: bool = True,
+        plugins: bool = True,
+        allow: Iterable[str] | None = None,
+        block: Iterable[str] = (),
+    ) -> None:
+        self._allow = _name_set("allow", allow)
+        self._block = _name_set("block", block) or frozenset()
         self._lock = threading.RLock()
         self._entries: dict[str, BackendEntry] = {}
+        # Backend name -> where it came from (built-in, or which entry point of which
+        # distribution); a name registered by code at run time has none.
+        self._origins: dict[str, Origin] = {}
         self._builtins = builtins
         self._plugins = plugins
         self._loaded = not (builtins or plugins)
         self._loading = False
+        self._origin_now: Origin | None = None  # the entry point being loaded, if any
         #: entry-point name -> error text, for plugins that failed to load.
         self.plugin_errors: dict[str, str] = {}
+        #: entry-point name -> why it was not loaded (``allow``, ``block``, the variable).
+        self.plugins_blocked: dict[str, str] = {}
+        #: entry-point name -> its distribution, for every entry point seen (loaded or not).
+        self.plugin_origins: dict[str, Origin] = {}
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -132,29 +222,37 @@ class Registry:
                 raise
             entry = BackendEntry(name, light.CAPABILITIES, factory, light.DEFAULT_FORM_POLICY)
             self._put(entry, replace=True)
+            self._origins[name] = BUILTIN_ORIGIN
+
+    def _blocked_because(self, name: str, env: tuple[str, frozenset[str] | None]) -> str | None:
+        if name in self._block:
+            return f"blocked by Registry(block={sorted(self._block)!r})"
+        if self._allow is not None and name not in self._allow:
+            return f"not in Registry(allow={sorted(self._allow)!r})"
+        raw, env_allow = env
+        if env_allow is not None and name not in env_allow:
+            return f"not allowed by {_env.PLUGINS}={raw!r}"
+        return None
 
     def _load_entry_points(self) -> None:
         from importlib.metadata import entry_points
 
+        env = _env_allow()  # read once per load: every entry point sees the same value
         for ep in entry_points(group=ENTRY_POINT_GROUP):
+            origin = _ep_origin(ep)
+            self.plugin_origins[ep.name] = origin
+            why_not = self._blocked_because(ep.name, env)
+            if why_not is not None:
+                self.plugins_blocked[ep.name] = why_not  # never imported
+                continue
             try:
                 obj = ep.load()
-                if isinstance(obj, BackendEntry):
-                    self._put(obj, replace=False)
-                elif callable(obj):
-                    # A plugin's register function writes to the default registry (it calls
-                    # attn_dispatch.backend.register_backend) or takes the registry to fill.
-                    if _takes_registry(obj):
-                        obj(self)
-                    else:
-                        # Its register_backend calls land in this registry, not the default.
-                        token = _PLUGIN_TARGET.set(self)
-                        try:
-                            obj()
-                        finally:
-                            _PLUGIN_TARGET.reset(token)
-                else:
-                    raise TypeError(f"entry point gave {type(obj).__name__}, not a callable")
+                _check_plugin_shape(obj)
+                self._origin_now = origin
+                try:
+                    obj(self)
+                finally:
+                    self._origin_now = None
             except Exception as exc:
                 # One broken plugin must not take down every runner; the error is kept and
                 # shown by `list` and by UnknownBackendError, never hidden.
@@ -171,6 +269,11 @@ class Registry:
             if entry.name in self._entries and not replace:
                 raise DuplicateBackendError(entry.name)
             self._entries[entry.name] = entry
+            # Only a plugin's register(registry) call, during loading, records a distribution.
+            if self._origin_now is not None:
+                self._origins[entry.name] = self._origin_now
+            else:
+                self._origins.pop(entry.name, None)
 
     # -- public ----------------------------------------------------------------------------
 
@@ -219,16 +322,6 @@ class Registry:
         for one binding. A taken name raises ``DuplicateBackendError`` unless
         ``replace=True``; existing bindings never change.
         """
-        target = _PLUGIN_TARGET.get()
-        if target is not None and target is not self and self is DEFAULT_REGISTRY:
-            # A zero-argument plugin loading into another registry calls register_backend.
-            return target.register(
-                name,
-                capabilities=capabilities,
-                factory=factory,
-                form_policy=form_policy,
-                replace=replace,
-            )
         _check_name(name)
         if not isinstance(capabilities, Capabilities):
             raise InvalidSpecError(
@@ -266,6 +359,16 @@ class Registry:
             if name not in self._entries:
                 raise UnknownBackendError(name, self._entries)
             del self._entries[name]
+            self._origins.pop(name, None)
+
+    def origin(self, name: str) -> Origin | None:
+        """Where ``name`` came from: ``BUILTIN_ORIGIN``, the entry point and distribution of
+        the plugin that registered it, or ``None`` (registered by code at run time)."""
+        self._ensure_loaded()
+        with self._lock:
+            if name not in self._entries:
+                raise UnknownBackendError(name, self._entries)
+            return self._origins.get(name)
 
     def get(self, name: str, *, context: str = "") -> BackendEntry:
         """The entry for ``name``, or ``UnknownBackendError`` with close matches."""
@@ -278,6 +381,11 @@ class Registry:
             if name in self.plugin_errors:
                 err.message += (
                     f" (a plugin named {name!r} failed to load: {self.plugin_errors[name]})"
+                )
+                err.args = (err.message,)
+            elif name in self.plugins_blocked:
+                err.message += (
+                    f" (a plugin named {name!r} was not loaded: {self.plugins_blocked[name]})"
                 )
                 err.args = (err.message,)
             raise err
@@ -315,24 +423,29 @@ def install_builtins(table: Mapping[str, tuple[str, str]]) -> None:
     _BUILTINS.update(table)
 
 
-# The registry whose entry points are loading in this context (see _load_entry_points).
-_PLUGIN_TARGET: contextvars.ContextVar[Registry | None] = contextvars.ContextVar(
-    "attn_dispatch.plugin_target", default=None
-)
-
-
-def _takes_registry(fn: Callable[..., Any]) -> bool:
-    import inspect
-
+def _check_plugin_shape(obj: object) -> None:
+    """Refuse, before calling it, anything but a ``register(registry)`` function: one shape,
+    so that a plugin always fills the registry that loads it (never the default one) and may
+    register as many names as it likes through the checked ``register`` method."""
+    if isinstance(obj, BackendEntry):
+        raise TypeError(
+            f"entry point gave a BackendEntry ({obj.name!r}), which is not accepted: {PLUGIN_SHAPE}"
+        )
+    if not callable(obj):
+        raise TypeError(f"entry point gave a {type(obj).__name__}, not a function: {PLUGIN_SHAPE}")
     try:
-        params = [
-            p
-            for p in inspect.signature(fn).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-        ]
+        params = list(inspect.signature(obj).parameters.values())
     except (TypeError, ValueError):
-        return False
-    return len(params) == 1
+        return  # no signature to read (a builtin): the call itself will tell
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is p.empty]
+    varargs = any(p.kind is p.VAR_POSITIONAL for p in params)
+    if len(required) > 1 or not (positional or varargs):
+        raise TypeError(
+            f"entry point gave {getattr(obj, '__qualname__', obj)!r} taking "
+            f"{len(required) if required else 'no'} positional argument"
+            f"{'' if len(required) == 1 else 's'}, not one: {PLUGIN_SHAPE}"
+        )
 
 
 #: The registry the module-level functions and ``bind`` use unless given another.
@@ -365,9 +478,12 @@ def list_backends() -> dict[str, Capabilities]:
 
 
 __all__ = [
+    "BUILTIN_ORIGIN",
     "DEFAULT_REGISTRY",
     "ENTRY_POINT_GROUP",
+    "PLUGIN_SHAPE",
     "BackendEntry",
+    "Origin",
     "Registry",
     "get_backend",
     "install_builtins",

@@ -8,11 +8,14 @@ import types
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
+from typing import Protocol
+from typing import runtime_checkable
 
 from attn_dispatch._calls import CallRule
 from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._errors import UsageError
 from attn_dispatch._forms import AttnForm
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import AttentionBackend
@@ -229,12 +232,21 @@ class Binding:
 
 def _grouped_error(
     what: str, groups: Mapping[str, Binding], *, attribute: bool = False
-) -> InvalidBatchError:
+) -> UsageError:
     names = ", ".join(map(repr, groups))
     where = f"binding.groups[name].{what}"
     if attribute:
         where += f" (or binding.{what}s[name])"
     verb = "read" if attribute else "call"
-    return InvalidBatchError(
-        "group", f"this binding has groups ({names}): {verb} {what} on one of them, {where}"
+    return UsageError(
+        f"Binding.{what}",
+        f"this binding has groups ({names}): {verb} {what} on one of them, {where}",
     )
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """Anything that owns a ``Binding``: a model runner, a draft worker, a wrapper."""
+
+    @property
+    def attn_binding(self) -> Binding: ...

@@ -51,22 +51,40 @@ def _index_tensor(batch: Any, name: str) -> torch.Tensor:
 class StepStats:
     """The counts of one step that a CUDA-graph-captured plan follows from replay to replay
     (``refill``): the only part of a snapshot that ever changes, kept apart from the frozen
-    value so that nothing mutates a frozen object."""
+    value so that nothing mutates a frozen object. Only ``follow`` changes them: plain
+    attribute assignment is refused, as on a frozen dataclass (the per-call checks compare
+    the cache with ``max_page``; a plan is a value, see backends._private)."""
 
     __slots__ = ("max_kv_len", "max_page", "max_q_len", "num_tokens")
 
+    num_tokens: int
+    max_q_len: int
+    max_kv_len: int
+    max_page: int | None
+
     def __init__(self, num_tokens: int, max_q_len: int, max_kv_len: int, max_page: int | None):
-        self.num_tokens = num_tokens
-        self.max_q_len = max_q_len
-        self.max_kv_len = max_kv_len
-        self.max_page = max_page
+        self._set(num_tokens, max_q_len, max_kv_len, max_page)
+
+    def _set(self, num_tokens: int, max_q_len: int, max_kv_len: int, max_page: int | None) -> None:
+        put = object.__setattr__
+        put(self, "num_tokens", num_tokens)
+        put(self, "max_q_len", max_q_len)
+        put(self, "max_kv_len", max_kv_len)
+        put(self, "max_page", max_page)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(
+            f"StepStats.{name} is read-only: a snapshot's counts change only when a captured "
+            "plan follows a new step (follow)"
+        )
+
+    def __reduce__(self) -> tuple[type[StepStats], tuple[int, int, int, int | None]]:
+        # copy and pickle rebuild through __init__ (slot state would go through __setattr__)
+        return StepStats, (self.num_tokens, self.max_q_len, self.max_kv_len, self.max_page)
 
     def follow(self, other: StepStats) -> None:
         """Take ``other``'s counts (a captured plan replaying a new step)."""
-        self.num_tokens = other.num_tokens
-        self.max_q_len = other.max_q_len
-        self.max_kv_len = other.max_kv_len
-        self.max_page = other.max_page
+        self._set(other.num_tokens, other.max_q_len, other.max_kv_len, other.max_page)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)

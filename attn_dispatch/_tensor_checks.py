@@ -27,6 +27,7 @@ import torch
 
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._snapshot import BatchSnapshot
+from attn_dispatch._snapshot import StepStats
 from attn_dispatch._values import check_sinks
 
 __all__ = ["Layout", "TensorChecks"]
@@ -81,6 +82,13 @@ class TensorChecks:
     def check(self, snap: BatchSnapshot, q: Any, k_cache: Any, v_cache: Any) -> int:
         """Raise ``InvalidBatchError`` unless the tensors fit the config and the snapshot;
         returns the cache's page count."""
+        if type(getattr(snap, "step", None)) is not StepStats:
+            # A plan whose snapshot (or its counts) was replaced after it was issued.
+            raise InvalidBatchError(
+                "plan",
+                f"{self.backend}: the plan's batch snapshot is not the one it was made with; "
+                "plan the batch again",
+            )
         try:
             qs = q.shape
             ks = k_cache.shape

@@ -34,7 +34,7 @@ True
   (per-call shape/dtype/device/page checks), ``refill`` (re-plan into captured CUDA-graph
   buffers).
 - The registry: ``register_backend``, ``unregister_backend``, ``list_backends`` (the default
-  one), ``Registry`` (your own), ``BackendEntry`` (what an entry point may return).
+  one), ``Registry`` (your own), ``BackendEntry`` (one registered backend).
 
 Importing this module imports no torch.
 """

@@ -10,13 +10,15 @@ scope then, so one compiled function serves every runner and follows whichever r
 
 Importing this module registers the op and tells Dynamo to trace ``attn_dispatch.attention``
 as that op (``torch.compiler.substitute_in_graph``), so model code keeps calling ``attention``
-and eager calls pay nothing extra. Registering is explicit: nothing in the package imports this
-module for you (binding a backend does not; the core never imports torch or Dynamo as a side
-effect, and Dynamo imports triton, which must not load before ``TRITON_INTERPRET`` is chosen).
-A process that compiles model code imports it once, before compiling:
+and eager calls pay nothing extra. A plain ``import attn_dispatch`` is enough: the package
+imports this module when Dynamo loads (``torch.compile`` loads it), or at once when Dynamo is
+already loaded (``attn_dispatch._dynamo_hook``); never before, since the core imports no torch
+and Dynamo imports triton, which must not load before ``TRITON_INTERPRET`` is chosen. Should
+that registration fail, a ``RuntimeWarning`` says so and names the one line that shows the
+full error: ``import attn_dispatch.compile``.
 
 >>> import torch
->>> import attn_dispatch.compile  # once per process, before torch.compile
+>>> import attn_dispatch  # torch.compile registers the op when it loads Dynamo
 >>> from attn_dispatch import AttnBatch, AttnConfig, Phase, attention, attn_scope, bind
 >>> from attn_dispatch import record_dispatch
 >>> config = AttnConfig("mha", 4, 2, 16, dtype="float32", device="cpu", page_size=8)

@@ -69,7 +69,7 @@ from typing import Any
 import torch
 
 from attn_dispatch._batch import AttnBatch
-from attn_dispatch._errors import AttnDispatchError
+from attn_dispatch._errors import CaptureError
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
 from attn_dispatch._record import DispatchEvent
@@ -92,10 +92,6 @@ _BATCH_STATS = frozenset({"max_q_len", "max_kv_len", "num_pages"})
 _IDENTITIES = frozenset({"owner", "ticket"})
 # A snapshot's per-step counts (_snapshot.StepStats): followed on replay, not compared.
 _PLAIN_STEP = (StepStats,)
-
-
-class CaptureError(AttnDispatchError, RuntimeError):
-    """A CUDA-graph rule broken: planning during capture, or another runner inside a graph."""
 
 
 def assert_not_capturing(what: str = "plan") -> None:

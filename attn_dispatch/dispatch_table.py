@@ -30,8 +30,9 @@ from typing import Any
 from typing import Literal
 
 from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import AttnDispatchError
+from attn_dispatch._errors import DispatchTableError
 from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._errors import StaleTableError
 from attn_dispatch._phase import Phase
 from attn_dispatch._spec import BackendSpec
 
@@ -62,55 +63,6 @@ MAX_TABLE_BYTES = 1 << 20
 
 _PHASES = tuple(p.name.lower() for p in Phase)
 _ENV_KEYS = ("attn_dispatch", "torch", "device", "threads", "builds")
-
-
-class DispatchTableError(AttnDispatchError, ValueError):
-    """A dispatch table that cannot be read: not JSON, too large, an unknown format version,
-    a missing or ill-typed field, or a label/group it does not hold (a start-up error).
-
-    Attributes: ``source`` (the path or ``"<text>"``), ``field``, ``problem``.
-    """
-
-    source: str
-    field: str
-    problem: str
-
-    def __init__(self, source: str, field: str, problem: str) -> None:
-        self._carry(
-            f"dispatch table {source}: {field}: {problem}",
-            source=source,
-            field=field,
-            problem=problem,
-        )
-
-    def __reduce__(self) -> tuple[Any, ...]:  # survives pickling across processes
-        return (type(self), (self.source, self.field, self.problem))
-
-
-class StaleTableError(AttnDispatchError, RuntimeError):
-    """A dispatch table measured in another environment (a start-up error).
-
-    ``differences`` maps each changed field (``"torch"``, ``"builds.native"``, ...) to
-    ``(saved, now)``.
-    """
-
-    source: str
-    differences: dict[str, tuple[Any, Any]]
-
-    def __init__(self, source: str, differences: Mapping[str, tuple[Any, Any]]) -> None:
-        diffs = dict(differences)
-        lines = [f"  {k}: saved {a!r}, now {b!r}" for k, (a, b) in diffs.items()]
-        self._carry(
-            f"dispatch table {source} was measured in another environment; "
-            f"{len(diffs)} field(s) changed:\n" + "\n".join(lines) + "\nRe-run "
-            "`python -m attn_dispatch tune ... --save FILE` here, or pass on_stale='retune' "
-            "to measure again at start-up.",
-            source=source,
-            differences=diffs,
-        )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.source, self.differences))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

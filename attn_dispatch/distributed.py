@@ -9,7 +9,9 @@ process group is used):
   page size, KV dtype and scales kind, library version, each backend's build) to every rank;
   if any field differs, *every* rank raises ``RankMismatchError`` naming each rank's value of
   each differing field. Ranks that disagree about a kernel or a KV layout otherwise corrupt
-  output silently or crash on the first request (vLLM 46204, 51756; SGLang 31968).
+  output silently or crash on the first request (vLLM 46204, 51756; SGLang 31968). A rank
+  that fails on its own input before the exchange still takes part (with a failure marker),
+  so no rank waits for it: every rank raises ``RankFailedError`` naming it and why.
 - Context parallelism: each rank holds part of every request's KV tokens
   (``owned_positions``: a contiguous split, or vLLM's interleaved decode-context-parallel
   layout), runs ``attention(..., return_lse=True)`` over its part (``local_verify_mask``
@@ -28,14 +30,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import Literal
 
-from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._errors import NoProcessGroupError as _NoGroupError
+from attn_dispatch._errors import RankFailedError
+from attn_dispatch._errors import RankMismatchError
 from attn_dispatch._phase import Phase
 
 if TYPE_CHECKING:
@@ -45,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LSE_BASE",
+    "RankFailedError",
     "RankMismatchError",
     "RankShard",
     "binding_summary",
@@ -65,27 +71,6 @@ Layout = Literal["contiguous", "interleaved"]
 # Config fields that legitimately differ between ranks of one tensor-parallel group: each
 # rank holds its own slice of the heads.
 _PER_RANK_FIELDS = frozenset({"num_q_heads", "num_kv_heads"})
-
-
-class RankMismatchError(AttnDispatchError, RuntimeError):
-    """Ranks of one process group bound runners that cannot work together.
-
-    ``differences`` maps ``"<runner>.<field>"`` to the value each rank holds (rank order).
-    """
-
-    def __init__(self, differences: Mapping[str, Sequence[Any]], world: int) -> None:
-        self.differences = dict(differences)
-        self.world = world
-        lines = []
-        for key, values in self.differences.items():
-            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-            lines.append(f"  {key}: {per_rank}")
-        super().__init__(
-            f"the {world} ranks of this process group bound runners that disagree on "
-            f"{len(self.differences)} field(s):\n" + "\n".join(lines) + "\nEvery rank must bind "
-            "the same spec per runner label, configs equal up to the per-rank head split, and "
-            "the same attn_dispatch build; fix the rank(s) whose value differs and restart."
-        )
 
 
 def _config_summary(config: Any) -> dict[str, Any]:
@@ -205,6 +190,11 @@ def check_agreement(bindings: Binding | Mapping[str, Binding], group: Any = None
     each rank's value; returns None when all agree. Without an initialised process group it
     raises ``AttnDispatchError`` saying so.
 
+    A rank whose own input cannot be summarised (not a ``Binding``, say) still joins the
+    exchange, with a failure marker instead of its summary, so no rank waits for it until the
+    process group's timeout (30 minutes for gloo): every rank raises ``RankFailedError``
+    naming each failed rank and why (on the failed rank, chained to its own error).
+
     .. code-block:: python
 
         bindings = {"target": bind(target_spec, target_cfg), "draft": bind(draft_spec, cfg)}
@@ -214,21 +204,32 @@ def check_agreement(bindings: Binding | Mapping[str, Binding], group: Any = None
 
     if not dist.is_available() or not dist.is_initialized():
         raise _NoGroupError()
-    mine = binding_summary(bindings)
     world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    failure: Exception | None = None
+    try:
+        mine: dict[str, Any] = binding_summary(bindings)
+    except Exception as exc:  # any failure here: the other ranks must still be released
+        failure = exc
+        why = f"{type(exc).__name__}: {exc}"
+        # Bounded: it travels to every rank and into every rank's message.
+        mine = {_FAILED: why if len(why) <= _WHY_MAX else why[: _WHY_MAX - 3] + "..."}
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, mine, group=group)
+    failures = {
+        r: str(g[_FAILED]) for r, g in enumerate(gathered) if isinstance(g, dict) and _FAILED in g
+    }
+    if failures:
+        raise RankFailedError(failures, world, rank) from failure
     diffs = compare_summaries(gathered)
     if diffs:
         raise RankMismatchError(diffs, world)
 
 
-class _NoGroupError(AttnDispatchError, RuntimeError):
-    def __init__(self) -> None:
-        super().__init__(
-            "check_agreement needs an initialised torch.distributed process group; call "
-            "torch.distributed.init_process_group(...) on every rank first (or pass group=)"
-        )
+# The key of the failure marker a rank sends instead of its summary (no summary has it: a
+# summary's keys are "library" and "runner ..."), so ranks of older versions still compare.
+_FAILED = "<failed before the check>"
+_WHY_MAX = 2000
 
 
 # -- context parallelism ------------------------------------------------------------------------
@@ -262,6 +263,41 @@ def owned_positions(
     raise InvalidBatchError("layout", f"choose 'interleaved' or 'contiguous', got {layout!r}")
 
 
+def _check_int(name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise InvalidBatchError(name, f"must be an int >= {low}, got {value!r}")
+
+
+def _positions(owned: object, kv_len: int) -> list[int]:
+    """``owned`` as a list of distinct ints in ``[0, kv_len)``, or ``InvalidBatchError``."""
+    if isinstance(owned, (str, bytes)) or not hasattr(owned, "__iter__"):
+        raise InvalidBatchError(
+            "owned", f"pass a sequence of token positions, got {type(owned).__name__}"
+        )
+    out = []
+    for i, p in enumerate(owned):
+        # operator.index: ints, numpy and 0-d torch integers; never a float or a bool.
+        try:
+            value = operator.index(p) if not isinstance(p, bool) else None
+        except TypeError:
+            value = None
+        if value is None:
+            raise InvalidBatchError(
+                "owned", f"position {i} is {p!r} ({type(p).__name__}); positions are ints"
+            )
+        if not 0 <= value < kv_len:
+            raise InvalidBatchError(
+                "owned", f"position {i} is {value}; positions must lie in [0, {kv_len})"
+            )
+        out.append(value)
+    if len(set(out)) != len(out):
+        dup = sorted({p for p in out if out.count(p) > 1})
+        raise InvalidBatchError(
+            "owned", f"positions {dup} are listed more than once; each key is held once"
+        )
+    return out
+
+
 def local_verify_mask(
     q_len: int, kv_len: int, owned: Sequence[int], tree: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -275,15 +311,26 @@ def local_verify_mask(
     """
     import torch
 
-    pos = torch.as_tensor(list(owned), dtype=torch.long)
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= kv_len):
-        raise InvalidBatchError("owned", f"positions must lie in [0, {kv_len}), got {list(owned)}")
+    _check_int("kv_len", kv_len, 0)
+    _check_int("q_len", q_len, 0)
+    if q_len > kv_len:
+        # Query j sits at global position kv_len - q_len + j: a query before the request's
+        # first token names no position (the batch contract: kv_len >= q_len).
+        raise InvalidBatchError(
+            "q_len", f"{q_len} queries over {kv_len} tokens; q_len must be <= kv_len"
+        )
+    pos = torch.as_tensor(_positions(owned, kv_len), dtype=torch.long)
     if tree is not None:
+        if not isinstance(tree, torch.Tensor):
+            raise InvalidBatchError(
+                "tree",
+                f"must be a bool torch.Tensor [{q_len}, {kv_len}], got {type(tree).__name__}",
+            )
         if tuple(tree.shape) != (q_len, kv_len) or tree.dtype != torch.bool:
             raise InvalidBatchError(
                 "tree", f"must be bool [{q_len}, {kv_len}], got {tuple(tree.shape)} {tree.dtype}"
             )
-        return tree[:, pos].clone()
+        return tree[:, pos.to(tree.device)].clone()
     qpos = torch.arange(kv_len - q_len, kv_len, dtype=torch.long)
     return pos.unsqueeze(0) <= qpos.unsqueeze(1)
 
@@ -302,6 +349,18 @@ def merge_ranks(
 
     from attn_dispatch.state import merge_states
 
+    if not isinstance(out, torch.Tensor) or out.dim() != 3:
+        raise InvalidBatchError("out", f"must be [tokens, heads, dv], got {_shape_of(out)}")
+    if (
+        not isinstance(lse, torch.Tensor)
+        or tuple(lse.shape) != tuple(out.shape[:2])
+        or lse.dtype != torch.float32
+    ):
+        raise InvalidBatchError(
+            "lse",
+            f"must be float32 [{out.shape[0]}, {out.shape[1]}] (out's tokens and heads), got "
+            f"{_shape_of(lse)}",
+        )
     if not dist.is_available() or not dist.is_initialized():
         raise _NoGroupError()
     world = dist.get_world_size(group)
@@ -355,10 +414,20 @@ def shard_for_rank(
 
     from attn_dispatch._batch import AttnBatch
 
+    if not isinstance(batch, AttnBatch):
+        raise InvalidBatchError("batch", f"pass an AttnBatch, got {type(batch).__name__}")
     phase = batch.phase
     if phase is Phase.PREFILL:
         raise InvalidBatchError(
             "phase", "context-parallel sharding serves DECODE and VERIFY batches; got PREFILL"
+        )
+    owned_positions(0, rank=rank, world=world, layout=layout, interleave=interleave)
+    _check_caches(batch, k_cache, v_cache)
+    if masks is not None and (isinstance(masks, torch.Tensor) or len(masks) != batch.num_requests):
+        raise InvalidBatchError(
+            "masks",
+            f"pass one [q_len, kv_len] bool mask per request ({batch.num_requests}), got "
+            f"{type(masks).__name__} of length {len(masks)}",
         )
     ps = k_cache.shape[1]
     qo = batch.qo_indptr_host.tolist()
@@ -432,6 +501,52 @@ def shard_for_rank(
     )
 
 
+def _check_caches(batch: Any, k_cache: Any, v_cache: Any) -> None:
+    """The global caches ``shard_for_rank`` cuts from: MHA ``[P, page, Hkv, D]`` with V
+    ``[P, page, Hkv, Dv]``, MLA ``[P, page, D]`` with no V; every page the batch names and
+    every token it counts inside them."""
+    import torch
+
+    if not isinstance(k_cache, torch.Tensor):
+        raise InvalidBatchError("k_cache", f"pass a torch.Tensor, got {type(k_cache).__name__}")
+    want = 3 if v_cache is None else 4
+    if k_cache.dim() != want:
+        layout = "[pages, page_size, D] (MLA)" if v_cache is None else "[pages, page_size, Hkv, D]"
+        raise InvalidBatchError("k_cache", f"must be {layout}, got shape {tuple(k_cache.shape)}")
+    if v_cache is not None:
+        if not isinstance(v_cache, torch.Tensor):
+            raise InvalidBatchError(
+                "v_cache", f"pass a torch.Tensor or None, got {type(v_cache).__name__}"
+            )
+        if v_cache.dim() != 4 or tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+            raise InvalidBatchError(
+                "v_cache",
+                f"must be [pages, page_size, Hkv, Dv] with the pages, page size and heads of "
+                f"k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}",
+            )
+    pages, ps = int(k_cache.shape[0]), int(k_cache.shape[1])
+    if ps < 1:
+        raise InvalidBatchError("k_cache", f"has page size {ps}; pages hold >= 1 token")
+    if batch.page_size is not None and batch.page_size != ps:
+        raise InvalidBatchError(
+            "k_cache", f"has page size {ps}, but the batch was built for {batch.page_size}"
+        )
+    indices = batch.kv_indices.cpu()
+    if indices.numel() and int(indices.max()) >= pages:
+        raise InvalidBatchError(
+            "kv_indices", f"name page {int(indices.max())}, but k_cache holds {pages} pages"
+        )
+    kv = batch.kv_indptr_host.tolist()
+    for i, kl in enumerate(batch.kv_lens_host.tolist()):
+        have = kv[i + 1] - kv[i]
+        if have * ps < kl:
+            raise InvalidBatchError(
+                "kv_indptr",
+                f"{have} page(s) of {ps} tokens cannot hold kv_len {kl}",
+                request=i,
+            )
+
+
 def expand_state(
     out: torch.Tensor | None,
     lse: torch.Tensor | None,
@@ -447,7 +562,27 @@ def expand_state(
     """
     import torch
 
+    if not isinstance(shard, RankShard):
+        raise InvalidBatchError("shard", f"pass shard_for_rank's RankShard, got {shard!r}")
+    if not isinstance(like, torch.Tensor) or like.dim() != 3:
+        raise InvalidBatchError(
+            "like", f"pass the global q [tokens, heads, D], got {_shape_of(like)}"
+        )
+    _check_int("v_head_dim", v_head_dim, 1)
     heads = like.shape[1]
+    rows = int(shard.rows.numel())
+    if (out is None) != (lse is None):
+        raise InvalidBatchError("lse", "pass out and lse together, or neither (no local rows)")
+    if out is not None and lse is not None:
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (rows, heads, v_head_dim):
+            raise InvalidBatchError(
+                "out",
+                f"must be [{rows}, {heads}, {v_head_dim}] (the shard's rows), got {_shape_of(out)}",
+            )
+        if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (rows, heads):
+            raise InvalidBatchError(
+                "lse", f"must be [{rows}, {heads}] (the shard's rows), got {_shape_of(lse)}"
+            )
     full_out = like.new_zeros((shard.num_tokens, heads, v_head_dim))
     full_lse = torch.full(
         (shard.num_tokens, heads), float("-inf"), dtype=torch.float32, device=like.device
@@ -457,3 +592,10 @@ def expand_state(
         full_out[rows] = out
         full_lse[rows] = lse
     return full_out, full_lse
+
+
+def _shape_of(value: object) -> str:
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return type(value).__name__
+    return f"{tuple(shape)} {getattr(value, 'dtype', '')}".strip()

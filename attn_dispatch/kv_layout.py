@@ -29,7 +29,8 @@ from typing import Any
 from typing import Literal
 
 from attn_dispatch._dtypes import dtype_name
-from attn_dispatch._errors import AttnDispatchError
+from attn_dispatch._errors import IncompatibleKVLayoutError
+from attn_dispatch._errors import InvalidKVLayoutError
 from attn_dispatch._vocab import FP8_DTYPES
 from attn_dispatch._vocab import KINDS
 
@@ -66,48 +67,6 @@ LSE_BASES = ("e", "2")
 # attn_dispatch's own (``attention(..., return_lse=True)``); attn_dispatch.distributed.LSE_BASE
 # says the same (a test holds them equal; that module imports this one).
 _LSE_BASE = "e"
-
-
-class InvalidKVLayoutError(AttnDispatchError, ValueError):
-    """A KV layout descriptor with a bad field, or bytes that are not one (a start-up error).
-
-    Attributes: ``field``, ``value``, ``problem``.
-    """
-
-    field: str
-    value: object
-    problem: str
-
-    def __init__(self, field: str, value: object, problem: str) -> None:
-        self._carry(
-            f"KV layout: {field}={value!r}: {problem}", field=field, value=value, problem=problem
-        )
-
-    def __reduce__(self) -> tuple[Any, ...]:  # survives pickling across processes
-        return (type(self), (self.field, self.value, self.problem))
-
-
-class IncompatibleKVLayoutError(AttnDispatchError, ValueError):
-    """Two bindings whose KV pages would be read differently (a start-up error).
-
-    ``differences`` maps each differing field to ``(a's value, b's value)``.
-    """
-
-    differences: dict[str, tuple[Any, Any]]
-
-    def __init__(self, differences: Mapping[str, tuple[Any, Any]]) -> None:
-        diffs = dict(differences)
-        lines = [f"  {k}: {a!r} != {b!r}" for k, (a, b) in diffs.items()]
-        self._carry(
-            f"KV pages cannot be handed between these two layouts: {len(diffs)} field(s) "
-            "differ:\n" + "\n".join(lines) + "\nBind both sides with the same KV layout "
-            "(page size, heads per rank, head dims, KV dtype and scales, LSE base), or convert "
-            "the pages on the way.",
-            differences=diffs,
-        )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.differences,))
 
 
 _ITEMSIZE = {

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Mapping
@@ -33,7 +34,16 @@ from attn_dispatch._errors import AttnDispatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 
-__all__ = ["PhaseTiming", "TuneReport", "TuneSizes", "machine_name", "tune"]
+__all__ = [
+    "PhaseTiming",
+    "TuneReport",
+    "TuneSizes",
+    "check_device",
+    "check_memory",
+    "machine_name",
+    "memory_needed",
+    "tune",
+]
 
 # The backend that serves the phases not being timed: it serves every config it is given.
 _BASELINE = "torch"
@@ -159,6 +169,86 @@ def machine_name(device: str = "cpu") -> str:
     lib = _lib.load()
     isa = f"native unavailable: {lib}" if isinstance(lib, str) else f"native ISA {lib.isa}"
     return f"{cpu}; {isa}"
+
+
+def check_device(device: str) -> None:
+    """Refuse (``InvalidSpecError``) a device ``tune`` cannot time kernels on here: it
+    measures this machine, so the device must exist on it (``cpu``, or a CUDA device that
+    ``torch.cuda`` sees)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise InvalidSpecError("device", device, f"is not a device torch knows ({exc})") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise InvalidSpecError(
+            "device", device, "tune times kernels on 'cpu' or a CUDA device ('cuda', 'cuda:1')"
+        )
+    if not torch.cuda.is_available():
+        raise InvalidSpecError(
+            "device",
+            device,
+            "tune times kernels on this machine, which has no CUDA device "
+            "(torch.cuda.is_available() is False); run it on the machine the config is meant "
+            "for (explain --static checks a config for another machine)",
+        )
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise InvalidSpecError(
+            "device", device, f"this machine has {count} CUDA device(s): cuda:0..cuda:{count - 1}"
+        )
+
+
+def _memory_budget(device: str) -> int:
+    """Half the memory of the device that holds the tensors (the CPU's RAM or the GPU's)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.get_device_properties(device).total_memory) // 2
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (AttributeError, OSError, ValueError):
+        return 8 << 30
+
+
+def memory_needed(config: Any, sizes: TuneSizes) -> int:
+    """Bytes the largest phase's tensors take (q, K/V cache, output; a float32 draw and its
+    copy in the config's dtypes, and one gathered K/V copy some backends make)."""
+    ps = config.page_size
+    dv = config.v_head_dim if config.v_head_dim is not None else config.head_dim
+    kv_width = (
+        config.head_dim if config.kind == "mla" else config.num_kv_heads * (config.head_dim + dv)
+    )
+    worst = 0
+    # (requests, query tokens per request, cache tokens per request) of each phase.
+    for requests, q_len, kv_len in (
+        (sizes.prefill_batch, sizes.prefill_len, sizes.prefill_len),
+        (sizes.decode_batch, 1, sizes.context),
+        (sizes.decode_batch, sizes.draft_tokens, sizes.context + sizes.draft_tokens),
+    ):
+        slots = requests * -(-kv_len // ps) * ps
+        q_elems = requests * q_len * config.num_q_heads * (config.head_dim + dv)
+        worst = max(worst, (slots * kv_width * 3 + q_elems) * 8)
+    return worst
+
+
+def check_memory(config: Any, sizes: TuneSizes, *, group: str = "") -> None:
+    """Refuse (``InvalidSpecError``) sizes whose tensors would take more than half of the
+    device's memory: a mistyped size fails here with the numbers, not in the allocator."""
+    need = memory_needed(config, sizes)
+    budget = _memory_budget(config.device)
+    if need > budget:
+        where = f"group {group!r}: " if group else ""
+        raise InvalidSpecError(
+            "sizes",
+            sizes,
+            f"{where}these sizes need about {need / (1 << 30):.1f} GiB of tensors on "
+            f"{config.device}, more than half of its memory ({budget / (1 << 30):.1f} GiB); "
+            "choose smaller --context, --decode-batch, --prefill-len or --prefill-batch",
+        )
 
 
 def _batch_for(config: Any, phase: Phase, sizes: TuneSizes, gen: Any) -> tuple[Any, ...]:
@@ -322,6 +412,13 @@ def tune(
     from attn_dispatch._registry import DEFAULT_REGISTRY
 
     sizes = sizes or TuneSizes()
+    if not isinstance(sizes, TuneSizes):
+        raise InvalidSpecError("sizes", sizes, "pass a TuneSizes")
+    if not isinstance(configs, Mapping) or not configs:
+        raise InvalidSpecError("configs", configs, "pass a mapping group -> AttnConfig (>= 1)")
+    for group, config in configs.items():
+        check_device(config.device)
+        check_memory(config, sizes, group=group)
     reg = registry or DEFAULT_REGISTRY
     listed = reg.list()
     unavailable: list[tuple[str, str]] = []
@@ -333,9 +430,16 @@ def tune(
             if caps.availability_reasons()
         ]
     else:
+        if isinstance(backends, str) or not backends:
+            raise InvalidSpecError(
+                "backends", backends, f"name at least one backend (choose from {sorted(listed)!r})"
+            )
         unknown = [n for n in backends if n not in listed]
         if unknown:
             raise InvalidSpecError("backends", unknown, f"choose from {sorted(listed)!r}")
+        twice = sorted({n for n in backends if list(backends).count(n) > 1})
+        if twice:
+            raise InvalidSpecError("backends", twice, "name each backend once")
         names = list(backends)
     timings: list[PhaseTiming] = []
     recommended: dict[str, str] = {}

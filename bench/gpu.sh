@@ -103,8 +103,8 @@ for mod in ("triton", "flashinfer", "attn_dispatch"):
         print(mod, getattr(m, "__version__", "?"), getattr(m, "__file__", ""))
     except Exception as exc:
         print(mod, "NOT IMPORTABLE:", type(exc).__name__, exc)
-import attn_dispatch
-for name, caps in attn_dispatch.list_backends().items():
+from attn_dispatch.backend import list_backends
+for name, caps in list_backends().items():
     why = caps.availability_reasons("cuda")
     print(f"backend {name}: {'available' if not why else '; '.join(why)}")
 EOF
@@ -147,6 +147,17 @@ if [ ${#GPU_TESTS[@]} -gt 0 ]; then
     run_step pytest-gpu 150 "${PYTEST[@]}" "${GPU_TESTS[@]}"
 else
     record pytest-gpu skip 0 "no GPU test files in this checkout"
+fi
+
+# -- 4b. SGLang's engine through attn_dispatch (when SGLang imports here) -------------------------
+# The target on attn_dispatch's flashinfer, then fa3, with a STANDALONE draft on SGLang's own
+# triton backend; greedy tokens against SGLang's flashinfer alone (tiny random Llama models).
+if "$PY" -c "import sglang" >/dev/null 2>&1; then
+    SGL_WORK=$(mktemp -d)
+    run_step sglang-engine 240 "$PY" tests/integrations/sglang_engine/engine_run.py "$SGL_WORK" --gpu
+    rm -rf "$SGL_WORK"
+else
+    record sglang-engine skip 0 "sglang does not import here"
 fi
 
 # -- 5. summary ----------------------------------------------------------------------------------

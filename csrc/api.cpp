@@ -7,6 +7,8 @@
 #include <mutex>
 #include <new>
 #include <random>
+#include <shared_mutex>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -19,15 +21,24 @@ namespace {
 // bijective mixer keyed per process, so they are never reused (a freed id stays dead) and
 // not guessable from one another. The maps are leaked on purpose: no destructor runs at exit
 // while another thread may still be inside na_run.
+//
+// Read-mostly: na_run (once per layer) only looks ids up, under a shared lock, so calls from
+// several threads never wait for each other there; creating and freeing runners and plans
+// (once per forward) take the lock exclusively, for a few map operations only (a plan is
+// built before the lock is taken and destroyed after it is released).
 struct PlanEntry {
   std::shared_ptr<const NaPlan> plan;
   uint64_t runner;
 };
-std::mutex g_table_mu;
+std::shared_mutex* g_table_mu = new std::shared_mutex();
 // fork() while another thread holds the table lock would leave the child's copy locked
-// forever: hold it across fork so both sides start with it free (the tables are copied whole).
-const int g_table_atfork = pthread_atfork([] { g_table_mu.lock(); }, [] { g_table_mu.unlock(); },
-                                          [] { g_table_mu.unlock(); });
+// forever: hold it across fork, so the tables are copied whole and unchanged. The parent
+// unlocks it; the child takes a fresh lock instead (a reader-writer lock records its writer's
+// thread id, which the forking thread no longer has in the child: unlocking it there would
+// release a read lock it never took, and the next caller would wait forever).
+const int g_table_atfork = pthread_atfork([] { g_table_mu->lock(); },
+                                          [] { g_table_mu->unlock(); },
+                                          [] { g_table_mu = new std::shared_mutex(); });
 auto* g_runners = new std::unordered_map<uint64_t, NaConfig>();
 auto* g_plans = new std::unordered_map<uint64_t, PlanEntry>();
 uint64_t g_next_id = 0, g_id_key = 0;
@@ -70,6 +81,18 @@ int64_t na_struct_size(const char* name) {
   return -1;
 }
 
+const char* na_codes(void) {
+  static const std::string codes = [] {
+    std::string s;
+#define NA_CODE_TEXT_(name, value) s += std::string(s.empty() ? "" : ",") + #name "=" #value;
+    NA_RETURN_CODES(NA_CODE_TEXT_)
+    NA_ERROR_FIELDS(NA_CODE_TEXT_)
+#undef NA_CODE_TEXT_
+    return s;
+  }();
+  return codes.c_str();
+}
+
 }  // extern "C"
 
 extern "C" {
@@ -77,7 +100,7 @@ extern "C" {
 int na_runner_create(const NaConfig* cfg, uint64_t* runner) {
   if (cfg == nullptr || runner == nullptr || !na::config_ok(*cfg)) return NA_BAD_CONFIG;
   try {
-    std::lock_guard<std::mutex> lk(g_table_mu);
+    std::unique_lock<std::shared_mutex> lk(*g_table_mu);
     const uint64_t id = new_id_locked();
     g_runners->emplace(id, *cfg);
     *runner = id;
@@ -88,10 +111,19 @@ int na_runner_create(const NaConfig* cfg, uint64_t* runner) {
 }
 
 void na_runner_free(uint64_t runner) {
-  std::lock_guard<std::mutex> lk(g_table_mu);
+  std::vector<std::shared_ptr<const NaPlan>> dead;  // destroyed after the lock is released
+  std::unique_lock<std::shared_mutex> lk(*g_table_mu);
   if (g_runners->erase(runner) == 0) return;
   for (auto it = g_plans->begin(); it != g_plans->end();) {
-    it = it->second.runner == runner ? g_plans->erase(it) : std::next(it);
+    if (it->second.runner != runner) {
+      ++it;
+      continue;
+    }
+    try {
+      dead.push_back(std::move(it->second.plan));
+    } catch (const std::bad_alloc&) {  // destroyed here instead: still freed, only later
+    }
+    it = g_plans->erase(it);
   }
 }
 
@@ -100,7 +132,7 @@ int na_plan_create(uint64_t runner, const NaPlanArgs* a, uint64_t* plan_id, NaPl
   if (err) *err = NaError{0, -1, 0, 0};
   NaConfig cfg;
   {
-    std::lock_guard<std::mutex> lk(g_table_mu);
+    std::shared_lock<std::shared_mutex> lk(*g_table_mu);
     auto found = g_runners->find(runner);
     if (found == g_runners->end()) return NA_UNKNOWN_RUNNER;
     cfg = found->second;
@@ -123,7 +155,7 @@ int na_plan_create(uint64_t runner, const NaPlanArgs* a, uint64_t* plan_id, NaPl
                        int64_t(P->merges.size()), P->scratch_rows,
                        P->cascade_groups, P->cascade_requests,
                        P->cascade_keys};
-    std::lock_guard<std::mutex> lk(g_table_mu);
+    std::unique_lock<std::shared_mutex> lk(*g_table_mu);
     if (!g_runners->count(runner)) return NA_UNKNOWN_RUNNER;  // freed meanwhile
     const uint64_t id = new_id_locked();
     g_plans->emplace(id, PlanEntry{std::move(P), runner});
@@ -137,7 +169,7 @@ int na_plan_create(uint64_t runner, const NaPlanArgs* a, uint64_t* plan_id, NaPl
 
 int na_plan_free(uint64_t runner, uint64_t plan) {
   std::shared_ptr<const NaPlan> dead;  // destroyed after the lock is released
-  std::lock_guard<std::mutex> lk(g_table_mu);
+  std::unique_lock<std::shared_mutex> lk(*g_table_mu);
   auto found = g_plans->find(plan);
   if (found == g_plans->end()) return NA_UNKNOWN_PLAN;
   if (found->second.runner != runner) return NA_FOREIGN_PLAN;
@@ -149,7 +181,7 @@ int na_plan_free(uint64_t runner, uint64_t plan) {
 int na_run(uint64_t runner, uint64_t plan_id, const NaRunArgs* a) {
   std::shared_ptr<const NaPlan> held;  // keeps the plan alive through the call, freed or not
   {
-    std::lock_guard<std::mutex> lk(g_table_mu);
+    std::shared_lock<std::shared_mutex> lk(*g_table_mu);
     if (!g_runners->count(runner)) return NA_UNKNOWN_RUNNER;
     auto found = g_plans->find(plan_id);
     if (found == g_plans->end()) return NA_UNKNOWN_PLAN;
@@ -169,6 +201,7 @@ int na_run(uint64_t runner, uint64_t plan_id, const NaRunArgs* a) {
   float* lse = a->lse;
   const float sm_scale = a->sm_scale, k_scale = a->k_scale, v_scale = a->v_scale;
   const int32_t num_threads = a->num_threads;
+  if (num_threads < 1) return NA_BAD_THREADS;
   // out and lse hold exactly the plan's rows: every one of them is written below.
   const int64_t T = plan->num_tokens, Hq = c.num_q_heads;
   if (out_numel != T * Hq * c.v_head_dim) return NA_BAD_ARGS;
@@ -223,7 +256,7 @@ int na_run(uint64_t runner, uint64_t plan_id, const NaRunArgs* a) {
       const size_t need = size_t(plan->scratch_rows) * (size_t(c.v_head_dim) + 1);
       if (tls_scratch.size() < need) tls_scratch.resize(need);
     } catch (const std::bad_alloc&) {
-      return -2;
+      return NA_NO_MEMORY;
     }
     p.scratch = tls_scratch.data();
   }

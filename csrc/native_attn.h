@@ -20,7 +20,7 @@
 // The one definition of the ABI version: na_abi_version() returns it; Python reads it from the
 // library (never a second literal) and checks each struct it mirrors with na_struct_size.
 // Bump it with any change to a struct, an entry point's arguments or their meaning.
-#define NA_ABI_VERSION 7
+#define NA_ABI_VERSION 8
 
 #ifdef __cplusplus
 extern "C" {
@@ -43,19 +43,22 @@ typedef struct {
 } NaConfig;
 
 // Why na_plan_create refused a batch: `field` (NA_E_*), the request (-1: none) and values.
-enum {
-  NA_E_NONE = 0,
-  NA_E_CONFIG = 1,
-  NA_E_QO_INDPTR = 2,
-  NA_E_KV_INDPTR = 3,
-  NA_E_KV_LENS = 4,
-  NA_E_KV_INDICES = 5,
-  NA_E_DECODE_QLEN = 6,
-  NA_E_MASK = 7,
-  NA_E_TOO_LARGE = 8,
-  NA_E_NO_MEMORY = 9,
-  NA_E_INTERNAL = 10,  // the planner's own invariant failed (a bug, never the input)
-};
+// The codes are listed once, here (X-macros): the enum below and na_codes() are built from
+// the same list, and Python's mirror (NaField) is compared with na_codes() at load.
+#define NA_ERROR_FIELDS(X)                                                                  \
+  X(NA_E_NONE, 0)                                                                           \
+  X(NA_E_CONFIG, 1)      /* the NaPlanArgs themselves: a NULL array, a negative count */   \
+  X(NA_E_QO_INDPTR, 2)                                                                      \
+  X(NA_E_KV_INDPTR, 3)                                                                      \
+  X(NA_E_KV_LENS, 4)                                                                        \
+  X(NA_E_KV_INDICES, 5)                                                                     \
+  X(NA_E_DECODE_QLEN, 6)                                                                    \
+  X(NA_E_MASK, 7)                                                                           \
+  X(NA_E_TOO_LARGE, 8)                                                                      \
+  X(NA_E_NO_MEMORY, 9)                                                                      \
+  X(NA_E_INTERNAL, 10)   /* the planner's own invariant failed (a bug, never the input) */
+#define NA_ENUM_ITEM_(name, value) name = value,
+enum { NA_ERROR_FIELDS(NA_ENUM_ITEM_) };
 typedef struct {
   int32_t field, request;
   int64_t a, b;
@@ -104,30 +107,34 @@ typedef struct {
   int32_t num_threads;
 } NaRunArgs;
 
-// Return codes of the entry points below.
-enum {
-  NA_OK = 0,
-  NA_BAD_ARGS = -1,       // a tensor too small for the plan, out/lse not the plan's size
-  NA_NO_MEMORY = -2,      // a per-thread buffer could not be allocated
-  NA_UNKNOWN_PLAN = -3,   // never issued, or freed
-  NA_FOREIGN_PLAN = -4,   // a live plan of another runner
-  NA_UNKNOWN_RUNNER = -5, // never created, or freed
-  NA_BAD_CONFIG = -6,     // na_runner_create: the config is refused
-};
+// Return codes of the entry points below (listed once, like NA_ERROR_FIELDS; Python's
+// NaStatus is compared with na_codes() at load).
+#define NA_RETURN_CODES(X)                                                                   \
+  X(NA_OK, 0)                                                                                \
+  X(NA_BAD_ARGS, -1)       /* a tensor too small for the plan, out/lse not the plan's size */ \
+  X(NA_NO_MEMORY, -2)      /* a per-thread buffer could not be allocated */                  \
+  X(NA_UNKNOWN_PLAN, -3)   /* never issued, or freed */                                      \
+  X(NA_FOREIGN_PLAN, -4)   /* a live plan of another runner */                               \
+  X(NA_UNKNOWN_RUNNER, -5) /* never created, or freed */                                     \
+  X(NA_BAD_CONFIG, -6)     /* na_runner_create: the config is refused */                     \
+  X(NA_BAD_THREADS, -7)    /* na_run: num_threads < 1 */
+enum { NA_RETURN_CODES(NA_ENUM_ITEM_) };
 
 // A runner: one backend object's config, kept by the library. *runner receives its id.
 NA_API int na_runner_create(const NaConfig* cfg, uint64_t* runner);
 // Frees the runner and every plan it still has; an unknown id is ignored.
 NA_API void na_runner_free(uint64_t runner);
 
-// Validates and plans one batch for `runner`. Returns NA_OK with *plan and *info filled, a
-// NA_UNKNOWN_RUNNER, or NA_BAD_ARGS with *err naming the refused field.
+// Validates and plans one batch for `runner`. Returns NA_OK with *plan and *info filled,
+// NA_UNKNOWN_RUNNER, NA_NO_MEMORY, or NA_BAD_ARGS with *err naming the refused field.
 NA_API int na_plan_create(uint64_t runner, const NaPlanArgs* args, uint64_t* plan,
                           NaPlanInfo* info, NaError* err);
 // Frees a plan of `runner`: NA_OK, or NA_UNKNOWN_PLAN / NA_FOREIGN_PLAN (nothing freed).
 NA_API int na_plan_free(uint64_t runner, uint64_t plan);
 
-// Runs one layer with a live plan of `runner`. Returns NA_OK or a code above.
+// Runs one layer with a live plan of `runner`. Returns NA_OK or a code above. Calls on
+// different runners (or plans) from different threads run concurrently: the id tables are
+// read under a shared lock, and each caller gets worker threads of its own.
 NA_API int na_run(uint64_t runner, uint64_t plan, const NaRunArgs* args);
 
 // Instruction-set path: name of the one in use, and forcing one ("generic", "avx2",
@@ -140,6 +147,14 @@ NA_API int32_t na_abi_version(void);  // NA_ABI_VERSION
 // "NaRunArgs"); -1 for a name
 // this library does not have. The Python mirror refuses a library whose sizes differ from its.
 NA_API int64_t na_struct_size(const char* name);
+// Every code of NA_RETURN_CODES and NA_ERROR_FIELDS as "NAME=value" pairs joined by commas,
+// in the order listed: what the Python mirror checks its enums against at load.
+NA_API const char* na_codes(void);
+// From now on, run work items on the library's own pool, never on an OpenMP team found in the
+// process. The library does this by itself in a child forked after it was loaded (an OpenMP
+// team does not survive fork: its threads are gone, and waiting on them hangs); a loader that
+// knows the process was forked before the library was loaded calls this first.
+NA_API void na_use_own_pool(void);
 
 #ifdef __cplusplus
 }

@@ -9,6 +9,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include <dlfcn.h>
 
@@ -19,17 +20,12 @@ namespace {
 // A small persistent pool of our own, used when torch's OpenMP runtime is not loaded (see
 // gomp_parallel) and in forked children. Never a second OpenMP runtime: torch ships its own
 // libgomp, and another one in the same process competes with it for the same cores (and
-// some builds abort at load). Callers are serialised; ctypes releases the GIL, so two Python
-// threads may call in at once.
+// some builds abort at load). One caller at a time owns a pool (see acquire_pool): ctypes
+// releases the GIL, so two Python threads may call in at once, each on a pool of its own.
 class Pool {
  public:
   // Runs fn(0) .. fn(n-1), fn(0) on the calling thread; returns when all have finished.
   void run(int n, const std::function<void(int)>& fn) {
-    std::lock_guard<std::mutex> serial(run_mu_);
-    if (n <= 1) {
-      fn(0);
-      return;
-    }
     {
       std::unique_lock<std::mutex> lk(mu_);
       while (nworkers_ < n - 1) {
@@ -63,7 +59,6 @@ class Pool {
     }
   }
 
-  std::mutex run_mu_;
   std::mutex mu_;
   std::condition_variable cv_, done_;
   const std::function<void(int)>* job_ = nullptr;
@@ -71,15 +66,45 @@ class Pool {
   int want_ = 0, pending_ = 0, nworkers_ = 0;
 };
 
-Pool* g_pool = nullptr;
-std::atomic<bool> g_forked{false};  // set in a forked child: torch's OpenMP team is gone
-std::once_flag g_pool_once;
+// The idle pools: a caller takes one (or makes one) and puts it back after its run, so
+// concurrent callers never wait for each other and the pools (with their parked workers)
+// number at most the peak count of concurrent callers, whatever the number of threads that
+// ever called. Leaked on purpose: no destructor runs at exit while a worker is parked.
+struct Pools {
+  std::mutex mu;
+  std::vector<Pool*> idle;
+};
+std::atomic<Pools*> g_pools{new Pools()};
+// Set in a forked child (torch's OpenMP team is gone) or by na_use_own_pool.
+std::atomic<bool> g_own_pool{false};
 
-// A forked child has none of the parent's threads: forget the pool (leaked on purpose, its
-// mutexes may be held by threads that no longer exist) and build a new one on first use.
-void forget_pool_in_child() {
-  g_pool = new Pool();
-  g_forked.store(true);
+// A forked child has none of the parent's threads: forget every pool (leaked on purpose:
+// their mutexes may be held by threads that no longer exist) and stop using the OpenMP team.
+// Registered when the library is loaded, so a child forked before its first call is covered
+// too (registered at the first run, a child forked earlier waited on the parent's team).
+void forget_pools_in_child() {
+  g_pools.store(new Pools());
+  g_own_pool.store(true);
+}
+const int g_pool_atfork = pthread_atfork(nullptr, nullptr, forget_pools_in_child);
+
+Pool* acquire_pool() {
+  Pools* ps = g_pools.load();
+  {
+    std::lock_guard<std::mutex> lk(ps->mu);
+    if (!ps->idle.empty()) {
+      Pool* p = ps->idle.back();
+      ps->idle.pop_back();
+      return p;
+    }
+  }
+  return new Pool();
+}
+
+void release_pool(Pool* p) {
+  Pools* ps = g_pools.load();
+  std::lock_guard<std::mutex> lk(ps->mu);
+  ps->idle.push_back(p);
 }
 
 // torch's OpenMP runtime, when this process has loaded it (torch links libgomp.so.1 and
@@ -92,11 +117,8 @@ void forget_pool_in_child() {
 // uses our pool: an OpenMP team does not survive fork().
 using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
 
-Pool& pool();
-
 GompParallel gomp_parallel() {
-  pool();  // registers the fork handler that switches a child to our pool
-  if (g_forked.load(std::memory_order_relaxed)) return nullptr;
+  if (g_own_pool.load(std::memory_order_relaxed)) return nullptr;
   // Looked up once, at the first call with more than one thread: a tensor has reached us by
   // then, so torch (and its runtime) is loaded if it ever will be.
   static const GompParallel fn = []() -> GompParallel {
@@ -105,14 +127,6 @@ GompParallel gomp_parallel() {
     return h == nullptr ? nullptr : reinterpret_cast<GompParallel>(dlsym(h, "GOMP_parallel"));
   }();
   return fn;
-}
-
-Pool& pool() {
-  std::call_once(g_pool_once, [] {
-    g_pool = new Pool();
-    pthread_atfork(nullptr, nullptr, forget_pool_in_child);
-  });
-  return *g_pool;
 }
 
 }  // namespace
@@ -139,8 +153,16 @@ int parallel_items(int threads, int count, const std::function<int(int)>& body) 
       return status.load();
     }
   }
-  pool().run(n, [&](int) { take_items(); });
+  if (n <= 1) {  // the calling thread alone: no pool, no lock
+    take_items();
+    return status.load();
+  }
+  Pool* pool = acquire_pool();
+  pool->run(n, [&](int) { take_items(); });
+  release_pool(pool);
   return status.load();
 }
 
 }  // namespace na
+
+extern "C" void na_use_own_pool(void) { g_own_pool.store(true); }

@@ -6,7 +6,7 @@ written from ``[project.entry-points."attn_dispatch.backends"]`` in its pyprojec
     [attn_dispatch.backends]
     tpdemo = tp_plugin_backend:register
 
-attn_dispatch calls ``register()`` the first time its registry is used in a process, so every
+attn_dispatch calls ``register(registry)`` the first time a registry is used in a process, so every
 process of a distributed job that has the plugin installed knows the name ``tpdemo`` without
 any code of its own. The kernel is deliberately naive (one request at a time); its numbers
 match the ``torch`` reference.
@@ -26,7 +26,7 @@ from attn_dispatch import AttnConfig
 from attn_dispatch import Phase
 from attn_dispatch.backend import BackendBase
 from attn_dispatch.backend import Capabilities
-from attn_dispatch.backend import register_backend
+from attn_dispatch.backend import Registry
 
 NAME = "tpdemo"
 CAPABILITIES = Capabilities(
@@ -39,9 +39,9 @@ CAPABILITIES = Capabilities(
 )
 
 
-def register() -> None:
-    """The entry point: called once per process by attn_dispatch's registry."""
-    register_backend(NAME, capabilities=CAPABILITIES, factory=NaiveBackend, replace=True)
+def register(registry: Registry) -> None:
+    """The entry point: called with the registry that loads it (once per registry)."""
+    registry.register(NAME, capabilities=CAPABILITIES, factory=NaiveBackend, replace=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

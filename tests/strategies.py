@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import string
 from typing import Any
 
 from hypothesis import strategies as st
 
 from attn_dispatch import AttnConfig
-from attn_dispatch import BackendSpec
 from attn_dispatch import Phase
 from attn_dispatch import _registry
 from attn_dispatch.backend import BackendBase
 from attn_dispatch.backend import Capabilities
 from attn_dispatch.backend import register_backend
+from attn_dispatch.testing import strategies as _shipped
 
 # ---------------------------------------------------------------------------------------------
 # Kernel cases for the contract suite. A case is plain data; tests/contract/cases.py turns it
@@ -222,6 +221,7 @@ class RegistrySnapshot:
         reg._ensure_loaded()
         with reg._lock:
             self.entries = dict(reg._entries)
+            self.origins = dict(reg._origins)
             self.plugin_errors = dict(reg.plugin_errors)
 
     def restore(self) -> None:
@@ -229,6 +229,8 @@ class RegistrySnapshot:
         with reg._lock:
             reg._entries.clear()
             reg._entries.update(self.entries)
+            reg._origins.clear()
+            reg._origins.update(self.origins)
             reg.plugin_errors.clear()
             reg.plugin_errors.update(self.plugin_errors)
 
@@ -332,60 +334,17 @@ def mla_config(**changes: Any) -> AttnConfig:
 # ---------------------------------------------------------------------------------------------
 # strategies
 
-phases = st.sampled_from(list(Phase))
-
-# Backend names as BackendSpec accepts them: no ',', '=' or whitespace, not empty.
-backend_names = st.text(
-    alphabet=string.ascii_letters + string.digits + "_-.:/+",
-    min_size=1,
-    max_size=12,
-)
+# The shipped strategies (attn_dispatch.testing.strategies) are the suite's own: one
+# definition of a valid name, spec and config, tested where frameworks use them.
+phases = _shipped.phases
+backend_names = _shipped.backend_names
+backend_specs = _shipped.backend_specs
 
 
-@st.composite
-def backend_specs(draw: st.DrawFn, names: st.SearchStrategy[str] = backend_names) -> BackendSpec:
-    """Any valid BackendSpec over ``names`` (verify given or following either mode)."""
-    return BackendSpec(
-        prefill=draw(names),
-        decode=draw(names),
-        verify=draw(st.none() | names),
-        verify_mode=draw(st.sampled_from(["prefill", "decode"])),
-    )
-
-
-dtype_names = st.sampled_from(["float32", "float16", "bfloat16"])
-
-
-@st.composite
-def attn_configs(draw: st.DrawFn) -> AttnConfig:
-    """Valid MHA (GQA) and MLA configs of modest sizes."""
-    kind = draw(st.sampled_from(["mha", "mla"]))
-    dtype = draw(dtype_names)
-    page_size = draw(st.sampled_from([1, 16, 64]))
-    tree = draw(st.booleans())
-    if kind == "mla":
-        v = draw(st.sampled_from([128, 256, 512]))
-        rope = draw(st.sampled_from([32, 64]))
-        return AttnConfig(
-            kind="mla",
-            num_q_heads=draw(st.integers(1, 128)),
-            num_kv_heads=1,
-            head_dim=v + rope,
-            v_head_dim=v,
-            dtype=dtype,
-            page_size=page_size,
-            tree_verify=tree,
-        )
-    kv = draw(st.integers(1, 8))
-    return AttnConfig(
-        kind="mha",
-        num_q_heads=kv * draw(st.integers(1, 8)),
-        num_kv_heads=kv,
-        head_dim=draw(st.sampled_from([32, 64, 128, 256])),
-        dtype=dtype,
-        page_size=page_size,
-        tree_verify=tree,
-    )
+def attn_configs() -> st.SearchStrategy[AttnConfig]:
+    """Every valid config shape the shipped strategy draws: MHA (GQA) and absorbed MLA, with
+    layer variants and FP8 caches."""
+    return _shipped.attn_configs(variants=True, fp8=True)
 
 
 # ---------------------------------------------------------------------------------------------

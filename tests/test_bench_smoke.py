@@ -55,6 +55,7 @@ NEEDS: dict[str, Callable[[], str | None] | None] = {
     # smoke run (tests/backends/triton runs that path).
     "gpu_triton.py": lambda: _cuda() or _module("triton")(),
     "kernels_cpu.py": _native,
+    "native_concurrency.py": _native,
     "native_probe.py": _native,
     "safety_checks.py": None,
     "sdpa_cpu.py": None,

@@ -66,7 +66,7 @@ LAYERS: tuple[Layer, ...] = (
         4,
         "scope, record, threads",
         "the hot path: `attn_scope`, `resolve`, `attention`",
-        ("_scope", "_record", "_threads"),
+        ("_frame", "_scope", "_record", "_threads"),
     ),
     Layer(
         5,
@@ -77,6 +77,7 @@ LAYERS: tuple[Layer, ...] = (
             "state",
             "mla",
             "compile",
+            "_dynamo_hook",
             "cuda_graph",
             "testing",
             "testing.*",

@@ -29,7 +29,7 @@ Run::
     PYTHONPATH=/work/extra_sglang python tools/sglang_grid.py           # compare only
 
 The comparison prints the grid size and how many accepted combinations our
-``BackendSpec.from_server_args`` answers differently, for the target and for the draft.
+``spec_from_server_args`` answers differently, for the target and for the draft.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from attn_dispatch import BackendSpec  # noqa: E402
-from attn_dispatch import phase_of  # noqa: E402
+from attn_dispatch.integrations.sglang import phase_of  # noqa: E402
+from attn_dispatch.integrations.sglang import spec_from_server_args  # noqa: E402
 
 # One knob per server arg the backend choice reads. None = not given on the command line.
 GRID: dict[str, list[Any]] = {
@@ -354,7 +354,7 @@ def _sglang_answers(model_dir: str) -> dict[str, Any]:
 def compare(doc: dict[str, Any], source: str) -> dict[str, int]:
     """Count accepted combinations whose target/draft spec disagrees with SGLang's answer.
 
-    ``source``: what ``from_server_args`` reads: ``"_server_args"`` (the real ServerArgs
+    ``source``: what ``spec_from_server_args`` reads: ``"_server_args"`` (the real ServerArgs
     object), ``"resolved"`` (its resolved values as a mapping) or ``"input"`` (the raw input).
     """
     use_objects = source == "_server_args"
@@ -381,7 +381,7 @@ def compare(doc: dict[str, Any], source: str) -> dict[str, int]:
 
 def _differs(args: Any, answer: dict[str, str], modes: list[str], *, is_draft: bool) -> bool:
     try:
-        spec = BackendSpec.from_server_args(args, is_draft=is_draft)
+        spec = spec_from_server_args(args, is_draft=is_draft)
     except Exception:
         return True
     return any(spec.backend_for(phase_of(m)) != answer[m] for m in modes)

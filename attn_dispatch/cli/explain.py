@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 from collections.abc import Mapping
 from collections.abc import Sequence
+from pathlib import Path
 
 from attn_dispatch._binding import bind
-from attn_dispatch._binding import check_spec
+from attn_dispatch._binding import check
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import IncompatibleBackendError
 from attn_dispatch._errors import InvalidSpecError
@@ -17,6 +19,7 @@ from attn_dispatch._phase import Phase
 from attn_dispatch._registry import Registry
 from attn_dispatch._spec import BackendSpec
 from attn_dispatch._table import format_table
+from attn_dispatch.cli._files import read_regular
 from attn_dispatch.cli.model import UnsupportedModel
 from attn_dispatch.cli.model import model_configs
 
@@ -169,7 +172,7 @@ def cmd_explain(args: argparse.Namespace, registry: Registry) -> int:
     from_machine: dict[tuple[str, str], None] = {}
     for group, cfg in targets.items():
         gspec = spec[group] if isinstance(spec, dict) else spec
-        found = _config_reasons(gspec, cfg, args.label, registry, group or None)
+        found = _config_reasons(gspec, cfg, args.label, registry)
         for phase in Phase:
             name, why = found.get(phase, (gspec.names[phase], []))
             # The machine's reasons depend on the backend and the device, not on the phase.
@@ -207,9 +210,13 @@ def _table_spec(
 ) -> BackendSpec | dict[str, BackendSpec]:
     """The spec a dispatch table holds for ``--label`` (checked for staleness), and where each
     choice came from (into ``header``)."""
+    from attn_dispatch.dispatch_table import MAX_TABLE_BYTES
     from attn_dispatch.dispatch_table import DispatchTable
     from attn_dispatch.dispatch_table import spec_from_table
 
+    # Only a regular file of bounded size is read (a FIFO would block the open forever).
+    with contextlib.suppress(FileNotFoundError):  # the table's own loader names it
+        read_regular(Path(args.table), "--table", MAX_TABLE_BYTES, what="a dispatch table")
     spec = spec_from_table(args.table, label=args.label)
     table = DispatchTable.load(args.table)
     label = args.label if args.label is not None else table.labels[0]
@@ -232,15 +239,12 @@ def _spec_text(spec: BackendSpec | Mapping[str, BackendSpec]) -> str:
 
 
 def _config_reasons(
-    spec: BackendSpec, config: AttnConfig, label: str | None, registry: Registry, group: str | None
+    spec: BackendSpec, config: AttnConfig, label: str | None, registry: Registry
 ) -> dict[Phase, tuple[str, list[str]]]:
-    """Phase -> (backend, reasons from the config): bind's own checks, with the machine's
-    left out (``explain`` lists those apart)."""
-    try:
-        check_spec(spec, config, label=label, registry=registry, group=group, machine=False)
-    except IncompatibleBackendError as exc:
-        return {p: (name, list(why)) for p, (name, why) in exc.reasons.items()}
-    return {}
+    """Phase -> (backend, reasons from the config): bind's own checks (``check``), with the
+    machine's left out (``explain`` lists those apart)."""
+    found = check(spec, config, label=label, registry=registry, machine=False)
+    return {p: (name, list(why)) for p, (name, why) in found.items()}
 
 
 def _bind_here(

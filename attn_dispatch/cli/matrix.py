@@ -13,16 +13,31 @@ from attn_dispatch._matrix import format_matrix
 from attn_dispatch._matrix import render_blocks
 from attn_dispatch._matrix import support_matrix
 from attn_dispatch._registry import Registry
+from attn_dispatch.cli._files import read_regular
+
+# A README is kilobytes; the limit only keeps a mistaken path from being read without end.
+_README_BYTES_MAX = 16 << 20
 
 
 def _words(text: str) -> list[str]:
     return [w.strip() for w in text.split(",") if w.strip()]
 
 
+def _listed(text: str | None, flag: str) -> list[str] | None:
+    """A comma-separated flag's names (None: not given). One that names nothing (``,``) is
+    refused, not taken as "print an empty matrix"."""
+    if text is None:
+        return None
+    words = _words(text)
+    if not words:
+        raise InvalidSpecError(flag, text, "names nothing; give comma-separated names")
+    return words
+
+
 def matrix_text(args: argparse.Namespace, registry: Registry) -> str:
     """What ``matrix`` prints for ``args``."""
-    names = _words(args.backends) if args.backends else None
-    fields = _words(args.fields) if args.fields else None
+    names = _listed(args.backends, "--backends")
+    fields = _listed(args.fields, "--fields")
     return format_matrix(support_matrix(registry, backends=names), args.format, fields=fields)
 
 
@@ -39,8 +54,8 @@ def cmd_matrix(args: argparse.Namespace, registry: Registry) -> int:
         return 0
     path = Path(args.update_readme)
     try:
-        old = path.read_text(encoding="utf-8")
-    except OSError as exc:
+        old = read_regular(path, "--update-readme", _README_BYTES_MAX, what="a README").decode()
+    except FileNotFoundError as exc:
         raise InvalidSpecError("--update-readme", str(path), f"cannot read it: {exc}") from None
     except UnicodeDecodeError as exc:
         raise InvalidSpecError(

@@ -17,6 +17,7 @@ from typing import Any
 
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch.cli._files import read_regular
 
 __all__ = ["UnsupportedModel", "model_configs"]
 
@@ -47,6 +48,8 @@ _FIELDS: dict[str, tuple[int, int]] = {
     "attention_chunk_size": (1, _POSITION_MAX),
 }
 _CONFIG_BYTES_MAX = 16 << 20  # a model config is kilobytes; a larger file is not one
+# Nesting depth of a config.json (text_config.rope_scaling: 3); far deeper is not a config.
+_DEPTH_MAX = 32
 
 
 def _config_file(path: Path) -> Path:
@@ -84,23 +87,48 @@ def check_config_values(data: object, where: str) -> None:
 
 def _read_raw(path: Path) -> object:
     """The config.json's JSON value, or None where transformers should report the problem
-    (no such file, not JSON); bounded in size."""
+    (no such file, not JSON). Only a regular file is read (a FIFO would block, a link to a
+    device never end), bounded in size and in nesting depth."""
     file = _config_file(path)
     try:
-        size = file.stat().st_size
-    except OSError:
+        data = read_regular(
+            file, "--model", _CONFIG_BYTES_MAX, what="a model config", shown=str(path)
+        )
+    except FileNotFoundError:
         return None  # transformers names the missing file
-    if size > _CONFIG_BYTES_MAX:
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        value = _TOO_DEEP
+    except ValueError:
+        return None  # transformers names the problem (and its message is the documented one)
+    if value is _TOO_DEEP or _depth(value) > _DEPTH_MAX:
         raise InvalidSpecError(
             "--model",
             str(path),
-            f"{file.name} holds {size} bytes; a model config is far smaller (limit "
-            f"{_CONFIG_BYTES_MAX})",
+            f"{file.name} nests its values deeper than {_DEPTH_MAX} levels; a model config "
+            "nests a few",
         )
-    try:
-        return json.loads(file.read_bytes())
-    except (OSError, ValueError):
-        return None  # transformers names the problem (and its message is the documented one)
+    return value
+
+
+_TOO_DEEP = object()
+
+
+def _depth(value: object) -> int:
+    """How deep a parsed JSON value nests (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        children = (
+            item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        )
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            if level > _DEPTH_MAX:
+                break
+            todo.extend((c, level + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
 
 
 def _transformers_integration() -> Any:

@@ -27,7 +27,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "and the fastest spec per group. It recommends; it never binds anything for you.",
     )
     explain.add_shape_arguments(t)
-    t.add_argument("--backends", help="comma-separated candidates (default: every available one)")
+    t.add_argument(
+        "--backends",
+        type=backend_names,
+        help="comma-separated candidates (default: every available one)",
+    )
     t.add_argument("--prefill-len", type=int, default=512, help="prompt tokens per request")
     t.add_argument("--prefill-batch", type=int, default=2)
     t.add_argument("--decode-batch", type=int, default=8, help="requests in decode/verify")
@@ -55,6 +59,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
 
 
+def backend_names(text: str) -> list[str]:
+    """``--backends a,b``: at least one name, each once (``,`` alone names none: refused,
+    not a run that times nothing)."""
+    names = [w.strip() for w in text.split(",")]
+    if not any(names):
+        raise argparse.ArgumentTypeError(f"{text!r} names no backend; e.g. --backends torch,native")
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty name between commas")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{text!r} names {', '.join(twice)} more than once")
+    return names
+
+
 def _demo_configs(args: argparse.Namespace) -> tuple[dict[str, AttnConfig], list[str]]:
     import torch
 
@@ -77,8 +95,12 @@ def _demo_configs(args: argparse.Namespace) -> tuple[dict[str, AttnConfig], list
 
 def cmd_tune(args: argparse.Namespace, registry: Registry) -> int:
     from attn_dispatch.tune import TuneSizes
+    from attn_dispatch.tune import check_device
     from attn_dispatch.tune import tune
 
+    # Before anything is built for it (the demo's models, the batches): tune measures this
+    # machine, so the device must be one of its own.
+    check_device(args.device)
     got = _demo_configs(args) if args.demo else explain.layer_configs(args)
     if isinstance(got, str):
         print(f"model: {args.model}\ncannot serve this model: {got}")
@@ -92,8 +114,7 @@ def cmd_tune(args: argparse.Namespace, registry: Registry) -> int:
         draft_tokens=args.draft_tokens,
         repeats=args.repeats,
     )
-    names = None if not args.backends else [n.strip() for n in args.backends.split(",") if n]
-    report = tune(configs, sizes=sizes, backends=names, registry=registry)
+    report = tune(configs, sizes=sizes, backends=args.backends, registry=registry)
     if args.save:
         _save_table(args, report, configs)
     if args.format == "json":

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from attn_dispatch import AttnBatch
-from attn_dispatch import AttnDispatchError
 from attn_dispatch import AttnForm
 from attn_dispatch import BackendSpec
 from attn_dispatch import Binding
@@ -22,19 +21,8 @@ from attn_dispatch import attention
 from attn_dispatch import attention_form
 from attn_dispatch import attn_scope
 from attn_dispatch import record_dispatch
+from attn_dispatch._errors import CacheFullError
 from attn_dispatch.demo.layers import PagedModel
-
-
-class CacheFullError(AttnDispatchError, MemoryError):
-    """A runner's page pool has too few free pages. Attributes: ``label``, ``requested``,
-    ``free``, ``num_pages``."""
-
-    def __init__(self, label: str, requested: int, free: int, num_pages: int) -> None:
-        self.label, self.requested, self.free, self.num_pages = label, requested, free, num_pages
-        super().__init__(
-            f"runner {label!r}: {requested} pages requested, {free} of {num_pages} free; pass "
-            "a larger --num-pages or fewer tokens"
-        )
 
 
 class PageAllocator:

@@ -67,10 +67,6 @@ class Stats:
         return sum(self.accepts)
 
     @property
-    def max_accept(self) -> int:
-        return max(self.accepts, default=0)
-
-    @property
     def drafted(self) -> int:
         return self.depth * len(self.accepts)
 

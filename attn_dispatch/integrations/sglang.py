@@ -11,8 +11,7 @@
 
 SGLang's rules are written once, in ``attn_dispatch.integrations._sglang_rules``: its
 forward-mode names (``phase_of``) and how its server arguments name each runner's backends
-(``spec_from_server_args``). The old names ``attn_dispatch.phase_of`` and
-``BackendSpec.from_server_args`` still work for one release, with a DeprecationWarning.
+(``spec_from_server_args``).
 
 Layer variants as SGLang spells them (``RadixAttention``'s fields): ``sliding_window_size``
 is already FlashInfer's ``window_left`` (SGLang models pass HF's ``sliding_window - 1``;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
 
 from attn_dispatch._errors import InvalidSpecError
@@ -38,14 +39,26 @@ class Isolation:
         return [r for r in rows if r.runner == self.runner]
 
 
-def _phases(allow: bool | Iterable[Phase | str]) -> frozenset[str]:
+def _phases(allow: object, name: str) -> frozenset[str]:
+    """The phase names an ``allow_*`` argument names: True (all), False, a phase or its
+    name, or an iterable of them; anything else is ``InvalidSpecError``."""
     if allow is True:
         return frozenset(p.name.lower() for p in Phase)
     if allow is False:
         return frozenset()
     if isinstance(allow, (str, Phase)):
         allow = [allow]
-    return frozenset(phase_name(p) for p in allow)
+    if not isinstance(allow, Iterable) or isinstance(allow, (bytes, Mapping)):
+        raise InvalidSpecError(
+            name, allow, "pass True (every phase), False, a phase name, or an iterable of them"
+        )
+    items = list(allow)
+    for p in items:
+        if not isinstance(p, (str, Phase)):
+            raise InvalidSpecError(
+                name, allow, f"{p!r} is not a phase; name phases as 'prefill', 'decode', 'verify'"
+            )
+    return frozenset(phase_name(p) for p in items)
 
 
 def assert_isolated(
@@ -54,18 +67,23 @@ def assert_isolated(
     together: Callable[[], Any],
     *,
     allow_call_count_diff: bool | Iterable[Phase | str] = (),
+    allow_one_side: bool | Iterable[Phase | str] = (),
     expect: BackendSpec | str | None = None,
 ) -> Isolation:
     """Run ``alone`` (only runner ``label``) and ``together`` (``label`` with other runners
     co-resident), each under its own recorder, and compare ``label``'s dispatch rows.
 
     A row is (phase, layer group, backend, attention form, bound config fingerprint) with its
-    call count. For each (phase, group) both workloads ran, the two sides must have the same
-    rows; their call counts must be equal too unless the phase is in
+    call count, and what ran under the backend's name (the backend object's class, build and
+    kernel options: ``kernel_options``), so a registry entry replaced under the same name
+    is a difference too. For each (phase, group) both workloads ran, the two sides must have
+    the same rows; their call counts must be equal too unless the phase is in
     ``allow_call_count_diff`` (a phase name, an iterable of them, or True for all: a
-    speculative workload runs verify steps that a plain one does not). A (phase, group) only
-    one side ran is a difference unless its phase is allowed to differ in counts.
-    ``expect``: the runner's own spec; every row on both sides must name its backend.
+    speculative workload runs more verify and fewer decode steps). A (phase, group) only one
+    side ran is a difference (whatever the counts allow: calls that vanished are not a count)
+    unless its phase is in ``allow_one_side`` (the same forms: a plain workload runs no
+    verify step at all). ``expect``: the runner's own spec; every row on both sides must name
+    its backend (it checks the phases only one side ran, too).
 
     Start-up belongs in the workloads: build the runners inside ``alone`` and ``together``
     (in the order the framework does), since start-up is where most leaks happen.
@@ -79,7 +97,10 @@ def assert_isolated(
             raise InvalidSpecError(
                 name, fn, "pass a function of no arguments that starts the runners and serves"
             )
-    allowed = _phases(allow_call_count_diff)
+    if label is not None and not isinstance(label, str):
+        raise InvalidSpecError("label", label, "pass the runner's label (a string), or None")
+    allowed = _phases(allow_call_count_diff, "allow_call_count_diff")
+    one_side = _phases(allow_one_side, "allow_one_side")
     spec = BackendSpec.parse(expect) if isinstance(expect, str) else expect
     if spec is not None and not isinstance(spec, BackendSpec):
         raise InvalidSpecError("expect", spec, "pass a BackendSpec, a spec string, or None")
@@ -121,7 +142,7 @@ def assert_isolated(
         if bad["alone"] or bad["together"]:
             first = (bad["alone"], bad["together"])
     if mine_a and mine_t:
-        diff_first, found = _first_difference(mine_a, mine_t, allowed, hints)
+        diff_first, found = _first_difference(mine_a, mine_t, allowed, one_side, hints)
         first = first or diff_first
         problems.extend(found)
     if problems:
@@ -137,6 +158,7 @@ def assert_isolated(
                 (others_a, others_t),
                 together_rows,
                 allowed,
+                one_side,
             )
         )
     return Isolation(label, alone_rows, together_rows, others_t)
@@ -154,6 +176,7 @@ def _first_difference(
     alone: list[DispatchRow],
     together: list[DispatchRow],
     allowed: frozenset[str],
+    one_side: frozenset[str],
     hints: set[str],
 ) -> tuple[tuple[DispatchRow | None, DispatchRow | None] | None, list[str]]:
     by_slot_a: dict[tuple[str, str | None], list[DispatchRow]] = {}
@@ -169,18 +192,19 @@ def _first_difference(
         a, t = by_slot_a.get(slot, []), by_slot_t.get(slot, [])
         where = slot[0] if slot[1] is None else f"{slot[0]} [group {slot[1]!r}]"
         if not a or not t:
-            if slot[0] in allowed:
+            if slot[0] in one_side:
                 continue
             side = "together" if not a else "alone"
+            calls = sum(r.calls for r in (a or t))
             problems.append(
-                f"{where} ran only {side} (pass allow_call_count_diff={slot[0]!r} if the "
-                "workloads differ in it on purpose)"
+                f"{where} ran only {side} ({calls} calls; none {'alone' if not a else 'together'}"
+                f"): pass allow_one_side={slot[0]!r} if only one workload runs it on purpose"
             )
             if first is None:
                 first = (a[0] if a else None, t[0] if t else None)
             continue
-        keys_a = {r.key: r for r in a}
-        keys_t = {r.key: r for r in t}
+        keys_a = {r.ran: r for r in a}
+        keys_t = {r.ran: r for r in t}
         only_a = [keys_a[k] for k in sorted(keys_a.keys() - keys_t.keys(), key=_key_order)]
         only_t = [keys_t[k] for k in sorted(keys_t.keys() - keys_a.keys(), key=_key_order)]
         if only_a or only_t:
@@ -231,6 +255,12 @@ HINTS = {
         "alive (a config or setting shared with, copied from or overwritten by another "
         "runner); build each runner's AttnConfig from its own model."
     ),
+    "impl": (
+        "the same backend name ran another implementation: a registry entry replaced under "
+        "that name (register_backend(..., replace=True) by another runner's start-up), or "
+        "other factory options, reached this runner's binding; bind each runner from its own "
+        "settings, against a registry no other runner rewrites."
+    ),
     "more": (
         "more calls together than alone for the same work: another runner's layers may have "
         "run under this runner's scope (its binding, batch or metadata reused by another "
@@ -249,6 +279,9 @@ def _what_differs(a: DispatchRow | None, t: DispatchRow | None, hints: set[str])
     if a.backend != t.backend:
         parts.append(f"backend {a.backend!r} alone but {t.backend!r} together")
         hints.add("backend")
+    if a.backend == t.backend and a.impl != t.impl:
+        parts.append(f"backend {a.backend!r} ran {a.impl} alone but {t.impl} together")
+        hints.add("impl")
     if a.form != t.form:
         parts.append(f"attention form {a.form or '-'} alone but {t.form or '-'} together")
         hints.add("form")
@@ -269,6 +302,7 @@ def _message(
     others: tuple[tuple[str | None, ...], tuple[str | None, ...]],
     together_rows: tuple[DispatchRow, ...],
     allowed: frozenset[str],
+    one_side: frozenset[str],
 ) -> str:
     mine_a, mine_t = mine
     others_a, others_t = others
@@ -294,6 +328,8 @@ def _message(
         )
     if allowed:
         lines.append(f"  call counts allowed to differ in: {', '.join(sorted(allowed))}")
+    if one_side:
+        lines.append(f"  allowed to run on one side only: {', '.join(sorted(one_side))}")
     lines.append(f"  rows of {label!r} alone:")
     lines.append(format_rows(mine_a, indent="    "))
     lines.append(f"  rows of {label!r} together:")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import json
 from collections.abc import Iterable
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from attn_dispatch._config import AttnConfig
+from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch._record import DispatchRecorder
 from attn_dispatch._record import record_dispatch
@@ -87,6 +89,14 @@ class DispatchRow:
     config: str
     calls: int = dataclasses.field(compare=False)
     bound: AttnConfig | None = dataclasses.field(default=None, compare=False, repr=False)
+    #: What ran under the name ``backend`` (``implementation_of``): the backend object's
+    #: class, its build and the options that change its kernel path ("" if not recorded).
+    impl: str = ""
+
+    @property
+    def ran(self) -> tuple[str, str | None, str, str | None, str, str]:
+        """What the row says ran: ``key`` and the implementation behind the name."""
+        return (*self.key, self.impl)
 
     @property
     def key(self) -> tuple[str, str | None, str, str | None, str]:
@@ -107,6 +117,7 @@ class DispatchRow:
             "form": self.form,
             "config": self.config,
             "calls": self.calls,
+            "impl": self.impl,
         }
 
     def describe(self, *, calls: bool = True) -> str:
@@ -121,7 +132,7 @@ class DispatchRow:
 
 def rows_from_tally(recorder: DispatchRecorder) -> list[DispatchRow]:
     """The rows of a ``record_dispatch(tally=True)`` recorder (events it holds count too)."""
-    sums: dict[tuple[str | None, str, str | None, str, str | None, str], list[Any]] = {}
+    sums: dict[tuple[str | None, str, str | None, str, str | None, str, str], list[Any]] = {}
     for (binding, phase, form, group), calls in recorder.tally().items():
         config = binding._config
         key = (
@@ -131,19 +142,80 @@ def rows_from_tally(recorder: DispatchRecorder) -> list[DispatchRow]:
             binding.spec.names[phase],
             None if form is None else form.value,
             config_fingerprint(config),
+            _ran(binding, phase, form),
         )
         entry = sums.setdefault(key, [0, config])
         entry[0] += calls
     for e in recorder.events:  # record_events (a CUDA-graph replay): no binding to read
-        key = (e.label, e.phase.name.lower(), e.group, e.backend, e.form, "-")
+        key = (e.label, e.phase.name.lower(), e.group, e.backend, e.form, "-", "")
         sums.setdefault(key, [0, None])[0] += 1
     return sorted(
         (
-            DispatchRow(r, p, g, b, f, c, calls=calls, bound=config)
-            for (r, p, g, b, f, c), (calls, config) in sums.items()
+            DispatchRow(r, p, g, b, f, c, calls=calls, bound=config, impl=i)
+            for (r, p, g, b, f, c, i), (calls, config) in sums.items()
         ),
         key=row_order,
     )
+
+
+# Instance attributes that say nothing about the kernel path (the config has its own column).
+_NOT_OPTIONS = frozenset({"self", "name", "config"})
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def kernel_options(backend: object) -> dict[str, Any]:
+    """The options of a backend object that change its kernel path, as recorded in a row.
+
+    A backend may say it itself with a ``kernel_options`` mapping (or a method returning
+    one). Otherwise they are the factory's keyword options as the object keeps them: each
+    keyword parameter of its class's ``__init__`` (``num_threads``, ``validate``, ``extend``)
+    that the object holds under the same name as a plain value (bool, number, string, None),
+    and its build (``abi_version``) if it has one. Other attributes (counters, caches) are not
+    options and never make two rows differ.
+    """
+    if getattr(type(backend), "kernel_options", None) is not None:
+        got = backend.kernel_options  # type: ignore[attr-defined]
+        got = got() if callable(got) else got
+        return {str(k): v for k, v in dict(got).items()}
+    try:
+        params = inspect.signature(type(backend).__init__).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C-implemented __init__: nothing to read
+        params = ()  # type: ignore[assignment]
+    keywords = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    out: dict[str, Any] = {}
+    for p in params:
+        if p.kind not in keywords or p.name in _NOT_OPTIONS or p.name.startswith("_"):
+            continue
+        value = getattr(backend, p.name, _ABSENT)
+        if value is not _ABSENT and isinstance(value, _SCALARS):
+            out[p.name] = value
+    build = getattr(backend, "abi_version", None)
+    if isinstance(build, _SCALARS) and build is not None:
+        out["abi_version"] = build
+    return dict(sorted(out.items()))
+
+
+_ABSENT = object()
+
+
+def implementation_of(backend: object) -> str:
+    """``module.Class(option=value, ...)``: what ran, for rows and messages (the same text in
+    every process for the same code and options)."""
+    if backend is None:
+        return "-"
+    klass = type(backend)
+    opts = ", ".join(f"{k}={v!r}" for k, v in kernel_options(backend).items())
+    return f"{klass.__module__}.{klass.__qualname__}({opts})"
+
+
+def _ran(binding: Any, phase: Phase, form: Any) -> str:
+    """The implementation that served ``phase`` (in ``form``) for ``binding``: the backend
+    object of its route, or of the decompressed form it took."""
+    route = binding._routes[phase]
+    backend = route.backend
+    if form is not None and form in route.forms:
+        backend = route.forms[form][0]  # None: MHA_CHUNKED, planned from the batch itself
+    return implementation_of(backend)
 
 
 def row_order(row: DispatchRow) -> tuple[Any, ...]:
@@ -269,14 +341,46 @@ class Ledger:
         ).decode()
 
     @classmethod
-    def from_json(cls, text: str) -> Ledger:
-        data = json.loads(text)
-        if data.get("v") != FINGERPRINT_VERSION:
-            raise ValueError(
-                f"ledger format version {data.get('v')!r} is not {FINGERPRINT_VERSION!r}: "
-                "record the ledger again with this attn_dispatch"
+    def from_json(cls, text: str | bytes) -> Ledger:
+        """The ledger ``to_json`` wrote. Text that is not one (not JSON, another format
+        version, a field missing or of the wrong type, a fingerprint that does not match the
+        entries: edited by hand) raises ``InvalidSpecError`` saying which."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise InvalidSpecError("ledger", text, "pass the text Ledger.to_json() wrote")
+        shown = text if len(text) <= 200 else text[:200]
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidSpecError("ledger", shown, f"is not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise InvalidSpecError(
+                "ledger", shown, f"is JSON {type(data).__name__}, not a ledger object"
             )
-        return cls(data["runner"], tuple(tuple(e) for e in data["entries"]))
+        if data.get("v") != FINGERPRINT_VERSION:
+            raise InvalidSpecError(
+                "ledger",
+                shown,
+                f"ledger format version {data.get('v')!r} is not {FINGERPRINT_VERSION!r}: "
+                "record the ledger again with this attn_dispatch",
+            )
+        missing = [k for k in ("runner", "entries") if k not in data]
+        if missing:
+            raise InvalidSpecError("ledger", shown, f"lacks {', '.join(missing)}")
+        runner, entries = data["runner"], data["entries"]
+        if runner is not None and not isinstance(runner, str):
+            raise InvalidSpecError("ledger.runner", runner, "must be a string or null")
+        if not isinstance(entries, list):
+            raise InvalidSpecError("ledger.entries", entries, "must be a list of entries")
+        ledger = cls(runner, tuple(_entry(e, i) for i, e in enumerate(entries)))
+        stored = data.get("fingerprint")
+        if stored is not None and stored != ledger.fingerprint:
+            raise InvalidSpecError(
+                "ledger.fingerprint",
+                stored,
+                f"does not match its entries ({ledger.fingerprint}): the ledger was edited; "
+                "record it again",
+            )
+        return ledger
 
     def diff(self, other: Ledger) -> list[str]:
         """Entries only in this ledger (``-``) and only in ``other`` (``+``), one per line."""
@@ -284,6 +388,25 @@ class Ledger:
         out = [f"- {_entry_text(e)}" for e in sorted(mine - theirs, key=_order)]
         out += [f"+ {_entry_text(e)}" for e in sorted(theirs - mine, key=_order)]
         return out
+
+
+def _entry(e: object, i: int) -> tuple[str, str | None, str, str | None, str]:
+    """One ledger entry read back: ``[phase, group, backend, form, config]``."""
+    ok = (
+        isinstance(e, list)
+        and len(e) == 5
+        and all(isinstance(e[k], str) for k in (0, 2, 4))
+        and all(e[k] is None or isinstance(e[k], str) for k in (1, 3))
+    )
+    if not ok:
+        raise InvalidSpecError(
+            f"ledger.entries[{i}]",
+            e,
+            "must be [phase, group or null, backend, form or null, config fingerprint]",
+        )
+    assert isinstance(e, list)
+    phase_name(e[0])  # an unknown phase raises UnknownPhaseError
+    return (e[0], e[1], e[2], e[3], e[4])
 
 
 def _order(entry: tuple[Any, ...]) -> tuple[Any, ...]:

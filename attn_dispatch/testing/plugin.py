@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch._spec import BackendSpec
 from attn_dispatch.testing._rows import RowRecorder
@@ -44,8 +45,23 @@ def assert_rows(
     phases: Iterable[Phase | str] | None = None,
 ) -> None:
     """AssertionError unless runner ``label`` made calls, each on the backend ``spec`` names
-    for its phase (and, with ``phases``, in exactly those phases)."""
+    for its phase (and, with ``phases``, in exactly those phases). Bad arguments raise
+    ``InvalidSpecError`` (or ``UnknownPhaseError`` for a phase name)."""
+    if not isinstance(recorder, RowRecorder):
+        raise InvalidSpecError(
+            "recorder", recorder, "pass the RowRecorder of record_rows() or attn_dispatch_rows"
+        )
+    if label is not None and not isinstance(label, str):
+        raise InvalidSpecError("label", label, "pass the runner's label (a string), or None")
     spec = BackendSpec.parse(spec) if isinstance(spec, str) else spec
+    if not isinstance(spec, BackendSpec):
+        raise InvalidSpecError("spec", spec, "pass a BackendSpec or a spec string")
+    if phases is not None and (
+        isinstance(phases, (str, Phase)) or not isinstance(phases, Iterable)
+    ):
+        raise InvalidSpecError(
+            "phases", phases, "pass an iterable of phase names (['prefill', 'decode']) or None"
+        )
     rows = recorder.rows_of(label)
     problems = []
     if not rows:
@@ -79,8 +95,34 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     markers = list(item.iter_markers(MARKER))
     if not markers:  # inert: no recorder, no cost
         return (yield)
+    for m in markers:  # a malformed marker fails before the test runs, saying how to write it
+        _check_marker(item, m)
     with record_rows() as rec:
         result = yield  # a failing test raises here: its own failure is the one reported
     for m in markers:
         assert_rows(rec, *m.args, **m.kwargs)
     return result
+
+
+_USAGE = f'@pytest.mark.{MARKER}("target", "prefill=torch,decode=native", phases=None)'
+
+
+def _check_marker(item: pytest.Item, mark: pytest.Mark) -> None:
+    """Refuse (``InvalidSpecError``) a marker that does not give a label and a spec."""
+    problem = None
+    unknown = sorted(set(mark.kwargs) - {"label", "spec", "phases"})
+    given = len(mark.args) + sum(k in mark.kwargs for k in ("label", "spec"))
+    if unknown:
+        problem = f"unknown keyword(s) {', '.join(unknown)}"
+    elif len(mark.args) > 2 or given != 2:
+        problem = f"it needs a runner label and a spec, got {mark.args!r}, {mark.kwargs!r}"
+    if problem is not None:
+        raise InvalidSpecError(f"{item.nodeid}: {MARKER}", mark.args, f"{problem}; write {_USAGE}")
+    label = mark.args[0] if mark.args else mark.kwargs["label"]
+    spec = mark.args[1] if len(mark.args) > 1 else mark.kwargs["spec"]
+    if label is not None and not isinstance(label, str):
+        raise InvalidSpecError(f"{item.nodeid}: {MARKER} label", label, f"write {_USAGE}")
+    if not isinstance(spec, (str, BackendSpec)):
+        raise InvalidSpecError(f"{item.nodeid}: {MARKER} spec", spec, f"write {_USAGE}")
+    if isinstance(spec, str):
+        BackendSpec.parse(spec)  # a bad spec string: its own error, before the test runs

@@ -27,6 +27,7 @@ from attn_dispatch import InvalidSpecError  # noqa: E402
 from attn_dispatch import NoActiveScopeError  # noqa: E402
 from attn_dispatch import Phase  # noqa: E402
 from attn_dispatch import ScopeError  # noqa: E402
+from attn_dispatch import UsageError  # noqa: E402
 from attn_dispatch import attention  # noqa: E402
 from attn_dispatch import attn_scope  # noqa: E402
 from attn_dispatch import bind  # noqa: E402
@@ -139,7 +140,7 @@ run = be.handler(Phase.DECODE)
 q = torch.randn(2, 4, 16); k = torch.randn(8, 4, 2, 16); v = torch.randn(8, 4, 2, 16)
 run(q, k, v, plan, 0.25)
 outcomes = []
-for bad in (dataclasses.replace(plan, snap=small.snap), dataclasses.replace(plan)):
+for bad in (dataclasses.replace(plan, num_requests=small.num_requests), dataclasses.replace(plan)):
     try:
         run(q, k, v, bad, 0.25)
         outcomes.append("ran")
@@ -313,9 +314,9 @@ def test_prepared_plan_of_another_binding_refused() -> None:
     a = bind("torch", cfg(), label="A")
     b = bind("torch", cfg(), label="B")
     batch = decode_batch()
-    with pytest.raises(InvalidBatchError, match="not one runner 'A' serves") as err:
+    with pytest.raises(UsageError, match="not one runner 'A' serves") as err:
         attn_scope(a, batch, prepared=b.prepare(batch))
-    assert err.value.field == "prepared"
+    assert err.value.api == "attn_scope(prepared=...)"  # misuse of the API, not a bad batch
     q, k, v = tensors(a.config, 2)
     with attn_scope(a, batch, prepared=a.prepare(batch)):  # its own: fine
         assert attention(q, k, v, sm_scale=0.25).shape == (2, 4, 16)
@@ -550,7 +551,8 @@ with attn_scope(binding, Batch()):
     assert attention("q", "k", "v", sm_scale=0.5) == ("q", "plan", 0.5)
     assert resolve(Phase.DECODE)("q", "k", "v", "p", 0.25) == ("q", "p", 0.25)
 assert "torch" not in sys.modules
-print("OK", sys.version_info[:2], ad.phase_of("DECODE"))
+from attn_dispatch.integrations.sglang import phase_of
+print("OK", sys.version_info[:2], phase_of("DECODE"), ad.__version__)
 """
 
 
@@ -579,9 +581,9 @@ def test_grouped_binding_config_is_per_group() -> None:
     binding = bind("torch", {"sliding": sliding, "full": full})
     assert dict(binding.configs) == {"sliding": sliding, "full": full}
     assert binding.groups["full"].config is full
-    with pytest.raises(InvalidBatchError, match=r"binding\.configs\[name\]") as err:
+    with pytest.raises(UsageError, match=r"binding\.configs\[name\]") as err:
         _ = binding.config
-    assert err.value.field == "group"
+    assert err.value.api == "Binding.config"
     plain = bind("torch", full)
     assert plain.config is full and dict(plain.configs) == {}
     route = plain.route(Phase.DECODE)

@@ -521,7 +521,7 @@ _TRITON_BOUNDS = """
     n = 6
     batch = AttnBatch.build(Phase.DECODE, q_lens=[1] * n, kv_lens=[4] * n,
                             page_tables=[[i] for i in range(n)], page_size=4, num_pages=n)
-    plan = be.plan(batch)
+    plan = be._plans.get(be.plan(batch), be)  # the launch record behind the handle
     k = torch.randn(n, 4, 1, 16)
     v = torch.randn(n, 4, 1, 16)
     # A snapshot claiming 1 token while the grid still walks 6 requests: the kernels must
@@ -536,7 +536,7 @@ _TRITON_BOUNDS = """
     print("decode bounded")
     pb = AttnBatch.build(Phase.PREFILL, q_lens=[3] * n, kv_lens=[4] * n,
                          page_tables=[[i] for i in range(n)], page_size=4, num_pages=n)
-    ep = be.plan(pb)
+    ep = be._plans.get(be.plan(pb), be)
     forged = _ops.sealed(dataclasses.replace(ep, snap=_snap_with_tokens(ep.snap, 2)))
     out = _ops.run_extend(be._kc, forged, torch.randn(2, 2, 16), k, v, 0.25)
     assert out.shape == (2, 2, 16) and torch.isfinite(out).all()
@@ -550,11 +550,11 @@ _TRITON_BOUNDS = """
     one = AttnBatch.build(Phase.DECODE, q_lens=[1, 1], kv_lens=[4, 4],
                           page_tables=[[0], [2]], page_size=4, num_pages=4)
     k4, v4, q2 = k[:4], v[:4], torch.randn(2, 2, 16)
-    dp = be.plan(two)
+    dp = be._plans.get(be.plan(two), be)
     dp.snap.kv_indices[1] = 10**6  # request 0's second page: outside the cache
     dp.snap.kv_indices[2:] = -5  # request 1: no page inside the cache at all
     got = _ops.run_decode(be._kc, dp, q2, k4, v4, 0.25)
-    want = _ops.run_decode(be._kc, be.plan(one), q2, k4, v4, 0.25)
+    want = _ops.run_decode(be._kc, be._plans.get(be.plan(one), be), q2, k4, v4, 0.25)
     assert torch.isfinite(got).all(), got
     torch.testing.assert_close(got[0], want[0])
     assert (got[1] == 0).all()

@@ -15,7 +15,7 @@ from tests.strategies import mla_config
 
 
 def test_everything_fits() -> None:
-    caps = Capabilities()
+    caps = Capabilities(kinds={"mha", "mla"})
     for p in Phase:
         assert caps.reasons(mha_config(), p) == []
         assert caps.reasons(mla_config(), p) == []
@@ -45,7 +45,7 @@ def test_normalises_fields() -> None:
     ("caps", "config", "phase", "reason"),
     [
         (
-            Capabilities(phases={Phase.PREFILL, Phase.DECODE}),
+            Capabilities(kinds={"mha", "mla"}, phases={Phase.PREFILL, Phase.DECODE}),
             mha_config(),
             Phase.VERIFY,
             "phase 'verify' is not implemented (implemented: 'decode', 'prefill')",
@@ -57,55 +57,55 @@ def test_normalises_fields() -> None:
             "kind 'mla' is not supported (supported: 'mha')",
         ),
         (
-            Capabilities(devices={"cuda"}),
+            Capabilities(kinds={"mha", "mla"}, devices={"cuda"}),
             mha_config(),
             Phase.DECODE,
             "device 'cpu' is not supported (supported: 'cuda')",
         ),
         (
-            Capabilities(dtypes={"float16"}, kv_dtypes={"float32"}),
+            Capabilities(kinds={"mha", "mla"}, dtypes={"float16"}, kv_dtypes={"float32"}),
             mha_config(),
             Phase.DECODE,
             "dtype 'float32' is not supported (supported: 'float16')",
         ),
         (
-            Capabilities(kv_dtypes={"float8_e4m3fn"}),
+            Capabilities(kinds={"mha", "mla"}, kv_dtypes={"float8_e4m3fn"}),
             mha_config(),
             Phase.DECODE,
             "kv_dtype 'float32' is not supported (supported: 'float8_e4m3fn')",
         ),
         (
-            Capabilities(),
+            Capabilities(kinds={"mha", "mla"}),
             mha_config(kv_dtype="fp8"),
             Phase.DECODE,
             "kv_dtype 'float8_e4m3fn' is not supported",
         ),
         (
-            Capabilities(head_dims={128, 256}),
+            Capabilities(kinds={"mha", "mla"}, head_dims={128, 256}),
             mha_config(),
             Phase.PREFILL,
             "head_dim 64 is not supported (supported: 128, 256)",
         ),
         (
-            Capabilities(v_head_dims={128}),
+            Capabilities(kinds={"mha", "mla"}, v_head_dims={128}),
             mla_config(),
             Phase.DECODE,
             "v_head_dim 512 is not supported (supported: 128)",
         ),
         (
-            Capabilities(page_sizes={16, 64}),
+            Capabilities(kinds={"mha", "mla"}, page_sizes={16, 64}),
             mha_config(page_size=1),
             Phase.DECODE,
             "page_size 1 is not supported (supported: 16, 64)",
         ),
         (
-            Capabilities(custom_mask=False),
+            Capabilities(kinds={"mha", "mla"}, custom_mask=False),
             mha_config(tree_verify=True),
             Phase.VERIFY,
             "tree verify needs a custom attention mask",
         ),
         (
-            Capabilities(requires=("no_such_module_xyz",)),
+            Capabilities(kinds={"mha", "mla"}, requires=("no_such_module_xyz",)),
             mha_config(),
             Phase.DECODE,
             "module 'no_such_module_xyz' is not installed (pip install no-such-module-xyz)",
@@ -121,7 +121,7 @@ def test_each_field_gives_its_reason(
 
 
 def test_custom_mask_matters_only_for_tree_verify() -> None:
-    caps = Capabilities(custom_mask=False)
+    caps = Capabilities(kinds={"mha", "mla"}, custom_mask=False)
     assert caps.reasons(mha_config(tree_verify=True), Phase.DECODE) == []
     assert caps.reasons(mha_config(tree_verify=True), Phase.PREFILL) == []
     assert caps.reasons(mha_config(tree_verify=False), Phase.VERIFY) == []
@@ -162,7 +162,7 @@ def test_checks_receive_config_and_phase() -> None:
         if config.num_q_heads % 2:
             yield f"odd head count {config.num_q_heads} in {phase.name.lower()}"
 
-    caps = Capabilities(checks=(only_even_heads,))
+    caps = Capabilities(kinds={"mha", "mla"}, checks=(only_even_heads,))
     assert caps.reasons(mha_config(num_q_heads=8), Phase.DECODE) == []
     assert caps.reasons(mha_config(num_q_heads=7, num_kv_heads=1), Phase.VERIFY) == [
         "odd head count 7 in verify"
@@ -177,7 +177,9 @@ def test_check_that_raises_becomes_a_reason() -> None:
     def fine(config: AttnConfig, phase: Phase) -> Iterable[str]:
         return ["second check still ran"]
 
-    reasons = Capabilities(checks=(broken, fine)).reasons(mha_config(), Phase.DECODE)
+    reasons = Capabilities(kinds={"mha", "mla"}, checks=(broken, fine)).reasons(
+        mha_config(), Phase.DECODE
+    )
     assert len(reasons) == 2
     assert "broken" in reasons[0] and "ZeroDivisionError: oops" in reasons[0]
     assert "failed" in reasons[0]
@@ -185,7 +187,7 @@ def test_check_that_raises_becomes_a_reason() -> None:
 
 
 def test_check_returning_one_string_is_one_reason() -> None:
-    caps = Capabilities(checks=(lambda c, p: "head_dim too big",))
+    caps = Capabilities(kinds={"mha", "mla"}, checks=(lambda c, p: "head_dim too big",))
     assert caps.reasons(mha_config(), Phase.DECODE) == ["head_dim too big"]
 
 
@@ -199,7 +201,7 @@ def test_availability_is_a_reason_like_any_other() -> None:
     def crashes() -> Iterable[str]:
         raise OSError("no driver")
 
-    caps = Capabilities(availability=(not_built, crashes))
+    caps = Capabilities(kinds={"mha", "mla"}, availability=(not_built, crashes))
     assert caps.availability_reasons() == [
         "not built: run pip install -e .",
         caps.availability_reasons()[1],
@@ -214,7 +216,9 @@ def test_cuda_device_without_cuda() -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    reasons = Capabilities(devices={"cuda"}).reasons(mha_config(device="cuda"), Phase.DECODE)
+    reasons = Capabilities(kinds={"mha", "mla"}, devices={"cuda"}).reasons(
+        mha_config(device="cuda"), Phase.DECODE
+    )
     assert reasons == ["needs CUDA: torch.cuda.is_available() is False on this machine"]
 
 
@@ -222,7 +226,7 @@ def test_min_compute_capability(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    caps = Capabilities(devices={"cuda"}, min_compute_capability=(8, 0))
+    caps = Capabilities(kinds={"mha", "mla"}, devices={"cuda"}, min_compute_capability=(8, 0))
     assert caps.reasons(mha_config(device="cuda:0"), Phase.DECODE) == [
         "needs compute capability >= sm80, device 'cuda:0' is sm75"
     ]
@@ -244,7 +248,9 @@ def test_cpu_config_never_asks_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("CUDA queried for a CPU config")
 
     monkeypatch.setattr(torch.cuda, "is_available", boom)
-    caps = Capabilities(devices={"cpu", "cuda"}, min_compute_capability=(9, 0))
+    caps = Capabilities(
+        kinds={"mha", "mla"}, devices={"cpu", "cuda"}, min_compute_capability=(9, 0)
+    )
     assert caps.reasons(mha_config(device="cpu"), Phase.DECODE) == []
 
 
@@ -276,6 +282,8 @@ def test_cpu_config_never_asks_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
         (dict(custom_mask="yes"), "custom_mask", "bool"),
         (dict(plans_scale=1), "plans_scale", "bool"),
         (dict(min_compute_capability=8), "min_compute_capability", "(major, minor)"),
+        (dict(kinds=None), "kinds", "declare the kinds"),
+        (dict(kinds=set()), "kinds", "declare the kinds"),
     ],
 )
 def test_bad_fields_raise_invalid_spec_error(
@@ -283,8 +291,26 @@ def test_bad_fields_raise_invalid_spec_error(
 ) -> None:
     # A str where a set belongs would silently become a set of characters ({"m", "h", "a"}).
     with pytest.raises(InvalidSpecError) as info:
-        Capabilities(**kwargs)  # type: ignore[arg-type]
+        Capabilities(**{"kinds": {"mha"}, **kwargs})  # type: ignore[arg-type]
     err = info.value
     assert isinstance(err, ValueError)
     assert err.field == field
     assert words in str(err), str(err)
+
+
+def test_kinds_must_be_declared() -> None:
+    # 0.1 defaulted to both kinds: a backend that declared nothing bound MLA layers.
+    with pytest.raises(InvalidSpecError, match="declare the kinds") as info:
+        Capabilities()
+    assert info.value.field == "kinds" and info.value.value is None
+
+
+def test_custom_mask_is_off_unless_declared() -> None:
+    # 0.1 defaulted to True: a backend that declared nothing bound tree verify.
+    tree = mha_config(tree_verify=True)
+    caps = Capabilities(kinds={"mha"})
+    assert caps.custom_mask is False
+    assert caps.reasons(tree, Phase.VERIFY) == [
+        "tree verify needs a custom attention mask, which this backend does not support"
+    ]
+    assert Capabilities(kinds={"mha"}, custom_mask=True).reasons(tree, Phase.VERIFY) == []

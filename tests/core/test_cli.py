@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+import attn_dispatch
 from attn_dispatch.cli import main
 from tests.strategies import MHA_ONLY_CAPS
 from tests.strategies import register_echo
@@ -36,13 +37,24 @@ def test_list(capsys: pytest.CaptureFixture[str]) -> None:
     register_echo("mhaonly", MHA_ONLY_CAPS)
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["backend", "kinds", "phases", "devices", "dtypes", "available"]
+    assert lines[0].split() == [
+        "backend",
+        "kinds",
+        "phases",
+        "devices",
+        "dtypes",
+        "distribution",
+        "version",
+        "available",
+    ]
     rows = {line.split()[0]: line.split() for line in lines[2:]}
-    assert rows["torch"][1:6] == [
+    assert rows["torch"][1:8] == [
         "mha,mla",
         "decode,prefill,verify",
         "cpu,cuda",
         "bfloat16,float16,float32",
+        "attn_dispatch",
+        attn_dispatch.__version__,
         "yes",
     ]
     assert rows["mhaonly"][1:3] == ["mha", "decode,prefill,verify"]
@@ -54,7 +66,9 @@ def test_list_shows_why_unavailable(capsys: pytest.CaptureFixture[str]) -> None:
     register_echo(
         "needs",
         Capabilities(
-            requires=("no_such_mod_cli",), availability=(lambda: ["not built: run make"],)
+            kinds={"mha", "mla"},
+            requires=("no_such_mod_cli",),
+            availability=(lambda: ["not built: run make"],),
         ),
     )
     assert main(["list"]) == 0
@@ -572,3 +586,169 @@ def test_bad_input_never_prints_a_traceback(args: list[str]) -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert "error:" in proc.stderr
+
+
+# -- bad files and options: one error line, exit 2, never a wait or an internal error --------
+
+_ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "HF_HUB_OFFLINE": "1"}
+_TINY = ["--kind", "mha", "--heads", "4", "--head-dim", "16", "--dtype", "float32"]
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    # A timeout: a command that waits on a FIFO or reads a device without end fails the test
+    # instead of hanging it.
+    return subprocess.run(
+        [sys.executable, "-m", "attn_dispatch", *args],
+        capture_output=True,
+        text=True,
+        env=_ENV,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _one_line(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "fifo_dir", "dev_zero_link", "config_is_a_dir"])
+def test_model_config_that_is_not_a_regular_file_is_refused(tmp_path: Path, kind: str) -> None:
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    target = folder
+    if kind == "fifo":
+        target = tmp_path / "config.json"
+        os.mkfifo(target)
+    elif kind == "fifo_dir":
+        os.mkfifo(folder / "config.json")
+    elif kind == "dev_zero_link":
+        (folder / "config.json").symlink_to("/dev/zero")
+    else:
+        (folder / "config.json").mkdir()
+    line = _one_line(_cli("explain", "--spec", "torch", "--model", str(target)))
+    assert "not a regular file" in line, line
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, '{"a":' * 40 + "1" + "}" * 40])
+def test_deeply_nested_model_config_is_refused(tmp_path: Path, text: str) -> None:
+    (tmp_path / "config.json").write_text(text)
+    line = _one_line(_cli("explain", "--spec", "torch", "--model", str(tmp_path)))
+    assert "nests its values deeper than" in line, line
+
+
+def test_update_readme_of_a_fifo_is_refused(tmp_path: Path) -> None:
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    os.mkfifo(tmp_path / "README.md")
+    line = _one_line(_cli("matrix", "--update-readme", str(tmp_path / "README.md")))
+    assert "FIFO" in line, line
+
+
+def test_tune_on_a_device_this_machine_lacks_is_bad_input() -> None:
+    import torch
+
+    devices = ["meta", "cuda:99"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in devices:
+        line = _one_line(_cli("tune", *_TINY, "--device", device))
+        assert "device=" in line and "internal error" not in line, line
+    if not torch.cuda.is_available():
+        line = _one_line(_cli("tune", "--demo", "tiny", "--device", "cuda"))
+        assert "no CUDA device" in line, line
+
+
+@pytest.mark.parametrize(
+    "sizes", [["--context", "99999999999"], ["--decode-batch", "10000000", "--context", "99999"]]
+)
+def test_tune_refuses_sizes_beyond_memory(sizes: list[str]) -> None:
+    line = _one_line(_cli("tune", *_TINY, *sizes))
+    assert "GiB" in line and "more than half of its memory" in line, line
+
+
+@pytest.mark.parametrize("names", [",", " , ", "torch,,native", "torch,torch"])
+def test_tune_refuses_a_backend_list_that_names_nothing_or_twice(names: str) -> None:
+    proc = _cli("tune", *_TINY, "--backends", names)
+    assert proc.returncode == 2 and "argument --backends" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "recommended" not in proc.stdout
+
+
+def test_tune_function_refuses_an_empty_backend_list() -> None:
+    from attn_dispatch import AttnConfig
+    from attn_dispatch._errors import InvalidSpecError
+    from attn_dispatch.tune import tune
+
+    cfg = AttnConfig("mha", 4, 2, 16, dtype="float32")
+    for names in ([], ["torch", "torch"], "torch"):
+        with pytest.raises(InvalidSpecError) as e:
+            tune({"": cfg}, backends=names)  # type: ignore[arg-type]
+        assert e.value.field == "backends"
+
+
+@pytest.mark.parametrize("flag", ["--backends", "--fields"])
+def test_matrix_refuses_a_list_that_names_nothing(flag: str) -> None:
+    assert "names nothing" in _one_line(_cli("matrix", flag, ","))
+
+
+class _Broken:
+    def __init__(self) -> None:
+        self.plugin_errors: dict[str, str] = {}
+
+    def list(self) -> dict[str, object]:
+        raise KeyError("a bug")
+
+
+@pytest.mark.parametrize("argv", [["--traceback", "list"], ["list", "--traceback"]])
+def test_traceback_flag_shows_where_an_internal_error_happened(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv, registry=_Broken()) == 3  # type: ignore[arg-type]
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):"), err
+    assert "raise KeyError" in err and "in list" in err
+    assert err.strip().splitlines()[-1].startswith("error: internal error, please report it")
+
+
+def test_without_the_flag_the_internal_error_says_how_to_see_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["list"], registry=_Broken()) == 3  # type: ignore[arg-type]
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in line and "run again with --traceback" in line
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["frobnicate"],
+        ["explain"],
+        ["explain", "--spec", "torch", "--kind", "gqa", "--heads", "1", "--head-dim", "64"],
+        ["explain", "--spec", "torch", "--kind", "mha", "--heads", "many", "--head-dim", "64"],
+        ["tune", *_TINY, "--backends", ","],
+        ["tune", *_TINY, "--repeats", "1e3"],
+        ["tune", "--kind", "mha", "--model", "x"],
+        ["matrix", "--format", "yaml"],
+        ["list", "--nope"],
+    ],
+)  # fmt: skip
+def test_every_usage_error_is_one_line(args: list[str]) -> None:
+    line = _one_line(_cli(*args))
+    assert "(for usage: python -m attn_dispatch" in line and line.endswith("--help)"), line
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero_link"])
+def test_a_dispatch_table_that_is_not_a_regular_file_is_refused(tmp_path: Path, kind: str) -> None:
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    table = tmp_path / "table.json"
+    if kind == "fifo":
+        os.mkfifo(table)
+    else:
+        table.symlink_to("/dev/zero")
+    line = _one_line(_cli("explain", *_TINY, "--table", str(table)))
+    assert line.startswith("error: --table=") and "not a regular file" in line, line

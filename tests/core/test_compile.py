@@ -210,17 +210,22 @@ def test_mla_attention_without_width_names_the_fix_or_falls_back() -> None:
     torch.testing.assert_close(got, want)
 
 
-def test_the_compile_path_is_registered_by_its_explicit_import_only() -> None:
-    # A fresh interpreter: binding a built-in backend registers nothing (no side effect of
-    # building a backend); `import attn_dispatch.compile` is the one explicit step.
-    code = """
-import sys, torch, attn_dispatch
+def _fresh(code: str) -> subprocess.CompletedProcess[str]:
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+
+
+_COMPILE_AND_RUN = """
 from attn_dispatch import AttnBatch, AttnConfig, Phase, attention, attn_scope, bind
 cfg = AttnConfig(kind="mha", num_q_heads=2, num_kv_heads=1, head_dim=4, dtype="float32")
 b = bind("torch", cfg)
-assert "attn_dispatch.compile" not in sys.modules
-assert not hasattr(torch.ops.attn_dispatch, "attention")
-import attn_dispatch.compile
 batch = AttnBatch.build(Phase.DECODE, q_lens=[1], kv_lens=[2], page_tables=[[0, 1]], page_size=1)
 q, k = torch.randn(1, 2, 4), torch.randn(2, 1, 1, 4)
 f = torch.compile(lambda q, k: attention(q, k, k, sm_scale=0.5), fullgraph=True, backend="eager")
@@ -228,16 +233,61 @@ with attn_scope(b, batch):
     torch.testing.assert_close(f(q, k), attention(q, k, k, sm_scale=0.5))
 print("OK")
 """
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root)},
+
+
+def test_fullgraph_works_after_a_plain_import() -> None:
+    # No `import attn_dispatch.compile`: the op is registered when Dynamo loads (torch.compile
+    # loads it), and not before: importing the package or binding loads neither Dynamo nor
+    # triton (which must not load before TRITON_INTERPRET is chosen) nor the op.
+    proc = _fresh(
+        "import sys, torch, attn_dispatch\n"
+        "from attn_dispatch import AttnConfig, bind\n"
+        "bind('torch', AttnConfig('mha', 2, 1, 4, dtype='float32'))\n"
+        "for name in ('torch._dynamo', 'triton', 'attn_dispatch.compile'):\n"
+        "    assert name not in sys.modules, name\n"
+        "assert not hasattr(torch.ops.attn_dispatch, 'attention')\n" + _COMPILE_AND_RUN
     )
-    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-2000:]
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
+
+
+def test_fullgraph_works_when_dynamo_was_loaded_first() -> None:
+    proc = _fresh(
+        "import sys, torch, torch._dynamo\n"
+        "import attn_dispatch\n"
+        "assert 'attn_dispatch.compile' in sys.modules  # registered at import\n"
+        "assert not any(type(f).__name__ == '_DynamoFinder' for f in sys.meta_path)\n"
+        + _COMPILE_AND_RUN
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
+
+
+def test_the_explicit_import_still_works_and_the_finder_leaves_after_one_import() -> None:
+    proc = _fresh(
+        "import sys, torch, attn_dispatch\n"
+        "assert sum(type(f).__name__ == '_DynamoFinder' for f in sys.meta_path) == 1\n"
+        "import attn_dispatch.compile\n"
+        "assert not any(type(f).__name__ == '_DynamoFinder' for f in sys.meta_path)\n"
+        + _COMPILE_AND_RUN
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
+
+
+def test_a_failed_registration_names_the_line_to_add_and_spares_dynamo() -> None:
+    # Registration must never break torch.compile for other code: Dynamo still loads, and a
+    # RuntimeWarning names the one line that shows the full error.
+    proc = _fresh(
+        "import sys, warnings, torch, attn_dispatch\n"
+        "sys.modules['attn_dispatch.compile'] = None  # its import now fails\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import torch._dynamo\n"
+        "(w,) = [w for w in caught if w.category is RuntimeWarning]\n"
+        "assert 'import attn_dispatch.compile' in str(w.message), w.message\n"
+        "f = torch.compile(lambda x: x + 1, fullgraph=True, backend='eager')\n"
+        "assert f(torch.ones(1)) == 2\n"
+        "print('OK')\n"
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
 
 
 def test_compiled_and_eager_attention_take_the_same_arguments() -> None:

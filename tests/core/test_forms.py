@@ -21,6 +21,7 @@ from attn_dispatch import InvalidBatchError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import NoActiveScopeError
 from attn_dispatch import Phase
+from attn_dispatch import UsageError
 from attn_dispatch import attention
 from attn_dispatch import attention_form
 from attn_dispatch import attn_scope
@@ -149,11 +150,11 @@ def test_attention_form_errors() -> None:
         attention_form()
     b = bind("torch", mla_config())
     with attn_scope(b):
-        with pytest.raises(InvalidBatchError, match="batch"):
+        with pytest.raises(UsageError, match="batch"):
             attention_form()
     mha = bind("torch", AttnConfig("mha", 2, 1, 16, 16, dtype="float32", page_size=PS))
     with attn_scope(mha, batch(Phase.DECODE, [1], [3])):
-        with pytest.raises(InvalidBatchError, match="MLA"):
+        with pytest.raises(UsageError, match="MLA"):
             attention_form()
 
 
@@ -334,7 +335,7 @@ def test_chunked_form_input_errors() -> None:
         assert err.value.request == 0
     other = bind("torch", mla_config())
     with attn_scope(other, batch(Phase.DECODE, [1], [4])):
-        with pytest.raises(InvalidBatchError, match="only for the 'mha_chunked' form"):
+        with pytest.raises(UsageError, match="only for the 'mha_chunked' form"):
             attention(q, k, v, sm_scale=0.1, prefix=short)
 
 

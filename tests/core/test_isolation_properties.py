@@ -36,10 +36,10 @@ from hypothesis.stateful import rule
 
 from attn_dispatch import BackendSpec
 from attn_dispatch import Binding
-from attn_dispatch import InvalidBatchError
 from attn_dispatch import NoActiveScopeError
 from attn_dispatch import Phase
 from attn_dispatch import ScopeError
+from attn_dispatch import UsageError
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
@@ -282,8 +282,8 @@ class IsolationMachine(RuleBasedStateMachine):
             for bad in (None, "nope"):
                 try:
                     attention(None, None, None, sm_scale=1.0, group=bad)
-                except InvalidBatchError as exc:
-                    assert exc.field == "group"
+                except UsageError as exc:  # a call naming no group of the runner: misuse
+                    assert exc.api == "attention(group=...)"
                 else:
                     raise AssertionError(f"group={bad!r} on a grouped runner did not raise")
 

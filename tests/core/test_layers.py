@@ -11,12 +11,14 @@ parents as a side effect of Python's import system does not count.
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.imports import imports_of
+from tests.imports import modules as _modules
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "attn_dispatch"
@@ -48,69 +50,8 @@ def layer_of(module: str, table: dict[str, int] = LAYERS) -> int | None:
     return None
 
 
-def _module_name(path: Path, root: Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
 def modules(package: Path = PACKAGE, root: Path = ROOT) -> dict[str, Path]:
-    return {_module_name(p, root): p for p in sorted(package.rglob("*.py"))}
-
-
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def imports_of(source: str, name: str, is_package: bool, known: set[str]) -> set[str]:
-    """Our modules that ``source`` (module ``name``) imports (see the module's docstring)."""
-    found: set[str] = set()
-
-    def add(target: str, names: list[str]) -> None:
-        if target.split(".")[0] != "attn_dispatch":
-            return
-        if not names:
-            found.add(target)
-        for alias in names:
-            sub = f"{target}.{alias}"
-            found.add(sub if sub in known else target)
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for stmt in node.orelse:
-                visit(stmt)
-            return
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                add(alias.name, [])
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = name if is_package else name.rpartition(".")[0]
-                for _ in range(node.level - 1):
-                    pkg = pkg.rpartition(".")[0]
-                base = f"{pkg}.{base}" if base else pkg
-            add(base, [a.name for a in node.names])
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute | ast.Name)
-            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
-            == "import_module"
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-        ):
-            add(node.args[0].value, [])
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(source, name))
-    found.discard(name)
-    return found
+    return _modules(package, root)
 
 
 def upward_imports(mods: dict[str, Path], table: dict[str, int] = LAYERS) -> list[str]:

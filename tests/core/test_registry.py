@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+import attn_dispatch
 from attn_dispatch import AttnConfig
 from attn_dispatch import AttnDispatchError
 from attn_dispatch import BackendSpec
@@ -21,6 +22,7 @@ from attn_dispatch import DuplicateBackendError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
 from attn_dispatch import UnknownBackendError
+from attn_dispatch import _env
 from attn_dispatch import _registry
 from attn_dispatch import bind
 from attn_dispatch.backend import Capabilities
@@ -265,32 +267,24 @@ def register(registry):  # a register function may take the registry being loade
     registry.register("plugged", capabilities=ANY_CAPS, factory=echo_factory("plugged"))
 """
 
-ENTRY_PLUGIN = """
-from attn_dispatch._registry import BackendEntry
-from tests.strategies import ANY_CAPS, echo_factory
 
-ENTRY = BackendEntry("entry_plugged", ANY_CAPS, echo_factory("entry_plugged"))
-"""
+def fake_distribution(
+    tmp_path: Path, name: str, version: str, entry_points: str
+) -> importlib.metadata.EntryPoints:
+    """The entry points of a distribution installed nowhere but in ``tmp_path`` (a
+    ``.dist-info`` with METADATA and entry_points.txt), so that each knows its distribution."""
+    info = tmp_path / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(f"[{_registry.ENTRY_POINT_GROUP}]\n{entry_points}")
+    return importlib.metadata.PathDistribution(info).entry_points
 
 
-@pytest.fixture
-def fake_plugins(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> tuple[list[str], _registry.Registry]:
-    """Three entry points (function, BackendEntry, broken), and a fresh Registry of our own
-    that has not loaded anything yet (the process-wide one is left alone)."""
-    (tmp_path / "adt_good_plugin.py").write_text(GOOD_PLUGIN)
-    (tmp_path / "adt_entry_plugin.py").write_text(ENTRY_PLUGIN)
-    (tmp_path / "adt_broken_plugin.py").write_text("raise ImportError('needs libfoo.so')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    group = _registry.ENTRY_POINT_GROUP
-    eps = importlib.metadata.EntryPoints(
-        [
-            importlib.metadata.EntryPoint("plugged", "adt_good_plugin:register", group),
-            importlib.metadata.EntryPoint("entry_plugged", "adt_entry_plugin:ENTRY", group),
-            importlib.metadata.EntryPoint("fancy", "adt_broken_plugin:register", group),
-        ]
-    )
+def use_entry_points(
+    monkeypatch: pytest.MonkeyPatch, *groups: importlib.metadata.EntryPoints
+) -> list[str]:
+    """Make these the only installed entry points; returns the log of the groups asked for."""
+    eps = importlib.metadata.EntryPoints([ep for group in groups for ep in group])
     calls: list[str] = []
 
     def entry_points(**kw: Any) -> importlib.metadata.EntryPoints:
@@ -298,7 +292,25 @@ def fake_plugins(
         return eps.select(**kw)
 
     monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
-    for m in ("adt_good_plugin", "adt_entry_plugin", "adt_broken_plugin"):
+    return calls
+
+
+@pytest.fixture
+def fake_plugins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[str], _registry.Registry]:
+    """Two entry points (a register function of distribution adt-good 1.2.3, and a broken
+    one), and a fresh Registry of our own that has not loaded anything yet (the process-wide
+    one is left alone)."""
+    (tmp_path / "adt_good_plugin.py").write_text(GOOD_PLUGIN)
+    (tmp_path / "adt_broken_plugin.py").write_text("raise ImportError('needs libfoo.so')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(_env.PLUGINS, raising=False)
+    good = fake_distribution(tmp_path, "adt-good", "1.2.3", "plugged = adt_good_plugin:register\n")
+    group = _registry.ENTRY_POINT_GROUP
+    broken = importlib.metadata.EntryPoint("fancy", "adt_broken_plugin:register", group)
+    calls = use_entry_points(monkeypatch, good, importlib.metadata.EntryPoints([broken]))
+    for m in ("adt_good_plugin", "adt_broken_plugin"):
         monkeypatch.delitem(sys.modules, m, raising=False)
     return calls, _registry.Registry()
 
@@ -310,7 +322,7 @@ def test_entry_points_load_lazily_once(fake_plugins: tuple[list[str], _registry.
     with pytest.warns(RuntimeWarning) as rec:
         names = set(reg.list())
     assert calls == [_registry.ENTRY_POINT_GROUP]
-    assert {"torch", "plugged", "entry_plugged"} <= names
+    assert {"torch", "plugged"} <= names
     assert "fancy" not in names
     assert "plugged" not in list_backends()  # our registry only, not the process-wide one
     (w,) = [w for w in rec if "fancy" in str(w.message)]
@@ -356,7 +368,7 @@ def test_plugin_loading_is_thread_safe(fake_plugins: tuple[list[str], _registry.
             t.start()
         join_all(threads)
     assert calls == [_registry.ENTRY_POINT_GROUP]
-    assert len(seen) == 8 and all({"plugged", "entry_plugged", "torch"} <= s for s in seen)
+    assert len(seen) == 8 and all({"plugged", "torch"} <= s for s in seen)
 
 
 def test_registries_are_independent() -> None:
@@ -399,39 +411,171 @@ def test_cli_list_shows_failed_plugins(
     assert any(line.startswith("plugged ") and line.endswith("yes") for line in lines)
 
 
-ZERO_ARG_PLUGIN = """
-from attn_dispatch.backend import register_backend
+# -- one plugin shape, host control, distributions (issue 46) -----------------------------------
+
+
+def test_each_name_records_its_distribution(
+    fake_plugins: tuple[list[str], _registry.Registry],
+) -> None:
+    _, reg = fake_plugins
+    with pytest.warns(RuntimeWarning):
+        assert reg.origin("plugged") == _registry.Origin("adt-good", "1.2.3", "plugged")
+    assert reg.origin("torch") == _registry.Origin("attn_dispatch", attn_dispatch.__version__)
+    assert reg.plugin_origins["fancy"] == _registry.Origin(None, None, "fancy")  # no metadata
+    reg.register("at_run_time", capabilities=ANY_CAPS, factory=echo_factory("r"))
+    assert reg.origin("at_run_time") is None
+    reg.register("plugged", capabilities=ANY_CAPS, factory=echo_factory("p"), replace=True)
+    assert reg.origin("plugged") is None  # replaced by code: no longer the plugin's
+    with pytest.raises(UnknownBackendError):
+        reg.origin("never_registered")
+
+
+REFUSED_SHAPES = """
+from attn_dispatch.backend import BackendEntry, register_backend
 from tests.strategies import ANY_CAPS, echo_factory
 
-def register():  # a zero-argument register function calls the module-level register_backend
+CALLED = []
+ENTRY = BackendEntry("entry_plugged", ANY_CAPS, echo_factory("entry_plugged"))
+
+def zero():
+    CALLED.append("zero")
     register_backend("zero_plugged", capabilities=ANY_CAPS, factory=echo_factory("zero"))
+
+def two(registry, extra):
+    CALLED.append("two")
+
+NOT_CALLABLE = {"name": "dict_plugged"}
 """
 
 
-def test_zero_argument_plugin_loads_into_its_own_registry(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("attr", "words"),
+    [
+        ("ENTRY", "gave a BackendEntry ('entry_plugged'), which is not accepted"),
+        ("zero", "taking no positional arguments, not one"),
+        ("two", "taking 2 positional arguments, not one"),
+        ("NOT_CALLABLE", "gave a dict, not a function"),
+    ],
+)
+def test_other_plugin_shapes_are_refused_with_the_one_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, attr: str, words: str
 ) -> None:
-    # Before: Registry(plugins=True) ran the plugin, which registered into the default registry
-    # (and not into the registry being loaded).
-    (tmp_path / "adt_zero_plugin.py").write_text(ZERO_ARG_PLUGIN)
+    # Before: a BackendEntry and a zero-argument function were loaded; now only
+    # register(registry) is, and the refusal says so without calling the plugin.
+    (tmp_path / "adt_shapes_plugin.py").write_text(REFUSED_SHAPES)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "adt_zero_plugin", raising=False)
-    eps = importlib.metadata.EntryPoints(
-        [
-            importlib.metadata.EntryPoint(
-                "zero_plugged", "adt_zero_plugin:register", _registry.ENTRY_POINT_GROUP
-            )
-        ]
+    monkeypatch.delitem(sys.modules, "adt_shapes_plugin", raising=False)
+    monkeypatch.delenv(_env.PLUGINS, raising=False)
+    eps = fake_distribution(tmp_path, "adt-shapes", "0.3", f"odd = adt_shapes_plugin:{attr}\n")
+    use_entry_points(monkeypatch, eps)
+    before = set(list_backends())
+    reg = _registry.Registry(builtins=False)
+    with pytest.warns(RuntimeWarning, match="'odd'"):
+        assert reg.list() == {}
+    error = reg.plugin_errors["odd"]
+    assert error.startswith("TypeError: ") and words in error, error
+    assert error.endswith(_registry.PLUGIN_SHAPE)
+    assert "register(registry)" in _registry.PLUGIN_SHAPE
+    assert sys.modules["adt_shapes_plugin"].CALLED == []
+    assert set(list_backends()) == before  # nothing leaked into the default registry
+    assert reg.plugin_origins["odd"] == _registry.Origin("adt-shapes", "0.3", "odd")
+
+
+def _loaded(reg: _registry.Registry) -> set[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fancy's failure, where it is allowed to load
+        return set(reg.list())
+
+
+def test_registry_allow_and_block_choose_the_entry_points(
+    fake_plugins: tuple[list[str], _registry.Registry],
+) -> None:
+    allowed = _registry.Registry(builtins=False, allow={"plugged"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fancy is never imported, so never fails
+        assert set(allowed.list()) == {"plugged"}
+    assert "adt_broken_plugin" not in sys.modules
+    assert allowed.plugins_blocked == {"fancy": "not in Registry(allow=['plugged'])"}
+    assert allowed.plugin_errors == {}
+
+    blocked = _registry.Registry(builtins=False, block={"plugged"})
+    assert _loaded(blocked) == set()
+    assert blocked.plugins_blocked == {"plugged": "blocked by Registry(block=['plugged'])"}
+    assert set(blocked.plugin_errors) == {"fancy"}
+    with pytest.raises(UnknownBackendError) as info:
+        blocked.get("plugged")
+    assert "a plugin named 'plugged' was not loaded: blocked by Registry(block=" in str(info.value)
+
+    none = _registry.Registry(builtins=False, allow=set())
+    assert _loaded(none) == set() and set(none.plugins_blocked) == {"plugged", "fancy"}
+
+
+@pytest.mark.parametrize(
+    ("value", "loads", "left_out"),
+    [
+        ("plugged", {"plugged"}, {"fancy"}),
+        (" plugged , fancy ", {"plugged"}, set()),  # fancy loads, and fails
+        ("", set(), {"plugged", "fancy"}),
+        ("none", set(), {"plugged", "fancy"}),
+        (",", set(), {"plugged", "fancy"}),
+    ],
+)
+def test_env_var_allows_entry_points_by_name(
+    fake_plugins: tuple[list[str], _registry.Registry],
+    monkeypatch: pytest.MonkeyPatch,
+    value: str,
+    loads: set[str],
+    left_out: set[str],
+) -> None:
+    monkeypatch.setenv(_env.PLUGINS, value)
+    reg = _registry.Registry(builtins=False)
+    assert _loaded(reg) == loads
+    assert set(reg.plugins_blocked) == left_out
+    for reason in reg.plugins_blocked.values():
+        assert reason == f"not allowed by ATTN_DISPATCH_PLUGINS={value!r}"
+    assert ("adt_good_plugin" in sys.modules) == ("plugged" in loads)
+
+
+def test_env_var_and_options_must_both_allow(
+    fake_plugins: tuple[list[str], _registry.Registry], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(_env.PLUGINS, "plugged,fancy")
+    reg = _registry.Registry(builtins=False, block={"fancy"})
+    assert _loaded(reg) == {"plugged"} and reg.plugin_errors == {}
+    monkeypatch.setenv(_env.PLUGINS, "fancy")
+    reg = _registry.Registry(builtins=False, allow={"plugged"})
+    assert _loaded(reg) == set()
+    assert reg.plugins_blocked == {
+        "plugged": "not allowed by ATTN_DISPATCH_PLUGINS='fancy'",
+        "fancy": "not in Registry(allow=['plugged'])",
+    }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"allow": "plugged"}, "allow"), ({"block": "x"}, "block"), ({"block": [""]}, "block")],
+)
+def test_allow_and_block_take_sets_of_names(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidSpecError) as info:
+        _registry.Registry(**kwargs)
+    assert info.value.field == field and "entry-point names" in str(info.value)
+
+
+def test_cli_list_shows_distributions_and_left_out_plugins(
+    fake_plugins: tuple[list[str], _registry.Registry],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from attn_dispatch.cli import main
+
+    monkeypatch.setenv(_env.PLUGINS, "plugged")
+    reg = _registry.Registry()
+    reg.register("at_run_time", capabilities=ANY_CAPS, factory=echo_factory("r"))
+    assert main(["list"], registry=reg) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["plugged"][5:8] == ["adt-good", "1.2.3", "yes"]
+    assert rows["torch"][5:8] == ["attn_dispatch", attn_dispatch.__version__, "yes"]
+    assert rows["at_run_time"][5:8] == ["-", "-", "yes"]
+    assert " ".join(rows["fancy"][5:]) == (
+        "- - no: plugin not loaded: not allowed by ATTN_DISPATCH_PLUGINS='plugged'"
     )
-    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kw: eps.select(**kw))
-    before = set(list_backends())  # the default registry, loaded already
-    mine = _registry.Registry(builtins=False, plugins=True)
-    assert set(mine.list()) == {"zero_plugged"}
-    assert mine.plugin_errors == {}
-    assert set(list_backends()) == before and "zero_plugged" not in before
-    # Outside the loading, register_backend writes to the default registry again.
-    register_backend("after_zero", capabilities=ANY_CAPS, factory=echo_factory("a"))
-    try:
-        assert "after_zero" in list_backends() and "after_zero" not in mine
-    finally:
-        unregister_backend("after_zero")

@@ -381,10 +381,3 @@ def test_note_is_provenance_not_identity() -> None:
     with pytest.raises(InvalidSpecError) as info:
         BackendSpec("a", "b", note=3)  # type: ignore[arg-type]
     assert info.value.field == "note"
-
-
-def test_from_server_args_is_a_deprecated_alias() -> None:
-    args = _args(attention_backend="triton")
-    with pytest.deprecated_call(match="spec_from_server_args"):
-        spec = BackendSpec.from_server_args(args)
-    assert spec == spec_from_server_args(args)

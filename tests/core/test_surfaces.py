@@ -1,8 +1,8 @@
 """The two public surfaces: ``attn_dispatch`` (what a framework calls) and
 ``attn_dispatch.backend`` (what a backend author needs). Sorted ``__all__``; every public
 class and function names its public module (reprs, docs and pickles never show a private
-path); the old top-level names still work for one release, with a DeprecationWarning that
-names the new place."""
+path); the 0.1 top-level names are gone in 0.2.0 (no compatibility layer), and our own
+DeprecationWarnings fail the tests."""
 
 from __future__ import annotations
 
@@ -85,31 +85,46 @@ MOVED = [
 
 
 @pytest.mark.parametrize(("name", "home"), MOVED)
-def test_old_top_level_names_warn_and_still_work(name: str, home: str) -> None:
+def test_the_0_1_top_level_names_are_gone(name: str, home: str) -> None:
+    # 0.2.0 keeps no compatibility layer: the name lives only in its home.
     assert name not in attn_dispatch.__all__
-    with pytest.warns(DeprecationWarning, match=rf"attn_dispatch\.{name} moved to {home}\.{name}"):
-        old = getattr(attn_dispatch, name)
-    assert old is getattr(importlib.import_module(home), name)
+    with pytest.raises(AttributeError, match=name):
+        getattr(attn_dispatch, name)
+    with pytest.raises(ImportError):
+        exec(f"from attn_dispatch import {name}", {})
+    assert getattr(importlib.import_module(home), name) is not None
 
 
-def test_from_import_of_an_old_name_warns_at_the_importing_line() -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from attn_dispatch import Capabilities  # noqa: F401
-    (w,) = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert w.filename == __file__  # stacklevel points at the user's import
+def test_backend_spec_has_no_sglang_constructor() -> None:
+    # SGLang's rules live with its integration only (the 0.1 classmethod was patched on).
+    assert not hasattr(BackendSpec, "from_server_args")
 
 
-def test_backend_spec_from_server_args_warns_and_gives_the_integrations_spec() -> None:
-    from attn_dispatch.integrations.sglang import spec_from_server_args
-
-    args = {"attention_backend": "triton", "decode_attention_backend": "flashinfer"}
-    with pytest.warns(DeprecationWarning, match="integrations.sglang.spec_from_server_args"):
-        old = BackendSpec.from_server_args(args, is_draft=True, speculative_algorithm="EAGLE")  # type: ignore[attr-defined]
-    assert old == spec_from_server_args(args, is_draft=True, speculative_algorithm="EAGLE")
+def test_our_deprecation_warnings_fail_the_tests_and_others_do_not() -> None:
+    # pyproject's filterwarnings: attributed to a module of this package, or worded as ours.
+    with pytest.raises(DeprecationWarning):
+        warnings.warn_explicit("old", DeprecationWarning, "x.py", 1, module="attn_dispatch._spec")
+    with pytest.raises(DeprecationWarning):
+        warnings.warn("attn_dispatch.x moved to attn_dispatch.y", DeprecationWarning, stacklevel=1)
+    with pytest.warns(DeprecationWarning):  # a third party's: still only a warning
+        warnings.warn_explicit("old", DeprecationWarning, "x.py", 1, module="torch.nn")
 
 
 @pytest.mark.parametrize("surface", sorted(SURFACES))
 def test_unknown_names_raise_attribute_error(surface: str) -> None:
     with pytest.raises(AttributeError, match="no_such_name"):
         getattr(SURFACES[surface], "no_such_name")  # noqa: B009
+
+
+def test_one_version_source() -> None:
+    # pyproject reads the version from _version.py (0.1 kept two copies that disagreed with
+    # the changelog); the build's metadata and attn_dispatch.__version__ are one value.
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = Path(attn_dispatch.__file__).resolve().parents[1] / "pyproject.toml"
+    project = tomllib.loads(pyproject.read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    dynamic = project["tool"]["setuptools"]["dynamic"]["version"]
+    assert dynamic == {"attr": "attn_dispatch._version.__version__"}
+    assert attn_dispatch.__version__ == "0.2.0"

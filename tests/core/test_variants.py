@@ -17,6 +17,7 @@ from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import InvalidBatchError
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
+from attn_dispatch import UsageError
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
@@ -130,12 +131,14 @@ def test_variant_fields_roundtrip(window: int | None, cap: float | None, sinks: 
 
 
 def test_declaration_per_phase() -> None:
-    caps = Capabilities(variants={"decode": {"window"}, Phase.PREFILL: ["window", "sinks"]})
+    caps = Capabilities(
+        kinds={"mha", "mla"}, variants={"decode": {"window"}, Phase.PREFILL: ["window", "sinks"]}
+    )
     assert caps.variants_for(Phase.DECODE) == {"window"}
     assert caps.variants_for(Phase.PREFILL) == {"window", "sinks"}
     assert caps.variants_for(Phase.VERIFY) == frozenset()
-    assert Capabilities(variants=ALL).variants_for(Phase.VERIFY) == ALL
-    assert Capabilities().variants_for(Phase.DECODE) == frozenset()
+    assert Capabilities(kinds={"mha", "mla"}, variants=ALL).variants_for(Phase.VERIFY) == ALL
+    assert Capabilities(kinds={"mha", "mla"}).variants_for(Phase.DECODE) == frozenset()
 
 
 @pytest.mark.parametrize(
@@ -144,12 +147,12 @@ def test_declaration_per_phase() -> None:
 )
 def test_bad_declaration(value: object, words: str) -> None:
     with pytest.raises(InvalidSpecError) as info:
-        Capabilities(variants=value)  # type: ignore[arg-type]
+        Capabilities(kinds={"mha", "mla"}, variants=value)  # type: ignore[arg-type]
     assert words in str(info.value)
 
 
 def test_reasons_name_variant_and_phase() -> None:
-    caps = Capabilities(variants={"decode": {"window"}})
+    caps = Capabilities(kinds={"mha", "mla"}, variants={"decode": {"window"}})
     cfg = mha_config(window_left=3, logit_cap=5.0)
     assert caps.reasons(cfg, Phase.DECODE) == [
         "layer variant 'logit_cap' (logit_cap=5.0) is not implemented in phase 'decode' "
@@ -162,10 +165,12 @@ def test_reasons_name_variant_and_phase() -> None:
 
 
 def test_fp8_reasons() -> None:
-    caps = Capabilities(dtypes={"float32"})
+    caps = Capabilities(kinds={"mha", "mla"}, dtypes={"float32"})
     why = caps.reasons(mha_config(kv_dtype="float8_e5m2"), Phase.DECODE)
     assert why == ["kv_dtype 'float8_e5m2' is not supported (supported: 'float32')"]
-    ok = Capabilities(dtypes={"float32"}, kv_dtypes={"float32", "float8_e5m2"})
+    ok = Capabilities(
+        kinds={"mha", "mla"}, dtypes={"float32"}, kv_dtypes={"float32", "float8_e5m2"}
+    )
     assert ok.reasons(mha_config(kv_dtype="float8_e5m2"), Phase.DECODE) == []
     assert ok.missing(mha_config(kv_dtype="float8_e4m3fn"), Phase.DECODE) == ["float8_e4m3fn"]
 
@@ -212,7 +217,7 @@ def test_refusal_names_who_serves(registry_snapshot: object) -> None:
 
 
 def test_served_by_none(registry_snapshot: object) -> None:
-    register_backend("plain", capabilities=Capabilities(), factory=_Recorder)
+    register_backend("plain", capabilities=Capabilities(kinds={"mha", "mla"}), factory=_Recorder)
     cfg = mha_config(logit_cap=2.0)
     with pytest.raises(IncompatibleBackendError) as info:
         bind("plain", cfg)
@@ -403,9 +408,9 @@ def test_scale_on_non_fp8_config(registry_snapshot: object, name: str) -> None:
 
 def test_group_on_ungrouped_binding(registry_snapshot: object) -> None:
     binding, rec = _bound(mha_config())
-    with pytest.raises(InvalidBatchError) as info:
+    with pytest.raises(UsageError) as info:
         _call(binding, group="sliding")
-    assert info.value.field == "group" and "without groups" in str(info.value)
+    assert info.value.api == "attention(group=...)" and "without groups" in str(info.value)
     assert rec.calls == []
 
 
@@ -499,7 +504,7 @@ def test_group_spec_mapping(counting: type[_Counting]) -> None:
 
 
 def test_groups_checked_before_any_factory(counting: type[_Counting]) -> None:
-    register_backend("nowin", capabilities=Capabilities(), factory=_Counting)
+    register_backend("nowin", capabilities=Capabilities(kinds={"mha", "mla"}), factory=_Counting)
     with pytest.raises(IncompatibleBackendError) as info:
         bind({"full": "cnt", "sliding": "nowin"}, GEMMA)
     text = str(info.value)
@@ -517,27 +522,27 @@ def test_groups_checked_before_any_factory(counting: type[_Counting]) -> None:
 def test_group_errors(counting: type[_Counting]) -> None:
     binding = bind("cnt", GEMMA, label="g")
     with attn_scope(binding, FakeBatch(Phase.DECODE)):
-        with pytest.raises(InvalidBatchError) as info:
+        with pytest.raises(UsageError) as info:
             attention(1, 2, 3, sm_scale=1.0)
-        assert info.value.field == "group" and "'sliding', 'full'" in str(info.value)
-        with pytest.raises(InvalidBatchError) as info:
+        assert info.value.api == "attention(group=...)" and "'sliding', 'full'" in str(info.value)
+        with pytest.raises(UsageError) as info:
             attention(1, 2, 3, sm_scale=1.0, group="global")
         assert "no group 'global'" in str(info.value) and "'sliding', 'full'" in str(info.value)
-        with pytest.raises(InvalidBatchError):
+        with pytest.raises(UsageError):
             attention(1, 2, 3, sm_scale=1.0, group=["sliding"])  # type: ignore[arg-type]
         from attn_dispatch import resolve
 
-        with pytest.raises(InvalidBatchError, match="groups"):
+        with pytest.raises(UsageError, match="groups"):
             resolve(Phase.DECODE)
-    with pytest.raises(InvalidBatchError, match="groups"):
+    with pytest.raises(UsageError, match="groups"):
         binding.prepare(FakeBatch(Phase.DECODE))
-    with pytest.raises(InvalidBatchError, match="groups"):
+    with pytest.raises(UsageError, match="groups"):
         binding.handler(Phase.DECODE)
-    with pytest.raises(InvalidBatchError, match=r"binding\.groups\[name\]\.backend\(phase\)"):
+    with pytest.raises(UsageError, match=r"binding\.groups\[name\]\.backend\(phase\)"):
         binding.backend(Phase.DECODE)
-    with pytest.raises(InvalidBatchError, match="groups"):
+    with pytest.raises(UsageError, match="groups"):
         binding.backend_name(Phase.DECODE)
-    with attn_scope(binding), pytest.raises(InvalidBatchError, match="with a batch"):
+    with attn_scope(binding), pytest.raises(UsageError, match="with a batch"):
         attention(1, 2, 3, sm_scale=1.0, group="full")
 
 

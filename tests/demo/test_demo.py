@@ -659,19 +659,13 @@ def test_cuda_device_without_cuda_is_our_error() -> None:
     assert text.startswith("error: --device='cuda': CUDA is not available on this machine")
 
 
-def _imports(path: Path, package: str) -> set[str]:
-    """Every attn_dispatch.demo module ``path`` imports, at any level (function bodies too)."""
-    import ast
+def _imports(path: Path, package: str, known: set[str]) -> set[str]:
+    """Every ``package`` module ``path`` imports, at any level (function bodies too): the
+    suite's one scanner (tests/imports.py)."""
+    from tests.imports import path_imports
 
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            # `from pkg import sub` imports the submodule when there is one.
-            found |= {f"{node.module}.{a.name}" for a in node.names}
-    return {m for m in found if m == package or m.startswith(package + ".")}
+    name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+    return path_imports(path, name, known, prefix=package)
 
 
 def test_demo_modules_are_small_and_import_no_cycle() -> None:
@@ -682,7 +676,9 @@ def test_demo_modules_are_small_and_import_no_cycle() -> None:
     }
     for name, path in modules.items():
         assert len(path.read_text().splitlines()) <= 400, name
-    graph = {name: _imports(path, package) & set(modules) for name, path in modules.items()}
+    graph = {
+        name: _imports(path, package, set(modules)) & set(modules) for name, path in modules.items()
+    }
     assert "attn_dispatch.demo.cli" in graph[package]  # the package re-exports main
 
     def reaches(start: str, goal: str, seen: set[str]) -> bool:

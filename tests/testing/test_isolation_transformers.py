@@ -16,6 +16,7 @@ from attn_dispatch.backend import unregister_backend  # noqa: E402
 from attn_dispatch.backends.reference import CAPABILITIES as TORCH_CAPS  # noqa: E402
 from attn_dispatch.integrations.transformers import use  # noqa: E402
 from attn_dispatch.testing import assert_isolated  # noqa: E402
+from tests.integrations.transformers.tiny import llama  # noqa: E402
 
 VOCAB = 128
 TARGET_SPEC = "prefill=torch,decode=torch2"
@@ -38,19 +39,6 @@ def _torch2() -> Iterator[None]:
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity(verbosity)
     unregister_backend("torch2")
-
-
-def llama(seed: int, layers: int) -> Any:
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
 
 
 IDS = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(7))
@@ -89,8 +77,10 @@ def test_target_generating_alone_vs_with_an_assistant_on_other_backends() -> Non
         "target",
         alone,
         together,
-        # Assisted generation checks candidates in VERIFY forwards and decodes less.
+        # Assisted generation checks candidates in VERIFY forwards instead of decoding: the
+        # target runs no decode step together and no verify step alone.
         allow_call_count_diff=["decode", "verify"],
+        allow_one_side=["decode", "verify"],
         expect=TARGET_SPEC,
     )
     assert torch.equal(outputs["alone"], outputs["together"])  # greedy: same tokens

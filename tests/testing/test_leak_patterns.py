@@ -230,8 +230,13 @@ def test_a_phase_run_on_one_side_only_needs_permission() -> None:
         t.step(Phase.VERIFY)
 
     text = _fails("target", alone, together)
-    assert "verify ran only together" in text
-    assert_isolated("target", alone, together, allow_call_count_diff="verify")
+    assert "verify ran only together" in text and "allow_one_side='verify'" in text
+    assert_isolated("target", alone, together, allow_one_side="verify")
+    # Counts allowed to differ are no permission for calls that vanished from one side.
+    text = _fails("target", alone, together, allow_call_count_diff="verify")
+    assert "verify ran only together (4 calls; none alone)" in text
+    text = _fails("target", together, alone, allow_call_count_diff=True)
+    assert "verify ran only alone" in text
 
 
 def test_expect_checks_every_row_against_the_spec() -> None:

@@ -8,13 +8,16 @@ The ABI version is defined once, ``NA_ABI_VERSION`` in ``csrc/native_attn.h``; P
 from the library (``NativeLibrary.abi_version``). What keeps the mirror honest is the layout
 check at load: each struct mirrored here is compared by size with the library's own
 ``sizeof`` (``na_struct_size``), and a library that differs, or predates the check, is refused
-with the struct named and both sizes, never called.
+with the struct named and both sizes, never called. The return codes and error fields are
+mirrored as enums (``NaStatus``, ``NaField``) and compared with the library's own list
+(``na_codes``) at load the same way.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import enum
 import importlib.machinery
 import os
 import threading
@@ -92,9 +95,46 @@ class NaRunArgs(ctypes.Structure):
     ]
 
 
-# csrc/native_attn.h return codes (NA_OK, NA_BAD_ARGS, ...).
-NA_OK, NA_BAD_ARGS, NA_NO_MEMORY = 0, -1, -2
-NA_UNKNOWN_PLAN, NA_FOREIGN_PLAN, NA_UNKNOWN_RUNNER, NA_BAD_CONFIG = -3, -4, -5, -6
+class NaStatus(enum.IntEnum):
+    """The entry points' return codes: csrc/native_attn.h ``NA_RETURN_CODES`` (``NA_<name>``).
+
+    Compared with the library's own list (``na_codes``) at load, both ways: a library with a
+    code this mirror lacks, or a different value, is refused like a struct of another size.
+    """
+
+    OK = 0
+    BAD_ARGS = -1  # a tensor too small for the plan, out/lse not the plan's size
+    NO_MEMORY = -2  # a per-thread buffer or the plan could not be allocated
+    UNKNOWN_PLAN = -3  # never issued, or freed
+    FOREIGN_PLAN = -4  # a live plan of another runner
+    UNKNOWN_RUNNER = -5  # never created, or freed
+    BAD_CONFIG = -6  # na_runner_create refused the config
+    BAD_THREADS = -7  # na_run: num_threads < 1
+
+
+class NaField(enum.IntEnum):
+    """Why ``na_plan_create`` refused a batch: csrc/native_attn.h ``NA_ERROR_FIELDS``
+    (``NA_E_<name>``), checked against the library at load like ``NaStatus``."""
+
+    NONE = 0
+    CONFIG = 1  # the NaPlanArgs themselves (a NULL array, a negative count)
+    QO_INDPTR = 2
+    KV_INDPTR = 3
+    KV_LENS = 4
+    KV_INDICES = 5
+    DECODE_QLEN = 6
+    MASK = 7
+    TOO_LARGE = 8
+    NO_MEMORY = 9
+    INTERNAL = 10  # the planner's own invariant failed (a bug, never the input)
+
+
+def mirrored_codes() -> dict[str, int]:
+    """``{"NA_OK": 0, ..., "NA_E_NONE": 0, ...}``: what this mirror expects ``na_codes`` to list."""
+    codes = {f"NA_{m.name}": int(m) for m in NaStatus}
+    codes.update({f"NA_E_{m.name}": int(m) for m in NaField})
+    return codes
+
 
 #: The structs mirrored from csrc/native_attn.h, checked by size against the library at load.
 MIRRORED_STRUCTS: tuple[type[ctypes.Structure], ...] = (
@@ -141,6 +181,9 @@ def library_candidates(directory: Path = HERE) -> list[Path]:
 
 
 _lock = threading.Lock()
+# The process that imported this module: a library first loaded in another one (a forked
+# child) is told to keep off OpenMP teams (see _load).
+_IMPORT_PID = os.getpid()
 _cache: dict[str, NativeLibrary | str] = {}
 
 
@@ -169,6 +212,10 @@ def _declare(cdll: ctypes.CDLL) -> None:
     cdll.na_plan_free.argtypes = [u64, u64]
     cdll.na_run.restype = ctypes.c_int
     cdll.na_run.argtypes = [u64, u64, ctypes.POINTER(NaRunArgs)]
+    cdll.na_codes.restype = ctypes.c_char_p
+    cdll.na_codes.argtypes = []
+    cdll.na_use_own_pool.restype = None
+    cdll.na_use_own_pool.argtypes = []
 
 
 def _load(path: Path | None) -> NativeLibrary | str:
@@ -198,9 +245,14 @@ def _load(path: Path | None) -> NativeLibrary | str:
             f"not built: {str(path)!r} (ABI version {version}) lacks an entry point this package "
             f"calls ({exc}); rebuild it (`python setup.py build_ext --inplace`)"
         )
-    mismatch = layout_mismatch(cdll)
+    mismatch = layout_mismatch(cdll) or codes_mismatch(cdll)
     if mismatch is not None:
         return f"not built: {str(path)!r} (ABI version {version}): {mismatch}; rebuild it"
+    if os.getpid() != _IMPORT_PID:
+        # A forked child loading the library for the first time: the parent may have run an
+        # OpenMP team (torch's), whose threads the child does not have, and the library's own
+        # fork handler was not there to see the fork. Waiting on that team would hang.
+        cdll.na_use_own_pool()
     return NativeLibrary(path=path, cdll=cdll, abi_version=version)
 
 
@@ -223,6 +275,26 @@ def layout_mismatch(
             return (
                 f"struct {name} differs between the library and the Python mirror "
                 f"(library: {have}, mirror in {__name__}: {ours} bytes)"
+            )
+    return None
+
+
+def codes_mismatch(cdll: ctypes.CDLL, expected: dict[str, int] | None = None) -> str | None:
+    """None when the library's return codes and error fields (``na_codes``) are exactly the
+    mirror's (``NaStatus``, ``NaField``), else the first difference."""
+    ours = mirrored_codes() if expected is None else expected
+    listed = bytes(cdll.na_codes()).decode()
+    theirs: dict[str, int] = {}
+    for pair in filter(None, listed.split(",")):
+        name, _, value = pair.partition("=")
+        theirs[name] = int(value)
+    for name in sorted({*ours, *theirs}):
+        if ours.get(name) != theirs.get(name):
+            mine = "missing" if name not in ours else ours[name]
+            lib = "missing" if name not in theirs else theirs[name]
+            return (
+                f"code {name} differs between the library and the Python mirror "
+                f"(library: {lib}, mirror in {__name__}: {mine})"
             )
     return None
 

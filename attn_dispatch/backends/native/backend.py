@@ -43,16 +43,13 @@ from attn_dispatch._snapshot import BatchSnapshot
 from attn_dispatch._tensor_checks import TensorChecks
 from attn_dispatch._values import call_scale
 from attn_dispatch.backends.native import MAX_HEAD_DIM
-from attn_dispatch.backends.native._lib import NA_FOREIGN_PLAN
-from attn_dispatch.backends.native._lib import NA_NO_MEMORY
-from attn_dispatch.backends.native._lib import NA_OK
-from attn_dispatch.backends.native._lib import NA_UNKNOWN_PLAN
-from attn_dispatch.backends.native._lib import NA_UNKNOWN_RUNNER
 from attn_dispatch.backends.native._lib import NaConfig
 from attn_dispatch.backends.native._lib import NaError
+from attn_dispatch.backends.native._lib import NaField
 from attn_dispatch.backends.native._lib import NaPlanArgs
 from attn_dispatch.backends.native._lib import NaPlanInfo
 from attn_dispatch.backends.native._lib import NaRunArgs
+from attn_dispatch.backends.native._lib import NaStatus
 from attn_dispatch.backends.native._lib import NativeLibrary
 from attn_dispatch.backends.native._lib import load
 
@@ -60,15 +57,45 @@ _NA_MHA, _NA_MLA = 0, 1
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # csrc/native_attn.h NA_E4M3 / NA_E5M2: FP8 is a cache dtype only.
 _KV_DTYPE_CODES = {**_DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
-# csrc/native_attn.h NA_E_*: the batch field each refusal of na_plan_create names.
+# NaField -> the batch field a refusal of na_plan_create names (the others are not the batch's).
 _E_FIELDS = {
-    2: "qo_indptr", 3: "kv_indptr", 4: "kv_lens", 5: "kv_indices", 6: "qo_indptr",
-    7: "custom_mask", 8: "kv_lens",
+    NaField.QO_INDPTR: "qo_indptr", NaField.KV_INDPTR: "kv_indptr", NaField.KV_LENS: "kv_lens",
+    NaField.KV_INDICES: "kv_indices", NaField.DECODE_QLEN: "qo_indptr",
+    NaField.MASK: "custom_mask", NaField.TOO_LARGE: "kv_lens",
 }  # fmt: skip
-_RUN_REFUSALS = {
-    NA_UNKNOWN_PLAN: "names no live plan of the native library (freed, or never issued)",
-    NA_FOREIGN_PLAN: "is a live plan of another native runner (another backend object)",
-    NA_UNKNOWN_RUNNER: "was run on a native runner the library no longer has",
+# One message per return code (every NaStatus but OK; a test holds the table complete). The
+# error type follows what the caller can do: plan again, build a new backend, fix the spec.
+STATUS_MESSAGES: dict[NaStatus, str] = {
+    NaStatus.BAD_ARGS: (
+        "the native kernel refused the plan for these tensors (its tokens, pages or heads do "
+        "not fit q, the cache or the output); plan the batch again with this backend"
+    ),
+    NaStatus.NO_MEMORY: "the native library could not allocate its memory",
+    NaStatus.UNKNOWN_PLAN: (
+        "native: the plan's id names no live plan of the native library (freed, or never "
+        "issued); plan the batch again with this backend"
+    ),
+    NaStatus.FOREIGN_PLAN: (
+        "native: the plan's id is a live plan of another native runner (another backend "
+        "object); plan the batch again with this backend"
+    ),
+    NaStatus.UNKNOWN_RUNNER: (
+        "this backend object's runner is no longer in the native library (freed, or never "
+        "created); build a new backend"
+    ),
+    NaStatus.BAD_CONFIG: "the native library refused the config",
+    NaStatus.BAD_THREADS: "the native library refused the thread count (at least 1)",
+}
+# One message per NaField that is not a batch field's own problem (a test holds it complete
+# together with _E_FIELDS).
+FIELD_MESSAGES: dict[NaField, str] = {
+    NaField.NONE: "the native planner refused the batch without naming a field (a bug)",
+    NaField.CONFIG: (
+        "the native planner refused its arguments (a NULL array or a negative count: a bug "
+        "in attn_dispatch's native backend, never the batch)"
+    ),
+    NaField.NO_MEMORY: "native attention: no memory for the plan",
+    NaField.INTERNAL: "native attention: the planner's row coverage check failed (a bug)",
 }
 # Split-KV aims for at least this many work items whatever the thread count, so plans (and
 # therefore results, bit for bit) are the same for 1..8 threads; more threads raise it.
@@ -84,6 +111,31 @@ class _Issued:
     plan_id: int  # the library's id of the C++ plan
     phase: Phase
     num_tokens: int  # rows of the output, from the library's own count
+
+
+def status_error(
+    rc: int, entry: str, *, config: object = None, threads: object = None
+) -> Exception:
+    """The error for return code ``rc`` (not OK) of the library's entry point ``entry``."""
+    try:
+        status = NaStatus(rc)
+    except ValueError:
+        return RuntimeError(
+            f"native attention: {entry} returned {rc!r}, a code this package does not know "
+            "(the library and the package are out of step: rebuild the library)"
+        )
+    message = STATUS_MESSAGES.get(status)
+    if message is None:  # NaStatus.OK: nothing failed, so the caller misread the code
+        return RuntimeError(f"native attention: {entry} returned {status.name} as a failure")
+    if status is NaStatus.NO_MEMORY:
+        return MemoryError(f"native attention: {entry}: {message}")
+    if status is NaStatus.UNKNOWN_RUNNER:
+        return BackendUnavailableError("native", f"{entry}: {message}")
+    if status is NaStatus.BAD_CONFIG:
+        return InvalidSpecError("config", config, message)
+    if status is NaStatus.BAD_THREADS:
+        return InvalidSpecError("num_threads", threads, message)
+    return InvalidBatchError("plan", message)
 
 
 def _free_plan(free: Any, runner: int, plan_id: int) -> None:
@@ -169,8 +221,15 @@ class NativeBackend(BackendBase):
         lib = load(library)
         if isinstance(lib, str):
             raise BackendUnavailableError("native", lib)
-        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
-            raise InvalidSpecError("num_threads", num_threads, "must be a positive int or None")
+        # The library takes an int32: a larger count would wrap (to a negative one) silently.
+        if num_threads is not None and (
+            not isinstance(num_threads, int)
+            or isinstance(num_threads, bool)
+            or not 1 <= num_threads <= _INT32_MAX
+        ):
+            raise InvalidSpecError(
+                "num_threads", num_threads, f"must be a positive int (at most {_INT32_MAX}) or None"
+            )
         if not isinstance(cascade, bool):
             raise InvalidSpecError("cascade", cascade, "must be True or False")
         if config.device_type != "cpu":
@@ -231,16 +290,22 @@ class NativeBackend(BackendBase):
         # This object's runner in the library: the config is copied there once; plans and
         # calls name the runner, and the library checks that each plan is this runner's.
         runner = ctypes.c_uint64(0)
-        if lib.cdll.na_runner_create(ctypes.byref(self._cfg), ctypes.byref(runner)) != NA_OK:
-            raise InvalidSpecError("config", config, "the native library refused the config")
+        rc = lib.cdll.na_runner_create(ctypes.byref(self._cfg), ctypes.byref(runner))
+        if rc != NaStatus.OK:
+            raise status_error(rc, "na_runner_create", config=config)
         self._runner: int = runner.value
-        weakref.finalize(self, lib.cdll.na_runner_free, self._runner)
+        # Freed with this object, never at interpreter exit: a daemon thread may still be
+        # serving with it then (finalize's default would free it under that thread). At exit
+        # the runner simply goes with the process.
+        weakref.finalize(self, lib.cdll.na_runner_free, self._runner).atexit = False
         # id(plan) -> _Issued, for the plans this object made and that are still alive.
         self._issued: dict[int, _Issued] = {}
         self._issued_lock = threading.Lock()
 
     def threads(self) -> int:
-        return self.num_threads if self.num_threads is not None else max(1, torch.get_num_threads())
+        if self.num_threads is not None:
+            return self.num_threads
+        return min(_INT32_MAX, max(1, torch.get_num_threads()))
 
     # -- planning (once per forward) ----------------------------------------------------------
 
@@ -261,7 +326,7 @@ class NativeBackend(BackendBase):
         args = NaPlanArgs(
             num_requests=snap.num_requests,
             decode=1 if snap.phase is Phase.DECODE else 0,
-            split_target=max(SPLIT_FLOOR, 4 * self.threads()),
+            split_target=min(_INT32_MAX, max(SPLIT_FLOOR, 4 * self.threads())),
             qo_indptr=qo.data_ptr(),
             kv_indptr=kv_indptr.data_ptr(),
             kv_indices=kv_indices.data_ptr(),
@@ -275,10 +340,10 @@ class NativeBackend(BackendBase):
             self._runner, ctypes.byref(args), ctypes.byref(plan_id), ctypes.byref(info),
             ctypes.byref(err),
         )  # fmt: skip
-        if rc == NA_NO_MEMORY:
-            raise MemoryError("native attention: no memory for the plan")
-        if rc != NA_OK:
+        if rc == NaStatus.BAD_ARGS:
             raise self._plan_error(err)
+        if rc != NaStatus.OK:
+            raise status_error(rc, "na_plan_create", config=self.config)
         plan = NativePlan(
             owner=self,
             phase=snap.phase,
@@ -325,31 +390,39 @@ class NativeBackend(BackendBase):
         return issued
 
     @staticmethod
-    def _plan_error(err: NaError) -> InvalidBatchError:
-        field = _E_FIELDS.get(err.field)
+    def _plan_error(err: NaError) -> Exception:
+        """The error for na_plan_create's NA_BAD_ARGS: the refused field's own message."""
+        try:
+            code = NaField(err.field)
+        except ValueError:
+            return RuntimeError(
+                f"native attention: na_plan_create named error field {err.field!r}, which this "
+                "package does not know (the library and the package are out of step)"
+            )
+        if code is NaField.NO_MEMORY:
+            return MemoryError(FIELD_MESSAGES[code])
+        if code not in _E_FIELDS:
+            return RuntimeError(FIELD_MESSAGES[code])
+        field = _E_FIELDS[code]
         req = err.request if err.request >= 0 else None
         a, b = err.a, err.b
         problem = {
-            "qo_indptr": f"must start at 0 and be non-decreasing (values {a!r}, {b!r})",
-            "kv_indptr": (
+            NaField.QO_INDPTR: f"must start at 0 and be non-decreasing (values {a!r}, {b!r})",
+            NaField.KV_INDPTR: (
                 f"must start at 0, be non-decreasing and stay within kv_indices "
                 f"(values {a!r}, {b!r})"
             ),
-            "kv_lens": f"kv_len {a!r} is shorter than q_len or needs more pages than given ({b!r})",
-            "kv_indices": f"page index {a!r} (at position {b!r}) is negative",
-            "custom_mask": f"length {a!r} != sum(q_len * kv_len) = {b!r}",
-        }.get(field or "", "")
-        if err.field == 6:
-            problem = f"DECODE needs exactly one query per request, got {a!r}"
-        elif err.field == 8:
-            problem = "the batch is too large for the native planner (over 2^31 scratch rows)"
-        elif err.field == 10:
-            raise RuntimeError("native attention: the planner's row coverage check failed (a bug)")
-        elif err.field == 9:
-            raise MemoryError("native attention: no memory for the plan")
-        elif field is None:
-            raise InvalidSpecError("config", err.field, "the native planner refused the config")
-        return InvalidBatchError(field or "batch", problem, request=req)
+            NaField.KV_LENS: (
+                f"kv_len {a!r} is shorter than q_len or needs more pages than given ({b!r})"
+            ),
+            NaField.KV_INDICES: f"page index {a!r} (at position {b!r}) is negative",
+            NaField.DECODE_QLEN: f"DECODE needs exactly one query per request, got {a!r}",
+            NaField.MASK: f"length {a!r} != sum(q_len * kv_len) = {b!r}",
+            NaField.TOO_LARGE: (
+                "the batch is too large for the native planner (over 2^31 scratch rows)"
+            ),
+        }[code]
+        return InvalidBatchError(field, problem, request=req)
 
     # -- per layer ----------------------------------------------------------------------------
 
@@ -415,19 +488,6 @@ class NativeBackend(BackendBase):
             k_scale=ks, v_scale=vs, num_threads=self.threads(),
         )  # fmt: skip
         rc = self._run(self._runner, issued.plan_id, ctypes.byref(args))
-        if rc != NA_OK:
-            if rc == NA_NO_MEMORY:
-                raise MemoryError("native attention: a per-thread buffer could not be allocated")
-            if rc in _RUN_REFUSALS:
-                raise InvalidBatchError(
-                    "plan",
-                    f"native: the plan's id {_RUN_REFUSALS[rc]}; plan the batch again with this "
-                    "backend",
-                )
-            raise InvalidBatchError(
-                "plan",
-                "the native kernel refused the plan for these tensors (its tokens, pages or "
-                "heads do not fit q, the cache or the output); plan the batch again with "
-                "this backend",
-            )
+        if rc != NaStatus.OK:
+            raise status_error(rc, "na_run", config=cfg, threads=args.num_threads)
         return out if lse is None else (out, lse)

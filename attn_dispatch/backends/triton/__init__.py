@@ -108,19 +108,35 @@ def _fp8_check(config: AttnConfig, phase: Phase) -> Iterable[str]:
     # triton lowers float8_e4m3fn (its fp8e4nv) only for sm89+; e5m2 converts on sm80 too.
     if config.kv_dtype != "float8_e4m3fn" or config.device_type != "cuda":
         return
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return
-        cc = torch.cuda.get_device_capability(torch.device(config.device))
-    except Exception:
-        return  # no CUDA here, or an unknown device index: reported elsewhere
-    if tuple(cc) < (8, 9):
+    cc, why = _capability(config.device)
+    if cc is None:
+        # Never accept what was not inspected: a device this process cannot see may be
+        # older than sm89.
+        yield (
+            f"kv_dtype 'float8_e4m3fn' needs sm89+ in triton (fp8e4nv), and the compute "
+            f"capability of {config.device!r} could not be read ({why}); bind where that "
+            "device is visible, or use 'float8_e5m2' or a 16-bit cache"
+        )
+    elif cc < (8, 9):
         yield (
             f"kv_dtype 'float8_e4m3fn' needs sm89+ in triton (fp8e4nv); {config.device!r} is "
             f"sm{cc[0]}{cc[1]}: use 'float8_e5m2' or a 16-bit cache"
         )
+
+
+def _capability(device: str) -> tuple[tuple[int, int] | None, str]:
+    """``(compute capability, "")`` of the CUDA ``device``, or ``(None, why not)``."""
+    try:
+        import torch
+    except ImportError:
+        return None, "torch is not importable"
+    if not torch.cuda.is_available():
+        return None, "no CUDA device is visible to this process"
+    try:
+        major, minor = torch.cuda.get_device_capability(torch.device(device))
+    except (RuntimeError, ValueError, AssertionError, TypeError) as exc:  # a bad index, say
+        return None, f"{type(exc).__name__}: {exc}"
+    return (int(major), int(minor)), ""
 
 
 #: FP8 cache formats the kernels widen in registers (K / k_scale and V / v_scale stored).

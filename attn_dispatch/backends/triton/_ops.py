@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
+from dataclasses import field
 from types import MappingProxyType
 from typing import Any
 from typing import NamedTuple
@@ -156,14 +157,38 @@ def constants_of(kc: KernelConfig) -> Constants:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class DecodePlan(PlanBase):
-    """Split-KV decode plan; accepted only by the backend object in ``owner``.
+class TritonPlan(PlanBase):
+    """One forward's plan, made by ``TritonBackend.plan``, accepted only by that object.
+
+    A handle: ``kernel`` ("decode": the split-KV kernel, or "extend"), ``num_requests``,
+    ``num_tokens`` and ``num_splits`` (1 for extend) are summaries for display and tests;
+    launches read the backend's private record (``DecodePlan`` / ``ExtendPlan``), which
+    nothing reachable from the handle leads to, so no edit of an issued plan reaches a
+    kernel. ``token`` is an object no copy can reproduce: a CUDA-graph replay re-plans
+    through ``update_plan``, never by copying fields."""
+
+    kernel: str
+    num_requests: int
+    num_tokens: int
+    num_splits: int
+    token: object = field(default_factory=object)
+
+
+class _Record:
+    """Base of the private launch records: weakly referenceable (``_SEALS`` is keyed by them)."""
+
+    __slots__ = ("__weakref__",)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class DecodePlan(_Record):
+    """Split-KV decode launch record (private to the backend object).
 
     Nothing here sizes a kernel's loads: the constants come from the backend's own config at
-    each launch, the grids' head axes too, and ``launch`` refuses a plan whose grids or split
-    count no longer match its batch, or whose tensors were swapped (``check_launchable``)."""
+    each launch, the grids' head axes too, and ``launch`` refuses a record whose grids or
+    split count no longer match its batch, or whose tensors were swapped
+    (``check_launchable``)."""
 
-    owner: Any
     snap: BatchSnapshot
     num_splits: int
     split_grid: tuple[int, int, int]
@@ -171,14 +196,25 @@ class DecodePlan(PlanBase):
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class ExtendPlan(PlanBase):
-    """Extend (prefill / verify) plan; accepted only by the backend object in ``owner`` (see
+class ExtendPlan(_Record):
+    """Extend (prefill / verify) launch record, private to the backend object (see
     ``DecodePlan`` for what a launch re-checks)."""
 
-    owner: Any
     snap: BatchSnapshot
     grid: tuple[int, int, int]
     mask: torch.Tensor | None  # uint8 view of the snapshot's custom mask
+
+
+def handle_of(plan: DecodePlan | ExtendPlan) -> TritonPlan:
+    """The handle a caller gets for the private record ``plan``."""
+    snap = plan.snap
+    decode = isinstance(plan, DecodePlan)
+    return TritonPlan(
+        kernel="decode" if decode else "extend",
+        num_requests=snap.num_requests,
+        num_tokens=snap.num_tokens,
+        num_splits=plan.num_splits if isinstance(plan, DecodePlan) else 1,
+    )
 
 
 #: Address and size of every tensor a plan holds, recorded when it is issued. Kept beside the
@@ -252,11 +288,10 @@ def _ints(xs: Any, n: int) -> bool:
     return type(xs) is tuple and len(xs) == n and all(type(x) is int for x in xs)
 
 
-def plan_decode(kc: KernelConfig, owner: Any, snap: BatchSnapshot, num_splits: int) -> DecodePlan:
+def plan_decode(kc: KernelConfig, snap: BatchSnapshot, num_splits: int) -> DecodePlan:
     """Decode launch plan (the split scratch is allocated per call: see ``run_decode``)."""
     b = snap.num_requests
     plan = DecodePlan(
-        owner=owner,
         snap=snap,
         num_splits=num_splits,
         split_grid=(b, kc.num_kv_heads * kc.groups_per_kv, num_splits),
@@ -265,10 +300,9 @@ def plan_decode(kc: KernelConfig, owner: Any, snap: BatchSnapshot, num_splits: i
     return sealed(plan)
 
 
-def plan_extend(kc: KernelConfig, owner: Any, snap: BatchSnapshot) -> ExtendPlan:
+def plan_extend(kc: KernelConfig, snap: BatchSnapshot) -> ExtendPlan:
     mask = snap.custom_mask
     plan = ExtendPlan(
-        owner=owner,
         snap=snap,
         grid=(snap.num_requests, kc.num_q_heads, max(1, -(-snap.max_q_len // kc.extend_block_m))),
         mask=None if mask is None else kernel_mask(kc, snap),
@@ -403,10 +437,16 @@ def launch(
     consts = constants_of(kc)
     v = k_cache if v_cache is None else v_cache
     snap = plan.snap
-    out = q.new_empty((q.shape[0], kc.num_q_heads, kc.layout.v_head_dim))
+    # Zeroed, not empty: every row is written, even one the kernels would skip (device
+    # metadata that disagrees with the host copies the plan checked, on CUDA without
+    # ``validate``): such a row is an empty state (output 0, LSE -inf), never whatever the
+    # allocator held. A memset per layer, small beside the attention it precedes.
+    out = q.new_zeros((q.shape[0], kc.num_q_heads, kc.layout.v_head_dim))
     lse = None
     if want_lse:
-        lse = torch.empty((q.shape[0], kc.num_q_heads), dtype=torch.float32, device=q.device)
+        lse = torch.full(
+            (q.shape[0], kc.num_q_heads), -math.inf, dtype=torch.float32, device=q.device
+        )
     if snap.kv_lens.numel() == 0:  # no request: nothing to launch
         return out, lse
     # Without sinks / lse the kernels never read those arguments; any device tensor will do.

@@ -22,12 +22,11 @@ from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch._protocol import BackendBase
-from attn_dispatch._protocol import check_plan
-from attn_dispatch._protocol import issue_plan
 from attn_dispatch._snapshot import BatchSnapshot
 from attn_dispatch._snapshot import refill
 from attn_dispatch._tensor_checks import TensorChecks
 from attn_dispatch._vocab import FP8_DTYPES
+from attn_dispatch.backends._private import PrivatePlans
 from attn_dispatch.backends.triton import _interpreter_reasons
 from attn_dispatch.backends.triton import _ops
 from attn_dispatch.backends.triton._dims import DimLayout
@@ -124,15 +123,22 @@ class TritonBackend(BackendBase):
         self._handlers = {phase: self._run for phase in Phase}
         self._sinks = bool(config.sinks)
         self._fp8 = str(config.kv_dtype) in _FP8
+        # What each issued plan stands for: the handle holds summaries only (see _private).
+        self._plans: PrivatePlans[_ops.DecodePlan | _ops.ExtendPlan] = PrivatePlans("triton")
 
     @property
     def kernel_config(self) -> _ops.KernelConfig:
         """The launch constants (block sizes, split rule inputs) this backend uses."""
         return self._kc
 
-    def plan(self, batch: Any) -> _ops.DecodePlan | _ops.ExtendPlan:
+    def plan(self, batch: Any) -> _ops.TritonPlan:
         """Host-side work for one forward: a checked private copy of the batch's index tensors
-        (device-to-device on CUDA, no host sync unless ``validate``) and the launch grids."""
+        (device-to-device on CUDA, no host sync unless ``validate``) and the launch grids,
+        kept by this object; the caller gets a handle (``_ops.TritonPlan``)."""
+        record = self._record(batch)
+        return self._plans.issue(self, _ops.handle_of(record), record)
+
+    def _record(self, batch: Any) -> _ops.DecodePlan | _ops.ExtendPlan:
         snap = BatchSnapshot.of(batch, self.config.page_size, check_device=self._validate)
         if (
             snap.max_q_len == 1
@@ -156,10 +162,10 @@ class TritonBackend(BackendBase):
                 min_split_tokens=kc.min_split_tokens,
                 max_splits=kc.max_splits,
             )
-            return issue_plan(self, _ops.plan_decode(kc, self, snap, splits))
-        return issue_plan(self, _ops.plan_extend(self._kc, self, snap))
+            return _ops.plan_decode(kc, snap, splits)
+        return _ops.plan_extend(self._kc, snap)
 
-    def update_plan(self, plan: _ops.DecodePlan | _ops.ExtendPlan, batch: Any) -> None:
+    def update_plan(self, handle: _ops.TritonPlan, batch: Any) -> None:
         """Re-plan ``batch`` into a CUDA-graph-captured ``plan`` (``cuda_graph`` calls this).
 
         The new step is checked like any plan, then copied into the captured plan's own
@@ -168,7 +174,7 @@ class TritonBackend(BackendBase):
         valid for any lengths; a step whose sequences grew past a split-rule threshold is not
         refused. Only what the captured grid must cover is checked.
         """
-        check_plan(plan, self, "triton")
+        plan = self._plans.get(handle, self)
         snap = BatchSnapshot.of(batch, self.config.page_size, check_device=self._validate)
         if isinstance(plan, _ops.DecodePlan):
             if snap.max_q_len > 1 or snap.custom_mask is not None:
@@ -200,7 +206,7 @@ class TritonBackend(BackendBase):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor | None,
-        plan: _ops.DecodePlan | _ops.ExtendPlan,
+        handle: _ops.TritonPlan,
         sm_scale: float,
         *,
         sinks: torch.Tensor | None = None,
@@ -208,7 +214,7 @@ class TritonBackend(BackendBase):
         v_scale: float | None = None,
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        check_plan(plan, self, "triton")
+        plan = self._plans.get(handle, self)
         self._checks.check(plan.snap, q, k_cache, v_cache)
         if self._sinks or sinks is not None:
             self._check_sinks(q, sinks)

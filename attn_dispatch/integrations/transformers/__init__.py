@@ -40,9 +40,6 @@ from attn_dispatch.integrations.transformers._common import GROUP_FULL
 from attn_dispatch.integrations.transformers._common import GROUP_SLIDING
 from attn_dispatch.integrations.transformers._common import IMPLEMENTATION
 from attn_dispatch.integrations.transformers._common import UnsupportedModelError
-
-# _has_sinks: the CLI's name for has_sinks before it was public (kept for one release).
-from attn_dispatch.integrations.transformers._config import _has_sinks as _has_sinks
 from attn_dispatch.integrations.transformers._config import attn_config_for
 from attn_dispatch.integrations.transformers._config import attn_configs_for
 from attn_dispatch.integrations.transformers._config import has_sinks

@@ -1,9 +1,10 @@
 """Names every module of the transformers integration shares: the implementation name, the
-attention groups, the FP8 limits and the integration's own error type."""
+attention groups, the FP8 limits and the error type it raises (defined in the core, so the vLLM
+integration shares it without importing this one)."""
 
 from __future__ import annotations
 
-from attn_dispatch._errors import AttnDispatchError
+from attn_dispatch._errors import UnsupportedModelError as UnsupportedModelError
 
 # The name under which use() registers its attention and mask functions with transformers.
 IMPLEMENTATION = "attn_dispatch"
@@ -18,11 +19,3 @@ GROUP_SLIDING = "sliding"
 
 # The package is the public home of these names (reprs, pickles and docs show it).
 _PUBLIC_MODULE = "attn_dispatch.integrations.transformers"
-
-
-class UnsupportedModelError(AttnDispatchError, ValueError):
-    """A model (or a mask, cache or option it asks for) that this integration cannot serve
-    faithfully."""
-
-
-UnsupportedModelError.__module__ = _PUBLIC_MODULE

@@ -275,7 +275,3 @@ def has_sinks(model: Any) -> bool:
     head on each attention module, ``sinks``, and passes it as ``s_aux``; no config field
     says so). ``use()`` binds such a model with ``sinks=True``."""
     return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
-
-
-# The name the CLI used before has_sinks was public.
-_has_sinks = has_sinks

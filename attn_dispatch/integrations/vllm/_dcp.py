@@ -20,11 +20,11 @@ import torch
 
 from attn_dispatch._batch import AttnBatch
 from attn_dispatch._binding import Binding
+from attn_dispatch._errors import UnsupportedModelError
 from attn_dispatch._phase import Phase
 from attn_dispatch._scope import attention
 from attn_dispatch._scope import attn_scope
 from attn_dispatch.distributed import owned_positions
-from attn_dispatch.integrations.transformers import UnsupportedModelError
 from attn_dispatch.integrations.vllm._layers import LayerDispatch
 from attn_dispatch.integrations.vllm._steps import batch_from_table
 from attn_dispatch.integrations.vllm._steps import step_blocks

@@ -21,7 +21,7 @@ from vllm.v1.attention.backend import AttentionType
 from attn_dispatch._binding import Binding
 from attn_dispatch._binding import bind
 from attn_dispatch._config import AttnConfig
-from attn_dispatch.integrations.transformers import UnsupportedModelError
+from attn_dispatch._errors import UnsupportedModelError
 from attn_dispatch.integrations.vllm._settings import Settings
 
 #: vLLM ``kv_cache_dtype`` -> the ``AttnConfig.kv_dtype`` it stores (``"auto"``: the model's).

@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from attn_dispatch._errors import InvalidSpecError
-from attn_dispatch.integrations.transformers import UnsupportedModelError
+from attn_dispatch._errors import UnsupportedModelError
 from attn_dispatch.integrations.vllm._settings import DRAFT
 from attn_dispatch.integrations.vllm._settings import TARGET
 from attn_dispatch.integrations.vllm._settings import Settings

@@ -41,9 +41,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._errors import UnsupportedModelError
 from attn_dispatch._scope import attention
 from attn_dispatch._scope import attn_scope
-from attn_dispatch.integrations.transformers import UnsupportedModelError
 from attn_dispatch.integrations.vllm._dcp import forward_dcp
 from attn_dispatch.integrations.vllm._layers import FP8_MAX
 from attn_dispatch.integrations.vllm._layers import EngineState

@@ -124,16 +124,16 @@ def test_uniform_batch_is_one_call_and_decode_is_grouped() -> None:
     # (in_place=False: a request whose shuffled pages happen to be consecutive would be read
     # in place, from another source, and so not grouped.)
     plan = _plan(_case(q_lens=(5, 5, 5), prefix_lens=(0, 0, 0)), in_place=False)
-    assert [c.count for c in plan.calls] == [3]  # type: ignore[attr-defined]
+    assert plan.call_counts == (3,)  # type: ignore[attr-defined]
     plan = _plan(
         _case(phase=Phase.DECODE, q_lens=(1, 1, 1, 1), prefix_lens=(9, 9, 9, 30)), in_place=False
     )
-    assert [c.count for c in plan.calls] == [3, 1]  # type: ignore[attr-defined]
+    assert plan.call_counts == (3, 1)  # type: ignore[attr-defined]
     # Two parts per call after a prefix with extend="split"; one masked call with "mask".
     plan = _plan(_case(q_lens=(40, 40), prefix_lens=(9, 9)), extend="split")
-    assert [len(c.parts) for c in plan.calls] == [2]  # type: ignore[attr-defined]
+    assert plan.call_parts == (2,)  # type: ignore[attr-defined]
     plan = _plan(_case(q_lens=(40, 40), prefix_lens=(9, 9)), extend="mask")
-    assert [len(c.parts) for c in plan.calls] == [1]  # type: ignore[attr-defined]
+    assert plan.call_parts == (1,)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,7 @@ def test_consecutive_pages_read_in_place_where_the_layout_is_as_fast(
     plan = bind("sdpa", cfg, options=options).plan(batch)
     assert plan.in_place == in_place  # type: ignore[attr-defined]
     gathered = [7, 0] if in_place else [2, 3, 4, 7, 0]
-    assert plan.pages.tolist() == gathered  # type: ignore[attr-defined]
+    assert plan.gathered == tuple(gathered)  # type: ignore[attr-defined]
     torch.testing.assert_close(outs["sdpa"], outs["torch"], atol=1e-5, rtol=1e-5)
 
 
@@ -185,10 +185,10 @@ def test_both_cpu_gathers_match_reference(
     """The CPU gather copies run by run, or (runs too short for a copy each) index_selects
     into scratch and transposes; both give the reference's numbers, over two forwards of
     different sizes that reuse the buffers."""
-    from attn_dispatch.backends.sdpa import backend as sdpa_backend
+    from attn_dispatch.backends.sdpa import _gather as sdpa_gather
 
-    monkeypatch.setattr(sdpa_backend, "RUN_COPY_MIN_BYTES", min_bytes)
-    monkeypatch.setattr(sdpa_backend, "RUN_COPY_MAX_RUNS", 1 << 30)
+    monkeypatch.setattr(sdpa_gather, "RUN_COPY_MIN_BYTES", min_bytes)
+    monkeypatch.setattr(sdpa_gather, "RUN_COPY_MAX_RUNS", 1 << 30)
     check(_case(q_lens=(5, 3), prefix_lens=(9, 14), seed=5, **over))
     check(_case(q_lens=(2,), prefix_lens=(3,), seed=6, **over))
 

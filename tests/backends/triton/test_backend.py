@@ -483,7 +483,7 @@ def test_window_bounds_the_decode_split_count() -> None:
     batch, _ = make_batch(Phase.DECODE, [1], [4000], 4)
     full = TritonBackend(cfg).plan(batch)
     windowed = TritonBackend(cfg.replace(window_left=31)).plan(batch)
-    assert isinstance(full, _ops.DecodePlan) and isinstance(windowed, _ops.DecodePlan)
+    assert full.kernel == windowed.kernel == "decode"
     assert full.num_splits > windowed.num_splits == 1
 
 
@@ -646,6 +646,29 @@ def test_e4m3_needs_sm89_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     assert any("sm89" in r for r in _fp8_check(cfg, Phase.DECODE))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert list(_fp8_check(cfg, Phase.DECODE)) == []
+    assert list(_fp8_check(cfg.replace(kv_dtype="float8_e5m2"), Phase.DECODE)) == []
+
+
+def test_e4m3_probe_gives_a_reason_when_it_cannot_inspect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device the probe cannot read is never taken for sm89+: no CUDA visible, or a
+    device index that does not exist, each gives a reason naming why."""
+    from attn_dispatch.backends.triton import _fp8_check
+
+    cfg = AttnConfig("mha", 8, 2, 64, 64, dtype="bfloat16", kv_dtype="float8_e4m3fn",
+                     device="cuda:3")  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    reasons = list(_fp8_check(cfg, Phase.DECODE))
+    assert len(reasons) == 1 and "could not be read" in reasons[0], reasons
+    assert "no CUDA device" in reasons[0] and "'cuda:3'" in reasons[0]
+
+    def missing(device: object = None) -> tuple[int, int]:
+        raise AssertionError("Invalid device id")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", missing)
+    reasons = list(_fp8_check(cfg, Phase.DECODE))
+    assert len(reasons) == 1 and "Invalid device id" in reasons[0], reasons
+    # e5m2 needs no probe: nothing to refuse
     assert list(_fp8_check(cfg.replace(kv_dtype="float8_e5m2"), Phase.DECODE)) == []
 
 
@@ -841,16 +864,21 @@ def test_plan_owns_private_copies_and_scratch_is_per_call() -> None:
     backend = TritonBackend(cfg, num_kv_splits=3)
     batch, _ = make_batch(Phase.DECODE, [1, 1], [30, 70], 16)
     plan = backend.plan(batch)
-    assert isinstance(plan, _ops.DecodePlan) and plan.owner is backend
-    assert plan.snap.kv_indices.data_ptr() != batch.kv_indices.data_ptr()
-    before = plan.snap.kv_indices.clone()
+    assert isinstance(plan, _ops.TritonPlan) and plan.kernel == "decode"
+    record = backend._plans.get(plan, backend)  # the private record the launches read
+    assert isinstance(record, _ops.DecodePlan)
+    assert record.snap.kv_indices.data_ptr() != batch.kv_indices.data_ptr()
+    before = record.snap.kv_indices.clone()
     batch.kv_indices.fill_(-1)  # an edit after planning never reaches the kernels
-    assert torch.equal(plan.snap.kv_indices, before)
+    assert torch.equal(record.snap.kv_indices, before)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.num_splits = 1  # type: ignore[misc]
-    # No scratch lives in the plan or the backend: threads sharing a plan share no buffer.
-    fields = dataclasses.fields(plan)
-    assert not any(isinstance(getattr(plan, f.name), torch.Tensor) for f in fields)
+    # The handle holds no tensor, and no scratch lives in the record: threads sharing a
+    # plan share no buffer.
+    for held in (plan, record):
+        fields = dataclasses.fields(held)
+        assert not any(isinstance(getattr(held, f.name), torch.Tensor) for f in fields)
+    assert not hasattr(plan, "snap") and not hasattr(plan, "owner")
 
 
 def test_choose_num_splits_rule() -> None:

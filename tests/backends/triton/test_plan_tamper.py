@@ -1,10 +1,14 @@
-"""A triton plan edited after it was issued: our error or the right answer, never other memory.
+"""A triton launch record edited after it was made: our error or the right answer, never
+other memory.
 
-Each way a caller could change an issued plan -- ``object.__setattr__`` on its frozen fields
-(grids, split count, snapshot, mask), item assignment into what it holds, editing a tensor it
-holds -- runs in a child process (under triton's CPU interpreter here), since a kernel run
-with the wrong widths or grid could corrupt the heap rather than raise. The child prints one
-line per case; the test reads them.
+A caller holds only a handle (``_ops.TritonPlan``, immutable summaries: editing it reaches
+nothing, see tests/adversarial/test_plan_tampering.py); the launch record stays with the
+backend object. This file checks the defence behind that: were the record itself reached
+and changed -- ``object.__setattr__`` on its frozen fields (grids, split count, snapshot,
+mask), editing a tensor it holds -- a launch still refuses it (``check_launchable``) or
+reads only inside the call's tensors. Each case runs in a child process (under triton's CPU
+interpreter here), since a kernel run with the wrong widths or grid could corrupt the heap
+rather than raise. The child prints one line per case; the test reads them.
 """
 
 from __future__ import annotations
@@ -65,9 +69,12 @@ _CHILD = """
         torch.testing.assert_close(out.cpu(), right(b, q), atol=2e-5, rtol=2e-5)
         print("ok", name, "right answer")
 
+    def record(plan):
+        return be._plans.get(plan, be)  # the private launch record behind the handle
+
     def setattr_(plan, **fields):
         for key, value in fields.items():
-            object.__setattr__(plan, key, value)
+            object.__setattr__(record(plan), key, value)
         return plan
 
     # the untouched plans give the right answer (the baseline the cases compare with)
@@ -89,7 +96,7 @@ _CHILD = """
     outcome("extend grid float", lambda: setattr_(be.plan(extend), grid=(1.0, 4, 1)),
             q_ext, extend)
     other = be.plan(batch(Phase.VERIFY, [2], [6], [[4, 9]], masks=[tree]))
-    outcome("extend swapped snapshot", lambda: setattr_(be.plan(extend), snap=other.snap),
+    outcome("extend swapped snapshot", lambda: setattr_(be.plan(extend), snap=record(other).snap),
             q_ext, extend)
     outcome("extend swapped mask", lambda: setattr_(be.plan(extend),
             mask=torch.ones(4096, dtype=torch.uint8, device=dev)), q_ext, extend)
@@ -98,7 +105,7 @@ _CHILD = """
     # the kernel widths are not the plan's: there is nothing in a plan to widen, and the
     # backend's constants are read-only mappings
     plan = be.plan(decode)
-    assert not any(f.name.endswith("constants") for f in dataclasses.fields(plan))
+    assert not any(f.name.endswith("constants") for f in dataclasses.fields(record(plan)))
     consts = _ops.constants_of(be.kernel_config)
     for table in consts:
         try:
@@ -113,7 +120,7 @@ _CHILD = """
     # a tensor the plan holds, edited in place: the kernels read what it now says, bounded
     # by the call's tensors (a page outside the cache is dropped), never other memory
     plan = be.plan(decode)
-    plan.snap.kv_indices[2] = 10**6  # request 0's third page: outside the cache
+    record(plan).snap.kv_indices[2] = 10**6  # request 0's third page: outside the cache
     out = run(q_dec, k, v, plan, 0.25)
     assert torch.isfinite(out).all()
     cut = batch(Phase.DECODE, [1, 1], [8, 6], [[3, 7], [0, 5]])

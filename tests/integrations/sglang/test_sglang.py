@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 
-from attn_dispatch import BackendSpec
 from attn_dispatch import InvalidSpecError
 from attn_dispatch import Phase
 from attn_dispatch import UnknownPhaseError
@@ -116,7 +115,7 @@ def test_recorded_grid_target_matches_sglang(recorded: dict[str, Any]) -> None:
     for row in recorded["rows"]:
         if "rejected" in row:
             continue
-        spec = BackendSpec.from_server_args(row["resolved"])
+        spec = spec_from_server_args(row["resolved"])
         for mode, backend in row["target"].items():
             if mode == "DRAFT_EXTEND_V2":  # a draft-runner mode; see test_phase.py
                 continue
@@ -131,7 +130,7 @@ def test_recorded_grid_draft_matches_sglang(recorded: dict[str, Any]) -> None:
         draft = row.get("draft")
         if not isinstance(draft, dict):  # no draft runner, or SGLang refuses to build one
             continue
-        spec = BackendSpec.from_server_args(row["resolved"], is_draft=True)
+        spec = spec_from_server_args(row["resolved"], is_draft=True)
         for mode, backend in draft.items():
             assert spec.backend_for(phase_of(mode)) == backend, (row["input"], mode)
         checked += 1
@@ -154,13 +153,13 @@ def test_recorded_grid_has_the_cases_that_used_to_differ(recorded: dict[str, Any
     assert decode_mode
     for r in decode_mode:
         assert r["draft"]["DRAFT_EXTEND_V2"] == r["draft"]["EXTEND"] == r["target"]["DECODE"]
-        draft = BackendSpec.from_server_args(r["resolved"], is_draft=True)
+        draft = spec_from_server_args(r["resolved"], is_draft=True)
         assert draft.prefill == r["target"]["DECODE"]
     # tokenspeed_mla: SGLang runs trtllm_mla for prefill, cutedsl_mla for decode.
     tokenspeed = [r for r in rows if r["input"].get("attention_backend") == "tokenspeed_mla"]
     assert tokenspeed
     for r in tokenspeed:
-        raw = BackendSpec.from_server_args(r["input"])  # older releases: raw values only
+        raw = spec_from_server_args(r["input"])  # older releases: raw values only
         if "prefill_attention_backend" not in r["input"]:
             assert raw.prefill == "trtllm_mla" == r["target"]["EXTEND"]
             assert raw.note is not None and "tokenspeed_mla" in raw.note

@@ -13,7 +13,6 @@ so they are not run; the row operations they used (``batch_select_indices``,
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,9 +25,10 @@ from attn_dispatch.integrations.transformers import FP8_MAX  # noqa: E402
 from attn_dispatch.integrations.transformers import PagedCache  # noqa: E402
 from attn_dispatch.integrations.transformers import layer_groups  # noqa: E402
 from attn_dispatch.integrations.transformers import use  # noqa: E402
+from tests.integrations.transformers.tiny import CACHE_OPS_VOCAB as VOCAB  # noqa: E402
+from tests.integrations.transformers.tiny import WINDOW  # noqa: E402
+from tests.integrations.transformers.tiny import qwen2_two_groups as tiny  # noqa: E402
 
-VOCAB = 96
-WINDOW = 3
 # (model dtype, kv_dtype): every dtype a PagedCache's pages can have.
 DTYPES = [
     ("float32", None),
@@ -38,36 +38,6 @@ DTYPES = [
     ("float32", "float8_e5m2"),
     ("bfloat16", "float8_e4m3fn"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _quiet_one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    verbosity = transformers.logging.get_verbosity()
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(threads)
-    transformers.logging.set_verbosity(verbosity)
-
-
-def tiny(seed: int = 0, sliding: bool = True) -> Any:
-    """Qwen2, two layers: layer 0 full attention, layer 1 a window of 3 keys (two groups,
-    so every operation runs over two page allocators)."""
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.2,
-        use_sliding_window=sliding,
-        sliding_window=WINDOW,
-        max_window_layers=1,
-    )
-    return transformers.Qwen2ForCausalLM(cfg).eval()
 
 
 def left_padded(lengths: list[int], seed: int = 1) -> tuple[Any, Any]:

@@ -4,7 +4,6 @@ random models whose prompts cross chunk boundaries."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,50 +18,13 @@ from attn_dispatch.integrations.transformers import attn_configs_for  # noqa: E4
 from attn_dispatch.integrations.transformers import dispatch_mask  # noqa: E402
 from attn_dispatch.integrations.transformers import layer_groups  # noqa: E402
 from attn_dispatch.integrations.transformers import use  # noqa: E402
-from tests.integrations.transformers.test_transformers import VOCAB  # noqa: E402
 from tests.integrations.transformers.test_transformers import eager  # noqa: E402
 from tests.integrations.transformers.test_transformers import generate  # noqa: E402
 from tests.integrations.transformers.test_transformers import left_padded  # noqa: E402
-
-CHUNK = 8  # prompts of 13 and 8 tokens plus 10 new ones cross the boundaries at 8 and 16
-
-
-def llama4_config(chunk: int | None = CHUNK) -> Any:
-    # no_rope_layer_interval=2: layers 0, 2 use RoPE and are chunked, layers 1, 3 are NoPE
-    # (with attention temperature tuning) and full, as Llama 4 interleaves them.
-    return transformers.Llama4TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=64,
-        intermediate_size_mlp=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        interleave_moe_layer_step=2,
-        attention_chunk_size=chunk,
-        max_position_embeddings=256,
-        no_rope_layer_interval=2,
-        initializer_range=0.2,
-    )
-
-
-def llama4(seed: int = 0, chunk: int | None = CHUNK) -> Any:
-    torch.manual_seed(seed)
-    return transformers.Llama4ForCausalLM(llama4_config(chunk)).eval()
-
-
-@pytest.fixture(autouse=True)
-def _quiet_one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    verbosity = transformers.logging.get_verbosity()
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(threads)
-    transformers.logging.set_verbosity(verbosity)
+from tests.integrations.transformers.tiny import CHUNK  # noqa: E402
+from tests.integrations.transformers.tiny import VOCAB  # noqa: E402
+from tests.integrations.transformers.tiny import llama4  # noqa: E402
+from tests.integrations.transformers.tiny import llama4_config  # noqa: E402
 
 
 def test_chunked_layers_map_to_a_chunked_group_and_full_layers_to_full() -> None:

@@ -1,13 +1,11 @@
 """The transformers integration's layout: one module per concept, imports that point only
 down, every name of the former single module still importable from the package, and the
-former ``_hf_cache`` module a shim that warns."""
+former ``_hf_cache`` module gone (0.2.0 keeps no compatibility layer)."""
 
 from __future__ import annotations
 
-import ast
 import importlib
 import pickle
-import warnings
 from pathlib import Path
 
 import pytest
@@ -15,9 +13,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import attn_dispatch  # noqa: E402
 import attn_dispatch.integrations.transformers as tf  # noqa: E402
+from tests.imports import modules  # noqa: E402
+from tests.imports import path_imports  # noqa: E402
 
 PACKAGE = Path(tf.__file__).parent
+ROOT = PACKAGE.parents[2]
 PREFIX = "attn_dispatch.integrations.transformers"
 # Each module may import only those listed before it (and the core, backends excluded).
 ORDER = [
@@ -49,7 +51,6 @@ FORMER_NAMES = [
     "dispatch_mask",
     "layer_groups",
     "use",
-    "_has_sinks",
     "DEFAULT_PAGE_SIZE",
     "GroupedBatches",
 ]
@@ -64,22 +65,10 @@ def test_every_module_is_listed_and_short() -> None:
 
 
 def _imports(path: Path) -> set[str]:
-    """Modules imported anywhere in ``path`` (functions included), except under
-    ``if TYPE_CHECKING:``."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-    return found
+    """Our modules imported anywhere in ``path`` (functions included), except under
+    ``if TYPE_CHECKING:`` (the suite's one scanner, tests/imports.py)."""
+    known = set(modules(ROOT / "attn_dispatch", ROOT))
+    return path_imports(path, f"{PREFIX}.{path.stem}", known)
 
 
 def test_imports_point_down_and_never_to_the_cli_demo_or_other_integrations() -> None:
@@ -97,17 +86,19 @@ def test_imports_point_down_and_never_to_the_cli_demo_or_other_integrations() ->
 def test_the_former_names_are_importable_from_the_package() -> None:
     for name in FORMER_NAMES:
         assert hasattr(tf, name), name
-    assert tf._has_sinks is tf.has_sinks
-    assert set(tf.__all__) >= {n for n in FORMER_NAMES if not n.startswith("_")} | {"has_sinks"}
+    assert not hasattr(tf, "_has_sinks")  # the pre-0.2 private alias is gone
+    assert set(tf.__all__) >= set(FORMER_NAMES) | {"has_sinks"}
 
 
 def test_public_classes_name_the_package() -> None:
     for cls in (tf.Bound, tf.DenseView, tf.GroupedBatches, tf.PagedCache, tf.PagedLayer):
         assert cls.__module__ == PREFIX, cls
+    # The error is the core's (the vLLM integration raises it too): it names attn_dispatch.
     err = tf.UnsupportedModelError("a model this mapping would get wrong")
-    assert repr(type(err)) == f"<class '{PREFIX}.UnsupportedModelError'>"
+    assert tf.UnsupportedModelError is attn_dispatch.UnsupportedModelError
+    assert repr(type(err)) == "<class 'attn_dispatch.UnsupportedModelError'>"
     data = pickle.dumps(err)
-    assert PREFIX.encode() in data and b"_common" not in data
+    assert b"_common" not in data and b"_errors" not in data
     assert str(pickle.loads(data)) == str(err)
 
 
@@ -125,22 +116,7 @@ def test_has_sinks_finds_learned_sink_tensors_on_any_module() -> None:
     assert not tf.has_sinks(torch.nn.Linear(2, 2))
 
 
-def test_the_former_cache_module_warns_and_answers_the_same_objects() -> None:
-    shim = importlib.import_module("attn_dispatch.integrations._hf_cache")
-    for name, new in (
-        ("PagedCache", tf.PagedCache),
-        ("PagedLayer", tf.PagedLayer),
-        ("GroupedBatches", tf.GroupedBatches),
-        ("UnsupportedModelError", tf.UnsupportedModelError),
-        ("FP8_MAX", tf.FP8_MAX),
-        ("DEFAULT_PAGE_SIZE", tf.DEFAULT_PAGE_SIZE),
-    ):
-        with pytest.warns(DeprecationWarning, match=f"{name} moved .*{PREFIX}"):
-            assert getattr(shim, name) is new
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with pytest.raises(AttributeError, match="no attribute 'nothing'"):
-            shim.nothing  # noqa: B018
-    with pytest.warns(DeprecationWarning):
-        from attn_dispatch.integrations._hf_cache import PagedCache
-    assert PagedCache is tf.PagedCache
+def test_the_former_cache_module_is_gone() -> None:
+    # 0.2.0 keeps no compatibility layer: the names live in the package only.
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("attn_dispatch.integrations._hf_cache")

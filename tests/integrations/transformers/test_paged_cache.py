@@ -3,7 +3,6 @@ refused, and the options transformers offers that a paged cache cannot serve (ti
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,29 +16,17 @@ from attn_dispatch import record_dispatch  # noqa: E402
 from attn_dispatch.integrations.transformers import PagedCache  # noqa: E402
 from attn_dispatch.integrations.transformers import UnsupportedModelError  # noqa: E402
 from attn_dispatch.integrations.transformers import use  # noqa: E402
-from tests.integrations.transformers.test_transformers import COMMON  # noqa: E402
-from tests.integrations.transformers.test_transformers import VARIANT  # noqa: E402
-from tests.integrations.transformers.test_transformers import VOCAB  # noqa: E402
-from tests.integrations.transformers.test_transformers import WINDOW  # noqa: E402
 from tests.integrations.transformers.test_transformers import eager  # noqa: E402
-from tests.integrations.transformers.test_transformers import gemma2  # noqa: E402
 from tests.integrations.transformers.test_transformers import generate  # noqa: E402
-from tests.integrations.transformers.test_transformers import gpt_oss  # noqa: E402
 from tests.integrations.transformers.test_transformers import left_padded  # noqa: E402
-from tests.integrations.transformers.test_transformers import llama  # noqa: E402
-from tests.integrations.transformers.test_transformers import mistral  # noqa: E402
-from tests.integrations.transformers.test_transformers import qwen2_sliding  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _quiet_one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    verbosity = transformers.logging.get_verbosity()
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(threads)
-    transformers.logging.set_verbosity(verbosity)
+from tests.integrations.transformers.tiny import VOCAB  # noqa: E402
+from tests.integrations.transformers.tiny import WINDOW  # noqa: E402
+from tests.integrations.transformers.tiny import gemma2  # noqa: E402
+from tests.integrations.transformers.tiny import gpt_oss  # noqa: E402
+from tests.integrations.transformers.tiny import llama  # noqa: E402
+from tests.integrations.transformers.tiny import mistral  # noqa: E402
+from tests.integrations.transformers.tiny import qwen2  # noqa: E402
+from tests.integrations.transformers.tiny import qwen2_sliding  # noqa: E402
 
 
 def test_generate_runs_on_a_paged_cache_read_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -319,12 +306,10 @@ def test_page_size_is_checked() -> None:
 
 
 def test_configs_transformers_cannot_read_per_layer_are_refused_by_name() -> None:
-    cfg = transformers.MistralConfig(
-        **VARIANT, sliding_window=WINDOW, per_layer_config={1: {"sliding_window": 5}}
-    )
+    model = mistral(per_layer_config={1: {"sliding_window": 5}})
     with pytest.raises(UnsupportedModelError, match=r"\['sliding_window'\] per layer"):
-        use(transformers.MistralForCausalLM(cfg).eval(), "torch")
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON)).eval()
+        use(model, "torch")
+    model = qwen2()
     model.config.layer_types = ["full_attention"]  # 1 entry for 2 layers
     with pytest.raises(UnsupportedModelError, match="layer_types lists 1 layers"):
         use(model, "torch")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,9 +14,6 @@ from attn_dispatch import IncompatibleBackendError  # noqa: E402
 from attn_dispatch import InvalidSpecError  # noqa: E402
 from attn_dispatch import UnknownBackendError  # noqa: E402
 from attn_dispatch import record_dispatch  # noqa: E402
-from attn_dispatch.backend import register_backend  # noqa: E402
-from attn_dispatch.backend import unregister_backend  # noqa: E402
-from attn_dispatch.backends.reference import CAPABILITIES as TORCH_CAPS  # noqa: E402
 from attn_dispatch.integrations.transformers import FP8_MAX  # noqa: E402
 from attn_dispatch.integrations.transformers import IMPLEMENTATION  # noqa: E402
 from attn_dispatch.integrations.transformers import UnsupportedModelError  # noqa: E402
@@ -25,73 +21,16 @@ from attn_dispatch.integrations.transformers import attn_config_for  # noqa: E40
 from attn_dispatch.integrations.transformers import attn_configs_for  # noqa: E402
 from attn_dispatch.integrations.transformers import dispatch_mask  # noqa: E402
 from attn_dispatch.integrations.transformers import use  # noqa: E402
-
-VOCAB = 128
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-)
-
-
-def llama(seed: int = 0, layers: int = 2) -> Any:
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": layers}, num_key_value_heads=2)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def qwen2(seed: int = 0) -> Any:
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(**COMMON, num_key_value_heads=2)
-    return transformers.Qwen2ForCausalLM(cfg).eval()
-
-
-def deepseek_v3(seed: int = 0) -> Any:
-    torch.manual_seed(seed)
-    cfg = transformers.DeepseekV3Config(
-        **COMMON,
-        num_key_value_heads=4,
-        kv_lora_rank=32,
-        q_lora_rank=None,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        moe_intermediate_size=32,
-    )
-    return transformers.DeepseekV3ForCausalLM(cfg).eval()
-
-
-MODELS: dict[str, Callable[..., Any]] = {"llama": llama, "qwen2": qwen2, "deepseek_v3": deepseek_v3}
-
-
-@pytest.fixture(autouse=True)
-def _quiet_one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    verbosity = transformers.logging.get_verbosity()
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    yield
-    torch.set_num_threads(threads)
-    transformers.logging.set_verbosity(verbosity)
-
-
-@pytest.fixture
-def torch2() -> Iterator[str]:
-    register_backend(
-        "torch2",
-        capabilities=TORCH_CAPS,
-        factory="attn_dispatch.backends.reference.backend:TorchBackend",
-        replace=True,
-    )
-    yield "torch2"
-    unregister_backend("torch2")
+from tests.integrations.transformers.tiny import FAMILIES  # noqa: E402
+from tests.integrations.transformers.tiny import MODELS  # noqa: E402
+from tests.integrations.transformers.tiny import VOCAB  # noqa: E402
+from tests.integrations.transformers.tiny import deepseek_v3  # noqa: E402
+from tests.integrations.transformers.tiny import gemma2  # noqa: E402
+from tests.integrations.transformers.tiny import gemma3  # noqa: E402
+from tests.integrations.transformers.tiny import gpt_oss  # noqa: E402
+from tests.integrations.transformers.tiny import llama  # noqa: E402
+from tests.integrations.transformers.tiny import mistral  # noqa: E402
+from tests.integrations.transformers.tiny import qwen2  # noqa: E402
 
 
 def left_padded(lengths: list[int], seed: int = 1) -> tuple[Any, Any, list[Any]]:
@@ -249,74 +188,6 @@ def test_calling_outside_a_wrapped_forward_is_an_error() -> None:
 
 # --- Layer variants: sliding windows, soft-caps, sinks, mixed layer groups -------------------
 
-WINDOW = 3  # transformers' sliding_window: 3 keys, the query's own included
-VARIANT = dict(COMMON, num_key_value_heads=2, initializer_range=0.2)
-MIXED = ["sliding_attention", "full_attention"]
-
-
-def mistral(seed: int = 0, window: int | None = WINDOW) -> Any:
-    torch.manual_seed(seed)
-    return transformers.MistralForCausalLM(
-        transformers.MistralConfig(**VARIANT, sliding_window=window)
-    ).eval()
-
-
-def qwen2_sliding(seed: int = 0) -> Any:
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(
-        **VARIANT, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
-    )
-    return transformers.Qwen2ForCausalLM(cfg).eval()
-
-
-def gemma2(seed: int = 0, cap: float | None = 0.5) -> Any:
-    torch.manual_seed(seed)
-    cfg = transformers.Gemma2Config(
-        **VARIANT,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        sliding_window=WINDOW,
-        attn_logit_softcapping=cap,
-        tie_word_embeddings=False,  # tied + scaled embeddings echo the input token
-    )
-    return transformers.Gemma2ForCausalLM(cfg).eval()
-
-
-def gemma3(seed: int = 0) -> Any:
-    torch.manual_seed(seed)
-    cfg = transformers.Gemma3TextConfig(
-        **VARIANT,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        sliding_window=WINDOW,
-        layer_types=MIXED,
-        tie_word_embeddings=False,
-    )
-    return transformers.Gemma3ForCausalLM(cfg).eval()
-
-
-def cohere2(seed: int = 0) -> Any:
-    torch.manual_seed(seed)
-    cfg = transformers.Cohere2Config(**VARIANT, sliding_window=WINDOW, layer_types=MIXED)
-    return transformers.Cohere2ForCausalLM(cfg).eval()
-
-
-def gpt_oss(seed: int = 0) -> Any:
-    torch.manual_seed(seed)
-    cfg = transformers.GptOssConfig(
-        **VARIANT, head_dim=16, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2
-    )
-    return transformers.GptOssForCausalLM(cfg).eval()
-
-
-FAMILIES: dict[str, Callable[..., Any]] = {
-    "mistral": mistral,
-    "qwen2_sliding": qwen2_sliding,
-    "gemma2": gemma2,
-    "gemma3": gemma3,
-    "cohere2": cohere2,
-    "gpt_oss": gpt_oss,
-}
 # What each family's binding must say: groups, and the variants of each.
 EXPECTED_GROUPS = {
     "mistral": {"sliding": (2, None, False)},
@@ -454,20 +325,9 @@ def test_sliding_mask_of_another_width_is_refused() -> None:
 @pytest.mark.parametrize(
     ("make", "match"),
     [
+        (lambda: gemma3(use_bidirectional_attention=True), "bidirectional"),
         (
-            lambda: transformers.Gemma3ForCausalLM(
-                transformers.Gemma3TextConfig(
-                    **VARIANT, head_dim=16, layer_types=MIXED, use_bidirectional_attention=True
-                )
-            ),
-            "bidirectional",
-        ),
-        (
-            lambda: transformers.Qwen2ForCausalLM(
-                transformers.Qwen2Config(
-                    **VARIANT, layer_types=["full_attention", "chunked_attention"]
-                )
-            ),
+            lambda: qwen2(layer_types=["full_attention", "chunked_attention"]),
             "'chunked_attention' layers but attention_chunk_size=None",
         ),
     ],
