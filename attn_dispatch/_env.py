@@ -17,7 +17,6 @@ __all__ = [
     "SGLANG_SPECS",
     "SKIP_NATIVE",
     "TRITON_INTERPRET",
-    "VLLM_TEST_RANK_SPEC",
 ]
 
 #: A path: the native backend loads this shared library instead of the one built next to the
@@ -44,10 +43,6 @@ NATIVE_OWN_POOL = "NATIVE_ATTN_OWN_POOL"
 #: ``1``/``true``/``yes``/``on``: triton's CPU interpreter is on, so the triton backend may bind
 #: on a CPU (tests). triton's own variable; the triton backend reads it at bind.
 TRITON_INTERPRET = "TRITON_INTERPRET"
-
-#: ``"<tp rank>:<spec>"``: in vLLM's engine, that tensor-parallel rank binds its target runner
-#: with ``<spec>`` instead (the engine tests use it to show a disagreement fails at start-up).
-VLLM_TEST_RANK_SPEC = "ATTN_DISPATCH_VLLM_TEST_RANK_SPEC"
 
 #: JSON ``{"target": spec, "draft": spec, ...}``: the runners' specs of an SGLang engine whose
 #: attention backend is ``"attn_dispatch"`` (SGLang's arguments carry names only); set before

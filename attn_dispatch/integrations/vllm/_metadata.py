@@ -1,0 +1,93 @@
+"""One step's attention metadata for the layers of a KV group (what vLLM calls
+``attn_metadata``): the step's batches under each runner's phase rule, and their plans, each
+made once per step."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from attn_dispatch._binding import Binding
+from attn_dispatch._phase import Phase
+from attn_dispatch.integrations.vllm import _dcp
+from attn_dispatch.integrations.vllm._dcp import DcpStep
+from attn_dispatch.integrations.vllm._steps import StepPart
+from attn_dispatch.integrations.vllm._steps import step_parts
+
+
+@dataclasses.dataclass(eq=False)
+class DispatchMetadata:
+    """One step's attention metadata for every layer of a KV group (what vLLM calls
+    ``attn_metadata``). ``parts_for(draft)``: one per phase present (``"split"``) or one
+    (``"extend"``), under the phase rule of the layer's runner. Each binding plans each part
+    once, at its first layer (``prepared``)."""
+
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+    num_speculative_tokens: int
+    mixed: str
+    causal: bool = True
+    #: Decode context parallel: vLLM's ``cp_kv_cache_interleave_size`` (0: no DCP).
+    interleave: int = 0
+    _parts: dict[bool, tuple[StepPart, ...]] = dataclasses.field(default_factory=dict)
+    _plans: dict[tuple[int, bool, int], Any] = dataclasses.field(default_factory=dict)
+    _dcp: DcpStep | None = None
+
+    def dcp_step(self, world: int, rank: int) -> DcpStep:
+        """This step's batches on decode-context-parallel rank ``rank`` (built once)."""
+        if self._dcp is None:
+            n = self.seq_lens.shape[0]
+            self._dcp = _dcp.dcp_step(
+                self.query_start_loc,
+                self.seq_lens,
+                self.block_table[:n],
+                block_size=self.block_size,
+                world=world,
+                rank=rank,
+                interleave=self.interleave,
+            )
+        return self._dcp
+
+    def parts_for(self, draft: bool) -> tuple[StepPart, ...]:
+        """The step's parts under the target's (``draft=False``) or the draft's phase rule."""
+        found = self._parts.get(draft)
+        if found is None:
+            n = self.seq_lens.shape[0]
+            found = self._parts[draft] = step_parts(
+                self.query_start_loc,
+                self.seq_lens,
+                self.block_table[:n],
+                block_size=self.block_size,
+                num_speculative_tokens=self.num_speculative_tokens,
+                mixed=self.mixed,
+                draft=draft,
+            )
+        return found
+
+    def prepared(
+        self, binding: Binding, draft: bool, part: StepPart | int, batch: Any = None
+    ) -> Any:
+        """``binding``'s plan of a part (a ``StepPart``, or an index and its batch), made once
+        per step at the first layer that runs it."""
+        index = part.index if isinstance(part, StepPart) else part
+        key = (id(binding), draft, index)
+        found = self._plans.get(key)
+        if found is None:
+            found = self._plans[key] = binding.prepare(
+                part.batch if isinstance(part, StepPart) else batch
+            )
+        return found
+
+    def phases(self, draft: bool = False) -> tuple[Phase, ...]:
+        return tuple(p.batch.phase for p in self.parts_for(draft))
+
+
+__all__ = ["DispatchMetadata"]
