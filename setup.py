@@ -46,7 +46,7 @@ AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-Wno-ma
 
 def _sources() -> list[tuple[str, list[str]]]:
     """(source, extra flags) per translation unit for this machine's architecture."""
-    units = [(f"{CSRC}/native_attn.cpp", []), (f"{CSRC}/kern_generic.cpp", [])]
+    units = [(f"{CSRC}/{name}.cpp", []) for name in ("api", "plan", "pool", "isa", "kern_generic")]
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):
         units += [

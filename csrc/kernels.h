@@ -1,5 +1,5 @@
 // Internal: the per-instruction-set kernel tables and the tiling constants shared by the
-// planner (native_attn.cpp) and the kernels (kernels_impl.h, compiled once per ISA).
+// planner (plan.cpp) and the kernels (kernels_impl.h, compiled once per ISA).
 #ifndef NATIVE_ATTN_KERNELS_H
 #define NATIVE_ATTN_KERNELS_H
 #include "native_attn.h"

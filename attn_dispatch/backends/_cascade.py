@@ -2,7 +2,7 @@
 
 Pure Python on host lists (no torch), so it is tested without any kernel library
 (``tests/core/test_cascade_plan.py``). FlashInfer's backend plans with it; the native backend
-plans in C++ (``csrc/native_attn.cpp``, ``find_groups``) by the same rule, with the
+plans in C++ (``csrc/plan.cpp``, ``find_groups``) by the same rule, with the
 differences listed below.
 
 The rule, in one wording for every backend:

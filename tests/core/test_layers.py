@@ -1,79 +1,39 @@
 """The package's layers point down only: each module imports modules of its own layer or below.
 
-The table below is the design (DESIGN.md, "Layout"); every module of attn_dispatch/ must be in
-it, so a new module declares its layer before it can import anything. An entry ending in ``.*``
-covers a package's submodules. An import is any ``import``/``from ... import`` statement
-anywhere in a module (function-level ones included: a lazy import is still a dependency) and
-any ``importlib.import_module("attn_dispatch....")`` with a constant name; ``if
-TYPE_CHECKING:`` blocks are left out (annotations only). Importing a package's parents as a
-side effect of Python's import system does not count.
+The table is ``LAYERS`` of tools/layers.py, the one copy (the docs render it); every module of
+attn_dispatch/ must be in it, so a new module declares its layer before it can import anything.
+An entry ending in ``.*`` covers a package's submodules. An import is any ``import``/``from
+... import`` statement anywhere in a module (function-level ones included: a lazy import is
+still a dependency) and any ``importlib.import_module("attn_dispatch....")`` with a constant
+name; ``if TYPE_CHECKING:`` blocks are left out (annotations only). Importing a package's
+parents as a side effect of Python's import system does not count.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "attn_dispatch"
 
-#: module (or ``package.*``) -> layer. Names that do not exist yet are planned modules.
-LAYERS: dict[str, int] = {
-    # L0 vocabulary, values, errors, phase: no behaviour beyond checks
-    "attn_dispatch._errors": 0,
-    "attn_dispatch._version": 0,
-    "attn_dispatch._vocab": 0,
-    "attn_dispatch._values": 0,
-    "attn_dispatch._dtypes": 0,
-    "attn_dispatch._phase": 0,
-    "attn_dispatch._table": 0,
-    # L1 value types: spec, config, capabilities, forms (frozen, torch-free)
-    "attn_dispatch._spec": 1,
-    "attn_dispatch._config": 1,
-    "attn_dispatch._capabilities": 1,
-    "attn_dispatch._forms": 1,
-    # L2 the backend contract: protocol, registry, paged-batch contract checks
-    "attn_dispatch._protocol": 2,
-    "attn_dispatch._registry": 2,
-    "attn_dispatch._contract": 2,
-    "attn_dispatch._snapshot": 2,
-    "attn_dispatch._tensor_checks": 2,
-    "attn_dispatch.backend": 2,
-    # L3 bind and its checks (shared with explain), per-call rules
-    "attn_dispatch._calls": 3,
-    "attn_dispatch._route": 3,
-    "attn_dispatch._binding": 3,
-    "attn_dispatch._matrix": 3,
-    # L4 scope, record, threads: the hot path
-    "attn_dispatch._scope": 4,
-    "attn_dispatch._record": 4,
-    "attn_dispatch._threads": 4,
-    # L5 torch-level
-    "attn_dispatch._batch": 5,
-    "attn_dispatch.state": 5,
-    "attn_dispatch.mla": 5,
-    "attn_dispatch.compile": 5,
-    "attn_dispatch.cuda_graph": 5,
-    "attn_dispatch.testing": 5,
-    "attn_dispatch.testing.*": 5,
-    "attn_dispatch.distributed": 5,
-    "attn_dispatch.distributed.*": 5,
-    # L6 backends: a light module (capabilities) and the heavy one, per backend
-    "attn_dispatch.backends": 6,
-    "attn_dispatch.backends.*": 6,
-    # L7 integrations, the CLI, the demo, and the package itself (the wiring)
-    "attn_dispatch": 7,
-    "attn_dispatch.__main__": 7,
-    "attn_dispatch.cli": 7,
-    "attn_dispatch.tune": 7,
-    "attn_dispatch.cli.*": 7,
-    "attn_dispatch.integrations": 7,
-    "attn_dispatch.integrations.*": 7,
-    "attn_dispatch.demo": 7,
-    "attn_dispatch.demo.*": 7,
-}
+
+def _load_layers() -> ModuleType:
+    # tools/ is not a package: load the table's module by its path.
+    spec = importlib.util.spec_from_file_location("layers", ROOT / "tools" / "layers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LAYERS_TOOL = _load_layers()
+#: module (or ``package.*``) -> layer, from the one table (tools/layers.py).
+LAYERS: dict[str, int] = LAYERS_TOOL.table()
 
 
 def layer_of(module: str, table: dict[str, int] = LAYERS) -> int | None:
@@ -169,7 +129,7 @@ def upward_imports(mods: dict[str, Path], table: dict[str, int] = LAYERS) -> lis
 
 def test_every_module_has_a_layer() -> None:
     missing = sorted(m for m in modules() if layer_of(m) is None)
-    assert missing == [], f"add these modules to LAYERS (tests/core/test_layers.py): {missing}"
+    assert missing == [], f"add these modules to LAYERS (tools/layers.py): {missing}"
 
 
 def test_no_module_imports_a_layer_above_its_own() -> None:
@@ -229,3 +189,23 @@ def test_the_checker_fails_on_planted_upward_imports(tmp_path: Path) -> None:
 )
 def test_layer_of_reads_packages_and_refuses_strangers(module: str, layer: int | None) -> None:
     assert layer_of(module) == layer
+
+
+def test_the_docs_show_the_table() -> None:
+    # The docs render the one table (the MkDocs hook at build time); the committed pages are
+    # kept fresh too, so the Markdown read on its own is right.
+    pages = [p.relative_to(ROOT).as_posix() for p in LAYERS_TOOL.pages()]
+    assert "docs/layers-and-surfaces.md" in pages, pages
+    stale = [p.relative_to(ROOT).as_posix() for p in LAYERS_TOOL.stale_pages()]
+    assert not stale, f"{stale}: the layers table is stale; run `python tools/layers.py`"
+    table = LAYERS_TOOL.markdown_table()
+    assert "| L0 vocabulary" in table and "`backends.*`" in table and "`_scope`" in table
+
+
+def test_the_table_refuses_a_module_in_two_layers() -> None:
+    layer = LAYERS_TOOL.Layer
+    twice = (layer(0, "a", "", ("_x",)), layer(1, "b", "", ("_x",)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(LAYERS_TOOL, "LAYERS", twice)
+        with pytest.raises(ValueError, match="in layers 0 and 1"):
+            LAYERS_TOOL.table()

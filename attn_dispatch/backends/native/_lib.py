@@ -20,11 +20,13 @@ import os
 import threading
 from pathlib import Path
 
+from attn_dispatch._env import NATIVE_LIB
+
 HERE = Path(__file__).resolve().parent
 LIB_STEM = "_native_attn"
 BUILD_ERROR_FILE = HERE / f"{LIB_STEM}.build-error.txt"
 # Points the loader at another library file (development, or tests of the "not built" path).
-ENV_LIBRARY = "ATTN_DISPATCH_NATIVE_LIB"
+ENV_LIBRARY = NATIVE_LIB
 
 
 class NaConfig(ctypes.Structure):

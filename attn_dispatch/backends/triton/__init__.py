@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from attn_dispatch._capabilities import Capabilities
+from attn_dispatch._env import TRITON_INTERPRET
 from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._vocab import FP8_DTYPES
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 
 def interpreter_on() -> bool:
     """Whether ``TRITON_INTERPRET`` asks triton for its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in {"1", "true", "yes", "on"}
+    return os.environ.get(TRITON_INTERPRET, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def _runnable_here() -> Iterable[str]:

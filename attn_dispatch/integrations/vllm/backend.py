@@ -41,6 +41,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 from attn_dispatch._binding import Binding
 from attn_dispatch._binding import bind
 from attn_dispatch._config import AttnConfig
+from attn_dispatch._env import VLLM_TEST_RANK_SPEC
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import ScopeError
@@ -916,7 +917,7 @@ class AttnDispatchCPUBuilder(CPUAttentionMetadataBuilder):  # type: ignore[misc]
 _AGREEMENTS: list[dict[str, Any]] = []
 #: Test hook, read only by the engine tests: ``"<tp rank>:<spec>"`` makes that rank bind its
 #: target runner with ``<spec>`` instead, to show a disagreement is caught at start-up.
-TEST_RANK_SPEC_ENV = "ATTN_DISPATCH_VLLM_TEST_RANK_SPEC"
+TEST_RANK_SPEC_ENV = VLLM_TEST_RANK_SPEC
 
 
 def _tp_group() -> Any:

@@ -76,7 +76,7 @@ def test_abi_version_is_defined_once() -> None:
     header = (CSRC / "native_attn.h").read_text()
     assert len(re.findall(r"#define NA_ABI_VERSION (\d+)", header)) == 1
     # No second literal: the C++ returns the macro, and the Python side has no version number.
-    cpp = (CSRC / "native_attn.cpp").read_text()
+    cpp = (CSRC / "api.cpp").read_text()
     assert "return NA_ABI_VERSION;" in cpp
     lib_py = (ROOT / "attn_dispatch" / "backends" / "native" / "_lib.py").read_text()
     assert not re.search(r"ABI_VERSION\s*=\s*\d", lib_py)

@@ -1,0 +1,43 @@
+"""The environment variables attn_dispatch reads, each named once (docs/environment.md).
+
+Every read in the package goes through these constants: ``tests/core/test_env.py`` fails on a
+read whose name is a literal or is missing here, on a name here that nothing reads, and on a
+name the docs page does not list. Two names are read by the C++ kernels (``csrc/``) and one by
+the build (``setup.py``, which runs before the package can be imported); they are listed here
+too, so that one module holds them all, and the test checks those sources against it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NATIVE_ISA",
+    "NATIVE_LIB",
+    "NATIVE_OWN_POOL",
+    "SKIP_NATIVE",
+    "TRITON_INTERPRET",
+    "VLLM_TEST_RANK_SPEC",
+]
+
+#: A path: the native backend loads this shared library instead of the one built next to the
+#: package (development, or tests of the "not built" path). Read by ``backends/native/_lib.py``.
+NATIVE_LIB = "ATTN_DISPATCH_NATIVE_LIB"
+
+#: Set (to anything non-empty) while building: skip the native kernels; the backend then
+#: reports "not built: ..." at bind. Read by ``setup.py``.
+SKIP_NATIVE = "ATTN_DISPATCH_SKIP_NATIVE"
+
+#: ``avx512bf16``, ``avx512``, ``avx2`` or ``generic``: pins the native kernels' ISA path (tests,
+#: comparisons); a name this CPU cannot run is ignored. Read once by the C++ kernels.
+NATIVE_ISA = "NATIVE_ATTN_ISA"
+
+#: Set (to anything): the native kernels use their own thread pool even where torch's OpenMP
+#: runtime is loaded. Read once by the C++ kernels.
+NATIVE_OWN_POOL = "NATIVE_ATTN_OWN_POOL"
+
+#: ``1``/``true``/``yes``/``on``: triton's CPU interpreter is on, so the triton backend may bind
+#: on a CPU (tests). triton's own variable; the triton backend reads it at bind.
+TRITON_INTERPRET = "TRITON_INTERPRET"
+
+#: ``"<tp rank>:<spec>"``: in vLLM's engine, that tensor-parallel rank binds its target runner
+#: with ``<spec>`` instead (the engine tests use it to show a disagreement fails at start-up).
+VLLM_TEST_RANK_SPEC = "ATTN_DISPATCH_VLLM_TEST_RANK_SPEC"

@@ -1,0 +1,238 @@
+// The C entry points: the runner and plan id tables, planning and running one layer.
+#include <pthread.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <random>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "internal.h"
+
+namespace {
+
+// The library's tables of live runners and plans. Ids are a 64-bit counter passed through a
+// bijective mixer keyed per process, so they are never reused (a freed id stays dead) and
+// not guessable from one another. The maps are leaked on purpose: no destructor runs at exit
+// while another thread may still be inside na_run.
+struct PlanEntry {
+  std::shared_ptr<const NaPlan> plan;
+  uint64_t runner;
+};
+std::mutex g_table_mu;
+// fork() while another thread holds the table lock would leave the child's copy locked
+// forever: hold it across fork so both sides start with it free (the tables are copied whole).
+const int g_table_atfork = pthread_atfork([] { g_table_mu.lock(); }, [] { g_table_mu.unlock(); },
+                                          [] { g_table_mu.unlock(); });
+auto* g_runners = new std::unordered_map<uint64_t, NaConfig>();
+auto* g_plans = new std::unordered_map<uint64_t, PlanEntry>();
+uint64_t g_next_id = 0, g_id_key = 0;
+
+uint64_t mix64(uint64_t x) {  // splitmix64's finaliser: a bijection on 64-bit values
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+uint64_t new_id_locked() {
+  if (g_id_key == 0) {
+    std::random_device rd;
+    g_id_key = (uint64_t(rd()) << 32 | rd()) ^ uint64_t(reinterpret_cast<uintptr_t>(&g_next_id));
+  }
+  for (;;) {
+    const uint64_t id = mix64(++g_next_id ^ g_id_key);
+    if (id != 0 && !g_runners->count(id) && !g_plans->count(id)) return id;
+  }
+}
+
+// The calling thread's scratch for split-KV partial results: each call has its own, so
+// threads sharing one plan never share it.
+thread_local std::vector<float> tls_scratch;
+
+}  // namespace
+
+extern "C" {
+
+int32_t na_abi_version(void) { return NA_ABI_VERSION; }
+
+int64_t na_struct_size(const char* name) {
+  if (name == nullptr) return -1;
+  if (std::strcmp(name, "NaConfig") == 0) return int64_t(sizeof(NaConfig));
+  if (std::strcmp(name, "NaError") == 0) return int64_t(sizeof(NaError));
+  if (std::strcmp(name, "NaPlanInfo") == 0) return int64_t(sizeof(NaPlanInfo));
+  if (std::strcmp(name, "NaPlanArgs") == 0) return int64_t(sizeof(NaPlanArgs));
+  if (std::strcmp(name, "NaRunArgs") == 0) return int64_t(sizeof(NaRunArgs));
+  return -1;
+}
+
+}  // extern "C"
+
+extern "C" {
+
+int na_runner_create(const NaConfig* cfg, uint64_t* runner) {
+  if (cfg == nullptr || runner == nullptr || !na::config_ok(*cfg)) return NA_BAD_CONFIG;
+  try {
+    std::lock_guard<std::mutex> lk(g_table_mu);
+    const uint64_t id = new_id_locked();
+    g_runners->emplace(id, *cfg);
+    *runner = id;
+  } catch (const std::bad_alloc&) {
+    return NA_NO_MEMORY;
+  }
+  return NA_OK;
+}
+
+void na_runner_free(uint64_t runner) {
+  std::lock_guard<std::mutex> lk(g_table_mu);
+  if (g_runners->erase(runner) == 0) return;
+  for (auto it = g_plans->begin(); it != g_plans->end();) {
+    it = it->second.runner == runner ? g_plans->erase(it) : std::next(it);
+  }
+}
+
+int na_plan_create(uint64_t runner, const NaPlanArgs* a, uint64_t* plan_id, NaPlanInfo* info,
+                   NaError* err) {
+  if (err) *err = NaError{0, -1, 0, 0};
+  NaConfig cfg;
+  {
+    std::lock_guard<std::mutex> lk(g_table_mu);
+    auto found = g_runners->find(runner);
+    if (found == g_runners->end()) return NA_UNKNOWN_RUNNER;
+    cfg = found->second;
+  }
+  if (a == nullptr || plan_id == nullptr || info == nullptr || a->num_requests < 0 ||
+      a->num_indices < 0 || a->qo_indptr == nullptr || a->kv_indptr == nullptr ||
+      (a->num_requests > 0 && a->kv_lens == nullptr) ||
+      (a->num_indices > 0 && a->kv_indices == nullptr) ||
+      (a->mask == nullptr && a->mask_len != 0) || a->mask_len < 0) {
+    if (err) *err = NaError{NA_E_CONFIG, -1, 0, 0};
+    return NA_BAD_ARGS;
+  }
+  std::shared_ptr<NaPlan> P;
+  try {
+    P = std::make_shared<NaPlan>();
+    P->cfg = cfg;
+    if (na::build_plan(*P, *a, err) != 0) return NA_BAD_ARGS;
+    *info = NaPlanInfo{P->num_tokens,    P->num_requests,
+                       P->max_page,      int64_t(P->items.size()),
+                       int64_t(P->merges.size()), P->scratch_rows,
+                       P->cascade_groups, P->cascade_requests,
+                       P->cascade_keys};
+    std::lock_guard<std::mutex> lk(g_table_mu);
+    if (!g_runners->count(runner)) return NA_UNKNOWN_RUNNER;  // freed meanwhile
+    const uint64_t id = new_id_locked();
+    g_plans->emplace(id, PlanEntry{std::move(P), runner});
+    *plan_id = id;
+  } catch (const std::bad_alloc&) {
+    if (err) *err = NaError{NA_E_NO_MEMORY, -1, 0, 0};
+    return NA_NO_MEMORY;
+  }
+  return NA_OK;
+}
+
+int na_plan_free(uint64_t runner, uint64_t plan) {
+  std::shared_ptr<const NaPlan> dead;  // destroyed after the lock is released
+  std::lock_guard<std::mutex> lk(g_table_mu);
+  auto found = g_plans->find(plan);
+  if (found == g_plans->end()) return NA_UNKNOWN_PLAN;
+  if (found->second.runner != runner) return NA_FOREIGN_PLAN;
+  dead = std::move(found->second.plan);
+  g_plans->erase(found);
+  return NA_OK;
+}
+
+int na_run(uint64_t runner, uint64_t plan_id, const NaRunArgs* a) {
+  std::shared_ptr<const NaPlan> held;  // keeps the plan alive through the call, freed or not
+  {
+    std::lock_guard<std::mutex> lk(g_table_mu);
+    if (!g_runners->count(runner)) return NA_UNKNOWN_RUNNER;
+    auto found = g_plans->find(plan_id);
+    if (found == g_plans->end()) return NA_UNKNOWN_PLAN;
+    if (found->second.runner != runner) return NA_FOREIGN_PLAN;
+    held = found->second.plan;
+  }
+  if (a == nullptr) return NA_BAD_ARGS;
+  const NaPlan* plan = held.get();
+  const NaConfig& c = plan->cfg;
+  const bool mla = c.kind == NA_MLA;
+  const void *q = a->q, *k = a->k, *v = a->v;
+  void* out = a->out;
+  const int64_t q_numel = a->q_numel, k_numel = a->k_numel, v_numel = a->v_numel;
+  const int64_t out_numel = a->out_numel, sinks_numel = a->sinks_numel;
+  const int64_t lse_numel = a->lse_numel;
+  const float* sinks = a->sinks;
+  float* lse = a->lse;
+  const float sm_scale = a->sm_scale, k_scale = a->k_scale, v_scale = a->v_scale;
+  const int32_t num_threads = a->num_threads;
+  // out and lse hold exactly the plan's rows: every one of them is written below.
+  const int64_t T = plan->num_tokens, Hq = c.num_q_heads;
+  if (out_numel != T * Hq * c.v_head_dim) return NA_BAD_ARGS;
+  if (lse != nullptr && lse_numel != T * Hq) return NA_BAD_ARGS;
+  if (plan->items.empty()) return NA_OK;
+  if (q == nullptr || k == nullptr || out == nullptr || (!mla && v == nullptr)) return NA_BAD_ARGS;
+  // Every row and page the plan names must lie inside the tensors given (64-bit products:
+  // the factors are int32, so no overflow).
+  if (q_numel < 0 || T * Hq * c.head_dim > q_numel) return NA_BAD_ARGS;
+  const int64_t pages = plan->max_page + 1;
+  const int64_t k_page = int64_t(c.page_size) * (mla ? 1 : c.num_kv_heads) * c.head_dim;
+  if (k_numel < 0 || pages * k_page > k_numel) return NA_BAD_ARGS;
+  if (!mla && (v_numel < 0 || pages * int64_t(c.page_size) * c.num_kv_heads * c.v_head_dim >
+                                  v_numel)) {
+    return NA_BAD_ARGS;
+  }
+  if (sinks != nullptr && sinks_numel < Hq) return NA_BAD_ARGS;
+  NaProblem p{};
+  p.q = q;
+  p.k = k;
+  p.v = mla ? nullptr : v;
+  p.out = out;
+  p.q_dtype = c.q_dtype;
+  p.kv_dtype = c.kv_dtype;
+  p.kind = c.kind;
+  p.num_q_heads = c.num_q_heads;
+  p.num_kv_heads = c.num_kv_heads;
+  p.head_dim = c.head_dim;
+  p.v_head_dim = c.v_head_dim;
+  p.page_size = c.page_size;
+  p.sm_scale = sm_scale;
+  p.window_left = c.window_left;
+  p.logit_cap = c.logit_cap;
+  p.sinks = sinks;
+  const bool fp8 = c.kv_dtype == NA_E4M3 || c.kv_dtype == NA_E5M2;
+  p.k_scale = fp8 ? k_scale : 1.0f;
+  p.v_scale = fp8 ? (mla ? k_scale : v_scale) : 1.0f;
+  p.causal = plan->causal;
+  p.noncausal = plan->causal && !c.causal;
+  p.chunk_size = c.chunk_size;
+  p.qo_indptr = plan->qo.data();
+  p.kv_indptr = plan->kvp.data();
+  p.kv_indices = plan->idx.data();
+  p.kv_lens = plan->lens.data();
+  p.mask = plan->causal ? nullptr : plan->mask.data();
+  p.mask_indptr = plan->causal ? nullptr : plan->mask_indptr.data();
+  p.scratch_rows = plan->scratch_rows;
+  p.lse = lse;
+  p.ctoks = plan->ctoks.data();
+  if (!plan->merges.empty()) {
+    try {
+      const size_t need = size_t(plan->scratch_rows) * (size_t(c.v_head_dim) + 1);
+      if (tls_scratch.size() < need) tls_scratch.resize(need);
+    } catch (const std::bad_alloc&) {
+      return -2;
+    }
+    p.scratch = tls_scratch.data();
+  }
+  const na::Kernels* kern = na::kernels();
+  const int items = na::parallel_items(num_threads, int(plan->items.size()),
+                                       [&](int i) { return kern->item(&p, &plan->items[i]); });
+  if (items != 0) return items;
+  return na::parallel_items(num_threads, int(plan->merges.size()),
+                            [&](int i) { return kern->merge(&p, &plan->merges[i]); });
+}
+
+}  // extern "C"
