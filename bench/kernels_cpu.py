@@ -45,6 +45,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -471,9 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             dc = make_case(decode_of(w))
             db = NativeBackend(dc.config)
             dplan, dh = db.plan(dc.batch), db.handler(Phase.DECODE)
-            fns["decode"] = lambda dh=dh, dplan=dplan, dc=dc, s=scale: dh(
-                dc.q, dc.k, dc.v, dplan, s
-            )
+            fns["decode"] = partial(dh, dc.q, dc.k, dc.v, dplan, scale)
         if not args.no_sdpa:
             fns["sdpa"] = sdpa_fn(c)
         why_peer = None

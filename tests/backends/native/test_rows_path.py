@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from attn_dispatch import Phase  # noqa: E402
+from attn_dispatch._env import NATIVE_ROWS_MIN  # noqa: E402
 from attn_dispatch.backends.native._lib import load  # noqa: E402
 from tests import oracle  # noqa: E402
 from tests.backends.native.test_backend import assert_close  # noqa: E402
@@ -120,7 +121,7 @@ def _child(rows_min: str) -> subprocess.CompletedProcess[str]:
         "from tests.backends.native.test_rows_path import ISAS, check_all\n"
         "print('ran', check_all(tuple(ISAS)))\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "NATIVE_ATTN_ROWS_MIN": rows_min}
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), NATIVE_ROWS_MIN: rows_min}
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
     )
@@ -168,7 +169,7 @@ for isa in ISAS:
             n += 1
 print("ran", n)
 """
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "NATIVE_ATTN_ROWS_MIN": "1"}
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), NATIVE_ROWS_MIN: "1"}
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
     )
