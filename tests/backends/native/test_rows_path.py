@@ -139,7 +139,7 @@ def test_many_row_path_forced_on_and_off(rows_min: str) -> None:
 
 @needs_lib
 def test_decode_and_cascade_forced_through_the_many_row_path() -> None:
-    """Decode (4 rows per kv head, 8 kv heads per tile) and a cascade of shared pages forced
+    """Decode (4 rows per kv head, 4 kv heads per tile) and a cascade of shared pages forced
     onto the many-row kernel: the results match the oracle."""
     code = """
 import torch
@@ -152,19 +152,19 @@ for isa in ISAS:
     for dtype in (torch.float32, torch.bfloat16):
         for kv in (dtype, torch.float8_e4m3fn):
             extra = dict(k_scale=0.5, v_scale=2.0) if kv != dtype else {}
-            case = make_case("mha", Phase.DECODE, q_lens=[1, 1, 1], kv_lens=[2100, 40, 700],
-                             page_size=16, hq=32, hkv=8, d=64, dv=64, dtype=dtype,
+            case = make_case("mha", Phase.DECODE, q_lens=[1, 1, 1], kv_lens=[700, 40, 300],
+                             page_size=16, hq=16, hkv=4, d=64, dv=64, dtype=dtype,
                              kv_dtype=kv, **extra)
             assert_close(run_native(case, num_threads=2), naive(case))
             # every request shares the first request's pages: a cascade
             shared = dict(case)
             t0 = case["tables"][0]
-            tables = [t0[:40] + t0[40 + 5 * i: 45 + 5 * i] for i in range(3)]
+            tables = [t0[:30] + t0[30 + 4 * i: 34 + 4 * i] for i in range(3)]
             from attn_dispatch import AttnBatch
-            b = AttnBatch.build(Phase.DECODE, q_lens=[1, 1, 1], kv_lens=[700, 700, 700],
+            b = AttnBatch.build(Phase.DECODE, q_lens=[1, 1, 1], kv_lens=[544, 544, 544],
                                 page_tables=tables, page_size=16,
                                 num_pages=case["k_cache"].shape[0])
-            shared.update(batch=b, tables=tables, kv_lens=[700, 700, 700])
+            shared.update(batch=b, tables=tables, kv_lens=[544, 544, 544])
             assert_close(run_native(shared, num_threads=2, cascade=True), naive(shared))
             n += 1
 print("ran", n)
