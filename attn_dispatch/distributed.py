@@ -102,10 +102,24 @@ def _config_summary(config: Any) -> dict[str, Any]:
     return fields
 
 
+def _kv_summary(config: Any) -> dict[str, Any]:
+    # The KV layout descriptor (attn_dispatch.kv_layout), with the per-rank head count left
+    # out: the page bytes are compared per KV head instead.
+    from attn_dispatch.kv_layout import kv_layout
+
+    layout = kv_layout(config).to_dict()
+    heads = layout.pop("num_kv_heads")
+    layout["bytes_per_page_per_kv_head"] = layout.pop("bytes_per_page") // heads
+    return layout
+
+
 def _one_binding(b: Binding) -> dict[str, Any]:
+    # The spec's ``note`` is compared too: a spec from a dispatch table names the table's
+    # fingerprint there, so ranks that loaded different tables disagree.
     return {
         "spec": b.spec.to_dict(),
         "config": _config_summary(b.config),
+        "kv_layout": _kv_summary(b.config),
         "backends": {p.name.lower(): b.backend_name(p) for p in Phase},
         # A backend with a compiled part says which build it runs (native: its C ABI
         # version); two ranks with different builds must not serve one model together.

@@ -32,6 +32,8 @@ Cases:
                     phase, form and group); the ratio row shows the ns it adds per call
   attention_rec_events attention() while a plain record_dispatch() is open (one event per call)
   attention_after_rec  attention() after a recorder was opened and closed (nothing left)
+  attention_table   attention() on a runner bound from a dispatch table (spec_from_table on
+                    a saved table): the same cost as a written spec, the table is read at bind
 
 The recording cases switch the process-wide call hook on only while they are timed (it is
 what record_dispatch installs), so the other cases run without it.
@@ -136,6 +138,34 @@ class Case:
         return timeit.Timer(self.stmt, globals=self.env)
 
 
+def _table_binding() -> Any:
+    """The bench runner bound from a dispatch table saved to disk and replayed (the way a
+    server starts): the table is read once here, at bind, never per call."""
+    import tempfile
+
+    from attn_dispatch.dispatch_table import FORMAT
+    from attn_dispatch.dispatch_table import VERSION
+    from attn_dispatch.dispatch_table import DispatchTable
+    from attn_dispatch.dispatch_table import current_environment
+    from attn_dispatch.dispatch_table import spec_from_table
+
+    choice = {"winner": "bench_noop", "winner_ms": 0.001, "runner_up": None,
+              "runner_up_ms": None, "shape": {"batch": 1, "q_len": 1, "context": 1}}  # fmt: skip
+    data = {
+        "format": FORMAT,
+        "version": VERSION,
+        "environment": current_environment("cpu", ["bench_noop"]),
+        "sizes": {"repeats": 1},
+        "runners": {"bench": {"": {"config": CONFIG.to_dict(), "phases": {
+            ph: choice for ph in ("prefill", "decode", "verify")}}}},
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "table.json"
+        DispatchTable.from_json(json.dumps(data)).save(path)
+        spec = spec_from_table(path, label="bench")
+    return bind(spec, CONFIG, label="bench")
+
+
 def build_cases() -> list[Case]:
     register_backend("bench_noop", capabilities=CAPS, factory=NoopBackend, replace=True)
     binding = bind("bench_noop", CONFIG, label="bench")
@@ -167,6 +197,7 @@ def build_cases() -> list[Case]:
         return go
 
     cases.append(Case("resolve", "f(p)", {"f": resolve, "p": p}, enter(binding)))
+    call_text = "f(None, None, None, sm_scale=1.0)"
     cases.append(
         Case(
             "attention",
@@ -183,6 +214,12 @@ def build_cases() -> list[Case]:
             enter(binding, Batch(Phase.DECODE)),
         )
     )
+
+    # A runner bound from a dispatch table (tune --save), read back through spec_from_table.
+    cases.append(
+        Case("attention_table", call_text, {"f": attention},
+             enter(_table_binding(), Batch(Phase.DECODE)))
+    )  # fmt: skip
 
     # Recording (attn_dispatch.testing records with tally=True): the recorder is open in the
     # case's own context; the hook goes on only while the case is timed (see run()).
@@ -371,6 +408,7 @@ TARGETS = [
     ("resolve 1000 / 1 backends", "resolve_backends_1000", "resolve_backends_1", 1.1, "<="),
     ("resolve depth 100 / 1", "resolve_depth_100", "resolve_depth_1", 1.1, "<="),
     ("attention after rec / none", "attention_after_rec", "attention", 1.1, "<="),
+    ("attention table / written spec", "attention_table", "attention", 1.1, "<="),
     ("rec events / rec tally", "attention_rec_events", "attention_rec_tally", None, ""),
 ]
 

@@ -82,6 +82,7 @@ LAYERS: tuple[Layer, ...] = (
             "testing.*",
             "distributed",
             "distributed.*",
+            "kv_layout",
         ),
     ),
     Layer(
@@ -100,6 +101,7 @@ LAYERS: tuple[Layer, ...] = (
             "cli",
             "cli.*",
             "tune",
+            "dispatch_table",
             "integrations",
             "integrations.*",
             "demo",

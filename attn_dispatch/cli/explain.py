@@ -154,7 +154,10 @@ def cmd_explain(args: argparse.Namespace, registry: Registry) -> int:
     else:
         targets = _configs(args)
     grouped = "" not in targets
-    spec = _spec_of(args.spec, list(targets) if grouped else None)
+    if args.table is not None:
+        spec = _table_spec(args, list(targets) if grouped else None, header)
+    else:
+        spec = _spec_of(args.spec, list(targets) if grouped else None)
     for line in header:
         print(line)
     for name, cfg in targets.items():
@@ -197,6 +200,29 @@ def cmd_explain(args: argparse.Namespace, registry: Registry) -> int:
     if from_config or from_machine:
         return 1
     return _bind_here(spec, targets, args.label, registry)
+
+
+def _table_spec(
+    args: argparse.Namespace, groups: Sequence[str] | None, header: list[str]
+) -> BackendSpec | dict[str, BackendSpec]:
+    """The spec a dispatch table holds for ``--label`` (checked for staleness), and where each
+    choice came from (into ``header``)."""
+    from attn_dispatch.dispatch_table import DispatchTable
+    from attn_dispatch.dispatch_table import spec_from_table
+
+    spec = spec_from_table(args.table, label=args.label)
+    table = DispatchTable.load(args.table)
+    label = args.label if args.label is not None else table.labels[0]
+    held = sorted(spec) if isinstance(spec, dict) else None
+    if held != (None if groups is None else sorted(groups)):
+        raise InvalidSpecError(
+            "--table",
+            args.table,
+            f"runner {label!r} of the table has groups {held or ['(one kind of layer)']!r}, "
+            f"the layers given here {list(groups or ['(one kind of layer)'])!r}",
+        )
+    header.extend(table.explain(label).splitlines())
+    return spec
 
 
 def _spec_text(spec: BackendSpec | Mapping[str, BackendSpec]) -> str:
@@ -289,10 +315,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     e.add_argument(
         "--spec",
-        required=True,
         action="append",
         help="e.g. 'prefill=triton,decode=flashinfer' or 'torch'; with groups, one for all or "
         "GROUP:SPEC once per group ('sliding:native')",
+    )
+    e.add_argument(
+        "--table",
+        metavar="FILE",
+        help="instead of --spec: the spec of runner --label (or its only runner) in a dispatch "
+        "table saved by `tune --save`, refused if stale; shows where each choice came from",
     )
     add_shape_arguments(e)
     e.add_argument("--label", default=None)
@@ -315,6 +346,8 @@ def check_args(
     parser: argparse.ArgumentParser, args: argparse.Namespace, command: str = "explain"
 ) -> None:
     """Flags ``argparse`` cannot check alone (``--model`` against the shape flags)."""
+    if command == "explain" and (args.spec is None) == (args.table is None):
+        parser.error("explain: give --spec or --table FILE (one of them is required)")
     if getattr(args, "demo", None) is not None:
         given = [f for f in (*_SHAPE_FLAGS, "model") if getattr(args, f) not in (None, [])]
         if given:

@@ -7,6 +7,9 @@ path native runs, torch's thread count), printed with the table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import sys
+from typing import Any
 
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._registry import Registry
@@ -38,6 +41,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "dtype is --dtype or float32); replaces the shape flags and --model",
     )
     t.add_argument("--format", choices=("text", "json"), default="text")
+    t.add_argument(
+        "--save",
+        metavar="FILE",
+        help="also write a dispatch table (winner and runner-up per runner, group and phase, "
+        "with the environment it holds for) for spec_from_table (docs/guides/tune.md)",
+    )
+    t.add_argument(
+        "--label",
+        default="model",
+        help="the runner label the table files these groups under (default 'model'; the "
+        "demo's runners are 'target' and 'draft')",
+    )
 
 
 def _demo_configs(args: argparse.Namespace) -> tuple[dict[str, AttnConfig], list[str]]:
@@ -79,6 +94,8 @@ def cmd_tune(args: argparse.Namespace, registry: Registry) -> int:
     )
     names = None if not args.backends else [n.strip() for n in args.backends.split(",") if n]
     report = tune(configs, sizes=sizes, backends=names, registry=registry)
+    if args.save:
+        _save_table(args, report, configs)
     if args.format == "json":
         print(report.to_json())
         return 0
@@ -86,3 +103,29 @@ def cmd_tune(args: argparse.Namespace, registry: Registry) -> int:
         print(line)
     print(report.table())
     return 0
+
+
+def _save_table(args: argparse.Namespace, report: Any, configs: dict[str, AttnConfig]) -> None:
+    from attn_dispatch.dispatch_table import DispatchTable
+    from attn_dispatch.dispatch_table import DispatchTableError
+
+    if args.demo:  # each demo group is a runner of its own, with one kind of layer
+        per_label = {g: {"": c} for g, c in configs.items()}
+        reports = {
+            g: dataclasses.replace(
+                report,
+                timings=tuple(
+                    dataclasses.replace(t, group="") for t in report.timings if t.group == g
+                ),
+            )
+            for g in configs
+        }
+    else:
+        per_label = {args.label: configs}
+        reports = {args.label: report}
+    table = DispatchTable.from_reports(reports, per_label)
+    try:
+        table.save(args.save)
+    except OSError as exc:
+        raise DispatchTableError(args.save, "file", f"cannot write it: {exc}") from None
+    print(f"saved dispatch table {args.save} ({table.fingerprint()})", file=sys.stderr)

@@ -1,0 +1,377 @@
+"""Dispatch tables: tune --save writes one, spec_from_table replays it at start-up; a table of
+another version, a malformed or oversized one, and a stale one (each environment field) are
+refused with our errors naming what is wrong."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from attn_dispatch import AttnConfig
+from attn_dispatch import AttnDispatchError
+from attn_dispatch import BackendSpec
+from attn_dispatch import Phase
+from attn_dispatch import bind
+from attn_dispatch.dispatch_table import FORMAT
+from attn_dispatch.dispatch_table import MAX_TABLE_BYTES
+from attn_dispatch.dispatch_table import VERSION
+from attn_dispatch.dispatch_table import DispatchTable
+from attn_dispatch.dispatch_table import DispatchTableError
+from attn_dispatch.dispatch_table import StaleTableError
+from attn_dispatch.dispatch_table import current_environment
+from attn_dispatch.dispatch_table import spec_from_table
+from attn_dispatch.dispatch_table import tune_table
+from attn_dispatch.tune import TuneSizes
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = TuneSizes(
+    prefill_batch=1, prefill_len=16, decode_batch=2, context=32, draft_tokens=2, repeats=1
+)
+MHA = AttnConfig(
+    kind="mha", num_q_heads=4, num_kv_heads=2, head_dim=16, dtype="float32", page_size=8
+)
+SLIDING = AttnConfig(
+    kind="mha",
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    dtype="float32",
+    page_size=8,
+    window_left=7,
+)
+BACKENDS = ["torch", "sdpa"]
+
+
+@pytest.fixture(scope="module")
+def table() -> DispatchTable:
+    # Two runners: one with one kind of layer, one with two groups.
+    return tune_table(
+        {"target": {"": MHA}, "gemma": {"sliding": SLIDING, "full": MHA}},
+        sizes=SMALL,
+        backends=BACKENDS,
+    )
+
+
+def _write(tmp_path: Path, data: Any, name: str = "t.json") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data), encoding="utf-8")
+    return path
+
+
+def test_a_table_holds_winner_runner_up_shape_and_environment(table: DispatchTable) -> None:
+    data = table.data
+    assert (data["format"], data["version"]) == (FORMAT, VERSION)
+    env = data["environment"]
+    assert env == current_environment("cpu", BACKENDS)
+    assert set(env["builds"]) == set(BACKENDS) and env["builds"]["torch"].startswith("torch ")
+    assert table.labels == ("gemma", "target")
+    assert table.groups("gemma") == ("full", "sliding")
+    for label in table.labels:
+        for group in table.groups(label):
+            assert table.config(label, group) == (SLIDING if group == "sliding" else MHA)
+            for phase in Phase:
+                c = table.choice(label, group, phase)
+                assert {c.winner, c.runner_up} == set(BACKENDS)
+                assert 0 < c.winner_ms <= c.runner_up_ms  # type: ignore[operator]
+    decode = table.choice("target", "", Phase.DECODE).shape
+    assert decode == {"batch": 2, "q_len": 1, "context": 32}
+    assert table.choice("target", "", "verify").shape == {"batch": 2, "q_len": 2, "context": 34}
+
+
+def test_format_round_trip(table: DispatchTable, tmp_path: Path) -> None:
+    path = tmp_path / "table.json"
+    table.save(path)
+    back = DispatchTable.load(path)
+    assert back.data == table.data and back.fingerprint() == table.fingerprint()
+    assert DispatchTable.from_json(table.to_json()).data == table.data
+    assert [p.name for p in tmp_path.iterdir()] == ["table.json"]  # no temporary left
+
+
+def test_replayed_spec_is_the_winners_and_binds_like_a_written_one(
+    table: DispatchTable, tmp_path: Path
+) -> None:
+    path = tmp_path / "table.json"
+    table.save(path)
+    spec = spec_from_table(path, label="target")
+    assert isinstance(spec, BackendSpec)
+    for phase in Phase:
+        assert spec.backend_for(phase) == table.choice("target", "", phase).winner
+    # Provenance only: equal to the spec written by hand, so dispatch is the same.
+    assert spec == BackendSpec.parse(str(spec))
+    assert spec.note is not None and table.fingerprint() in spec.note
+    binding = bind(spec, MHA, label="target")
+    assert [binding.backend_name(p) for p in Phase] == list(spec.names)
+    grouped = spec_from_table(path, label="gemma")
+    assert isinstance(grouped, dict) and set(grouped) == {"sliding", "full"}
+    bound = bind(grouped, {"sliding": SLIDING, "full": MHA}, label="gemma")
+    assert set(bound.groups) == {"sliding", "full"}
+
+
+def test_explain_names_where_each_choice_came_from(table: DispatchTable) -> None:
+    text = table.explain("gemma")
+    for group in ("sliding", "full"):
+        for phase in ("prefill", "decode", "verify"):
+            c = table.choice("gemma", group, phase)
+            assert f"{group} {phase}: {c.winner} {c.winner_ms:.3f} ms" in text
+    assert table.fingerprint() in text and "torch" in text
+
+
+def test_label_and_group_must_exist(table: DispatchTable, tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    table.save(path)
+    with pytest.raises(DispatchTableError, match="'gemma', 'target'") as e:
+        spec_from_table(path, label="draft")
+    assert e.value.field == "label"
+    with pytest.raises(DispatchTableError, match="name one"):
+        spec_from_table(path)  # two runners: which?
+    with pytest.raises(DispatchTableError) as e:
+        table.spec("gemma", "local")
+    assert e.value.field == "group"
+    with pytest.raises(AttnDispatchError):
+        spec_from_table(path, label="target", on_stale="ignore")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("version", [0, 2, "1", 1.0, True, None])
+def test_unknown_versions_are_refused(table: DispatchTable, version: Any) -> None:
+    data = copy.deepcopy(dict(table.data))
+    data["version"] = version
+    with pytest.raises(DispatchTableError, match="reads 1") as e:
+        DispatchTable.from_json(json.dumps(data))
+    assert e.value.field == "version"
+
+
+def _edit(table: DispatchTable, path: str, value: Any) -> dict[str, Any]:
+    data = copy.deepcopy(dict(table.data))
+    keys = path.split("/")
+    at = data
+    for k in keys[:-1]:
+        at = at[k]
+    if value is KeyError:
+        del at[keys[-1]]
+    else:
+        at[keys[-1]] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field"),
+    [
+        ("format", "something.else", "format"),
+        ("extra", 1, "table"),
+        ("environment", KeyError, "environment"),
+        ("environment/threads", "2", "environment.threads"),
+        ("environment/builds", {"torch": 2}, "environment.builds"),
+        ("sizes/repeats", 0, "sizes"),
+        ("runners", {}, "runners"),
+        ("runners/target/", {"config": {"kind": "gqa"}, "phases": {}}, "runners.target..config"),
+        ("runners/target//phases/prefill/winner_ms", float("nan"),
+         "runners.target..phases.prefill.winner_ms"),
+        ("runners/target//phases/prefill/runner_up_ms", None,
+         "runners.target..phases.prefill.runner_up"),
+        ("runners/target//phases/prefill/shape", {"batch": 0, "q_len": 1, "context": 1},
+         "runners.target..phases.prefill.shape"),
+        ("runners/target//phases/extend", {}, "runners.target..phases.extend"),
+    ],
+)  # fmt: skip
+def test_malformed_tables_are_refused_naming_the_field(
+    table: DispatchTable, path: str, value: Any, field: str
+) -> None:
+    with pytest.raises(DispatchTableError) as e:
+        DispatchTable.from_json(json.dumps(_edit(table, path, value)))
+    assert e.value.field == field
+    assert isinstance(e.value, ValueError)
+    assert pickle.loads(pickle.dumps(e.value)).field == field
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("not json", "json"),
+        ("[1, 2]", "table"),
+        ("[" * 100_000, "json"),
+        ("", "json"),
+        ('{"version": ' + "9" * 5000 + "}", "json"),
+    ],
+)
+def test_text_that_is_not_a_table_is_refused(text: str, field: str) -> None:
+    with pytest.raises(DispatchTableError) as e:
+        DispatchTable.from_json(text)
+    assert e.value.field == field
+
+
+def test_a_table_made_directly_is_checked_too() -> None:
+    with pytest.raises(DispatchTableError) as e:
+        DispatchTable({"format": FORMAT, "version": 2})
+    assert e.value.field == "version"
+
+
+def test_oversized_files_are_refused_unread(tmp_path: Path) -> None:
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(MAX_TABLE_BYTES + 1)  # sparse: nothing is read or written
+    with pytest.raises(DispatchTableError, match="over") as e:
+        DispatchTable.load(big)
+    assert e.value.field == "size"
+    with pytest.raises(DispatchTableError) as e:
+        DispatchTable.from_json(" " * (MAX_TABLE_BYTES + 1))
+    assert e.value.field == "size"
+    with pytest.raises(DispatchTableError) as e:
+        DispatchTable.load(tmp_path / "missing.json")
+    assert e.value.field == "file"
+    bad = _write(tmp_path, "", "bad.json")
+    bad.write_bytes(b"\xff\xfe{")
+    with pytest.raises(DispatchTableError, match="UTF-8"):
+        DispatchTable.load(bad)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("attn_dispatch", "0.0.1", "attn_dispatch"),
+        ("torch", "2.12.0", "torch"),
+        ("device", "AMD EPYC 9654", "device"),
+        ("threads", 96, "threads"),
+        ("builds/torch", "torch 2.12.0", "builds.torch"),
+        ("builds/native", "abi 1, isa avx2", "builds.native"),
+    ],
+)
+def test_a_stale_table_is_refused_naming_each_changed_field(
+    table: DispatchTable, tmp_path: Path, key: str, value: Any, named: str
+) -> None:
+    edited = _edit(table, f"environment/{key}", value)
+    path = _write(tmp_path, edited)
+    with pytest.raises(StaleTableError) as e:
+        spec_from_table(path, label="target")
+    now = current_environment("cpu", list(edited["environment"]["builds"]))
+    expected_now = now.get(key, "<not here>") if "/" not in key else now["builds"].get(
+        key.split("/")[1], "<not here>"
+    )  # fmt: skip
+    assert e.value.differences == {named: (value, expected_now)}
+    assert f"{named}: saved {value!r}, now {expected_now!r}" in str(e.value)
+    again = pickle.loads(pickle.dumps(e.value))
+    assert again.differences == e.value.differences
+    assert json.loads(path.read_text()) == edited  # untouched
+
+
+def test_every_changed_field_is_named_at_once(table: DispatchTable) -> None:
+    now = dict(current_environment("cpu", BACKENDS))
+    now.update(torch="9.9", threads=1, builds={"torch": "torch 9.9", "sdpa": "torch 9.9"})
+    diffs = table.stale_fields(now)
+    assert set(diffs) == {"torch", "threads", "builds.torch", "builds.sdpa"}
+
+
+def test_on_stale_retune_measures_again_and_rewrites_the_file(
+    table: DispatchTable, tmp_path: Path
+) -> None:
+    stale = _edit(table, "environment/torch", "2.12.0")
+    stale = _edit(DispatchTable(stale), "runners/target//phases/decode/winner", "flashinfer")
+    path = _write(tmp_path, stale)
+    spec = spec_from_table(path, label="target", on_stale="retune")
+    assert isinstance(spec, BackendSpec) and spec.decode in BACKENDS
+    fresh = DispatchTable.load(path)
+    assert fresh.stale_fields() == {}
+    assert fresh.config("gemma", "sliding") == SLIDING  # every runner was measured again
+    assert spec.note is not None and fresh.fingerprint() in spec.note
+
+
+def test_tune_save_through_the_cli(tmp_path: Path) -> None:
+    out = tmp_path / "tuned.json"
+    cmd = [
+        sys.executable, "-m", "attn_dispatch", "tune", "--kind", "mha", "--heads", "4",
+        "--kv-heads", "2", "--head-dim", "16", "--dtype", "float32", "--page-size", "8",
+        "--prefill-len", "16", "--prefill-batch", "1", "--decode-batch", "2", "--context",
+        "32", "--draft-tokens", "2", "--repeats", "1", "--backends", "torch,sdpa",
+        "--label", "target", "--save", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "recommended" in run.stdout and f"saved dispatch table {out}" in run.stderr
+    table = DispatchTable.load(out)
+    assert table.labels == ("target",) and table.config("target", "") == MHA
+    spec = spec_from_table(out)
+    assert isinstance(spec, BackendSpec)
+    # The spec printed as recommended is the one the table replays.
+    assert f"recommended: {spec}" in run.stdout
+
+
+def test_ranks_that_loaded_different_tables_disagree(table: DispatchTable, tmp_path: Path) -> None:
+    from attn_dispatch.distributed import binding_summary
+    from attn_dispatch.distributed import compare_summaries
+
+    same = table.spec("target")
+    other = DispatchTable(_edit(table, "environment/threads", 64)).spec("target")
+    assert same == other and same.note != other.note  # same kernels, another measurement
+    ranks = [binding_summary({"target": bind(s, MHA)}) for s in (same, same, other)]
+    assert compare_summaries(ranks[:2]) == {}
+    diffs = compare_summaries(ranks)
+    assert list(diffs) == ["runner 'target'.spec.note"]
+    assert table.fingerprint() in diffs["runner 'target'.spec.note"][0]
+
+
+SHAPE = ["--kind", "mha", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+         "--dtype", "float32", "--page-size", "8"]  # fmt: skip
+
+
+def test_explain_replays_a_table_and_refuses_a_stale_one(
+    table: DispatchTable, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attn_dispatch.cli import main
+
+    path = tmp_path / "t.json"
+    table.save(path)
+    assert main(["explain", "--table", str(path), "--label", "target", *SHAPE]) == 0
+    out = capsys.readouterr().out
+    spec = table.spec("target")
+    assert table.explain("target").splitlines()[1] in out and f"spec:   {spec}" in out
+    # The table's runner has groups; these layers have none: refused, not guessed.
+    assert main(["explain", "--table", str(path), "--label", "gemma", *SHAPE]) == 2
+    assert "groups ['full', 'sliding']" in capsys.readouterr().err
+    stale = _write(tmp_path, _edit(table, "environment/torch", "2.12.0"), "stale.json")
+    assert main(["explain", "--table", str(stale), "--label", "target", *SHAPE]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: dispatch table") and "torch: saved '2.12.0'" in err
+    with pytest.raises(SystemExit) as e:  # neither --spec nor --table: a usage error
+        main(["explain", *SHAPE])
+    assert e.value.code == 2 and "--spec or --table" in capsys.readouterr().err
+
+
+def test_tune_save_to_an_unwritable_place_is_our_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attn_dispatch.cli import main
+
+    where = tmp_path / "no" / "such" / "dir" / "t.json"
+    args = ["tune", *SHAPE, "--prefill-len", "8", "--prefill-batch", "1", "--decode-batch", "1",
+            "--context", "8", "--draft-tokens", "1", "--repeats", "1", "--backends", "torch",
+            "--save", str(where)]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: dispatch table {where}: file: cannot write it")
+
+
+def test_tune_demo_save_files_each_runner_under_its_label(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attn_dispatch.cli import main
+
+    out = tmp_path / "demo.json"
+    args = ["tune", "--demo", "tiny", "--prefill-len", "8", "--prefill-batch", "1",
+            "--decode-batch", "1", "--context", "8", "--draft-tokens", "1", "--repeats", "1",
+            "--backends", "torch,sdpa", "--save", str(out)]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    table = DispatchTable.load(out)
+    assert table.labels == ("draft", "target")
+    for label in table.labels:
+        assert table.groups(label) == ("",)
+        assert f"recommended [{label}]: {table.spec(label)}" in printed
+    assert table.config("draft", "").page_size == 1  # the draft's own config, not the target's
