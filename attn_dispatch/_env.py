@@ -2,7 +2,7 @@
 
 Every read in the package goes through these constants: ``tests/core/test_env.py`` fails on a
 read whose name is a literal or is missing here, on a name here that nothing reads, and on a
-name the docs page does not list. Two names are read by the C++ kernels (``csrc/``) and one by
+name the docs page does not list. Three names are read by the C++ kernels (``csrc/``) and one by
 the build (``setup.py``, which runs before the package can be imported); they are listed here
 too, so that one module holds them all, and the test checks those sources against it.
 """
@@ -13,6 +13,7 @@ __all__ = [
     "NATIVE_ISA",
     "NATIVE_LIB",
     "NATIVE_OWN_POOL",
+    "NATIVE_ROWS_MIN",
     "PLUGINS",
     "SGLANG_SPECS",
     "SKIP_NATIVE",
@@ -39,6 +40,11 @@ NATIVE_ISA = "NATIVE_ATTN_ISA"
 #: Set (to anything): the native kernels use their own thread pool even where torch's OpenMP
 #: runtime is loaded. Read once by the C++ kernels.
 NATIVE_OWN_POOL = "NATIVE_ATTN_OWN_POOL"
+
+#: A positive integer: the rows per kv head from which a native work item takes the many-row
+#: tile kernel (``csrc/rows_path.h``) instead of the measured default (tests force it on every
+#: item with ``1`` and off with a huge value; comparisons). Read once by the C++ kernels.
+NATIVE_ROWS_MIN = "NATIVE_ATTN_ROWS_MIN"
 
 #: ``1``/``true``/``yes``/``on``: triton's CPU interpreter is on, so the triton backend may bind
 #: on a CPU (tests). triton's own variable; the triton backend reads it at bind.

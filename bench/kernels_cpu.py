@@ -19,6 +19,11 @@ ratios hold on a noisy machine; absolute times mean little. Columns:
   ``_C_AVX2`` for avx2/generic, ``_C_AVX512`` for avx512, ``_C`` for avx512bf16), loaded as
   ops without its engine, on the same logical K/V and page tables, in its own cache layout.
 - ``x torch``: our torch reference backend.
+- ``x decode``: native time over the time of native decode (one query row per request) on the
+  same batch and context, timed alongside: what a verify or prefill step costs in decode steps.
+
+Rows ``gqa-tree8`` / ``gqa-tree16`` verify an 8- and a 16-node draft tree (a custom mask per
+request; the ``roofline`` counts the multiply-adds of the keys each node sees).
 
 A second table (``--variants``; ``--variants-only`` skips the first) times native decode with
 an FP8 cache (e4m3fn, e5m2) against the same batch with a bf16 cache, GQA 32/8 x 128 and MLA
@@ -40,6 +45,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,6 +59,7 @@ from attn_dispatch import AttnConfig
 from attn_dispatch import Phase
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
+from attn_dispatch import tree_mask
 from attn_dispatch._table import format_table
 from attn_dispatch.backends.native._lib import load
 from attn_dispatch.backends.native.backend import NativeBackend
@@ -79,7 +86,12 @@ class Workload:
     context: int  # kv_len per request (the new tokens included)
     q_len: int
     page_size: int = 64
+    # Tree verify: parents[j] is draft token j's parent (-1: the prefix), a custom mask.
+    parents: tuple[int, ...] | None = None
 
+
+TREE8 = (-1, 0, 0, 0, 1, 1, 2, 3)
+TREE16 = (-1, 0, 0, 0, 1, 1, 2, 2, 3, 4, 4, 5, 6, 7, 8, 9)
 
 WORKLOADS = [
     Workload("gqa-decode B16 4k", "mha", Phase.DECODE, 32, 8, 128, 128, 16, 4096, 1),
@@ -89,11 +101,25 @@ WORKLOADS = [
     # Short verify: 4 draft tokens per request, causal among themselves (a chain).
     Workload("gqa-verify4 B16 4k", "mha", Phase.VERIFY, 32, 8, 128, 128, 16, 4096, 4),
     Workload("gqa-verify4 B8 2k", "mha", Phase.VERIFY, 32, 8, 128, 128, 8, 2048, 4),
+    # Tree verify (custom mask): an 8-node tree (a root, 3 children, 4 grandchildren) and a
+    # 16-node one (2 levels wider), the shapes EAGLE-style drafters produce.
+    Workload("gqa-tree8 B16 4k", "mha", Phase.VERIFY, 32, 8, 128, 128, 16, 4096, 8, parents=TREE8),
+    Workload("gqa-tree8 B8 2k", "mha", Phase.VERIFY, 32, 8, 128, 128, 8, 2048, 8, parents=TREE8),
+    Workload(
+        "gqa-tree16 B16 4k", "mha", Phase.VERIFY, 32, 8, 128, 128, 16, 4096, 16, parents=TREE16
+    ),
     Workload("mla-verify4 B16 4k", "mla", Phase.VERIFY, 16, 1, 576, 512, 16, 4096, 4),
     Workload("mla-verify4 B8 2k", "mla", Phase.VERIFY, 16, 1, 576, 512, 8, 2048, 4),
     Workload("gqa-prefill 128+896 B2", "mha", Phase.PREFILL, 32, 8, 128, 128, 2, 1024, 128),
+    Workload("gqa-prefill 1024 B2", "mha", Phase.PREFILL, 32, 8, 128, 128, 2, 1024, 1024),
     Workload("mha-prefill 192/128 B2", "mha", Phase.PREFILL, 16, 16, 192, 128, 2, 1024, 128),
 ]
+
+
+def decode_of(w: Workload) -> Workload:
+    """The decode step over the same batch and context (the ``x decode`` column's base)."""
+    return Workload(f"{w.kind}-decode", w.kind, Phase.DECODE, w.heads, w.kv_heads, w.head_dim,
+                    w.v_head_dim, w.batch, w.context, 1, w.page_size)  # fmt: skip
 
 
 def kv_bytes(w: Workload) -> int:
@@ -105,8 +131,24 @@ def kv_bytes(w: Workload) -> int:
 def macs(w: Workload) -> int:
     """Multiply-adds of q.k and p.v over the keys each query sees (causal)."""
     prefix = w.context - w.q_len
-    keys = sum(prefix + j + 1 for j in range(w.q_len))
+    if w.parents is not None:  # each node sees the prefix, its ancestors and itself
+        keys = sum(prefix + int(m.sum()) for m in tree_block(w.parents))
+    else:
+        keys = sum(prefix + j + 1 for j in range(w.q_len))
     return w.batch * keys * w.heads * (w.head_dim + w.v_head_dim)
+
+
+def tree_block(parents: tuple[int, ...]) -> Tensor:
+    """The draft-by-draft part of a tree's mask, bool [q, q]."""
+    return tree_mask(list(parents), 0)
+
+
+def full_mask(w: Workload) -> Tensor:
+    """bool [q_len, context]: what each query row of ``w`` sees."""
+    if w.parents is not None:
+        return tree_mask(list(w.parents), w.context - w.q_len)
+    pos = torch.arange(w.context)
+    return pos[None, :] <= (w.context - w.q_len + torch.arange(w.q_len))[:, None]
 
 
 @dataclass
@@ -134,6 +176,7 @@ def make_case(w: Workload) -> Case:
         v_head_dim=w.v_head_dim,
         dtype="bfloat16",
         page_size=w.page_size,
+        tree_verify=w.parents is not None,
     )
     batch = AttnBatch.build(
         w.phase,
@@ -142,6 +185,7 @@ def make_case(w: Workload) -> Case:
         page_tables=tables,
         page_size=w.page_size,
         num_pages=total,
+        masks=None if w.parents is None else [full_mask(w)] * w.batch,
     )
     q = torch.randn(w.batch * w.q_len, w.heads, w.head_dim, generator=g).bfloat16()
     if w.kind == "mla":
@@ -174,10 +218,8 @@ def sdpa_fn(c: Case) -> Callable[[], Any]:
     k = torch.stack(ks).contiguous()
     v = torch.stack(vs).contiguous()
     q = c.q.view(w.batch, w.q_len, w.heads, w.head_dim).transpose(1, 2).contiguous()
-    mask = None
-    if w.q_len > 1:  # bottom-right causal: query j sees keys up to prefix + j
-        pos = torch.arange(w.context)
-        mask = pos[None, :] <= (w.context - w.q_len + torch.arange(w.q_len))[:, None]
+    # bottom-right causal (query j sees keys up to prefix + j), or the tree's mask
+    mask = full_mask(w) if w.q_len > 1 else None
     scale = 1 / math.sqrt(w.head_dim)
     return lambda: F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
@@ -199,6 +241,8 @@ class VllmPeer:
             return "no absorbed-MLA kernel (576/512)"
         if w.head_dim != w.v_head_dim:
             return "needs v_head_dim == head_dim"
+        if w.parents is not None:
+            return "no custom (tree) mask"
         return None
 
     def fn(self, c: Case) -> Callable[[], Any]:
@@ -423,6 +467,12 @@ def main(argv: list[str] | None = None) -> int:
         fns: dict[str, Callable[[], Any]] = {
             "native": lambda nh=nh, nplan=nplan, c=c, s=scale: nh(c.q, c.k, c.v, nplan, s),
         }
+        if w.phase is not Phase.DECODE:
+            # The decode step over the same batch and context, timed alongside ("x decode").
+            dc = make_case(decode_of(w))
+            db = NativeBackend(dc.config)
+            dplan, dh = db.plan(dc.batch), db.handler(Phase.DECODE)
+            fns["decode"] = partial(dh, dc.q, dc.k, dc.v, dplan, scale)
         if not args.no_sdpa:
             fns["sdpa"] = sdpa_fn(c)
         why_peer = None
@@ -441,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, o in out.items()
             if name in ("vllm", "torch")
         }
+        out.pop("decode", None)
         t = time_side_by_side(fns, args.repeats)
         tn = t["native"]
         roof = max(kv_bytes(w) / (bw * 1e9), macs(w) / peak)
@@ -449,10 +500,11 @@ def main(argv: list[str] | None = None) -> int:
         def ratio(name: str, t: dict[str, float] = t, tn: float = tn) -> str:
             return f"{t[name] / tn:.2f}" if name in t else "-"
 
+        xdec = f"{tn / t['decode']:.2f}" if "decode" in t else "-"
         rows.append(
             (
                 w.name, isa, f"{tn * 1e3:.2f}", f"{gbs:.1f}", f"{gbs / bw:.2f}", f"{roof / tn:.2f}",
-                ratio("sdpa"), ratio("vllm") if why_peer is None else "n/a", ratio("torch"),
+                xdec, ratio("sdpa"), ratio("vllm") if why_peer is None else "n/a", ratio("torch"),
             )
         )  # fmt: skip
         records.append(
@@ -476,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
                 "KV GB/s",
                 "of read bw",
                 "roofline",
+                "x decode",
                 "x sdpa",
                 "x vllm",
                 "x torch",
@@ -486,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     scope_us = scope_cost(WORKLOADS[0])
     print(f"\nattn_scope enter + plan + exit, {WORKLOADS[0].name}: {scope_us:.1f} us (median)")
     print("\nx <peer>: peer time / native time (> 1: native is faster)")
+    print("x decode: native time / native decode time over the same batch and context")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(

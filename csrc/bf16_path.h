@@ -91,9 +91,12 @@ static inline __m512 reduce16(__m512* v) {
 static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
 // acc[r] (NR rows, permuted lane order, see bf16_item) += p[r] . V over npairs key pairs.
+// Row i's weight pair tp is pb[i * rs + tp * ts] (rs = BK / 2, ts = 1 in bf16_item; the
+// many-row path keeps them transposed: rs = 1, ts = its lane count).
 template <int NR>
-static inline void pv_rows_bf16(float* acc, int Dv, const uint32_t* pb, const float* alpha,
-                           const uint16_t* const* vp, int npairs, PfCursor& pf) {
+static inline void pv_rows_bf16(float* acc, int Dv, const uint32_t* pb, size_t rs, size_t ts,
+                                const float* alpha, const uint16_t* const* vp, int npairs,
+                                PfCursor& pf) {
   for (int c = 0; c < Dv; c += 32) {
     pf.step();
     __m512 lo[NR], hi[NR];
@@ -108,7 +111,7 @@ static inline void pv_rows_bf16(float* acc, int Dv, const uint32_t* pb, const fl
       const __m512bh vlo = as_bh(_mm512_unpacklo_epi16(va, vb));
       const __m512bh vhi = as_bh(_mm512_unpackhi_epi16(va, vb));
       for (int i = 0; i < NR; ++i) {
-        const __m512bh pp = as_bh(_mm512_set1_epi32(int(pb[size_t(i) * (BK / 2) + tp])));
+        const __m512bh pp = as_bh(_mm512_set1_epi32(int(pb[size_t(i) * rs + size_t(tp) * ts])));
         lo[i] = _mm512_dpbf16_ps(lo[i], pp, vlo);
         hi[i] = _mm512_dpbf16_ps(hi[i], pp, vhi);
       }
@@ -120,19 +123,34 @@ static inline void pv_rows_bf16(float* acc, int Dv, const uint32_t* pb, const fl
   }
 }
 
-static inline void pv_dispatch(int nr, float* acc, int Dv, const uint32_t* pb,
-                               const float* alpha, const uint16_t* const* vp, int npairs,
-                               PfCursor& pf) {
+static inline void pv_dispatch(int nr, float* acc, int Dv, const uint32_t* pb, size_t rs,
+                               size_t ts, const float* alpha, const uint16_t* const* vp,
+                               int npairs, PfCursor& pf) {
   switch (nr) {
-    case 8: pv_rows_bf16<8>(acc, Dv, pb, alpha, vp, npairs, pf); break;
-    case 7: pv_rows_bf16<7>(acc, Dv, pb, alpha, vp, npairs, pf); break;
-    case 6: pv_rows_bf16<6>(acc, Dv, pb, alpha, vp, npairs, pf); break;
-    case 5: pv_rows_bf16<5>(acc, Dv, pb, alpha, vp, npairs, pf); break;
-    case 4: pv_rows_bf16<4>(acc, Dv, pb, alpha, vp, npairs, pf); break;
-    case 3: pv_rows_bf16<3>(acc, Dv, pb, alpha, vp, npairs, pf); break;
-    case 2: pv_rows_bf16<2>(acc, Dv, pb, alpha, vp, npairs, pf); break;
-    default: pv_rows_bf16<1>(acc, Dv, pb, alpha, vp, npairs, pf); break;
+    case 8: pv_rows_bf16<8>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
+    case 7: pv_rows_bf16<7>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
+    case 6: pv_rows_bf16<6>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
+    case 5: pv_rows_bf16<5>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
+    case 4: pv_rows_bf16<4>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
+    case 3: pv_rows_bf16<3>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
+    case 2: pv_rows_bf16<2>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
+    default: pv_rows_bf16<1>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
   }
+}
+
+// Undo the lane order of the pair accumulation (pv_rows_bf16) into row: in each 32-column
+// chunk, lane j of the first 16 holds column (j / 4) * 8 + j % 4 and lane j of the second 16
+// that plus 4.
+static inline const float* unpermute_row(float* row, const float* ar, int Dv) {
+  const __m512i un0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i un1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int c = 0; c < Dv; c += 32) {
+    const __m512 lo = _mm512_loadu_ps(ar + c), hi = _mm512_loadu_ps(ar + c + 16);
+    _mm512_storeu_ps(row + c, _mm512_permutex2var_ps(lo, un0, hi));
+    _mm512_storeu_ps(row + c + 16, _mm512_permutex2var_ps(lo, un1, hi));
+  }
+  return row;
 }
 
 template <typename KT = uint16_t>
@@ -301,25 +319,13 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
       const int npairs = (n + 1) / 2;
       for (int r0 = gi * R1; r0 < (gi + 1) * R1; r0 += 8) {
         const int nr = std::min(8, (gi + 1) * R1 - r0);
-        pv_dispatch(nr, acc + size_t(r0) * Dv, Dv, pb + size_t(r0) * (BK / 2), alpha + r0, vp,
-                    npairs, pf);
+        pv_dispatch(nr, acc + size_t(r0) * Dv, Dv, pb + size_t(r0) * (BK / 2), BK / 2, 1,
+                    alpha + r0, vp, npairs, pf);
       }
     }
   }
-  // Undo the lane order of the pair accumulation: in each 32-column chunk, lane j of the
-  // first 16 holds column (j / 4) * 8 + j % 4 and lane j of the second 16 that plus 4.
-  float* row = B.k.data();  // >= Dv floats (see the ensure above)
-  const __m512i un0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i un1 =
-      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   finish_rows<uint16_t>(P, it, T, m, l, S, [&](int r) {
-    const float* ar = acc + size_t(r) * Dv;
-    for (int c = 0; c < Dv; c += 32) {
-      const __m512 lo = _mm512_loadu_ps(ar + c), hi = _mm512_loadu_ps(ar + c + 16);
-      _mm512_storeu_ps(row + c, _mm512_permutex2var_ps(lo, un0, hi));
-      _mm512_storeu_ps(row + c + 16, _mm512_permutex2var_ps(lo, un1, hi));
-    }
-    return static_cast<const float*>(row);
+    return unpermute_row(B.k.data(), acc + size_t(r) * Dv, Dv);  // B.k: >= Dv floats
   });
   return 0;
 }

@@ -65,6 +65,15 @@ constexpr int kMaxRows = 32;
 constexpr int kMinSplitKeys = 256;
 // Cascade: a group shares at least this many leading keys, or it runs as private tiles.
 constexpr int kMinCascadeKeys = 64;
+// Rows per kv head (q heads of one kv head x query tokens) from which an item takes the
+// many-row tile path (rows_path.h) instead of the decode-shaped kernels. Measured (single
+// thread, bench/native_notes.md "Many-row tile path"): at 16 rows the two are even on
+// avx512bf16 and avx2 and the many-row one 11% slower on avx512; at 32 rows it is 4-18%
+// faster on every path; with an FP8 cache on avx512bf16 (bf16 tiles instead of fp32 ones)
+// it is faster from 16 rows. Decode (GQA: group-size rows) stays on the older kernels.
+constexpr int kRowsMinBf16 = 32;
+constexpr int kRowsMinFp8Bf16 = 16;
+constexpr int kRowsMinF32 = 32;
 // Widest head dims the kernels accept (per-thread buffers are sized from them).
 constexpr int kMaxHeadDim = 2048;
 

@@ -24,6 +24,7 @@
 #ifdef NA_HAVE_BF16_PATH
 #include "bf16_path.h"
 #endif
+#include "rows_path.h"
 
 #ifndef NA_TABLE
 #define NA_TABLE na_kernels_standalone
@@ -441,8 +442,30 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
   return 0;
 }
 
+// The many-row path (rows_path.h) for GQA/MHA items with at least rows_min rows per kv head
+// (kernels.h: 32, 16 for FP8 caches on avx512bf16, measured in bench/native_notes.md);
+// decode-shaped items (few rows per kv head: one query token) keep the kernels below,
+// whose score tiles are fed by several kv heads at once. MLA keeps its own (its 16 heads x
+// 576-wide latent rows are compute-bound already in the bf16 path).
+static inline bool rows_path_applies(const NaProblem& P, const NaItem& it) {
+  return P.kind != NA_MLA && P.head_dim % W == 0 && P.v_head_dim % W == 0 &&
+         (it.h1 - it.h0) * (it.q1 - it.q0) >= rows_min(P.kv_dtype);
+}
+
+template <typename QT>
+static int rows_q(const NaProblem* p, const NaItem* it) {
+  switch (p->kv_dtype) {
+    case NA_BF16: return rows_item<QT, uint16_t>(*p, *it);
+    case NA_F16: return rows_item<QT, f16>(*p, *it);
+    case NA_E4M3: return rows_item<QT, e4m3>(*p, *it);
+    case NA_E5M2: return rows_item<QT, e5m2>(*p, *it);
+    default: return rows_item<QT, float>(*p, *it);
+  }
+}
+
 template <typename QT>
 static int item_q(const NaProblem* p, const NaItem* it) {
+  if (rows_path_applies(*p, *it)) return rows_q<QT>(p, it);
   if (p->head_dim % W == 0 && p->v_head_dim % W == 0) {
     switch (p->kv_dtype) {
       case NA_BF16: return fused_item<QT, uint16_t>(*p, *it);
@@ -463,6 +486,15 @@ static int item_q(const NaProblem* p, const NaItem* it) {
 
 static int item(const NaProblem* p, const NaItem* it) {
 #ifdef NA_HAVE_BF16_PATH
+  if (p->q_dtype == NA_BF16 && p->head_dim % 32 == 0 && p->v_head_dim % 32 == 0 &&
+      rows_path_applies(*p, *it)) {
+    switch (p->kv_dtype) {
+      case NA_BF16: return rows_item_bf16<uint16_t>(*p, *it);
+      case NA_E4M3: return rows_item_bf16<e4m3>(*p, *it);
+      case NA_E5M2: return rows_item_bf16<e5m2>(*p, *it);
+      default: break;  // fp16 / fp32 caches: the fp32 many-row kernel (item_q)
+    }
+  }
   if (p->q_dtype == NA_BF16 && p->kv_dtype == NA_BF16 && bf16_path_applies(*p, *it)) {
     return bf16_item(*p, *it);
   }

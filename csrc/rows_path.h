@@ -1,0 +1,599 @@
+// Many-row tile path: items whose rows per kv head (q heads of one kv head x query tokens:
+// GQA verify chains and trees, prefill/extend, a cascade's shared part) are many. GEMM-shaped
+// instead of dot-product-shaped: the scores of a block are computed TRANSPOSED, s[key][row],
+// one vector lane per row, so
+//   - q.K^T is an outer product: q packed once per item as q^T[c][row] (rows along the
+//     lanes), each key element broadcast from its row and multiplied into NK x NV
+//     accumulators (no horizontal sums, no reduction shuffles, every lane useful once the
+//     rows fill a vector);
+//   - the online softmax is vertical: a row's block max, exp2 and sum are lane-wise over the
+//     keys' vectors;
+//   - the masks are per score tile: a block every row sees fully (the common case) takes no
+//     mask work at all; an edge block compares each key's position with the rows' [first
+//     key, causal limit] lanes (window and chunk fold into the first key), or takes the rows'
+//     custom-mask bytes as a lane vector: a select per key vector, never a branch per score.
+//   - p.V keeps the accumulators along the value columns (pv_tile / pv_rows_bf16 with the
+//     weights read in [key][row] order).
+// Two variants: rows_item (fp32 accumulation, any ISA: FMA on AVX-512/AVX2, the generic
+// vectors elsewhere; bf16/fp16/FP8 blocks widened to fp32 once per block per kv head) and,
+// on AVX-512 BF16, rows_item_bf16 (bf16 q with bf16 or FP8 caches: vdpbf16ps on q^T pairs x
+// broadcast key pairs; FP8 K/V rows widened to bf16 once per block, exactly).
+//
+// Which items take it: see rows_path_applies (kernels_impl.h's item()).
+#ifndef NATIVE_ATTN_ROWS_PATH_H
+#define NATIVE_ATTN_ROWS_PATH_H
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <type_traits>
+#include <vector>
+
+#include "kernels.h"
+#include "simd.h"
+#include "tile.h"
+#ifdef NA_HAVE_BF16_PATH
+#include "bf16_path.h"
+#endif
+
+namespace NA_NS {
+
+// Rows per kv head from which an item takes this path: NATIVE_ATTN_ROWS_MIN (read once per
+// process; tests force the path on every item with 1, benchmarks compare) or the measured
+// default for this unit and cache dtype (kernels.h).
+static inline int rows_min_env() {
+  static const int v = [] {
+    const char* e = std::getenv("NATIVE_ATTN_ROWS_MIN");
+    if (e != nullptr) {
+      char* end = nullptr;
+      const long x = std::strtol(e, &end, 10);
+      if (end != e && *end == '\0' && x >= 1 && x <= 1 << 20) return int(x);
+    }
+    return 0;
+  }();
+  return v;
+}
+static inline int rows_min(int kv_dtype) {
+  if (const int v = rows_min_env()) return v;
+#ifdef NA_HAVE_BF16_PATH
+  return kv_dtype == NA_E4M3 || kv_dtype == NA_E5M2 ? na::kRowsMinFp8Bf16 : na::kRowsMinBf16;
+#else
+  (void)kv_dtype;
+  return na::kRowsMinF32;
+#endif
+}
+
+// Per-thread buffers of the many-row path (besides tls_buffers).
+struct RowsBuffers {
+  std::vector<float> qt, st, kb, vb, ml;
+  bool ensure(size_t nq, size_t ns, size_t nk, size_t nv, size_t nml) noexcept {
+    try {
+      if (qt.size() < nq) qt.resize(nq);
+      if (st.size() < ns) st.resize(ns);
+      if (kb.size() < nk) kb.resize(nk);
+      if (vb.size() < nv) vb.resize(nv);
+      if (ml.size() < nml) ml.resize(nml);
+    } catch (const std::bad_alloc&) {
+      return false;
+    }
+    return true;
+  }
+};
+static thread_local RowsBuffers tls_rows;
+
+// The lanes of one kv head's rows: first key and causal limit per row (pad lanes see
+// nothing), the custom-mask rows, and whether the block is wholly visible to every row.
+struct RowLanes {
+  int Rp;         // lanes (rows padded to the vector width)
+  int R1;         // real rows
+  int lo_max, lim_min;  // over the real rows (causal): a block inside [lo_max, lim_min] is seen whole
+  alignas(64) int32_t lim[na::kMaxRows + 16];
+  alignas(64) int32_t lo[na::kMaxRows + 16];
+  alignas(64) int32_t real[na::kMaxRows + 16];  // -1: a real row's lane, 0: a pad lane
+  const uint8_t* mrow[na::kMaxRows];
+};
+
+static inline void lanes_init(const NaProblem& P, const RowState& S, int r0, int R1, int Rp,
+                              RowLanes& L) {
+  L.Rp = Rp;
+  L.R1 = R1;
+  L.lo_max = INT32_MIN;
+  L.lim_min = INT32_MAX;
+  for (int i = 0; i < Rp; ++i) {
+    if (i < R1) {
+      const int lim = S.lim[r0 + i];
+      L.lim[i] = lim;
+      L.lo[i] = P.causal ? int32_t(std::min<int64_t>(row_lo(P, lim), INT32_MAX)) : 0;
+      L.mrow[i] = S.mrow[r0 + i];
+      L.real[i] = -1;
+      L.lo_max = std::max(L.lo_max, L.lo[i]);
+      L.lim_min = std::min(L.lim_min, L.lim[i]);
+    } else {  // pad lane: no key is visible
+      L.lim[i] = -1;
+      L.lo[i] = 0;
+      L.real[i] = 0;
+    }
+  }
+}
+
+// Whether every real row sees every key of [k0, k0 + n).
+static inline bool block_seen_whole(const NaProblem& P, const RowLanes& L, int k0, int n) {
+  if (P.causal) return k0 >= L.lo_max && k0 + n - 1 <= L.lim_min;
+  for (int i = 0; i < L.R1; ++i) {
+    if (std::memchr(L.mrow[i] + k0, 0, size_t(n)) != nullptr) return false;
+  }
+  return true;
+}
+
+// One block's transposed scores s[t][lane] (t < nt, lanes Rp, log2 units) of one kv head:
+// logit cap, non-finite scores (a seen one marks its row bad), the masks, then the online
+// softmax. On return s holds the weights p (0 for masked keys and keys t >= n), m/l/alpha the
+// lanes' running max, sum and this block's rescale factor; badv collects bad lanes.
+// bf16 = true: the weights are rounded to bf16 (as the vdpbf16ps p.V reads them) before they
+// are summed, so the normaliser sums what the accumulation uses.
+static inline void rows_softmax(const NaProblem& P, const RowLanes& L, float* s, int nt, int n,
+                                int k0, bool whole, float* m, float* l, float* alpha, vu* badv,
+                                bool bf16 = false) {
+  const int Rp = L.Rp;
+  const int nvec = Rp / W;
+  const float cap2 = P.logit_cap * kLog2e;
+  const vf ninf = splat(kNegInf);
+  for (int t = 0; t < nt; ++t) {
+    float* st_ = s + size_t(t) * Rp;
+    if (t >= n) {
+      for (int j = 0; j < nvec; ++j) st(st_ + j * W, ninf);
+      continue;
+    }
+    const int pos = k0 + t;
+    for (int j = 0; j < nvec; ++j) {
+      vf x = ld(st_ + j * W);
+      if (P.logit_cap > 0.0f) x = vcap(x, cap2);
+      vu vis;
+      if (whole) {
+        std::memcpy(&vis, L.real + j * W, sizeof vis);  // real lanes only
+      } else if (P.causal) {
+        vi lim, lo;
+        std::memcpy(&lim, L.lim + j * W, sizeof lim);
+        std::memcpy(&lo, L.lo + j * W, sizeof lo);
+        vis = (vu)((pos <= lim) & (pos >= lo));
+      } else {
+        vi mk = vi{};
+        for (int i = 0; i < W; ++i) {
+          const int lane = j * W + i;
+          mk[i] = lane < L.R1 ? L.mrow[lane][pos] : 0;
+        }
+        vis = (vu)(mk != 0);
+      }
+      const vu nf = (vu)(!(x - x == 0.0f));
+      badv[j] |= nf & vis;
+      x = (vi)(nf | ~vis) != 0 ? ninf : x;
+      st(st_ + j * W, x);
+    }
+  }
+  for (int j = 0; j < nvec; ++j) {
+    vf bm = ninf;
+    for (int t = 0; t < nt; ++t) bm = vmax(bm, ld(s + size_t(t) * Rp + j * W));
+    const vf mo = ld(m + j * W);
+    const vf mn = vmax(mo, bm);
+    // A lane that has seen no key yet keeps m = -inf: its weights and rescale are 0 and 1.
+    const vi none = mn == ninf;
+    const vf base = none ? splat(0.0f) : mn;
+    const vf a = none ? splat(1.0f) : vexp2(mo - base);
+    vf sum = splat(0.0f);
+    for (int t = 0; t < nt; ++t) {
+      float* p = s + size_t(t) * Rp + j * W;
+      vf w = vexp2(ld(p) - base);
+      if (bf16) {  // round to nearest even (weights are finite and >= 0)
+        vu u;
+        std::memcpy(&u, &w, sizeof u);
+        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+        std::memcpy(&w, &u, sizeof w);
+      }
+      sum += w;
+      st(p, w);
+    }
+    st(alpha + j * W, a);
+    st(l + j * W, ld(l + j * W) * a + sum);
+    st(m + j * W, mn);
+  }
+}
+
+// s[t][lanes j*W..] (keys t0..t0+NK, NV vectors of rows) = sum_c k[t][c] * q^T[c][lanes].
+// K rows fp32, ks floats apart.
+template <int NK, int NV>
+static inline void qk_keys(const float* qt, int Rp, int D, const float* kr, int ks, float* s,
+                           PfCursor& pf) {
+  vf a[NK][NV];
+  for (int k = 0; k < NK; ++k)
+    for (int j = 0; j < NV; ++j) a[k][j] = splat(0.0f);
+  for (int c = 0; c < D; ++c) {
+    if (c % 16 == 0) pf.step();  // the next block's lines, a few at a time
+    vf qv[NV];
+    for (int j = 0; j < NV; ++j) qv[j] = ld(qt + size_t(c) * Rp + j * W);
+    for (int k = 0; k < NK; ++k) {
+      const vf kb = splat(kr[size_t(k) * ks + c]);
+      for (int j = 0; j < NV; ++j) a[k][j] += kb * qv[j];
+    }
+  }
+  for (int k = 0; k < NK; ++k)
+    for (int j = 0; j < NV; ++j) st(s + size_t(k) * Rp + j * W, a[k][j]);
+}
+
+// Register blocking of qk_keys: NK keys x NV row vectors of accumulators (AVX-512 has 32
+// vector registers, AVX2 and SSE 16).
+constexpr int kRowsNV = 2;
+constexpr int kRowsNK2 = W == 16 ? 8 : 4;   // with NV = 2
+constexpr int kRowsNK1 = W == 16 ? 16 : 8;  // with NV = 1
+
+// acc (NR rows, stride Dv) = acc * alpha + p . V over n keys, p read as p[t * ps + i]
+// (the transposed weights); V rows fp32.
+template <int NR>
+static inline void pv_rows_t(float* acc, int Dv, const float* p, int ps, const float* alpha,
+                             const float* const* vp, int n) {
+  int c = 0;
+  for (; c + 2 * W <= Dv; c += 2 * W) {
+    vf a[NR][2];
+    for (int i = 0; i < NR; ++i) {
+      a[i][0] = ld(acc + size_t(i) * Dv + c) * alpha[i];
+      a[i][1] = ld(acc + size_t(i) * Dv + c + W) * alpha[i];
+    }
+    for (int t = 0; t < n; ++t) {
+      const vf x0 = ld(vp[t] + c), x1 = ld(vp[t] + c + W);
+      const float* pt = p + size_t(t) * ps;
+      for (int i = 0; i < NR; ++i) {
+        a[i][0] += pt[i] * x0;
+        a[i][1] += pt[i] * x1;
+      }
+    }
+    for (int i = 0; i < NR; ++i) {
+      st(acc + size_t(i) * Dv + c, a[i][0]);
+      st(acc + size_t(i) * Dv + c + W, a[i][1]);
+    }
+  }
+  for (; c < Dv; c += W) {
+    vf a[NR];
+    for (int i = 0; i < NR; ++i) a[i] = ld(acc + size_t(i) * Dv + c) * alpha[i];
+    for (int t = 0; t < n; ++t) {
+      const vf x = ld(vp[t] + c);
+      const float* pt = p + size_t(t) * ps;
+      for (int i = 0; i < NR; ++i) a[i] += pt[i] * x;
+    }
+    for (int i = 0; i < NR; ++i) st(acc + size_t(i) * Dv + c, a[i]);
+  }
+}
+constexpr int kRowsPV = W == 16 ? 8 : 4;  // rows per p.V micro-tile (x 2 vectors of columns)
+static inline void pv_rows_t_n(int nr, float* acc, int Dv, const float* p, int ps,
+                               const float* alpha, const float* const* vp, int n) {
+  switch (nr) {
+#if NA_W == 16
+    case 8: pv_rows_t<8>(acc, Dv, p, ps, alpha, vp, n); break;
+    case 7: pv_rows_t<7>(acc, Dv, p, ps, alpha, vp, n); break;
+    case 6: pv_rows_t<6>(acc, Dv, p, ps, alpha, vp, n); break;
+    case 5: pv_rows_t<5>(acc, Dv, p, ps, alpha, vp, n); break;
+#endif
+    case 4: pv_rows_t<4>(acc, Dv, p, ps, alpha, vp, n); break;
+    case 3: pv_rows_t<3>(acc, Dv, p, ps, alpha, vp, n); break;
+    case 2: pv_rows_t<2>(acc, Dv, p, ps, alpha, vp, n); break;
+    default: pv_rows_t<1>(acc, Dv, p, ps, alpha, vp, n); break;
+  }
+}
+
+// The rows' bad lanes into the tile's row state.
+static inline void lanes_bad(const vu* badv, int r0, int R1, RowState& S) {
+  for (int i = 0; i < R1; ++i) S.bad[r0 + i] = S.bad[r0 + i] || badv[i / W][i % W] != 0;
+}
+
+// The fp32-accumulating many-row kernel (head dims multiples of W).
+template <typename QT, typename KT>
+static int rows_item(const NaProblem& P, const NaItem& it) {
+  const Tile T(P, it);
+  const int D = T.D, Dv = T.Dv, R1 = T.R1, nkv = T.nkv;
+  const int Rp = round_up(R1, W);
+  Buffers& B = tls_buffers;
+  RowsBuffers& RB = tls_rows;
+  if (!B.ensure(T.R, D, Dv)) return -2;
+  if (!RB.ensure(size_t(nkv) * D * Rp, size_t(BK) * Rp, size_t(BK) * D, size_t(BK) * Dv,
+                 size_t(3) * nkv * Rp)) {
+    return -2;
+  }
+  float* acc = B.acc.data();
+  float* m = B.m.data();
+  float* l = B.l.data();
+  float* qt = RB.qt.data();
+  float* sT = RB.st.data();
+  float* kb = RB.kb.data();
+  float* vb = RB.vb.data();
+  float* mL = RB.ml.data();
+  float* lL = mL + size_t(nkv) * Rp;
+  float* aL = lL + size_t(nkv) * Rp;
+  RowState S;
+  // q^T per kv head: [c][lane], scaled into log2 units (FP8's k_scale folded in), pad lanes 0.
+  const float qscale = P.sm_scale * kLog2e * P.k_scale * f8_unit(P);
+  std::memset(qt, 0, sizeof(float) * size_t(nkv) * D * Rp);
+  float* qrow = B.q.data();  // >= D floats
+  for (int r = 0; r < T.R; ++r) {
+    const QT* q = start_row<QT>(P, it, T, r, S, m, l, acc + size_t(r) * Dv, Dv);
+    load_row(qrow, q, D, D);
+    const int gi = r / R1, lane = r % R1;
+    float* qg = qt + size_t(gi) * D * Rp + lane;
+    for (int c = 0; c < D; ++c) qg[size_t(c) * Rp] = qrow[c] * qscale;
+  }
+  for (int i = 0; i < nkv * Rp; ++i) {
+    mL[i] = kNegInf;
+    lL[i] = 0.0f;
+  }
+  // A tile has at most kMaxRows rows (the planner's bound), so at most that many kv heads.
+  RowLanes L[na::kMaxRows];
+  vu badv[na::kMaxRows][na::kMaxRows / W + 1];
+  for (int gi = 0; gi < nkv; ++gi) {
+    lanes_init(P, S, gi * R1, R1, Rp, L[gi]);
+    for (auto& x : badv[gi]) x = vu{};
+  }
+  const KT* kbase = static_cast<const KT*>(P.k);
+  const KT* vbase = static_cast<const KT*>(P.v);
+  const int64_t kstride = T.kstride(), vstride = T.vstride();
+  const int klines = int((kstride * int64_t(sizeof(KT)) + 63) / 64);
+  const int vlines = int((vstride * int64_t(sizeof(KT)) + 63) / 64);
+  const KT* kp0[BK];
+  const KT* vp0[BK];
+  const float* vr[BK];
+  for (int t = 0; t < BK; ++t) vr[t] = vb + size_t(t) * Dv;
+  const int nvt = Rp / W;
+  PfCursor pf;
+  pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + BK), kbase, vbase, kstride, vstride, klines,
+                vlines);
+  pf.flush();
+  for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
+    const int n = std::min(BK, it.k1 - k0);
+    for (int t = 0; t < n; ++t) {
+      const int64_t slot = T.slot(k0 + t);
+      kp0[t] = kbase + slot * kstride;
+      vp0[t] = vbase + slot * vstride;
+    }
+    {
+      const int ka = k0 + BK;
+      pf.queue_rows(T, ka, std::min(it.k1, ka + BK), kbase, vbase, kstride, vstride, klines,
+                    vlines);
+      const int nvt_ = Rp / W;
+      const int tiles = nvt_ >= kRowsNV ? round_up(n, kRowsNK2) / kRowsNK2 * ((nvt_ + 1) / 2)
+                                        : round_up(n, kRowsNK1) / kRowsNK1;
+      pf.plan(nkv * (tiles * ((D + 15) / 16) + (R1 + kRowsPV - 1) / kRowsPV));
+    }
+    for (int gi = 0; gi < nkv; ++gi) {
+      const RowLanes& LG = L[gi];
+      const int64_t koff = int64_t(it.kv_head + gi) * D;
+      const int64_t voff = int64_t(it.kv_head + gi) * Dv;
+      // The block's K and V rows of this kv head widened once (bf16/fp16/FP8 -> fp32).
+      for (int t = 0; t < n; ++t) {
+        load_row(kb + size_t(t) * D, kp0[t] + koff, D, D);
+        load_row(vb + size_t(t) * Dv, vp0[t] + voff, Dv, Dv);
+      }
+      const float* qg = qt + size_t(gi) * D * Rp;
+      int nt = 0;
+      if (nvt >= kRowsNV) {
+        nt = round_up(n, kRowsNK2);
+        for (int t0 = 0; t0 < nt; t0 += kRowsNK2) {
+          int j = 0;
+          for (; j + kRowsNV <= nvt; j += kRowsNV)
+            qk_keys<kRowsNK2, kRowsNV>(qg + j * W, Rp, D, kb + size_t(t0) * D, D,
+                                       sT + size_t(t0) * Rp + j * W, pf);
+          for (; j < nvt; ++j)
+            qk_keys<kRowsNK2, 1>(qg + j * W, Rp, D, kb + size_t(t0) * D, D,
+                                 sT + size_t(t0) * Rp + j * W, pf);
+        }
+      } else {
+        nt = round_up(n, kRowsNK1);
+        for (int t0 = 0; t0 < nt; t0 += kRowsNK1)
+          qk_keys<kRowsNK1, 1>(qg, Rp, D, kb + size_t(t0) * D, D, sT + size_t(t0) * Rp, pf);
+      }
+      const bool whole = block_seen_whole(P, LG, k0, n);
+      float* mg = mL + size_t(gi) * Rp;
+      float* lg = lL + size_t(gi) * Rp;
+      float* ag = aL + size_t(gi) * Rp;
+      rows_softmax(P, LG, sT, nt, n, k0, whole, mg, lg, ag, badv[gi]);
+      if (!whole) {
+        guard_values<float>(P, S.lim, S.mrow, S.bad, gi * R1, (gi + 1) * R1, k0, n, vr, Dv);
+      }
+      for (int i0 = 0; i0 < R1; i0 += kRowsPV) {
+        pf.step();
+        pv_rows_t_n(std::min(kRowsPV, R1 - i0), acc + size_t(gi * R1 + i0) * Dv, Dv, sT + i0,
+                    Rp, ag + i0, vr, n);
+      }
+      if (!whole) {  // guard_values may have pointed rows at the zero row
+        for (int t = 0; t < n; ++t) vr[t] = vb + size_t(t) * Dv;
+      }
+    }
+  }
+  for (int gi = 0; gi < nkv; ++gi) lanes_bad(badv[gi], gi * R1, R1, S);
+  for (int r = 0; r < T.R; ++r) {
+    m[r] = mL[size_t(r / R1) * Rp + r % R1];
+    l[r] = lL[size_t(r / R1) * Rp + r % R1];
+  }
+  finish_rows<QT>(P, it, T, m, l, S, [&](int r) { return acc + size_t(r) * Dv; });
+  return 0;
+}
+
+#ifdef NA_HAVE_BF16_PATH
+// s[t][lanes] (NK keys from t0, NV 16-lane row vectors) = qscale * sum over column pairs cp of
+// q^T pair [cp][lanes] . k[t] pair cp (a broadcast dword of the key row): vdpbf16ps.
+template <int NK, int NV>
+static inline void qk_keys_bf16(const uint32_t* qp, int Rp, int D, const uint16_t* const* kr,
+                                float qscale, float* s, PfCursor& pf) {
+  __m512 a[NK][NV];
+  for (int k = 0; k < NK; ++k)
+    for (int j = 0; j < NV; ++j) a[k][j] = _mm512_setzero_ps();
+  for (int cp = 0; cp < D / 2; ++cp) {
+    // The next block's lines a few at a time (a burst stalls the core: PfCursor).
+    if (cp % 8 == 0) pf.step();
+    __m512bh qv[NV];
+    for (int j = 0; j < NV; ++j) qv[j] = as_bh(_mm512_loadu_si512(qp + size_t(cp) * Rp + j * 16));
+    for (int k = 0; k < NK; ++k) {
+      int32_t kk;
+      std::memcpy(&kk, kr[k] + 2 * cp, sizeof kk);
+      const __m512bh kb = as_bh(_mm512_set1_epi32(kk));
+      for (int j = 0; j < NV; ++j) a[k][j] = _mm512_dpbf16_ps(a[k][j], qv[j], kb);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(qscale);
+  for (int k = 0; k < NK; ++k)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(s + size_t(k) * Rp + j * 16, _mm512_mul_ps(a[k][j], sc));
+}
+
+// The vdpbf16ps many-row kernel: bf16 q, bf16 or FP8 cache, head dims multiples of 32. K and
+// V rows of a bf16 cache are read in place; FP8 rows are widened to bf16 (exact) once per
+// block and kv head.
+template <typename KT>
+static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
+  constexpr bool f8 = !std::is_same<KT, uint16_t>::value;
+  const Tile T(P, it);
+  const int D = T.D, Dv = T.Dv, R1 = T.R1, nkv = T.nkv;
+  const int Rp = round_up(R1, 16);
+  Buffers& B = tls_buffers;
+  RowsBuffers& RB = tls_rows;
+  if (!B.ensure(T.R, D, Dv)) return -2;
+  // st: transposed scores [BK][Rp], then the bf16 weight pairs [BK / 2][Rp] (dwords).
+  if (!RB.ensure(size_t(nkv) * (D / 2) * Rp, size_t(BK) * Rp + size_t(BK / 2) * Rp,
+                 f8 ? size_t(BK) * D / 2 : 0, f8 ? size_t(BK) * Dv / 2 : 0,
+                 size_t(3) * nkv * Rp)) {
+    return -2;
+  }
+  float* acc = B.acc.data();
+  float* m = B.m.data();
+  float* l = B.l.data();
+  uint32_t* qp = reinterpret_cast<uint32_t*>(RB.qt.data());
+  float* sT = RB.st.data();
+  uint32_t* pbT = reinterpret_cast<uint32_t*>(sT + size_t(BK) * Rp);
+  uint16_t* k16 = reinterpret_cast<uint16_t*>(RB.kb.data());
+  uint16_t* v16 = reinterpret_cast<uint16_t*>(RB.vb.data());
+  float* mL = RB.ml.data();
+  float* lL = mL + size_t(nkv) * Rp;
+  float* aL = lL + size_t(nkv) * Rp;
+  RowState S;
+  const float qscale = P.sm_scale * kLog2e * P.k_scale * f8_unit(P);
+  // q^T pairs per kv head: dword cp of row r at [cp][lane] (pad lanes 0); q stays bf16.
+  std::memset(qp, 0, sizeof(uint32_t) * size_t(nkv) * (D / 2) * Rp);
+  for (int r = 0; r < T.R; ++r) {
+    const uint16_t* q = start_row<uint16_t>(P, it, T, r, S, m, l, acc + size_t(r) * Dv, Dv);
+    uint32_t* qg = qp + size_t(r / R1) * (D / 2) * Rp + r % R1;
+    for (int cp = 0; cp < D / 2; ++cp) {
+      uint32_t x;
+      std::memcpy(&x, q + 2 * cp, sizeof x);
+      qg[size_t(cp) * Rp] = x;
+    }
+  }
+  for (int i = 0; i < nkv * Rp; ++i) {
+    mL[i] = kNegInf;
+    lL[i] = 0.0f;
+  }
+  RowLanes L[na::kMaxRows];
+  vu badv[na::kMaxRows][na::kMaxRows / W + 1];
+  for (int gi = 0; gi < nkv; ++gi) {
+    lanes_init(P, S, gi * R1, R1, Rp, L[gi]);
+    for (auto& x : badv[gi]) x = vu{};
+  }
+  const KT* kbase = static_cast<const KT*>(P.k);
+  const KT* vbase = static_cast<const KT*>(P.v);
+  const int64_t kstride = T.kstride(), vstride = T.vstride();
+  const int klines = int((kstride * int64_t(sizeof(KT)) + 63) / 64);
+  const int vlines = int((vstride * int64_t(sizeof(KT)) + 63) / 64);
+  const KT* kp0[BK];
+  const KT* vp0[BK];
+  const uint16_t* kr[BK];
+  const uint16_t* vr[BK + 1];
+  const int nvt = Rp / 16;
+  PfCursor pf;
+  pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + BK), kbase, vbase, kstride, vstride, klines,
+                vlines);
+  pf.flush();
+  for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
+    const int n = std::min(BK, it.k1 - k0);
+    for (int t = 0; t < n; ++t) {
+      const int64_t slot = T.slot(k0 + t);
+      kp0[t] = kbase + slot * kstride;
+      vp0[t] = vbase + slot * vstride;
+    }
+    const int nk = nvt >= 2 ? 8 : 16;
+    const int nt = round_up(n, nk);
+    {
+      const int ka = k0 + BK;
+      pf.queue_rows(T, ka, std::min(it.k1, ka + BK), kbase, vbase, kstride, vstride, klines,
+                    vlines);
+      const int tiles = nt / nk * (nvt >= 2 ? (nvt + 1) / 2 : 1);
+      pf.plan(nkv * (tiles * (D / 16) + ((R1 + 7) / 8) * (Dv / 32) + (f8 ? 2 * n : 0)));
+    }
+    for (int gi = 0; gi < nkv; ++gi) {
+      const int64_t koff = int64_t(it.kv_head + gi) * D;
+      const int64_t voff = int64_t(it.kv_head + gi) * Dv;
+      for (int t = 0; t < n; ++t) {
+        if constexpr (f8) {
+          pf.step();
+          fp8_row_to_bf16(k16 + size_t(t) * D, kp0[t] + koff, D);
+          pf.step();
+          fp8_row_to_bf16(v16 + size_t(t) * Dv, vp0[t] + voff, Dv);
+          kr[t] = k16 + size_t(t) * D;
+          vr[t] = v16 + size_t(t) * Dv;
+        } else {
+          kr[t] = reinterpret_cast<const uint16_t*>(kp0[t] + koff);
+          vr[t] = reinterpret_cast<const uint16_t*>(vp0[t] + voff);
+        }
+      }
+      // Keys past the block's end read the first key's row (valid memory; masked to weight 0).
+      for (int t = n; t < nt; ++t) kr[t] = kr[0];
+      const uint32_t* qg = qp + size_t(gi) * (D / 2) * Rp;
+      for (int t0 = 0; t0 < nt; t0 += nk) {
+        if (nvt >= 2) {
+          int j = 0;
+          for (; j + 2 <= nvt; j += 2)
+            qk_keys_bf16<8, 2>(qg + j * 16, Rp, D, kr + t0, qscale, sT + size_t(t0) * Rp + j * 16,
+                               pf);
+          for (; j < nvt; ++j)
+            qk_keys_bf16<8, 1>(qg + j * 16, Rp, D, kr + t0, qscale, sT + size_t(t0) * Rp + j * 16,
+                               pf);
+        } else {
+          qk_keys_bf16<16, 1>(qg, Rp, D, kr + t0, qscale, sT + size_t(t0) * Rp, pf);
+        }
+      }
+      const RowLanes& LG = L[gi];
+      const bool whole = block_seen_whole(P, LG, k0, n);
+      float* ag = aL + size_t(gi) * Rp;
+      rows_softmax(P, LG, sT, nt, n, k0, whole, mL + size_t(gi) * Rp, lL + size_t(gi) * Rp, ag,
+                   badv[gi], true);
+      // Weight pairs (keys 2tp, 2tp + 1) per lane as bf16 dwords (exact: already rounded).
+      const int npairs = (n + 1) / 2;
+      for (int tp = 0; tp < npairs; ++tp) {
+        for (int j = 0; j < nvt; ++j) {
+          const __m512 a = _mm512_loadu_ps(sT + size_t(2 * tp) * Rp + j * 16);
+          const __m512 b = _mm512_loadu_ps(sT + size_t(2 * tp + 1) * Rp + j * 16);
+          const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(a), 16);
+          const __m512i hi = _mm512_and_si512(_mm512_castps_si512(b), _mm512_set1_epi32(int(0xffff0000u)));
+          _mm512_storeu_si512(pbT + size_t(tp) * Rp + j * 16, _mm512_or_si512(lo, hi));
+        }
+      }
+      if (!whole) {
+        guard_values<uint16_t>(P, S.lim, S.mrow, S.bad, gi * R1, (gi + 1) * R1, k0, n, vr, Dv);
+      }
+      // An odd block's last pair reads one key past the block (weight 0): a zero row.
+      if (n % 2) vr[n] = zero_row<uint16_t>();
+      for (int i0 = 0; i0 < R1; i0 += 8) {
+        pv_dispatch(std::min(8, R1 - i0), acc + size_t(gi * R1 + i0) * Dv, Dv, pbT + i0, 1,
+                    size_t(Rp), ag + i0, vr, npairs, pf);
+      }
+    }
+  }
+  for (int gi = 0; gi < nkv; ++gi) lanes_bad(badv[gi], gi * R1, R1, S);
+  for (int r = 0; r < T.R; ++r) {
+    m[r] = mL[size_t(r / R1) * Rp + r % R1];
+    l[r] = lL[size_t(r / R1) * Rp + r % R1];
+  }
+  finish_rows<uint16_t>(P, it, T, m, l, S, [&](int r) {
+    return unpermute_row(B.k.data(), acc + size_t(r) * Dv, Dv);  // B.k: >= Dv floats
+  });
+  return 0;
+}
+#endif
+
+}  // namespace NA_NS
+
+#endif  // NATIVE_ATTN_ROWS_PATH_H

@@ -1,0 +1,177 @@
+"""The many-row tile path (csrc/rows_path.h, issue 42) against the float64 oracle.
+
+Items with at least ``rows_min`` rows per kv head (q heads of one kv head x query tokens: GQA
+verify chains and trees, prefill with a prefix, a cascade's shared part) take the GEMM-shaped
+kernel; decode-shaped items keep the older kernels. Each case runs on every compiled ISA path,
+in this process with the default threshold and in child processes with the path forced on
+every item (``NATIVE_ATTN_ROWS_MIN=1``: tiles of 1..32 rows, straddling the vector width) and
+off everywhere (a huge threshold), so both kernels are checked on the same cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from attn_dispatch import Phase  # noqa: E402
+from attn_dispatch._env import NATIVE_ROWS_MIN  # noqa: E402
+from attn_dispatch.backends.native._lib import load  # noqa: E402
+from tests import oracle  # noqa: E402
+from tests.backends.native.test_backend import assert_close  # noqa: E402
+from tests.backends.native.test_backend import make_case  # noqa: E402
+from tests.backends.native.test_backend import run_native  # noqa: E402
+
+LIB = load()
+needs_lib = pytest.mark.skipif(isinstance(LIB, str), reason=f"native library: {LIB}")
+ISAS = () if isinstance(LIB, str) else LIB.isa_list
+
+# name: (phase, q_lens, kv_lens, tree, hq, hkv, d, extra make_case options, chunk)
+# Rows per kv head = (hq / hkv) x q_len: 15, 16, 20, 24, 32 (and more, cut into tiles of 32)
+# around the 8- and 16-lane vectors; kv lengths off the 32-key block (ragged last blocks).
+CASES: dict[str, tuple[Any, ...]] = {
+    "chain-verify": (Phase.VERIFY, [4, 5, 3], [301, 90, 37], False, 8, 2, 64, {}, None),
+    "tree-8": (Phase.VERIFY, [8, 6], [200, 45], True, 8, 2, 64, {}, None),
+    "tree-16-group8": (Phase.VERIFY, [16, 3], [130, 70], True, 16, 2, 64, {}, None),
+    "prefill-prefix": (Phase.PREFILL, [40, 7, 1], [300, 7, 50], False, 8, 2, 64, {}, None),
+    "prefill-group3": (Phase.PREFILL, [5, 11], [69, 11], False, 6, 2, 32, {}, None),
+    "window-cap-sinks": (
+        Phase.PREFILL, [33, 4], [250, 80], False, 8, 2, 64,
+        dict(window=37, cap=6.0, sinks=True), None,
+    ),
+    "tree-window-sinks": (
+        Phase.VERIFY, [8, 5], [160, 64], True, 8, 2, 64, dict(window=50, sinks=True), None
+    ),
+    "chunk": (Phase.PREFILL, [30, 9], [140, 40], False, 8, 2, 64, {}, 48),
+    "e4m3": (
+        Phase.VERIFY, [4, 8], [220, 61], False, 8, 2, 64,
+        dict(kv_dtype=torch.float8_e4m3fn, k_scale=0.7, v_scale=1.9), None,
+    ),
+    "e5m2-tree-cap": (
+        Phase.VERIFY, [8, 4], [99, 300], True, 8, 2, 64,
+        dict(kv_dtype=torch.float8_e5m2, k_scale=1.3, v_scale=0.4, cap=5.0), None,
+    ),
+    "mha-prefill": (Phase.PREFILL, [20, 33], [20, 100], False, 2, 2, 96, {}, None),
+}  # fmt: skip
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def build(name: str, dtype: Any) -> dict[str, Any]:
+    ph, q_lens, kv_lens, tree, hq, hkv, d, extra, chunk = CASES[name]
+    opts = dict(extra)
+    kv_dtype = opts.pop("kv_dtype", dtype)
+    case = make_case(
+        "mha", ph, q_lens=q_lens, kv_lens=kv_lens, page_size=16, hq=hq, hkv=hkv, d=d, dv=d,
+        dtype=dtype, kv_dtype=kv_dtype, tree=tree, seed=len(name), **opts,
+    )  # fmt: skip
+    if chunk is not None:
+        case["config"] = dataclasses.replace(case["config"], attention_chunk_size=chunk)
+    case["chunk"] = chunk
+    return case
+
+
+def reference(case: dict[str, Any]) -> torch.Tensor:
+    cfg = case["config"]
+    extras = case.get("extras", {})
+    return oracle.reference(
+        case["q"], case["k_cache"], case["v_cache"], q_lens=case["q_lens"],
+        kv_lens=case["kv_lens"], page_tables=case["tables"], masks=case["masks"],
+        sm_scale=case["scale"], v_head_dim=cfg.v_head_dim, window_left=cfg.window_left,
+        logit_cap=cfg.logit_cap, sinks=extras.get("sinks"), chunk=case["chunk"],
+        k_scale=extras.get("k_scale", 1.0), v_scale=extras.get("v_scale", 1.0),
+    )  # fmt: skip
+
+
+def check_all(isas: tuple[str, ...]) -> int:
+    """Every case x q dtype x ISA against the oracle; returns how many ran (raises on a miss)."""
+    assert not isinstance(LIB, str)
+    before = LIB.isa
+    ran = 0
+    try:
+        for isa in isas:
+            LIB.set_isa(isa)
+            for name in CASES:
+                for dname, dtype in DTYPES.items():
+                    case = build(name, dtype)
+                    out = run_native(case, num_threads=2)
+                    try:
+                        assert_close(out, reference(case))
+                    except AssertionError as exc:
+                        raise AssertionError(f"{isa} {name} {dname}: {exc}") from None
+                    ran += 1
+    finally:
+        LIB.set_isa(before)
+    return ran
+
+
+@needs_lib
+@pytest.mark.parametrize("isa", ISAS)
+def test_many_row_cases_on_every_isa(isa: str) -> None:
+    assert check_all((isa,)) == len(CASES) * len(DTYPES)
+
+
+def _child(rows_min: str) -> subprocess.CompletedProcess[str]:
+    code = (
+        "from tests.backends.native.test_rows_path import ISAS, check_all\n"
+        "print('ran', check_all(tuple(ISAS)))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), NATIVE_ROWS_MIN: rows_min}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+@needs_lib
+@pytest.mark.parametrize("rows_min", ["1", "1000000"], ids=["forced-on", "forced-off"])
+def test_many_row_path_forced_on_and_off(rows_min: str) -> None:
+    """Forced on, every item (decode too, tiles of 1-32 rows, several kv heads per tile) takes
+    the many-row kernel; forced off, none does: both match the oracle on every ISA."""
+    done = _child(rows_min)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert f"ran {len(CASES) * len(DTYPES) * len(ISAS)}" in done.stdout
+
+
+@needs_lib
+def test_decode_and_cascade_forced_through_the_many_row_path() -> None:
+    """Decode (4 rows per kv head, 4 kv heads per tile) and a cascade of shared pages forced
+    onto the many-row kernel: the results match the oracle."""
+    code = """
+import torch
+from attn_dispatch import Phase
+from tests.backends.native.test_backend import assert_close, make_case, naive, run_native
+from tests.backends.native.test_rows_path import ISAS, LIB
+n = 0
+for isa in ISAS:
+    LIB.set_isa(isa)
+    for dtype in (torch.float32, torch.bfloat16):
+        for kv in (dtype, torch.float8_e4m3fn):
+            extra = dict(k_scale=0.5, v_scale=2.0) if kv != dtype else {}
+            case = make_case("mha", Phase.DECODE, q_lens=[1, 1, 1], kv_lens=[700, 40, 300],
+                             page_size=16, hq=16, hkv=4, d=64, dv=64, dtype=dtype,
+                             kv_dtype=kv, **extra)
+            assert_close(run_native(case, num_threads=2), naive(case))
+            # every request shares the first request's pages: a cascade
+            shared = dict(case)
+            t0 = case["tables"][0]
+            tables = [t0[:30] + t0[30 + 4 * i: 34 + 4 * i] for i in range(3)]
+            from attn_dispatch import AttnBatch
+            b = AttnBatch.build(Phase.DECODE, q_lens=[1, 1, 1], kv_lens=[544, 544, 544],
+                                page_tables=tables, page_size=16,
+                                num_pages=case["k_cache"].shape[0])
+            shared.update(batch=b, tables=tables, kv_lens=[544, 544, 544])
+            assert_close(run_native(shared, num_threads=2, cascade=True), naive(shared))
+            n += 1
+print("ran", n)
+"""
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), NATIVE_ROWS_MIN: "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert f"ran {4 * len(ISAS)}" in done.stdout
