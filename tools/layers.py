@@ -81,6 +81,7 @@ LAYERS: tuple[Layer, ...] = (
             "cuda_graph",
             "testing",
             "testing.*",
+            "_context_parallel",
             "distributed",
             "distributed.*",
             "kv_layout",

@@ -15,6 +15,7 @@ from typing import Any
 from attn_dispatch._env import SGLANG_SPECS
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._spec import BackendSpec
+from attn_dispatch.integrations._options import backend_options
 
 #: The attention backend name SGLang's arguments use (``attention_backend="attn_dispatch"``).
 BACKEND_NAME = "attn_dispatch"
@@ -69,18 +70,7 @@ class Settings:
                 dict(raw),
                 'name the target model\'s backends: {"target": "native"} (a BackendSpec string)',
             )
-        options = raw.get("options", {})
-        if not isinstance(options, Mapping) or not all(
-            isinstance(name, str)
-            and isinstance(kw, Mapping)
-            and all(isinstance(k, str) for k in kw)
-            for name, kw in options.items()
-        ):
-            raise InvalidSpecError(
-                "options",
-                options,
-                'expected backend name -> keywords, such as {"native": {"cascade": false}}',
-            )
+        options = backend_options(raw.get("options", {}), example='{"native": {"cascade": false}}')
         record = raw.get("record")
         if record is not None and not isinstance(record, str):
             raise InvalidSpecError("record", record, "expected a file path (a string)")
@@ -88,7 +78,7 @@ class Settings:
         return cls(
             _spec("target", raw["target"]),
             None if draft is None else _spec("draft", draft),
-            {name: dict(kw) for name, kw in options.items()},
+            options,
             record,
         )
 

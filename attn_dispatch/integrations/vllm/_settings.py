@@ -11,6 +11,7 @@ from typing import Any
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch._spec import BackendSpec
+from attn_dispatch.integrations._options import backend_options
 
 #: The key of vLLM's ``additional_config`` that turns the integration on.
 CONFIG_KEY = "attn_dispatch"
@@ -53,18 +54,7 @@ class Settings:
                 dict(raw),
                 f"unknown key(s) {unknown!r}; keys are 'target', 'draft', 'mixed' and 'options'",
             )
-        options = raw.get("options", {})
-        if not isinstance(options, Mapping) or not all(
-            isinstance(name, str)
-            and isinstance(kw, Mapping)
-            and all(isinstance(k, str) for k in kw)
-            for name, kw in options.items()
-        ):
-            raise InvalidSpecError(
-                "options",
-                options,
-                'expected backend name -> keywords, such as {"native": {"cascade": False}}',
-            )
+        options = backend_options(raw.get("options", {}), example='{"native": {"cascade": False}}')
         if "target" not in raw:
             raise InvalidSpecError(
                 CONFIG_KEY,
@@ -79,7 +69,7 @@ class Settings:
             _spec("target", raw["target"]),
             None if draft is None else _spec("draft", draft),
             mixed,
-            {name: dict(kw) for name, kw in options.items()},
+            options,
         )
 
     def spec_for(self, label: str) -> BackendSpec:
