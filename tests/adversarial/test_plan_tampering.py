@@ -234,7 +234,7 @@ def _results(backend: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("backend", ["sdpa", "torch", "triton", "native"])
 def test_every_edit_of_an_issued_plan_is_refused_or_answered_right(backend: str) -> None:
-    from attn_dispatch import list_backends
+    from attn_dispatch.backend import list_backends
 
     caps = list_backends().get(backend)
     why = ["not registered"] if caps is None else list(caps.availability_reasons())
