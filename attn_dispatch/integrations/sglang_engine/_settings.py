@@ -16,6 +16,7 @@ from attn_dispatch._env import SGLANG_SPECS
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._spec import BackendSpec
 from attn_dispatch.integrations._options import backend_options
+from attn_dispatch.integrations._options import spec_value
 
 #: The attention backend name SGLang's arguments use (``attention_backend="attn_dispatch"``).
 BACKEND_NAME = "attn_dispatch"
@@ -76,8 +77,8 @@ class Settings:
             raise InvalidSpecError("record", record, "expected a file path (a string)")
         draft = raw.get("draft")
         return cls(
-            _spec("target", raw["target"]),
-            None if draft is None else _spec("draft", draft),
+            spec_value("target", raw["target"]),
+            None if draft is None else spec_value("draft", draft),
             options,
             record,
         )
@@ -96,14 +97,6 @@ class Settings:
                 "draft), or give the draft another backend (speculative_draft_attention_backend)",
             )
         return self.draft
-
-
-def _spec(field: str, value: object) -> BackendSpec:
-    if isinstance(value, Mapping):
-        return BackendSpec.from_dict(dict(value))
-    if not isinstance(value, str):
-        raise InvalidSpecError(field, value, "expected a BackendSpec string such as 'native'")
-    return BackendSpec.parse(value)
 
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:

@@ -12,6 +12,7 @@ from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 from attn_dispatch._spec import BackendSpec
 from attn_dispatch.integrations._options import backend_options
+from attn_dispatch.integrations._options import spec_value
 
 #: The key of vLLM's ``additional_config`` that turns the integration on.
 CONFIG_KEY = "attn_dispatch"
@@ -66,8 +67,8 @@ class Settings:
             raise InvalidSpecError("mixed", mixed, f"choose one of {MIXED_MODES!r}")
         draft = raw.get("draft")
         return cls(
-            _spec("target", raw["target"]),
-            None if draft is None else _spec("draft", draft),
+            spec_value("target", raw["target"]),
+            None if draft is None else spec_value("draft", draft),
             mixed,
             options,
         )
@@ -85,16 +86,6 @@ class Settings:
                 "spec is never copied to the draft)",
             )
         return self.draft
-
-
-def _spec(field: str, value: object) -> BackendSpec:
-    if isinstance(value, BackendSpec):
-        return value
-    if isinstance(value, Mapping):
-        return BackendSpec.from_dict(dict(value))
-    if not isinstance(value, str):
-        raise InvalidSpecError(field, value, "expected a BackendSpec string such as 'native'")
-    return BackendSpec.parse(value)
 
 
 def settings_of(vllm_config: Any) -> Settings | None:
