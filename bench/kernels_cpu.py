@@ -234,7 +234,10 @@ class VllmPeer:
         torch.ops.load_library(lib)
         self.lib = lib
         self.ops = torch.ops._C
-        self.isa = "vec"  # vLLM's choice on x86 without AMX (block size % 32 == 0)
+        # vLLM's own choice (cpu_attn's ISA rule): "amx" for a bf16 cache with pages of a
+        # multiple of 32 tokens where the CPU has AMX tiles (its _C build), else "vec".
+        amx = isa == "avx512bf16" and torch.cpu._is_amx_tile_supported()
+        self.isa = "amx" if amx else "vec"
 
     def supports(self, w: Workload) -> str | None:
         if w.kind == "mla":
@@ -442,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         f"native isa={isa}  threads={torch.get_num_threads()}  read bw {bw:.1f} GB/s  "
         f"GEMM peak {peak / 1e9:.0f} GMAC/s ({peak_dtype})  load {load_avg:.1f}  "
         f"torch cpu capability {torch.backends.cpu.get_cpu_capability()}"
-        + (f"  peer {os.path.basename(peer.lib)}" if peer else "")
+        + (f"  peer {os.path.basename(peer.lib)} ({peer.isa})" if peer else "")
         + "\n"
     )
     if args.variants or args.variants_only:
