@@ -33,7 +33,7 @@ from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._protocol import Handler
 from attn_dispatch._values import F32_MAX
 from attn_dispatch._values import F32_MIN_NORMAL
-from attn_dispatch._values import call_scale
+from attn_dispatch._values import check_scale
 from attn_dispatch._values import check_sinks
 
 
@@ -86,10 +86,10 @@ class CallRule:
                 )
             if type(given) is float and F32_MIN_NORMAL <= given <= F32_MAX:
                 return given
-            return call_scale("sm_scale", given)
+            return check_scale("sm_scale", given)
         if given is None or (given == planned and type(given) is not bool):
             return planned
-        value = call_scale("sm_scale", given)
+        value = check_scale("sm_scale", given)
         # Equal up to float rounding (head_dim ** -0.5 vs 1 / math.sqrt(head_dim)) passes, and
         # the planned value is what the handler receives.
         if abs(value - planned) > 1e-6 * planned:
@@ -135,9 +135,9 @@ class CallRule:
                 "drop sinks= or bind a config with AttnConfig(sinks=True)",
             )
         if self.fp8:
-            kw["k_scale"] = 1.0 if k_scale is None else call_scale("k_scale", k_scale)
+            kw["k_scale"] = 1.0 if k_scale is None else check_scale("k_scale", k_scale)
             if not self.mla:
-                kw["v_scale"] = 1.0 if v_scale is None else call_scale("v_scale", v_scale)
+                kw["v_scale"] = 1.0 if v_scale is None else check_scale("v_scale", v_scale)
             elif v_scale is not None:
                 raise InvalidBatchError(
                     "v_scale",

@@ -53,7 +53,7 @@ class StepStats:
     (``refill``): the only part of a snapshot that ever changes, kept apart from the frozen
     value so that nothing mutates a frozen object. Only ``follow`` changes them: plain
     attribute assignment is refused, as on a frozen dataclass (the per-call checks compare
-    the cache with ``max_page``; a plan is a value, see backends._private)."""
+    the cache with ``max_page``; a plan is a value, see attn_dispatch._plans)."""
 
     __slots__ = ("max_kv_len", "max_page", "max_q_len", "num_tokens")
 

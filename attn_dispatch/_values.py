@@ -80,7 +80,7 @@ def positive_f32_problem(value: object) -> str | None:
     return f"must be a finite float > 0 in float32's normal range [{_RANGE}] ({why})"
 
 
-def call_scale(name: str, value: Any) -> float:
+def check_scale(name: str, value: Any) -> float:
     """A per-call scale (``sm_scale``, ``k_scale``, ``v_scale``) as a float, or
     ``InvalidBatchError`` naming ``name``."""
     if type(value) is float and F32_MIN_NORMAL <= value <= F32_MAX:

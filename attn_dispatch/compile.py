@@ -66,7 +66,7 @@ import torch
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._scope import AttentionExtras
 from attn_dispatch._scope import attention as _scope_attention
-from attn_dispatch._values import call_scale
+from attn_dispatch._values import check_scale
 
 if TYPE_CHECKING:
     # typing.Unpack is Python 3.11+; the package supports 3.10 (typing_extensions has it).
@@ -237,7 +237,7 @@ def attention_op(
     dv = _value_width(k_cache, v_cache, v_head_dim)
     # The schema takes floats: check the values with the core's rule before any conversion
     # (float(True) or float("2") would pass as numbers the eager call refuses).
-    scale = None if sm_scale is None else call_scale("sm_scale", sm_scale)
+    scale = None if sm_scale is None else check_scale("sm_scale", sm_scale)
     if return_lse is not False:
         if return_lse is not True:
             raise InvalidBatchError(
@@ -255,8 +255,8 @@ def attention_op(
         scale,
         dv,
         sinks,
-        None if k_scale is None else call_scale("k_scale", k_scale),
-        None if v_scale is None else call_scale("v_scale", v_scale),
+        None if k_scale is None else check_scale("k_scale", k_scale),
+        None if v_scale is None else check_scale("v_scale", v_scale),
         group,
     )
 

@@ -54,7 +54,16 @@ LAYERS: tuple[Layer, ...] = (
         2,
         "the backend contract: protocol, registry, paged-batch contract checks",
         "the author's surface, `attn_dispatch.backend`",
-        ("_protocol", "_registry", "_contract", "_snapshot", "_tensor_checks", "backend"),
+        (
+            "_protocol",
+            "_plans",
+            "_registry",
+            "_contract",
+            "_snapshot",
+            "_tensor_checks",
+            "_masks",
+            "backend",
+        ),
     ),
     Layer(
         3,
@@ -90,7 +99,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer(
         6,
         "backends",
-        "per backend: a light module (capabilities) and the heavy one",
+        "per backend: a light module (capabilities) and the heavy one; they import the "
+        "author's surface `attn_dispatch.backend`, never a private `attn_dispatch._*` module",
         ("backends", "backends.*"),
     ),
     Layer(
@@ -111,6 +121,18 @@ LAYERS: tuple[Layer, ...] = (
         ),
     ),
 )
+
+
+#: The built-in backends (``attn_dispatch.backends.*``) build on the author's surface,
+#: ``attn_dispatch.backend``, as a backend of another package must: an import of a private core
+#: module (``attn_dispatch._*``) is refused there (``tests/core/test_layers.py``), save these,
+#: each with its reason.
+BACKENDS_MAY_IMPORT: dict[str, str] = {
+    "attn_dispatch._env": (
+        "the repository's one list of environment variable names (tests/core/test_env.py); "
+        "a backend of another package names its own"
+    ),
+}
 
 
 def table() -> dict[str, int]:

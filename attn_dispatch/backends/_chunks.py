@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch.backend import InvalidBatchError
 
 __all__ = ["check_prefix_chunk"]
 

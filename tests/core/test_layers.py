@@ -11,6 +11,7 @@ parents as a side effect of Python's import system does not count.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 from pathlib import Path
 from types import ModuleType
@@ -68,6 +69,60 @@ def upward_imports(mods: dict[str, Path], table: dict[str, int] = LAYERS) -> lis
     return bad
 
 
+def private_imports(source: str, name: str, is_package: bool) -> list[str]:
+    """``"line N: attn_dispatch._x"`` for every import of a private core module in ``source``
+    (module ``name``): ``import attn_dispatch._x``, ``from attn_dispatch._x import y``, ``from
+    attn_dispatch import _x``, their relative forms (``from ..._x import y``, ``from ... import
+    _x``) and a constant ``importlib.import_module("attn_dispatch._x")``, wherever they are
+    (``if TYPE_CHECKING:`` blocks included: an author's annotations use public names too)."""
+    found: list[str] = []
+
+    def check(target: str, line: int) -> None:
+        parts = target.split(".")
+        if len(parts) > 1 and parts[0] == "attn_dispatch" and parts[1].startswith("_"):
+            module = ".".join(parts[:2])
+            if module not in LAYERS_TOOL.BACKENDS_MAY_IMPORT:
+                found.append(f"line {line}: {module}")
+
+    for node in ast.walk(ast.parse(source, name)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                check(alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name if is_package else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    pkg = pkg.rpartition(".")[0]
+                base = f"{pkg}.{base}" if base else pkg
+            check(base, node.lineno)
+            if base == "attn_dispatch":
+                for alias in node.names:
+                    check(f"{base}.{alias.name}", node.lineno)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute | ast.Name)
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
+            == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            check(node.args[0].value, node.lineno)
+    return found
+
+
+def backends_private_imports(mods: dict[str, Path]) -> list[str]:
+    """``"module line N: attn_dispatch._x"`` for each private import under the backends."""
+    bad = []
+    for name, path in mods.items():
+        if name == "attn_dispatch.backends" or name.startswith("attn_dispatch.backends."):
+            source = path.read_text(encoding="utf-8")
+            for hit in private_imports(source, name, path.name == "__init__.py"):
+                bad.append(f"{name} {hit}")
+    return bad
+
+
 def test_every_module_has_a_layer() -> None:
     missing = sorted(m for m in modules() if layer_of(m) is None)
     assert missing == [], f"add these modules to LAYERS (tools/layers.py): {missing}"
@@ -117,6 +172,60 @@ def test_the_checker_fails_on_planted_upward_imports(tmp_path: Path) -> None:
         "attn_dispatch._errors (L0) imports attn_dispatch.backends (L6)",
         "attn_dispatch._spec (L1) imports attn_dispatch.cli (L7)",
     ]
+
+
+def test_the_built_in_backends_import_only_the_authors_surface() -> None:
+    # What a built-in needs from the core is on attn_dispatch.backend, where a backend of
+    # another package finds it: the public contract is enough to write every built-in.
+    mods = modules()
+    bad = backends_private_imports(mods)
+    assert bad == [], (
+        "built-in backends import private core modules; use (or add to) attn_dispatch.backend:"
+        "\n" + "\n".join(bad)
+    )
+    # The scan read the backends (so an empty scan cannot pass), and the allowed module is
+    # imported where expected.
+    assert sum(n.startswith("attn_dispatch.backends.") for n in mods) >= 10
+    native_lib = mods["attn_dispatch.backends.native._lib"].read_text(encoding="utf-8")
+    assert "from attn_dispatch._env import" in native_lib
+
+
+def test_the_private_import_scan_fails_on_planted_imports(tmp_path: Path) -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import attn_dispatch._snapshot\n"  # 2
+        "from attn_dispatch._values import check_scale\n"  # 3
+        "from attn_dispatch import _vocab, backend\n"  # 4
+        "from ..._errors import InvalidBatchError\n"  # 5: attn_dispatch._errors
+        "from ... import _phase\n"  # 6
+        "from .. import _cascade\n"  # 7: attn_dispatch.backends._cascade, allowed
+        "from attn_dispatch.backend import TensorChecks\n"  # 8: public
+        "from attn_dispatch._env import NATIVE_LIB\n"  # 9: allowed, with its reason
+        "if TYPE_CHECKING:\n"
+        "    from attn_dispatch._config import AttnConfig\n"  # 11
+        "def f():\n"
+        "    import importlib\n"
+        "    return importlib.import_module('attn_dispatch._tensor_checks')\n"  # 14
+    )
+    name = "attn_dispatch.backends.mine.backend"
+    assert private_imports(source, name, False) == [
+        "line 2: attn_dispatch._snapshot",
+        "line 3: attn_dispatch._values",
+        "line 4: attn_dispatch._vocab",
+        "line 5: attn_dispatch._errors",
+        "line 6: attn_dispatch._phase",
+        "line 11: attn_dispatch._config",
+        "line 14: attn_dispatch._tensor_checks",
+    ]
+    # The whole check, on a fake package holding one such file.
+    pkg = tmp_path / "attn_dispatch" / "backends" / "mine"
+    pkg.mkdir(parents=True)
+    for init in (pkg.parents[1], pkg.parents[0], pkg):
+        (init / "__init__.py").write_text("")
+    (pkg / "backend.py").write_text(source)
+    (pkg / "_ok.py").write_text("from attn_dispatch.backend import Phase\n")
+    bad = backends_private_imports(modules(tmp_path / "attn_dispatch", tmp_path))
+    assert len(bad) == 7 and bad[0] == f"{name} line 2: attn_dispatch._snapshot", bad
 
 
 @pytest.mark.parametrize(

@@ -19,9 +19,14 @@ from attn_dispatch import BackendSpec
 from attn_dispatch import Phase
 
 SURFACES = {"attn_dispatch": attn_dispatch, "attn_dispatch.backend": backend_surface}
-# Exported by both surfaces; reports the framework one (model code compares
-# attention_form() with it).
-SHARED = {"AttnForm": "attn_dispatch"}
+# Exported by both surfaces, the same objects; they report the framework one (model code
+# compares attention_form() with AttnForm; a backend builds on AttnConfig and Phase and raises
+# the errors its callers catch from attn_dispatch).
+SHARED = dict.fromkeys(
+    ("AttnConfig", "AttnForm", "BackendUnavailableError", "IncompatibleBackendError",
+     "InvalidBatchError", "InvalidSpecError", "Phase"),
+    "attn_dispatch",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(SURFACES))
@@ -36,7 +41,12 @@ def test_all_is_sorted_and_unique(name: str) -> None:
 )
 def test_every_public_name_reports_its_public_module(surface: str, name: str) -> None:
     obj = getattr(SURFACES[surface], name)  # lazy ones (torch) load here
+    if name.isupper():  # a constant (COMPUTE_DTYPES): a value, no module of its own
+        assert not callable(obj) and isinstance(obj, tuple | frozenset), (name, obj)
+        return
     obj = getattr(obj, "__func__", obj)  # register_backend: a bound method
+    if name in SHARED:  # the very object the framework surface exports
+        assert obj is getattr(attn_dispatch, name)
     assert obj.__module__ == SHARED.get(name, surface), (surface, name, obj.__module__)
 
 

@@ -27,11 +27,11 @@ from collections.abc import Callable
 from collections.abc import Iterable
 from typing import Any
 
-from attn_dispatch._capabilities import Capabilities
-from attn_dispatch._config import AttnConfig
-from attn_dispatch._forms import FormPolicy
-from attn_dispatch._phase import Phase
-from attn_dispatch._vocab import FP8_DTYPES
+from attn_dispatch.backend import FP8_DTYPES
+from attn_dispatch.backend import AttnConfig
+from attn_dispatch.backend import Capabilities
+from attn_dispatch.backend import FormPolicy
+from attn_dispatch.backend import Phase
 
 __all__ = [
     "CAPABILITIES",

@@ -22,11 +22,11 @@ import flashinfer.mla
 import torch
 from flashinfer.mla import MLAPlanMetadata
 
-from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import InvalidBatchError
-from attn_dispatch._errors import InvalidSpecError
-from attn_dispatch._snapshot import BatchSnapshot
-from attn_dispatch.backends._masks import window_flat_mask
+from attn_dispatch.backend import AttnConfig
+from attn_dispatch.backend import BatchSnapshot
+from attn_dispatch.backend import InvalidBatchError
+from attn_dispatch.backend import InvalidSpecError
+from attn_dispatch.backend import window_flat_mask
 from attn_dispatch.backends.flashinfer._keywords import kw as _kw
 from attn_dispatch.backends.flashinfer._tables import PageTable
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attn_dispatch._snapshot import BatchSnapshot
+from attn_dispatch.backend import BatchSnapshot
 
 __all__ = ["Levels", "PageTable", "cascade_levels", "page_table"]
 

@@ -50,23 +50,23 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from typing import Any
 
 import torch
 
-from attn_dispatch._batch import AttnBatch
-from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import BackendUnavailableError
-from attn_dispatch._errors import IncompatibleBackendError
-from attn_dispatch._errors import InvalidBatchError
-from attn_dispatch._errors import InvalidSpecError
-from attn_dispatch._phase import Phase
-from attn_dispatch._protocol import BackendBase
-from attn_dispatch._protocol import PlanBase
-from attn_dispatch._protocol import check_plan
-from attn_dispatch._protocol import issue_plan
-from attn_dispatch._snapshot import BatchSnapshot
-from attn_dispatch._tensor_checks import TensorChecks
+from attn_dispatch.backend import AttnConfig
+from attn_dispatch.backend import BackendBase
+from attn_dispatch.backend import BackendUnavailableError
+from attn_dispatch.backend import BatchSnapshot
+from attn_dispatch.backend import IncompatibleBackendError
+from attn_dispatch.backend import InvalidBatchError
+from attn_dispatch.backend import InvalidSpecError
+from attn_dispatch.backend import Phase
+from attn_dispatch.backend import PlanBase
+from attn_dispatch.backend import TensorChecks
+from attn_dispatch.backend import check_plan
+from attn_dispatch.backend import issue_plan
 from attn_dispatch.backends import _cascade
 from attn_dispatch.backends._cascade import CascadeGroups
 from attn_dispatch.backends._cascade import cascade_groups
@@ -82,6 +82,9 @@ from attn_dispatch.backends.flashinfer._tables import Levels
 from attn_dispatch.backends.flashinfer._tables import PageTable
 from attn_dispatch.backends.flashinfer._tables import cascade_levels
 from attn_dispatch.backends.flashinfer._tables import page_table
+
+if TYPE_CHECKING:
+    from attn_dispatch import AttnBatch
 
 __all__ = [
     "CASCADE_MIN_SAVED_FRACTION",
@@ -366,7 +369,7 @@ class FlashInferBackend(BackendBase):
         """Plan the wrapper serving ``batch.phase``: once per forward, host metadata only.
 
         FlashInfer bakes the softmax scale into its plan: ``self.sm_scale`` (the config's).
-        The batch is copied and checked first (``attn_dispatch._snapshot.BatchSnapshot``); a
+        The batch is copied and checked first (``attn_dispatch.backend.BatchSnapshot``); a
         later edit of its tensors never reaches FlashInfer. Where the batch shares leading
         pages, the plan is a cascade and ``plan.cascade`` says what it shares.
         """

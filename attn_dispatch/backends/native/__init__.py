@@ -18,15 +18,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from attn_dispatch._capabilities import Capabilities
-from attn_dispatch._forms import FormPolicy
-from attn_dispatch._vocab import COMPUTE_DTYPES
-from attn_dispatch._vocab import FP8_DTYPES
+from attn_dispatch.backend import COMPUTE_DTYPES
+from attn_dispatch.backend import FP8_DTYPES
+from attn_dispatch.backend import Capabilities
+from attn_dispatch.backend import FormPolicy
 from attn_dispatch.backends.native._lib import unavailable_reason
 
 if TYPE_CHECKING:
-    from attn_dispatch._config import AttnConfig
-    from attn_dispatch._phase import Phase
+    from attn_dispatch.backend import AttnConfig
+    from attn_dispatch.backend import Phase
 
 MAX_HEAD_DIM = 2048  # csrc/kernels.h kMaxHeadDim
 

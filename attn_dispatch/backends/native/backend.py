@@ -1,7 +1,7 @@
 """The native backend: the shared batch and tensor checks in Python, planning and kernels in
 C++ (ctypes).
 
-``plan`` runs the shared batch contract (``attn_dispatch._snapshot.BatchSnapshot``), then
+``plan`` runs the shared batch contract (``attn_dispatch.backend.BatchSnapshot``), then
 ``na_plan_create``, which re-checks every index it will follow and keeps private copies of
 them; the plan is owned by the backend object that made it. Each layer call checks its
 tensors against the plan (``TensorChecks``) before one ``na_run``. A bad batch, tensor or plan is an
@@ -24,24 +24,24 @@ import dataclasses
 import functools
 import threading
 import weakref
+from typing import TYPE_CHECKING
 from typing import Any
 
 import torch
 
-from attn_dispatch._batch import AttnBatch
-from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import BackendUnavailableError
-from attn_dispatch._errors import InvalidBatchError
-from attn_dispatch._errors import InvalidSpecError
-from attn_dispatch._phase import Phase
-from attn_dispatch._protocol import BackendBase
-from attn_dispatch._protocol import Handler
-from attn_dispatch._protocol import PlanBase
-from attn_dispatch._protocol import check_plan
-from attn_dispatch._protocol import issue_plan
-from attn_dispatch._snapshot import BatchSnapshot
-from attn_dispatch._tensor_checks import TensorChecks
-from attn_dispatch._values import call_scale
+from attn_dispatch.backend import AttnConfig
+from attn_dispatch.backend import BackendBase
+from attn_dispatch.backend import BackendUnavailableError
+from attn_dispatch.backend import BatchSnapshot
+from attn_dispatch.backend import Handler
+from attn_dispatch.backend import InvalidBatchError
+from attn_dispatch.backend import InvalidSpecError
+from attn_dispatch.backend import Phase
+from attn_dispatch.backend import PlanBase
+from attn_dispatch.backend import TensorChecks
+from attn_dispatch.backend import check_plan
+from attn_dispatch.backend import check_scale
+from attn_dispatch.backend import issue_plan
 from attn_dispatch.backends.native import MAX_HEAD_DIM
 from attn_dispatch.backends.native._lib import NaConfig
 from attn_dispatch.backends.native._lib import NaError
@@ -52,6 +52,9 @@ from attn_dispatch.backends.native._lib import NaRunArgs
 from attn_dispatch.backends.native._lib import NaStatus
 from attn_dispatch.backends.native._lib import NativeLibrary
 from attn_dispatch.backends.native._lib import load
+
+if TYPE_CHECKING:
+    from attn_dispatch import AttnBatch
 
 _NA_MHA, _NA_MLA = 0, 1
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -464,13 +467,13 @@ class NativeBackend(BackendBase):
             sinks_ptr, sinks_numel = sinks.data_ptr(), sinks.numel()
         elif sinks is not None:
             raise InvalidBatchError("sinks", "given to a layer whose config has sinks=False")
-        # The core's rules (attn_dispatch._values): a binding's handlers checked them already;
+        # The core's rules (check_scale): a binding's handlers checked them already;
         # this handler may also be called without one.
-        ks, vs = call_scale("k_scale", k_scale), call_scale("v_scale", v_scale)
+        ks, vs = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
         if not self.fp8 and (ks, vs) != (1.0, 1.0):
             raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
         v_ptr, v_numel = (None, 0) if self.mla else (v_cache.data_ptr(), v_cache.numel())
-        scale = call_scale("sm_scale", sm_scale)
+        scale = check_scale("sm_scale", sm_scale)
         if return_lse is not True and return_lse is not False:
             raise InvalidBatchError("return_lse", f"must be True or False, got {return_lse!r}")
         rows = issued.num_tokens

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from attn_dispatch._capabilities import Capabilities
-from attn_dispatch._forms import FormPolicy
-from attn_dispatch._vocab import COMPUTE_DTYPES
-from attn_dispatch._vocab import FP8_DTYPES
+from attn_dispatch.backend import COMPUTE_DTYPES
+from attn_dispatch.backend import FP8_DTYPES
+from attn_dispatch.backend import Capabilities
+from attn_dispatch.backend import FormPolicy
 
 #: The form policy of MLA configs unless the ``form_policy`` option says otherwise.
 DEFAULT_FORM_POLICY = FormPolicy()

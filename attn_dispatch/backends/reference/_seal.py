@@ -28,8 +28,8 @@ from typing import NoReturn
 
 import torch
 
-from attn_dispatch._errors import InvalidBatchError
-from attn_dispatch._snapshot import BatchSnapshot
+from attn_dispatch.backend import BatchSnapshot
+from attn_dispatch.backend import InvalidBatchError
 
 if TYPE_CHECKING:
     from attn_dispatch.backends.reference.backend import TorchPlan

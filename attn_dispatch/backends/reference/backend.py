@@ -24,27 +24,30 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from typing import Any
 
 import torch
 
-from attn_dispatch._batch import AttnBatch
-from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import InvalidBatchError
-from attn_dispatch._errors import InvalidSpecError
-from attn_dispatch._phase import Phase
-from attn_dispatch._protocol import BackendBase
-from attn_dispatch._protocol import Handler
-from attn_dispatch._protocol import PlanBase
-from attn_dispatch._protocol import check_plan
-from attn_dispatch._protocol import issue_plan
-from attn_dispatch._snapshot import BatchSnapshot
-from attn_dispatch._tensor_checks import TensorChecks
+from attn_dispatch.backend import AttnConfig
+from attn_dispatch.backend import BackendBase
+from attn_dispatch.backend import BatchSnapshot
+from attn_dispatch.backend import Handler
+from attn_dispatch.backend import InvalidBatchError
+from attn_dispatch.backend import InvalidSpecError
+from attn_dispatch.backend import Phase
+from attn_dispatch.backend import PlanBase
+from attn_dispatch.backend import TensorChecks
+from attn_dispatch.backend import check_plan
+from attn_dispatch.backend import chunk_tree_mask
+from attn_dispatch.backend import issue_plan
+from attn_dispatch.backend import window_tree_mask
 from attn_dispatch.backends._chunks import check_prefix_chunk
-from attn_dispatch.backends._masks import chunk_tree_mask
-from attn_dispatch.backends._masks import window_tree_mask
 from attn_dispatch.backends.reference._seal import Seals
 from attn_dispatch.backends.reference._softmax import _OnlineSoftmax
+
+if TYPE_CHECKING:
+    from attn_dispatch import AttnBatch
 
 # Max fp32 score elements alive at once (64 MiB): bounds memory for any context length.
 SCORE_BUDGET = 1 << 24
@@ -141,7 +144,7 @@ class TorchBackend(BackendBase):
                 ql, kl = qo[i + 1] - qo[i], lens[i]
                 mask[i, :ql, :kl] = snap.custom_mask[off : off + ql * kl].view(ql, kl)
                 off += ql * kl
-            if chunk is not None:  # the chunk first, then the window (see backends._masks)
+            if chunk is not None:  # the chunk first, then the window (see chunk_tree_mask)
                 mask = chunk_tree_mask(mask, chunk)
             if window is not None:
                 mask = window_tree_mask(mask, window)

@@ -23,14 +23,14 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from attn_dispatch._capabilities import Capabilities
-from attn_dispatch._forms import FormPolicy
-from attn_dispatch._vocab import COMPUTE_DTYPES
-from attn_dispatch._vocab import FP8_DTYPES
+from attn_dispatch.backend import COMPUTE_DTYPES
+from attn_dispatch.backend import FP8_DTYPES
+from attn_dispatch.backend import Capabilities
+from attn_dispatch.backend import FormPolicy
 
 if TYPE_CHECKING:
-    from attn_dispatch._config import AttnConfig
-    from attn_dispatch._phase import Phase
+    from attn_dispatch.backend import AttnConfig
+    from attn_dispatch.backend import Phase
 
 #: torch 2.5 added ``enable_gqa`` to the public function; the CPU flash op returns the LSE
 #: from 2.3. Older torch is refused by the availability check.

@@ -14,10 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attn_dispatch._batch import AttnBatch
-from attn_dispatch._errors import InvalidBatchError
-from attn_dispatch._snapshot import BatchSnapshot
-from attn_dispatch._values import call_scale
+from attn_dispatch.backend import BatchSnapshot
+from attn_dispatch.backend import InvalidBatchError
+from attn_dispatch.backend import check_scale
 from attn_dispatch.backends._chunks import check_prefix_chunk
 from attn_dispatch.backends.sdpa._fused import MaskCache
 from attn_dispatch.backends.sdpa._fused import Part
@@ -27,6 +26,7 @@ from attn_dispatch.backends.sdpa._fused import widen
 from attn_dispatch.backends.sdpa._fused import with_sinks
 
 if TYPE_CHECKING:
+    from attn_dispatch import AttnBatch
     from attn_dispatch.backends.sdpa.backend import SdpaBackend
 
 __all__ = ["run_chunked"]
@@ -58,7 +58,7 @@ def run_chunked(
         )
     if batch.custom_mask is not None:
         raise InvalidBatchError("custom_mask", "the 'mha_chunked' form is causal only")
-    scale = call_scale("sm_scale", sm_scale)
+    scale = check_scale("sm_scale", sm_scale)
     snap = BatchSnapshot.of(batch, None)  # this form's plan: checked here, once per layer
     t = snap.num_tokens
     for name, x, d in (("q", q, be.d), ("k_new", k_new, be.d), ("v_new", v_new, be.dv)):

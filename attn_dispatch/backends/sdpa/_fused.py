@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch.backend import InvalidBatchError
 
 __all__ = [
     "Call",

@@ -16,7 +16,7 @@ over key ranges of those requests:
   into the mask first, as every backend does);
 - ``causal=False``: all keys, no mask.
 
-``Steps`` is the backend's private record of a plan (see ``backends._private``): the caller
+``Steps`` is the backend's private record of a plan (``PrivatePlans``): the caller
 holds only an immutable handle.
 """
 
@@ -28,10 +28,10 @@ from typing import Literal
 
 import torch
 
-from attn_dispatch._config import AttnConfig
-from attn_dispatch._snapshot import BatchSnapshot
-from attn_dispatch.backends._masks import chunk_tree_mask
-from attn_dispatch.backends._masks import window_tree_mask
+from attn_dispatch.backend import AttnConfig
+from attn_dispatch.backend import BatchSnapshot
+from attn_dispatch.backend import chunk_tree_mask
+from attn_dispatch.backend import window_tree_mask
 from attn_dispatch.backends.sdpa._fused import SOURCE_BUF
 from attn_dispatch.backends.sdpa._fused import SOURCE_CACHE
 from attn_dispatch.backends.sdpa._fused import Call

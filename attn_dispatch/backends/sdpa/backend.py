@@ -9,7 +9,7 @@ follow each other in the cache is read in place, as a view, where that layout is
 head-major already). The decompressed chunked-prefix MLA form lives in ``_chunked``.
 
 A plan is a handle (``SdpaPlan``: immutable summaries only); what the handler reads stays in
-the backend object's own table (``backends._private``), so no edit of an issued plan reaches
+the backend object's own table (``PrivatePlans``), so no edit of an issued plan reaches
 a kernel. Every call is checked like every backend's (``TensorChecks``: shapes, dtypes,
 devices, pages against the cache given), and every view the kernels read is checked against
 the extent of the tensor it views (``_fused.rows_of``), never its storage's.
@@ -22,23 +22,23 @@ import functools
 import math
 from collections.abc import Iterable
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Literal
 
 import torch
 
-from attn_dispatch._batch import AttnBatch
-from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import InvalidBatchError
-from attn_dispatch._errors import InvalidSpecError
-from attn_dispatch._phase import Phase
-from attn_dispatch._protocol import BackendBase
-from attn_dispatch._protocol import Handler
-from attn_dispatch._protocol import PlanBase
-from attn_dispatch._snapshot import BatchSnapshot
-from attn_dispatch._tensor_checks import TensorChecks
-from attn_dispatch._values import call_scale
-from attn_dispatch.backends._private import PrivatePlans
+from attn_dispatch.backend import AttnConfig
+from attn_dispatch.backend import BackendBase
+from attn_dispatch.backend import BatchSnapshot
+from attn_dispatch.backend import Handler
+from attn_dispatch.backend import InvalidBatchError
+from attn_dispatch.backend import InvalidSpecError
+from attn_dispatch.backend import Phase
+from attn_dispatch.backend import PlanBase
+from attn_dispatch.backend import PrivatePlans
+from attn_dispatch.backend import TensorChecks
+from attn_dispatch.backend import check_scale
 from attn_dispatch.backends.sdpa._chunked import run_chunked
 from attn_dispatch.backends.sdpa._fused import Source
 from attn_dispatch.backends.sdpa._fused import fused
@@ -53,6 +53,9 @@ from attn_dispatch.backends.sdpa._planner import WINDOW_BLOCK
 from attn_dispatch.backends.sdpa._planner import Extend
 from attn_dispatch.backends.sdpa._planner import Planner
 from attn_dispatch.backends.sdpa._planner import Steps
+
+if TYPE_CHECKING:
+    from attn_dispatch import AttnBatch
 
 __all__ = ["MASK_MAX_ELEMENTS", "WINDOW_BLOCK", "SdpaBackend", "SdpaPlan"]
 
@@ -223,10 +226,10 @@ class SdpaBackend(BackendBase):
             self.checks.check_sinks(sinks, q)
         elif sinks is not None:
             raise InvalidBatchError("sinks", "given to a layer whose config has sinks=False")
-        ks, vs = call_scale("k_scale", k_scale), call_scale("v_scale", v_scale)
+        ks, vs = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
         if not self.fp8 and (ks, vs) != (1.0, 1.0):
             raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
-        scale = call_scale("sm_scale", sm_scale)
+        scale = check_scale("sm_scale", sm_scale)
         if return_lse is not True and return_lse is not False:
             raise InvalidBatchError("return_lse", f"must be True or False, got {return_lse!r}")
         if steps.num_tokens == 0:

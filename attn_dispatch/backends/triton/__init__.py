@@ -34,15 +34,15 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from attn_dispatch._capabilities import Capabilities
 from attn_dispatch._env import TRITON_INTERPRET
-from attn_dispatch._forms import FormPolicy
-from attn_dispatch._phase import Phase
-from attn_dispatch._vocab import FP8_DTYPES
+from attn_dispatch.backend import FP8_DTYPES
+from attn_dispatch.backend import Capabilities
+from attn_dispatch.backend import FormPolicy
+from attn_dispatch.backend import Phase
 from attn_dispatch.backends.triton._dims import dim_reasons
 
 if TYPE_CHECKING:
-    from attn_dispatch._config import AttnConfig
+    from attn_dispatch.backend import AttnConfig
 
 
 def interpreter_on() -> bool:

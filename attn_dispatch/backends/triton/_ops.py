@@ -21,11 +21,11 @@ from typing import TypeVar
 import torch
 import triton
 
-from attn_dispatch._errors import InvalidBatchError
-from attn_dispatch._protocol import PlanBase
-from attn_dispatch._snapshot import BatchSnapshot
-from attn_dispatch.backends._masks import chunk_flat_mask
-from attn_dispatch.backends._masks import window_flat_mask
+from attn_dispatch.backend import BatchSnapshot
+from attn_dispatch.backend import InvalidBatchError
+from attn_dispatch.backend import PlanBase
+from attn_dispatch.backend import chunk_flat_mask
+from attn_dispatch.backend import window_flat_mask
 
 from ._decode import _decode_merge_kernel
 from ._decode import _decode_split_kernel
@@ -324,7 +324,7 @@ def kernel_mask(
     q_lens = (snap.qo_indptr_host[1:] - snap.qo_indptr_host[:-1]).tolist()
     kv_lens = snap.kv_lens_host.tolist()
     folded = mask
-    if kc.chunk_size is not None:  # the chunk first, then the window (see backends._masks)
+    if kc.chunk_size is not None:  # the chunk first, then the window (see chunk_tree_mask)
         folded = chunk_flat_mask(folded, q_lens, kv_lens, kc.chunk_size)
     if kc.window_left is not None:
         folded = window_flat_mask(folded, q_lens, kv_lens, kc.window_left)

@@ -16,17 +16,17 @@ from typing import Any
 
 import torch
 
-from attn_dispatch._config import AttnConfig
-from attn_dispatch._errors import BackendUnavailableError
-from attn_dispatch._errors import InvalidBatchError
-from attn_dispatch._errors import InvalidSpecError
-from attn_dispatch._phase import Phase
-from attn_dispatch._protocol import BackendBase
-from attn_dispatch._snapshot import BatchSnapshot
-from attn_dispatch._snapshot import refill
-from attn_dispatch._tensor_checks import TensorChecks
-from attn_dispatch._vocab import FP8_DTYPES
-from attn_dispatch.backends._private import PrivatePlans
+from attn_dispatch.backend import FP8_DTYPES
+from attn_dispatch.backend import AttnConfig
+from attn_dispatch.backend import BackendBase
+from attn_dispatch.backend import BackendUnavailableError
+from attn_dispatch.backend import BatchSnapshot
+from attn_dispatch.backend import InvalidBatchError
+from attn_dispatch.backend import InvalidSpecError
+from attn_dispatch.backend import Phase
+from attn_dispatch.backend import PrivatePlans
+from attn_dispatch.backend import TensorChecks
+from attn_dispatch.backend import refill
 from attn_dispatch.backends.triton import _interpreter_reasons
 from attn_dispatch.backends.triton import _ops
 from attn_dispatch.backends.triton._dims import DimLayout
@@ -123,7 +123,7 @@ class TritonBackend(BackendBase):
         self._handlers = {phase: self._run for phase in Phase}
         self._sinks = bool(config.sinks)
         self._fp8 = str(config.kv_dtype) in _FP8
-        # What each issued plan stands for: the handle holds summaries only (see _private).
+        # What each issued plan stands for: the handle holds summaries only (see PrivatePlans).
         self._plans: PrivatePlans[_ops.DecodePlan | _ops.ExtendPlan] = PrivatePlans("triton")
 
     @property

@@ -39,7 +39,7 @@ from attn_dispatch import merge_state
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
-from attn_dispatch.backends._masks import window_tree_mask
+from attn_dispatch.backend import window_tree_mask
 from attn_dispatch.backends.triton import CAPABILITIES
 from attn_dispatch.backends.triton import _ops
 from attn_dispatch.backends.triton._dims import DimLayout

@@ -7,7 +7,8 @@ a tensor it holds can be edited in place), so a backend built on this table hand
 ``Phase``) for display and tests. What the handler reads -- the batch snapshot, page lists,
 masks, launch grids -- stays in the backend object's own table, keyed by the handle, where
 nothing reachable from the handle leads. Editing a handle's fields changes nothing a kernel
-reads; a handle the backend did not issue is refused (``check_plan``).
+reads; a handle the backend did not issue is refused (``check_plan``). Public as
+``attn_dispatch.backend.PrivatePlans``.
 
 >>> import dataclasses
 >>> from attn_dispatch.backend import PlanBase

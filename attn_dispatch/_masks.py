@@ -1,5 +1,6 @@
 """Mask folding for backends with a mask-taking kernel: the sliding window and chunked local
 attention (``AttnConfig.window_left``, ``attention_chunk_size``) on custom (tree) masks.
+Public through ``attn_dispatch.backend`` (loaded there on first use: these need torch).
 
 Both are folded into the mask once per plan. A query of a tree sees the keys its mask allows,
 in cache order (the prefix plus its ancestors, itself last), so its sequence position is
@@ -84,3 +85,15 @@ def chunk_flat_mask(
 ) -> torch.Tensor:
     """``chunk_tree_mask`` on a flat batch mask (see ``per_request_mask``)."""
     return per_request_mask(custom_mask, q_lens, kv_lens, lambda m: chunk_tree_mask(m, chunk))
+
+
+# Public through attn_dispatch.backend (loaded lazily there): reprs and docs name it.
+for _fold in (
+    chunk_flat_mask,
+    chunk_tree_mask,
+    per_request_mask,
+    window_flat_mask,
+    window_tree_mask,
+):
+    _fold.__module__ = "attn_dispatch.backend"
+del _fold
