@@ -62,6 +62,7 @@ from attn_dispatch._scope import current_batch
 from attn_dispatch._scope import current_binding
 from attn_dispatch._scope import resolve
 from attn_dispatch._spec import BackendSpec
+from attn_dispatch._spec import Buckets
 from attn_dispatch._threads import carry_scope
 from attn_dispatch._threads import run_in_thread
 from attn_dispatch.backends import BUILTINS as _BUILTINS
@@ -115,6 +116,7 @@ __all__ = [
     "BackendSpec",
     "BackendUnavailableError",
     "Binding",
+    "Buckets",
     "CallError",
     "CaptureError",
     "DispatchEvent",

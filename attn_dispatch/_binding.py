@@ -34,6 +34,7 @@ from attn_dispatch._registry import BackendEntry
 from attn_dispatch._registry import Registry
 from attn_dispatch._route import Binding
 from attn_dispatch._route import Route
+from attn_dispatch._spec import MEASURE_ATTRS
 from attn_dispatch._spec import BackendSpec
 
 __all__ = ["Binding", "CheckedSpec", "Route", "bind", "check_spec"]
@@ -52,6 +53,11 @@ class CheckedSpec:
     entries: Mapping[str, BackendEntry]
     policies: Mapping[Phase, FormPolicy]
     factory_options: Mapping[str, Mapping[str, Any]]
+    #: A bucketed spec: (phase, bucket index) -> the check of that bucket's plain spec, the
+    #: catch-all (index ``len(limits)``) included. Empty for a spec without buckets.
+    buckets: Mapping[tuple[Phase, int], CheckedSpec] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({})
+    )
 
 
 def bind(
@@ -160,12 +166,16 @@ def check_spec(
     group: str | None = None,
     reasons: Reasons | None = None,
     machine: bool = True,
+    _tag: str | None = None,
+    _entries: Mapping[str, BackendEntry] | None = None,
 ) -> CheckedSpec:
     """Every check of ``bind`` (no factory runs): the one check ``bind`` and ``explain``
     share. A refusal raises ``IncompatibleBackendError`` with every reason of every phase;
     with ``reasons`` given, it is added there instead (each line prefixed with the group).
     ``machine=False`` checks only what the config decides (the same on every machine:
-    ``explain --static``), not this machine's runtime (modules, CUDA)."""
+    ``explain --static``), not this machine's runtime (modules, CUDA). A spec with shape
+    buckets is checked bucket by bucket: every backend of every bucket against the phase, every
+    refusal listed (``_check_buckets``)."""
     if isinstance(spec, str):
         spec = BackendSpec.parse(spec)
     if not isinstance(spec, BackendSpec):
@@ -185,9 +195,18 @@ def check_spec(
     # One lookup per name: everything below (checks, both factories) uses this entry.
     entries: dict[str, BackendEntry] = {}
     for phase in Phase:
-        name = spec.names[phase]
-        if name not in entries:
-            entries[name] = registry.get(name, context=f"{who}, phase {phase.name.lower()!r}")
+        b = spec.buckets_for(phase)
+        for name in (spec.names[phase], *(() if b is None else b.names)):
+            if name not in entries:
+                entries[name] = (
+                    _entries[name]
+                    if _entries is not None
+                    else registry.get(name, context=f"{who}, phase {phase.name.lower()!r}")
+                )
+    if spec.buckets:
+        return _check_buckets(
+            spec, config, entries, label, options, registry, group, reasons, machine
+        )
     found: dict[Phase, tuple[str, list[str]]] = {}
     for phase in Phase:
         name = spec.names[phase]
@@ -202,22 +221,86 @@ def check_spec(
         _add_served_by(config, entries, found, registry)
         if reasons is None:
             raise IncompatibleBackendError(label, found, config=config)
+        tag = f"group {group!r}" if _tag is None else _tag
         for phase, (name, why) in found.items():
             # One error for all groups: each line names its group and that group's backend.
             head = reasons.setdefault(phase, (name, []))[0]
-            who = f"group {group!r}" if head == name else f"group {group!r} (backend {name!r})"
-            reasons[phase][1].extend(f"{who}: {r}" for r in why)
+            who = tag if head == name or not tag else f"{tag} (backend {name!r})"
+            reasons[phase][1].extend(f"{who}: {r}" if who else r for r in why)
     return CheckedSpec(spec, entries, policies, factory_options)
 
 
+def _check_buckets(
+    spec: BackendSpec,
+    config: AttnConfig,
+    entries: Mapping[str, BackendEntry],
+    label: str | None,
+    options: Mapping[str, Mapping[str, Any]] | None,
+    registry: Registry,
+    group: str | None,
+    reasons: Reasons | None,
+    machine: bool,
+) -> CheckedSpec:
+    """A bucketed spec, checked as one plain spec per bucket (each bucket's backend on its
+    phase, every other phase on its catch-all), every refusal of every bucket collected."""
+    own: Reasons = {}
+    where = "" if group is None else f"group {group!r}"
+    opts = dict(options or {})
+
+    def plain(sub: BackendSpec, tag: str) -> CheckedSpec:
+        mine = {n: o for n, o in opts.items() if n in sub.names}
+        return check_spec(
+            sub, config, label=label, options=mine, registry=registry, group=group,
+            reasons=own, machine=machine, _tag=tag, _entries=entries,
+        )  # fmt: skip
+
+    catch_all = dataclasses.replace(spec, buckets=())
+    base = plain(catch_all, where)
+    checks: dict[tuple[Phase, int], CheckedSpec] = {}
+    for phase in Phase:
+        b = spec.buckets_for(phase)
+        if b is None:
+            continue
+        for i, (bound, name) in enumerate(b.limits):
+            tag = f"bucket {b.measure}<={bound}"
+            seen = {p: len(r) for p, (_, r) in own.items()}
+            checks[(phase, i)] = plain(spec.bucket_spec(phase, i), f"{where}, {tag}" if where else tag)
+            for other in Phase:  # only this bucket's phase: the others were checked above
+                if other is not phase and other in own:
+                    del own[other][1][seen.get(other, 0) :]
+                    if not own[other][1]:
+                        del own[other]
+        checks[(phase, len(b.limits))] = base
+    if own:
+        if reasons is None:
+            raise IncompatibleBackendError(label, own, config=config)
+        for phase, (name, why) in own.items():
+            reasons.setdefault(phase, (name, []))[1].extend(why)
+    return CheckedSpec(
+        spec, entries, base.policies, base.factory_options, types.MappingProxyType(checks)
+    )
+
+
 def _build_checked(
-    checked: CheckedSpec, config: AttnConfig, label: str | None, group: str | None = None
+    checked: CheckedSpec,
+    config: AttnConfig,
+    label: str | None,
+    group: str | None = None,
+    built: Mapping[str, AttentionBackend] | None = None,
 ) -> Binding:
+    if checked.buckets and built is None:
+        return _build_buckets(checked, config, label, group)
     spec, entries, policies = checked.spec, checked.entries, checked.policies
     factory_options = checked.factory_options
+    if built is not None:  # a bucket of a bucketed binding: the backends are shared
+        entries = {n: entries[n] for n in spec.names}
     factories = {name: entry.load_factory(runner=label) for name, entry in entries.items()}
     backends = {
-        name: _build(name, factories[name], config, factory_options.get(name, {}), label)
+        name: (
+            built[name]
+            if built is not None
+            else _build(name, factories[name], config, factory_options.get(name, {}), label)
+        )
         for name in entries
     }
     rule = CallRule.of(config, label=label, group=group)
@@ -241,6 +324,34 @@ def _build_checked(
         )
     caps = {name: entry.capabilities for name, entry in entries.items()}
     return Binding._make(spec, config, label, backends, caps, tuple(routes), rule)
+
+
+def _build_buckets(
+    checked: CheckedSpec, config: AttnConfig, label: str | None, group: str | None
+) -> Binding:
+    """Every backend built once, then one plain Binding per bucket sharing them; the runner's
+    Binding picks one of them per forward (``Binding._pick``, at scope entry)."""
+    spec, entries, options = checked.spec, checked.entries, checked.factory_options
+    factories = {name: entry.load_factory(runner=label) for name, entry in entries.items()}
+    built = {
+        name: _build(name, factories[name], config, options.get(name, {}), label)
+        for name in entries
+    }
+    subs = {
+        key: _build_checked(sub, config, label, group, built)
+        for key, sub in checked.buckets.items()
+    }
+    buckets: dict[Phase, tuple[str, tuple[int, ...], tuple[Binding, ...]]] = {}
+    for phase in Phase:
+        b = spec.buckets_for(phase)
+        if b is not None:
+            chosen = tuple(subs[(phase, i)] for i in range(len(b.limits) + 1))
+            buckets[phase] = (MEASURE_ATTRS[b.measure], b.bounds, chosen)
+    base = subs[next(iter(subs))] if not buckets else next(iter(buckets.values()))[2][-1]
+    caps = {name: entry.capabilities for name, entry in entries.items()}
+    return Binding._make(
+        spec, config, label, built, caps, base._routes, base._rule, buckets=buckets
+    )
 
 
 def _bind_groups(
@@ -340,12 +451,12 @@ def _split_options(
         options = {}
     if not isinstance(options, Mapping):
         raise InvalidSpecError("options", options, "pass a mapping backend name -> {option: value}")
-    unknown_opts = set(options) - set(spec.names)
+    unknown_opts = set(options) - set(spec.all_names)
     if unknown_opts:
         raise InvalidSpecError(
             "options",
             sorted(unknown_opts),
-            f"options name backends the spec does not use (it uses {sorted(set(spec.names))!r})",
+            f"options name backends the spec does not use (it uses {sorted(spec.all_names)!r})",
         )
     factory_options: dict[str, dict[str, Any]] = {}
     policies: dict[str, FormPolicy] = {}

@@ -175,6 +175,11 @@ class attn_scope:
                 f"batch {type(batch).__name__} has no Phase in .phase "
                 f"(got {phase!r}); map framework modes with phase_of()",
             )
+        if binding._buckets is not None:
+            # Shape buckets: the bucket's own binding serves this forward, chosen here, once,
+            # so every layer's dispatch is the same lookup as without buckets.
+            binding = self.binding = binding._pick(batch)
+            self.handlers = binding._handler_map
         self.scale_ok = _UNCHECKED  # read by attention()'s fast path, which needs a batch
         if prepared is None:
             self.run = self.fast = None  # until __enter__ plans
@@ -363,6 +368,8 @@ class _GroupFrame:
     def __init__(self, group: str, binding: Binding, batch: Any) -> None:
         self.group = group
         self.groups = None
+        if binding._buckets is not None:
+            binding = binding.for_batch(batch)
         self.binding = binding
         self.batch = batch
         rule = self.rule = binding._rule

@@ -71,6 +71,7 @@ class Binding:
     """
 
     __slots__ = (
+        "_buckets",
         "_caps",
         "_config",
         "_groups",
@@ -100,6 +101,9 @@ class Binding:
     _sm_scale: float | None
     # None, or group -> the group's own Binding (a grouped binding: bind(spec, {name: cfg})).
     _groups: Mapping[str, Binding] | None
+    # None, or phase -> (batch attribute, upper bounds, one plain Binding per bucket, the
+    # catch-all last): a spec with shape buckets. ``_pick(batch)`` chooses once per forward.
+    _buckets: Mapping[Phase, tuple[str, tuple[int, ...], tuple[Binding, ...]]] | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Binding objects are made by attn_dispatch.bind(spec, config)")
@@ -115,6 +119,7 @@ class Binding:
         routes: tuple[Route, ...],
         rule: CallRule | None,
         groups: Mapping[str, Binding] | None = None,
+        buckets: Mapping[Phase, tuple[str, tuple[int, ...], tuple[Binding, ...]]] | None = None,
     ) -> Binding:
         self = object.__new__(cls)
         put = object.__setattr__
@@ -124,7 +129,15 @@ class Binding:
         put(self, "_config", config)
         put(self, "_caps", types.MappingProxyType(dict(caps)))
         put(self, "_routes", routes)
-        put(self, "_handler_map", {p: r.handler for p, r in zip(Phase, routes, strict=False)})
+        # A bucketed phase has no handler of its own: resolve() finds it in the bucket's
+        # binding, which attn_scope(runner, batch) makes the frame's.
+        bucketed = buckets or {}
+        put(
+            self,
+            "_handler_map",
+            {p: r.handler for p, r in zip(Phase, routes, strict=False) if p not in bucketed},
+        )
+        put(self, "_buckets", types.MappingProxyType(dict(buckets)) if buckets else None)
         put(self, "_rule", rule)
         put(self, "_sm_scale", None if rule is None else rule.planned)
         put(self, "_groups", None if groups is None else types.MappingProxyType(dict(groups)))
@@ -169,7 +182,56 @@ class Binding:
         """How ``phase`` is served (backend, handler, form chooser)."""
         if self._groups is not None:
             raise _grouped_error(what, self._groups)
-        return self._routes[Phase.parse(phase)]
+        phase = Phase.parse(phase)
+        if self._buckets is not None and phase in self._buckets:
+            raise _bucketed_error(self, phase, what)
+        return self._routes[phase]
+
+    @property
+    def bucketed(self) -> bool:
+        """Whether a phase of this binding picks its backend by the batch's shape."""
+        return self._buckets is not None
+
+    def for_batch(self, batch: Any) -> Binding:
+        """The binding that serves ``batch``: this one, or for a phase with shape buckets the
+        plain binding of the bucket the batch falls in (what ``attn_scope`` picks, once per
+        forward). Its ``spec`` names the backend of each phase without buckets; its ``label``
+        is this binding's."""
+        if self._groups is not None:
+            raise _grouped_error("for_batch(batch)", self._groups)
+        if self._buckets is None:
+            return self
+        phase = getattr(batch, "phase", None)
+        if type(phase) is not Phase:
+            raise InvalidBatchError(
+                "phase",
+                f"batch {type(batch).__name__} has no Phase in .phase (got {phase!r}); map "
+                "framework modes with phase_of()",
+            )
+        return self._pick(batch)
+
+    def _pick(self, batch: Any) -> Binding:
+        """The bucket's binding for ``batch`` (whose ``.phase`` is a Phase): one dict lookup,
+        one attribute read and a scan of a few bounds, once per forward."""
+        rule = self._buckets.get(batch.phase)  # type: ignore[union-attr]
+        if rule is None:
+            return self
+        attr, bounds, bindings = rule
+        try:
+            value = getattr(batch, attr)
+        except AttributeError:
+            raise InvalidBatchError(
+                attr,
+                f"runner {self.label!r} picks its {batch.phase.name.lower()} backend by shape "
+                f"({self.spec.phase_text(batch.phase)}), which reads the batch's {attr}; "
+                f"batch {type(batch).__name__} has none",
+            ) from None
+        i = 0
+        for bound in bounds:
+            if value <= bound:
+                return bindings[i]
+            i += 1
+        return bindings[i]
 
     def handler(self, phase: Phase) -> Handler:
         """The precomputed handler of ``phase`` (the call rules checked, then the backend's)."""
@@ -205,11 +267,15 @@ class Binding:
                 f"batch {type(batch).__name__} has no Phase in .phase (got {phase!r}); map "
                 "framework modes with phase_of()",
             )
+        if self._buckets is not None:
+            return self._pick(batch)._routes[phase].prepare(batch)
         return self._routes[phase].prepare(batch)
 
     def _raw_of(self, phase: Phase, handler: Any) -> Handler | None:
         """The backend callable behind ``handler`` if ``handler`` is one this binding hands
         out for ``phase``, else None (a prepared plan from another binding)."""
+        if self._buckets is not None and phase in self._buckets:
+            return None  # only the bucket's own binding (attn_scope picks it first)
         route = self._routes[phase]
         if handler is route.handler:
             return route.raw
@@ -219,8 +285,8 @@ class Binding:
         return None
 
     def table(self) -> list[tuple[str, str]]:
-        """``[(phase, backend), ...]`` for display."""
-        return [(p.name.lower(), self.spec.names[p]) for p in Phase]
+        """``[(phase, backend), ...]`` for display (``q_len<=256:native|sdpa`` for buckets)."""
+        return [(p.name.lower(), self.spec.phase_text(p)) for p in Phase]
 
     def __repr__(self) -> str:
         label = f"{self.label!r}, " if self.label is not None else ""
@@ -228,6 +294,15 @@ class Binding:
             inner = ", ".join(f"{n}={b.spec!s}" for n, b in self._groups.items())
             return f"<Binding {label}groups: {inner}>"
         return f"<Binding {label}{self.spec!s} kind={self.config.kind!r}>"
+
+
+def _bucketed_error(binding: Binding, phase: Phase, what: str) -> UsageError:
+    return UsageError(
+        f"Binding.{what}",
+        f"phase {phase.name.lower()!r} of runner {binding.label!r} picks its backend by the "
+        f"batch's shape ({binding.spec.phase_text(phase)}): ask the binding of the batch's "
+        "bucket, binding.for_batch(batch), or open attn_scope(runner, batch)",
+    )
 
 
 def _grouped_error(

@@ -83,6 +83,14 @@ def _resolve_error(phase: object) -> Exception:
             f"runner {_label(frame)} has groups ({names}): resolve() has no single handler; "
             "call attention(..., group=name), or resolve through binding.groups[name]",
         )
+    buckets = frame.binding._buckets
+    if buckets is not None and type(phase) is Phase and phase in buckets:
+        return UsageError(
+            "resolve()",
+            f"runner {_label(frame)} picks its {phase.name.lower()} backend by the batch's shape "
+            f"({frame.binding.spec.phase_text(phase)}): open the scope with the batch, "
+            "attn_scope(runner, batch), and resolve() returns the handler of its bucket",
+        )
     return UnknownPhaseError(
         repr(phase),
         tuple(p.name for p in Phase),

@@ -340,6 +340,9 @@ class GraphedForward:
             raise CaptureError(f"capture=True needs a CUDA batch, got one on {batch.device}")
         # Rule 1: resolve and plan here, before any capture (what attn_scope does on entry).
         self.batch = _persistent_batch(batch)
+        # Shape buckets: the graph replays the kernels of the bucket it was captured in.
+        self._bucketed = self.binding if self.binding.bucketed else None
+        self.binding = self.binding.for_batch(self.batch)
         self.plan, self.run, self.form = self.binding.prepare(self.batch)
         # A backend's own in-place re-plan applies to the phase backend's plan only (the MLA
         # forms that plan on another backend are copied field by field).
@@ -409,6 +412,13 @@ class GraphedForward:
         _check_page_size(batch, self._page_size)
         if self.capacity is not None:
             batch = _to_capacity(batch, self.capacity, self._page_size)
+        if self._bucketed is not None and self._bucketed.for_batch(batch) is not self.binding:
+            raise InvalidBatchError(
+                "shape",
+                f"this batch falls in another shape bucket of runner {self.binding.label!r} "
+                f"({self._bucketed.spec.phase_text(self.phase)}) than the captured one "
+                f"({self.binding.backend_name(self.phase)!r}): capture one graph per bucket",
+            )
         update_plan = self._update_plan
         plan = None
         if update_plan is None:

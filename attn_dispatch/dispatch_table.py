@@ -35,6 +35,7 @@ from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._errors import StaleTableError
 from attn_dispatch._phase import Phase
 from attn_dispatch._spec import BackendSpec
+from attn_dispatch._spec import Buckets
 
 if TYPE_CHECKING:
     from attn_dispatch.tune import TuneReport
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT",
     "MAX_TABLE_BYTES",
+    "READS",
     "VERSION",
     "DispatchTable",
     "DispatchTableError",
@@ -56,8 +58,10 @@ __all__ = [
 
 #: The ``"format"`` field of every table.
 FORMAT = "attn_dispatch.dispatch_table"
-#: The version this library writes and the only one it reads.
-VERSION = 1
+#: The version this library writes (2: shape buckets per phase).
+VERSION = 2
+#: The versions it reads (a version 1 table is read as one without buckets).
+READS = (1, 2)
 #: A table of a few runners is a few kB; anything past this is not one (refused unread).
 MAX_TABLE_BYTES = 1 << 20
 
@@ -76,6 +80,11 @@ class PhaseChoice:
     runner_up: str | None
     runner_up_ms: float | None
     shape: Mapping[str, int]
+    #: Version 2: the shape buckets tune emitted (``{"measure", "limits", "rest"}``) or None.
+    buckets: Mapping[str, Any] | None = None
+    #: Version 2: every size timed, ``[{"size": n, "times": {backend: [ms, noise_ms]}}]``
+    #: (noise: the range of the timed forwards; null when not measured).
+    measured: Sequence[Mapping[str, Any]] = ()
 
     def describe(self) -> str:
         up = (
@@ -88,6 +97,26 @@ class PhaseChoice:
             f"{self.winner} {self.winner_ms:.3f} ms ({up}) at batch {s['batch']}, "
             f"q_len {s['q_len']}, context {s['context']}"
         )
+
+    def spec_text(self) -> str:
+        """How the phase is served: the winner, or its buckets (``q_len<=256:native|sdpa``)."""
+        b = self.buckets
+        if b is None:
+            return self.winner
+        head = "|".join(f"{b['measure']}<={bound}:{n}" for bound, n in b["limits"])
+        return f"{head}|{b['rest']}"
+
+    def describe_sizes(self, measure: str) -> list[str]:
+        """One line per size timed: each backend's median forward and noise, fastest first."""
+        lines = []
+        for m in self.measured:
+            times = sorted(m["times"].items(), key=lambda kv: kv[1][0])
+            cells = ", ".join(
+                f"{n} {ms:.3f} ms" + ("" if noise is None else f" (noise {noise:.3f})")
+                for n, (ms, noise) in times
+            )
+            lines.append(f"{measure} {m['size']}: {cells}")
+        return lines
 
 
 def backend_build(name: str) -> str:
@@ -182,6 +211,9 @@ class DispatchTable:
     ) -> DispatchTable:
         """One table from ``tune``'s reports, per runner label (``configs[label][group]`` is
         the config that group was tuned with)."""
+        from attn_dispatch.tune import _main_size
+        from attn_dispatch.tune import decide
+
         runners: dict[str, Any] = {}
         timed: set[str] = set()
         device = "cpu"
@@ -195,22 +227,44 @@ class DispatchTable:
             for group, config in configs[label].items():
                 device = config.device
                 phases: dict[str, Any] = {}
+                layers = report.sizes.layers
                 for phase in _PHASES:
-                    cells = [t for t in report.timings if t.group == group and t.phase == phase]
-                    timed.update(t.backend for t in cells)
+                    every = [t for t in report.timings if t.group == group and t.phase == phase]
+                    timed.update(t.backend for t in every)
+                    main = _main_size(phase, report.sizes)
+                    cells = [t for t in every if t.size in (0, main)]
                     served = sorted(
                         (t for t in cells if t.call_s is not None),
-                        key=lambda t: t.forward_s(report.sizes.layers) or math.inf,
+                        key=lambda t: t.forward_s(layers) or math.inf,
                     )
                     if not served:
                         continue
-                    ms = [(t.forward_s(report.sizes.layers) or 0.0) * 1e3 for t in served]
+                    ms = [(t.forward_s(layers) or 0.0) * 1e3 for t in served]
+                    decision = decide(phase, every, report.sizes)
+                    buckets = None
+                    if decision is not None and decision.limits:
+                        buckets = {
+                            "measure": decision.measure,
+                            "limits": [[b, n] for b, n in decision.limits],
+                            "rest": decision.rest,
+                        }
+                    measured: dict[int, dict[str, Any]] = {}
+                    for t in every:
+                        f = t.forward_s(layers)
+                        if f is None or not t.size:
+                            continue
+                        noise = None if t.noise_s is None else round(t.noise_s * 1e3, 6)
+                        measured.setdefault(t.size, {})[t.backend] = [round(f * 1e3, 6), noise]
                     phases[phase] = {
                         "winner": served[0].backend,
                         "winner_ms": round(ms[0], 6),
                         "runner_up": served[1].backend if len(served) > 1 else None,
                         "runner_up_ms": round(ms[1], 6) if len(served) > 1 else None,
                         "shape": _shape(phase, report.sizes),
+                        "buckets": buckets,
+                        "measured": [
+                            {"size": n, "times": measured[n]} for n in sorted(measured)
+                        ],
                     }
                 groups[group] = {"config": config.to_dict(), "phases": phases}
             runners[label] = groups
@@ -306,12 +360,14 @@ class DispatchTable:
     def spec(self, label: str, group: str = "") -> BackendSpec:
         """The tuned spec of one runner label and layer group; its ``note`` says where it came
         from (the table's fingerprint), which ``explain`` and ``check_agreement`` show."""
-        c = {p: self.choice(label, group, p).winner for p in _PHASES}
-        return BackendSpec(
-            prefill=c["prefill"],
-            decode=c["decode"],
-            verify=None if c["verify"] == c["prefill"] else c["verify"],
-            note=f"dispatch table {self.fingerprint()}: label {label!r}, group {group!r}",
+        c = {p: self.choice(label, group, p).spec_text() for p in _PHASES}
+        text = f"prefill={c['prefill']},decode={c['decode']}"
+        if c["verify"] != c["prefill"] or "|" in c["verify"]:
+            # verify=None would follow prefill's buckets too: name verify's own choice.
+            text += f",verify={c['verify']}"
+        spec = BackendSpec.parse(text)
+        return dataclasses.replace(
+            spec, note=f"dispatch table {self.fingerprint()}: label {label!r}, group {group!r}"
         )
 
     def explain(self, label: str) -> str:
@@ -320,10 +376,24 @@ class DispatchTable:
         for group in self.groups(label):
             for phase in _PHASES:
                 try:
-                    why = self.choice(label, group, phase).describe()
+                    choice = self.choice(label, group, phase)
                 except DispatchTableError:
-                    why = "no backend served it when tuned"
-                lines.append(f"  {group or '-'} {phase}: {why}")
+                    lines.append(f"  {group or '-'} {phase}: no backend served it when tuned")
+                    continue
+                lines.append(f"  {group or '-'} {phase}: {choice.describe()}")
+                measure = "q_len" if phase == "prefill" else "context"
+                if choice.buckets is not None:
+                    lines.append(
+                        f"    buckets {choice.spec_text()}: the winner changes with {measure} "
+                        "by more than the noise at each change"
+                    )
+                elif len(choice.measured) > 1:
+                    lines.append(
+                        f"    no buckets: one winner at every {measure}, or a change within "
+                        "the noise"
+                    )
+                if len(choice.measured) > 1:
+                    lines.extend(f"      {line}" for line in choice.describe_sizes(measure))
         env = self.environment
         lines.append(
             f"  measured with attn_dispatch {env['attn_dispatch']}, torch {env['torch']}, "
@@ -415,9 +485,9 @@ def _validated(data: Any, source: str) -> dict[str, Any]:
     need(data.get("format") == FORMAT, "format", f"expected {FORMAT!r}, got {data.get('format')!r}")
     version = data.get("version")
     need(
-        is_int(version) and version == VERSION,
+        is_int(version) and version in READS,
         "version",
-        f"version {version!r} is not one this attn_dispatch reads (it reads {VERSION}); "
+        f"version {version!r} is not one this attn_dispatch reads (it reads {READS}); "
         "re-run `python -m attn_dispatch tune ... --save FILE` with this version",
     )
     unknown = sorted(set(data) - {"format", "version", "environment", "sizes", "runners"})
@@ -464,6 +534,8 @@ def _validated(data: Any, source: str) -> dict[str, Any]:
                 need(phase in _PHASES, pat, f"unknown phase; phases are {_PHASES!r}")
                 need(isinstance(c, dict), pat, "expected an object")
                 keys = {"winner", "winner_ms", "runner_up", "runner_up_ms", "shape"}
+                if version >= 2:
+                    keys |= {"buckets", "measured"}
                 need(set(c) == keys, pat, f"expected the fields {sorted(keys)!r}")
                 need(isinstance(c["winner"], str) and bool(c["winner"]), f"{pat}.winner", "")
                 need(is_ms(c["winner_ms"]), f"{pat}.winner_ms", "expected a finite number")
@@ -481,7 +553,60 @@ def _validated(data: Any, source: str) -> dict[str, Any]:
                     f"{pat}.shape",
                     "expected {batch, q_len, context} as ints >= 1",
                 )
+                if version >= 2:
+                    _check_v2(source, c, pat, phase, need, is_int, is_ms)
     return data  # type: ignore[no-any-return]
+
+
+def _check_v2(
+    source: str, c: Mapping[str, Any], pat: str, phase: str, need: Any, is_int: Any, is_ms: Any
+) -> None:
+    """A version 2 phase entry's ``buckets`` and ``measured`` fields."""
+    b = c["buckets"]
+    if b is not None:
+        need(
+            isinstance(b, dict) and set(b) == {"measure", "limits", "rest"},
+            f"{pat}.buckets",
+            "expected null or {measure, limits, rest}",
+        )
+        limits = b["limits"]
+        need(
+            isinstance(limits, list)
+            and all(
+                isinstance(x, list) and len(x) == 2 and is_int(x[0]) and isinstance(x[1], str)
+                for x in limits
+            ),
+            f"{pat}.buckets.limits",
+            "expected [[bound, backend], ...]",
+        )
+        need(isinstance(b["rest"], str), f"{pat}.buckets.rest", "expected a backend name")
+        try:
+            Buckets(phase, b["measure"], tuple((x[0], x[1]) for x in limits))
+            BackendSpec(prefill=b["rest"], decode=b["rest"])
+        except InvalidSpecError as exc:
+            raise DispatchTableError(source, f"{pat}.buckets", str(exc)) from None
+    measured = c["measured"]
+    need(isinstance(measured, list), f"{pat}.measured", "expected a list")
+    for i, m in enumerate(measured):
+        at = f"{pat}.measured[{i}]"
+        need(
+            isinstance(m, dict) and set(m) == {"size", "times"} and is_int(m["size"]),
+            at,
+            "expected {size, times}",
+        )
+        times = m["times"]
+        need(
+            isinstance(times, dict)
+            and all(
+                isinstance(v, list)
+                and len(v) == 2
+                and is_ms(v[0])
+                and (v[1] is None or is_ms(v[1]))
+                for v in times.values()
+            ),
+            f"{at}.times",
+            "expected backend -> [ms, noise_ms or null]",
+        )
 
 
 def tune_table(

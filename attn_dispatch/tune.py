@@ -35,11 +35,13 @@ from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._phase import Phase
 
 __all__ = [
+    "BucketDecision",
     "PhaseTiming",
     "TuneReport",
     "TuneSizes",
     "check_device",
     "check_memory",
+    "decide",
     "machine_name",
     "memory_needed",
     "tune",
@@ -68,12 +70,43 @@ class TuneSizes:
     draft_tokens: int = 4
     repeats: int = 5
     layers: int = 1
+    #: More prompt lengths to time prefill at (shape buckets by ``q_len``), besides
+    #: ``prefill_len``; ``()``: that one size only.
+    prefill_lens: tuple[int, ...] = ()
+    #: More contexts to time decode and verify at (shape buckets by ``context``), besides
+    #: ``context``.
+    contexts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if f.name in ("prefill_lens", "contexts"):
+                if not isinstance(v, (tuple, list)) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v
+                ):
+                    raise InvalidSpecError(f.name, v, "must be a sequence of ints >= 1")
+                object.__setattr__(self, f.name, tuple(sorted(set(v))))
+            elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidSpecError(f.name, v, "must be an int >= 1")
+
+    def sizes_of(self, phase: Phase) -> tuple[int, ...]:
+        """The prompt lengths (prefill) or contexts (decode, verify) ``phase`` is timed at."""
+        if phase is Phase.PREFILL:
+            return tuple(sorted({self.prefill_len, *self.prefill_lens}))
+        return tuple(sorted({self.context, *self.contexts}))
+
+    def at(self, phase: Phase, size: int) -> TuneSizes:
+        """These sizes with ``phase``'s timed length set to ``size``."""
+        if phase is Phase.PREFILL:
+            return dataclasses.replace(self, prefill_len=size)
+        return dataclasses.replace(self, context=size)
+
+    @property
+    def bucketed(self) -> bool:
+        """Whether some phase is timed at more than one size."""
+        return bool(set(self.prefill_lens) - {self.prefill_len}) or bool(
+            set(self.contexts) - {self.context}
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,6 +119,12 @@ class PhaseTiming:
     call_s: float | None
     plan_s: float | None
     refused: str | None = None
+    #: The batch measure this cell was timed at: its longest query (prefill, ``q_len``) or
+    #: longest context, new tokens included (decode and verify, ``context``); 0: unknown.
+    size: int = 0
+    #: The noise of this cell: the range (max - min) of its timed forwards, in seconds;
+    #: None when fewer than two rounds were timed (no spread measured).
+    noise_s: float | None = None
 
     def forward_s(self, layers: int) -> float | None:
         """One forward: one plan and ``layers`` calls."""
@@ -106,6 +145,19 @@ class TuneReport:
     #: Registered backends that cannot run on this machine at all, with the reason.
     unavailable: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
+    @property
+    def decisions(self) -> dict[tuple[str, str], BucketDecision]:
+        """(group, phase) -> the winner and the bucket decision made from these timings."""
+        out: dict[tuple[str, str], BucketDecision] = {}
+        for t in self.timings:
+            key = (t.group, t.phase)
+            if key not in out:
+                cells = [c for c in self.timings if (c.group, c.phase) == key]
+                got = decide(t.phase, cells, self.sizes)
+                if got is not None:
+                    out[key] = got
+        return out
+
     def table(self) -> str:
         """A plain-text table: one row per group x phase x backend, fastest first."""
         from attn_dispatch._table import format_table
@@ -117,20 +169,28 @@ class TuneReport:
                 (
                     t.group or "-",
                     t.phase,
+                    f"{MEASURE_OF[t.phase]} {t.size}" if t.size else "-",
                     t.backend,
                     "-" if t.call_s is None else f"{t.call_s * 1e3:.3f}",
                     "-" if t.plan_s is None else f"{t.plan_s * 1e3:.3f}",
                     "-" if f is None else f"{f * 1e3:.3f}",
+                    "-" if t.noise_s is None else f"{t.noise_s * 1e3:.3f}",
                     "" if t.refused is None else f"refused: {t.refused}",
                 )
             )
-        head = ("group", "phase", "backend", "call ms", "plan ms", "forward ms", "note")
+        head = (
+            "group", "phase", "at", "backend", "call ms", "plan ms", "forward ms", "noise ms",
+            "note",
+        )  # fmt: skip
         lines = [f"machine: {self.machine}; threads: {self.threads}; sizes: {self.sizes}"]
         lines.append(format_table(head, rows))
         for name, why in self.unavailable.items():
             lines.append(f"not timed: {name}: {why}")
         for group, spec in self.recommended.items():
             lines.append(f"recommended{'' if not group else f' [{group}]'}: {spec}")
+        for (group, phase), d in self.decisions.items():
+            if d.sizes[1:]:
+                lines.append(f"buckets{'' if not group else f' [{group}]'} {phase}: {d.why}")
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -142,6 +202,9 @@ class TuneReport:
                 "timings": [dataclasses.asdict(t) for t in self.timings],
                 "recommended": dict(self.recommended),
                 "unavailable": dict(self.unavailable),
+                "buckets": {
+                    f"{g}/{p}" if g else p: d.why for (g, p), d in self.decisions.items()
+                },
             },
             indent=2,
         )
@@ -216,7 +279,13 @@ def _memory_budget(device: str) -> int:
 
 def memory_needed(config: Any, sizes: TuneSizes) -> int:
     """Bytes the largest phase's tensors take (q, K/V cache, output; a float32 draw and its
-    copy in the config's dtypes, and one gathered K/V copy some backends make)."""
+    copy in the config's dtypes, and one gathered K/V copy some backends make); at the
+    largest size each phase is timed at."""
+    sizes = dataclasses.replace(
+        sizes,
+        prefill_len=max(sizes.sizes_of(Phase.PREFILL)),
+        context=max(sizes.sizes_of(Phase.DECODE)),
+    )
     ps = config.page_size
     dv = config.v_head_dim if config.v_head_dim is not None else config.head_dim
     kv_width = (
@@ -327,7 +396,13 @@ def _sync(device: str) -> None:
 
 
 def _time_one(
-    group: str, config: Any, phase: Phase, backend: str, sizes: TuneSizes, registry: Any
+    group: str,
+    config: Any,
+    phase: Phase,
+    backend: str,
+    sizes: TuneSizes,
+    registry: Any,
+    min_rounds: int = 1,
 ) -> PhaseTiming:
     import torch
 
@@ -352,6 +427,7 @@ def _time_one(
         return PhaseTiming(group, phase.name.lower(), backend, None, None, refused=why)
     gen = torch.Generator().manual_seed(0)
     batch, q, k, v, extras = _batch_for(config, phase, sizes, gen)
+    size = batch.max_q_len if phase is Phase.PREFILL else batch.max_kv_len
     sm_scale = config.sm_scale
     kw: dict[str, Any] = dict(extras)
     if sm_scale is None:
@@ -374,22 +450,139 @@ def _time_one(
             calls.append(t2 - t1)
         else:
             # A slow cell (the reference at large sizes) gets fewer rounds: about a second.
-            rounds = 1 + max(1, min(sizes.repeats, int(_CELL_BUDGET_S / max(t2 - t0, 1e-9))))
+            fits = int(_CELL_BUDGET_S / max(t2 - t0, 1e-9))
+            rounds = 1 + max(min_rounds, min(sizes.repeats, fits))
         i += 1
+    forwards = [p + sizes.layers * c for p, c in zip(plans, calls, strict=True)]
     return PhaseTiming(
-        group, phase.name.lower(), backend, statistics.median(calls), statistics.median(plans)
+        group,
+        phase.name.lower(),
+        backend,
+        statistics.median(calls),
+        statistics.median(plans),
+        size=size,
+        noise_s=max(forwards) - min(forwards) if len(forwards) > 1 else None,
     )
 
 
-def _spec_text(best: Mapping[Phase, str], config: Any) -> str:
+#: The batch measure each phase's buckets read (``Buckets.measure``).
+MEASURE_OF = {"prefill": "q_len", "decode": "context", "verify": "context"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BucketDecision:
+    """What ``tune`` chose for one group x phase from its timings at every size.
+
+    ``winner``: the fastest backend at the main size (``prefill_len`` or ``context``).
+    ``limits`` and ``rest``: the shape buckets (``((bound, backend), ...)``, then the
+    catch-all) when the winner changes with the size by more than the noise, else ``()`` and
+    ``rest == winner``. ``sizes``: the sizes timed (the batch measure); ``why``: one line
+    saying what was decided and on what figures.
+    """
+
+    phase: str
+    measure: str
+    winner: str
+    limits: tuple[tuple[int, str], ...]
+    rest: str
+    sizes: tuple[int, ...]
+    why: str
+
+    def spec_text(self) -> str:
+        if not self.limits:
+            return self.rest
+        head = "|".join(f"{self.measure}<={b}:{n}" for b, n in self.limits)
+        return f"{head}|{self.rest}"
+
+
+def _clearly_faster(a: PhaseTiming, b: PhaseTiming, layers: int) -> bool:
+    """Whether ``a`` beats ``b`` by more than the noise: the gap between their median
+    forwards exceeds the larger of their ranges (and both ranges were measured)."""
+    ta, tb = a.forward_s(layers), b.forward_s(layers)
+    if ta is None or tb is None or a.noise_s is None or b.noise_s is None:
+        return False
+    return tb - ta > max(a.noise_s, b.noise_s)
+
+
+def decide(
+    phase: str, cells: Sequence[PhaseTiming], sizes: TuneSizes
+) -> BucketDecision | None:
+    """The winner and the shape buckets of one group x phase from its cells (None when no
+    backend served it at the main size).
+
+    The rule (docs/guides/tune.md, "Shape buckets"): at each size timed, the fastest median
+    forward wins. Buckets are emitted only if the winner changes with the size and, at every
+    change between two neighbouring sizes, each side's winner beats the other side's by more
+    than the noise at its own size (the gap between medians exceeds the larger of the two
+    cells' ranges). A bucket's upper bound is the geometric mean of the two sizes around the
+    change (the crossover lies between them). Otherwise the phase keeps its winner at the main
+    size.
+    """
+    layers = sizes.layers
+    by_size: dict[int, dict[str, PhaseTiming]] = {}
+    for c in cells:
+        if c.phase == phase and c.call_s is not None:
+            by_size.setdefault(c.size, {})[c.backend] = c
+    if not by_size:
+        return None
+    ordered = sorted(by_size)
+    winners = {
+        s: min(by_size[s].values(), key=lambda t: t.forward_s(layers) or math.inf)
+        for s in ordered
+    }
+    main = _main_size(phase, sizes)
+    head = winners.get(main, winners[ordered[-1]]).backend
+    measure = MEASURE_OF[phase]
+    seen = ", ".join(
+        f"{measure} {s}: {winners[s].backend} {(winners[s].forward_s(layers) or 0) * 1e3:.3f} ms"
+        f" (noise {'-' if winners[s].noise_s is None else f'{winners[s].noise_s * 1e3:.3f}'})"
+        for s in ordered
+    )
+    if len({w.backend for w in winners.values()}) == 1:
+        why = f"one winner at every size ({seen})" if len(ordered) > 1 else seen
+        return BucketDecision(phase, measure, head, (), head, tuple(ordered), why)
+    limits: list[tuple[int, str]] = []
+    for lo, hi in zip(ordered, ordered[1:], strict=False):
+        a, b = winners[lo], winners[hi]
+        if a.backend == b.backend:
+            continue
+        other_lo = by_size[lo].get(b.backend)
+        other_hi = by_size[hi].get(a.backend)
+        if (
+            other_lo is None
+            or other_hi is None
+            or not _clearly_faster(a, other_lo, layers)
+            or not _clearly_faster(b, other_hi, layers)
+        ):
+            why = (
+                f"no buckets: the winner changes between {measure} {lo} and {hi} by no more "
+                f"than the noise ({seen}); kept the winner at {measure} {main}"
+            )
+            return BucketDecision(phase, measure, head, (), head, tuple(ordered), why)
+        limits.append((math.isqrt(lo * hi), a.backend))
+    rest = winners[ordered[-1]].backend
+    text = "|".join(f"{measure}<={bnd}:{n}" for bnd, n in limits) + f"|{rest}"
+    why = f"buckets {text}: each change beats the noise ({seen})"
+    return BucketDecision(phase, measure, head, tuple(limits), rest, tuple(ordered), why)
+
+
+def _main_size(phase: str, sizes: TuneSizes) -> int:
+    if phase == "prefill":
+        return sizes.prefill_len
+    if phase == "decode":
+        return sizes.context
+    return sizes.context + sizes.draft_tokens
+
+
+def _spec_text(best: Mapping[Phase, BucketDecision]) -> str:
     from attn_dispatch._spec import BackendSpec
 
-    if len(set(best.values())) == 1:
-        return next(iter(best.values()))
-    spec = BackendSpec(
-        prefill=best[Phase.PREFILL], decode=best[Phase.DECODE], verify=best[Phase.VERIFY]
+    text = {p: d.spec_text() for p, d in best.items()}
+    if len(set(text.values())) == 1 and "|" not in text[Phase.PREFILL]:
+        return text[Phase.PREFILL]
+    return str(
+        BackendSpec.parse(",".join(f"{p.name.lower()}={t}" for p, t in text.items()))
     )
-    return str(spec)
 
 
 def tune(
@@ -448,19 +641,28 @@ def tune(
         device = config.device
         if config.kind == "mla" and config.mha_head_dim is not None:
             config = dataclasses.replace(config, mha_head_dim=None, mha_v_head_dim=None)
-        best: dict[Phase, str] = {}
+        best: dict[Phase, BucketDecision] = {}
+        # Buckets compare spreads: every cell gets at least two timed rounds.
+        min_rounds = 2 if sizes.bucketed else 1
         for phase in phases:
-            cells = [_time_one(group, config, phase, n, sizes, reg) for n in names]
-            served = [c for c in cells if c.call_s is not None]
-            served.sort(key=lambda c: c.forward_s(sizes.layers) or math.inf)
-            timings.extend(served)
-            timings.extend(c for c in cells if c.call_s is None)
-            if served:
-                best[phase] = served[0].backend
+            mine: list[PhaseTiming] = []
+            for size in sizes.sizes_of(phase):
+                at = sizes.at(phase, size)
+                cells = [_time_one(group, config, phase, n, at, reg, min_rounds) for n in names]
+                served = [c for c in cells if c.call_s is not None]
+                served.sort(key=lambda c: c.forward_s(sizes.layers) or math.inf)
+                mine.extend(served)
+                mine.extend(c for c in cells if c.call_s is None)
+            timings.extend(mine)
+            got = decide(phase.name.lower(), mine, sizes)
+            if got is not None:
+                best[phase] = got
         if len(best) == len(phases) == len(Phase):
-            recommended[group] = _spec_text(best, config)
+            recommended[group] = _spec_text(best)
         elif best:
-            recommended[group] = ",".join(f"{p.name.lower()}={b}" for p, b in best.items())
+            recommended[group] = ",".join(
+                f"{p.name.lower()}={d.spec_text()}" for p, d in best.items()
+            )
         else:
             recommended[group] = "(no backend can serve this group here)"
     return TuneReport(

@@ -34,6 +34,11 @@ Cases:
   attention_after_rec  attention() after a recorder was opened and closed (nothing left)
   attention_table   attention() on a runner bound from a dispatch table (spec_from_table on
                     a saved table): the same cost as a written spec, the table is read at bind
+  attention_buckets attention() on a runner whose decode picks its backend by shape buckets
+                    (context<=512:...|...): the bucket is chosen at scope entry, so a layer's
+                    call costs what it costs without buckets
+  scope_batch_buckets  `with attn_scope(bucketed, batch): pass`: where the choice is paid (once
+                    per forward)
 
 The recording cases switch the process-wide call hook on only while they are timed (it is
 what record_dispatch installs), so the other cases run without it.
@@ -121,6 +126,8 @@ class NoopBackend(BackendBase):
 @dataclasses.dataclass(frozen=True, slots=True)
 class Batch:
     phase: Phase
+    max_q_len: int = 1
+    max_kv_len: int = 1000
 
 
 @dataclasses.dataclass
@@ -150,7 +157,8 @@ def _table_binding() -> Any:
     from attn_dispatch.dispatch_table import spec_from_table
 
     choice = {"winner": "bench_noop", "winner_ms": 0.001, "runner_up": None,
-              "runner_up_ms": None, "shape": {"batch": 1, "q_len": 1, "context": 1}}  # fmt: skip
+              "runner_up_ms": None, "shape": {"batch": 1, "q_len": 1, "context": 1},
+              "buckets": None, "measured": []}  # fmt: skip
     data = {
         "format": FORMAT,
         "version": VERSION,
@@ -219,6 +227,18 @@ def build_cases() -> list[Case]:
     cases.append(
         Case("attention_table", call_text, {"f": attention},
              enter(_table_binding(), Batch(Phase.DECODE)))
+    )  # fmt: skip
+
+    # Shape buckets: decode picks between two backends by context, once per forward.
+    register_backend("bench_noop2", capabilities=CAPS, factory=NoopBackend, replace=True)
+    bucketed = bind("prefill=bench_noop,decode=context<=512:bench_noop2|bench_noop", CONFIG)
+    cases.append(
+        Case("attention_buckets", call_text, {"f": attention},
+             enter(bucketed, Batch(Phase.DECODE)))
+    )  # fmt: skip
+    cases.append(
+        Case("scope_batch_buckets", "with S(b, x): pass",
+             {"S": attn_scope, "b": bucketed, "x": Batch(Phase.DECODE)})
     )  # fmt: skip
 
     # Recording (attn_dispatch.testing records with tally=True): the recorder is open in the
@@ -409,6 +429,8 @@ TARGETS = [
     ("resolve depth 100 / 1", "resolve_depth_100", "resolve_depth_1", 1.1, "<="),
     ("attention after rec / none", "attention_after_rec", "attention", 1.1, "<="),
     ("attention table / written spec", "attention_table", "attention", 1.1, "<="),
+    ("attention buckets / none", "attention_buckets", "attention", 1.1, "<="),
+    ("scope_batch buckets / none", "scope_batch_buckets", "scope_batch", None, ""),
     ("rec events / rec tally", "attention_rec_events", "attention_rec_tally", None, ""),
 ]
 

@@ -175,13 +175,19 @@ def cmd_explain(args: argparse.Namespace, registry: Registry) -> int:
         found = _config_reasons(gspec, cfg, args.label, registry)
         for phase in Phase:
             name, why = found.get(phase, (gspec.names[phase], []))
-            # The machine's reasons depend on the backend and the device, not on the phase.
-            m_why = registry.get(name).capabilities.machine_reasons(cfg)
-            cells = (phase.name.lower(), name, _verdict(why), _verdict(m_why))
+            # The machine's reasons depend on the backend and the device, not on the phase;
+            # a phase with shape buckets is served by each bucket's backend.
+            b = gspec.buckets_for(phase)
+            used = dict.fromkeys((gspec.names[phase], *(() if b is None else b.names)))
+            m_pairs = [
+                (n, r) for n in used for r in registry.get(n).capabilities.machine_reasons(cfg)
+            ]
+            shown = name if b is None else gspec.phase_text(phase)
+            cells = (phase.name.lower(), shown, _verdict(why), _verdict(m_pairs))
             rows.append((group, *cells) if group else cells)
             for r in why:
                 from_config.setdefault((group, name, r), []).append(phase.name.lower())
-            from_machine.update(dict.fromkeys((name, r) for r in m_why))
+            from_machine.update(dict.fromkeys(m_pairs))
     head = ("phase", "backend", "config", "this machine")
     print(format_table(("group", *head) if grouped else head, rows))
     if from_config:

@@ -159,7 +159,7 @@ def default_specs(
         target_spec = BackendSpec.uniform(name)
     if draft_spec is None:
         order = CUDA_DRAFT if cuda else CPU_DRAFT
-        used = set(target_spec.names)
+        used = set(target_spec.all_names)
         usable = [n for n in order if _binds(n, draft_cfg)]
         fresh = [n for n in usable if n not in used]
         draft_spec = BackendSpec.uniform((fresh or usable or ["torch"])[0])

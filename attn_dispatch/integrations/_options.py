@@ -36,16 +36,54 @@ def backend_options(options: object, *, example: str) -> dict[str, dict[str, Any
     return {name: dict(kw) for name, kw in options.items()}
 
 
+#: The keys of a spec that names a saved dispatch table (``tune --save``).
+TABLE_KEYS = ("table", "label", "on_stale")
+
+
 def spec_value(field: str, value: object) -> BackendSpec:
-    """A runner's spec as a configuration writes it: a ``BackendSpec``, its dict form, or text.
+    """A runner's spec as a configuration writes it: a ``BackendSpec``, its dict form, text,
+    or a saved dispatch table, ``{"table": path, "label": ..., "on_stale": "raise"}``.
 
     >>> str(spec_value("target", "prefill=torch,decode=native"))
     'prefill=torch,decode=native'
+
+    A table is read here, once, and checked against this environment: a stale one raises
+    ``StaleTableError`` naming each changed field (``"on_stale": "retune"`` measures again).
+    ``label`` defaults to ``field`` (the runner: ``"target"`` or ``"draft"``, the labels
+    ``tune --demo`` files its runners under). The table's runner must have one kind of layer.
     """
     if isinstance(value, BackendSpec):
         return value
+    if isinstance(value, Mapping) and "table" in value:
+        return _table_spec(field, value)
     if isinstance(value, Mapping):
         return BackendSpec.from_dict(dict(value))
     if not isinstance(value, str):
         raise InvalidSpecError(field, value, "expected a BackendSpec string such as 'native'")
     return BackendSpec.parse(value)
+
+
+def _table_spec(field: str, value: Mapping[Any, Any]) -> BackendSpec:
+    unknown = sorted(str(k) for k in value if k not in TABLE_KEYS)
+    path = value["table"]
+    if unknown or not isinstance(path, str) or not path:
+        raise InvalidSpecError(
+            field,
+            dict(value),
+            f"a table spec is {{'table': path, 'label': name, 'on_stale': 'raise'}} "
+            f"(unknown keys: {unknown!r}; the path must be a non-empty string)",
+        )
+    label = value.get("label", field)
+    if not isinstance(label, str):
+        raise InvalidSpecError(f"{field}.label", label, "expected a runner label string")
+    from attn_dispatch.dispatch_table import spec_from_table
+
+    got = spec_from_table(path, label=label, on_stale=value.get("on_stale", "raise"))
+    if isinstance(got, BackendSpec):
+        return got
+    raise InvalidSpecError(
+        f"{field}.table",
+        path,
+        f"runner {label!r} of this table has layer groups {sorted(got)!r}; this engine binds "
+        "one spec per runner: tune it as one kind of layer",
+    )

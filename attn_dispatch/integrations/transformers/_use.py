@@ -117,6 +117,24 @@ _INSTANCE_ATTRIBUTES = (
 )
 
 
+def table_specs(
+    value: Mapping[str, Any], label: str | None
+) -> BackendSpec | dict[str, BackendSpec]:
+    """``{"table": path, "label": ..., "on_stale": ...}``: the spec(s) a saved dispatch table
+    holds for the runner (``label`` defaults to ``use``'s label), checked against this
+    environment (``StaleTableError`` names what changed)."""
+    from attn_dispatch.dispatch_table import spec_from_table
+
+    unknown = sorted(str(k) for k in value if k not in ("table", "label", "on_stale"))
+    if unknown:
+        raise InvalidSpecError(
+            "spec", dict(value), f"a table spec takes 'table', 'label', 'on_stale'; not {unknown!r}"
+        )
+    return spec_from_table(
+        value["table"], label=value.get("label", label), on_stale=value.get("on_stale", "raise")
+    )
+
+
 def use(
     model: Any,
     spec: BackendSpec | str | Mapping[str, BackendSpec | str],
@@ -137,7 +155,9 @@ def use(
     ``page_size`` tokens and attention reads them in place. A model whose layers differ
     (sliding and full: Gemma 2/3, Cohere 2, gpt-oss, Qwen2 with ``use_sliding_window``) gets
     one grouped binding ``{"sliding": ..., "full": ...}``; ``spec`` may then be a mapping
-    group -> spec. ``kv_dtype`` (``"float8_e4m3fn"``/``"float8_e5m2"``) stores K and V in FP8
+    group -> spec. ``spec`` may name a saved dispatch table, ``{"table": "t.json"}``
+    (``tune --save``; runner ``label``, or ``"label": ...``): a stale one is refused with
+    ``StaleTableError`` naming what changed. ``kv_dtype`` (``"float8_e4m3fn"``/``"float8_e5m2"``) stores K and V in FP8
     pages, each layer with scales ``amax / FP8_MAX`` fixed at the prefill.
 
     Raises ``IncompatibleBackendError`` (every reason) when the spec cannot serve the model,
@@ -163,6 +183,8 @@ def use(
         kv_dtype=kv_dtype,
     )
     grouped = len(configs) > 1
+    if isinstance(spec, Mapping) and "table" in spec:
+        spec = table_specs(spec, label)
     target: AttnConfig | dict[str, AttnConfig] = configs
     if not grouped:
         ((only, target),) = configs.items()
