@@ -43,7 +43,27 @@ _H = TypeVar("_H")
 class PrivatePlans(Generic[_T]):
     """One backend object's table: issued handle -> the private record its handler reads.
 
-    Entries leave with their handle (weak keys), so the table never outlives a plan.
+    A plan is a value the backend must be able to trust: hand out a handle of immutable
+    summaries and keep what the kernels read here, where no edit of the handle reaches it.
+    ``issue`` in ``plan(batch)``, ``get`` first thing in the handler (it refuses a plan this
+    backend object did not issue, as ``check_plan`` does). Entries leave with their handle
+    (weak keys), so the table never outlives a plan.
+
+    >>> import dataclasses
+    >>> from attn_dispatch.backend import PlanBase, PrivatePlans
+    >>> @dataclasses.dataclass(frozen=True, slots=True, eq=False)
+    ... class Handle(PlanBase):
+    ...     num_tokens: int
+    >>> class Mine:
+    ...     def __init__(self): self.plans = PrivatePlans("mine")
+    >>> be = Mine()
+    >>> plan = be.plans.issue(be, Handle(3), {"pages": [4, 5]})   # in plan(batch)
+    >>> be.plans.get(plan, be)                                     # in the handler
+    {'pages': [4, 5]}
+    >>> be.plans.get(Handle(3), be)                                # not issued: refused
+    Traceback (most recent call last):
+    ...
+    attn_dispatch.InvalidBatchError: ...
     """
 
     __slots__ = ("_held", "backend")

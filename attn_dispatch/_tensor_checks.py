@@ -2,7 +2,10 @@
 
 Attribute reads only: shapes, dtypes, devices, layout, and the largest page index of the
 planned snapshot against the cache given at this call (an FP8 config's cache must have the FP8
-dtype itself); ``check_sinks(sinks, q)`` for configs with sinks.
+dtype itself); ``check_sinks(sinks, q)`` for configs with sinks. The decompressed, chunked-prefix
+MLA form (``AttnForm.MHA_CHUNKED``) has its call checked here too, once for every backend
+serving it: ``check_chunked`` (the arguments and the new tokens' rows) and ``prefix_chunks``
+(each prefix chunk, and that the chunks cover each request's prefix exactly).
 
 >>> import torch
 >>> from attn_dispatch import AttnBatch, AttnConfig, Phase
@@ -20,6 +23,9 @@ dtype itself); ``check_sinks(sinks, q)`` for configs with sinks.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 from typing import Any
 from typing import Literal
 
@@ -28,7 +34,11 @@ import torch
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._snapshot import BatchSnapshot
 from attn_dispatch._snapshot import StepStats
+from attn_dispatch._values import check_scale
 from attn_dispatch._values import check_sinks
+
+if TYPE_CHECKING:
+    from attn_dispatch._batch import AttnBatch
 
 __all__ = ["Layout", "TensorChecks"]
 
@@ -52,6 +62,8 @@ class TensorChecks:
     kv_dtype: torch.dtype
     device_type: str
     layout: Layout
+    out_dim: int = 0  # the output's (and V's) head dim: the chunked form's v_new and chunks
+    sinks: bool = False  # the config has sinks: a call passes them; without, it passes none
 
     @classmethod
     def of(
@@ -77,6 +89,8 @@ class TensorChecks:
             kv_dtype=kv_dtype if kv_dtype is not None else getattr(torch, str(c.kv_dtype)),
             device_type=device_type if device_type is not None else c.device_type,
             layout=layout,
+            out_dim=int(c.out_head_dim),
+            sinks=bool(c.sinks),
         )
 
     def check(self, snap: BatchSnapshot, q: Any, k_cache: Any, v_cache: Any) -> int:
@@ -126,6 +140,175 @@ class TensorChecks:
         ``[num_q_heads]`` tensor on ``q``'s device: the core's one rule
         (``attn_dispatch._values.check_sinks``), for a handler called without a binding."""
         check_sinks(sinks, q, self.q_tail[0], self.backend)
+
+    def check_keywords(self, q: Any, *, sinks: Any = None, return_lse: Any = False) -> None:
+        """The per-call keywords of a handler called without a binding (a binding's calls
+        passed the core's same rules): ``sinks`` given exactly when the config has them, and
+        then a float32 ``[num_q_heads]`` tensor on ``q``'s device; ``return_lse`` a Python
+        bool. ``InvalidBatchError`` names the keyword."""
+        if return_lse is not True and return_lse is not False:
+            raise InvalidBatchError(
+                "return_lse", f"{self.backend}: must be True or False, got {return_lse!r}"
+            )
+        if self.sinks:
+            if sinks is None:
+                raise InvalidBatchError(
+                    "sinks", f"{self.backend}: the config has sinks=True; pass sinks= per call"
+                )
+            self.check_sinks(sinks, q)
+        elif sinks is not None:
+            raise InvalidBatchError(
+                "sinks", f"{self.backend}: given to a layer whose config has sinks=False"
+            )
+
+    def check_chunked(
+        self,
+        q: Any,
+        k_new: Any,
+        v_new: Any,
+        batch: AttnBatch,
+        sm_scale: Any,
+        prefix: Any,
+        *,
+        sinks: Any = None,
+        return_lse: Any = False,
+    ) -> tuple[BatchSnapshot, float]:
+        """The checks of an ``AttnForm.MHA_CHUNKED`` call ``run(q, k_new, v_new, batch,
+        sm_scale, prefix, sinks=..., return_lse=...)``, before anything is read: the keywords
+        (``check_keywords``), ``prefix`` given, the batch causal (no custom mask), the scale,
+        then the batch copied and checked (it is this form's plan; no page is read, so page
+        coverage is not checked) and ``q``/``k_new``/``v_new`` as the new tokens' rows
+        ``[tokens, num_q_heads, head_dim]`` (``v_new``: the output's head dim) in the config's
+        dtype on one device of the bound type. Returns ``(snapshot, scale)``; then iterate the
+        chunks through ``prefix_chunks``.
+        """
+        self.check_keywords(q, sinks=sinks, return_lse=return_lse)
+        if prefix is None:
+            raise InvalidBatchError(
+                "prefix",
+                f"{self.backend}: the 'mha_chunked' form needs the cached prefix as chunks: "
+                "attention(q, k_new, v_new, sm_scale=..., prefix=latent_prefix_chunks(...))",
+            )
+        if getattr(batch, "custom_mask", None) is not None:
+            raise InvalidBatchError(
+                "custom_mask", f"{self.backend}: the 'mha_chunked' form is causal only"
+            )
+        scale = check_scale("sm_scale", sm_scale)
+        snap = BatchSnapshot.of(batch, None)
+        t, heads, d = snap.num_tokens, self.q_tail[0], self.q_tail[1]
+        for name, x, width in (("q", q, d), ("k_new", k_new, d), ("v_new", v_new, self.out_dim)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (t, heads, width):
+                raise InvalidBatchError(
+                    name,
+                    f"{self.backend}: shape {tuple(getattr(x, 'shape', ()))} != "
+                    f"[{t}, {heads}, {width}] (the new tokens' rows)",
+                )
+            if x.dtype != self.q_dtype or x.device.type != self.device_type or x.device != q.device:
+                raise InvalidBatchError(
+                    name,
+                    f"{self.backend}: dtype {x.dtype} on {x.device}, want {self.q_dtype} on "
+                    f"{q.device if name != 'q' else self.device_type!r}",
+                )
+        return snap, scale
+
+    def prefix_chunks(
+        self, prefix: Any, snap: BatchSnapshot, q: Any
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+        """The chunks of a checked chunked call's ``prefix`` (``check_chunked``), each checked
+        before it is yielded: ``(k_chunk [rows, heads, head_dim], v_chunk [rows, heads,
+        out dim], indptr)`` in the config's dtype on ``q``'s device, ``indptr`` (yielded as
+        ints) non-decreasing within the chunk's rows with one entry per request and one more.
+        A chunk reaching past a request's prefix (``kv_len - q_len`` tokens) is refused before
+        it is yielded, and chunks that end short of one are refused after the last: a handler
+        never answers from fewer or other keys. ``InvalidBatchError`` field ``prefix`` (with
+        ``request`` where one request is at fault)."""
+        try:
+            chunks = iter(prefix)
+        except TypeError:
+            raise InvalidBatchError(
+                "prefix",
+                f"{self.backend}: must be an iterable of (k_chunk, v_chunk, indptr), got "
+                f"{type(prefix).__name__}",
+            ) from None
+        b = snap.num_requests
+        qo = snap.qo_indptr_host.tolist()
+        lens = snap.kv_lens_host.tolist()
+        want = [lens[i] - (qo[i + 1] - qo[i]) for i in range(b)]
+        seen = [0] * b
+        for chunk in chunks:
+            try:
+                k_chunk, v_chunk, indptr = chunk
+            except (TypeError, ValueError):
+                raise InvalidBatchError(
+                    "prefix",
+                    f"{self.backend}: each chunk must be (k_chunk, v_chunk, indptr), got "
+                    f"{type(chunk).__name__}",
+                ) from None
+            ind = self._chunk_indptr(k_chunk, v_chunk, indptr, b, q.device)
+            for i in range(b):
+                seen[i] += ind[i + 1] - ind[i]
+                if seen[i] > want[i]:
+                    raise InvalidBatchError(
+                        "prefix",
+                        f"{self.backend}: chunks cover more than the {want[i]} prefix tokens "
+                        f"the request has ({seen[i]} so far)",
+                        request=i,
+                    )
+            yield k_chunk, v_chunk, ind
+        bad = next((i for i in range(b) if seen[i] != want[i]), None)
+        if bad is not None:
+            raise InvalidBatchError(
+                "prefix",
+                f"{self.backend}: chunks cover {seen[bad]} prefix tokens but the request has "
+                f"{want[bad]}",
+                request=bad,
+            )
+
+    def _chunk_indptr(
+        self, k_chunk: Any, v_chunk: Any, indptr: Any, num_requests: int, device: Any
+    ) -> list[int]:
+        heads, widths = self.q_tail[0], (self.q_tail[1], self.out_dim)
+        for name, x, width in (("k_chunk", k_chunk, widths[0]), ("v_chunk", v_chunk, widths[1])):
+            if not isinstance(x, torch.Tensor):
+                raise InvalidBatchError(
+                    "prefix", f"{self.backend}: {name} must be a torch.Tensor, got {type(x)!r}"
+                )
+            if x.dim() != 3 or tuple(x.shape[1:]) != (heads, width):
+                raise InvalidBatchError(
+                    "prefix",
+                    f"{self.backend}: {name} shape {tuple(x.shape)} != [rows, {heads}, {width}]",
+                )
+            if x.dtype != self.q_dtype or x.device != device:
+                raise InvalidBatchError(
+                    "prefix",
+                    f"{self.backend}: {name} is {x.dtype} on {x.device}, want {self.q_dtype} "
+                    f"on {device}",
+                )
+        rows = int(k_chunk.shape[0])
+        if v_chunk.shape[0] != rows:
+            raise InvalidBatchError(
+                "prefix",
+                f"{self.backend}: k_chunk has {rows} rows, v_chunk {int(v_chunk.shape[0])}",
+            )
+        try:
+            ind = [int(x) for x in indptr]
+        except (TypeError, ValueError):
+            raise InvalidBatchError(
+                "prefix",
+                f"{self.backend}: chunk indptr must be a sequence of ints, got {indptr!r}",
+            ) from None
+        if len(ind) != num_requests + 1:
+            raise InvalidBatchError(
+                "prefix",
+                f"{self.backend}: chunk indptr has {len(ind)} entries, want {num_requests + 1}",
+            )
+        if ind and (ind[0] < 0 or ind[-1] > rows or any(a > b for a, b in itertools.pairwise(ind))):
+            raise InvalidBatchError(
+                "prefix",
+                f"{self.backend}: chunk indptr {ind!r} must be non-decreasing within the "
+                f"chunk's {rows} rows",
+            )
+        return ind
 
     def _layout_ok(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> bool:
         if self.layout == "contiguous":

@@ -42,7 +42,6 @@ from attn_dispatch.backend import check_plan
 from attn_dispatch.backend import chunk_tree_mask
 from attn_dispatch.backend import issue_plan
 from attn_dispatch.backend import window_tree_mask
-from attn_dispatch.backends._chunks import check_prefix_chunk
 from attn_dispatch.backends.reference._seal import Seals
 from attn_dispatch.backends.reference._softmax import _OnlineSoftmax
 
@@ -343,32 +342,11 @@ class TorchBackend(BackendBase):
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        _check_flag("return_lse", return_lse)
-        if c.sinks:
-            self._checks.check_sinks(sinks, q)
-        if prefix is None:
-            raise InvalidBatchError(
-                "prefix",
-                "the 'mha_chunked' form needs the cached prefix as chunks: "
-                "attention(q, k_new, v_new, sm_scale=..., prefix=latent_prefix_chunks(...))",
-            )
-        if batch.custom_mask is not None:
-            raise InvalidBatchError("custom_mask", "the 'mha_chunked' form is causal only")
-        # The batch is this form's plan: copy and check it here (prefill, once per layer).
-        # No page is read here, so page coverage is not checked.
-        snap = BatchSnapshot.of(batch, None)
-        t = snap.num_tokens
-        for name, x, d in (
-            ("q", q, c.head_dim),
-            ("k_new", k_new, c.head_dim),
-            ("v_new", v_new, c.v_head_dim),
-        ):
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != (t, c.num_q_heads, d):
-                raise InvalidBatchError(
-                    name,
-                    f"shape {tuple(getattr(x, 'shape', ()))} != [{t}, {c.num_q_heads}, {d}] "
-                    "(new tokens)",
-                )
+        # The form's call checks, every backend's (attn_dispatch.backend.TensorChecks): the
+        # keywords, prefix, causal batch, scale, and the new tokens' rows.
+        snap, sm_scale = self._checks.check_chunked(
+            q, k_new, v_new, batch, sm_scale, prefix, sinks=sinks, return_lse=return_lse
+        )
         dv = int(c.out_head_dim)
         b = snap.num_requests
         if b == 0:
@@ -389,11 +367,7 @@ class TorchBackend(BackendBase):
         qpos = torch.tensor(prefix_lens)[:, None] + slots[None, :]
         qstart = qpos - qpos % chunk if chunk is not None else None
         seen = [0] * b
-        for k_c, v_c, indptr in prefix:
-            ind = check_prefix_chunk(
-                k_c, v_c, indptr, num_requests=b, heads=c.num_q_heads,
-                widths=(c.head_dim, dv), dtype=None, device=dev,
-            )  # fmt: skip
+        for k_c, v_c, ind in self._checks.prefix_chunks(prefix, snap, q):  # each one checked
             n = max(max(ind[i + 1] - ind[i] for i in range(b)), 1)
             cs = torch.arange(n)
             clen = torch.tensor([ind[i + 1] - ind[i] for i in range(b)])
@@ -410,13 +384,6 @@ class TorchBackend(BackendBase):
             if qstart is not None:
                 allowed = allowed & (kpos[:, None, :] >= qstart[:, :, None])
             acc.update(k, v, allowed.to(dev), sm_scale)
-        bad = next((i for i in range(b) if seen[i] != prefix_lens[i]), None)
-        if bad is not None:
-            raise InvalidBatchError(
-                "prefix",
-                f"chunks cover {seen[bad]} prefix tokens but the request has {prefix_lens[bad]}",
-                request=bad,
-            )
         k = k_new[rows].float().transpose(1, 2)
         v = v_new[rows].float().transpose(1, 2)
         causal = slots[None, :, None] >= slots[None, None, :]

@@ -14,10 +14,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attn_dispatch.backend import BatchSnapshot
-from attn_dispatch.backend import InvalidBatchError
-from attn_dispatch.backend import check_scale
-from attn_dispatch.backends._chunks import check_prefix_chunk
 from attn_dispatch.backends.sdpa._fused import MaskCache
 from attn_dispatch.backends.sdpa._fused import Part
 from attn_dispatch.backends.sdpa._fused import fused
@@ -43,34 +39,12 @@ def run_chunked(
     sinks: torch.Tensor | None,
     return_lse: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    c = be.config
-    if c.sinks:
-        be.checks.check_sinks(sinks, q)
-    elif sinks is not None:
-        raise InvalidBatchError("sinks", "given to a layer whose config has sinks=False")
-    if return_lse is not True and return_lse is not False:
-        raise InvalidBatchError("return_lse", f"must be True or False, got {return_lse!r}")
-    if prefix is None:
-        raise InvalidBatchError(
-            "prefix",
-            "the 'mha_chunked' form needs the cached prefix as chunks: "
-            "attention(q, k_new, v_new, sm_scale=..., prefix=latent_prefix_chunks(...))",
-        )
-    if batch.custom_mask is not None:
-        raise InvalidBatchError("custom_mask", "the 'mha_chunked' form is causal only")
-    scale = check_scale("sm_scale", sm_scale)
-    snap = BatchSnapshot.of(batch, None)  # this form's plan: checked here, once per layer
+    # The form's call checks, every backend's (attn_dispatch.backend.TensorChecks): the
+    # keywords, prefix, causal batch, scale, and the new tokens' rows.
+    snap, scale = be.checks.check_chunked(
+        q, k_new, v_new, batch, sm_scale, prefix, sinks=sinks, return_lse=return_lse
+    )
     t = snap.num_tokens
-    for name, x, d in (("q", q, be.d), ("k_new", k_new, be.d), ("v_new", v_new, be.dv)):
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != (t, be.hq, d):
-            raise InvalidBatchError(
-                name,
-                f"shape {tuple(getattr(x, 'shape', ()))} != [{t}, {be.hq}, {d}] (new tokens)",
-            )
-        if x.dtype != be.q_dtype or x.device != q.device:
-            raise InvalidBatchError(
-                name, f"dtype {x.dtype} on {x.device}, want {be.q_dtype} on {q.device}"
-            )
     b = snap.num_requests
     hq, dv, e = be.hq, be.dv, be.e
     out = torch.empty(t, hq, dv, dtype=be.q_dtype, device=q.device)
@@ -97,11 +71,7 @@ def run_chunked(
         assert lse is not None
         state.append((o.float(), lse))
     seen = [0] * b
-    for k_c, v_c, indptr in prefix:
-        ind = check_prefix_chunk(
-            k_c, v_c, indptr, num_requests=b, heads=hq, widths=(be.d, be.dv),
-            dtype=be.q_dtype, device=q.device,
-        )  # fmt: skip
+    for k_c, v_c, ind in be.checks.prefix_chunks(prefix, snap, q):  # each one checked
         kcw = widen(k_c, be.d, e, be.dtype)
         vcw = widen(v_c, be.dv, e, be.dtype)
         for i in range(b):
@@ -109,9 +79,7 @@ def run_chunked(
             if r1 <= r0:
                 continue
             k0 = seen[i]
-            seen[i] += r1 - r0
-            if seen[i] > first[i]:
-                break  # reported below
+            seen[i] += r1 - r0  # within the prefix: prefix_chunks refuses a chunk past it
             q0, q1 = qo[i], qo[i + 1]
             los = [be.planner.lo(p) for p in range(first[i], lens[i])]
             if min(los) >= seen[i]:
@@ -131,13 +99,6 @@ def run_chunked(
             o, lse = fused(dev_type, grouped, qv, kv, vv, part, scale, True)
             assert lse is not None
             state[i] = merge(state[i][0], state[i][1], o, lse)
-    bad = next((i for i in range(b) if seen[i] != first[i]), None)
-    if bad is not None:
-        raise InvalidBatchError(
-            "prefix",
-            f"chunks cover {seen[bad]} prefix tokens but the request has {first[bad]}",
-            request=bad,
-        )
     for i in range(b):
         o, lse = state[i]
         if sinks is not None:
