@@ -276,8 +276,11 @@ def _check_buckets(
             raise IncompatibleBackendError(label, own, config=config)
         for phase, (name, why) in own.items():
             reasons.setdefault(phase, (name, []))[1].extend(why)
+    factory_options: dict[str, Mapping[str, Any]] = {}
+    for c in checks.values():
+        factory_options.update(c.factory_options)
     return CheckedSpec(
-        spec, entries, base.policies, base.factory_options, types.MappingProxyType(checks)
+        spec, entries, base.policies, factory_options, types.MappingProxyType(checks)
     )
 
 
