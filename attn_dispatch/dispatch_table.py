@@ -265,9 +265,7 @@ class DispatchTable:
                         "runner_up_ms": round(ms[1], 6) if len(served) > 1 else None,
                         "shape": _shape(phase, report.sizes),
                         "buckets": buckets,
-                        "measured": [
-                            {"size": n, "times": measured[n]} for n in sorted(measured)
-                        ],
+                        "measured": [{"size": n, "times": measured[n]} for n in sorted(measured)],
                     }
                 groups[group] = {"config": config.to_dict(), "phases": phases}
             runners[label] = groups

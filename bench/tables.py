@@ -55,7 +55,9 @@ def demo_configs(size: str, dtype: str) -> tuple[dict[str, AttnConfig], dict[str
     from attn_dispatch.demo.values import DemoOptions
 
     s = sizes()[size]
-    target, draft = build_models(s.target, s.draft, seed=0, dtype=getattr(torch, dtype))
+    target, draft = build_models(
+        s.target, s.draft, seed=0, dtype=getattr(torch, dtype), device="cpu"
+    )
     page = DemoOptions().page_size
     configs = {
         "target": target.attn_config(page_size=page, device="cpu"),

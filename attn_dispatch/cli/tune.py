@@ -51,8 +51,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=sizes_list,
         default=(),
         metavar="N,N",
-        help="more contexts to time decode and verify at: shape buckets by context (e.g. "
-        "256,8192)",
+        help="more contexts to time decode and verify at: shape buckets by context (e.g. 256,8192)",
     )
     t.add_argument(
         "--demo",

@@ -483,3 +483,18 @@ def test_engine_settings_take_a_table(table: DispatchTable, tmp_path: Path) -> N
     with pytest.raises(StaleTableError) as e:
         Settings.parse({"target": {"table": str(stale)}})
     assert set(e.value.differences) == {"torch"}
+
+
+def test_transformers_use_takes_a_table(table: DispatchTable, tmp_path: Path) -> None:
+    from attn_dispatch.integrations.transformers._use import table_specs
+
+    path = tmp_path / "t.json"
+    table.save(path)
+    assert table_specs({"table": str(path)}, "target") == table.spec("target", "")
+    grouped = table_specs({"table": str(path), "label": "gemma"}, None)
+    assert grouped == {g: table.spec("gemma", g) for g in ("full", "sliding")}
+    with pytest.raises(AttnDispatchError, match="'table', 'label', 'on_stale'"):
+        table_specs({"table": str(path), "lable": "gemma"}, None)
+    stale = _write(tmp_path, _edit(table, "environment/threads", 99), "stale.json")
+    with pytest.raises(StaleTableError, match="threads"):
+        table_specs({"table": str(stale)}, "target")
