@@ -261,10 +261,12 @@ def _check_buckets(
         b = spec.buckets_for(phase)
         if b is None:
             continue
-        for i, (bound, name) in enumerate(b.limits):
+        for i, (bound, _) in enumerate(b.limits):
             tag = f"bucket {b.measure}<={bound}"
             seen = {p: len(r) for p, (_, r) in own.items()}
-            checks[(phase, i)] = plain(spec.bucket_spec(phase, i), f"{where}, {tag}" if where else tag)
+            checks[(phase, i)] = plain(
+                spec.bucket_spec(phase, i), f"{where}, {tag}" if where else tag
+            )
             for other in Phase:  # only this bucket's phase: the others were checked above
                 if other is not phase and other in own:
                     del own[other][1][seen.get(other, 0) :]
@@ -276,8 +278,11 @@ def _check_buckets(
             raise IncompatibleBackendError(label, own, config=config)
         for phase, (name, why) in own.items():
             reasons.setdefault(phase, (name, []))[1].extend(why)
+    factory_options: dict[str, Mapping[str, Any]] = {}
+    for c in checks.values():
+        factory_options.update(c.factory_options)
     return CheckedSpec(
-        spec, entries, base.policies, base.factory_options, types.MappingProxyType(checks)
+        spec, entries, base.policies, factory_options, types.MappingProxyType(checks)
     )
 
 

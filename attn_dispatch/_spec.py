@@ -7,6 +7,7 @@ A framework's own way of naming them (SGLang's server arguments) is read by its 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from typing import Any
 from typing import Literal
@@ -88,7 +89,7 @@ class Buckets:
                 raise InvalidSpecError(f"{where}.limits", bound, "a bound must be an int >= 1")
             limits.append((bound, _check_name(f"{where}.limits", name)))
         bounds = [b for b, _ in limits]
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
+        for lo, hi in itertools.pairwise(bounds):
             if hi <= lo:
                 problem = "overlaps the one before it" if hi == lo else "is out of order"
                 raise InvalidSpecError(
@@ -265,9 +266,9 @@ class BackendSpec:
             fields[key] = value
         buckets: list[Buckets] = []
         for key in _PHASE_KEYS:
-            value = fields.get(key)
-            if value is not None and "|" in value:
-                found, fields[key] = Buckets.parse(key, value)
+            given = fields.get(key)
+            if given is not None and "|" in given:
+                found, fields[key] = Buckets.parse(key, given)
                 buckets.append(found)
         prefill = fields.pop("prefill", default)
         decode = fields.pop("decode", default)
@@ -429,10 +430,15 @@ def _buckets_from(phase: object, value: object) -> Buckets:
         if value.phase != phase:
             raise InvalidSpecError("buckets", phase, f"holds the buckets of {value.phase!r}")
         return value
-    if not isinstance(phase, str) or not isinstance(value, Mapping) or set(value) != {
-        "measure",
-        "limits",
-    }:
+    if (
+        not isinstance(phase, str)
+        or not isinstance(value, Mapping)
+        or set(value)
+        != {
+            "measure",
+            "limits",
+        }
+    ):
         raise InvalidSpecError(
             f"buckets[{phase!r}]",
             value,
@@ -441,4 +447,6 @@ def _buckets_from(phase: object, value: object) -> Buckets:
     limits = value["limits"]
     if not isinstance(limits, (list, tuple)):
         raise InvalidSpecError(f"buckets[{phase!r}].limits", limits, "expected a list of pairs")
-    return Buckets(phase, value["measure"], tuple(tuple(x) if isinstance(x, list) else x for x in limits))
+    return Buckets(
+        phase, value["measure"], tuple(tuple(x) if isinstance(x, list) else x for x in limits)
+    )

@@ -219,7 +219,10 @@ class DispatchTable:
         device = "cpu"
         sizes_seen: dict[str, Any] | None = None
         for label, report in reports.items():
-            sizes = dataclasses.asdict(report.sizes)
+            sizes = {  # as JSON holds them: lists, not tuples
+                k: list(v) if isinstance(v, tuple) else v
+                for k, v in dataclasses.asdict(report.sizes).items()
+            }
             if sizes_seen not in (None, sizes):
                 raise InvalidSpecError("reports", label, "every report must use the same sizes")
             sizes_seen = sizes
@@ -262,9 +265,7 @@ class DispatchTable:
                         "runner_up_ms": round(ms[1], 6) if len(served) > 1 else None,
                         "shape": _shape(phase, report.sizes),
                         "buckets": buckets,
-                        "measured": [
-                            {"size": n, "times": measured[n]} for n in sorted(measured)
-                        ],
+                        "measured": [{"size": n, "times": measured[n]} for n in sorted(measured)],
                     }
                 groups[group] = {"config": config.to_dict(), "phases": phases}
             runners[label] = groups
@@ -487,7 +488,8 @@ def _validated(data: Any, source: str) -> dict[str, Any]:
     need(
         is_int(version) and version in READS,
         "version",
-        f"version {version!r} is not one this attn_dispatch reads (it reads {READS}); "
+        f"version {version!r} is not one this attn_dispatch reads (it reads "
+        f"{' and '.join(map(str, READS))}); "
         "re-run `python -m attn_dispatch tune ... --save FILE` with this version",
     )
     unknown = sorted(set(data) - {"format", "version", "environment", "sizes", "runners"})

@@ -21,6 +21,7 @@ emulated or substituted. The other phases of a timed binding are served by the r
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -202,9 +203,7 @@ class TuneReport:
                 "timings": [dataclasses.asdict(t) for t in self.timings],
                 "recommended": dict(self.recommended),
                 "unavailable": dict(self.unavailable),
-                "buckets": {
-                    f"{g}/{p}" if g else p: d.why for (g, p), d in self.decisions.items()
-                },
+                "buckets": {f"{g}/{p}" if g else p: d.why for (g, p), d in self.decisions.items()},
             },
             indent=2,
         )
@@ -504,9 +503,7 @@ def _clearly_faster(a: PhaseTiming, b: PhaseTiming, layers: int) -> bool:
     return tb - ta > max(a.noise_s, b.noise_s)
 
 
-def decide(
-    phase: str, cells: Sequence[PhaseTiming], sizes: TuneSizes
-) -> BucketDecision | None:
+def decide(phase: str, cells: Sequence[PhaseTiming], sizes: TuneSizes) -> BucketDecision | None:
     """The winner and the shape buckets of one group x phase from its cells (None when no
     backend served it at the main size).
 
@@ -527,22 +524,25 @@ def decide(
         return None
     ordered = sorted(by_size)
     winners = {
-        s: min(by_size[s].values(), key=lambda t: t.forward_s(layers) or math.inf)
-        for s in ordered
+        s: min(by_size[s].values(), key=lambda t: t.forward_s(layers) or math.inf) for s in ordered
     }
     main = _main_size(phase, sizes)
     head = winners.get(main, winners[ordered[-1]]).backend
     measure = MEASURE_OF[phase]
+
+    def _noise(t: PhaseTiming) -> str:
+        return "-" if t.noise_s is None else f"{t.noise_s * 1e3:.3f}"
+
     seen = ", ".join(
         f"{measure} {s}: {winners[s].backend} {(winners[s].forward_s(layers) or 0) * 1e3:.3f} ms"
-        f" (noise {'-' if winners[s].noise_s is None else f'{winners[s].noise_s * 1e3:.3f}'})"
+        f" (noise {_noise(winners[s])})"
         for s in ordered
     )
     if len({w.backend for w in winners.values()}) == 1:
         why = f"one winner at every size ({seen})" if len(ordered) > 1 else seen
         return BucketDecision(phase, measure, head, (), head, tuple(ordered), why)
     limits: list[tuple[int, str]] = []
-    for lo, hi in zip(ordered, ordered[1:], strict=False):
+    for lo, hi in itertools.pairwise(ordered):
         a, b = winners[lo], winners[hi]
         if a.backend == b.backend:
             continue
@@ -580,9 +580,7 @@ def _spec_text(best: Mapping[Phase, BucketDecision]) -> str:
     text = {p: d.spec_text() for p, d in best.items()}
     if len(set(text.values())) == 1 and "|" not in text[Phase.PREFILL]:
         return text[Phase.PREFILL]
-    return str(
-        BackendSpec.parse(",".join(f"{p.name.lower()}={t}" for p, t in text.items()))
-    )
+    return str(BackendSpec.parse(",".join(f"{p.name.lower()}={t}" for p, t in text.items())))
 
 
 def tune(

@@ -183,7 +183,7 @@ def cmd_explain(args: argparse.Namespace, registry: Registry) -> int:
                 (n, r) for n in used for r in registry.get(n).capabilities.machine_reasons(cfg)
             ]
             shown = name if b is None else gspec.phase_text(phase)
-            cells = (phase.name.lower(), shown, _verdict(why), _verdict(m_pairs))
+            cells = (phase.name.lower(), shown, _verdict(why), _verdict([r for _, r in m_pairs]))
             rows.append((group, *cells) if group else cells)
             for r in why:
                 from_config.setdefault((group, name, r), []).append(phase.name.lower())

@@ -39,6 +39,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     t.add_argument("--draft-tokens", type=int, default=4, help="verify: new tokens per request")
     t.add_argument("--repeats", type=int, default=5, help="timed calls per cell (after warm-up)")
     t.add_argument(
+        "--prefill-lens",
+        type=sizes_list,
+        default=(),
+        metavar="N,N",
+        help="more prompt lengths to time prefill at: shape buckets by q_len where the winner "
+        "changes by more than the noise (e.g. 128,2048)",
+    )
+    t.add_argument(
+        "--contexts",
+        type=sizes_list,
+        default=(),
+        metavar="N,N",
+        help="more contexts to time decode and verify at: shape buckets by context (e.g. 256,8192)",
+    )
+    t.add_argument(
         "--demo",
         choices=("tiny", "base", "wide"),
         help="tune the demo's two runners at this size (groups 'target' and 'draft'; the "
@@ -57,6 +72,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the runner label the table files these groups under (default 'model'; the "
         "demo's runners are 'target' and 'draft')",
     )
+
+
+def sizes_list(text: str) -> tuple[int, ...]:
+    """``--prefill-lens 128,2048``: one or more ints >= 1."""
+    try:
+        values = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers, e.g. 128,2048") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every size must be >= 1")
+    return values
 
 
 def backend_names(text: str) -> list[str]:
@@ -113,6 +139,8 @@ def cmd_tune(args: argparse.Namespace, registry: Registry) -> int:
         context=args.context,
         draft_tokens=args.draft_tokens,
         repeats=args.repeats,
+        prefill_lens=args.prefill_lens,
+        contexts=args.contexts,
     )
     report = tune(configs, sizes=sizes, backends=args.backends, registry=registry)
     if args.save:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from attn_dispatch import BackendSpec
+from attn_dispatch import Buckets
 from attn_dispatch import IncompatibleBackendError
 from attn_dispatch import InvalidBatchError
 from attn_dispatch import InvalidSpecError
@@ -25,7 +26,6 @@ from attn_dispatch import check
 from attn_dispatch import current_binding
 from attn_dispatch import record_dispatch
 from attn_dispatch import resolve
-from attn_dispatch import Buckets
 from attn_dispatch.backend import Capabilities
 from attn_dispatch.tune import PhaseTiming
 from attn_dispatch.tune import TuneSizes
@@ -164,9 +164,7 @@ def test_an_unknown_backend_in_a_bucket_is_named(echoes: None) -> None:
 
 
 def test_options_may_name_a_bucket_only_backend(echoes: None) -> None:
-    binding = bind(
-        "prefill=q_len<=8:qb|qa,decode=qa", mha_config(), options={"qb": {"flag": 1}}
-    )
+    binding = bind("prefill=q_len<=8:qb|qa,decode=qa", mha_config(), options={"qb": {"flag": 1}})
     assert binding.backends["qb"].options == {"flag": 1}  # type: ignore[attr-defined]
     with pytest.raises(InvalidSpecError, match="does not use"):
         bind("prefill=q_len<=8:qb|qa,decode=qa", mha_config(), options={"qc": {}})
@@ -219,8 +217,7 @@ def test_the_bucket_is_resolved_once_per_forward_not_per_layer(echoes: None) -> 
 def test_successive_forwards_pick_their_own_bucket(echoes: None) -> None:
     binding = bind(SPEC, mha_config(), label="t")
     picks = [
-        forward(binding, ShapedBatch(Phase.PREFILL, max_q_len=n))[0]
-        for n in (16, 1000, 4096, 16)
+        forward(binding, ShapedBatch(Phase.PREFILL, max_q_len=n))[0] for n in (16, 1000, 4096, 16)
     ]
     assert picks == [{"qa"}, {"qb"}, {"qc"}, {"qa"}]
     assert forward(binding, ShapedBatch(Phase.DECODE, max_kv_len=100))[0] == {"qb"}
@@ -232,8 +229,10 @@ def test_current_binding_and_the_record_name_the_buckets_backend(echoes: None) -
     binding = bind(SPEC, mha_config(), label="t")
     with record_dispatch() as rec:
         with attn_scope(binding, ShapedBatch(Phase.PREFILL, max_q_len=1000)) as got:
-            assert current_binding() is got is binding.for_batch(
-                ShapedBatch(Phase.PREFILL, max_q_len=1000)
+            assert (
+                current_binding()
+                is got
+                is binding.for_batch(ShapedBatch(Phase.PREFILL, max_q_len=1000))
             )
             assert got.backend_name(Phase.PREFILL) == "qb"
             attention(None, None, None, sm_scale=0.5)
@@ -326,5 +325,5 @@ def test_no_buckets_when_a_change_is_within_the_noise() -> None:
 
 def test_one_winner_everywhere_is_no_buckets() -> None:
     cells = [cell("sdpa", n, 1, 0.1) for n in (128, 512, 2048)]
-    got = decide("prefill", cells + [cell("torch", 512, 9, 0.1)], SIZES)
+    got = decide("prefill", [*cells, cell("torch", 512, 9, 0.1)], SIZES)
     assert got is not None and got.limits == () and got.rest == "sdpa"

@@ -139,11 +139,11 @@ def test_label_and_group_must_exist(table: DispatchTable, tmp_path: Path) -> Non
         spec_from_table(path, label="target", on_stale="ignore")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", 1.0, True, None])
+@pytest.mark.parametrize("version", [0, 3, "1", "2", 2.0, True, None])
 def test_unknown_versions_are_refused(table: DispatchTable, version: Any) -> None:
     data = copy.deepcopy(dict(table.data))
     data["version"] = version
-    with pytest.raises(DispatchTableError, match="reads 1") as e:
+    with pytest.raises(DispatchTableError, match="reads 1 and 2") as e:
         DispatchTable.from_json(json.dumps(data))
     assert e.value.field == "version"
 
@@ -209,7 +209,7 @@ def test_text_that_is_not_a_table_is_refused(text: str, field: str) -> None:
 
 def test_a_table_made_directly_is_checked_too() -> None:
     with pytest.raises(DispatchTableError) as e:
-        DispatchTable({"format": FORMAT, "version": 2})
+        DispatchTable({"format": FORMAT, "version": 3})
     assert e.value.field == "version"
 
 
@@ -375,3 +375,126 @@ def test_tune_demo_save_files_each_runner_under_its_label(
         assert table.groups(label) == ("",)
         assert f"recommended [{label}]: {table.spec(label)}" in printed
     assert table.config("draft", "").page_size == 1  # the draft's own config, not the target's
+
+
+# -- version 1, shape buckets, and table specs in the engines' settings ----------------------
+
+
+def _as_version_1(table: DispatchTable) -> dict[str, Any]:
+    data = copy.deepcopy(dict(table.data))
+    data["version"] = 1
+    for key in ("prefill_lens", "contexts"):
+        del data["sizes"][key]
+    for groups in data["runners"].values():
+        for entry in groups.values():
+            for choice in entry["phases"].values():
+                del choice["buckets"], choice["measured"]
+    return data
+
+
+def test_a_version_1_table_is_still_read(table: DispatchTable, tmp_path: Path) -> None:
+    old = _as_version_1(table)
+    path = _write(tmp_path, old)
+    back = DispatchTable.load(path)
+    assert back.data == old  # read as it is: the fingerprint of the file is unchanged
+    spec = spec_from_table(path, label="target")
+    assert isinstance(spec, BackendSpec) and not spec.buckets
+    assert spec == table.spec("target", "")
+    assert back.choice("target", "", "decode").buckets is None
+    bad = copy.deepcopy(old)
+    bad["runners"]["target"][""]["phases"]["decode"]["buckets"] = None
+    with pytest.raises(DispatchTableError) as e:
+        DispatchTable(bad)  # version 1 has no buckets field
+    assert e.value.field == "runners.target..phases.decode"
+
+
+def _with_buckets(table: DispatchTable, buckets: Any) -> dict[str, Any]:
+    return _edit(table, "runners/target//phases/prefill/buckets", buckets)
+
+
+def test_a_table_with_buckets_replays_them(table: DispatchTable, tmp_path: Path) -> None:
+    b = {"measure": "q_len", "limits": [[8, "torch"]], "rest": "sdpa"}
+    path = _write(tmp_path, _with_buckets(table, b))
+    spec = spec_from_table(path, label="target")
+    assert isinstance(spec, BackendSpec)
+    assert spec.phase_text(Phase.PREFILL) == "q_len<=8:torch|sdpa"
+    assert spec.verify is not None  # verify names its own choice, not prefill's buckets
+    binding = bind(spec, MHA, label="target")
+    assert binding.bucketed
+    text = DispatchTable.load(path).explain("target")
+    assert "buckets q_len<=8:torch|sdpa" in text
+
+
+@pytest.mark.parametrize(
+    ("buckets", "field"),
+    [
+        ({"measure": "q_len", "limits": [[8, "torch"], [8, "sdpa"]], "rest": "sdpa"},
+         "buckets"),
+        ({"measure": "tokens", "limits": [[8, "torch"]], "rest": "sdpa"}, "buckets"),
+        ({"measure": "q_len", "limits": [], "rest": "sdpa"}, "buckets"),
+        ({"measure": "q_len", "limits": [[8]], "rest": "sdpa"}, "buckets.limits"),
+        ({"measure": "q_len", "limits": [[8, "torch"]]}, "buckets"),
+        ([1], "buckets"),
+    ],
+)  # fmt: skip
+def test_malformed_buckets_in_a_table_are_refused(
+    table: DispatchTable, buckets: Any, field: str
+) -> None:
+    with pytest.raises(DispatchTableError) as e:
+        DispatchTable(_with_buckets(table, buckets))
+    assert e.value.field == f"runners.target..phases.prefill.{field}"
+
+
+def test_tune_records_every_size_it_timed() -> None:
+    sizes = TuneSizes(
+        prefill_batch=1, prefill_len=16, prefill_lens=(4, 32), decode_batch=2, context=32,
+        draft_tokens=2, repeats=1,
+    )  # fmt: skip
+    made = tune_table({"target": {"": MHA}}, sizes=sizes, backends=BACKENDS)
+    prefill = made.choice("target", "", "prefill")
+    assert [m["size"] for m in prefill.measured] == [4, 16, 32]
+    for m in prefill.measured:
+        assert set(m["times"]) == set(BACKENDS)
+        assert all(noise is not None for _, noise in m["times"].values())  # timed >= twice
+    assert [m["size"] for m in made.choice("target", "", "decode").measured] == [32]
+    assert made.data["sizes"]["prefill_lens"] == [4, 32]
+    assert DispatchTable.from_json(made.to_json()).data == made.data
+
+
+def test_engine_settings_take_a_table(table: DispatchTable, tmp_path: Path) -> None:
+    from attn_dispatch.integrations.sglang_engine import _settings as sglang_settings
+    from attn_dispatch.integrations.vllm import Settings
+
+    path = tmp_path / "t.json"
+    table.save(path)
+    s = Settings.parse({"target": {"table": str(path)}})
+    assert s.target == table.spec("target", "") and s.target.note is not None
+    s = Settings.parse({"target": "torch", "draft": {"table": str(path), "label": "target"}})
+    assert s.draft == table.spec("target", "")
+    g = sglang_settings.Settings.parse(json.dumps({"target": {"table": str(path)}}))
+    assert g.target == table.spec("target", "")
+    with pytest.raises(DispatchTableError, match="no runner 'draft'"):
+        Settings.parse({"target": "torch", "draft": {"table": str(path)}})
+    with pytest.raises(AttnDispatchError, match="layer groups"):
+        Settings.parse({"target": {"table": str(path), "label": "gemma"}})
+    with pytest.raises(AttnDispatchError, match="unknown keys"):
+        Settings.parse({"target": {"table": str(path), "labels": "x"}})
+    stale = _write(tmp_path, _edit(table, "environment/torch", "2.12.0"), "stale.json")
+    with pytest.raises(StaleTableError) as e:
+        Settings.parse({"target": {"table": str(stale)}})
+    assert set(e.value.differences) == {"torch"}
+
+
+def test_transformers_use_takes_a_table(table: DispatchTable, tmp_path: Path) -> None:
+    from attn_dispatch.integrations.transformers._use import table_specs
+
+    path = tmp_path / "t.json"
+    table.save(path)
+    assert table_specs({"table": str(path)}, "target") == table.spec("target", "")
+    grouped = table_specs({"table": str(path), "label": "gemma"}, None)
+    assert grouped == {g: table.spec("gemma", g) for g in ("full", "sliding")}
+    with pytest.raises(AttnDispatchError, match="'table', 'label', 'on_stale'"):
+        table_specs({"table": str(path), "lable": "gemma"}, None)
+    stale = _write(tmp_path, _edit(table, "environment/threads", 99), "stale.json")
+    with pytest.raises(StaleTableError, match="threads"):
+        table_specs({"table": str(stale)}, "target")

@@ -157,8 +157,9 @@ def use(
     one grouped binding ``{"sliding": ..., "full": ...}``; ``spec`` may then be a mapping
     group -> spec. ``spec`` may name a saved dispatch table, ``{"table": "t.json"}``
     (``tune --save``; runner ``label``, or ``"label": ...``): a stale one is refused with
-    ``StaleTableError`` naming what changed. ``kv_dtype`` (``"float8_e4m3fn"``/``"float8_e5m2"``) stores K and V in FP8
-    pages, each layer with scales ``amax / FP8_MAX`` fixed at the prefill.
+    ``StaleTableError`` naming what changed. ``kv_dtype`` (``"float8_e4m3fn"``/
+    ``"float8_e5m2"``) stores K and V in FP8 pages, each layer with scales ``amax / FP8_MAX``
+    fixed at the prefill.
 
     Raises ``IncompatibleBackendError`` (every reason) when the spec cannot serve the model,
     ``UnsupportedModelError`` for models this mapping would get wrong.
