@@ -28,6 +28,7 @@ import torch
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._snapshot import BatchSnapshot
 from attn_dispatch._snapshot import StepStats
+from attn_dispatch._values import check_out
 from attn_dispatch._values import check_sinks
 
 __all__ = ["Layout", "TensorChecks"]
@@ -52,6 +53,8 @@ class TensorChecks:
     kv_dtype: torch.dtype
     device_type: str
     layout: Layout
+    # The output's last dim (v_head_dim; the latent width for MLA), for ``check_out``.
+    out_dim: int | None = None
 
     @classmethod
     def of(
@@ -77,6 +80,7 @@ class TensorChecks:
             kv_dtype=kv_dtype if kv_dtype is not None else getattr(torch, str(c.kv_dtype)),
             device_type=device_type if device_type is not None else c.device_type,
             layout=layout,
+            out_dim=dv,
         )
 
     def check(self, snap: BatchSnapshot, q: Any, k_cache: Any, v_cache: Any) -> int:
@@ -126,6 +130,16 @@ class TensorChecks:
         ``[num_q_heads]`` tensor on ``q``'s device: the core's one rule
         (``attn_dispatch._values.check_sinks``), for a handler called without a binding."""
         check_sinks(sinks, q, self.q_tail[0], self.backend)
+
+    def check_out(self, out: Any, q: Any, k_cache: Any, v_cache: Any) -> None:
+        """Raise ``InvalidBatchError("out", ...)`` unless ``out`` can receive this call's
+        output: a contiguous ``[q rows, num_q_heads, v_head_dim]`` tensor of q's dtype on q's
+        device that shares no memory with q or the caches. The core's one rule
+        (``attn_dispatch._values.check_out``), for a handler called without a binding."""
+        dv = self.out_dim
+        if dv is None:
+            dv = self.v_tail[-1] if self.v_tail is not None else self.q_tail[1]
+        check_out(out, q, k_cache, v_cache, self.q_tail[0], dv, self.backend)
 
     def _layout_ok(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> bool:
         if self.layout == "contiguous":
