@@ -309,25 +309,28 @@ def _build_checked(
         for name in entries
     }
     rule = CallRule.of(config, label=label, group=group)
+    caps = {name: entry.capabilities for name, entry in entries.items()}
     forms: dict[Phase, dict[AttnForm, tuple[AttentionBackend | None, Handler, Handler]]] = {}
     if policies:
-        forms = _bind_forms(spec, config, label, policies, factories, factory_options, rule)
+        forms = _bind_forms(spec, config, label, policies, factories, factory_options, rule, caps)
     routes = []
     for phase in Phase:
         name = spec.names[phase]
-        raw = _handler_of(backends[name], name, phase, label, chunked=False, config=config)
+        takes_out = caps[name].out_buffer
+        raw = _handler_of(
+            backends[name], name, phase, label, chunked=False, config=config, out=takes_out
+        )
         policy = policies.get(phase)
         routes.append(
             Route(
                 name=name,
                 backend=backends[name],
-                handler=checked_handler(raw, rule),
+                handler=checked_handler(raw, rule, name=name, takes_out=takes_out),
                 raw=raw,
                 chooser=None if policy is None else policy.choose,
                 forms=types.MappingProxyType(forms.get(phase, {})),
             )
         )
-    caps = {name: entry.capabilities for name, entry in entries.items()}
     return Binding._make(spec, config, label, backends, caps, tuple(routes), rule)
 
 
@@ -531,6 +534,7 @@ def _handler_of(
     *,
     chunked: bool,
     config: AttnConfig,
+    out: bool = False,
 ) -> Handler:
     what = f"{'chunked_handler' if chunked else 'handler'}({phase.name})"
     try:
@@ -543,22 +547,26 @@ def _handler_of(
         raise BackendUnavailableError(
             name, f"{what} returned {type(run).__name__}, which is not callable", runner=label
         )
-    missing = _missing_keywords(run, config)
+    missing = _missing_keywords(run, config, out=out)
     if missing:
         raise BackendUnavailableError(
             name,
             f"{what} takes no {', '.join(f'{k}=' for k in missing)} keyword, but the bound "
             f"config needs it (sinks={config.sinks}, kv_dtype={config.kv_dtype!r}, "
-            f"return_lse={config.return_lse}) and its Capabilities declare it; give the handler "
-            f"keyword-only parameters {', '.join(missing)} (see attn_dispatch.backend.Handler)",
+            f"return_lse={config.return_lse}, Capabilities.out_buffer={out}) and its "
+            f"Capabilities declare it; give the handler keyword-only parameters "
+            f"{', '.join(missing)} (see attn_dispatch.backend.Handler)",
             runner=label,
         )
     return run  # type: ignore[return-value]
 
 
-def _missing_keywords(run: Callable[..., Any], config: AttnConfig) -> list[str]:
+def _missing_keywords(
+    run: Callable[..., Any], config: AttnConfig, *, out: bool = False
+) -> list[str]:
     """The per-call keywords the config makes the core pass that ``run`` cannot take
-    (``return_lse`` for an lse config: any of its calls may ask for the state)."""
+    (``return_lse`` for an lse config: any of its calls may ask for the state; ``out`` for a
+    backend that declares ``Capabilities.out_buffer``)."""
     need = []
     if config.sinks:
         need.append("sinks")
@@ -568,6 +576,8 @@ def _missing_keywords(run: Callable[..., Any], config: AttnConfig) -> list[str]:
             need.append("v_scale")
     if config.return_lse:
         need.append("return_lse")
+    if out:
+        need.append("out")
     if not need:
         return []
     try:
@@ -635,9 +645,13 @@ def _bind_forms(
     factories: Mapping[str, Callable[..., Any]],
     options: Mapping[str, Mapping[str, Any]],
     rule: CallRule,
+    caps: Mapping[str, Any],
 ) -> dict[Phase, dict[AttnForm, tuple[AttentionBackend | None, Handler, Handler]]]:
     """Build the decompressed-form backends (same factory as the absorbed one): phase ->
-    form -> ``(backend or None, handler, raw)``."""
+    form -> ``(backend or None, handler, raw)``. The ``MHA_CHUNKED`` handler is never passed
+    ``out=`` (it merges its chunks into a fresh tensor): a call with ``out=`` gets the result
+    copied there; the ``MHA`` form's paged handler takes it when its backend declares
+    ``out_buffer``."""
     table: dict[Phase, dict[AttnForm, tuple[AttentionBackend | None, Handler, Handler]]] = {}
     decompressed: dict[str, AttentionBackend] = {}
     dcfg = config.decompressed() if config.has_decompressed_form else config
@@ -655,12 +669,17 @@ def _bind_forms(
                 )
             dbackend = decompressed[name]
             chunked = form is not AttnForm.MHA
-            run = _handler_of(dbackend, name, phase, label, chunked=chunked, config=dcfg)
+            takes_out = not chunked and caps[name].out_buffer
+            run = _handler_of(
+                dbackend, name, phase, label, chunked=chunked, config=dcfg, out=takes_out
+            )
             if not chunked:
                 run = _ragged(run)
             table.setdefault(phase, {})[form] = (
                 None if chunked else dbackend,
-                checked_handler(run, rule),
+                checked_handler(
+                    run, rule, name=name, takes_out=takes_out, out_dim=dcfg.out_head_dim
+                ),
                 run,
             )
     return table

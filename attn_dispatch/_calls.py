@@ -7,7 +7,9 @@ the per-call keywords here, against the bound config, before any backend code ru
 receive only what passed: a float scale in float32's normal range, ``sinks`` (a float32
 ``[num_q_heads]`` tensor on q's device) only for a sinks config, ``k_scale``/``v_scale``
 (floats in range) only for an FP8 cache, ``return_lse=True`` only when the call asked for it
-(and the config has ``return_lse=True``). No torch.
+(and the config has ``return_lse=True``), ``out=`` (the caller's output buffer: checked here,
+passed to a handler whose backend declares ``Capabilities.out_buffer``, else the result is
+copied into it) only when the call gave one. No torch.
 
 >>> import torch
 >>> from attn_dispatch import AttnConfig
@@ -33,6 +35,7 @@ from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._protocol import Handler
 from attn_dispatch._values import F32_MAX
 from attn_dispatch._values import F32_MIN_NORMAL
+from attn_dispatch._values import check_out
 from attn_dispatch._values import check_scale
 from attn_dispatch._values import check_sinks
 
@@ -40,7 +43,18 @@ from attn_dispatch._values import check_sinks
 class CallRule:
     """What one bound config accepts per call (built once per binding or group)."""
 
-    __slots__ = ("fp8", "heads", "lse", "mla", "plain", "planned", "sinks", "who")
+    __slots__ = (
+        "fp8",
+        "heads",
+        "lse",
+        "mla",
+        "plain",
+        "planned",
+        "sinks",
+        "vdim",
+        "vdim_mha",
+        "who",
+    )
 
     planned: float | None
     sinks: bool
@@ -48,6 +62,9 @@ class CallRule:
     fp8: bool
     mla: bool
     heads: int
+    # The output's last dim: the config's, and (MLA) the decompressed forms'.
+    vdim: int
+    vdim_mha: int | None
     who: str
     # True when calls need no keywords (neither sinks nor an FP8 cache): attention()'s fast path.
     # An lse config stays plain: only a call that asks for the state takes return_lse.
@@ -60,6 +77,8 @@ class CallRule:
         self.fp8 = config.kv_fp8
         self.mla = config.kind == "mla"
         self.heads = config.num_q_heads
+        self.vdim = config.out_head_dim
+        self.vdim_mha = config.mha_v_head_dim
         self.who = who
         self.plain = not (self.sinks or self.fp8)
 
@@ -154,6 +173,50 @@ class CallRule:
                     )
         return kw
 
+    def check_out(self, out: Any, q: Any, k_cache: Any, v_cache: Any, vdim: int) -> None:
+        """Raise ``InvalidBatchError("out", ...)`` unless ``out`` can receive this call's
+        output (``attn_dispatch._values.out_problem``): ``[q rows, num_q_heads, vdim]``,
+        q's dtype and device, contiguous, sharing no memory with q or the caches."""
+        check_out(out, q, k_cache, v_cache, self.heads, vdim, self.who)
+
+
+class CopyOut:
+    """A handler whose backend does not declare ``Capabilities.out_buffer``, called with
+    ``out=``: the handler's own result is copied into ``out`` (one copy), and ``out`` is
+    returned in its place (``(out, lse)`` with ``return_lse=True``)."""
+
+    __slots__ = ("__wrapped__",)
+
+    __wrapped__: Callable[..., Any]
+
+    def __init__(self, run: Callable[..., Any]) -> None:
+        self.__wrapped__ = run
+
+    def __call__(self, *args: Any, out: Any, **kw: Any) -> Any:
+        result = self.__wrapped__(*args, **kw)
+        if type(result) is tuple:
+            out.copy_(result[0])
+            return (out, *result[1:])
+        out.copy_(result)
+        return out
+
+    def __repr__(self) -> str:
+        return f"<copied into out= {self.__wrapped__!r}>"
+
+
+def returned_out(result: Any, out: Any, name: str, who: str) -> Any:
+    """``result`` of a handler called with ``out=``, once it is checked to be ``out`` itself
+    (``(out, lse)`` with ``return_lse=True``); callers test ``result is out`` first."""
+    if type(result) is tuple and result and result[0] is out:
+        return result
+    if result is out:
+        return result
+    raise InvalidBatchError(
+        "out",
+        f"{who}: backend {name!r} declares Capabilities(out_buffer=True) but its handler "
+        "returned a tensor other than the out= it was given (a backend bug: report it)",
+    )
+
 
 class CheckedHandler:
     """A backend's handler behind the call rules: what a Binding hands out for the direct
@@ -163,14 +226,28 @@ class CheckedHandler:
     (``Route.raw``). Attributes other than the call are the backend callable's.
     """
 
-    __slots__ = ("__wrapped__", "rule")
+    __slots__ = ("__wrapped__", "name", "out_dim", "out_run", "rule")
 
     __wrapped__: Callable[..., Any]
     rule: CallRule
+    # What a call with out= runs (the backend's callable, or CopyOut of it) and out's last dim.
+    out_run: Callable[..., Any]
+    out_dim: int
+    name: str
 
-    def __init__(self, run: Callable[..., Any], rule: CallRule) -> None:
+    def __init__(
+        self,
+        run: Callable[..., Any],
+        rule: CallRule,
+        out_run: Callable[..., Any] | None = None,
+        out_dim: int | None = None,
+        name: str = "",
+    ) -> None:
         self.__wrapped__ = run  # inspect.signature reads the backend callable's signature
         self.rule = rule
+        self.out_run = out_run if out_run is not None else CopyOut(run)
+        self.out_dim = out_dim if out_dim is not None else rule.vdim
+        self.name = name
 
     def __call__(
         self,
@@ -185,6 +262,7 @@ class CheckedHandler:
         k_scale: Any = None,
         v_scale: Any = None,
         return_lse: Any = False,
+        out: Any = None,
     ) -> Any:
         rule = self.rule
         scale = rule.scale(sm_scale)
@@ -195,9 +273,17 @@ class CheckedHandler:
             and v_scale is None
             and return_lse is False
         ):
-            return self.__wrapped__(q, k, v, plan, scale, *rest)
-        kw = rule.keywords(q, sinks, k_scale, v_scale, return_lse)
-        return self.__wrapped__(q, k, v, plan, scale, *rest, **kw)
+            if out is None:
+                return self.__wrapped__(q, k, v, plan, scale, *rest)
+            rule.check_out(out, q, k, v, self.out_dim)
+            result = self.out_run(q, k, v, plan, scale, *rest, out=out)
+        else:
+            kw = rule.keywords(q, sinks, k_scale, v_scale, return_lse)
+            if out is None:
+                return self.__wrapped__(q, k, v, plan, scale, *rest, **kw)
+            rule.check_out(out, q, k, v, self.out_dim)
+            result = self.out_run(q, k, v, plan, scale, *rest, out=out, **kw)
+        return result if result is out else returned_out(result, out, self.name, rule.who)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__wrapped__, name)
@@ -206,6 +292,16 @@ class CheckedHandler:
         return f"<checked {self.__wrapped__!r}>"
 
 
-def checked_handler(run: Callable[..., Any], rule: CallRule) -> Handler:
-    """``run`` behind the call rules (see ``CheckedHandler``)."""
-    return CheckedHandler(run, rule)
+def checked_handler(
+    run: Callable[..., Any],
+    rule: CallRule,
+    *,
+    name: str = "",
+    takes_out: bool = False,
+    out_dim: int | None = None,
+) -> Handler:
+    """``run`` behind the call rules (see ``CheckedHandler``). ``takes_out``: the backend
+    (``name``) declares ``Capabilities.out_buffer``, so a call with ``out=`` passes it on;
+    otherwise the result is copied into it (``CopyOut``). ``out_dim``: out's last dim
+    (default the config's; an MLA decompressed form's own)."""
+    return CheckedHandler(run, rule, run if takes_out else CopyOut(run), out_dim, name)

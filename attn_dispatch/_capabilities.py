@@ -165,8 +165,12 @@ class Capabilities:
     serves none. FP8 caches are declared in ``kv_dtypes`` (``"float8_e4m3fn"``,
     ``"float8_e5m2"``). A field given the wrong shape (``kinds="mha"`` instead of
     ``{"mha"}``) raises ``InvalidSpecError``. ``kinds`` is required; ``custom_mask`` (tree
-    verify) is off unless declared. A value of ``Capabilities`` pickles (its checks pickle as
-    references to their functions).
+    verify) is off unless declared. ``out_buffer``: the backend's handlers take ``out=`` (a
+    caller's output buffer) and write the result there (``attention(..., out=buf)``; see
+    ``attn_dispatch.backend.Handler``); ``bind`` checks their signatures for it. Undeclared,
+    ``attention(..., out=buf)`` still fills ``buf``: the core copies the handler's result into
+    it. A value of ``Capabilities`` pickles (its checks pickle as references to their
+    functions).
     """
 
     # Required: a backend says which kinds of layer it serves (a default of both let a
@@ -183,6 +187,9 @@ class Capabilities:
     # Off unless declared: tree verify binds only to a backend that says it takes the mask.
     custom_mask: bool = False
     plans_scale: bool = False
+    # Off unless declared: the handlers write into a caller's buffer (``out=``) themselves;
+    # for a backend that does not declare it the core copies the result into the buffer.
+    out_buffer: bool = False
     requires: tuple[str, ...] = ()
     min_compute_capability: tuple[int, int] | None = None
     checks: tuple[CheckFn, ...] = ()
@@ -229,7 +236,7 @@ class Capabilities:
             value = getattr(self, field)
             if value is not None:
                 put(self, field, _positive_ints(field, value))
-        for field in ("custom_mask", "plans_scale"):
+        for field in ("custom_mask", "plans_scale", "out_buffer"):
             if not isinstance(getattr(self, field), bool):
                 raise InvalidSpecError(field, getattr(self, field), "must be a bool")
         _strings("requires", self.requires)  # validates; module names keep their case

@@ -65,6 +65,7 @@ def _binding_of(runner: object) -> Binding:
 _FRAME_FIELDS = (
     "batch",
     "binding",
+    "checked",
     "fast",
     "form",
     "group",
@@ -114,6 +115,9 @@ class attn_scope:
     batch: Any
     plan: Any
     run: Handler | None
+    # The binding's checked handler behind ``run`` (``CheckedHandler``): a call with ``out=``
+    # goes through it (its out rule, and a copy for a backend without ``out_buffer``).
+    checked: Any
     form: AttnForm | None
     sm_scale: float | None
     rule: CallRule | None
@@ -158,7 +162,7 @@ class attn_scope:
                 "a grouped binding plans each group itself; pass no prepared plan",
             )
         if batch is None:
-            self.plan = self.run = self.form = self.fast = None
+            self.plan = self.run = self.form = self.fast = self.checked = None
             self._plans = False
             if prepared is not None:
                 raise UsageError(
@@ -186,6 +190,7 @@ class attn_scope:
             self._plans = True
         else:
             self.plan, handler, self.form = prepared
+            self.checked = handler
             # Only a handler this binding hands out for this phase: a plan prepared by another
             # binding would run that runner's kernels under this runner's name.
             raw = binding._raw_of(phase, handler)
@@ -211,7 +216,7 @@ class attn_scope:
                 if binding._groups is None:
                     # The phase was checked on construction: straight to the phase's route.
                     route = binding._routes[self.batch.phase]
-                    self.plan, _, self.run, self.form = route.prepare(self.batch)
+                    self.plan, self.checked, self.run, self.form = route.prepare(self.batch)
                     self.fast = self.run if self.rule.plain else None  # type: ignore[union-attr]
                 else:
                     self._plan_groups()
@@ -248,7 +253,7 @@ class attn_scope:
             name: _GroupFrame(name, child, _group_batch(self.batch, per_group, name))
             for name, child in self.binding._groups.items()
         }
-        self.plan = self.run = self.form = None
+        self.plan = self.run = self.form = self.checked = None
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
@@ -376,7 +381,7 @@ class _GroupFrame:
         assert rule is not None  # a group is a plain binding
         self.sm_scale = rule.planned
         self.scale_ok = _UNCHECKED
-        self.plan, _, self.run, self.form = binding._prepare(batch)
+        self.plan, self.checked, self.run, self.form = binding._prepare(batch)
         self.fast = self.run if rule.plain else None
 
 

@@ -54,12 +54,17 @@ class Handler(Protocol):
     ``v_scale=``) as Python floats in float32's normal range when ``config.kv_dtype`` is FP8;
     ``return_lse=True`` when a call of a ``return_lse=True`` config asks for the attention
     state: the handler then returns ``(out, lse)``, lse float32 ``[tokens, num_q_heads]`` on
-    q's device, contiguous (docs/guides/lse-cascade.md). A config without
-    them gets the plain positional call. The window and the logit cap are read from the config
-    when planning, never per call. A backend that declares ``"sinks"``, ``"lse"`` or an FP8
-    ``kv_dtype`` accepts those keyword-only arguments (the ``MHA_CHUNKED`` handler too, after
-    its 6th positional ``prefix``): ``bind`` reads the handler's signature and refuses one
-    without them for a config that needs them (``BackendUnavailableError``).
+    q's device, contiguous (docs/guides/lse-cascade.md); ``out=`` (the caller's output
+    buffer: contiguous ``[tokens, num_q_heads, v_head_dim]``, q's dtype and device, sharing no
+    memory with q or the caches) when the call gave one and the backend declares
+    ``Capabilities.out_buffer``: the handler writes the result there and returns ``out``
+    itself (``(out, lse)`` with ``return_lse=True``). A config without them gets the plain
+    positional call. The window and the logit cap are read from the config when planning,
+    never per call. A backend that declares ``"sinks"``, ``"lse"``, an FP8 ``kv_dtype`` or
+    ``out_buffer`` accepts those keyword-only arguments (the ``MHA_CHUNKED`` handler too,
+    after its 6th positional ``prefix``, except ``out``, which it never receives): ``bind``
+    reads the handler's signature and refuses one without them for a config that needs them
+    (``BackendUnavailableError``).
     """
 
     def __call__(

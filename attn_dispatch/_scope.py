@@ -16,6 +16,7 @@ from typing import TypedDict
 
 from attn_dispatch import _frame
 from attn_dispatch._calls import CallRule
+from attn_dispatch._calls import returned_out
 from attn_dispatch._errors import NoActiveScopeError
 from attn_dispatch._errors import UnknownPhaseError
 from attn_dispatch._errors import UsageError
@@ -158,6 +159,7 @@ class AttentionExtras(TypedDict, total=False):
     k_scale: float | None
     v_scale: float | None
     return_lse: bool
+    out: Any
 
 
 _EXTRA_NAMES = frozenset(AttentionExtras.__annotations__)
@@ -202,6 +204,16 @@ def attention(
     - ``return_lse``: ``True`` returns ``(out, lse)``, lse float32 ``[tokens, num_q_heads]``
       (the natural log of the sum of exp(score) over the keys each row attended; see
       ``attn_dispatch.merge_state``); only when the config has ``return_lse=True``.
+    - ``out``: a buffer for the output, contiguous ``[tokens, num_q_heads, v_head_dim]`` in
+      q's dtype on q's device, sharing no memory with q or the caches (``InvalidBatchError``
+      naming ``"out"`` otherwise). The call returns ``out`` itself (``(out, lse)`` with
+      ``return_lse=True``). A backend that declares ``Capabilities.out_buffer`` (every
+      built-in one) writes there directly; for any other the core copies the result in.
+
+    >>> buf = torch.empty(2, 4, head_dim)
+    >>> with attn_scope(Runner(), batch):
+    ...     attention(q, k_cache, v_cache, sm_scale=0.25, out=buf) is buf
+    True
 
     >>> with attn_scope(Runner(), batch):
     ...     out, lse = attention(q, k_cache, v_cache, sm_scale=0.25, return_lse=True)
@@ -240,6 +252,19 @@ def attention(
             return run(q, k_cache, v_cache, frame.plan, scale)  # type: ignore[union-attr,arg-type]
         # Recording: the hook runs the same call (a tally of it costs ~0.3 us: bench/dispatch.py)
         return _call_hook(frame, run, (q, k_cache, v_cache, frame.plan, scale))  # type: ignore[union-attr]
+    if run is not None and len(extras) == 1:
+        out = extras.get("out")
+        if out is not None:
+            # Only the caller's buffer (a serving engine's every call): the scale as above,
+            # then the out rule and the backend writing there (or a copy, see _into).
+            scale = frame.sm_scale  # type: ignore[union-attr]
+            if scale is None:
+                scale = sm_scale
+                if scale is not frame.scale_ok:  # type: ignore[union-attr]
+                    scale = frame.scale_ok = frame.rule.scale(sm_scale)  # type: ignore[union-attr]
+            elif sm_scale is not None and (sm_scale != scale or type(sm_scale) is bool):
+                scale = frame.rule.scale(sm_scale)  # type: ignore[union-attr]
+            return _into(frame, (q, k_cache, v_cache, frame.plan, scale), out, {})  # type: ignore[union-attr]
     unknown = extras.keys() - _EXTRA_NAMES
     if unknown:
         raise TypeError(
@@ -257,7 +282,22 @@ def attention(
         extras.get("k_scale"),
         extras.get("v_scale"),
         extras.get("return_lse", False),
+        extras.get("out"),
     )
+
+
+def _into(frame: Any, args: tuple[Any, ...], out: Any, kw: dict[str, Any]) -> Any:
+    """One call with the caller's ``out=`` buffer: the rule's check, then the frame's checked
+    handler's ``out_run`` (the backend's callable, or a copy into ``out``)."""
+    checked = frame.checked
+    frame.rule.check_out(out, args[0], args[1], args[2], checked.out_dim)
+    run = checked.out_run
+    hook = _call_hook
+    if hook is None:
+        result = run(*args, out=out, **kw)
+    else:
+        result = hook(frame, functools.partial(run, out=out, **kw), args)
+    return result if result is out else returned_out(result, out, checked.name, frame.rule.who)
 
 
 def _group_frame(frame: attn_scope | None, group: Any) -> Any:
@@ -303,6 +343,7 @@ def _attention_slow(
     k_scale: Any,
     v_scale: Any,
     return_lse: Any,
+    out: Any = None,
 ) -> Any:
     run = frame.run
     if run is None:
@@ -321,6 +362,8 @@ def _attention_slow(
             )
         args = (q, k_cache, v_cache, frame.plan, scale, prefix)
     kw = rule.keywords(q, sinks, k_scale, v_scale, return_lse)
+    if out is not None:
+        return _into(frame, args, out, kw)
     call: Callable[..., Any] = run if not kw else functools.partial(run, **kw)
     hook = _call_hook
     return call(*args) if hook is None else hook(frame, call, args)

@@ -34,6 +34,7 @@ import torch
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._snapshot import BatchSnapshot
 from attn_dispatch._snapshot import StepStats
+from attn_dispatch._values import check_out
 from attn_dispatch._values import check_scale
 from attn_dispatch._values import check_sinks
 
@@ -62,7 +63,9 @@ class TensorChecks:
     kv_dtype: torch.dtype
     device_type: str
     layout: Layout
-    out_dim: int = 0  # the output's (and V's) head dim: the chunked form's v_new and chunks
+    # The output's (and V's) head dim: out's last dim (the latent width for MLA), the chunked
+    # form's v_new and chunks. 0: not given (a hand-built TensorChecks), read from the tails.
+    out_dim: int = 0
     sinks: bool = False  # the config has sinks: a call passes them; without, it passes none
 
     @classmethod
@@ -309,6 +312,16 @@ class TensorChecks:
                 f"chunk's {rows} rows",
             )
         return ind
+
+    def check_out(self, out: Any, q: Any, k_cache: Any, v_cache: Any) -> None:
+        """Raise ``InvalidBatchError("out", ...)`` unless ``out`` can receive this call's
+        output: a contiguous ``[q rows, num_q_heads, v_head_dim]`` tensor of q's dtype on q's
+        device that shares no memory with q or the caches. The core's one rule
+        (``attn_dispatch._values.check_out``), for a handler called without a binding."""
+        dv = self.out_dim
+        if not dv:
+            dv = self.v_tail[-1] if self.v_tail is not None else self.q_tail[1]
+        check_out(out, q, k_cache, v_cache, self.q_tail[0], dv, self.backend)
 
     def _layout_ok(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> bool:
         if self.layout == "contiguous":

@@ -121,3 +121,62 @@ def check_sinks(sinks: Any, q: Any, num_q_heads: int, who: str) -> None:
     else:
         problem = f"on {sinks.device}, q on {getattr(q, 'device', None)}"
     raise InvalidBatchError("sinks", f"{who}: {problem}")
+
+
+def out_problem(
+    out: Any, q: Any, k_cache: Any, v_cache: Any, num_q_heads: int, v_head_dim: int
+) -> str | None:
+    """Why ``out`` cannot receive one call's output, or None: it must be a contiguous tensor
+    ``[q.shape[0], num_q_heads, v_head_dim]`` of q's dtype on q's device, sharing no memory
+    with q or the caches (its byte span against theirs, views and slices included).
+    Attribute reads only (no device work)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(out, torch.Tensor):
+        return f"expected a torch.Tensor, got {type(out).__name__}"
+    try:
+        want = (q.shape[0], num_q_heads, v_head_dim)
+        if out.shape != want:
+            return (
+                f"shape {tuple(out.shape)} != [tokens={want[0]}, num_q_heads={num_q_heads}, "
+                f"v_head_dim={v_head_dim}] (q has {want[0]} rows)"
+            )
+        if out.dtype != q.dtype:
+            return f"dtype {out.dtype} != q's dtype {q.dtype}"
+        if out.device != q.device:
+            return f"on {out.device}, q on {q.device}"
+    except AttributeError:
+        return None  # q itself is not a tensor: the backend's own checks name it
+    if not out.is_contiguous():
+        return f"must be contiguous (strides {out.stride()}); pass a contiguous buffer"
+    lo = out.data_ptr()
+    hi = lo + out.numel() * out.element_size()
+    if hi > lo:
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if isinstance(t, torch.Tensor) and _overlaps(t, lo, hi):
+                return (
+                    f"shares memory with {name} (the kernel reads {name} while it writes out); "
+                    "pass a buffer of its own"
+                )
+    return None
+
+
+def _overlaps(t: Any, lo: int, hi: int) -> bool:
+    """Whether the bytes ``t`` may touch intersect ``[lo, hi)`` (its whole strided span)."""
+    n = t.numel()
+    if n == 0:
+        return False
+    start: int = t.data_ptr()
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    end: int = start + (last + 1) * t.element_size()
+    return start < hi and lo < end
+
+
+def check_out(
+    out: Any, q: Any, k_cache: Any, v_cache: Any, num_q_heads: int, v_head_dim: int, who: str
+) -> None:
+    """Raise ``InvalidBatchError("out", ...)`` unless ``out`` can receive the call's output
+    (see ``out_problem``): the core's one rule, which a handler called without a binding
+    applies itself."""
+    problem = out_problem(out, q, k_cache, v_cache, num_q_heads, v_head_dim)
+    if problem is not None:
+        raise InvalidBatchError("out", f"{who}: {problem}")

@@ -66,6 +66,7 @@ TOY_JSON = {
     "page_sizes": [16],
     "custom_mask": False,
     "plans_scale": False,
+    "out_buffer": False,
     "requires": ["toy_kernels"],
     "min_compute_capability": [9, 0],
     "availability": [],
@@ -111,6 +112,7 @@ def test_text_and_markdown_show_each_declared_value() -> None:
     assert rows["v_head_dims"] == "any"
     assert rows["page_sizes"] == "16"
     assert rows["custom_mask"] == "no"
+    assert rows["out_buffer"] == "no"
     assert rows["min_compute_capability"] == "sm90"
     assert rows["checks"] == "toy_rule"
     policy = "prefill mha (no prefix), mla (with prefix); decode mla; verify mla"
@@ -144,6 +146,7 @@ def test_builtin_backends_match_their_capabilities() -> None:
             got = variants[p] if isinstance(variants, dict) else variants
             assert set(got) == caps.variants_for(phase)
         assert row["custom_mask"] is caps.custom_mask
+        assert row["out_buffer"] is caps.out_buffer
         assert row["requires"] == list(caps.requires)
         cc = caps.min_compute_capability
         assert row["min_compute_capability"] == (None if cc is None else list(cc))

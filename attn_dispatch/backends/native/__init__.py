@@ -55,6 +55,7 @@ CAPABILITIES = Capabilities(
     dtypes={"float32", "bfloat16", "float16"},
     kv_dtypes={*COMPUTE_DTYPES, *FP8_DTYPES},
     custom_mask=True,
+    out_buffer=True,
     requires=("torch",),
     checks=(_check_dims,),
     availability=(_availability,),

@@ -448,6 +448,7 @@ class NativeBackend(BackendBase):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         return_lse: bool = False,
+        out: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
         check_plan(plan, self, "native")
@@ -477,8 +478,13 @@ class NativeBackend(BackendBase):
         if return_lse is not True and return_lse is not False:
             raise InvalidBatchError("return_lse", f"must be True or False, got {return_lse!r}")
         rows = issued.num_tokens
-        # Every row is written by the kernel (na_run refuses an out of any other size).
-        out = torch.empty((rows, cfg.num_q_heads, self.v_head_dim), dtype=self.q_dtype)
+        # Every row is written by the kernel (na_run refuses an out of any other size). A
+        # caller's buffer is checked by the core's rule (shape, dtype, device, contiguous, no
+        # memory shared with q or the caches) here too: this handler may run without a binding.
+        if out is None:
+            out = torch.empty((rows, cfg.num_q_heads, self.v_head_dim), dtype=self.q_dtype)
+        else:
+            self._checks.check_out(out, q, k_cache, v_cache)
         lse, lse_ptr, lse_numel = None, None, 0
         if return_lse:
             lse = torch.empty((rows, cfg.num_q_heads), dtype=torch.float32)

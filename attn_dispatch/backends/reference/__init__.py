@@ -16,6 +16,7 @@ CAPABILITIES = Capabilities(
     dtypes={"float32", "float16", "bfloat16"},
     kv_dtypes={*COMPUTE_DTYPES, *FP8_DTYPES},
     custom_mask=True,
+    out_buffer=True,
     variants={"window", "logit_cap", "sinks", "non_causal", "chunked", "lse"},
     requires=("torch",),
     forms={"mla", "mha", "mha_chunked"},

@@ -191,10 +191,12 @@ class TorchBackend(BackendBase):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         return_lse: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``[T, Hq, Dv]`` in q's dtype, or ``(out, lse)`` with ``return_lse=True`` (lse
         float32 ``[T, Hq]``: log of the sum of exp(score) over the keys each row attended,
-        the sink included; see ``_OnlineSoftmax.lse``)."""
+        the sink included; see ``_OnlineSoftmax.lse``). ``out``: written and returned (the
+        fp32 result is rounded into it, in place of a fresh tensor)."""
         check_plan(plan, self, "torch")
         _check_flag("return_lse", return_lse)
         self._seals.verify(plan)  # our error for a plan edited after it was made
@@ -202,12 +204,14 @@ class TorchBackend(BackendBase):
         c = self.config
         if c.sinks:
             self._checks.check_sinks(sinks, q)
+        if out is not None:
+            self._checks.check_out(out, q, k_cache, v_cache)
         dv = int(c.out_head_dim)
         if plan.snap.num_requests == 0:  # SGLang's IDLE forward: nothing to attend
-            return _empty(q, c.num_q_heads, dv, return_lse)
+            return _empty(q, c.num_q_heads, dv, return_lse, out)
         try:
             return self._attend(q, k_cache, v_cache, plan, sm_scale, sinks, k_scale, v_scale,
-                                return_lse, num_pages)  # fmt: skip
+                                return_lse, num_pages, out)  # fmt: skip
         except IndexError as exc:
             # Every tensor was checked against the plan's snapshot above, so an index out of
             # range can only come from a plan whose index tensors were edited in place (a page
@@ -231,6 +235,7 @@ class TorchBackend(BackendBase):
         v_scale: float,
         return_lse: bool,
         num_pages: int,
+        dest: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         c = self.config
         mla = c.kind == "mla"
@@ -304,7 +309,11 @@ class TorchBackend(BackendBase):
             out[:, q0:q1] = acc.result(c.num_q_heads, sinks)
             if lse is not None:
                 lse[:, q0:q1] = acc.lse(c.num_q_heads, sinks)
-        rows = out.view(b * max_q, c.num_q_heads, dv).index_select(0, plan.out_rows).to(q.dtype)
+        rows = out.view(b * max_q, c.num_q_heads, dv).index_select(0, plan.out_rows)
+        if dest is None:
+            rows = rows.to(q.dtype)
+        else:  # the same rounding as .to(q.dtype), into the caller's buffer
+            rows = dest.copy_(rows)
         if lse is None:
             return rows
         return rows, lse.view(b * max_q, c.num_q_heads).index_select(0, plan.out_rows)
@@ -409,10 +418,10 @@ def _check_flag(field: str, value: object) -> None:
 
 
 def _empty(
-    q: torch.Tensor, heads: int, dv: int, return_lse: bool
+    q: torch.Tensor, heads: int, dv: int, return_lse: bool, given: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The result of a batch of no requests (SGLang's IDLE forward)."""
-    out = q.new_empty((0, heads, dv))
+    out = q.new_empty((0, heads, dv)) if given is None else given
     lse = torch.empty(0, heads, dtype=torch.float32, device=q.device)
     return (out, lse) if return_lse else out
 
