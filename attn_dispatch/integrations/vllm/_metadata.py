@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from attn_dispatch._binding import Binding
+from attn_dispatch._frame import attn_scope
 from attn_dispatch._phase import Phase
 from attn_dispatch.integrations.vllm import _dcp
 from attn_dispatch.integrations.vllm._dcp import DcpStep
@@ -39,6 +40,7 @@ class DispatchMetadata:
     interleave: int = 0
     _parts: dict[bool, tuple[StepPart, ...]] = dataclasses.field(default_factory=dict)
     _plans: dict[tuple[int, bool, int], Any] = dataclasses.field(default_factory=dict)
+    _scopes: dict[tuple[int, bool, int], attn_scope] = dataclasses.field(default_factory=dict)
     _dcp: DcpStep | None = None
 
     def dcp_step(self, world: int, rank: int) -> DcpStep:
@@ -83,6 +85,18 @@ class DispatchMetadata:
         if found is None:
             found = self._plans[key] = binding.prepare(
                 part.batch if isinstance(part, StepPart) else batch
+            )
+        return found
+
+    def scope(self, binding: Binding, draft: bool, part: StepPart) -> attn_scope:
+        """``binding``'s scope of a part, made once per step (with its plan, ``prepared``) at
+        the first layer that runs it; every later layer of the runner enters the same one
+        (an ``attn_scope`` is entered by one caller at a time, and layers run one by one)."""
+        key = (id(binding), draft, part.index)
+        found = self._scopes.get(key)
+        if found is None:
+            found = self._scopes[key] = attn_scope(
+                binding, part.batch, self.prepared(binding, draft, part)
             )
         return found
 

@@ -43,7 +43,6 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import UnsupportedModelError
 from attn_dispatch._scope import attention
-from attn_dispatch._scope import attn_scope
 from attn_dispatch.integrations.vllm._dcp import forward_dcp
 from attn_dispatch.integrations.vllm._layers import FP8_MAX
 from attn_dispatch.integrations.vllm._layers import EngineState
@@ -61,6 +60,9 @@ from attn_dispatch.integrations.vllm._settings import DRAFT
 from attn_dispatch.integrations.vllm._settings import TARGET
 from attn_dispatch.integrations.vllm._settings import Settings
 from attn_dispatch.integrations.vllm._settings import settings_of
+
+#: The keywords of a layer without sinks or FP8 scales (never written).
+_NO_EXTRAS: dict[str, Any] = {}
 
 # ---------------------------------------------------------------------------------------------
 # The backend, the impl (per layer) and the metadata builder (per KV group)
@@ -128,6 +130,8 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         #: Decode context parallel's decode binding (``_bind_dcp``); None without DCP.
         self.dcp_dispatch: LayerDispatch | None = None
         self._views: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        #: (vLLM's sinks tensor, its version, its float32 copy): ``_sinks_f32``.
+        self._sinks: tuple[torch.Tensor, int, torch.Tensor] | None = None
         # Inactive: vLLM's own CPU attention returns no LSE; DCP is refused for it by vLLM.
         self.can_return_lse_for_decode = False
         self.need_to_return_lse_for_decode = False
@@ -292,12 +296,7 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
                 "its metadata builder is not attn_dispatch's (a KV group mixing backends)",
             )
         k_cache, v_cache = self._pages(kv_cache, d)
-        extras: dict[str, Any] = {}
-        if d.config.sinks and self.sinks is not None:  # sinks=True: vLLM passed the tensor
-            extras["sinks"] = self.sinks.to(torch.float32)
-        if d.fp8:
-            extras["k_scale"] = float(layer._k_scale_float)
-            extras["v_scale"] = float(layer._v_scale_float)
+        extras = self._extras(layer, d) if d.extras else _NO_EXTRAS
         binding = d.binding
         out = output.view(output.shape[0], d.config.num_q_heads, d.config.head_dim)
         if self.dcp_dispatch is not None:
@@ -316,16 +315,43 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
                 rank=self.dcp_rank,
             )
             return output
-        draft = d.label == DRAFT
+        draft = d.draft
         for part in attn_metadata.parts_for(draft):
-            prepared = attn_metadata.prepared(binding, draft, part)
-            q = query[part.rows]
+            rows = part.rows
+            q = query[rows]
             if not q.is_contiguous():
                 q = q.contiguous()
-            with attn_scope(binding, part.batch, prepared):
+            # One scope per runner and part per step, entered by each of the runner's layers.
+            with attn_metadata.scope(binding, draft, part):
                 result = attention(q, k_cache, v_cache, **extras)
-            out[part.rows] = result
+            out[rows] = result
         return output
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        super().process_weights_after_loading(act_dtype)
+        if self.dispatch is not None and self.sinks is not None:
+            self._sinks_f32()  # converted once, now that vLLM loaded the weights
+
+    def _sinks_f32(self) -> torch.Tensor:
+        """The layer's sinks as float32, converted once per load: kept with the version of
+        vLLM's tensor it was made from, made again only if vLLM wrote that tensor since."""
+        sinks = self.sinks
+        assert sinks is not None
+        cached = self._sinks
+        if cached is None or cached[0] is not sinks or cached[1] != sinks._version:
+            cached = self._sinks = (sinks, sinks._version, sinks.detach().to(torch.float32))
+        return cached[2]
+
+    def _extras(self, layer: Any, d: LayerDispatch) -> dict[str, Any]:
+        """The per-call keywords of a layer whose config takes them (sinks, FP8 scales)."""
+        extras: dict[str, Any] = {}
+        if d.config.sinks and self.sinks is not None:  # sinks=True: vLLM passed the tensor
+            extras["sinks"] = self._sinks_f32()
+        if d.fp8:
+            # Python floats on vLLM's layer, read per call: vLLM sets them after loading.
+            extras["k_scale"] = float(layer._k_scale_float)
+            extras["v_scale"] = float(layer._v_scale_float)
+        return extras
 
 
 class AttnDispatchCPUBuilder(CPUAttentionMetadataBuilder):  # type: ignore[misc]
