@@ -1,13 +1,14 @@
 """vLLM's CPU engine: tokens/s with attn_dispatch ``native`` vs vLLM's own CPU attention.
 
-    .venv-vllm/bin/python bench/vllm_cpu.py [--model bench|tiny|both] [--rounds 2]
-        [--layers 4] [--mixed] [--breakdown]
+    .venv-vllm/bin/python bench/vllm_cpu.py [--model bench|tiny|long|both] [--rounds 2]
+        [--layers 4] [--mixed] [--spec [--no-eagle]] [--dtype bfloat16|float32] [--breakdown]
     .venv-vllm/bin/python bench/vllm_cpu.py --quick   # smoke run, writes nothing
 
 One process, random Llama-shaped models (bf16, saved with transformers at start; ``--model``:
 ``bench``, hidden 1024, GQA 16/4 x 64; ``tiny``, issue 36's hidden 256, GQA 4/2 x 64; both by
-default, one after the other), the same prompts for every contender: batch 8 x 128-token
-prompts, 64 new tokens each, greedy.
+default, one after the other; ``long``, hidden 1024, MLP 2816, GQA 8/2 x 128), the same
+prompts for every contender: batch 8 x 128-token prompts, 64 new tokens each, greedy (for
+``long``: 4 x 2048-token prompts, 64 new).
 The contenders take turns (round 1: each once, round 2: each again, ...) and the best round of
 each is reported, so a burst of other load lands on all of them alike. tokens/s = new tokens
 / wall time of ``llm.generate`` (start-up excluded; each engine first generates 4 tokens
@@ -15,9 +16,10 @@ for the same prompts: the first run of each batch shape builds vLLM's oneDNN ker
 prefix caching is off). ``attention s``: the time spent in the attention layers (KV writes
 and forwards) during that generate, measured the same way for every contender. ``tokens as
 vllm's``: tokens equal to vLLM's up to each request's first difference (in bf16 a near-tie
-may flip and greedy decoding diverges from there; the fp32 tests check identity).
+may flip and greedy decoding diverges from there; ``--dtype float32`` compares exactly).
 
-Rows:
+Rows (each ``x vllm`` is against vLLM's own attention in the same set-up: ``native, eagle``
+against ``vllm, eagle``):
 
 - ``vllm``: vLLM's CPU attention (its kernel ISA named: "vec" on AVX2 x86, "amx" with AMX).
 - ``native``: ``additional_config={"attn_dispatch": {"target": "native"}}``.
@@ -26,8 +28,14 @@ Rows:
 - ``*, mixed`` (``--mixed``): the same with ``max_num_batched_tokens=256``, so the 128-token
   prompts prefill in chunks while earlier requests decode: steps mix phases. ``native split``
   makes one call per phase per layer, ``native extend`` one prefill call for the whole step.
+- ``*, draft_model`` and ``*, eagle`` (``--spec``): speculative decoding, 3 tokens a step,
+  with a 1-layer draft of the model's shape (its own random weights) and with a random
+  EAGLE-1 head; ``native`` runs target and draft on native (``{"target": "native", "draft":
+  "native"}``). Random drafts are rarely accepted: the rows time the draft and verify passes
+  more than a useful speed-up. A method vLLM cannot build here is reported with its error.
 
-Writes ``bench/results/vllm_cpu.json``.
+Writes ``bench/results/vllm_cpu.json`` (``vllm_cpu_<model>[_spec][_float32].json`` for
+another selection).
 
 ``--breakdown``: where a step's time goes around the kernels, vLLM's own attention against
 ``native`` in one run (``StepClock``): per step, the metadata build (for the plugin: of
@@ -110,7 +118,7 @@ def make_model(root: Path, layers: int, shape: str = "bench", name: str = "llama
     import transformers
 
     torch.manual_seed(0 if name == "llama" else 1)
-    model = transformers.LlamaForCausalLM(_llama_config(shape, layers))
+    model: Any = transformers.LlamaForCausalLM(_llama_config(shape, layers))
     model = model.to(torch.bfloat16).eval()
     path = root / f"{name}_{shape}"
     model.save_pretrained(path)

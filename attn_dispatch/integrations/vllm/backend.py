@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm import forward_context as _forward_context
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionMetadataBuilder
 from vllm.v1.attention.backend import AttentionType
@@ -51,6 +52,7 @@ from attn_dispatch.integrations.vllm._layers import engine_state
 from attn_dispatch.integrations.vllm._layers import layer_config
 from attn_dispatch.integrations.vllm._layers import make_dispatch
 from attn_dispatch.integrations.vllm._metadata import DispatchMetadata
+from attn_dispatch.integrations.vllm._metadata import kv_rows
 from attn_dispatch.integrations.vllm._ranks import agree_across_ranks
 from attn_dispatch.integrations.vllm._ranks import bindings_of_layers
 from attn_dispatch.integrations.vllm._runners import check_draft_key
@@ -63,6 +65,20 @@ from attn_dispatch.integrations.vllm._settings import settings_of
 
 #: The keywords of a layer without sinks or FP8 scales (never written).
 _NO_EXTRAS: dict[str, Any] = {}
+
+
+def _step_metadata(layer: Any) -> DispatchMetadata | None:
+    """The forward's ``DispatchMetadata`` of ``layer`` (vLLM's forward context), if any."""
+    context = _forward_context._forward_context
+    if context is None:
+        return None
+    found = context.attn_metadata
+    if isinstance(found, list):  # per micro-batch: each has its own slot mapping
+        found = found[0] if found else None
+    if isinstance(found, dict):
+        found = found.get(getattr(layer, "layer_name", None))
+    return found if isinstance(found, DispatchMetadata) else None
+
 
 # ---------------------------------------------------------------------------------------------
 # The backend, the impl (per layer) and the metadata builder (per KV group)
@@ -129,7 +145,10 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         self.dispatch: LayerDispatch | None = None
         #: Decode context parallel's decode binding (``_bind_dcp``); None without DCP.
         self.dcp_dispatch: LayerDispatch | None = None
-        self._views: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        #: (the cache's data pointer, k pages, v pages, k rows, v rows): ``_pages``.
+        self._views: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = (
+            None
+        )
         #: (vLLM's sinks tensor, its version, its float32 copy): ``_sinks_f32``.
         self._sinks: tuple[torch.Tensor, int, torch.Tensor] | None = None
         # Inactive: vLLM's own CPU attention returns no LSE; DCP is refused for it by vLLM.
@@ -218,7 +237,10 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         count = 2 * blocks - 1
         k = flat[: count * page].view(count, block, heads, cfg.head_dim)
         v = flat[page : page + count * page].view(count, block, heads, cfg.head_dim)
-        self._views = (kv_cache.data_ptr(), k, v)
+        # The same memory as token rows, what the KV writes index.
+        rows_k = k.view(-1, heads, cfg.head_dim)
+        rows_v = v.view(-1, heads, cfg.head_dim)
+        self._views = (kv_cache.data_ptr(), k, v, rows_k, rows_v)
         return k, v
 
     def do_kv_cache_update(
@@ -232,23 +254,23 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         d = self.dispatch
         if d is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)  # type: ignore[no-any-return]
-        k_cache, v_cache = self._pages(kv_cache, d)
-        n = slot_mapping.shape[0]
-        slots = slot_mapping.to(torch.int64)
-        key, value = key[:n], value[:n]
-        valid = slots >= 0  # vLLM pads with slot -1
-        if not bool(valid.all()):
-            slots, key, value = slots[valid], key[valid], value[valid]
+        self._pages(kv_cache, d)
+        views = self._views
+        assert views is not None
+        rows_k, rows_v = views[3], views[4]
+        md = _step_metadata(layer)
         bs = d.config.page_size
-        # Token slot s of block b = s // bs lives in page 2b (K) and page 2b + 1 (V), row s % bs.
-        rows = (slots // bs) * (2 * bs) + slots % bs
+        # Once per forward (the first layer's write), not per layer.
+        where = md.kv_rows(slot_mapping, bs) if md is not None else kv_rows(slot_mapping, bs)
+        rows, n, keep = where.rows, where.count, where.keep
+        if key.shape[0] != n:
+            key, value = key[:n], value[:n]
+        if keep is not None:
+            key, value = key[keep], value[keep]
         if d.fp8:
             limit = FP8_MAX[str(d.config.kv_dtype)]
             key = (key.float() / float(layer._k_scale_float)).clamp_(-limit, limit)
             value = (value.float() / float(layer._v_scale_float)).clamp_(-limit, limit)
-        rows_k = k_cache.view(-1, d.config.num_kv_heads, d.config.head_dim)
-        rows_v = v_cache.view(-1, d.config.num_kv_heads, d.config.head_dim)
-        if d.fp8:
             # index_copy_ has no float8 kernel on CPU: copy the bytes.
             rows_k.view(torch.uint8).index_copy_(
                 0, rows, key.to(d.kv_torch_dtype).view(torch.uint8)
@@ -257,8 +279,11 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
                 0, rows, value.to(d.kv_torch_dtype).view(torch.uint8)
             )
         else:
-            rows_k.index_copy_(0, rows, key.to(d.kv_torch_dtype))
-            rows_v.index_copy_(0, rows, value.to(d.kv_torch_dtype))
+            kv_dtype = d.kv_torch_dtype
+            if key.dtype != kv_dtype:
+                key, value = key.to(kv_dtype), value.to(kv_dtype)
+            rows_k.index_copy_(0, rows, key)
+            rows_v.index_copy_(0, rows, value)
 
     def forward(
         self,
