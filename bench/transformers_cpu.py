@@ -1,7 +1,8 @@
 """transformers generate on the CPU: use(model, spec) vs transformers' own sdpa, per spec.
 
-    python bench/transformers_cpu.py [--cases 256:48 2048:256] [--dtypes float32 bfloat16]
-                                     [--batch 4] [--rounds 3] [--threads 2]
+    python bench/transformers_cpu.py [--cases 256:48 2048:256] [--long]
+                                     [--dtypes float32 bfloat16] [--batch 4] [--rounds 3]
+                                     [--threads 2]
                                      [--impls sdpa native prefill=sdpa,decode=native]
                                      [--prompts 256 --new 48] [--padded] [--no-memory]
                                      [--json PATH] [--quick]
@@ -10,7 +11,7 @@ Issue 36's targets (fp32, batch 4, 2 threads, same tokens): ``prefill=sdpa,decod
 >= 1.05x transformers' sdpa at 256-token prompts with 48 new tokens and >= 1.3x at 2048 with
 256; ``native`` alone never slower than sdpa. The last table prints those ratios (wall and
 CPU time) with the target and the load average; ``--cases PROMPT:NEW`` sets the shapes
-(``--prompts`` with one ``--new`` does too).
+(``--prompts`` with one ``--new`` does too); ``--long`` adds the 4096-token row (``4096:256``).
 
 The model is Qwen3-style and random-initialised (seed 0): 8 layers, hidden 512, GQA 8/2 x 64,
 MLP 1536, vocabulary 32000. One model object serves every contender (same weights): sdpa is
@@ -81,7 +82,7 @@ def make_model(dtype: torch.dtype) -> Any:
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=64,
-        max_position_embeddings=4096,
+        max_position_embeddings=8192,  # the --long row's 4096 + 256 (RoPE's default type)
         tie_word_embeddings=False,
     )
     model = transformers.Qwen3ForCausalLM(cfg).eval().to(dtype)
@@ -330,6 +331,10 @@ def attention_alone(dtype: str, length: int, args: argparse.Namespace) -> list[t
 TARGETS = {("prefill=sdpa,decode=native", 256): 1.05, ("prefill=sdpa,decode=native", 2048): 1.3}
 
 
+#: ``--long``: the 4096-token row (prompt:new).
+LONG_CASE = "4096:256"
+
+
 def target_row(r: dict[str, Any]) -> tuple[str, ...]:
     want = TARGETS.get((r["impl"], r["prompt"]), 1.0 if r["impl"] == "native" else None)
     x, xc = r["x_sdpa"], r["x_sdpa_cpu"]
@@ -344,6 +349,9 @@ def target_row(r: dict[str, Any]) -> tuple[str, ...]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", nargs="+", default=["256:48", "2048:256"])
+    parser.add_argument(
+        "--long", action="store_true", help=f"add the long-context case {LONG_CASE} to --cases"
+    )
     parser.add_argument("--prompts", type=int, nargs="+", default=None)
     parser.add_argument("--dtypes", nargs="+", default=["float32"])
     parser.add_argument(
@@ -367,6 +375,9 @@ def main() -> None:
         cases = [(p, args.new) for p in args.prompts]
     else:
         cases = [(int(c.split(":")[0]), int(c.split(":")[1])) for c in args.cases]
+        if args.long:
+            prompt, new = LONG_CASE.split(":")
+            cases.append((int(prompt), int(new)))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.memory_child is not None:

@@ -1,13 +1,14 @@
 """vLLM's CPU engine: tokens/s with attn_dispatch ``native`` vs vLLM's own CPU attention.
 
-    .venv-vllm/bin/python bench/vllm_cpu.py [--model bench|tiny|both] [--rounds 2]
-        [--layers 4] [--mixed] [--breakdown]
+    .venv-vllm/bin/python bench/vllm_cpu.py [--model bench|tiny|long|both] [--rounds 2]
+        [--layers 4] [--mixed] [--spec [--no-eagle]] [--dtype bfloat16|float32] [--breakdown]
     .venv-vllm/bin/python bench/vllm_cpu.py --quick   # smoke run, writes nothing
 
 One process, random Llama-shaped models (bf16, saved with transformers at start; ``--model``:
 ``bench``, hidden 1024, GQA 16/4 x 64; ``tiny``, issue 36's hidden 256, GQA 4/2 x 64; both by
-default, one after the other), the same prompts for every contender: batch 8 x 128-token
-prompts, 64 new tokens each, greedy.
+default, one after the other; ``long``, hidden 1024, MLP 2816, GQA 8/2 x 128), the same
+prompts for every contender: batch 8 x 128-token prompts, 64 new tokens each, greedy (for
+``long``: 4 x 2048-token prompts, 64 new).
 The contenders take turns (round 1: each once, round 2: each again, ...) and the best round of
 each is reported, so a burst of other load lands on all of them alike. tokens/s = new tokens
 / wall time of ``llm.generate`` (start-up excluded; each engine first generates 4 tokens
@@ -15,9 +16,10 @@ for the same prompts: the first run of each batch shape builds vLLM's oneDNN ker
 prefix caching is off). ``attention s``: the time spent in the attention layers (KV writes
 and forwards) during that generate, measured the same way for every contender. ``tokens as
 vllm's``: tokens equal to vLLM's up to each request's first difference (in bf16 a near-tie
-may flip and greedy decoding diverges from there; the fp32 tests check identity).
+may flip and greedy decoding diverges from there; ``--dtype float32`` compares exactly).
 
-Rows:
+Rows (each ``x vllm`` is against vLLM's own attention in the same set-up: ``native, eagle``
+against ``vllm, eagle``):
 
 - ``vllm``: vLLM's CPU attention (its kernel ISA named: "vec" on AVX2 x86, "amx" with AMX).
 - ``native``: ``additional_config={"attn_dispatch": {"target": "native"}}``.
@@ -26,8 +28,14 @@ Rows:
 - ``*, mixed`` (``--mixed``): the same with ``max_num_batched_tokens=256``, so the 128-token
   prompts prefill in chunks while earlier requests decode: steps mix phases. ``native split``
   makes one call per phase per layer, ``native extend`` one prefill call for the whole step.
+- ``*, draft_model`` and ``*, eagle`` (``--spec``): speculative decoding, 3 tokens a step,
+  with a 1-layer draft of the model's shape (its own random weights) and with a random
+  EAGLE-1 head; ``native`` runs target and draft on native (``{"target": "native", "draft":
+  "native"}``). Random drafts are rarely accepted: the rows time the draft and verify passes
+  more than a useful speed-up. A method vLLM cannot build here is reported with its error.
 
-Writes ``bench/results/vllm_cpu.json``.
+Writes ``bench/results/vllm_cpu.json`` (``vllm_cpu_<model>[_spec][_float32].json`` for
+another selection).
 
 ``--breakdown``: where a step's time goes around the kernels, vLLM's own attention against
 ``native`` in one run (``StepClock``): per step, the metadata build (for the plugin: of
@@ -58,39 +66,96 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 BATCH, PROMPT, NEW = 8, 128, 64
 
 
-#: Model shapes (``--model``): hidden size, intermediate size, query heads, KV heads; head
-#: size 64, vocabulary 2048. ``bench``: this script's own; ``tiny``: issue 36's small Llama,
-#: where the per-step costs around the kernels weigh most.
-SHAPES: dict[str, tuple[int, int, int, int]] = {
-    "bench": (1024, 2048, 16, 4),
-    "tiny": (256, 512, 4, 2),
+#: Model shapes (``--model``): hidden size, intermediate size, query heads, KV heads, head
+#: size; vocabulary 2048. ``bench``: this script's own; ``tiny``: issue 36's small Llama,
+#: where the per-step costs around the kernels weigh most; ``long``: a Llama-shaped model
+#: with head size 128 for the long-context rows (``LENGTHS``).
+SHAPES: dict[str, tuple[int, int, int, int, int]] = {
+    "bench": (1024, 2048, 16, 4, 64),
+    "tiny": (256, 512, 4, 2, 64),
+    "long": (1024, 2816, 8, 2, 128),
 }
+#: Shape -> (requests, prompt tokens, new tokens) of its runs (``BATCH``, ``PROMPT``, ``NEW``
+#: otherwise): the long-context rows are 4 prompts of 2048 tokens + 64 new.
+LENGTHS: dict[str, tuple[int, int, int]] = {"long": (4, 2048, 64)}
+#: Speculative rows (``--spec``): the proposals per step of both methods.
+SPEC_TOKENS = 3
+
+
+def lengths(shape: str) -> tuple[int, int, int]:
+    """(requests, prompt tokens, new tokens) of a shape's runs."""
+    return LENGTHS.get(shape, (BATCH, PROMPT, NEW))
 
 
 def shape_text(shape: str, layers: int) -> str:
-    hidden, _, qh, kvh = SHAPES[shape]
-    return f"{shape}: {layers} layers, hidden {hidden}, GQA {qh}/{kvh} x 64"
+    hidden, _, qh, kvh, hd = SHAPES[shape]
+    batch, prompt, new = lengths(shape)
+    return (
+        f"{shape}: {layers} layers, hidden {hidden}, GQA {qh}/{kvh} x {hd}, batch {batch} x "
+        f"{prompt}-token prompts, {new} new"
+    )
 
 
-def make_model(root: Path, layers: int, shape: str = "bench") -> str:
-    import torch
+def _llama_config(shape: str, layers: int) -> Any:
     import transformers
 
-    hidden, inter, qh, kvh = SHAPES[shape]
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    hidden, inter, qh, kvh, hd = SHAPES[shape]
+    return transformers.LlamaConfig(
         vocab_size=2048,
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=layers,
         num_attention_heads=qh,
         num_key_value_heads=kvh,
-        head_dim=64,
-        max_position_embeddings=1024,
+        head_dim=hd,
+        max_position_embeddings=4096,
     )
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    path = root / f"llama_{shape}"
+
+
+def make_model(root: Path, layers: int, shape: str = "bench", name: str = "llama") -> str:
+    """A random bf16 Llama of ``shape`` with ``layers`` layers, saved under ``root``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0 if name == "llama" else 1)
+    model: Any = transformers.LlamaForCausalLM(_llama_config(shape, layers))
+    model = model.to(torch.bfloat16).eval()
+    path = root / f"{name}_{shape}"
     model.save_pretrained(path)
+    return str(path)
+
+
+def make_eagle_head(root: Path, shape: str) -> str:
+    """A random EAGLE-1 head for the ``shape`` target, as vLLM reads one: ``fc`` over (token
+    embedding, target hidden state) and one decoder layer without ``input_layernorm``; the
+    embeddings and LM head are the target's."""
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, inter, qh, kvh, hd = SHAPES[shape]
+    g = torch.Generator().manual_seed(2)
+
+    def rand(*size: int) -> Any:
+        return (torch.randn(*size, generator=g) * 0.02).to(torch.bfloat16)
+
+    pre = "layers.0."
+    weights = {
+        "fc.weight": rand(hidden, 2 * hidden),
+        f"{pre}self_attn.q_proj.weight": rand(qh * hd, hidden),
+        f"{pre}self_attn.k_proj.weight": rand(kvh * hd, hidden),
+        f"{pre}self_attn.v_proj.weight": rand(kvh * hd, hidden),
+        f"{pre}self_attn.o_proj.weight": rand(hidden, qh * hd),
+        f"{pre}mlp.gate_proj.weight": rand(inter, hidden),
+        f"{pre}mlp.up_proj.weight": rand(inter, hidden),
+        f"{pre}mlp.down_proj.weight": rand(hidden, inter),
+        f"{pre}post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+    }
+    config = _llama_config(shape, 1).to_dict()
+    config.update(architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+    path = root / f"eagle_{shape}"
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(weights, str(path / "model.safetensors"))
     return str(path)
 
 
@@ -206,8 +271,19 @@ class StepClock:
         return timed
 
 
-def warm_engine(model: str, extra: dict[str, Any], prompts: list[Any]) -> Any:
-    """A bf16 eager engine for ``model`` (``extra``: its attention settings), warmed up.
+def prompts_for(batch: int, prompt: int) -> list[Any]:
+    """``batch`` prompts of ``prompt`` tokens (vLLM's TokensPrompt shape), the same for all."""
+    return [
+        {"prompt_token_ids": [(31 * i + 7 * j) % 2000 + 1 for j in range(prompt)]}
+        for i in range(batch)
+    ]
+
+
+def warm_engine(
+    model: str, extra: dict[str, Any], prompts: list[Any], dtype: str = "bfloat16"
+) -> Any:
+    """An eager engine for ``model`` (``extra``: its attention and speculative settings),
+    warmed up.
 
     Before the timed generate each engine runs the same prompts for 4 tokens: the first run
     of each batch shape builds vLLM's oneDNN matmul kernels; prefix caching is off, so the
@@ -215,12 +291,14 @@ def warm_engine(model: str, extra: dict[str, Any], prompts: list[Any]) -> Any:
     """
     import vllm
 
+    longest = max(len(p["prompt_token_ids"]) for p in prompts)
     llm = vllm.LLM(
         model=model,
         skip_tokenizer_init=True,
-        dtype="bfloat16",
+        dtype=dtype,
         enforce_eager=True,
-        max_model_len=512,
+        # Room for the prompt, the new tokens and the proposals of a speculative step.
+        max_model_len=max(512, longest + 256),
         seed=0,
         enable_prefix_caching=False,
         **extra,
@@ -240,11 +318,9 @@ def breakdown(model: str, rounds: int, shape: str, args: Any) -> None:
 
     register()
     clock = _once(StepClock)
-    prompts: list[Any] = [  # vLLM's TokensPrompt shape
-        {"prompt_token_ids": [(31 * i + 7 * j) % 2000 + 1 for j in range(PROMPT)]}
-        for i in range(BATCH)
-    ]
-    params = vllm.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    batch, prompt, new = lengths(shape)
+    prompts = prompts_for(batch, prompt)
+    params = vllm.SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     contenders: dict[str, dict[str, Any]] = {
         "vllm": {},
         "native": {"additional_config": {"attn_dispatch": {"target": "native"}}},
@@ -288,7 +364,7 @@ def breakdown(model: str, rounds: int, shape: str, args: Any) -> None:
         )
     print()
     print(
-        f"model {shape_text(shape, args.layers)}, batch {BATCH} x {PROMPT}, {NEW} new; load "
+        f"model {shape_text(shape, args.layers)}; native ISA {isa_names()[1]}; load "
         f"{load_before} | {load_text()}; per step, ms (mean over the timed generate; best of "
         f"{rounds}); torch threads "
         f"{torch.get_num_threads()}; forward = every layer's attention call, of which plan "
@@ -317,43 +393,108 @@ def breakdown(model: str, rounds: int, shape: str, args: Any) -> None:
     (out / f"vllm_cpu_breakdown_{shape}.json").write_text(json.dumps(best, indent=2))
 
 
-def run(contenders: dict[str, dict[str, Any]], model: str, rounds: int) -> dict[str, Any]:
+def run(
+    contenders: dict[str, dict[str, Any]], model: str, rounds: int, shape: str, dtype: str
+) -> dict[str, Any]:
+    """Every contender's best generate time over ``rounds`` alternating rounds. A contender's
+    ``extra`` is its ``vllm.LLM`` arguments; a ``speculative_config`` whose ``model`` is a
+    callable gets the draft's path from it (made once, beside the target)."""
     import vllm
-    from vllm.inputs import TokensPrompt
 
     from attn_dispatch.integrations.vllm import register
 
     register()  # what the entry point does; here even without an installed package
     clock = _once(AttentionClock)
 
-    prompts = [
-        TokensPrompt(prompt_token_ids=[(31 * i + 7 * j) % 2000 + 1 for j in range(PROMPT)])
-        for i in range(BATCH)
-    ]
-    params = vllm.SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    batch, prompt, new = lengths(shape)
+    prompts = prompts_for(batch, prompt)
+    params = vllm.SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     best: dict[str, float] = {}
     attn: dict[str, float] = {}
     tokens: dict[str, list[list[int]]] = {}
+    errors: dict[str, str] = {}
     for r in range(rounds):
         for name, extra in contenders.items():
-            llm = warm_engine(model, extra, prompts)
+            if name in errors:
+                continue
+            try:
+                llm = warm_engine(model, extra, prompts, dtype)
+            except Exception as exc:  # reported in the table (e.g. a method vLLM cannot build)
+                if "speculative_config" not in extra:
+                    raise
+                errors[name] = f"{type(exc).__name__}: {exc}"
+                print(f"round {r + 1}: {shape} {name}: {errors[name]}", flush=True)
+                gc.collect()
+                continue
             clock.seconds = 0.0
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             dt = time.perf_counter() - t0
             attn[name] = min(attn.get(name, clock.seconds), clock.seconds)
             got = [list(o.outputs[0].token_ids) for o in outs]
-            assert all(len(t) == NEW for t in got), name
+            assert all(len(t) == new for t in got), name
             tokens.setdefault(name, got)
             best[name] = min(best.get(name, dt), dt)
             print(
-                f"round {r + 1}: {name:<22} {BATCH * NEW / dt:8.1f} tokens/s, "
+                f"round {r + 1}: {shape} {name:<28} {batch * new / dt:8.1f} tokens/s, "
                 f"attention {clock.seconds:.2f} s of {dt:.2f} s",
                 flush=True,
             )
             del llm
             gc.collect()
-    return {"seconds": best, "attention": attn, "tokens": tokens}
+    return {"seconds": best, "attention": attn, "tokens": tokens, "errors": errors}
+
+
+def reference(name: str) -> str:
+    """The row a contender is measured against: vLLM's own attention in the same set-up
+    (``"native, eagle"`` -> ``"vllm, eagle"``; no suffix -> ``"vllm"``)."""
+    _, sep, setup = name.partition(", ")
+    return f"vllm{sep}{setup}"
+
+
+def contenders_for(args: Any, root: Path, shape: str) -> dict[str, dict[str, Any]]:
+    """The engines of one shape's table (``extra``: their ``vllm.LLM`` arguments)."""
+    ad = "additional_config"
+
+    def spec(target: str, draft: str | None = None) -> dict[str, Any]:
+        settings = {"target": target} if draft is None else {"target": target, "draft": draft}
+        return {ad: {"attn_dispatch": settings}}
+
+    out: dict[str, dict[str, Any]] = {
+        "vllm": {},
+        "native": spec("native"),
+        "prefill=sdpa,decode=native": spec("prefill=sdpa,decode=native"),
+    }
+    if args.mixed:
+        mixed = {"max_num_batched_tokens": 256}
+        out.update(
+            {
+                "vllm, mixed": dict(mixed),
+                "native split, mixed": {**mixed, **spec("native")},
+                "native extend, mixed": {
+                    **mixed,
+                    ad: {"attn_dispatch": {"target": "native", "mixed": "extend"}},
+                },
+            }
+        )
+    if args.spec:
+        # draft_model: a 1-layer Llama of the target's shape (its own weights); EAGLE: a
+        # one-layer head over the target's hidden states. Target and draft on native.
+        draft = make_model(root, 1, shape, name="draft")
+        methods = {"draft_model": draft}
+        if args.eagle:
+            methods["eagle"] = make_eagle_head(root, shape)
+        for method, path in methods.items():
+            sc = {
+                "speculative_config": {
+                    "method": method,
+                    "model": path,
+                    "num_speculative_tokens": SPEC_TOKENS,
+                }
+            }
+            out[f"vllm, {method}"] = dict(sc)
+            out[f"native, {method}"] = {**sc, **spec("native", "native")}
+    return out
 
 
 def _same(a: list[list[int]], b: list[list[int]]) -> str:
@@ -375,12 +516,29 @@ def main() -> None:
         "--model",
         choices=[*SHAPES, "both"],
         default="both",
-        help="model shape: bench (hidden 1024, GQA 16/4), tiny (hidden 256, GQA 4/2), or both",
+        help="model shape: bench (hidden 1024, GQA 16/4 x 64), tiny (hidden 256, GQA 4/2 x 64), "
+        "long (hidden 1024, GQA 8/2 x 128, 4 x 2048-token prompts + 64 new), or both (bench "
+        "and tiny)",
     )
     parser.add_argument(
         "--mixed",
         action="store_true",
         help="add the mixed-step rows (max_num_batched_tokens=256: chunked prefill + decode)",
+    )
+    parser.add_argument(
+        "--spec",
+        action="store_true",
+        help=f"add the speculative rows ({SPEC_TOKENS} tokens): draft_model with a 1-layer "
+        "draft and an EAGLE head, each with vLLM's own attention and with native for both",
+    )
+    parser.add_argument(
+        "--no-eagle", dest="eagle", action="store_false", help="--spec without the EAGLE rows"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="the engines' dtype (float32: tokens comparable exactly)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 1 layer, tiny model, nothing written"
@@ -397,7 +555,7 @@ def main() -> None:
         BATCH, PROMPT, NEW = 2, 16, 4
     import torch
 
-    shapes = list(SHAPES) if args.model == "both" else [args.model]
+    shapes = ["bench", "tiny"] if args.model == "both" else [args.model]
     if args.breakdown:
         for shape in shapes:
             with tempfile.TemporaryDirectory() as tmp:
@@ -406,46 +564,32 @@ def main() -> None:
 
     from attn_dispatch._table import format_table
 
-    ad = "additional_config"
-    mixed = {"max_num_batched_tokens": 256}
-    contenders: dict[str, dict[str, Any]] = {
-        "vllm": {},
-        "native": {ad: {"attn_dispatch": {"target": "native"}}},
-        "prefill=sdpa,decode=native": {
-            ad: {"attn_dispatch": {"target": "prefill=sdpa,decode=native"}}
-        },
-    }
-    if args.mixed:
-        contenders.update(
-            {
-                "vllm, mixed": dict(mixed),
-                "native split, mixed": {**mixed, ad: {"attn_dispatch": {"target": "native"}}},
-                "native extend, mixed": {
-                    **mixed,
-                    ad: {"attn_dispatch": {"target": "native", "mixed": "extend"}},
-                },
-            }
-        )
     vllm_isa, native_isa = isa_names()
     rows = []
     results: dict[str, Any] = {}
     loads = [load_text()]
     for shape in shapes:
+        batch, _, new = lengths(shape)
         with tempfile.TemporaryDirectory() as tmp:
             model = make_model(Path(tmp), args.layers, shape)
-            res = run(contenders, model, args.rounds)
+            contenders = contenders_for(args, Path(tmp), shape)
+            res = run(contenders, model, args.rounds, shape, args.dtype)
         loads.append(load_text())
         results[shape] = res
         secs, attn, toks = res["seconds"], res["attention"], res["tokens"]
         for name in contenders:
-            ref = "vllm, mixed" if "mixed" in name else "vllm"
+            ref = reference(name)
             isa = vllm_isa if name.startswith("vllm") else native_isa
+            failed = res["errors"].get(name) or res["errors"].get(ref)
+            if failed:
+                rows.append([shape, name, isa, "failed", "-", "-", "-", failed[:160]])
+                continue
             rows.append(
                 [
                     shape,
                     name,
                     isa,
-                    f"{BATCH * NEW / secs[name]:.1f}",
+                    f"{batch * new / secs[name]:.1f}",
                     f"{secs[ref] / secs[name]:.2f}",
                     f"{attn[name]:.2f}",
                     f"{attn[ref] / attn[name]:.2f}",
@@ -454,11 +598,12 @@ def main() -> None:
             )
     print()
     print(
-        f"vLLM {__import__('vllm').__version__} CPU engine, bf16 Llama "
-        f"({'; '.join(shape_text(s, args.layers) for s in shapes)}), batch {BATCH} x "
-        f"{PROMPT}-token prompts, {NEW} new tokens, greedy; torch threads "
-        f"{torch.get_num_threads()}; best of {args.rounds} rounds; native ISA {native_isa}, "
-        f"vLLM's {vllm_isa}; load (1/5/15 min) before and after each model: " + " | ".join(loads)
+        f"vLLM {__import__('vllm').__version__} CPU engine, {args.dtype} Llama "
+        f"({'; '.join(shape_text(s, args.layers) for s in shapes)}), greedy"
+        + (f", speculative rows {SPEC_TOKENS} tokens" if args.spec else "")
+        + f"; torch threads {torch.get_num_threads()}; best of {args.rounds} rounds; native "
+        f"ISA {native_isa}, vLLM's {vllm_isa}; load (1/5/15 min) before and after each model: "
+        + " | ".join(loads)
     )
     print(
         format_table(
@@ -479,11 +624,20 @@ def main() -> None:
         return
     out = Path(__file__).resolve().parent / "results"
     out.mkdir(exist_ok=True)
-    (out / "vllm_cpu.json").write_text(
+    # The default table keeps its file; other selections get their own.
+    tag = "".join(
+        [
+            "" if args.model == "both" else f"_{args.model}",
+            "_spec" if args.spec else "",
+            "" if args.dtype == "bfloat16" else f"_{args.dtype}",
+        ]
+    )
+    (out / f"vllm_cpu{tag}.json").write_text(
         json.dumps(
             {
                 "vllm_isa": vllm_isa,
                 "native_isa": native_isa,
+                "dtype": args.dtype,
                 "load": loads,
                 "seconds": {s: r["seconds"] for s, r in results.items()},
                 "attention_seconds": {s: r["attention"] for s, r in results.items()},

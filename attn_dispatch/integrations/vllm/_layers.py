@@ -22,6 +22,7 @@ from attn_dispatch._binding import Binding
 from attn_dispatch._binding import bind
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import UnsupportedModelError
+from attn_dispatch.integrations.vllm._settings import DRAFT
 from attn_dispatch.integrations.vllm._settings import Settings
 
 #: vLLM ``kv_cache_dtype`` -> the ``AttnConfig.kv_dtype`` it stores (``"auto"``: the model's).
@@ -88,6 +89,10 @@ class LayerDispatch:
     config: AttnConfig
     kv_torch_dtype: torch.dtype
     fp8: bool
+    #: ``label == "draft"`` (the phase rule the layer steps with), read per call.
+    draft: bool = False
+    #: Whether calls pass keywords (sinks, FP8 scales); without, a call builds no dict.
+    extras: bool = False
 
 
 def layer_config(
@@ -171,6 +176,8 @@ def make_dispatch(
         config=config,
         kv_torch_dtype=getattr(torch, kv),
         fp8=kv in FP8_MAX,
+        draft=label == DRAFT,
+        extras=config.sinks or kv in FP8_MAX,
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from attn_dispatch._binding import Binding
+from attn_dispatch._frame import attn_scope
 from attn_dispatch._phase import Phase
 from attn_dispatch.integrations.vllm import _dcp
 from attn_dispatch.integrations.vllm._dcp import DcpStep
@@ -39,7 +40,10 @@ class DispatchMetadata:
     interleave: int = 0
     _parts: dict[bool, tuple[StepPart, ...]] = dataclasses.field(default_factory=dict)
     _plans: dict[tuple[int, bool, int], Any] = dataclasses.field(default_factory=dict)
+    _scopes: dict[tuple[int, bool, int], attn_scope] = dataclasses.field(default_factory=dict)
     _dcp: DcpStep | None = None
+    #: ``kv_rows``'s last answer, with the slot mapping and page size it was made for.
+    _kv: tuple[torch.Tensor, int, KvRows] | None = None
 
     def dcp_step(self, world: int, rank: int) -> DcpStep:
         """This step's batches on decode-context-parallel rank ``rank`` (built once)."""
@@ -86,8 +90,57 @@ class DispatchMetadata:
             )
         return found
 
+    def scope(self, binding: Binding, draft: bool, part: StepPart) -> attn_scope:
+        """``binding``'s scope of a part, made once per step (with its plan, ``prepared``) at
+        the first layer that runs it; every later layer of the runner enters the same one
+        (an ``attn_scope`` is entered by one caller at a time, and layers run one by one)."""
+        key = (id(binding), draft, part.index)
+        found = self._scopes.get(key)
+        if found is None:
+            found = self._scopes[key] = attn_scope(
+                binding, part.batch, self.prepared(binding, draft, part)
+            )
+        return found
+
+    def kv_rows(self, slot_mapping: torch.Tensor, page_size: int) -> KvRows:
+        """Where the step's new tokens go (``kv_rows``), computed at the first layer's KV
+        write and reused by the other layers handed the same ``slot_mapping`` tensor (vLLM
+        hands every layer of a KV group one tensor per forward; this metadata holds it, so
+        another forward's tensor is never taken for it)."""
+        found = self._kv
+        if found is not None and found[0] is slot_mapping and found[1] == page_size:
+            return found[2]
+        rows = kv_rows(slot_mapping, page_size)
+        self._kv = (slot_mapping, page_size, rows)
+        return rows
+
     def phases(self, draft: bool = False) -> tuple[Phase, ...]:
         return tuple(p.batch.phase for p in self.parts_for(draft))
 
 
-__all__ = ["DispatchMetadata"]
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class KvRows:
+    """Where one forward's new tokens are written: ``rows`` (int64) of the cache seen as
+    ``[2 * blocks * page_size, kv_heads, head_dim]`` rows, for the first ``count`` tokens of
+    ``key``/``value`` after ``keep`` (a bool mask, or None when every slot is a real one)."""
+
+    rows: torch.Tensor
+    count: int
+    keep: torch.Tensor | None
+
+
+def kv_rows(slot_mapping: torch.Tensor, page_size: int) -> KvRows:
+    """``KvRows`` of vLLM's slot mapping (one slot per token, -1: padding): token slot ``s``
+    of block ``b = s // page_size`` lives in page ``2b`` (K) and ``2b + 1`` (V), row
+    ``s % page_size``, so at cache row ``2 * page_size * b + s % page_size``."""
+    count = slot_mapping.shape[0]
+    slots = slot_mapping.to(torch.int64)
+    valid = slots >= 0  # vLLM pads with slot -1
+    keep = None
+    if not bool(valid.all()):
+        slots, keep = slots[valid], valid
+    rows = (slots // page_size) * (2 * page_size) + slots % page_size
+    return KvRows(rows, count, keep)
+
+
+__all__ = ["DispatchMetadata", "KvRows", "kv_rows"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import itertools
 import operator
@@ -289,7 +290,9 @@ def batch_from_lists(
     kv = list(itertools.accumulate((len(tables[i]) for i in reqs), initial=0))
     pages = [2 * b for i in reqs for b in tables[i]]
     r = len(reqs)
-    buf = torch.tensor(qo + kv + sel_kv + pages, dtype=torch.int32)
+    # From an int32 array: a third of torch.tensor's time on a list (the values are checked
+    # ints below 2**31: lengths, offsets and pages 2b + 1 < 2**31).
+    buf = torch.frombuffer(array.array("i", qo + kv + sel_kv + pages), dtype=torch.int32)
     qo_t, kv_t, lens_t, idx_t = buf.split_with_sizes((r + 1, r + 1, r, len(pages)))
     return AttnBatch(
         phase=phase,

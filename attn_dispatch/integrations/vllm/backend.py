@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm import forward_context as _forward_context
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionMetadataBuilder
 from vllm.v1.attention.backend import AttentionType
@@ -43,7 +44,6 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import UnsupportedModelError
 from attn_dispatch._scope import attention
-from attn_dispatch._scope import attn_scope
 from attn_dispatch.integrations.vllm._dcp import forward_dcp
 from attn_dispatch.integrations.vllm._layers import FP8_MAX
 from attn_dispatch.integrations.vllm._layers import EngineState
@@ -52,6 +52,7 @@ from attn_dispatch.integrations.vllm._layers import engine_state
 from attn_dispatch.integrations.vllm._layers import layer_config
 from attn_dispatch.integrations.vllm._layers import make_dispatch
 from attn_dispatch.integrations.vllm._metadata import DispatchMetadata
+from attn_dispatch.integrations.vllm._metadata import kv_rows
 from attn_dispatch.integrations.vllm._ranks import agree_across_ranks
 from attn_dispatch.integrations.vllm._ranks import bindings_of_layers
 from attn_dispatch.integrations.vllm._runners import check_draft_key
@@ -61,6 +62,23 @@ from attn_dispatch.integrations.vllm._settings import DRAFT
 from attn_dispatch.integrations.vllm._settings import TARGET
 from attn_dispatch.integrations.vllm._settings import Settings
 from attn_dispatch.integrations.vllm._settings import settings_of
+
+#: The keywords of a layer without sinks or FP8 scales (never written).
+_NO_EXTRAS: dict[str, Any] = {}
+
+
+def _step_metadata(layer: Any) -> DispatchMetadata | None:
+    """The forward's ``DispatchMetadata`` of ``layer`` (vLLM's forward context), if any."""
+    context = _forward_context._forward_context
+    if context is None:
+        return None
+    found = context.attn_metadata
+    if isinstance(found, list):  # per micro-batch: each has its own slot mapping
+        found = found[0] if found else None
+    if isinstance(found, dict):
+        found = found.get(getattr(layer, "layer_name", None))
+    return found if isinstance(found, DispatchMetadata) else None
+
 
 # ---------------------------------------------------------------------------------------------
 # The backend, the impl (per layer) and the metadata builder (per KV group)
@@ -127,7 +145,12 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         self.dispatch: LayerDispatch | None = None
         #: Decode context parallel's decode binding (``_bind_dcp``); None without DCP.
         self.dcp_dispatch: LayerDispatch | None = None
-        self._views: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        #: (the cache's data pointer, k pages, v pages, k rows, v rows): ``_pages``.
+        self._views: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = (
+            None
+        )
+        #: (vLLM's sinks tensor, its version, its float32 copy): ``_sinks_f32``.
+        self._sinks: tuple[torch.Tensor, int, torch.Tensor] | None = None
         # Inactive: vLLM's own CPU attention returns no LSE; DCP is refused for it by vLLM.
         self.can_return_lse_for_decode = False
         self.need_to_return_lse_for_decode = False
@@ -214,7 +237,10 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         count = 2 * blocks - 1
         k = flat[: count * page].view(count, block, heads, cfg.head_dim)
         v = flat[page : page + count * page].view(count, block, heads, cfg.head_dim)
-        self._views = (kv_cache.data_ptr(), k, v)
+        # The same memory as token rows, what the KV writes index.
+        rows_k = k.view(-1, heads, cfg.head_dim)
+        rows_v = v.view(-1, heads, cfg.head_dim)
+        self._views = (kv_cache.data_ptr(), k, v, rows_k, rows_v)
         return k, v
 
     def do_kv_cache_update(
@@ -228,23 +254,23 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         d = self.dispatch
         if d is None:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)  # type: ignore[no-any-return]
-        k_cache, v_cache = self._pages(kv_cache, d)
-        n = slot_mapping.shape[0]
-        slots = slot_mapping.to(torch.int64)
-        key, value = key[:n], value[:n]
-        valid = slots >= 0  # vLLM pads with slot -1
-        if not bool(valid.all()):
-            slots, key, value = slots[valid], key[valid], value[valid]
+        self._pages(kv_cache, d)
+        views = self._views
+        assert views is not None
+        rows_k, rows_v = views[3], views[4]
+        md = _step_metadata(layer)
         bs = d.config.page_size
-        # Token slot s of block b = s // bs lives in page 2b (K) and page 2b + 1 (V), row s % bs.
-        rows = (slots // bs) * (2 * bs) + slots % bs
+        # Once per forward (the first layer's write), not per layer.
+        where = md.kv_rows(slot_mapping, bs) if md is not None else kv_rows(slot_mapping, bs)
+        rows, n, keep = where.rows, where.count, where.keep
+        if key.shape[0] != n:
+            key, value = key[:n], value[:n]
+        if keep is not None:
+            key, value = key[keep], value[keep]
         if d.fp8:
             limit = FP8_MAX[str(d.config.kv_dtype)]
             key = (key.float() / float(layer._k_scale_float)).clamp_(-limit, limit)
             value = (value.float() / float(layer._v_scale_float)).clamp_(-limit, limit)
-        rows_k = k_cache.view(-1, d.config.num_kv_heads, d.config.head_dim)
-        rows_v = v_cache.view(-1, d.config.num_kv_heads, d.config.head_dim)
-        if d.fp8:
             # index_copy_ has no float8 kernel on CPU: copy the bytes.
             rows_k.view(torch.uint8).index_copy_(
                 0, rows, key.to(d.kv_torch_dtype).view(torch.uint8)
@@ -253,8 +279,11 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
                 0, rows, value.to(d.kv_torch_dtype).view(torch.uint8)
             )
         else:
-            rows_k.index_copy_(0, rows, key.to(d.kv_torch_dtype))
-            rows_v.index_copy_(0, rows, value.to(d.kv_torch_dtype))
+            kv_dtype = d.kv_torch_dtype
+            if key.dtype != kv_dtype:
+                key, value = key.to(kv_dtype), value.to(kv_dtype)
+            rows_k.index_copy_(0, rows, key)
+            rows_v.index_copy_(0, rows, value)
 
     def forward(
         self,
@@ -292,12 +321,7 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
                 "its metadata builder is not attn_dispatch's (a KV group mixing backends)",
             )
         k_cache, v_cache = self._pages(kv_cache, d)
-        extras: dict[str, Any] = {}
-        if d.config.sinks and self.sinks is not None:  # sinks=True: vLLM passed the tensor
-            extras["sinks"] = self.sinks.to(torch.float32)
-        if d.fp8:
-            extras["k_scale"] = float(layer._k_scale_float)
-            extras["v_scale"] = float(layer._v_scale_float)
+        extras = self._extras(layer, d) if d.extras else _NO_EXTRAS
         binding = d.binding
         out = output.view(output.shape[0], d.config.num_q_heads, d.config.head_dim)
         if self.dcp_dispatch is not None:
@@ -316,16 +340,43 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
                 rank=self.dcp_rank,
             )
             return output
-        draft = d.label == DRAFT
+        draft = d.draft
         for part in attn_metadata.parts_for(draft):
-            prepared = attn_metadata.prepared(binding, draft, part)
-            q = query[part.rows]
+            rows = part.rows
+            q = query[rows]
             if not q.is_contiguous():
                 q = q.contiguous()
-            with attn_scope(binding, part.batch, prepared):
+            # One scope per runner and part per step, entered by each of the runner's layers.
+            with attn_metadata.scope(binding, draft, part):
                 result = attention(q, k_cache, v_cache, **extras)
-            out[part.rows] = result
+            out[rows] = result
         return output
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        super().process_weights_after_loading(act_dtype)
+        if self.dispatch is not None and self.sinks is not None:
+            self._sinks_f32()  # converted once, now that vLLM loaded the weights
+
+    def _sinks_f32(self) -> torch.Tensor:
+        """The layer's sinks as float32, converted once per load: kept with the version of
+        vLLM's tensor it was made from, made again only if vLLM wrote that tensor since."""
+        sinks = self.sinks
+        assert sinks is not None
+        cached = self._sinks
+        if cached is None or cached[0] is not sinks or cached[1] != sinks._version:
+            cached = self._sinks = (sinks, sinks._version, sinks.detach().to(torch.float32))
+        return cached[2]
+
+    def _extras(self, layer: Any, d: LayerDispatch) -> dict[str, Any]:
+        """The per-call keywords of a layer whose config takes them (sinks, FP8 scales)."""
+        extras: dict[str, Any] = {}
+        if d.config.sinks and self.sinks is not None:  # sinks=True: vLLM passed the tensor
+            extras["sinks"] = self._sinks_f32()
+        if d.fp8:
+            # Python floats on vLLM's layer, read per call: vLLM sets them after loading.
+            extras["k_scale"] = float(layer._k_scale_float)
+            extras["v_scale"] = float(layer._v_scale_float)
+        return extras
 
 
 class AttnDispatchCPUBuilder(CPUAttentionMetadataBuilder):  # type: ignore[misc]

@@ -134,3 +134,64 @@ def test_a_bad_page_table_is_refused_in_every_step() -> None:
     with pytest.raises(InvalidBatchError, match="block ids must be in") as err:
         _step(table, [20, 5]).parts_for(False)
     assert err.value.field == "block_table" and err.value.request == 1
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_runners_layers_enter_one_scope_per_step(spec: str) -> None:
+    """One scope per runner and part per step (with the step's plan), entered by every layer
+    of the runner; another runner, or the next step, gets its own."""
+    from attn_dispatch import attention
+
+    binding = bind(spec, _config(), label="target")
+    other = bind(spec, _config(), label="draft")
+    table = torch.tensor([[3, 4], [7, 0]], dtype=I32)
+    md = _step(table, [20, 5])
+    (part,) = md.parts_for(False)
+    scope = md.scope(binding, False, part)
+    assert md.scope(binding, False, part) is scope
+    assert scope.plan is md.prepared(binding, False, part)[0]
+    assert md.scope(other, False, part) is not scope
+    assert _step(table, [20, 5]).scope(binding, False, part) is not scope
+    # Entered once per layer: each layer's result is the runner's handler on the step's plan.
+    q = torch.randn(2, 4, 16)
+    k, v = torch.randn(16, BS, 2, 16), torch.randn(16, BS, 2, 16)
+    want = binding.handler(part.batch.phase)(q, k, v, scope.plan, 0.25)
+    for _ in range(3):
+        with scope:
+            got = attention(q, k, v)
+        torch.testing.assert_close(got, want)
+
+
+def test_kv_rows_once_per_slot_mapping() -> None:
+    """The KV write's rows are computed once per forward's slot mapping (every layer of the
+    KV group is handed the same tensor) and again for any other tensor, equal or not."""
+    from attn_dispatch.integrations.vllm._metadata import kv_rows
+
+    md = _step(torch.tensor([[3, 4], [7, 0]], dtype=I32), [20, 5])
+    slots = torch.tensor([3 * BS + 5, 7 * BS, -1, -1], dtype=torch.int64)
+    first = md.kv_rows(slots, BS)
+    assert md.kv_rows(slots, BS) is first
+    # Block b's K is page 2b: slot s goes to row 2 * BS * (s // BS) + s % BS; padding is left.
+    assert first.rows.tolist() == [2 * BS * 3 + 5, 2 * BS * 7]
+    assert first.count == 4 and first.keep is not None
+    assert first.keep.tolist() == [True, True, False, False]
+    again = md.kv_rows(slots.clone(), BS)
+    assert again is not first and again.rows.tolist() == first.rows.tolist()
+    full = kv_rows(torch.tensor([1, 2], dtype=torch.int32), BS)
+    assert full.keep is None and full.rows.tolist() == [1, 2] and full.count == 2
+
+
+def test_sinks_are_converted_once_per_load() -> None:
+    """A layer's sinks reach the kernels as float32, converted once, and again only after
+    vLLM writes its tensor (a weight reload)."""
+    from attn_dispatch.integrations.vllm.backend import AttnDispatchCPUImpl
+
+    impl = object.__new__(AttnDispatchCPUImpl)
+    impl.sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.bfloat16)
+    impl._sinks = None
+    first = impl._sinks_f32()
+    assert first.dtype == torch.float32 and first.tolist() == [0.5, -1.0, 2.0, 0.0]
+    assert impl._sinks_f32() is first
+    impl.sinks.add_(1.0)  # an in-place reload
+    second = impl._sinks_f32()
+    assert second is not first and second.tolist() == [1.5, 0.0, 3.0, 1.0]
