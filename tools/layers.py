@@ -95,7 +95,7 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         7,
-        "integrations, the CLI, the demo, and the package itself",
+        "integrations, the CLI, the demo, the contract kit, and the package itself",
         "the package's `__init__` wires the built-in backends into the registry",
         (
             "",
@@ -108,6 +108,8 @@ LAYERS: tuple[Layer, ...] = (
             "integrations.*",
             "demo",
             "demo.*",
+            "testing.contract",
+            "testing.contract.*",
         ),
     ),
 )
