@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from attn_dispatch.testing.contract.cases import DEFAULT_LIMITS
 from attn_dispatch.testing.contract.cases import Limits
 from attn_dispatch.testing.contract.harness import ContractProfile
 
@@ -25,7 +26,7 @@ if not torch.cuda.is_available():
 BACKENDS = ["torch", "native", "flashinfer", "triton", "sdpa"]
 
 #: The repository's own runs draw more than the kit's defaults (a plugin's CI run).
-FULL = ContractProfile(examples=100, variant_examples=50, lse_examples=30)
+FULL = ContractProfile(DEFAULT_LIMITS, examples=100, variant_examples=50, lse_examples=30)
 PROFILES: dict[str, ContractProfile] = {
     # FlashInfer: 16-bit only; MLA latent % 128 and rope % 64 (576/512, 192/128).
     "flashinfer": ContractProfile(

@@ -55,7 +55,7 @@ def _kit(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env.pop("PYTEST_ADDOPTS", None)
     cmd = [sys.executable, "-m", "pytest", "--pyargs", "attn_dispatch.testing.contract"]
     return subprocess.run(
-        [*cmd, "-p", "no:cacheprovider", "-q", "-rs", *args],
+        [*cmd, "-p", "no:cacheprovider", "-q", "-rfEs", *args],
         capture_output=True,
         text=True,
         env=env,

@@ -172,7 +172,7 @@ def variant_cases(
     FP8 caches in both formats with scales other than 1, and the attention types: chunks
     from 1 to larger than any context, and non-causal layers (never with a window or chunk);
     and the attention state (``lse``) where served."""
-    base = draw(kernel_cases(kind=kind, phase=phase, limits=limits))
+    base: KernelCase = draw(kernel_cases(kind=kind, phase=phase, limits=limits))
     window = cap = None
     if "window" in served.variants and draw(st.booleans()):
         window = draw(st.sampled_from((0, 1, 3)) | st.integers(0, 64) | st.just(100_000))
@@ -218,9 +218,9 @@ class Materialised:
     k_scale: float = 1.0
     v_scale: float = 1.0
 
-    def extras(self) -> dict[str, object]:
+    def extras(self) -> dict[str, Any]:
         """The per-call keywords of ``attention`` this case needs."""
-        kw: dict[str, object] = {}
+        kw: dict[str, Any] = {}
         if self.sinks is not None:
             kw["sinks"] = self.sinks
         if self.config.kv_fp8:

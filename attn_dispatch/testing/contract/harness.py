@@ -45,6 +45,7 @@ from attn_dispatch.testing.contract.cases import tolerance
 
 __all__ = [
     "FP8_FORMATS",
+    "KIT_LIMITS",
     "SLOW",
     "THOROUGH",
     "ContractProfile",
@@ -60,18 +61,24 @@ THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 
 _VARIANTS = ("window", "logit_cap", "sinks", "non_causal", "chunked", "lse")
 
+#: The kit's default shapes: ``DEFAULT_LIMITS`` (the repository's own runs) made smaller, so
+#: a plugin's CI run stays short; every boundary (partial pages, page size 1, GQA, 576-wide
+#: MLA, 16 heads) is still drawn.
+KIT_LIMITS = dataclasses.replace(DEFAULT_LIMITS, max_requests=3, max_q=16, max_prefix=100)
+
 
 @dataclasses.dataclass(frozen=True)
 class ContractProfile:
     """How hard the kit tries on one backend: hypothesis examples per property and the shape
-    limits (``None``: ``limits_for`` its capabilities). The defaults keep one backend's whole
+    limits (``None``: ``KIT_LIMITS``; either way narrowed by ``limits_for`` to what the
+    backend declares). The defaults keep one backend's whole
     run to about a minute on two CPU cores; a plugin's CI may ask for more by overriding the
     ``attn_contract_profile`` fixture in its conftest."""
 
     limits: Limits | None = None
-    examples: int = 12
-    variant_examples: int = 12
-    lse_examples: int = 6
+    examples: int = 10
+    variant_examples: int = 10
+    lse_examples: int = 5
 
     def scaled(self, n: int) -> int:
         return n * 10 if THOROUGH else n
@@ -141,7 +148,7 @@ class Subject:
                 "this machine has no CUDA"
             )
         profile = profile or ContractProfile()
-        limits = limits_for(caps, profile.limits or DEFAULT_LIMITS)
+        limits = limits_for(caps, profile.limits or KIT_LIMITS)
         if not limits.dtypes:
             pytest.skip(
                 f"backend {name!r} declares no compute dtype the kit checks: "

@@ -93,7 +93,7 @@ def test_single_chain_tree_equals_causal(attn_contract_subject: Subject, kind: s
     s = attn_contract_subject
     dims = dict(num_q_heads=2, num_kv_heads=1, head_dim=80, v_head_dim=64) if kind == "mla" else {}
     shape = dict(kind=kind, phase=Phase.VERIFY, q_lens=(5,), prefix_lens=(11,), **dims)
-    chain = s.declared(make_case(trees=((-1, 0, 1, 2, 3),), **shape))  # type: ignore[arg-type]
+    chain = s.declared(make_case(trees=((-1, 0, 1, 2, 3),), **shape))
     causal = dataclasses.replace(chain, trees=None)
     out_tree, _ = s.run_case(chain)
     out_causal, _ = s.run_case(causal)

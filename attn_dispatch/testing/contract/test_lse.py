@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -268,7 +269,7 @@ def test_mla_decompressed_form_matches_reference(
         return k, torch.einsum("nl,hvl->nhv", lat, w_uv.to(rows))
 
     full_k, full_v = up_proj(gather_latent(cache, b))
-    kw = {"return_lse": True} if lse_on else {}
+    kw: dict[str, Any] = {"return_lse": True} if lse_on else {}
     with attn_scope(bind(s.name, config, options=options), b):
         assert attention_form() is AttnForm(form)
         if form == "mha":
