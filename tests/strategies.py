@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import TYPE_CHECKING
 from typing import Any
 
 from hypothesis import strategies as st
@@ -23,170 +24,40 @@ from attn_dispatch.backend import Capabilities
 from attn_dispatch.backend import register_backend
 from attn_dispatch.testing import strategies as _shipped
 
+if TYPE_CHECKING:
+    from attn_dispatch.testing.contract.cases import KernelCase
+    from attn_dispatch.testing.contract.cases import Limits
+
 # ---------------------------------------------------------------------------------------------
-# Kernel cases for the contract suite. A case is plain data; tests/contract/cases.py turns it
-# into tensors with a seeded generator, so a failing example is reproducible from its repr.
+# Kernel cases: the contract kit's (attn_dispatch.testing.contract.cases), one definition.
+
+# Loaded on first use: the kit's cases import torch, and this module stays torch-free.
+_KIT_CASES = frozenset(
+    {"DEFAULT_LIMITS", "KernelCase", "Limits", "Served", "kernel_cases", "split_cases",
+     "trees", "variant_cases"}
+)  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """Size limits per backend (the triton interpreter needs tiny shapes)."""
+def __getattr__(name: str) -> Any:
+    if name in _KIT_CASES:
+        from attn_dispatch.testing.contract import cases
 
-    max_requests: int = 8
-    max_q: int = 40
-    max_prefix: int = 300
-    page_sizes: tuple[int, ...] = (1, 16, 64)
-    gqa_ratios: tuple[int, ...] = (1, 2, 4, 8)
-    max_kv_heads: int = 2
-    mha_dims: tuple[tuple[int, int], ...] = ((64, 64), (128, 128), (192, 128))
-    mla_dims: tuple[tuple[int, int], ...] = ((576, 512), (80, 64))
-    mla_heads: tuple[int, ...] = (1, 2, 4, 16)
-    dtypes: tuple[str, ...] = ("float32", "bfloat16")
-    # Tree (custom-mask) verify for MLA; FlashInfer's MLA path has no custom mask.
-    mla_trees: bool = True
-
-
-DEFAULT_LIMITS = Limits()
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelCase:
-    kind: str
-    phase: Phase
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    v_head_dim: int
-    page_size: int
-    dtype: str
-    q_lens: tuple[int, ...]
-    prefix_lens: tuple[int, ...]
-    # For VERIFY: per request, parent index of each draft token (-1 = child of the prefix),
-    # or None for a causal chain.
-    trees: tuple[tuple[int, ...], ...] | None
-    extra_pages: int
-    seed: int
-    # Layer variants and the FP8 cache (defaults: none; see variant_cases).
-    window_left: int | None = None
-    logit_cap: float | None = None
-    sinks: bool = False
-    kv_dtype: str | None = None
-    k_scale: float = 1.0
-    v_scale: float = 1.0
-    # With trees: per request, prefix positions its custom mask hides from every draft node
-    # (a mask that is not a plain tree; the window then counts only the keys it allows).
-    hidden_prefix: tuple[tuple[int, ...], ...] | None = None
-    # Attention types: non-causal (every key of the request) and chunked local attention.
-    causal: bool = True
-    chunk: int | None = None
-    # The attention state: the config has return_lse=True and the call asks for (out, lse).
-    lse: bool = False
-
-    @property
-    def kv_lens(self) -> tuple[int, ...]:
-        return tuple(p + q for p, q in zip(self.prefix_lens, self.q_lens, strict=True))
-
-
-@st.composite
-def trees(draw: Any, size: int) -> tuple[int, ...]:
-    """Parents of ``size`` draft tokens; each parent precedes its child."""
-    return tuple(draw(st.integers(-1, j - 1)) for j in range(size))
-
-
-@st.composite
-def kernel_cases(
-    draw: Any, *, kind: str, phase: Phase, limits: Limits = DEFAULT_LIMITS
-) -> KernelCase:
-    n = draw(st.integers(1, limits.max_requests))
-    if kind == "mla":
-        head_dim, v_head_dim = draw(st.sampled_from(limits.mla_dims))
-        hq, hkv = draw(st.sampled_from(limits.mla_heads)), 1
-    else:
-        head_dim, v_head_dim = draw(st.sampled_from(limits.mha_dims))
-        hkv = draw(st.integers(1, limits.max_kv_heads))
-        hq = hkv * draw(st.sampled_from(limits.gqa_ratios))
-    if phase is Phase.DECODE:
-        q_lens = (1,) * n
-    else:
-        q_lens = tuple(draw(st.integers(1, limits.max_q)) for _ in range(n))
-    prefix_lens = tuple(draw(st.integers(0, limits.max_prefix)) for _ in range(n))
-    tree = None
-    trees_ok = kind != "mla" or limits.mla_trees
-    if phase is Phase.VERIFY and trees_ok and draw(st.booleans()):
-        tree = tuple(draw(trees(q)) for q in q_lens)
-    return KernelCase(
-        kind=kind,
-        phase=phase,
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=head_dim,
-        v_head_dim=v_head_dim,
-        page_size=draw(st.sampled_from(limits.page_sizes)),
-        dtype=draw(st.sampled_from(limits.dtypes)),
-        q_lens=q_lens,
-        prefix_lens=prefix_lens,
-        trees=tree,
-        extra_pages=draw(st.integers(0, 5)),
-        seed=draw(st.integers(0, 2**31 - 1)),
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Served:
-    """What of the variants and FP8 formats one backend serves for one (kind, phase)."""
-
-    variants: frozenset[str] = frozenset()
-    fp8: tuple[str, ...] = ()
-
-
-@st.composite
-def variant_cases(
-    draw: Any, *, kind: str, phase: Phase, served: Served, limits: Limits = DEFAULT_LIMITS
-) -> KernelCase:
-    """``kernel_cases`` plus the variants and FP8 caches in ``served``: windows from 0 to
-    larger than any context, caps from tight (0.5, most scores saturate) to loose, sinks,
-    FP8 caches in both formats with scales other than 1, and the attention types: chunks
-    from 1 to larger than any context, and non-causal layers (never with a window or chunk);
-    and the attention state (``lse``) where served."""
-    base = draw(kernel_cases(kind=kind, phase=phase, limits=limits))
-    window = cap = None
-    if "window" in served.variants and draw(st.booleans()):
-        window = draw(st.sampled_from((0, 1, 3)) | st.integers(0, 64) | st.just(100_000))
-    if "logit_cap" in served.variants and draw(st.booleans()):
-        cap = draw(st.sampled_from((0.5, 2.0, 30.0)))
-    sinks = "sinks" in served.variants and draw(st.booleans())
-    chunk, causal = None, True
-    if "chunked" in served.variants and draw(st.booleans()):
-        chunk = draw(st.sampled_from((1, 3, 16)) | st.integers(1, 80) | st.just(100_000))
-    if "non_causal" in served.variants and window is None and chunk is None:
-        causal = draw(st.integers(0, 3)) != 0  # non-causal one time in four
-    kv_dtype, k_scale, v_scale = None, 1.0, 1.0
-    if served.fp8 and draw(st.booleans()):
-        kv_dtype = draw(st.sampled_from(served.fp8))
-        k_scale = draw(st.sampled_from((0.25, 0.5, 1.0, 3.0)))
-        v_scale = k_scale if kind == "mla" else draw(st.sampled_from((0.125, 1.0, 2.0)))
-    lse = "lse" in served.variants and draw(st.booleans())  # the state, checked too
-    return dataclasses.replace(
-        base,
-        lse=lse,
-        window_left=window,
-        logit_cap=cap,
-        sinks=sinks,
-        kv_dtype=kv_dtype,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        causal=causal,
-        chunk=chunk,
-    )
+        return getattr(cases, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @st.composite
 def poisoned_cases(
-    draw: Any, *, kind: str, limits: Limits = DEFAULT_LIMITS
+    draw: Any, *, kind: str, limits: Limits | None = None
 ) -> tuple[KernelCase, tuple[int, ...], float | None, float | None]:
     """A kernel case in any phase with any variant (window, cap, sinks, FP8), trees whose
     mask may hide prefix keys, one protected query row per request, and the poison written
     into K and V of every slot that row cannot see (None: that tensor left clean)."""
+    from attn_dispatch.testing.contract.cases import DEFAULT_LIMITS
+    from attn_dispatch.testing.contract.cases import Served
+    from attn_dispatch.testing.contract.cases import variant_cases
+
+    limits = DEFAULT_LIMITS if limits is None else limits
     phase = draw(st.sampled_from(list(Phase)))
     served = Served(
         variants=frozenset({"window", "logit_cap", "sinks", "non_causal", "chunked"}),
@@ -454,33 +325,3 @@ def cascade_cases(draw: Any) -> CascadeCase:
         kv_dtype=draw(st.sampled_from((None, None, "float8_e4m3fn"))),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
-
-
-# The attention state (issue 24): cases whose keys split into two disjoint sets, for the merge
-# tests of tests/contract/test_lse.py.
-
-
-@st.composite
-def split_cases(
-    draw: Any, *, kind: str, served: Served, limits: Limits = DEFAULT_LIMITS
-) -> tuple[KernelCase, tuple[int, ...]]:
-    """A case with ``lse=True`` whose every query sees every key of its request (decode, or a
-    non-causal prefill/verify when served), so its keys split at any page boundary into two
-    sets that each give a valid batch: and the cut, pages in the first part, per request.
-    Each part holds at least ``q_len`` keys; caps, sinks and FP8 as ``served`` allows
-    (position-dependent variants, window and chunk, do not split this way)."""
-    non_causal = "non_causal" in served.variants and draw(st.booleans())
-    phase = draw(st.sampled_from([Phase.PREFILL, Phase.VERIFY])) if non_causal else Phase.DECODE
-    splittable = Served(variants=served.variants & {"logit_cap", "sinks"}, fp8=served.fp8)
-    case = draw(variant_cases(kind=kind, phase=phase, served=splittable, limits=limits))
-    ps = case.page_size
-    cuts, prefixes = [], []
-    for q in case.q_lens:
-        cut = -(-q // ps) + draw(st.integers(0, 1))  # whole pages, at least q keys
-        room = max(limits.max_prefix - cut * ps, 0)
-        cuts.append(cut)
-        prefixes.append(cut * ps + draw(st.integers(0, room)))  # the second part: >= q keys
-    case = dataclasses.replace(
-        case, prefix_lens=tuple(prefixes), trees=None, causal=not non_causal, lse=True
-    )
-    return case, tuple(cuts)

@@ -105,7 +105,7 @@ LAYERS: tuple[Layer, ...] = (
     ),
     Layer(
         7,
-        "integrations, the CLI, the demo, and the package itself",
+        "integrations, the CLI, the demo, the contract kit, and the package itself",
         "the package's `__init__` wires the built-in backends into the registry",
         (
             "",
@@ -118,6 +118,8 @@ LAYERS: tuple[Layer, ...] = (
             "integrations.*",
             "demo",
             "demo.*",
+            "testing.contract",
+            "testing.contract.*",
         ),
     ),
 )

@@ -9,12 +9,19 @@ nothing until the fixture is requested.
   names the backend ``spec`` gives its phase; with ``phases``, exactly those phases ran.
 - marker ``@pytest.mark.attn_dispatch_expect("target", "prefill=torch,decode=native")``:
   records the test and checks the runner's rows with ``assert_rows`` after it passes.
+- option ``--attn-backend NAME`` (repeatable, or comma-separated) and the fixtures
+  ``attn_backend``, ``attn_contract_profile`` and ``attn_contract_subject``, for the
+  contract kit:
+  ``pytest --pyargs attn_dispatch.testing.contract --attn-backend NAME``
+  (``attn_dispatch.testing.contract``). A test that asks for ``attn_backend`` runs once per
+  name given; without the option it skips. A conftest may override either fixture.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -27,6 +34,57 @@ from attn_dispatch.testing._rows import phase_name
 from attn_dispatch.testing._rows import record_rows
 
 MARKER = "attn_dispatch_expect"
+KIT_USAGE = "pytest --pyargs attn_dispatch.testing.contract --attn-backend NAME"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("attn_dispatch", "attn_dispatch contract kit")
+    group.addoption(
+        "--attn-backend",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="registered attention backend(s) the contract kit checks (repeat the option or "
+        f"separate names with commas): {KIT_USAGE}",
+    )
+
+
+def backend_names(config: pytest.Config) -> list[str]:
+    """The names given with ``--attn-backend``, in order, without repeats."""
+    names: list[str] = []
+    for value in config.getoption("attn_backend", default=None) or []:
+        for name in str(value).split(","):
+            if name.strip() and name.strip() not in names:
+                names.append(name.strip())
+    return names
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    names = backend_names(metafunc.config)
+    if names and "attn_backend" in metafunc.fixturenames:
+        metafunc.parametrize("attn_backend", names)
+
+
+@pytest.fixture
+def attn_backend() -> str:
+    """The backend name the contract kit checks: one of ``--attn-backend``'s (the test is
+    parametrised over them); without the option the test skips."""
+    pytest.skip(f"no backend to check: run {KIT_USAGE}")
+
+
+@pytest.fixture
+def attn_contract_profile() -> Any:
+    """The kit's ``ContractProfile`` for the backend (``None``: the kit's defaults); override
+    it in a conftest to draw more examples or narrower shapes."""
+    return None
+
+
+@pytest.fixture
+def attn_contract_subject(attn_backend: str, attn_contract_profile: Any) -> Any:
+    """The backend under test as the kit's ``Subject`` (imports torch when used)."""
+    from attn_dispatch.testing.contract.harness import Subject
+
+    return Subject.of(attn_backend, attn_contract_profile)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,25 +1,11 @@
-"""The attention state (issue 24) on every backend that declares ``"lse"``.
-
-``attention(..., return_lse=True)`` returns ``(out, lse)``: lse float32 ``[tokens, q_heads]``,
-the natural log of the sum of exp(score) over the keys each query attended (scores after
-sm_scale, the FP8 k_scale and the cap), the sink counted once. Checked against the float64
-reference (``cases.reference_lse``) in every phase, kind, variant and FP8 format a backend
-declares, and by what the state is for: attention over two disjoint key sets, merged with
-``merge_state``, equals attention over their union. A backend joins by declaring ``"lse"``
-in its ``Capabilities.variants``; where it does not (for a phase or kind), the test skips
-naming that.
-"""
+"""The attention state over every built-in backend: the kit's suite
+(``attn_dispatch.testing.contract.test_lse``, parametrised by conftest.py), and the torch
+reference's own rules (its online softmax, its three MLA forms giving one state)."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import pytest
 import torch
-from hypothesis import HealthCheck
-from hypothesis import given
-from hypothesis import settings
 
 from attn_dispatch import AttnBatch
 from attn_dispatch import AttnConfig
@@ -29,187 +15,11 @@ from attn_dispatch import attention
 from attn_dispatch import attention_form
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
-from attn_dispatch import merge_state
 from attn_dispatch.backend import FormPolicy
 from attn_dispatch.mla import gather_latent
 from attn_dispatch.mla import latent_prefix_chunks
-from tests import oracle
-from tests.contract.cases import assert_lse_matches
-from tests.contract.cases import lse_tolerance
-from tests.contract.cases import materialise
-from tests.contract.cases import naive_state
-from tests.contract.cases import tolerance
-from tests.contract.test_contract import BACKENDS
-from tests.contract.test_contract import EDGE_CASES
-from tests.contract.test_contract import FEW
-from tests.contract.test_contract import FEW_EXAMPLES
-from tests.contract.test_contract import LIMITS
-from tests.contract.test_contract import THOROUGH
-from tests.contract.test_contract import VARIANT_EDGES
-from tests.contract.test_contract import _case
-from tests.contract.test_contract import check_against_naive
-from tests.contract.test_contract import device_for
-from tests.contract.test_contract import served
-from tests.contract.test_contract import skip_if_refused
-from tests.contract.test_contract import skip_if_unavailable
-from tests.strategies import DEFAULT_LIMITS
-from tests.strategies import KernelCase
-from tests.strategies import split_cases
-from tests.strategies import variant_cases
-
-LSE_EXAMPLES = 200 if THOROUGH else 30
-SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
-
-
-def _examples(backend: str) -> int:
-    return FEW if backend in FEW_EXAMPLES else LSE_EXAMPLES
-
-
-def _declared(backend: str, kind: str, phase: Phase) -> tuple[object, list[str]]:
-    serves, why = served(backend, kind, phase)
-    if "lse" not in serves.variants:  # type: ignore[attr-defined]
-        pytest.skip(f"{backend!r} does not declare 'lse' for {kind} {phase.name}: {'; '.join(why)}")
-    return serves, why
-
-
-@pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.name.lower())
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_lse_matches_reference(backend: str, kind: str, phase: Phase) -> None:
-    """Plain cases and every declared variant and FP8 format, with the state asked for."""
-    skip_if_unavailable(backend)
-    serves, _ = _declared(backend, kind, phase)
-    limits = LIMITS.get(backend, DEFAULT_LIMITS)
-
-    @settings(max_examples=_examples(backend), deadline=None, suppress_health_check=SLOW)
-    @given(case=variant_cases(kind=kind, phase=phase, served=serves, limits=limits))  # type: ignore[arg-type]
-    def check(case: KernelCase) -> None:
-        check_against_naive(backend, dataclasses.replace(case, lse=True))
-
-    check()
-
-
-LSE_EDGES = {**EDGE_CASES, **VARIANT_EDGES}
-
-
-@pytest.mark.parametrize("name", sorted(LSE_EDGES))
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_lse_edge_cases(backend: str, name: str) -> None:
-    skip_if_unavailable(backend)
-    case = dataclasses.replace(LSE_EDGES[name], lse=True)
-    skip_if_refused(backend, case)
-    check_against_naive(backend, case)
-
-
-def _part(m: object, tables: list[list[int]], kv_lens: list[int]) -> AttnBatch:
-    c = m.config  # type: ignore[attr-defined]
-    batch = AttnBatch.build(
-        m.batch.phase,  # type: ignore[attr-defined]
-        q_lens=m.batch.q_lens(),  # type: ignore[attr-defined]
-        kv_lens=kv_lens,
-        page_tables=tables,
-        page_size=c.page_size,
-        num_pages=m.k_cache.shape[0],  # type: ignore[attr-defined]
-    )
-    return batch.to(m.q.device)  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize("kind", ["mha", "mla"])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_merge_of_split_keys_equals_union(backend: str, kind: str) -> None:
-    """Each request's pages split in two (the first ``cut`` pages, the rest): attention over
-    each part, merged with merge_state, is attention over all of them. Sinks go to the first
-    part, -inf (no sink) to the second, so the sink is counted once."""
-    skip_if_unavailable(backend)
-    serves, _ = _declared(backend, kind, Phase.DECODE)
-    limits = LIMITS.get(backend, DEFAULT_LIMITS)
-
-    @settings(max_examples=_examples(backend), deadline=None, suppress_health_check=SLOW)
-    @given(split=split_cases(kind=kind, served=serves, limits=limits))  # type: ignore[arg-type]
-    def check(split: tuple[KernelCase, tuple[int, ...]]) -> None:
-        case, cuts = split
-        skip_if_refused(backend, case)  # a non-causal verify a backend does not declare
-        m = materialise(case, device_for(backend))
-        ps = case.page_size
-        binding = bind(backend, m.config)
-        kw = m.extras()
-        parts = []
-        for first in (True, False):
-            tables = [t[:c] if first else t[c:] for t, c in zip(m.page_tables, cuts, strict=True)]
-            lens = [
-                c * ps if first else k - c * ps for k, c in zip(case.kv_lens, cuts, strict=True)
-            ]
-            if m.sinks is not None and not first:
-                kw["sinks"] = torch.full_like(m.sinks, -math.inf)
-            with attn_scope(binding, _part(m, tables, lens)):
-                parts.append(
-                    attention(m.q, m.k_cache, m.v_cache, sm_scale=m.sm_scale, return_lse=True, **kw)
-                )
-        (out_a, lse_a), (out_b, lse_b) = parts
-        out, lse = merge_state(out_a, lse_a, out_b, lse_b)
-        ref, ref_lse = naive_state(m)
-        atol, rtol = tolerance(case.dtype)
-        torch.testing.assert_close(out.cpu().double(), ref, atol=2 * atol, rtol=2 * rtol)
-        assert_lse_matches(lse, m, ref_lse)
-        # ... and equals the backend's own attention over the union.
-        with attn_scope(binding, m.batch):
-            kw = m.extras()
-            whole, whole_lse = attention(
-                m.q, m.k_cache, m.v_cache, sm_scale=m.sm_scale, return_lse=True, **kw
-            )
-        torch.testing.assert_close(out, whole, atol=2 * atol, rtol=2 * rtol)
-        latol, lrtol = lse_tolerance(case.dtype)
-        torch.testing.assert_close(lse, whole_lse, atol=2 * latol, rtol=2 * lrtol)
-
-    check()
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_lse_of_special_rows(backend: str) -> None:
-    """A +inf sink: out 0 and lse +inf; a -inf sink: the state without a sink; NaN in one
-    query row: that row's out and lse NaN, every other row untouched."""
-    skip_if_unavailable(backend)
-    case = _case(phase=Phase.DECODE, q_lens=(1, 1), prefix_lens=(20, 3), sinks=True, lse=True)
-    skip_if_refused(backend, case)
-    m = materialise(case, device_for(backend))
-    binding = bind(backend, m.config)
-    assert m.sinks is not None
-    sinks = m.sinks.clone()
-    sinks[1] = math.inf
-    sinks[2] = -math.inf
-    q = m.q.clone()
-    q[1, 3] = math.nan
-    with attn_scope(binding, m.batch):
-        out, lse = attention(
-            q, m.k_cache, m.v_cache, sm_scale=m.sm_scale, sinks=sinks, return_lse=True
-        )
-    out, lse = out.cpu(), lse.cpu()
-    assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1])) and lse[0, 1] == math.inf
-    assert out[1, 3].isnan().all() and lse[1, 3].isnan()
-    ok = torch.ones(2, 4, dtype=torch.bool)
-    ok[1, 3] = False
-    assert not out[ok].isnan().any() and not lse[ok].isnan().any()
-    # The -inf sink (head 2) is no sink: the reference without sinks.
-    plain = dataclasses.replace(case, sinks=False)
-    pm = materialise(plain, device_for(backend))
-    ref, ref_lse = naive_state(pm)
-    torch.testing.assert_close(out[:, 2].double(), ref[:, 2], atol=2e-4, rtol=2e-4)
-    torch.testing.assert_close(lse[:, 2].double(), ref_lse[:, 2], atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_lse_of_an_empty_batch(backend: str) -> None:
-    """SGLang's IDLE forward (no requests): an empty out and an empty lse."""
-    skip_if_unavailable(backend)
-    case = _case(phase=Phase.DECODE, q_lens=(1,), prefix_lens=(3,), lse=True)
-    skip_if_refused(backend, case)
-    m = materialise(case, device_for(backend))
-    empty = AttnBatch.build(
-        Phase.DECODE, q_lens=[], kv_lens=[], page_tables=[], page_size=case.page_size
-    ).to(m.q.device)
-    with attn_scope(bind(backend, m.config), empty):
-        out, lse = attention(m.q[:0], m.k_cache, m.v_cache, sm_scale=m.sm_scale, return_lse=True)
-    assert out.shape == (0, 4, 64) and lse.shape == (0, 4) and lse.dtype == torch.float32
+from attn_dispatch.testing.contract import oracle
+from attn_dispatch.testing.contract.test_lse import *  # noqa: F403  (the kit's tests)
 
 
 def test_torch_row_that_sees_no_key_has_lse_minus_inf() -> None:
