@@ -10,8 +10,7 @@ nothing until the fixture is requested.
 - marker ``@pytest.mark.attn_dispatch_expect("target", "prefill=torch,decode=native")``:
   records the test and checks the runner's rows with ``assert_rows`` after it passes.
 - option ``--attn-backend NAME`` (repeatable, or comma-separated) and the fixtures
-  ``attn_backend``, ``attn_contract_profile`` and ``attn_contract_subject``, for the
-  contract kit:
+  ``attn_backend`` and ``attn_contract_profile``, for the contract kit:
   ``pytest --pyargs attn_dispatch.testing.contract --attn-backend NAME``
   (``attn_dispatch.testing.contract``). A test that asks for ``attn_backend`` runs once per
   name given; without the option it skips. A conftest may override either fixture.
@@ -77,14 +76,6 @@ def attn_contract_profile() -> Any:
     """The kit's ``ContractProfile`` for the backend (``None``: the kit's defaults); override
     it in a conftest to draw more examples or narrower shapes."""
     return None
-
-
-@pytest.fixture
-def attn_contract_subject(attn_backend: str, attn_contract_profile: Any) -> Any:
-    """The backend under test as the kit's ``Subject`` (imports torch when used)."""
-    from attn_dispatch.testing.contract.harness import Subject
-
-    return Subject.of(attn_backend, attn_contract_profile)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -115,6 +115,9 @@ def run(backend: str, args: Sequence[str] = (), *, quiet: bool = True) -> Contra
     import pytest
 
     argv = ["--pyargs", __name__, "--attn-backend", backend, "-p", "no:cacheprovider"]
+    # attn_dispatch is imported already (this module is in it): pytest cannot rewrite the
+    # asserts of its plugin module, and says so; the kit's asserts carry their own messages.
+    argv += ["-W", "ignore::pytest.PytestAssertRewriteWarning"]
     if not _plugin_autoloads():
         argv += ["-p", PLUGIN]
     if quiet:

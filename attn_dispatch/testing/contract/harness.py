@@ -8,9 +8,9 @@ variants and FP8 formats it declares (``served``). Everything the backend does n
 skipped with the reason ``Capabilities`` gives, which names the field (``kind 'mla' is not
 supported (supported: 'mha')``); what it declares must match the oracle.
 
-The test modules of this package use it through the ``attn_contract_subject`` fixture of the
-pytest plugin, built from its ``attn_backend`` and ``attn_contract_profile`` fixtures
-(``--attn-backend NAME``).
+The test modules of this package use it through the fixture ``attn_contract_subject``
+(``contract_subject_fixture``, imported by each module), built from the plugin's fixtures
+``attn_backend`` and ``attn_contract_profile`` (``--attn-backend NAME``).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ __all__ = [
     "THOROUGH",
     "ContractProfile",
     "Subject",
+    "contract_subject_fixture",
     "limits_for",
 ]
 
@@ -299,3 +300,12 @@ class Subject:
         if self.refused(case):
             reject()
         self.check(case)
+
+
+@pytest.fixture(name="attn_contract_subject")
+def contract_subject_fixture(
+    attn_backend: str, attn_contract_profile: ContractProfile | None
+) -> Subject:
+    """The fixture ``attn_contract_subject``: the backend under test (``attn_backend``, from
+    ``--attn-backend``) as a ``Subject``. A test module imports it to use it."""
+    return Subject.of(attn_backend, attn_contract_profile)

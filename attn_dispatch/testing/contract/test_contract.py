@@ -33,6 +33,7 @@ from attn_dispatch.testing.contract.cases import tolerance
 from attn_dispatch.testing.contract.cases import variant_cases
 from attn_dispatch.testing.contract.harness import SLOW
 from attn_dispatch.testing.contract.harness import Subject
+from attn_dispatch.testing.contract.harness import contract_subject_fixture  # noqa: F401
 
 PHASES = pytest.mark.parametrize("phase", list(Phase), ids=lambda p: p.name.lower())
 KINDS = pytest.mark.parametrize("kind", ["mha", "mla"])

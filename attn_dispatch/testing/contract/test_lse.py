@@ -51,6 +51,7 @@ from attn_dispatch.testing.contract.cases import tolerance
 from attn_dispatch.testing.contract.cases import variant_cases
 from attn_dispatch.testing.contract.harness import SLOW
 from attn_dispatch.testing.contract.harness import Subject
+from attn_dispatch.testing.contract.harness import contract_subject_fixture  # noqa: F401
 
 
 def _declared(s: Subject, kind: str, phase: Phase) -> Served:
