@@ -42,6 +42,12 @@ COMMON_FLAGS = [
 ]
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-Wno-maybe-uninitialized"]
+AVX512BF16 = [*AVX512, "-mavx512bf16"]
+AMX = [*AVX512BF16, "-mamx-tile", "-mamx-bf16"]
+# Units a compiler may refuse (too old for their flags): built when it takes them, with the
+# define the rest of the library then compiles with; left out otherwise (that path is then
+# not offered at run time). The AMX unit needs GCC >= 11 or Clang >= 12.
+OPTIONAL_UNITS = {f"{CSRC}/kern_amx.cpp": "NA_HAVE_AMX_UNIT"}
 
 
 def _sources() -> list[tuple[str, list[str]]]:
@@ -53,7 +59,8 @@ def _sources() -> list[tuple[str, list[str]]]:
             (f"{CSRC}/kern_avx2.cpp", AVX2),
             (f"{CSRC}/kern_avx512.cpp", AVX512),
             # GCC 12 warns about its own _mm512_undefined_* helpers: a known false positive.
-            (f"{CSRC}/kern_avx512bf16.cpp", [*AVX512, "-mavx512bf16", "-Wno-maybe-uninitialized"]),
+            (f"{CSRC}/kern_avx512bf16.cpp", [*AVX512BF16, "-Wno-maybe-uninitialized"]),
+            (f"{CSRC}/kern_amx.cpp", [*AMX, "-Wno-maybe-uninitialized"]),
         ]
     return units
 
@@ -85,20 +92,36 @@ class BuildNative(build_ext):
         output = Path(self.get_ext_fullpath(ext.name))
         output.parent.mkdir(parents=True, exist_ok=True)
         objects: list[str] = []
-        for source, flags in _sources():
-            objects += self.compiler.compile(
-                [source],
-                output_dir=self.build_temp,
-                include_dirs=[CSRC],
-                extra_postargs=[*COMMON_FLAGS, *flags],
-                depends=[str(p) for p in Path(CSRC).glob("*.h")],
-            )
+        units = _sources()
+        defines: list[str] = []
+        for source, flags in units:  # the optional units first: the others need their defines
+            if source not in OPTIONAL_UNITS:
+                continue
+            try:
+                objects += self._compile(source, flags)
+            except Exception as exc:
+                self.warn(f"attn_dispatch: {source} not built (that path is left out): {exc}")
+            else:
+                defines.append(f"-D{OPTIONAL_UNITS[source]}=1")
+        for source, flags in units:
+            if source not in OPTIONAL_UNITS:
+                objects += self._compile(source, [*flags, *defines])
         self.compiler.link_shared_object(
             objects,
             str(output),
             extra_postargs=["-pthread", "-ldl"],  # dlopen: finding torch's OpenMP runtime
             target_lang="c++",
         )
+
+    def _compile(self, source: str, flags: list[str]) -> list[str]:
+        objects: list[str] = self.compiler.compile(
+            [source],
+            output_dir=self.build_temp,
+            include_dirs=[CSRC],
+            extra_postargs=[*COMMON_FLAGS, *flags],
+            depends=[str(p) for p in Path(CSRC).glob("*.h")],
+        )
+        return objects
 
     def _record_failure(self, exc: BaseException, ext: Extension | None = None) -> None:
         reason = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")

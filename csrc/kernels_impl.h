@@ -449,7 +449,7 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
 // 576-wide latent rows are compute-bound already in the bf16 path).
 static inline bool rows_path_applies(const NaProblem& P, const NaItem& it) {
   return P.kind != NA_MLA && P.head_dim % W == 0 && P.v_head_dim % W == 0 &&
-         (it.h1 - it.h0) * (it.q1 - it.q0) >= rows_min(P.kv_dtype);
+         (it.h1 - it.h0) * (it.q1 - it.q0) >= rows_min(P.kv_dtype, P.q_dtype);
 }
 
 template <typename QT>

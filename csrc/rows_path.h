@@ -17,7 +17,9 @@
 // Two variants: rows_item (fp32 accumulation, any ISA: FMA on AVX-512/AVX2, the generic
 // vectors elsewhere; bf16/fp16/FP8 blocks widened to fp32 once per block per kv head) and,
 // on AVX-512 BF16, rows_item_bf16 (bf16 q with bf16 or FP8 caches: vdpbf16ps on q^T pairs x
-// broadcast key pairs; FP8 K/V rows widened to bf16 once per block, exactly).
+// broadcast key pairs; FP8 K/V rows widened to bf16 once per block, exactly). In the amx
+// unit (NA_HAVE_AMX) the same kernel runs q.K^T and p.V on AMX tiles (amx_path.h); its
+// masks, softmax, guards and finish are this file's, unchanged.
 //
 // Which items take it: see rows_path_applies (kernels_impl.h's item()).
 #ifndef NATIVE_ATTN_ROWS_PATH_H
@@ -37,6 +39,9 @@
 #ifdef NA_HAVE_BF16_PATH
 #include "bf16_path.h"
 #endif
+#ifdef NA_HAVE_AMX
+#include "amx_path.h"
+#endif
 
 namespace NA_NS {
 
@@ -55,8 +60,14 @@ static inline int rows_min_env() {
   }();
   return v;
 }
-static inline int rows_min(int kv_dtype) {
+static inline int rows_min(int kv_dtype, int q_dtype) {
   if (const int v = rows_min_env()) return v;
+#ifdef NA_HAVE_AMX
+  // The AMX tiles (bf16 q, bf16 or FP8 cache): from one tile's 16 rows.
+  if (q_dtype == NA_BF16 && (kv_dtype == NA_BF16 || kv_dtype == NA_E4M3 || kv_dtype == NA_E5M2))
+    return na::kRowsMinAmx;
+#endif
+  (void)q_dtype;
 #ifdef NA_HAVE_BF16_PATH
   return kv_dtype == NA_E4M3 || kv_dtype == NA_E5M2 ? na::kRowsMinFp8Bf16 : na::kRowsMinBf16;
 #else
@@ -82,6 +93,37 @@ struct RowsBuffers {
   }
 };
 static thread_local RowsBuffers tls_rows;
+
+#ifdef NA_HAVE_AMX
+// The AMX unit's extra per-thread buffers: the padded accumulators (every lane of a tile
+// row group has its row, so tile loads and stores stay inside the buffer) and the
+// micro-kernels' scratch (amx_path.h).
+struct AmxBuffers {
+  std::vector<float> acc;
+  std::vector<unsigned char> scratch;
+  bool ensure(size_t nacc, size_t nscratch) noexcept {
+    try {
+      if (acc.size() < nacc) acc.resize(nacc);
+      if (scratch.size() < nscratch) scratch.resize(nscratch);
+    } catch (const std::bad_alloc&) {
+      return false;
+    }
+    return true;
+  }
+};
+static thread_local AmxBuffers tls_amx;
+
+// Loads the all-16x64 tile config for the item's life, releases it at the end (every return).
+struct AmxTiles {
+  AmxTiles() {
+    static const na_amx::TileConfig cfg = na_amx::full_config();
+    na_amx::tile_config(&cfg);
+  }
+  ~AmxTiles() { na_amx::tile_release(); }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
+#endif
 
 // The lanes of one kv head's rows: first key and causal limit per row (pad lanes see
 // nothing), the custom-mask rows, and whether the block is wholly visible to every row.
@@ -470,6 +512,23 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
   float* mL = RB.ml.data();
   float* lL = mL + size_t(nkv) * Rp;
   float* aL = lL + size_t(nkv) * Rp;
+#ifdef NA_HAVE_AMX
+  // Accumulators with a row per lane (pad lanes too): [nkv][Rp][Dv], zeroed below.
+  if (!tls_amx.ensure(size_t(nkv) * Rp * Dv, na_amx::scratch_bytes(D, Dv))) return -2;
+  float* accA = tls_amx.acc.data();
+  na_amx::Scratch sc;
+  {
+    unsigned char* base = tls_amx.scratch.data();
+    base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+    sc.kpack = reinterpret_cast<uint16_t*>(base);
+    sc.vv = reinterpret_cast<uint32_t*>(sc.kpack + size_t(na_amx::kKeys) * D);
+    sc.pa = sc.vv + size_t(Dv) * na_amx::kKeys / 2;
+  }
+  std::memset(accA, 0, sizeof(float) * size_t(nkv) * Rp * Dv);
+  // Keys consecutive in a page are this far apart in kr (FP8: the widened rows).
+  const int64_t kstep = f8 ? D : T.kstride();
+  const AmxTiles tiles_on;
+#endif
   RowState S;
   const float qscale = P.sm_scale * kLog2e * P.k_scale * f8_unit(P);
   // q^T pairs per kv head: dword cp of row r at [cp][lane] (pad lanes 0); q stays bf16.
@@ -514,14 +573,22 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
       kp0[t] = kbase + slot * kstride;
       vp0[t] = vbase + slot * vstride;
     }
+#ifdef NA_HAVE_AMX
+    const int nk = 16;  // keys per score tile
+#else
     const int nk = nvt >= 2 ? 8 : 16;
+#endif
     const int nt = round_up(n, nk);
     {
       const int ka = k0 + BK;
       pf.queue_rows(T, ka, std::min(it.k1, ka + BK), kbase, vbase, kstride, vstride, klines,
                     vlines);
+#ifdef NA_HAVE_AMX
+      pf.plan(nkv * (4 + (f8 ? 2 * n : 0)));  // the pf.step() calls per kv head below
+#else
       const int tiles = nt / nk * (nvt >= 2 ? (nvt + 1) / 2 : 1);
       pf.plan(nkv * (tiles * (D / 16) + ((R1 + 7) / 8) * (Dv / 32) + (f8 ? 2 * n : 0)));
+#endif
     }
     for (int gi = 0; gi < nkv; ++gi) {
       const int64_t koff = int64_t(it.kv_head + gi) * D;
@@ -542,6 +609,17 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
       // Keys past the block's end read the first key's row (valid memory; masked to weight 0).
       for (int t = n; t < nt; ++t) kr[t] = kr[0];
       const uint32_t* qg = qp + size_t(gi) * (D / 2) * Rp;
+#ifdef NA_HAVE_AMX
+      pf.step();
+      na_amx::qk_block(qg, Rp, D, kr, nt, kstep, sc, sT);
+      {
+        const __m512 scv = _mm512_set1_ps(qscale);
+        for (size_t i = 0; i < size_t(nt) * Rp; i += 16) {
+          _mm512_storeu_ps(sT + i, _mm512_mul_ps(_mm512_loadu_ps(sT + i), scv));
+        }
+      }
+      pf.step();
+#else
       for (int t0 = 0; t0 < nt; t0 += nk) {
         if (nvt >= 2) {
           int j = 0;
@@ -555,6 +633,7 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
           qk_keys_bf16<16, 1>(qg, Rp, D, kr + t0, qscale, sT + size_t(t0) * Rp, pf);
         }
       }
+#endif
       const RowLanes& LG = L[gi];
       const bool whole = block_seen_whole(P, LG, k0, n);
       float* ag = aL + size_t(gi) * Rp;
@@ -576,10 +655,27 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
       }
       // An odd block's last pair reads one key past the block (weight 0): a zero row.
       if (n % 2) vr[n] = zero_row<uint16_t>();
+#ifdef NA_HAVE_AMX
+      {
+        float* ac = accA + size_t(gi) * Rp * Dv;
+        for (int i = 0; i < Rp; ++i) {  // the rescale (pad lanes: alpha 1)
+          const __m512 a = _mm512_set1_ps(ag[i]);
+          float* row = ac + size_t(i) * Dv;
+          for (int c = 0; c < Dv; c += 16) {
+            _mm512_storeu_ps(row + c, _mm512_mul_ps(_mm512_loadu_ps(row + c), a));
+          }
+        }
+        pf.step();
+        na_amx::interleave_values(vr, npairs, Dv, sc.vv);
+        pf.step();
+        na_amx::pv_block(ac, Rp, Dv, pbT, npairs, sc);
+      }
+#else
       for (int i0 = 0; i0 < R1; i0 += 8) {
         pv_dispatch(std::min(8, R1 - i0), acc + size_t(gi * R1 + i0) * Dv, Dv, pbT + i0, 1,
                     size_t(Rp), ag + i0, vr, npairs, pf);
       }
+#endif
     }
   }
   for (int gi = 0; gi < nkv; ++gi) lanes_bad(badv[gi], gi * R1, R1, S);
@@ -587,9 +683,16 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
     m[r] = mL[size_t(r / R1) * Rp + r % R1];
     l[r] = lL[size_t(r / R1) * Rp + r % R1];
   }
+#ifdef NA_HAVE_AMX
+  finish_rows<uint16_t>(P, it, T, m, l, S, [&](int r) {
+    const float* ar = accA + (size_t(r / R1) * Rp + size_t(r % R1)) * Dv;
+    return unpermute_row(B.k.data(), ar, Dv);  // B.k: >= Dv floats
+  });
+#else
   finish_rows<uint16_t>(P, it, T, m, l, S, [&](int r) {
     return unpermute_row(B.k.data(), acc + size_t(r) * Dv, Dv);  // B.k: >= Dv floats
   });
+#endif
   return 0;
 }
 #endif

@@ -153,7 +153,7 @@ class NativeLibrary:
 
     @property
     def isa(self) -> str:
-        """The instruction-set path in use ("avx512bf16", "avx512", "avx2", "generic")."""
+        """The instruction-set path in use ("amx", "avx512bf16", "avx512", "avx2", "generic")."""
         return bytes(self.cdll.na_isa()).decode()
 
     @property

@@ -29,11 +29,16 @@ AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 AVX512 = [*AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
 AVX512BF16 = [*AVX512, "-mavx512bf16"]
 # The flag sets each header must compile under alone: every ISA build compiles the shared
-# layers; bf16_path.h is the avx512bf16 unit's alone.
+# layers; bf16_path.h is the avx512bf16 unit's alone, amx_path.h the amx unit's (or the
+# emulated tiles of its layout test).
 ISA_FLAGS = {"generic": [], "avx2": AVX2, "avx512": AVX512, "avx512bf16": AVX512BF16}
-NEEDS = {"bf16_path.h": ("avx512bf16",)}
+OWN_FLAGS = {
+    "amx": [*AVX512BF16, "-mamx-tile", "-mamx-bf16"],
+    "amx-emulated": ["-DNA_AMX_EMULATE"],
+}
+NEEDS = {"bf16_path.h": ("avx512bf16",), "amx_path.h": ("amx", "amx-emulated")}
 HEADERS = sorted(p.name for p in CSRC.glob("*.h"))
-GXX = shutil.which("g++")
+GXX = shutil.which("g++") or ""
 X86 = os.uname().machine in ("x86_64", "amd64")
 
 
@@ -50,26 +55,30 @@ def test_the_layered_headers_exist() -> None:
     assert {"simd.h", "tile.h", "bf16_path.h", "kernels_impl.h"} <= set(HEADERS), HEADERS
 
 
-@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
+@pytest.mark.skipif(not GXX, reason="g++ is not installed")
 @pytest.mark.parametrize(("header", "isa"), _cases())
 def test_header_compiles_alone(header: str, isa: str) -> None:
-    if isa != "generic" and not X86:
+    flags = {**ISA_FLAGS, **OWN_FLAGS}[isa]
+    if any(f.startswith("-m") for f in flags) and not X86:
         pytest.skip(f"{isa} flags are x86-64 only (this machine: {os.uname().machine})")
-    cmd = [GXX, "-std=c++17", "-fsyntax-only", "-Wall", "-Wno-psabi", *ISA_FLAGS[isa]]
+    cmd = [GXX, "-std=c++17", "-fsyntax-only", "-Wall", "-Wno-psabi", *flags]
     cmd += ["-I", str(CSRC), "-x", "c++", str(CSRC / header)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{header} ({isa}) does not compile alone:\n{done.stderr[-3000:]}"
     assert "warning" not in done.stderr, done.stderr[-3000:]
 
 
-@pytest.mark.skipif(GXX is None, reason="g++ is not installed")
-def test_bf16_path_refuses_a_unit_without_its_flags() -> None:
+@pytest.mark.skipif(not GXX, reason="g++ is not installed")
+def test_isa_paths_refuse_a_unit_without_their_flags() -> None:
     # Included where the avx512bf16 intrinsics are missing, it says so instead of failing
     # somewhere inside the intrinsics.
     cmd = [GXX, "-std=c++17", "-fsyntax-only", "-I", str(CSRC), "-x", "c++"]
     done = subprocess.run([*cmd, str(CSRC / "bf16_path.h")], capture_output=True, text=True)
     assert done.returncode != 0
     assert "bf16_path.h needs -mavx512bf16" in done.stderr
+    done = subprocess.run([*cmd, str(CSRC / "amx_path.h")], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "amx_path.h needs -mamx-tile -mamx-bf16" in done.stderr
 
 
 def test_abi_version_is_defined_once() -> None:
