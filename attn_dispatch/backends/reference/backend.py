@@ -196,12 +196,10 @@ class TorchBackend(BackendBase):
         float32 ``[T, Hq]``: log of the sum of exp(score) over the keys each row attended,
         the sink included; see ``_OnlineSoftmax.lse``)."""
         check_plan(plan, self, "torch")
-        _check_flag("return_lse", return_lse)
+        self._checks.check_keywords(q, sinks=sinks, return_lse=return_lse)  # every backend's
         self._seals.verify(plan)  # our error for a plan edited after it was made
         num_pages = self._checks.check(plan.snap, q, k_cache, v_cache)
         c = self.config
-        if c.sinks:
-            self._checks.check_sinks(sinks, q)
         dv = int(c.out_head_dim)
         if plan.snap.num_requests == 0:  # SGLang's IDLE forward: nothing to attend
             return _empty(q, c.num_q_heads, dv, return_lse)
@@ -399,13 +397,6 @@ class TorchBackend(BackendBase):
         if not return_lse:
             return out
         return out, acc.lse(c.num_q_heads, sinks)[valid]
-
-
-def _check_flag(field: str, value: object) -> None:
-    """The flag rule of every backend (raw routes included): a Python bool, nothing else
-    (numpy and torch bools, ints, strings and None are refused)."""
-    if not isinstance(value, bool):
-        raise InvalidBatchError(field, f"torch: must be a bool (True or False), got {value!r}")
 
 
 def _empty(
