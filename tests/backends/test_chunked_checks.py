@@ -202,3 +202,23 @@ def test_the_checks_live_in_the_public_checker_only() -> None:
     assert found == []
     checker = (ROOT / "attn_dispatch" / "_tensor_checks.py").read_text(encoding="utf-8")
     assert all(needle in checker for needle in needles)
+
+
+@pytest.mark.parametrize("name", ["torch", "sdpa", "native"])
+def test_the_paged_handler_refuses_sinks_on_a_sink_free_layer(name: str) -> None:
+    # The same keyword rule on the paged route (TensorChecks.check_keywords): the reference
+    # applied sinks given to a sink-free layer when called without a binding.
+    config = AttnConfig("mha", H, 2, D, dtype="float32", device="cpu", page_size=4)
+    entry = get_backend(name)
+    if entry.capabilities.availability_reasons("cpu"):
+        pytest.skip(f"{name}: {entry.capabilities.availability_reasons('cpu')}")
+    backend = entry.load_factory()(config)
+    batch = AttnBatch.build(Phase.DECODE, q_lens=[1], kv_lens=[5], page_tables=[[1, 0]],
+                            page_size=4)  # fmt: skip
+    q, k = torch.randn(1, H, D), torch.randn(2, 4, 2, D)
+    run: Any = backend.handler(Phase.DECODE)
+    plan = backend.plan(batch)
+    run(q, k, k, plan, 0.25)
+    with pytest.raises(InvalidBatchError, match="sinks=False") as err:
+        run(q, k, k, plan, 0.25, sinks=torch.zeros(H))
+    assert err.value.field == "sinks"

@@ -198,12 +198,10 @@ class TorchBackend(BackendBase):
         the sink included; see ``_OnlineSoftmax.lse``). ``out``: written and returned (the
         fp32 result is rounded into it, in place of a fresh tensor)."""
         check_plan(plan, self, "torch")
-        _check_flag("return_lse", return_lse)
+        self._checks.check_keywords(q, sinks=sinks, return_lse=return_lse)  # every backend's
         self._seals.verify(plan)  # our error for a plan edited after it was made
         num_pages = self._checks.check(plan.snap, q, k_cache, v_cache)
         c = self.config
-        if c.sinks:
-            self._checks.check_sinks(sinks, q)
         if out is not None:
             self._checks.check_out(out, q, k_cache, v_cache)
         dv = int(c.out_head_dim)
@@ -408,13 +406,6 @@ class TorchBackend(BackendBase):
         if not return_lse:
             return out
         return out, acc.lse(c.num_q_heads, sinks)[valid]
-
-
-def _check_flag(field: str, value: object) -> None:
-    """The flag rule of every backend (raw routes included): a Python bool, nothing else
-    (numpy and torch bools, ints, strings and None are refused)."""
-    if not isinstance(value, bool):
-        raise InvalidBatchError(field, f"torch: must be a bool (True or False), got {value!r}")
 
 
 def _empty(
