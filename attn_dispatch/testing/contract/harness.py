@@ -215,9 +215,10 @@ class Subject:
             pytest.skip(f"outside {self.name!r}'s declared Capabilities: {'; '.join(why)}")
         return case
 
-    def served(self, kind: str, phase: Phase) -> tuple[Served, list[str]]:
+    def served(self, kind: str, phase: Phase) -> tuple[Served, dict[str, list[str]]]:
         """What the backend declares of the variants and FP8 formats for (kind, phase), probed
-        one at a time on a small config of that kind; and the reasons for what it refuses."""
+        one at a time on a small config of that kind; and, per variant or format it refuses,
+        the reasons."""
         lim = self.limits
         if kind == "mla":
             hd, dv = lim.mla_dims[0] if lim.mla_dims else (80, 64)
@@ -242,10 +243,13 @@ class Subject:
             **{f: dict(kv_dtype=f) for f in FP8_FORMATS},
         }
         ok: list[str] = []
-        why: list[str] = []
+        why: dict[str, list[str]] = {}
         for name, over in probes.items():
             found = self.refused(dataclasses.replace(base, **over))  # type: ignore[arg-type]
-            (why.extend(found) if found else ok.append(name))
+            if found:
+                why[name] = found
+            else:
+                ok.append(name)
         return Served(
             variants=frozenset(ok) & set(_VARIANTS),
             fp8=tuple(f for f in FP8_FORMATS if f in ok),

@@ -60,7 +60,8 @@ def _declared(s: Subject, kind: str, phase: Phase) -> Served:
     serves, why = s.served(kind, phase)
     if "lse" not in serves.variants:
         pytest.skip(
-            f"{s.name!r} does not declare 'lse' for {kind} {phase.name.lower()}: {'; '.join(why)}"
+            f"{s.name!r} does not declare 'lse' for {kind} {phase.name.lower()}: "
+            f"{'; '.join(why['lse'])}"
         )
     return serves
 
