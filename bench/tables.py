@@ -9,8 +9,8 @@ then times one forward (a plan and one call per layer of the model) of every spe
 workload: every phase at every size the table was tuned at. The specs: the table's (with its
 buckets), the table's without buckets (one backend per phase), and each single backend that
 serves every phase (the reference ``torch`` only with ``--with-torch``: it is the
-slowest everywhere, and timing it dominates the run). Contenders alternate round by round in one process (medians of
-``--repeats``), so a burst of load hits all alike. The summary is the workload's total time
+slowest everywhere, and timing it dominates the run). Contenders alternate round by round
+in one process (medians of ``--repeats``), so a burst of load hits all alike. The summary is the workload's total time
 per spec and ``table / best single`` (< 1: the table is faster).
 
 A table tuned and timed in one run is fresh by construction; ``--table PATH`` also saves it.
