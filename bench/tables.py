@@ -10,8 +10,9 @@ workload: every phase at every size the table was tuned at. The specs: the table
 buckets), the table's without buckets (one backend per phase), and each single backend that
 serves every phase (the reference ``torch`` only with ``--with-torch``: it is the
 slowest everywhere, and timing it dominates the run). Contenders alternate round by round
-in one process (medians of ``--repeats``), so a burst of load hits all alike. The summary is the workload's total time
-per spec and ``table / best single`` (< 1: the table is faster).
+in one process (medians of ``--repeats``), so a burst of load hits all alike. The summary
+is the workload's total time per spec and ``table / best single`` (< 1: the table is
+faster).
 
 A table tuned and timed in one run is fresh by construction; ``--table PATH`` also saves it.
 The header names the machine, the ISA path ``native`` runs, torch's threads and the load.
