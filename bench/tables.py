@@ -8,9 +8,11 @@ verify at three contexts, so shape buckets are emitted where the measurements sh
 then times one forward (a plan and one call per layer of the model) of every spec on the same
 workload: every phase at every size the table was tuned at. The specs: the table's (with its
 buckets), the table's without buckets (one backend per phase), and each single backend that
-serves every phase. Contenders alternate round by round in one process (medians of
-``--repeats``), so a burst of load hits all alike. The summary is the workload's total time
-per spec and ``table / best single`` (< 1: the table is faster).
+serves every phase (the reference ``torch`` only with ``--with-torch``: it is the
+slowest everywhere, and timing it dominates the run). Contenders alternate round by round
+in one process (medians of ``--repeats``), so a burst of load hits all alike. The summary
+is the workload's total time per spec and ``table / best single`` (< 1: the table is
+faster).
 
 A table tuned and timed in one run is fresh by construction; ``--table PATH`` also saves it.
 The header names the machine, the ISA path ``native`` runs, torch's threads and the load.
@@ -103,14 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small sizes, 2 repeats (a smoke run)")
     ap.add_argument("--table", type=Path, default=None, help="also save the tuned table here")
+    ap.add_argument(
+        "--with-torch",
+        action="store_true",
+        help="also time the reference (torch) as a single-backend spec (slow; never the best)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         sizes = TuneSizes(prefill_batch=1, prefill_len=32, prefill_lens=(8, 128),
                           decode_batch=2, context=64, contexts=(16, 256), repeats=2)  # fmt: skip
         repeats = 2
     else:
-        sizes = TuneSizes(prefill_batch=2, prefill_len=256, prefill_lens=(32, 1024),
-                          decode_batch=4, context=512, contexts=(64, 2048), repeats=5)  # fmt: skip
+        sizes = TuneSizes(prefill_batch=2, prefill_len=128, prefill_lens=(32, 512),
+                          decode_batch=4, context=256, contexts=(64, 1024), repeats=5)  # fmt: skip
         repeats = args.repeats
     configs, layers = demo_configs(args.demo, args.dtype)
     print(f"machine: {machine_name('cpu')}; torch {torch.__version__}, "
@@ -129,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         assert isinstance(spec, BackendSpec)
         contenders = {"table": spec, "table, no buckets": dataclasses.replace(spec, buckets=())}
         for n in names:
-            contenders[n] = BackendSpec.uniform(n)
+            if n != "torch" or args.with_torch:
+                contenders[n] = BackendSpec.uniform(n)
         bindings = {k: bind(s, config, label=label) for k, s in contenders.items()}
         cases = workload(config, sizes)
         times: dict[tuple[str, str], list[float]] = {}

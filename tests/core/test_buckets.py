@@ -327,3 +327,21 @@ def test_one_winner_everywhere_is_no_buckets() -> None:
     cells = [cell("sdpa", n, 1, 0.1) for n in (128, 512, 2048)]
     got = decide("prefill", [*cells, cell("torch", 512, 9, 0.1)], SIZES)
     assert got is not None and got.limits == () and got.rest == "sdpa"
+
+
+def test_explain_shows_each_phases_buckets(
+    registry_snapshot: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from attn_dispatch.cli import main
+
+    register_echo("qa")
+    register_echo("gpu_bucket", Capabilities(kinds={"mha"}, requires=("no_such_lib_for_buckets",)))
+    args = ["--kind", "mha", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+            "--dtype", "float32", "--page-size", "8"]  # fmt: skip
+    assert main(["explain", "--spec", "prefill=q_len<=64:qa|torch,decode=qa", *args]) == 0
+    out = capsys.readouterr().out
+    assert "q_len<=64:qa|torch" in out
+    # A bucket's backend that cannot run here is named among this machine's reasons.
+    assert main(["explain", "--spec", "prefill=q_len<=64:gpu_bucket|qa,decode=qa", *args]) == 1
+    out = capsys.readouterr().out
+    assert "'gpu_bucket'" in out.split("from this machine's runtime")[1]
