@@ -28,11 +28,17 @@ specs travel in ``ATTN_DISPATCH_SGLANG`` (``Settings.parse``), a JSON object:
 - ``"options"``: ``bind``'s per-backend factory keywords, e.g. ``{"native": {"cascade": false}}``.
 - ``"record"``: a file path; the scheduler process then records every ``attention`` call
   (``record_dispatch``) and keeps ``(runner, phase, backend) -> calls`` there as JSON
-  (``read_record``): the engine runs in a subprocess where an in-process recorder sees nothing.
+  (``read_record``; ``read_record_forms`` adds each MLA call's form): the engine runs in a
+  subprocess where an in-process recorder sees nothing.
 
 Which runner a backend serves is SGLang's own word: ``ModelRunner.is_draft_worker`` (True for
 every STANDALONE, EAGLE and EAGLE-3 draft runner). The phase of each forward is
 ``attn_dispatch.integrations.sglang.phase_of`` of its ``forward_mode``.
+
+MLA models (SGLang's ``MLATokenToKVPool``): the absorbed calls (latent + rope, rope separate
+or concatenated) read the latent pool in place; DeepSeek's layers ask the runner's own binding
+for their form (absorbed, or decompressed over the rows SGLang decompresses); Sarvam's run
+absorbed. See docs/integrations/sglang.md.
 
 Import cost: this module imports no SGLang and no torch; ``...sglang_engine.backend`` holds the
 SGLang classes and loads when SGLang first builds this backend.
@@ -47,6 +53,7 @@ from attn_dispatch.integrations.sglang_engine._settings import FACTORY_TARGET
 from attn_dispatch.integrations.sglang_engine._settings import TARGET
 from attn_dispatch.integrations.sglang_engine._settings import Settings
 from attn_dispatch.integrations.sglang_engine._settings import read_record
+from attn_dispatch.integrations.sglang_engine._settings import read_record_forms
 from attn_dispatch.integrations.sglang_engine._settings import settings_from_env
 
 
@@ -78,6 +85,7 @@ __all__ = [
     "TARGET",
     "Settings",
     "read_record",
+    "read_record_forms",
     "register",
     "settings_from_env",
     "unregister",

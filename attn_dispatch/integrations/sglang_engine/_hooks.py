@@ -13,8 +13,17 @@ Three things, all keyed by the backend name ``"attn_dispatch"``:
 4. An AROUND hook on ``sglang.srt.models.sarvam_moe.get_attn_forward_method``: SGLang picks a
    Sarvam MLA layer's form (separate or concatenated rope) from the process-wide backend pair,
    so a Sarvam draft on its own backend gets the form of the target's. While this backend is
-   in the pair, the hook reads the names SGLang stamped on the backend of the forward running
-   now (the runner's own) instead; otherwise it calls SGLang's function unchanged.
+   in the pair or runs the forward, the hook reads the names SGLang stamped on the backend of
+   the forward running now (the runner's own) instead; otherwise it calls SGLang's function
+   unchanged.
+5. The form of an MLA layer on this backend, in SGLang's two registries of backend names:
+   DeepSeek's (``deepseek_common.attention_backend_handler.AttentionBackendRegistry``) gets a
+   handler that asks the runner's own binding (absorbed ``MLA``, or decompressed ``MHA``: SGLang's
+   MHA without a prefix, its one-shot MHA with one); Sarvam's gets separate rope (the backend
+   takes either rope form; FlashInfer's is separate too).
+
+The backend stamps its own names on itself (``backend.AttnDispatchSGLangBackend``), so DeepSeek's
+fallback for an unstamped backend (the process-wide pair) is never taken for it.
 """
 
 from __future__ import annotations
@@ -67,12 +76,14 @@ def _sarvam_around(original: Any, forward_batch: Any) -> Any:
     from sglang.srt.model_executor.forward_context import has_forward_context
     from sglang.srt.models import sarvam_moe
 
-    pair = tuple(sarvam_moe.attention_backends())
-    if BACKEND_NAME not in pair or not has_forward_context():
+    if not has_forward_context():
         return original(forward_batch)
     backend = get_attn_backend()
     prefill = getattr(backend, "prefill_attention_backend_str", None)
     decode = getattr(backend, "decode_attention_backend_str", None)
+    pair = tuple(sarvam_moe.attention_backends())
+    if BACKEND_NAME not in pair and BACKEND_NAME not in (prefill, decode):
+        return original(forward_batch)
     if prefill is None or decode is None:  # unstamped: nothing better to read than SGLang's
         return original(forward_batch)
     mode = forward_batch.forward_mode
@@ -84,6 +95,48 @@ def _sarvam_around(original: Any, forward_batch: Any) -> Any:
         if mode.is_extend_without_speculative() and name == "fa3":
             return sarvam_moe.AttnForwardMethod.MHA_PREFILL
     return sarvam_moe.AttentionBackendRegistry.get_forward_method(name, None, forward_batch)
+
+
+def _deepseek_form(attn: Any, forward_batch: Any) -> Any:
+    """DeepSeek's handler for our name: the form the runner's own binding picks."""
+    from sglang.srt.model_executor.forward_context import get_attn_backend
+    from sglang.srt.models.deepseek_common import attention_backend_handler as handlers
+
+    from attn_dispatch._forms import AttnForm
+    from attn_dispatch.integrations.sglang_engine.backend import AttnDispatchSGLangBackend
+
+    backend = get_attn_backend()
+    backend = getattr(backend, "primary", backend)  # SGLang's two-batch-overlap wrapper
+    if not isinstance(backend, AttnDispatchSGLangBackend):
+        # Not ours after all: what SGLang does for a name it has no handler for.
+        return handlers.handle_attention_triton(attn, forward_batch)
+    method = handlers.AttnForwardMethod
+    if backend.form_for(attn) is AttnForm.MLA:
+        return method.MLA
+    prefix = sum(forward_batch.extend_prefix_lens_cpu or [0])
+    return method.MHA if prefix == 0 else method.MHA_ONE_SHOT
+
+
+_DEEPSEEK_FORMS = "sglang.srt.models.deepseek_common.attention_backend_handler"
+_SARVAM = "sglang.srt.models.sarvam_moe"
+
+
+def _install_forms() -> None:
+    import importlib
+
+    deepseek = importlib.import_module(_DEEPSEEK_FORMS)
+    deepseek.AttentionBackendRegistry.register(BACKEND_NAME, _deepseek_form)
+    sarvam = importlib.import_module(_SARVAM)
+    sarvam.AttentionBackendRegistry.register(BACKEND_NAME, sarvam._handle_separate_rope_backend)
+
+
+def _uninstall_forms() -> None:
+    import sys
+
+    for name in (_DEEPSEEK_FORMS, _SARVAM):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.AttentionBackendRegistry._handlers.pop(BACKEND_NAME, None)
 
 
 _HOOKS = ((FACTORY_TARGET, _factory_before, "BEFORE"), (SARVAM_TARGET, _sarvam_around, "AROUND"))
@@ -107,6 +160,7 @@ def install() -> None:
         choices.add_attention_backend_choices([BACKEND_NAME])
     if BACKEND_NAME not in choices.DRAFT_ATTENTION_BACKEND_CHOICES:
         choices.add_draft_attention_backend_choices([BACKEND_NAME])
+    _install_forms()
     registry = _hook_registry()
     for target, fn, kind in _HOOKS:
         if not any(hook is fn for _, hook, _ in registry._hooks[target]):
@@ -156,6 +210,7 @@ def uninstall() -> None:
     for names in (choices.ATTENTION_BACKEND_CHOICES, choices.DRAFT_ATTENTION_BACKEND_CHOICES):
         while BACKEND_NAME in names:
             names.remove(BACKEND_NAME)
+    _uninstall_forms()
     registry = _hook_registry()
     for target, fn, _ in _HOOKS:
         hooks = registry._hooks.get(target, [])

@@ -116,6 +116,24 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
 
 def read_record(path: str) -> dict[tuple[str, str, str], int]:
     """The dispatch table a ``"record"`` file holds: ``(runner, phase, backend) -> calls``."""
+    table: dict[tuple[str, str, str], int] = {}
+    for runner, phase, backend, _form, calls in _record_rows(path):
+        key = (runner, phase, backend)
+        table[key] = table.get(key, 0) + calls
+    return table
+
+
+def read_record_forms(path: str) -> dict[tuple[str, str, str, str | None], int]:
+    """As ``read_record``, with the form of each call (MLA layers: ``"mla"``, ``"mha"``,
+    ``"mha_chunked"``; None for MHA/GQA layers): ``(runner, phase, backend, form) -> calls``."""
+    return {(r, p, b, f): n for r, p, b, f, n in _record_rows(path)}
+
+
+def _record_rows(path: str) -> list[tuple[str, str, str, str | None, int]]:
     with open(path, encoding="utf-8") as f:
         rows = json.load(f)
-    return {(str(r[0]), str(r[1]), str(r[2])): int(r[3]) for r in rows}
+    # Rows: [runner, phase, backend, calls, form].
+    return [
+        (str(r[0]), str(r[1]), str(r[2]), None if r[4] is None else str(r[4]), int(r[3]))
+        for r in rows
+    ]

@@ -25,6 +25,7 @@ Query rows and KV per forward mode (SGLang 0.5.23's eager batches):
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import tempfile
@@ -35,6 +36,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
 from attn_dispatch._batch import AttnBatch
 from attn_dispatch._binding import Binding
@@ -42,8 +44,10 @@ from attn_dispatch._binding import bind
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._forms import AttnForm
 from attn_dispatch._record import record_dispatch
 from attn_dispatch._scope import attention
+from attn_dispatch._scope import attention_form
 from attn_dispatch._scope import attn_scope
 from attn_dispatch.integrations._sglang_rules import phase_of
 from attn_dispatch.integrations.sglang import attn_config_from_layer
@@ -71,14 +75,52 @@ def _recording(settings: Settings) -> record_dispatch | None:
 
 
 def _write_record(path: str, rec: record_dispatch) -> None:
-    counts = rec._recorder.counts()
-    rows = sorted([label, phase, backend, n] for (label, phase, backend), n in counts.items())
+    counts = collections.Counter(
+        (e.label, e.phase.name.lower(), e.backend, e.form) for e in rec._recorder.events
+    )
+    rows = sorted(
+        ([label, phase, backend, n, form] for (label, phase, backend, form), n in counts.items()),
+        key=lambda r: tuple(str(x) for x in r),
+    )
     # Written whole and renamed: a reader never sees half a file.
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".attn_dispatch_record")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(rows, f)
     os.replace(tmp, path)
+
+
+# -- MLA layers ------------------------------------------------------------------------------
+
+
+def _asks_forms(model: Any) -> bool:
+    """Whether the model's MLA layers ask the backend for their form (DeepSeek's family:
+    ``dispatch_attn_forward_method`` looks the backend's name up in DeepSeek's registry, where
+    ``_hooks`` puts ours). Other MLA models (Sarvam) run only the absorbed form here."""
+    return any(hasattr(m, "dispatch_attn_forward_method") for m in model.modules())
+
+
+class _MLAShape:
+    """An MLA model's widths: latent ``kv_lora_rank`` + ``rope``; decompressed
+    ``nope + rope`` / ``v`` (only when the model asks the backend for its form)."""
+
+    __slots__ = ("heads", "latent", "mha_head_dim", "mha_v_head_dim", "rope")
+
+    def __init__(
+        self, heads: int, latent: int, rope: int, mha_head_dim: int | None, mha_v: int | None
+    ) -> None:
+        self.heads, self.latent, self.rope = heads, latent, rope
+        self.mha_head_dim, self.mha_v_head_dim = mha_head_dim, mha_v
+
+    @classmethod
+    def of(cls, model_runner: Any, pool: Any, heads: int) -> _MLAShape:
+        mc = model_runner.model_config
+        hf = getattr(mc, "hf_text_config", None) or mc.hf_config
+        latent, rope = int(pool.kv_lora_rank), int(pool.qk_rope_head_dim)
+        if not _asks_forms(model_runner.model):
+            return cls(heads, latent, rope, None, None)
+        nope, v = int(hf.qk_nope_head_dim), int(hf.v_head_dim)
+        return cls(heads, latent, rope, nope + rope, v)
 
 
 # -- one runner's backend ------------------------------------------------------------------
@@ -99,15 +141,25 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
         self.label = label or (DRAFT if getattr(model_runner, "is_draft_worker", False) else TARGET)
         self.settings = settings
         self.spec = settings.spec_for(self.label)
-        if getattr(model_runner, "use_mla_backend", False):
-            raise InvalidSpecError(
-                "attention_backend",
-                BACKEND_NAME,
-                f"the {self.label} runner's model is an MLA model; this SGLang integration serves "
-                "MHA/GQA layers (MLA pools are not read yet): give this runner another backend",
-            )
+        # SGLang's models read the backend names stamped on the backend of the forward running
+        # now (DeepSeek's form choice; Sarvam's through our hook). SGLang stamps what it builds
+        # in build_attention_backends and DraftBackendFactory, but not what
+        # ModelRunner._get_attention_backend builds (EAGLE v2's adaptive steps, UNO's draft),
+        # where DeepSeek falls back to the process-wide pair (the target's names, for a
+        # draft): this backend stamps itself, so a model always reads its own runner's backend.
+        self.prefill_attention_backend_str = BACKEND_NAME
+        self.decode_attention_backend_str = BACKEND_NAME
         pool = model_runner.token_to_kv_pool
-        if type(pool) is not MHATokenToKVPool or getattr(pool, "kv_cache_layout", None) not in (
+        self.is_mla = bool(getattr(model_runner, "use_mla_backend", False))
+        if self.is_mla:
+            if type(pool) is not MLATokenToKVPool:
+                raise InvalidSpecError(
+                    "token_to_kv_pool",
+                    type(pool).__name__,
+                    "the attn_dispatch backend reads an MLA model's latent cache from SGLang's "
+                    "plain MLATokenToKVPool; DSA, FP4 and hybrid latent pools are not served",
+                )
+        elif type(pool) is not MHATokenToKVPool or getattr(pool, "kv_cache_layout", None) not in (
             None,
             "default",
             "nhd",
@@ -129,6 +181,9 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
         # AttnConfig names a device type ("cpu", "cuda"); SGLang's may carry an index.
         self.device_type = torch.device(self.device).type
         self.pool = pool
+        # SGLang's forward context reads the running backend's pools (get_token_to_kv_pool).
+        self.token_to_kv_pool = pool
+        self.req_to_token_pool = model_runner.req_to_token_pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.page_size = int(pool.page_size)
         self.num_pages = (pool.size + self.page_size) // self.page_size
@@ -147,6 +202,10 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
         mc = model_runner.model_config
         tp = int(getattr(model_runner, "tp_size", 1) or 1)
         heads = int(mc.num_attention_heads) // tp
+        if self.is_mla:
+            self._mla = _MLAShape.of(model_runner, pool, heads)
+            self._binding(self._mla_config(None))
+            return
         kv_heads = int(mc.get_num_kv_heads(tp))
         head_dim = int(mc.head_dim)
         self._binding(
@@ -184,6 +243,37 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
             tree_verify=self.tree_verify,
         )
         return self._binding(cfg)
+
+    def _mla_config(self, sm_scale: float | None) -> AttnConfig:
+        m = self._mla
+        return AttnConfig(
+            kind="mla",
+            num_q_heads=m.heads,
+            num_kv_heads=1,
+            head_dim=m.latent + m.rope,
+            v_head_dim=m.latent,
+            mha_head_dim=m.mha_head_dim,
+            mha_v_head_dim=m.mha_v_head_dim,
+            dtype=self.dtype,
+            kv_dtype=self.kv_dtype if self.kv_dtype != self.dtype else None,
+            page_size=self.page_size,
+            device=self.device_type,
+            tree_verify=self.tree_verify,
+            sm_scale=sm_scale,
+        )
+
+    def form_for(self, layer: Any) -> AttnForm:
+        """The form this runner's binding picks for the current forward's batch (what
+        DeepSeek's layers ask through the handler ``_hooks`` registers under our name)."""
+        batch = self._batch
+        if batch is None or not self.is_mla:
+            return AttnForm.MLA
+        route = self._mla_binding(layer).route(batch.phase)
+        return AttnForm.MLA if route.chooser is None else route.chooser(batch)
+
+    def _mla_binding(self, layer: Any) -> Binding:
+        scale = getattr(layer, "scaling", None)
+        return self._binding(self._mla_config(float(scale) if scale else None))
 
     # -- per forward ---------------------------------------------------------------------
 
@@ -267,6 +357,60 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
             masks=masks,
             device=self.device,
         )
+        if self.is_mla and mode.is_extend_without_speculative():
+            # SGLang's one-shot decompressed MHA gathers every token's latent by these slots
+            # (request after request); given here, SGLang skips its own Triton gather.
+            slots = [self.req_to_token[r, :kv] for r, kv in zip(reqs, kv_lens, strict=True)]
+            forward_batch.mha_one_shot_kv_indices = torch.cat(slots).to(torch.int64)
+
+    def _require_batch(self, forward_batch: Any) -> AttnBatch:
+        batch = self._batch
+        if batch is None:
+            raise InvalidBatchError(
+                "forward_batch",
+                f"the {self.label} runner's attn_dispatch backend has no metadata for this "
+                f"{forward_batch.forward_mode.name} forward (init_forward_metadata was not run)",
+            )
+        return batch
+
+    def _check_rows(self, query: torch.Tensor, batch: AttnBatch, forward_batch: Any) -> None:
+        if query.shape[0] != batch.num_tokens:
+            raise InvalidBatchError(
+                "q",
+                f"{query.shape[0]} query rows for a {batch.phase.name} batch of "
+                f"{batch.num_tokens} (the {self.label} runner, {forward_batch.forward_mode.name})",
+            )
+
+    def _attend(self, binding: Binding, batch: AttnBatch, *args: Any, **kw: Any) -> torch.Tensor:
+        """``attention(*args)`` inside ``attn_scope(binding, batch)`` (recorded if asked)."""
+        rec = self._recorder
+        out: torch.Tensor
+        if rec is None:
+            with attn_scope(binding, batch):
+                self._check_form(kw.pop("form", None))
+                out = attention(*args, **kw)
+            return out
+        with rec, attn_scope(binding, batch):
+            self._check_form(kw.pop("form", None))
+            out = attention(*args, **kw)
+        assert self.settings.record is not None
+        _write_record(self.settings.record, rec)
+        return out
+
+    def _check_form(self, called: AttnForm | None) -> None:
+        """An MLA call's form (absorbed, or decompressed) must be the one the binding chose."""
+        if called is None:
+            return
+        chosen = attention_form()
+        decompressed = chosen is not AttnForm.MLA
+        if (called is AttnForm.MLA) == decompressed:
+            raise InvalidBatchError(
+                "layer",
+                f"the model called the {called.value!r} form of an MLA layer, but the "
+                f"{self.label} runner's backend chose {chosen.value!r} for this batch: the "
+                "model did not ask this backend for the form (SGLang's DeepSeek layers do, "
+                "through the handler attn_dispatch registers)",
+            )
 
     def forward(
         self,
@@ -281,15 +425,11 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
         heads, v_dim = layer.tp_q_head_num, layer.v_head_dim
         if forward_batch.forward_mode.is_idle():
             return q.new_empty(q.shape[0], heads * v_dim)
+        if self.is_mla:
+            return self._forward_mla(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         if save_kv_cache and k is not None and v is not None:
             self.pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
-        batch = self._batch
-        if batch is None:
-            raise InvalidBatchError(
-                "forward_batch",
-                f"the {self.label} runner's attn_dispatch backend has no metadata for this "
-                f"{forward_batch.forward_mode.name} forward (init_forward_metadata was not run)",
-            )
+        batch = self._require_batch(forward_batch)
         binding = self._layer_binding(layer)
         cfg = binding.config
         p = self.page_size
@@ -300,23 +440,83 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
             -1, p, cfg.num_kv_heads, cfg.v_head_dim
         )
         query = q.reshape(-1, heads, cfg.head_dim)
-        if query.shape[0] != batch.num_tokens:
-            raise InvalidBatchError(
-                "q",
-                f"{query.shape[0]} query rows for a {batch.phase.name} batch of "
-                f"{batch.num_tokens} (the {self.label} runner, {forward_batch.forward_mode.name})",
-            )
-        rec = self._recorder
-        out: torch.Tensor
-        if rec is None:
-            with attn_scope(binding, batch):
-                out = attention(query, k_pages, v_pages)
-        else:
-            with rec, attn_scope(binding, batch):
-                out = attention(query, k_pages, v_pages)
-            assert self.settings.record is not None
-            _write_record(self.settings.record, rec)
+        self._check_rows(query, batch, forward_batch)
+        out = self._attend(binding, batch, query, k_pages, v_pages)
         return out.reshape(-1, heads * v_dim)
+
+    def _forward_mla(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool,
+        q_rope: torch.Tensor | None = None,
+        k_rope: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """One MLA layer call: SGLang's absorbed call (``attn_mqa``: latent + rope, rope
+        separate or concatenated) reads the latent pool in place; its decompressed call
+        (``attn_mha``: ``nope + rope`` / ``v`` per head, K/V given whole) attends the rows
+        SGLang decompressed."""
+        m = self._mla
+        heads = m.heads
+        batch = self._require_batch(forward_batch)
+        binding = self._mla_binding(layer)
+        absorbed = q_rope is not None or (
+            int(layer.tp_k_head_num) == 1
+            and int(layer.qk_head_dim) == m.latent + m.rope
+            and int(layer.v_head_dim) == m.latent
+        )
+        if absorbed:
+            if q_rope is not None:  # the separate-rope form: SGLang hands the parts apart
+                query = torch.cat(
+                    [q.reshape(-1, heads, m.latent), q_rope.reshape(-1, heads, m.rope)], dim=-1
+                )
+                if k is not None and k_rope is not None:
+                    k = torch.cat(
+                        [k.reshape(-1, 1, m.latent), k_rope.reshape(-1, 1, m.rope)], dim=-1
+                    )
+            else:
+                query = q.reshape(-1, heads, m.latent + m.rope)
+            if save_kv_cache and k is not None:
+                self.pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, None)
+            self._check_rows(query, batch, forward_batch)
+            latent = self.pool.get_key_buffer(layer.layer_id).view(
+                -1, self.page_size, m.latent + m.rope
+            )
+            out = self._attend(binding, batch, query, latent, None, form=AttnForm.MLA)
+            return out.reshape(-1, heads * m.latent)
+        # The decompressed call: K/V are the model's own rows (save_kv_cache is False: the
+        # model wrote the latent itself), every token of each request in order (SGLang's
+        # MHA over a batch without prefix, or its one-shot MHA over prefix + new tokens).
+        if m.mha_head_dim is None or m.mha_v_head_dim is None or k is None or v is None:
+            raise InvalidBatchError(
+                "layer",
+                f"a decompressed MLA call reached the {self.label} runner's attn_dispatch "
+                "backend, whose binding serves this model in the absorbed form only",
+            )
+        dk, dv = m.mha_head_dim, m.mha_v_head_dim
+        query = q.reshape(-1, heads, dk)
+        self._check_rows(query, batch, forward_batch)
+        keys, values = k.reshape(-1, heads, dk), v.reshape(-1, heads, dv)
+        if self.form_for(layer) is AttnForm.MHA_CHUNKED:
+            # SGLang decompressed the whole prefix at once (one-shot): hand it over as one
+            # chunk, the new tokens apart.
+            new, pre, indptr = _split_prefix(batch)
+            out = self._attend(
+                binding,
+                batch,
+                query,
+                keys[new],
+                values[new],
+                prefix=[(keys[pre], values[pre], indptr)],
+                form=AttnForm.MHA_CHUNKED,
+            )
+        else:
+            out = self._attend(binding, batch, query, keys, values, form=AttnForm.MHA)
+        return out.reshape(-1, heads * dv)
 
     def forward_decode(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.forward(*args, **kwargs)
@@ -326,6 +526,20 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
 
     def support_triton(self) -> bool:
         return False
+
+
+def _split_prefix(batch: AttnBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Rows of whole-sequence K/V (request after request): the new tokens' rows, the prefix
+    rows, and the prefix rows' per-request offsets."""
+    kv = [int(x) for x in batch.kv_lens_host.tolist()]
+    q_lens = batch.q_lens()
+    new, pre, indptr, at = [], [], [0], 0
+    for n, ql in zip(kv, q_lens, strict=True):
+        pre.append(torch.arange(at, at + n - ql))
+        new.append(torch.arange(at + n - ql, at + n))
+        indptr.append(indptr[-1] + n - ql)
+        at += n
+    return torch.cat(new), torch.cat(pre), indptr
 
 
 class AttnDispatchMultiStepDraftBackend:

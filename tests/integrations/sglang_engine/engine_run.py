@@ -68,12 +68,117 @@ def make_models(work: str) -> dict[str, str]:
                 },
                 f,
             )
+    _make_mla_models(work, paths)
     return paths
+
+
+# MLA models: DeepSeek-V2's layout (no q LoRA, dense MLPs), latent 256 + rope 32 (a width
+# SGLang's triton MLA decode kernel takes: 576, 288 or a power of two), decompressed 32 + 32 /
+# 32 per head.
+MLA = {"kv_lora_rank": 256, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 32}
+MLA_HEADS, MLA_HIDDEN, MLA_INTER = 4, 64, 128
+
+
+def _mla_config(layers: int, arch: str) -> dict[str, Any]:
+    return {
+        "architectures": [arch],
+        "model_type": "deepseek_v2",
+        "vocab_size": VOCAB,
+        "hidden_size": MLA_HIDDEN,
+        "intermediate_size": MLA_INTER,
+        "moe_intermediate_size": MLA_INTER,
+        "num_hidden_layers": layers,
+        "num_attention_heads": MLA_HEADS,
+        "num_key_value_heads": MLA_HEADS,
+        # Every layer dense (first_k_dense_replace = layers): no MoE kernels on a CPU.
+        "first_k_dense_replace": layers,
+        "moe_layer_freq": 1,
+        "n_routed_experts": 2,
+        "n_shared_experts": 1,
+        "num_experts": 2,
+        "num_shared_experts": 1,
+        "num_experts_per_tok": 1,
+        "q_lora_rank": None,
+        **MLA,
+        "hidden_act": "silu",
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        # SGLang's DeepSeek layers on a CPU take only DeepSeek's YaRN rope (factor 1: plain).
+        "rope_scaling": None
+        if arch == "SarvamMLAForCausalLM"
+        else {
+            "type": "yarn",
+            "factor": 1.0,
+            "original_max_position_embeddings": 512,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "tie_word_embeddings": False,
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "torch_dtype": "float32",
+    }
+
+
+def _mla_weights(layers: int, seed: int) -> dict[str, Any]:
+    """Random weights by DeepSeek-V2's checkpoint names (SarvamMLA loads the same names); a
+    0.2 scale keeps attention sharp, so a wrong key or mask changes the greedy tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> Any:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    d, h, lat = MLA_HIDDEN, MLA_HEADS, MLA["kv_lora_rank"]
+    nope, rope, v = MLA["qk_nope_head_dim"], MLA["qk_rope_head_dim"], MLA["v_head_dim"]
+    w = {
+        "model.embed_tokens.weight": torch.randn(VOCAB, d, generator=g),
+        "model.norm.weight": torch.ones(d),
+        "lm_head.weight": r(VOCAB, d),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = torch.ones(d)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(d)
+        w[p + "self_attn.q_proj.weight"] = r(h * (nope + rope), d)
+        w[p + "self_attn.kv_a_proj_with_mqa.weight"] = r(lat + rope, d)
+        w[p + "self_attn.kv_a_layernorm.weight"] = torch.ones(lat)
+        w[p + "self_attn.kv_b_proj.weight"] = r(h * (nope + v), lat)
+        w[p + "self_attn.o_proj.weight"] = r(d, h * v)
+        w[p + "mlp.gate_proj.weight"] = r(MLA_INTER, d)
+        w[p + "mlp.up_proj.weight"] = r(MLA_INTER, d)
+        w[p + "mlp.down_proj.weight"] = r(d, MLA_INTER)
+    return w
+
+
+def _make_mla_models(work: str, paths: dict[str, str]) -> None:
+    """A 2-layer DeepSeek-V2 MLA target, a 1-layer DeepSeek MLA draft and a 1-layer Sarvam MLA
+    draft (SarvamMLAForCausalLM, its own random weights)."""
+    from safetensors.torch import save_file
+
+    for name, layers, seed, arch in (
+        ("mla_target", 2, 10, "DeepseekV2ForCausalLM"),
+        ("mla_draft", 1, 11, "DeepseekV2ForCausalLM"),
+        ("sarvam_draft", 1, 12, "SarvamMLAForCausalLM"),
+    ):
+        path = paths[name] = os.path.join(work, name)
+        if os.path.exists(os.path.join(path, "config.json")):
+            continue
+        os.makedirs(path, exist_ok=True)
+        save_file(_mla_weights(layers, seed), os.path.join(path, "model.safetensors"))
+        with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(_mla_config(layers, arch), f)
 
 
 def engine_kwargs(run: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     kw: dict[str, Any] = {
-        "model_path": paths["target"],
+        "model_path": paths[run.get("model", "target")],
         "device": run.get("device", "cpu"),
         "disable_cuda_graph": True,
         "grammar_backend": "none",

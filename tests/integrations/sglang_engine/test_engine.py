@@ -89,6 +89,29 @@ RUNS: list[dict[str, Any]] = [
         "spec": {"algorithm": "EAGLE3"},
     },
 ]
+# MLA (SGLang's latent pool): a tiny DeepSeek-V2 target. SGLang's own torch_native gives the
+# tokens; the target and a DeepSeek draft each on their own spec; then a Sarvam MLA draft on
+# SGLang's triton backend (concatenated rope) beside a target on attn_dispatch (registered
+# separate-rope): plain SGLang hands the draft the pair's form and dies with the issue's
+# "shape mismatch ... [15, 1, 64] ... [15, 1, 80]"; the plugin's hook reads the draft's own.
+MLA_RUNS: list[dict[str, Any]] = [
+    {"name": "mla_alone", "backend": "torch_native", "env": None, "model": "mla_target"},
+    {
+        "name": "mla_standalone",
+        "backend": "attn_dispatch",
+        "env": ENV,
+        "model": "mla_target",
+        "spec": {"algorithm": "STANDALONE", "draft": "mla_draft"},
+    },
+    {
+        "name": "sarvam_draft",
+        "backend": "attn_dispatch",
+        "env": {"target": TARGET_SPEC, "record": "auto"},
+        "model": "mla_target",
+        "spec": {"algorithm": "STANDALONE", "draft": "sarvam_draft", "draft_backend": "triton"},
+    },
+]
+RUNS += MLA_RUNS
 # No draft spec: the draft runner must refuse at start-up. Its own child process: SGLang's
 # engine kills its parent process when the scheduler subprocess dies.
 REFUSED = {
@@ -138,7 +161,7 @@ def engine_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _table(run: dict[str, Any]) -> dict[tuple[str, str], str]:
     table: dict[tuple[str, str], str] = {}
-    for label, phase, backend, calls in run["record"]:
+    for label, phase, backend, calls, _form in run["record"]:
         assert calls > 0
         assert (label, phase) not in table, f"{label} {phase} ran on two backends: {run['record']}"
         table[(label, phase)] = backend
@@ -200,10 +223,19 @@ m = {"triton": 1}
 from attn_dispatch.integrations.sglang_engine import _hooks
 _hooks._factory_before(F(), "prefill_attention_backend", m, "{backend_type}")
 state.append(sorted(m))
+# The MLA form of our name in SGLang's two registries: DeepSeek asks our handler, Sarvam's
+# registry says separate rope.
+from sglang.srt.models import sarvam_moe
+from sglang.srt.models.deepseek_common import attention_backend_handler as ds
+state += [ds.AttentionBackendRegistry.get_handler("attn_dispatch") is _hooks._deepseek_form,
+          sarvam_moe.AttentionBackendRegistry._handlers.get("attn_dispatch")
+          is sarvam_moe._handle_separate_rope_backend]
 unregister()
 state += ["attn_dispatch" in ATTENTION_BACKENDS,
           "attn_dispatch" in choices.ATTENTION_BACKEND_CHOICES,
-          DraftBackendFactory._create_backend is kept[0] and held is kept[0]]
+          DraftBackendFactory._create_backend is kept[0] and held is kept[0],
+          ds.AttentionBackendRegistry.get_handler("attn_dispatch") is ds.handle_attention_triton,
+          "attn_dispatch" in sarvam_moe.AttentionBackendRegistry._handlers]
 print(json.dumps(state))
 """
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
@@ -213,7 +245,10 @@ print(json.dumps(state))
     )
     assert out.returncode == 0, out.stderr[-4000:]
     state = json.loads(out.stdout.strip().splitlines()[-1])
-    assert state == [True, 1, 1, True, ["attn_dispatch", "triton"], False, False, True]
+    assert state == [
+        *(True, 1, 1, True, ["attn_dispatch", "triton"], True, True),
+        *(False, False, True, True, False),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,30 +309,36 @@ def test_draft_without_spec_refused_at_start_up(engine_runs: dict[str, Any]) -> 
 @needs_sglang
 def test_sarvam_form_reads_the_runners_own_backend() -> None:
     """SGLang's Sarvam MLA layers pick their form (separate or concatenated rope) from the
-    process-wide backend pair. With the target on attn_dispatch and a Sarvam draft on
-    FlashInfer, plain SGLang hands the draft the form of the pair's name (concatenated, the
-    fallback), which FlashInfer's MLA kernels do not take; with the plugin the draft's own
-    stamped backend decides (separate rope), and unregister puts SGLang's function back."""
+    process-wide backend pair. With the target on attn_dispatch, plain SGLang hands every
+    runner the form of the pair's name: concatenated (the fallback for a name it does not know)
+    before the plugin, separate (our registered form) with the plugin but without its hook,
+    which a draft on SGLang's triton backend cannot take (the issue's shape mismatch). With the
+    hook, each runner's own stamped backend decides; unregister puts SGLang's function back."""
     code = """
 import json
 from types import SimpleNamespace
 from sglang.srt.models import sarvam_moe
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-from attn_dispatch.integrations.sglang_engine import register, unregister
+from attn_dispatch.integrations.sglang_engine import register, unregister, _hooks
 # The process-wide pair of an engine whose target runs on attn_dispatch.
 sarvam_moe.attention_backends = lambda: ("attn_dispatch", "attn_dispatch")
-draft = SimpleNamespace(prefill_attention_backend_str="flashinfer",
-                        decode_attention_backend_str="flashinfer")
-def form(mode):
-    with forward_context(ForwardContext(attn_backend=draft)):
-        return sarvam_moe.get_attn_forward_method(SimpleNamespace(forward_mode=mode)).name
-modes = [ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND_V2]
-before = [form(m) for m in modes]
+runners = ["flashinfer", "triton", "attn_dispatch"]  # the backend a runner's forward runs on
+def forms(fn):
+    out = []
+    for name in runners:
+        backend = SimpleNamespace(prefill_attention_backend_str=name,
+                                  decode_attention_backend_str=name)
+        for mode in (ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND_V2):
+            with forward_context(ForwardContext(attn_backend=backend)):
+                out.append(fn(SimpleNamespace(forward_mode=mode)).name[4:7])
+    return out
+before = forms(sarvam_moe.get_attn_forward_method)
 register()
-after = [form(m) for m in modes]
+unhooked = forms(_hooks._original(sarvam_moe.get_attn_forward_method))
+after = forms(sarvam_moe.get_attn_forward_method)
 unregister()
-print(json.dumps([before, after, [form(m) for m in modes]]))
+print(json.dumps([before, unhooked, after, forms(sarvam_moe.get_attn_forward_method)]))
 """
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE / "shims"), str(ROOT)])
@@ -305,7 +346,50 @@ print(json.dumps([before, after, [form(m) for m in modes]]))
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    before, after, again = json.loads(out.stdout.strip().splitlines()[-1])
-    assert before == ["MLA_CONCAT_ROPE"] * 2  # the bug: the target's name decides
-    assert after == ["MLA_SEPARATE_ROPE"] * 2  # the draft's own FlashInfer decides
+    before, unhooked, after, again = json.loads(out.stdout.strip().splitlines()[-1])
+    assert before == ["CON"] * 6  # the pair's name decides, whatever the runner runs on
+    assert unhooked == ["SEP"] * 6  # ours registered, still the pair's: triton gets "SEP"
+    assert after == ["SEP", "SEP", "CON", "CON", "SEP", "SEP"]  # each runner's own backend
     assert again == before
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA
+
+
+def _forms(run: dict[str, Any]) -> set[tuple[str, str, str, str]]:
+    return {(label, phase, backend, form) for label, phase, backend, _n, form in run["record"]}
+
+
+@needs_sglang
+def test_mla_greedy_tokens_are_torch_natives(engine_runs: dict[str, Any]) -> None:
+    alone = engine_runs["mla_alone"]["tokens"]
+    assert len(alone) == 4 and all(len(t) == 10 for t in alone), engine_runs["mla_alone"]
+    for name in ("mla_standalone", "sarvam_draft"):
+        assert engine_runs[name].get("error") is None, engine_runs[name].get("traceback")
+        assert engine_runs[name]["tokens"] == alone, name
+    assert min(engine_runs["mla_standalone"]["cached_tokens"][2:]) >= 12
+
+
+@needs_sglang
+def test_mla_runners_each_on_their_own_spec_and_form(engine_runs: dict[str, Any]) -> None:
+    """DeepSeek's layers asked each runner's own binding for the form: prefill decompressed
+    (SGLang's MHA, then its one-shot MHA over the cached prefix), verify and decode absorbed
+    over the latent pool; every phase on its runner's backend."""
+    run = engine_runs["mla_standalone"]
+    assert _table(run) == {**TARGET_TABLE, **DRAFT_TABLE}
+    assert _forms(run) == {
+        ("target", "prefill", "sdpa", "mha"),
+        ("target", "verify", "sdpa", "mla"),
+        ("draft", "prefill", "torch", "mha"),
+        ("draft", "verify", "torch", "mla"),
+        ("draft", "decode", "sdpa", "mla"),
+    }
+
+
+@needs_sglang
+def test_sarvam_draft_on_its_own_backend_runs(engine_runs: dict[str, Any]) -> None:
+    run = engine_runs["sarvam_draft"]
+    # The target alone is on attn_dispatch; the Sarvam draft ran on SGLang's triton backend.
+    assert _table(run) == TARGET_TABLE
+    assert sum(run["verify_ct"]) > 0
