@@ -1,5 +1,6 @@
 """The repository's contract tests are the contract kit (``attn_dispatch.testing.contract``)
-run over every built-in backend: this conftest overrides the kit's two fixtures.
+run over every built-in backend: this conftest parametrises the kit's ``attn_backend`` and
+overrides its ``attn_contract_profile``.
 
 A built-in joins by adding its name to BACKENDS (and a PROFILES entry if it needs smaller
 shapes or fewer examples). A backend that cannot run on this machine (not installed, no
@@ -17,6 +18,7 @@ import torch
 from attn_dispatch.testing.contract.cases import DEFAULT_LIMITS
 from attn_dispatch.testing.contract.cases import Limits
 from attn_dispatch.testing.contract.harness import ContractProfile
+from attn_dispatch.testing.plugin import backend_names
 
 # The triton backend runs on CPU only under triton's interpreter, which triton reads when the
 # kernels are defined (first bind): switch it on before any test binds it.
@@ -64,9 +66,11 @@ PROFILES: dict[str, ContractProfile] = {
 }
 
 
-@pytest.fixture(params=BACKENDS)
-def attn_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Every built-in, unless ``--attn-backend`` names the ones to run (the plugin then
+    parametrises ``attn_backend`` with those)."""
+    if "attn_backend" in metafunc.fixturenames and not backend_names(metafunc.config):
+        metafunc.parametrize("attn_backend", BACKENDS)
 
 
 @pytest.fixture
