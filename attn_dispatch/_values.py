@@ -149,7 +149,7 @@ def out_problem(
     if not out.is_contiguous():
         return f"must be contiguous (strides {out.stride()}); pass a contiguous buffer"
     lo = out.data_ptr()
-    hi = lo + out.numel() * out.element_size()
+    hi = lo + out.nbytes
     if hi > lo:
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if isinstance(t, torch.Tensor) and _overlaps(t, lo, hi):
@@ -162,11 +162,16 @@ def out_problem(
 
 def _overlaps(t: Any, lo: int, hi: int) -> bool:
     """Whether the bytes ``t`` may touch intersect ``[lo, hi)`` (its whole strided span)."""
-    n = t.numel()
-    if n == 0:
+    size: int = t.nbytes
+    if not size:
         return False
     start: int = t.data_ptr()
-    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    if t.is_contiguous():  # the common case: no Python loop over dims
+        return start < hi and lo < start + size
+    shape, stride = t.shape, t.stride()
+    last = 0
+    for i in range(len(stride)):
+        last += (shape[i] - 1) * stride[i]
     end: int = start + (last + 1) * t.element_size()
     return start < hi and lo < end
 

@@ -390,6 +390,9 @@ CAPABILITIES = Capabilities(
     custom_mask=True,  # MHA verify trees via the prefill wrapper; MLA refused in a check
     # Its wrappers take sm_scale in plan(), once per forward: bind needs AttnConfig.sm_scale.
     plans_scale=True,
+    # The paged and MLA wrappers' run(out=...) write a caller's buffer; the cascade wrapper
+    # takes none, so its result is copied there.
+    out_buffer=True,
     requires=(),  # installation and version: _available_installed (pip name differs)
     min_compute_capability=(8, 0),
     checks=(

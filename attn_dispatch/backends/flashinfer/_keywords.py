@@ -26,7 +26,7 @@ _PAGED_PLAN = frozenset(
         "non_blocking",
     }
 )
-_PAGED_RUN = frozenset({"q", "paged_kv_cache", "k_scale", "v_scale", "return_lse"})
+_PAGED_RUN = frozenset({"q", "paged_kv_cache", "k_scale", "v_scale", "return_lse", "out"})
 
 WRAPPER_KEYWORDS: dict[tuple[str, str], frozenset[str]] = {
     ("BatchPrefillWithPagedKVCacheWrapper", "__init__"): _PAGED_INIT
@@ -110,7 +110,15 @@ WRAPPER_KEYWORDS: dict[tuple[str, str], frozenset[str]] = {
         }
     ),
     ("BatchMLAPagedAttentionWrapper", "run"): frozenset(
-        {"query", "kv_cache", "ckv_scale", "kpe_scale", "return_lse", "return_lse_base_on_e"}
+        {
+            "query",
+            "kv_cache",
+            "ckv_scale",
+            "kpe_scale",
+            "return_lse",
+            "return_lse_base_on_e",
+            "out",
+        }
     ),
     ("MLAPlanMetadata", "csr"): frozenset({"qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"}),
 }

@@ -74,6 +74,8 @@ class Route(abc.ABC):
     name = "route"
     lse_keywords: Kw = MappingProxyType({"return_lse": True})
     lse_factor: float | None = None
+    # The wrapper's run writes a caller's ``out=`` buffer (the cascade wrapper's takes none).
+    takes_out = True
 
     def __init__(self, backend: FlashInferBackend) -> None:
         self.backend = backend
@@ -280,6 +282,7 @@ class CascadeRoute(MHARoute):
     no lse, so FP8 and ``return_lse`` configs never cascade (``FlashInferBackend._cascade``)."""
 
     name = "MultiLevelCascadeAttentionWrapper"
+    takes_out = False
 
     def _wrapper_class(self) -> Callable[..., Any]:
         return cast("Callable[..., Any]", flashinfer.MultiLevelCascadeAttentionWrapper)

@@ -426,6 +426,7 @@ class FlashInferBackend(BackendBase):
         k_scale: float | None = None,
         v_scale: float | None = None,
         return_lse: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         check_plan(plan, self, "flashinfer")
         assert isinstance(plan, FlashInferPlan)
@@ -441,6 +442,8 @@ class FlashInferBackend(BackendBase):
                 "FlashInfer wrapper (one plan per forward; use the scope's current plan)",
             )
         self._checks.check(plan.snap, q, k_cache, v_cache)
+        if out is not None:
+            self._checks.check_out(out, q, k_cache, v_cache)
         if sm_scale != plan.sm_scale and not math.isclose(sm_scale, plan.sm_scale, rel_tol=1e-6):
             raise InvalidBatchError(
                 "sm_scale",
@@ -462,7 +465,11 @@ class FlashInferBackend(BackendBase):
                 "AttnConfig(return_lse=True)",
             )
         if plan.snap.num_requests == 0:  # SGLang's IDLE forward: nothing to launch
-            empty = q.new_empty((0, self.config.num_q_heads, self.config.out_head_dim))
+            empty = (
+                q.new_empty((0, self.config.num_q_heads, self.config.out_head_dim))
+                if out is None
+                else out
+            )
             if return_lse:
                 lse0 = torch.empty(
                     (0, self.config.num_q_heads), dtype=torch.float32, device=q.device
@@ -474,14 +481,18 @@ class FlashInferBackend(BackendBase):
             ks = 1.0 if k_scale is None else float(k_scale)
             vs = 1.0 if v_scale is None else float(v_scale)
             extra = route.scale_keywords(ks, vs)
+        if out is not None and route.takes_out:
+            extra = {**extra, "out": out}  # the wrapper's kernel writes there
         if not (return_lse or route.always_lse):
             plain: torch.Tensor = route.run(plan.wrapper, q, k_cache, v_cache, extra)
-            return plain
-        out: torch.Tensor
+            return plain if out is None or plain is out else out.copy_(plain)
+        res: torch.Tensor
         lse: torch.Tensor
-        out, lse = route.run(plan.wrapper, q, k_cache, v_cache, {**extra, **route.lse_keywords})
+        res, lse = route.run(plan.wrapper, q, k_cache, v_cache, {**extra, **route.lse_keywords})
+        if out is not None and res is not out:
+            res = out.copy_(res)  # the cascade wrapper (no out=), or a wrapper that ignored it
         if not return_lse:
-            return out
+            return res
         if route.lse_factor is not None:
             lse = lse.mul_(route.lse_factor)
-        return out, lse
+        return res, lse

@@ -74,6 +74,7 @@ CAPABILITIES = Capabilities(
     dtypes={"float32", "float16", "bfloat16"},
     kv_dtypes={*COMPUTE_DTYPES, *FP8_DTYPES},
     custom_mask=True,
+    out_buffer=True,
     variants={"window", "sinks", "non_causal", "chunked", "lse"},
     requires=("torch",),
     checks=(_check_cap,),

@@ -211,6 +211,7 @@ class SdpaBackend(BackendBase):
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         return_lse: bool = False,
+        out: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         steps = self._plans.get(plan, self)
         snap = steps.snap
@@ -232,11 +233,14 @@ class SdpaBackend(BackendBase):
         scale = check_scale("sm_scale", sm_scale)
         if return_lse is not True and return_lse is not False:
             raise InvalidBatchError("return_lse", f"must be True or False, got {return_lse!r}")
+        if out is not None:
+            self.checks.check_out(out, q, k_cache, v_cache)
         if steps.num_tokens == 0:
-            out: torch.Tensor = q.new_empty((0, self.hq, self.dv))
+            if out is None:
+                out = q.new_empty((0, self.hq, self.dv))
             if return_lse:
                 return out, torch.empty(0, self.hq, dtype=torch.float32, device=q.device)
-            return out
+            return out  # type: ignore[no-any-return]
         pages = steps.pages
         if steps.max_page is None and pages.numel():
             # Page indices never read on the host (CUDA without validate): keep every gather
@@ -254,7 +258,9 @@ class SdpaBackend(BackendBase):
             kflat = (k_cache, h, e, h * e)
             vflat = kflat if self.mla else (v_cache, h, e, h * e)
         qc = q if self.q_direct else widen(q, self.d, self.e, self.dtype)
-        result = self._attend(steps, qc, (kbuf, kflat), (vbuf, vflat), scale, sinks, return_lse)
+        result = self._attend(
+            steps, qc, (kbuf, kflat), (vbuf, vflat), scale, sinks, return_lse, out
+        )
         # The contract: NaN in a query row gives NaN in that row (out and lse), in every
         # backend. The CPU flash kernel's running max skips a NaN score and returns the row
         # as if the query were finite, so the rows are marked here. First one reduction with
@@ -262,8 +268,8 @@ class SdpaBackend(BackendBase):
         # none; only a NaN sum (NaN in q, or +inf meeting -inf) looks row by row.
         if bool(q.sum().isnan()):
             bad = q.isnan().any(dim=-1)
-            out, lse = result if isinstance(result, tuple) else (result, None)
-            out.masked_fill_(bad.unsqueeze(-1), math.nan)
+            res, lse = result if isinstance(result, tuple) else (result, None)
+            res.masked_fill_(bad.unsqueeze(-1), math.nan)
             if lse is not None:
                 lse.masked_fill_(bad, math.nan)
         return result
@@ -277,17 +283,26 @@ class SdpaBackend(BackendBase):
         scale: float,
         sinks: torch.Tensor | None,
         return_lse: bool,
+        dest: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         hq, e, dv = self.hq, self.e, self.dv
         t = steps.num_tokens
         calls = steps.calls
-        one = len(calls) == 1 and len(calls[0].parts) == 1 and calls[0].count * calls[0].n == t
+        # One SDPA call over every row returns its own tensor (made contiguous if need be);
+        # a caller's buffer (dest) takes each call's rows instead: SDPA has no out= itself.
+        one = (
+            dest is None
+            and len(calls) == 1
+            and len(calls[0].parts) == 1
+            and calls[0].count * calls[0].n == t
+        )
         need_lse = return_lse or sinks is not None
         grouped = self.hq != self.hkv
-        out: torch.Tensor | None = None
+        out: torch.Tensor | None = dest
         lse_out: torch.Tensor | None = None
         if not one:
-            out = torch.empty(t, hq, dv, dtype=self.q_dtype, device=q.device)
+            if out is None:
+                out = torch.empty(t, hq, dv, dtype=self.q_dtype, device=q.device)
             if return_lse:
                 lse_out = torch.empty(t, hq, dtype=torch.float32, device=q.device)
         for call in calls:

@@ -156,6 +156,8 @@ CAPABILITIES = Capabilities(
     # handler takes return_lse=True and returns (out, lse).
     variants=frozenset({"window", "logit_cap", "sinks", "non_causal", "chunked", "lse"}),
     custom_mask=True,
+    # Every handler writes a caller's out= buffer through its row strides.
+    out_buffer=True,
     # MLA: absorbed over the paged latent cache in every phase; prefill may also run the
     # decompressed MHA form (ragged K/V through a second instance of this backend). No
     # chunked-prefix entry point ('mha_chunked').

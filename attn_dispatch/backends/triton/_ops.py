@@ -430,9 +430,12 @@ def launch(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     want_lse: bool = False,
+    dest: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out, lse)`` of one layer from the kernel the plan chose. ``lse`` (float32 [tokens,
-    q_heads], natural log, sink included) is None unless ``want_lse``."""
+    q_heads], natural log, sink included) is None unless ``want_lse``. ``dest``: a checked,
+    contiguous ``[tokens, q_heads, v_head_dim]`` buffer the kernels write (and return) in
+    place of a fresh one."""
     check_launchable(kc, plan)
     consts = constants_of(kc)
     v = k_cache if v_cache is None else v_cache
@@ -441,7 +444,10 @@ def launch(
     # metadata that disagrees with the host copies the plan checked, on CUDA without
     # ``validate``): such a row is an empty state (output 0, LSE -inf), never whatever the
     # allocator held. A memset per layer, small beside the attention it precedes.
-    out = q.new_zeros((q.shape[0], kc.num_q_heads, kc.layout.v_head_dim))
+    if dest is None:
+        out = q.new_zeros((q.shape[0], kc.num_q_heads, kc.layout.v_head_dim))
+    else:
+        out = dest.zero_()
     lse = None
     if want_lse:
         lse = torch.full(

@@ -213,9 +213,12 @@ class TritonBackend(BackendBase):
         k_scale: float | None = None,
         v_scale: float | None = None,
         return_lse: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         plan = self._plans.get(handle, self)
         self._checks.check(plan.snap, q, k_cache, v_cache)
+        if out is not None:  # the kernels write the caller's buffer through its row strides
+            self._checks.check_out(out, q, k_cache, v_cache)
         if self._sinks or sinks is not None:
             self._check_sinks(q, sinks)
         ks = 1.0 if k_scale is None else k_scale
@@ -234,16 +237,17 @@ class TritonBackend(BackendBase):
         if self._kc.mla:
             v_cache = None  # V is the latent part of k_cache
         if plan.snap.num_requests == 0:  # SGLang's IDLE forward: no grid to launch
-            out, lse = self._empty_outputs(q, return_lse)
+            empty, lse = self._empty_outputs(q, return_lse)
+            out = empty if out is None else out
         elif self._interpreting:
             # triton's CPU interpreter keeps the running grid in globals: one launch at a time.
             with _INTERPRETER_LOCK:
                 out, lse = _ops.launch(
-                    self._kc, plan, q, k_cache, v_cache, sm_scale, sinks, ks, vs, return_lse
+                    self._kc, plan, q, k_cache, v_cache, sm_scale, sinks, ks, vs, return_lse, out
                 )
         else:
             out, lse = _ops.launch(
-                self._kc, plan, q, k_cache, v_cache, sm_scale, sinks, ks, vs, return_lse
+                self._kc, plan, q, k_cache, v_cache, sm_scale, sinks, ks, vs, return_lse, out
             )
         if return_lse:
             assert lse is not None

@@ -325,8 +325,8 @@ def test_mla_plan_uses_the_metadata_form_not_the_deprecated_flat_one() -> None:
     param = inspect.signature(BatchMLAPagedAttentionWrapper.plan).parameters["metadata"]
     assert param.kind is param.KEYWORD_ONLY
     run_kw = WRAPPER_KEYWORDS[("BatchMLAPagedAttentionWrapper", "run")]
-    # packed query / cache (plus the FP8 per-tensor scales and the lse request), not the
-    # deprecated q_nope/q_pe/ckv_cache/kpe_cache form
+    # packed query / cache (plus the FP8 per-tensor scales, the lse request and the caller's
+    # output buffer), not the deprecated q_nope/q_pe/ckv_cache/kpe_cache form
     assert run_kw == {
         "query",
         "kv_cache",
@@ -334,6 +334,7 @@ def test_mla_plan_uses_the_metadata_form_not_the_deprecated_flat_one() -> None:
         "kpe_scale",
         "return_lse",
         "return_lse_base_on_e",
+        "out",
     }
 
 
@@ -441,6 +442,10 @@ class _FakeWrapper:
         _check_call(self.kind, "run", kwargs)
         self.runs.append(kwargs)
         out, lse = self._state(self.plans[-1], kwargs)
+        dest = kwargs.get("out")
+        if dest is not None:  # FlashInfer's out=: written in place and returned
+            assert dest.shape == out.shape and dest.dtype == out.dtype and dest.is_contiguous()
+            out = dest.copy_(out)
         if not kwargs.get("return_lse"):
             return out
         return out, self._lse_units(self.plans[-1], kwargs, lse)
@@ -1609,3 +1614,79 @@ def test_real_flashinfer_lse_and_cascade(phase: Phase) -> None:
     torch.testing.assert_close(plain_out.double().cpu(), want_out, atol=2e-2, rtol=2e-2)
     assert lse.dtype == torch.float32 and lse.shape == (sum(q_lens), 8)
     torch.testing.assert_close(lse.double().cpu(), want_lse, atol=2e-2, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------
+# out= (Capabilities.out_buffer): the wrapper's run writes the caller's buffer
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "phase", "q_lens", "kv_lens", "extra", "scales", "route"), _LSE_CASES
+)
+@pytest.mark.parametrize("lse", [False, True])
+def test_out_reaches_the_wrapper_and_is_returned(
+    fake_flashinfer: Any,
+    kind: str,
+    phase: Phase,
+    q_lens: list[int],
+    kv_lens: list[int],
+    extra: dict[str, Any],
+    scales: tuple[float, float] | None,
+    route: str,
+    lse: bool,
+) -> None:
+    """Every route: the wrapper's run gets out= and the handler returns that buffer, with
+    the same numbers as a call without it; a bad buffer is refused before any run."""
+    fb = fake_flashinfer
+    cfg = _lse_config(kind, extra).replace(return_lse=lse)
+    batch = _batch(phase, q_lens, kv_lens, cfg.page_size)
+    gen = torch.Generator().manual_seed(23)
+    k_cache, v_cache = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    if cfg.kv_dtype != cfg.dtype:
+        fp8 = getattr(torch, str(cfg.kv_dtype))
+        k_cache = k_cache.to(fp8)
+        v_cache = None if v_cache is None else v_cache.to(fp8)
+    q = torch.randn(sum(q_lens), cfg.num_q_heads, cfg.head_dim, generator=gen)
+    backend = fb.FlashInferBackend(cfg, sm_scale=0.125)
+    run = backend.handler(phase)
+    plan = backend.plan(batch)
+    kw: dict[str, Any] = {} if scales is None else {"k_scale": scales[0], "v_scale": scales[1]}
+    if lse:
+        kw["return_lse"] = True
+    want = run(q, k_cache, v_cache, plan, 0.125, **kw)
+    buf = torch.full((q.shape[0], cfg.num_q_heads, cfg.out_head_dim), math.nan)
+    got = run(q, k_cache, v_cache, plan, 0.125, out=buf, **kw)
+    (wrapper,) = _FakeWrapper.made
+    assert wrapper.kind == route and wrapper.runs[-1]["out"] is buf
+    assert "out" not in wrapper.runs[-2]
+    if lse:
+        assert got[0] is buf and torch.equal(got[1], want[1])
+        want = want[0]
+    else:
+        assert got is buf
+    assert torch.equal(buf, want)
+    runs = len(wrapper.runs)
+    alias = q.view(-1)[: buf.numel()].view(buf.shape)  # contiguous, in q's bytes
+    with pytest.raises(InvalidBatchError, match="shares memory with q") as err:
+        run(q, k_cache, v_cache, plan, 0.125, out=alias, **kw)
+    assert err.value.field == "out" and len(wrapper.runs) == runs
+
+
+def test_cascade_copies_into_out(fake_flashinfer: Any) -> None:
+    """The cascade wrapper's run takes no out=: its result is copied into the buffer."""
+    cfg = mha(num_q_heads=4, num_kv_heads=2, head_dim=64, v_head_dim=64, page_size=4)
+    batch = _shared_batch(Phase.DECODE, [1] * 4, _KV, _TABLES, 4)
+    gen = torch.Generator().manual_seed(17)
+    k_cache, v_cache = _caches(cfg, int(batch.kv_indices.max()) + 1, gen)
+    q = torch.randn(batch.num_tokens, cfg.num_q_heads, cfg.head_dim, generator=gen)
+    backend = fake_flashinfer.FlashInferBackend(cfg, sm_scale=0.125)
+    run = backend.handler(Phase.DECODE)
+    plan = backend.plan(batch)
+    assert plan.cascade is not None
+    want = run(q, k_cache, v_cache, plan, 0.125)
+    buf = torch.full_like(want, math.nan)
+    assert run(q, k_cache, v_cache, plan, 0.125, out=buf) is buf
+    (wrapper,) = _FakeWrapper.made
+    assert wrapper.kind == "MultiLevelCascadeAttentionWrapper"
+    assert "out" not in wrapper.runs[-1] and torch.equal(buf, want)
