@@ -479,7 +479,7 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
                         [k.reshape(-1, 1, m.latent), k_rope.reshape(-1, 1, m.rope)], dim=-1
                     )
             else:
-                query = q.reshape(-1, heads, m.latent + m.rope)
+                query = q.reshape(-1, heads, m.latent + m.rope).contiguous()
             if save_kv_cache and k is not None:
                 self.pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, None)
             self._check_rows(query, batch, forward_batch)
@@ -498,9 +498,11 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
                 "backend, whose binding serves this model in the absorbed form only",
             )
         dk, dv = m.mha_head_dim, m.mha_v_head_dim
-        query = q.reshape(-1, heads, dk)
+        # SGLang's rows are views of its up-projection (V a slice of it): made contiguous.
+        query = q.reshape(-1, heads, dk).contiguous()
         self._check_rows(query, batch, forward_batch)
-        keys, values = k.reshape(-1, heads, dk), v.reshape(-1, heads, dv)
+        keys = k.reshape(-1, heads, dk).contiguous()
+        values = v.reshape(-1, heads, dv).contiguous()
         if self.form_for(layer) is AttnForm.MHA_CHUNKED:
             # SGLang decompressed the whole prefix at once (one-shot): hand it over as one
             # chunk, the new tokens apart.
