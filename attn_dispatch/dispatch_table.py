@@ -80,11 +80,14 @@ class PhaseChoice:
     runner_up: str | None
     runner_up_ms: float | None
     shape: Mapping[str, int]
-    #: Version 2: the shape buckets tune emitted (``{"measure", "limits", "rest"}``) or None.
+    #: Version 2: the shape buckets tune emitted (``{"measure", "limits"}``) or None.
     buckets: Mapping[str, Any] | None = None
     #: Version 2: every size timed, ``[{"size": n, "times": {backend: [ms, noise_ms]}}]``
     #: (noise: the range of the timed forwards; null when not measured).
     measured: Sequence[Mapping[str, Any]] = ()
+    #: Version 2: the backend the spec names for the phase (the catch-all, with buckets):
+    #: over several sizes, not always the winner at the main size (``tune.decide``).
+    choice: str | None = None
 
     def describe(self) -> str:
         up = (
@@ -101,10 +104,11 @@ class PhaseChoice:
     def spec_text(self) -> str:
         """How the phase is served: the winner, or its buckets (``q_len<=256:native|sdpa``)."""
         b = self.buckets
+        name = self.choice if self.choice is not None else self.winner
         if b is None:
-            return self.winner
+            return name
         head = "|".join(f"{b['measure']}<={bound}:{n}" for bound, n in b["limits"])
-        return f"{head}|{b['rest']}"
+        return f"{head}|{name}"
 
     def describe_sizes(self, measure: str) -> list[str]:
         """One line per size timed: each backend's median forward and noise, fastest first."""
@@ -249,7 +253,6 @@ class DispatchTable:
                         buckets = {
                             "measure": decision.measure,
                             "limits": [[b, n] for b, n in decision.limits],
-                            "rest": decision.rest,
                         }
                     measured: dict[int, dict[str, Any]] = {}
                     for t in every:
@@ -265,6 +268,7 @@ class DispatchTable:
                         "runner_up_ms": round(ms[1], 6) if len(served) > 1 else None,
                         "shape": _shape(phase, report.sizes),
                         "buckets": buckets,
+                        "choice": served[0].backend if decision is None else decision.rest,
                         "measured": [{"size": n, "times": measured[n]} for n in sorted(measured)],
                     }
                 groups[group] = {"config": config.to_dict(), "phases": phases}
@@ -537,7 +541,7 @@ def _validated(data: Any, source: str) -> dict[str, Any]:
                 need(isinstance(c, dict), pat, "expected an object")
                 keys = {"winner", "winner_ms", "runner_up", "runner_up_ms", "shape"}
                 if version >= 2:
-                    keys |= {"buckets", "measured"}
+                    keys |= {"buckets", "choice", "measured"}
                 need(set(c) == keys, pat, f"expected the fields {sorted(keys)!r}")
                 need(isinstance(c["winner"], str) and bool(c["winner"]), f"{pat}.winner", "")
                 need(is_ms(c["winner_ms"]), f"{pat}.winner_ms", "expected a finite number")
@@ -564,12 +568,17 @@ def _check_v2(
     source: str, c: Mapping[str, Any], pat: str, phase: str, need: Any, is_int: Any, is_ms: Any
 ) -> None:
     """A version 2 phase entry's ``buckets`` and ``measured`` fields."""
+    need(
+        isinstance(c["choice"], str) and bool(c["choice"]),
+        f"{pat}.choice",
+        "expected the backend name the spec uses",
+    )
     b = c["buckets"]
     if b is not None:
         need(
-            isinstance(b, dict) and set(b) == {"measure", "limits", "rest"},
+            isinstance(b, dict) and set(b) == {"measure", "limits"},
             f"{pat}.buckets",
-            "expected null or {measure, limits, rest}",
+            "expected null or {measure, limits}",
         )
         limits = b["limits"]
         need(
@@ -581,10 +590,9 @@ def _check_v2(
             f"{pat}.buckets.limits",
             "expected [[bound, backend], ...]",
         )
-        need(isinstance(b["rest"], str), f"{pat}.buckets.rest", "expected a backend name")
         try:
             Buckets(phase, b["measure"], tuple((x[0], x[1]) for x in limits))
-            BackendSpec(prefill=b["rest"], decode=b["rest"])
+            BackendSpec(prefill=c["choice"], decode=c["choice"])
         except InvalidSpecError as exc:
             raise DispatchTableError(source, f"{pat}.buckets", str(exc)) from None
     measured = c["measured"]

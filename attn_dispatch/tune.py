@@ -475,8 +475,8 @@ class BucketDecision:
     ``winner``: the fastest backend at the main size (``prefill_len`` or ``context``).
     ``limits`` and ``rest``: the shape buckets (``((bound, backend), ...)``, then the
     catch-all) when the winner changes with the size by more than the noise, else ``()`` and
-    ``rest == winner``. ``sizes``: the sizes timed (the batch measure); ``why``: one line
-    saying what was decided and on what figures.
+    ``rest`` the one backend chosen for every size (see ``decide``). ``sizes``: the sizes
+    timed (the batch measure); ``why``: one line saying what was decided and on what figures.
     """
 
     phase: str
@@ -512,8 +512,9 @@ def decide(phase: str, cells: Sequence[PhaseTiming], sizes: TuneSizes) -> Bucket
     change between two neighbouring sizes, each side's winner beats the other side's by more
     than the noise at its own size (the gap between medians exceeds the larger of the two
     cells' ranges). A bucket's upper bound is the geometric mean of the two sizes around the
-    change (the crossover lies between them). Otherwise the phase keeps its winner at the main
-    size.
+    change (the crossover lies between them). Otherwise the phase gets one backend for every
+    size: the one with the least sum of median forwards over the sizes timed (the winner at
+    the main size breaks a tie); with one size, that size's winner.
     """
     layers = sizes.layers
     by_size: dict[int, dict[str, PhaseTiming]] = {}
@@ -554,11 +555,17 @@ def decide(phase: str, cells: Sequence[PhaseTiming], sizes: TuneSizes) -> Bucket
             or not _clearly_faster(a, other_lo, layers)
             or not _clearly_faster(b, other_hi, layers)
         ):
+            # One backend for every size: the fastest over the sizes taken together.
+            every = [n for n in by_size[ordered[0]] if all(n in by_size[s] for s in ordered)]
+            total = {n: sum(by_size[s][n].forward_s(layers) or math.inf for s in ordered)
+                     for n in every}  # fmt: skip
+            best = min(every, key=lambda n: (total[n], n != head)) if every else head
             why = (
                 f"no buckets: the winner changes between {measure} {lo} and {hi} by no more "
-                f"than the noise ({seen}); kept the winner at {measure} {main}"
+                f"than the noise ({seen}); chose {best}, the fastest over all sizes together "
+                f"({', '.join(f'{n} {total[n] * 1e3:.3f} ms' for n in sorted(every))})"
             )
-            return BucketDecision(phase, measure, head, (), head, tuple(ordered), why)
+            return BucketDecision(phase, measure, head, (), best, tuple(ordered), why)
         limits.append((math.isqrt(lo * hi), a.backend))
     rest = winners[ordered[-1]].backend
     text = "|".join(f"{measure}<={bnd}:{n}" for bnd, n in limits) + f"|{rest}"

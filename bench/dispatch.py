@@ -158,7 +158,7 @@ def _table_binding() -> Any:
 
     choice = {"winner": "bench_noop", "winner_ms": 0.001, "runner_up": None,
               "runner_up_ms": None, "shape": {"batch": 1, "q_len": 1, "context": 1},
-              "buckets": None, "measured": []}  # fmt: skip
+              "buckets": None, "measured": [], "choice": "bench_noop"}  # fmt: skip
     data = {
         "format": FORMAT,
         "version": VERSION,

@@ -100,7 +100,9 @@ def forward_ms(binding: Any, case: Any, layers: int, config: AttnConfig) -> floa
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--demo", choices=("tiny", "base", "wide"), default="base")
+    ap.add_argument(
+        "--demo", choices=("tiny", "base", "wide"), default=None, help="base (--quick: tiny)"
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small sizes, 2 repeats (a smoke run)")
@@ -119,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = TuneSizes(prefill_batch=2, prefill_len=128, prefill_lens=(32, 512),
                           decode_batch=4, context=256, contexts=(64, 1024), repeats=5)  # fmt: skip
         repeats = args.repeats
+    if args.demo is None:
+        args.demo = "tiny" if args.quick else "base"
     configs, layers = demo_configs(args.demo, args.dtype)
     print(f"machine: {machine_name('cpu')}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; load {os.getloadavg()[0]:.1f}")  # fmt: skip

@@ -59,6 +59,7 @@ NEEDS: dict[str, Callable[[], str | None] | None] = {
     "native_probe.py": _native,
     "safety_checks.py": None,
     "sdpa_cpu.py": None,
+    "tables.py": None,
     "transformers_cpu.py": lambda: _native() or _module("transformers")(),
     "variants_cpu.py": None,
     "vllm_cpu.py": lambda: _native() or _module("vllm")(),

@@ -345,3 +345,15 @@ def test_explain_shows_each_phases_buckets(
     assert main(["explain", "--spec", "prefill=q_len<=64:gpu_bucket|qa,decode=qa", *args]) == 1
     out = capsys.readouterr().out
     assert "'gpu_bucket'" in out.split("from this machine's runtime")[1]
+
+
+def test_within_the_noise_the_fastest_over_all_sizes_is_chosen() -> None:
+    # The main size's winner (sdpa, by less than the noise) is slowest over the range.
+    cells = [
+        cell("native", 128, 10, 1), cell("sdpa", 128, 50, 2),
+        cell("native", 512, 61, 30), cell("sdpa", 512, 60, 30),
+        cell("native", 2048, 100, 5), cell("sdpa", 2048, 400, 5),
+    ]  # fmt: skip
+    got = decide("prefill", cells, SIZES)
+    assert got is not None and got.limits == ()
+    assert got.winner == "sdpa" and got.rest == "native" and got.spec_text() == "native"

@@ -388,7 +388,7 @@ def _as_version_1(table: DispatchTable) -> dict[str, Any]:
     for groups in data["runners"].values():
         for entry in groups.values():
             for choice in entry["phases"].values():
-                del choice["buckets"], choice["measured"]
+                del choice["buckets"], choice["measured"], choice["choice"]
     return data
 
 
@@ -408,13 +408,23 @@ def test_a_version_1_table_is_still_read(table: DispatchTable, tmp_path: Path) -
     assert e.value.field == "runners.target..phases.decode"
 
 
-def _with_buckets(table: DispatchTable, buckets: Any) -> dict[str, Any]:
-    return _edit(table, "runners/target//phases/prefill/buckets", buckets)
+def _with_buckets(table: DispatchTable, buckets: Any, choice: Any = "sdpa") -> dict[str, Any]:
+    data = _edit(table, "runners/target//phases/prefill/buckets", buckets)
+    return _edit(DispatchTable(_as_valid(data)), "runners/target//phases/prefill/choice", choice)
+
+
+def _as_valid(data: dict[str, Any]) -> dict[str, Any]:
+    # A copy whose prefill buckets are null (valid), so _edit can set the pair in two steps.
+    out = copy.deepcopy(data)
+    out["runners"]["target"][""]["phases"]["prefill"]["buckets"] = None
+    return out
 
 
 def test_a_table_with_buckets_replays_them(table: DispatchTable, tmp_path: Path) -> None:
-    b = {"measure": "q_len", "limits": [[8, "torch"]], "rest": "sdpa"}
-    path = _write(tmp_path, _with_buckets(table, b))
+    b = {"measure": "q_len", "limits": [[8, "torch"]]}
+    data = _with_buckets(table, None)
+    data["runners"]["target"][""]["phases"]["prefill"]["buckets"] = b
+    path = _write(tmp_path, data)
     spec = spec_from_table(path, label="target")
     assert isinstance(spec, BackendSpec)
     assert spec.phase_text(Phase.PREFILL) == "q_len<=8:torch|sdpa"
@@ -428,21 +438,26 @@ def test_a_table_with_buckets_replays_them(table: DispatchTable, tmp_path: Path)
 @pytest.mark.parametrize(
     ("buckets", "field"),
     [
-        ({"measure": "q_len", "limits": [[8, "torch"], [8, "sdpa"]], "rest": "sdpa"},
-         "buckets"),
-        ({"measure": "tokens", "limits": [[8, "torch"]], "rest": "sdpa"}, "buckets"),
-        ({"measure": "q_len", "limits": [], "rest": "sdpa"}, "buckets"),
-        ({"measure": "q_len", "limits": [[8]], "rest": "sdpa"}, "buckets.limits"),
-        ({"measure": "q_len", "limits": [[8, "torch"]]}, "buckets"),
+        ({"measure": "q_len", "limits": [[8, "torch"], [8, "sdpa"]]}, "buckets"),
+        ({"measure": "tokens", "limits": [[8, "torch"]]}, "buckets"),
+        ({"measure": "q_len", "limits": []}, "buckets"),
+        ({"measure": "q_len", "limits": [[8]]}, "buckets.limits"),
+        ({"measure": "q_len", "limits": [[8, "torch"]], "rest": "sdpa"}, "buckets"),
         ([1], "buckets"),
     ],
-)  # fmt: skip
+)
 def test_malformed_buckets_in_a_table_are_refused(
     table: DispatchTable, buckets: Any, field: str
 ) -> None:
+    data = _with_buckets(table, None)
+    data["runners"]["target"][""]["phases"]["prefill"]["buckets"] = buckets
     with pytest.raises(DispatchTableError) as e:
-        DispatchTable(_with_buckets(table, buckets))
+        DispatchTable(data)
     assert e.value.field == f"runners.target..phases.prefill.{field}"
+    data = _with_buckets(table, None, choice="")
+    with pytest.raises(DispatchTableError) as e:
+        DispatchTable(data)
+    assert e.value.field == "runners.target..phases.prefill.choice"
 
 
 def test_tune_records_every_size_it_timed() -> None:
