@@ -55,7 +55,7 @@ def register_scaled(name: str, factor: float) -> Iterator[str]:
     """Register ``name`` (a ScaledBackend) for one test; unregister it afterwards."""
     register_backend(
         name,
-        capabilities=TORCH_CAPS.replace(out_buffer=False),  # its handler takes no out=
+        capabilities=TORCH_CAPS,
         factory=lambda config, **opts: ScaledBackend(config, factor=factor, name=name, **opts),
         replace=True,
     )
