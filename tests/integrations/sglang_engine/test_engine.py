@@ -91,9 +91,10 @@ RUNS: list[dict[str, Any]] = [
 ]
 # MLA (SGLang's latent pool): a tiny DeepSeek-V2 target, each runner on its own spec with a
 # DeepSeek draft; then a Sarvam MLA draft on SGLang's triton backend (concatenated rope) beside
-# a target on attn_dispatch (registered separate-rope): plain SGLang hands the draft the pair's
-# form and dies with a shape mismatch (the issue's "[15, 1, 64] ... [15, 1, 80]"); the
-# plugin's hook reads the draft's own.
+# a target on attn_dispatch (registered separate-rope): without the plugin's Sarvam hook SGLang
+# hands the draft the pair's form and the draft's triton backend dies ("TritonAttnBackend.
+# forward_extend() got an unexpected keyword argument 'q_rope'", checked by hand; the issue's
+# FlashInfer draft died of the other form, "shape mismatch"); the hook reads the draft's own.
 MLA_RUNS: list[dict[str, Any]] = [
     {
         "name": "mla_standalone",
