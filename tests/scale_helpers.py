@@ -23,7 +23,6 @@ from attn_dispatch.backend import unregister_backend
 from attn_dispatch.backends.reference import CAPABILITIES as _REFERENCE_CAPS
 from attn_dispatch.backends.reference.backend import TorchBackend
 
-
 # Its handler takes no out= (the core copies into a caller's buffer), so it does not declare it.
 TORCH_CAPS = dataclasses.replace(_REFERENCE_CAPS, out_buffer=False)
 
