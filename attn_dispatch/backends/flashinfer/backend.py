@@ -430,10 +430,7 @@ class FlashInferBackend(BackendBase):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         check_plan(plan, self, "flashinfer")
         assert isinstance(plan, FlashInferPlan)
-        if not isinstance(return_lse, bool):
-            raise InvalidBatchError(
-                "return_lse", f"flashinfer: must be a bool (True or False), got {return_lse!r}"
-            )
+        self._checks.check_keywords(q, return_lse=return_lse)  # every backend's rule
         route = plan.route
         if route.tickets.get(id(plan.wrapper)) is not plan.ticket:
             raise InvalidBatchError(

@@ -461,13 +461,11 @@ class NativeBackend(BackendBase):
                 f"the plan is for {issued.phase.name}, this handler serves {phase.name}",
             )
         self._checks.check(plan.snapshot, q, k_cache, v_cache)
+        self._checks.check_keywords(q, sinks=sinks, return_lse=return_lse)  # every backend's
         sinks_ptr, sinks_numel = None, 0
         if cfg.sinks:
-            self._checks.check_sinks(sinks, q)
             sinks = sinks.contiguous()  # kept alive until the kernel returns
             sinks_ptr, sinks_numel = sinks.data_ptr(), sinks.numel()
-        elif sinks is not None:
-            raise InvalidBatchError("sinks", "given to a layer whose config has sinks=False")
         # The core's rules (check_scale): a binding's handlers checked them already;
         # this handler may also be called without one.
         ks, vs = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
@@ -475,8 +473,6 @@ class NativeBackend(BackendBase):
             raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
         v_ptr, v_numel = (None, 0) if self.mla else (v_cache.data_ptr(), v_cache.numel())
         scale = check_scale("sm_scale", sm_scale)
-        if return_lse is not True and return_lse is not False:
-            raise InvalidBatchError("return_lse", f"must be True or False, got {return_lse!r}")
         rows = issued.num_tokens
         # Every row is written by the kernel (na_run refuses an out of any other size). A
         # caller's buffer is checked by the core's rule (shape, dtype, device, contiguous, no

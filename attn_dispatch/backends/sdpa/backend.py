@@ -223,16 +223,11 @@ class SdpaBackend(BackendBase):
         for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
             if cache is not None and not cache.is_contiguous():
                 raise InvalidBatchError(name, "sdpa: must be contiguous (call .contiguous())")
-        if self.config.sinks:
-            self.checks.check_sinks(sinks, q)
-        elif sinks is not None:
-            raise InvalidBatchError("sinks", "given to a layer whose config has sinks=False")
+        self.checks.check_keywords(q, sinks=sinks, return_lse=return_lse)  # every backend's
         ks, vs = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
         if not self.fp8 and (ks, vs) != (1.0, 1.0):
             raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
         scale = check_scale("sm_scale", sm_scale)
-        if return_lse is not True and return_lse is not False:
-            raise InvalidBatchError("return_lse", f"must be True or False, got {return_lse!r}")
         if out is not None:
             self.checks.check_out(out, q, k_cache, v_cache)
         if steps.num_tokens == 0:

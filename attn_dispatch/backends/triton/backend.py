@@ -219,8 +219,8 @@ class TritonBackend(BackendBase):
         self._checks.check(plan.snap, q, k_cache, v_cache)
         if out is not None:  # the kernels write the caller's buffer through its row strides
             self._checks.check_out(out, q, k_cache, v_cache)
-        if self._sinks or sinks is not None:
-            self._check_sinks(q, sinks)
+        # The core's keyword rules (the kernels index sinks by head: no strided view either).
+        self._checks.check_keywords(q, sinks=sinks, return_lse=return_lse)
         ks = 1.0 if k_scale is None else k_scale
         # MLA: V is part of the latent row, so k_scale covers it.
         vs = ks if self._kc.mla else (1.0 if v_scale is None else v_scale)
@@ -229,10 +229,6 @@ class TritonBackend(BackendBase):
                 "k_scale" if k_scale is not None else "v_scale",
                 f"triton: a scale was passed but the bound config's kv_dtype is "
                 f"{self.config.kv_dtype!r}, not FP8",
-            )
-        if not isinstance(return_lse, bool):
-            raise InvalidBatchError(
-                "return_lse", f"triton: must be a bool (True or False), got {return_lse!r}"
             )
         if self._kc.mla:
             v_cache = None  # V is the latent part of k_cache
@@ -261,14 +257,6 @@ class TritonBackend(BackendBase):
         out = q.new_empty((0, heads, self._kc.layout.v_head_dim))
         lse = q.new_empty((0, heads), dtype=torch.float32) if return_lse else None
         return out, lse
-
-    def _check_sinks(self, q: torch.Tensor, sinks: Any) -> None:
-        if not self._sinks:
-            raise InvalidBatchError(
-                "sinks", "triton: sinks were passed but the bound config has sinks=False"
-            )
-        # The kernels index sinks by head: the core's rule refuses a strided view too.
-        self._checks.check_sinks(sinks, q)
 
 
 def kernel_config(

@@ -340,7 +340,7 @@ def test_direct_handler_refuses_a_non_bool_return_lse() -> None:
     case = case_of([[*PREFIX, 10], [*PREFIX, 11]], [90, 90])
     t = tensors(case)
     be = NativeBackend(t["cfg"])
-    with pytest.raises(InvalidBatchError, match="return_lse: must be True or False, got 1"):
+    with pytest.raises(InvalidBatchError, match="return_lse: native: must be True or False, got 1"):
         be.handler(Phase.DECODE)(t["q"], t["k"], t["v"], be.plan(t["batch"]), 0.2, return_lse=1)
 
 
