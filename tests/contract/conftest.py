@@ -28,7 +28,9 @@ if not torch.cuda.is_available():
 BACKENDS = ["torch", "native", "flashinfer", "triton", "sdpa"]
 
 #: The repository's own runs draw more than the kit's defaults (a plugin's CI run).
-FULL = ContractProfile(DEFAULT_LIMITS, examples=100, variant_examples=50, lse_examples=30)
+FULL = ContractProfile(
+    DEFAULT_LIMITS, examples=100, variant_examples=50, lse_examples=30, out_examples=15
+)
 PROFILES: dict[str, ContractProfile] = {
     # FlashInfer: 16-bit only; MLA latent % 128 and rope % 64 (576/512, 192/128).
     "flashinfer": ContractProfile(
@@ -40,6 +42,7 @@ PROFILES: dict[str, ContractProfile] = {
         examples=100,
         variant_examples=50,
         lse_examples=30,
+        out_examples=15,
     ),
     # The interpreter costs tens of ms per program instance: tiny shapes keep each launch
     # under ~64 programs (batch x heads x query blocks, or batch x head groups x kv splits).

@@ -66,13 +66,38 @@ def _kit(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_example_passes_and_skips_what_it_does_not_declare(tmp_path: Path) -> None:
     site = _install(tmp_path, "attn_gather_copy", "gather_copy", {})
-    run = _kit(site, "--attn-backend", "gather_copy", "-k", "edge or input or unused or chain")
+    chosen = "edge or input or unused or chain or (test_out and (mha or empty or v_cache))"
+    run = _kit(site, "--attn-backend", "gather_copy", "-k", chosen)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
     assert re.search(r"\d+ passed", out), out
     # What the example does not declare skips, naming the capability.
     assert "does not declare kind 'mla' (Capabilities.kinds=['mha'])" in out, out
     assert "layer variant 'window'" in out and "is not implemented" in out, out
+    # It declares out_buffer: its handler's own checks of out ran (none skipped).
+    assert "out_buffer" not in out, out
+
+
+UNDECLARED = ("plugin.py", ("    out_buffer=True,", ""))
+IGNORES_OUT = ("backend.py", ("if out is None:", "if True:"))
+
+
+def test_the_kit_checks_out_declared_or_not(tmp_path: Path) -> None:
+    """A copy of the example that does not declare out_buffer: the core's copy into out
+    passes, the handler's own checks skip naming the capability. A copy that declares it and
+    ignores out fails. (The example itself, which declares it, is run in the test above.)"""
+    site = _install(tmp_path / "a", "attn_gather_plain", "plain", dict([UNDECLARED]))
+    run = _kit(site, "--attn-backend", "plain", "-k", "test_out and (mha or empty or v_cache)")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    assert re.search(r"\b[1-9]\d* passed", out), out
+    assert "'plain' does not declare Capabilities(out_buffer=True)" in out, out
+    site = _install(tmp_path / "b", "attn_gather_liar", "liar", dict([IGNORES_OUT]))
+    run = _kit(site, "--attn-backend", "liar", "-k", "test_out_gives and mha and decode")
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out
+    assert re.search(r"FAILED \S+::test_out_gives_the_same_result\[\S*decode", out), out
+    assert "backend bug" in out, out
 
 
 SCALE = ("backend.py", ("scale=sm_scale,", "scale=sm_scale * 1.25,"))

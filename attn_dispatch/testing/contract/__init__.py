@@ -18,7 +18,9 @@ The suite covers every phase, kind, compute dtype, layer variant, FP8 format, ML
 ``return_lse`` the backend's ``Capabilities`` declare, against the oracle
 (``attn_dispatch.testing.contract.oracle``): hypothesis-drawn cases within the shapes it
 declares, fixed edge cases, and the safety rules (inputs untouched, deterministic results,
-bad tensors refused with ``InvalidBatchError``, keys a row cannot see never reaching it).
+bad tensors refused with ``InvalidBatchError``, keys a row cannot see never reaching it), and
+the caller's output buffer (``attention(..., out=buf)``: the same bits as without it, bad
+buffers refused; the handler's own checks when it declares ``out_buffer``).
 Whatever the backend does not declare is skipped with the reason its capabilities give.
 
 - ``oracle``: the float64 reference, the contract written out once (imports torch).

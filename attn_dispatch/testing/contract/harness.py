@@ -80,6 +80,7 @@ class ContractProfile:
     examples: int = 10
     variant_examples: int = 10
     lse_examples: int = 5
+    out_examples: int = 5
 
     def scaled(self, n: int) -> int:
         return n * 10 if THOROUGH else n

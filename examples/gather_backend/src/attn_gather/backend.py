@@ -88,12 +88,19 @@ class GatherBackend(BackendBase):
         v_cache: torch.Tensor | None,
         plan: GatherPlan,
         sm_scale: float,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``[tokens, num_q_heads, v_head_dim]``; written into ``out`` when the caller gave
+        one (``Capabilities(out_buffer=True)``), and ``out`` returned."""
         check_plan(plan, self, NAME)
         self.checks.check(plan.snapshot, q, k_cache, v_cache)
         assert v_cache is not None  # TensorChecks refuses a missing v_cache for MHA
-        c = self.config
-        out = q.new_zeros(q.shape[0], c.num_q_heads, c.v_head_dim or c.head_dim)
+        if out is None:
+            c = self.config
+            out = q.new_zeros(q.shape[0], c.num_q_heads, c.v_head_dim or c.head_dim)
+        else:  # the core checked it already; a call without a binding did not
+            self.checks.check_out(out, q, k_cache, v_cache)
         for r in plan.requests:
             if r.rows.stop == r.rows.start:
                 continue
@@ -109,4 +116,4 @@ class GatherBackend(BackendBase):
             )
             seen = r.visible.any(-1)  # a row that sees no key gives zeros, not NaN
             out[r.rows] = torch.where(seen[:, None, None], o.transpose(0, 1), 0)
-        return out
+        return out  # every row written: each belongs to one request

@@ -18,6 +18,7 @@ CAPABILITIES = Capabilities(
     devices={"cpu"},
     dtypes={"float32", "bfloat16"},
     custom_mask=True,  # tree verify: the per-request mask goes to SDPA as attn_mask
+    out_buffer=True,  # the handler takes out= and writes the result there
     requires=("torch",),
     description="example plugin: pages gathered per request, torch SDPA (causal, trees)",
 )
