@@ -341,6 +341,10 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
             )
             return output
         draft = d.draft
+        # vLLM's buffer takes the result in place (``out=``) where a part's rows are one slice
+        # (a contiguous view); scattered rows, or a buffer vLLM made in another dtype, get a
+        # result that is then copied in.
+        direct = out.dtype == query.dtype
         for part in attn_metadata.parts_for(draft):
             rows = part.rows
             q = query[rows]
@@ -348,8 +352,10 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
                 q = q.contiguous()
             # One scope per runner and part per step, entered by each of the runner's layers.
             with attn_metadata.scope(binding, draft, part):
-                result = attention(q, k_cache, v_cache, **extras)
-            out[rows] = result
+                if direct and isinstance(rows, slice):
+                    attention(q, k_cache, v_cache, out=out[rows], **extras)
+                else:
+                    out[rows] = attention(q, k_cache, v_cache, **extras)
         return output
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:

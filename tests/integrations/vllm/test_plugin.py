@@ -233,3 +233,101 @@ def test_dcp_local_lengths_are_the_layouts_counts() -> None:
                     for n in lens
                 ]
                 assert got == want, (world, interleave, rank)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's output buffer: each part's result is written into it, not allocated and copied
+
+
+def _step_metadata(
+    q_lens: list[int], seq: list[int], table: torch.Tensor, *, mixed: str
+) -> DispatchMetadata:
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    return DispatchMetadata(
+        num_actual_tokens=starts[-1],
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq),
+        query_start_loc=torch.tensor(starts, dtype=I32),
+        seq_lens=torch.tensor(seq, dtype=I32),
+        block_table=table,
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+        block_size=32,
+        num_speculative_tokens=0,
+        mixed=mixed,
+    )
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "seq", "mixed", "direct"),
+    [
+        ([1, 1, 5], [40, 9, 5], "split", True),  # decodes, then a prompt: two row slices
+        ([1, 3], [40, 20], "extend", True),  # one part over every row
+        ([1, 0, 1], [40, 7, 9], "extend", False),  # rows skip a request: scattered rows
+    ],
+)
+@pytest.mark.parametrize("spec", ["torch", "native"])
+def test_forward_writes_into_vllms_output_buffer(
+    spec: str,
+    q_lens: list[int],
+    seq: list[int],
+    mixed: str,
+    direct: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The impl hands vLLM's ``output`` to ``attention`` as ``out=`` (a row slice of it per
+    part, same memory), so no layer allocates a result and copies it; scattered rows fall back
+    to a copy. Either way the rows equal ``attention`` without a buffer, and padding rows past
+    the step's tokens are left untouched."""
+    from attn_dispatch import attention
+    from attn_dispatch.backends.native._lib import load
+
+    if spec == "native" and isinstance(load(), str):
+        pytest.skip(f"native library: {load()}")
+    layer = _layer(_engine_config(spec))
+    heads, dim = 4, 32
+    tokens = sum(q_lens) + 2  # vLLM pads a step's query beyond its tokens
+    torch.manual_seed(0)
+    # vLLM's query: a view of the fused qkv projection (not contiguous).
+    qkv = torch.randn(tokens, (heads + 2 * 2) * dim)
+    query = qkv[:, : heads * dim].view(tokens, heads, dim)
+    kv_cache = torch.randn(6, 2, 32, 2 * dim)
+    table = torch.tensor([[0, 1], [2, 0], [3, 0]], dtype=I32)[: len(q_lens)]
+    md = _step_metadata(q_lens, seq, table, mixed=mixed)
+    # vLLM's buffer: [tokens, heads * dim] made once per layer call, handed over as a view.
+    buffer = torch.full((tokens, heads * dim), 7.0)
+    output = buffer.view(tokens, heads, dim)
+
+    calls: list[tuple[Any, Any]] = []
+
+    def recording(*args: Any, **kw: Any) -> Any:
+        result = attention(*args, **kw)
+        calls.append((kw.get("out"), result))
+        return result
+
+    monkeypatch.setattr(backend, "attention", recording)
+    returned = layer.forward(
+        SimpleNamespace(layer_name="l0"), query, None, None, kv_cache, md, output
+    )
+    assert returned is output
+    parts = md.parts_for(False)
+    assert len(calls) == len(parts)
+    row_bytes = heads * dim * buffer.element_size()
+    for (out, result), part in zip(calls, parts, strict=True):
+        if direct:
+            assert isinstance(part.rows, slice)
+            # vLLM's own memory, at the part's first row; the call returned it, nothing else.
+            assert out is not None and result is out
+            assert out.data_ptr() == buffer.data_ptr() + part.rows.start * row_bytes
+            assert out.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        else:
+            assert out is None and isinstance(part.rows, torch.Tensor)
+    # The same rows as attention without a buffer, through the step's own scopes.
+    k_cache, v_cache = layer._pages(kv_cache, layer.dispatch)
+    for part in parts:
+        with md.scope(layer.dispatch.binding, False, part):
+            want = attention(query[part.rows].contiguous(), k_cache, v_cache)
+        torch.testing.assert_close(output[part.rows], want)
+    n = sum(q_lens)
+    assert bool((buffer[n:] == 7.0).all())
