@@ -72,11 +72,11 @@ def _step_metadata(layer: Any) -> DispatchMetadata | None:
     context = _forward_context._forward_context
     if context is None:
         return None
-    found = context.attn_metadata
+    found: Any = context.attn_metadata
     if isinstance(found, list):  # per micro-batch: each has its own slot mapping
         found = found[0] if found else None
     if isinstance(found, dict):
-        found = found.get(getattr(layer, "layer_name", None))
+        found = found.get(getattr(layer, "layer_name", ""))
     return found if isinstance(found, DispatchMetadata) else None
 
 
