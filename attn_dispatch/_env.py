@@ -10,11 +10,13 @@ too, so that one module holds them all, and the test checks those sources agains
 from __future__ import annotations
 
 __all__ = [
+    "HYPOTHESIS_PROFILE",
     "NATIVE_ISA",
     "NATIVE_LIB",
     "NATIVE_OWN_POOL",
     "NATIVE_ROWS_MIN",
     "PLUGINS",
+    "PYTEST_DISABLE_PLUGIN_AUTOLOAD",
     "SGLANG_SPECS",
     "SKIP_NATIVE",
     "TRITON_INTERPRET",
@@ -56,3 +58,12 @@ TRITON_INTERPRET = "TRITON_INTERPRET"
 #: the engine starts, its scheduler subprocess inherits it. Read by
 #: ``integrations/sglang_engine`` when SGLang builds that backend.
 SGLANG_SPECS = "ATTN_DISPATCH_SGLANG"
+
+#: ``thorough``: the contract kit's properties draw ten times as many examples (hypothesis's
+#: own profile variable, also read by this repository's tests/conftest.py). Read by
+#: ``testing/contract/harness.py``.
+HYPOTHESIS_PROFILE = "HYPOTHESIS_PROFILE"
+
+#: pytest's own switch: set, pytest loads no ``pytest11`` plugin by itself, so the contract
+#: kit's ``run()`` passes its plugin explicitly. Read by ``testing/contract/__init__.py``.
+PYTEST_DISABLE_PLUGIN_AUTOLOAD = "PYTEST_DISABLE_PLUGIN_AUTOLOAD"

@@ -43,6 +43,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from attn_dispatch import _env
+
 __all__ = ["ContractReport", "run"]
 
 PLUGIN = "attn_dispatch.testing.plugin"
@@ -98,7 +100,7 @@ class _Collector:
 
 
 def _plugin_autoloads() -> bool:
-    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+    if os.environ.get(_env.PYTEST_DISABLE_PLUGIN_AUTOLOAD):
         return False
     return any(ep.value == PLUGIN for ep in importlib.metadata.entry_points(group="pytest11"))
 

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck
 from hypothesis import reject
 
 from attn_dispatch import Phase
+from attn_dispatch import _env
 from attn_dispatch import attention
 from attn_dispatch import attn_scope
 from attn_dispatch import bind
@@ -58,7 +59,7 @@ FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")
 #: Health checks the kit's properties switch off: cases are large and some backends slow.
 SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
 #: ``HYPOTHESIS_PROFILE=thorough``: every property draws ten times as many examples.
-THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+THOROUGH = os.environ.get(_env.HYPOTHESIS_PROFILE) == "thorough"
 
 _VARIANTS = ("window", "logit_cap", "sinks", "non_causal", "chunked", "lse")
 
