@@ -133,7 +133,13 @@ def _row() -> Any:
 #: Every public value type -> examples (the built-ins' capabilities among them).
 VALUES: dict[type, Callable[[], list[Any]]] = {
     AttnConfig: lambda: [MHA, AttnConfig("mla", 16, 1, 576, 512, dtype="bfloat16")],
-    BackendSpec: lambda: [BackendSpec.parse("prefill=sdpa,decode=native")],
+    BackendSpec: lambda: [
+        BackendSpec.parse("prefill=sdpa,decode=native"),
+        BackendSpec.parse("prefill=q_len<=256:native|sdpa,decode=native"),
+    ],
+    attn_dispatch.Buckets: lambda: [
+        attn_dispatch.Buckets(phase="prefill", measure="q_len", limits=((256, "native"),))
+    ],
     Phase: lambda: list(Phase),
     attn_dispatch.AttnForm: lambda: list(attn_dispatch.AttnForm),
     attn_dispatch.DispatchEvent: lambda: [
@@ -168,6 +174,7 @@ NOT_VALUES = {
     "Registry": "a mutable table with a lock and loaded plugins",
     "BackendBase": "a base class for backends",
     "PlanBase": "a base class for plans (a plan is refused outside its backend object)",
+    "PrivatePlans": "a backend's live table of the plans it issued (ids to private state)",
     "attn_scope": "a context manager (a frame of this context)",
     "record_dispatch": "a context manager",
 }
