@@ -13,7 +13,7 @@ import ast
 from collections.abc import Collection
 from pathlib import Path
 
-__all__ = ["imports_of", "module_name", "modules", "path_imports"]
+__all__ = ["import_lines", "imports_of", "module_name", "modules", "path_imports"]
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -101,3 +101,35 @@ def path_imports(
     return imports_of(
         path.read_text(encoding="utf-8"), name, path.name == "__init__.py", known, prefix
     )
+
+
+def import_lines(source: str, name: str, is_package: bool) -> list[tuple[int, str]]:
+    """``(line, target)`` for every import in ``source`` (module ``name``), wherever it is
+    (``if TYPE_CHECKING:`` blocks included): ``import a.b`` gives ``a.b``; ``from a import b``
+    gives ``a`` and ``a.b`` (relative forms resolved); a constant
+    ``importlib.import_module("a.b")`` gives ``a.b``. For rules on what may be imported at all
+    (the backends' public-surface rule), where ``imports_of``'s module graph is not enough."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source, name)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = name if is_package else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    pkg = pkg.rpartition(".")[0]
+                base = f"{pkg}.{base}" if base else pkg
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute | ast.Name)
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
+            == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.append((node.lineno, node.args[0].value))
+    return found

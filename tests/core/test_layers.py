@@ -11,13 +11,13 @@ parents as a side effect of Python's import system does not count.
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests.imports import import_lines
 from tests.imports import imports_of
 from tests.imports import modules as _modules
 
@@ -76,39 +76,13 @@ def private_imports(source: str, name: str, is_package: bool) -> list[str]:
     _x``) and a constant ``importlib.import_module("attn_dispatch._x")``, wherever they are
     (``if TYPE_CHECKING:`` blocks included: an author's annotations use public names too)."""
     found: list[str] = []
-
-    def check(target: str, line: int) -> None:
+    for line, target in import_lines(source, name, is_package):
         parts = target.split(".")
         if len(parts) > 1 and parts[0] == "attn_dispatch" and parts[1].startswith("_"):
             module = ".".join(parts[:2])
-            if module not in LAYERS_TOOL.BACKENDS_MAY_IMPORT:
-                found.append(f"line {line}: {module}")
-
-    for node in ast.walk(ast.parse(source, name)):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                check(alias.name, node.lineno)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = name if is_package else name.rpartition(".")[0]
-                for _ in range(node.level - 1):
-                    pkg = pkg.rpartition(".")[0]
-                base = f"{pkg}.{base}" if base else pkg
-            check(base, node.lineno)
-            if base == "attn_dispatch":
-                for alias in node.names:
-                    check(f"{base}.{alias.name}", node.lineno)
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute | ast.Name)
-            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
-            == "import_module"
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-        ):
-            check(node.args[0].value, node.lineno)
+            entry = f"line {line}: {module}"
+            if module not in LAYERS_TOOL.BACKENDS_MAY_IMPORT and entry not in found:
+                found.append(entry)
     return found
 
 
