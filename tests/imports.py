@@ -37,6 +37,33 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
+def _from_base(node: ast.ImportFrom, name: str, is_package: bool) -> str:
+    """The absolute module a ``from ... import`` in module ``name`` reads from."""
+    base = node.module or ""
+    if node.level:
+        pkg = name if is_package else name.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            pkg = pkg.rpartition(".")[0]
+        base = f"{pkg}.{base}" if base else pkg
+    return base
+
+
+def _import_module_name(node: ast.AST) -> str | None:
+    """``"a.b"`` for a call ``importlib.import_module("a.b")`` (or a bare ``import_module``)
+    with a constant name, else None."""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute | ast.Name)
+        and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
+        == "import_module"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
+        return node.args[0].value
+    return None
+
+
 def imports_of(
     source: str,
     name: str,
@@ -69,23 +96,10 @@ def imports_of(
             for alias in node.names:
                 add(alias.name, [])
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = name if is_package else name.rpartition(".")[0]
-                for _ in range(node.level - 1):
-                    pkg = pkg.rpartition(".")[0]
-                base = f"{pkg}.{base}" if base else pkg
+            base = _from_base(node, name, is_package)
             add(base, [a.name for a in node.names])
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute | ast.Name)
-            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
-            == "import_module"
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-        ):
-            add(node.args[0].value, [])
+        elif _import_module_name(node) is not None:
+            add(_import_module_name(node) or "", [])
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -114,22 +128,9 @@ def import_lines(source: str, name: str, is_package: bool) -> list[tuple[int, st
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = name if is_package else name.rpartition(".")[0]
-                for _ in range(node.level - 1):
-                    pkg = pkg.rpartition(".")[0]
-                base = f"{pkg}.{base}" if base else pkg
+            base = _from_base(node, name, is_package)
             found.append((node.lineno, base))
             found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute | ast.Name)
-            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
-            == "import_module"
-            and node.args
-            and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-        ):
-            found.append((node.lineno, node.args[0].value))
+        elif _import_module_name(node) is not None:
+            found.append((node.lineno, _import_module_name(node) or ""))
     return found
