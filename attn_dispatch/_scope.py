@@ -238,7 +238,9 @@ def attention(
         run = frame.fast  # type: ignore[union-attr]
     except AttributeError:
         raise NoActiveScopeError("attention") from None
-    if run is not None and not extras:
+    # The fast path also takes a call whose only extra is the caller's buffer (a serving
+    # engine's every call): the same scale, then the out rule and the write (see _into).
+    if run is not None and (not extras or (len(extras) == 1 and extras.get("out") is not None)):
         scale = frame.sm_scale  # type: ignore[union-attr]
         if scale is None:
             # The call's own scale: checked once (float32 normal range, not NaN/None/bool),
@@ -248,23 +250,12 @@ def attention(
                 scale = frame.scale_ok = frame.rule.scale(sm_scale)  # type: ignore[union-attr]
         elif sm_scale is not None and (sm_scale != scale or type(sm_scale) is bool):
             scale = frame.rule.scale(sm_scale)  # type: ignore[union-attr]
+        if extras:
+            return _into(frame, (q, k_cache, v_cache, frame.plan, scale), extras["out"], {})  # type: ignore[union-attr]
         if _call_hook is None:
             return run(q, k_cache, v_cache, frame.plan, scale)  # type: ignore[union-attr,arg-type]
         # Recording: the hook runs the same call (a tally of it costs ~0.3 us: bench/dispatch.py)
         return _call_hook(frame, run, (q, k_cache, v_cache, frame.plan, scale))  # type: ignore[union-attr]
-    if run is not None and len(extras) == 1:
-        out = extras.get("out")
-        if out is not None:
-            # Only the caller's buffer (a serving engine's every call): the scale as above,
-            # then the out rule and the backend writing there (or a copy, see _into).
-            scale = frame.sm_scale  # type: ignore[union-attr]
-            if scale is None:
-                scale = sm_scale
-                if scale is not frame.scale_ok:  # type: ignore[union-attr]
-                    scale = frame.scale_ok = frame.rule.scale(sm_scale)  # type: ignore[union-attr]
-            elif sm_scale is not None and (sm_scale != scale or type(sm_scale) is bool):
-                scale = frame.rule.scale(sm_scale)  # type: ignore[union-attr]
-            return _into(frame, (q, k_cache, v_cache, frame.plan, scale), out, {})  # type: ignore[union-attr]
     unknown = extras.keys() - _EXTRA_NAMES
     if unknown:
         raise TypeError(
