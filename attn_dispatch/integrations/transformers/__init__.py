@@ -21,7 +21,8 @@ One module per concept, each importing only those before it:
 - ``_config``: reading a model config (``layer_groups``, ``attn_configs_for``, ``has_sinks``);
 - ``_allocator``: page numbers of the paged cache (``PageGroup``);
 - ``_layer``: one layer's page pools, its writes and page moves (``PagedLayer``);
-- ``_cache``: the transformers ``Cache`` over them (``PagedCache``);
+- ``_buffers``: the layers' reused attention outputs (``OutBuffers``, ``attention(out=)``);
+- ``_cache``: the transformers ``Cache`` over the layers' pools (``PagedCache``);
 - ``_view``: what one forward tells the registered functions (``DenseView``);
 - ``_masks``: the 2-D padding mask and the registered mask function (``dispatch_mask``);
 - ``_attention``: the registered attention function, paged and dense paths;

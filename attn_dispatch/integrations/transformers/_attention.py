@@ -134,11 +134,33 @@ def _paged_attention(
     scale = float(scaling) if scaling is not None else d**-0.5
     if not step.batches:
         return query.new_zeros(b, q, h, dv)
-    out: torch.Tensor = attention(q_flat, key, value, sm_scale=scale, **extra)
+    # A backend without Capabilities.out_buffer would have its result copied into a buffer
+    # (one more copy than returning it); autograd refuses out= on tensors that need grad.
+    if not step.takes_out.get(group, False) or (query.requires_grad and torch.is_grad_enabled()):
+        out: torch.Tensor = attention(q_flat, key, value, sm_scale=scale, **extra)
+        if step.all_real:
+            return out.view(b, q, h, dv)
+        dense = query.new_zeros(b * q, h, dv)
+        dense[step.q_rows] = out
+        return dense.view(b, q, h, dv)
+    # The backend writes into a buffer of the cache's pool (_buffers: reused only once nothing
+    # else holds it, so a layer output transformers or autograd still keeps is never
+    # overwritten; never q or the pages, which the core's out rule checks too). Every token
+    # real: that buffer, viewed [B, q, H, Dv], is what transformers reshapes for o_proj, so
+    # nothing is allocated or copied. With padding rows the real rows are not one contiguous
+    # span of the dense output: the kernel writes them compactly, then they are scattered.
+    bufs = cache.out_buffers
+    rows = int(q_flat.shape[0])
     if step.all_real:
+        out = bufs.take(rows, h, dv, query)
+        attention(q_flat, key, value, sm_scale=scale, out=out, **extra)
         return out.view(b, q, h, dv)
-    dense = query.new_zeros(b * q, h, dv)
-    dense[step.q_rows] = out
+    compact = bufs.take(rows, h, dv, query)
+    attention(q_flat, key, value, sm_scale=scale, out=compact, **extra)
+    dense = bufs.take(b * q, h, dv, query)
+    assert step.pad_rows is not None
+    dense.index_fill_(0, step.pad_rows, 0.0)
+    dense.index_copy_(0, step.q_rows, compact)
     return dense.view(b, q, h, dv)
 
 

@@ -44,6 +44,7 @@ from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
 from attn_dispatch._values import INT32_MAX
 from attn_dispatch.integrations.transformers._allocator import PageGroup
+from attn_dispatch.integrations.transformers._buffers import OutBuffers
 from attn_dispatch.integrations.transformers._common import _PUBLIC_MODULE
 from attn_dispatch.integrations.transformers._common import DEFAULT_PAGE_SIZE
 from attn_dispatch.integrations.transformers._common import FP8_MAX
@@ -119,6 +120,9 @@ class PagedCache(Cache):
         self.dense_len = 0
         self.record_past = False
         self._step: _Step | None = None
+        # The layers' attention outputs (attention(..., out=buf)), reused across layers and
+        # steps while nothing else holds them (_buffers).
+        self.out_buffers = OutBuffers()
         self._group_names = groups
         self._window = window
         self._batch_size = 0
@@ -199,6 +203,7 @@ class PagedCache(Cache):
             layer.reset()
         for group in self.groups.values():
             group.fresh = group.capacity = 0
+        self.out_buffers.clear()
         self._clear(0)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -270,6 +275,10 @@ class PagedCache(Cache):
         )
         ps = self.page_size
         step = _Step(phase, b, q_len, q_rows, all_real, lens, new_real)
+        if not all_real:
+            step.pad_rows = torch.nonzero(~new_real.reshape(-1)).flatten().to(device)
+        # This forward's output shapes: the real rows, and all B * q rows when some are padding.
+        self.out_buffers.keep((int(q_rows.shape[0]), b * q_len))
         total_new = sum(counts)
         for name, group in self.groups.items():
             plan = step.pages[name] = group.plan(self.lens, lens, trim=not self.record_past)

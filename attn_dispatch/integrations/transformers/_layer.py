@@ -46,6 +46,12 @@ class _Step:
     # slot (page * page_size + slot) of each real new token
     batches: dict[str, AttnBatch] = dataclasses.field(default_factory=dict)
     pages: dict[str, Allocation] = dataclasses.field(default_factory=dict)
+    # Per group: whether the backend serving this forward declares Capabilities.out_buffer
+    # (use()'s forward sets it): the layers then hand attention() a buffer (``out=``).
+    takes_out: dict[str, bool] = dataclasses.field(default_factory=dict)
+    # int64 rows of the flat [B * q] new tokens that are padding (None when all_real): zeroed
+    # in a reused output buffer.
+    pad_rows: torch.Tensor | None = None
 
 
 def _raw(pool: torch.Tensor) -> torch.Tensor:

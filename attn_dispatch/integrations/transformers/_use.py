@@ -29,6 +29,7 @@ from attn_dispatch._binding import Binding
 from attn_dispatch._binding import bind
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._phase import Phase
 from attn_dispatch._scope import attn_scope
 from attn_dispatch._spec import BackendSpec
 from attn_dispatch.integrations.transformers._attention import _view_for
@@ -250,6 +251,7 @@ def use(
                     if grouped
                     else next(iter(step.batches.values()))
                 )
+                step.takes_out = _takes_out(binding, step.phase, step.batches, grouped)
                 with attn_scope(binding, batch):
                     out = original(*call.args, **call.kwargs)
         except BaseException:
@@ -306,6 +308,18 @@ def _refuse_options(named: dict[str, Any], model: Any) -> None:
             f"{IMPLEMENTATION!r} cannot give them. Choices: leave output_attentions off, or "
             "bound.remove() and use transformers' eager attention for that call"
         )
+
+
+def _takes_out(
+    binding: Binding, phase: Phase, batches: Mapping[str, Any], grouped: bool
+) -> dict[str, bool]:
+    """Per group: whether the backend serving this forward's batch declares
+    ``Capabilities.out_buffer`` (a shape bucket's own backend for a bucketed spec)."""
+    takes = {}
+    for name, batch in batches.items():
+        served = (binding.groups[name] if grouped else binding).for_batch(batch)
+        takes[name] = served.capabilities(served.backend_name(phase)).out_buffer
+    return takes
 
 
 def _run_dense(

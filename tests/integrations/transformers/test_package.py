@@ -27,6 +27,7 @@ ORDER = [
     "_config",
     "_allocator",
     "_layer",
+    "_buffers",
     "_cache",
     "_view",
     "_masks",
