@@ -4,7 +4,7 @@ hidden 512, GQA 8/2 x 64, fp32, batch 4, ``use(model, spec)``, page 16).
 
     python bench/transformers_out_buffer.py [--prompt 256] [--new 48] [--padded]
                                             [--spec native] [--rounds 4] [--threads 1]
-                                            [--blocks 60] [--per 100]
+                                            [--blocks 60] [--per 100] [--quick]
 
 "without" is the same code with the step's ``takes_out`` forced False (the backend then
 allocates its result and the layer returns it, or scatters it into fresh zeros when some
@@ -35,12 +35,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-import transformers_cpu as tc
-
-import attn_dispatch.integrations.transformers._attention as paged
-import attn_dispatch.integrations.transformers._use as use_module
-from attn_dispatch.integrations.transformers import use
-
 MODES = {"out=": True, "no out": False}
 
 
@@ -54,7 +48,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--blocks", type=int, default=60)
     parser.add_argument("--per", type=int, default=100)
+    parser.add_argument("--quick", action="store_true", help="smoke run: a short prompt")
     a = parser.parse_args()
+    if a.quick:
+        a.prompt, a.new, a.rounds, a.blocks, a.per = 32, 3, 1, 2, 4
+    # Imported here: importing this script needs neither transformers nor the bench model.
+    import transformers_cpu as tc
+
+    import attn_dispatch.integrations.transformers._attention as paged
+    import attn_dispatch.integrations.transformers._use as use_module
+    from attn_dispatch.integrations.transformers import use
+
     torch.set_num_threads(a.threads)
     model = tc.make_model(torch.float32)
     ids, mask = tc.prompts(4, a.prompt, a.padded)

@@ -61,6 +61,7 @@ NEEDS: dict[str, Callable[[], str | None] | None] = {
     "sdpa_cpu.py": None,
     "tables.py": None,
     "transformers_cpu.py": lambda: _native() or _module("transformers")(),
+    "transformers_out_buffer.py": lambda: _native() or _module("transformers")(),
     "variants_cpu.py": None,
     "vllm_cpu.py": lambda: _native() or _module("vllm")(),
 }
