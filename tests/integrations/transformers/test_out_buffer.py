@@ -181,3 +181,16 @@ def test_a_forward_with_grad_enabled_is_served_without_out() -> None:
     assert got.requires_grad
     assert CALLS and all(out is None for _, _, out in CALLS)
     assert torch.equal(got.detach(), want)
+
+
+@pytest.mark.usefixtures("spies")
+def test_a_bucketed_spec_follows_the_bucket_that_serves_the_forward() -> None:
+    """Decode bucketed by context: the steps up to 12 keys run on ``spy_out`` (given out=),
+    the later ones on ``spy_plain`` (not); every call gets out= exactly when its backend
+    declares out_buffer."""
+    tokens, scores, _ = _generate(llama(), "prefill=spy_plain,decode=context<=12:spy_out|spy_plain")
+    assert {name for name, _, _ in CALLS[2:]} == {"spy_out", "spy_plain"}
+    assert all((out is not None) == (name == "spy_out") for name, _, out in CALLS)
+    plain_tokens, plain_scores, _ = _generate(llama(), "spy_plain")
+    assert torch.equal(tokens, plain_tokens)
+    assert torch.equal(scores, plain_scores)
