@@ -19,6 +19,7 @@ import os
 import platform
 import sys
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from setuptools import Extension
@@ -103,9 +104,16 @@ class BuildNative(build_ext):
                 self.warn(f"attn_dispatch: {source} not built (that path is left out): {exc}")
             else:
                 defines.append(f"-D{OPTIONAL_UNITS[source]}=1")
-        for source, flags in units:
-            if source not in OPTIONAL_UNITS:
-                objects += self._compile(source, [*flags, *defines])
+        # The other units in parallel (one compiler process per core): the build is most of a
+        # fresh install's time, and each unit compiles on its own.
+        rest = [
+            (source, [*flags, *defines]) for source, flags in units if source not in OPTIONAL_UNITS
+        ]
+        Path(self.build_temp, CSRC).mkdir(parents=True, exist_ok=True)
+        workers = max(1, min(len(rest), os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for unit_objects in pool.map(lambda unit: self._compile(*unit), rest):
+                objects += unit_objects
         self.compiler.link_shared_object(
             objects,
             str(output),
