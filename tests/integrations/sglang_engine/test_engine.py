@@ -228,7 +228,8 @@ register(); register()
 hooked = DraftBackendFactory._create_backend
 state = [ATTENTION_BACKENDS.get("attn_dispatch") is not None,
          choices.ATTENTION_BACKEND_CHOICES.count("attn_dispatch"),
-         choices.DRAFT_ATTENTION_BACKEND_CHOICES.count("attn_dispatch"), hooked is not kept[0]]
+         choices.DRAFT_ATTENTION_BACKEND_CHOICES.count("attn_dispatch"), hooked is not kept[0],
+         choices.CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS.count("attn_dispatch")]
 # The hook adds our name to the factory's map and nothing else.
 class F: draft_model_runner = None; topk = 1; speculative_num_steps = 3
 m = {"triton": 1}
@@ -247,7 +248,8 @@ state += ["attn_dispatch" in ATTENTION_BACKENDS,
           "attn_dispatch" in choices.ATTENTION_BACKEND_CHOICES,
           DraftBackendFactory._create_backend is kept[0] and held is kept[0],
           ds.AttentionBackendRegistry.get_handler("attn_dispatch") is ds.handle_attention_triton,
-          "attn_dispatch" in sarvam_moe.AttentionBackendRegistry._handlers]
+          "attn_dispatch" in sarvam_moe.AttentionBackendRegistry._handlers,
+          "attn_dispatch" in choices.CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS]
 print(json.dumps(state))
 """
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
@@ -258,8 +260,8 @@ print(json.dumps(state))
     assert out.returncode == 0, out.stderr[-4000:]
     state = json.loads(out.stdout.strip().splitlines()[-1])
     assert state == [
-        *(True, 1, 1, True, ["attn_dispatch", "triton"], True, True),
-        *(False, False, True, True, False),
+        *(True, 1, 1, True, 1, ["attn_dispatch", "triton"], True, True),
+        *(False, False, True, True, False, False),
     ]
 
 
