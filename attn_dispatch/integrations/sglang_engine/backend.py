@@ -575,7 +575,9 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
         batch = self._require_batch(forward_batch)
         chunk_lens = forward_batch.prefix_chunk_seq_lens_cpu
         self._chunked = _ChunkedKV.of(
-            batch.q_lens(), [[int(x) for x in chunk_lens[i].tolist()] for i in range(n)]
+            batch.q_lens(),
+            [[int(x) for x in chunk_lens[i].tolist()] for i in range(n)],
+            self.device,
         )
 
     def _chunk_binding(self, layer: Any, *, causal: bool) -> Binding:
@@ -620,26 +622,19 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
         idx = int(forward_batch.prefix_chunk_idx)
         chunk = plan.chunks[idx]
         binding = self._chunk_binding(layer, causal=False)
-        heads, dv = query.shape[1], values.shape[-1]
-        if chunk.batch is None:  # no request has keys in this chunk
-            out = query.new_zeros(query.shape[0], heads, dv)
-            lse = torch.full(
-                (query.shape[0], heads), -torch.inf, dtype=torch.float32, device=query.device
-            )
-            return out, lse
-        rows = None if chunk.rows is None else chunk.rows.to(query.device)
-        q = query if rows is None else query[rows]
-        got = self._attend_lse(binding, chunk.batch, q, keys, values)
-        if rows is None:
-            return got
         # Rows of requests with no key in this chunk attended nothing: out 0, lse -inf
         # (what merge_state takes as an empty part).
+        heads, dv = query.shape[1], values.shape[-1]
         out = query.new_zeros(query.shape[0], heads, dv)
         lse = torch.full(
             (query.shape[0], heads), -torch.inf, dtype=torch.float32, device=query.device
         )
-        out[rows] = got[0]
-        lse[rows] = got[1]
+        if chunk.batch is None:  # no request has keys in this chunk
+            return out, lse
+        if chunk.rows is None:
+            return self._attend_lse(binding, chunk.batch, query, keys, values)
+        rows = chunk.rows.to(query.device)
+        out[rows], lse[rows] = self._attend_lse(binding, chunk.batch, query[rows], keys, values)
         return out, lse
 
     def forward_decode(self, *args: Any, **kwargs: Any) -> _Out:
@@ -666,16 +661,16 @@ def _split_prefix(batch: AttnBatch) -> tuple[torch.Tensor, torch.Tensor, list[in
     return torch.cat(new), torch.cat(pre), indptr
 
 
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class _Chunk:
     """One prefix chunk's call: ``batch`` over the chunk's K/V rows (None: no request has
     keys in it), and ``rows``, the new-token rows it attends (None: all of them)."""
 
-    __slots__ = ("batch", "rows")
-
-    def __init__(self, batch: AttnBatch | None, rows: torch.Tensor | None) -> None:
-        self.batch, self.rows = batch, rows
+    batch: AttnBatch | None
+    rows: torch.Tensor | None
 
 
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class _ChunkedKV:
     """The batches of SGLang's chunked-KV prefill for one forward.
 
@@ -688,13 +683,11 @@ class _ChunkedKV:
     request with no key in the chunk leaves its rows out (they attended nothing).
     """
 
-    __slots__ = ("chunks", "new")
-
-    def __init__(self, new: AttnBatch, chunks: list[_Chunk]) -> None:
-        self.new, self.chunks = new, chunks
+    new: AttnBatch
+    chunks: tuple[_Chunk, ...]
 
     @classmethod
-    def of(cls, q_lens: list[int], chunk_lens: list[list[int]]) -> _ChunkedKV:
+    def of(cls, q_lens: list[int], chunk_lens: list[list[int]], device: Any) -> _ChunkedKV:
         total = sum(q_lens)
         pages, at = [], 0
         for n in q_lens:
@@ -707,11 +700,14 @@ class _ChunkedKV:
             page_tables=pages,
             page_size=1,
             num_pages=total,
+            device=device,
         )
-        return cls(new, [_chunk(q_lens, lens) for lens in chunk_lens])
+        return cls(new, tuple(_chunk(q_lens, lens, device) for lens in chunk_lens))
 
 
-def _chunk(q_lens: list[int], lens: list[int]) -> _Chunk:
+def _chunk(q_lens: list[int], lens: list[int], device: Any) -> _Chunk:
+    """The call of one chunk: request ``i`` has ``q_lens[i]`` new rows and ``lens[i]`` keys,
+    at chunk rows ``sum(lens[:i]) ..`` (SGLang's order)."""
     pieces_q: list[int] = []
     pieces_kv: list[int] = []
     tables: list[list[int]] = []
@@ -739,6 +735,7 @@ def _chunk(q_lens: list[int], lens: list[int]) -> _Chunk:
         page_tables=tables,
         page_size=1,
         num_pages=kv_at,
+        device=device,
     )
     return _Chunk(batch, torch.tensor(rows, dtype=torch.int64) if skipped else None)
 
