@@ -6,10 +6,12 @@ vLLM's ``additional_config`` and SGLang's ``ATTN_DISPATCH_SGLANG`` both carry ru
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from attn_dispatch._errors import InvalidSpecError
+from attn_dispatch._forms import FormPolicy
 from attn_dispatch._spec import BackendSpec
 
 
@@ -33,7 +35,28 @@ def backend_options(options: object, *, example: str) -> dict[str, dict[str, Any
         raise InvalidSpecError(
             "options", options, f"expected backend name -> keywords, such as {example}"
         )
-    return {name: dict(kw) for name, kw in options.items()}
+    return {name: _with_policy(name, dict(kw)) for name, kw in options.items()}
+
+
+def _with_policy(name: str, kw: dict[str, Any]) -> dict[str, Any]:
+    """A ``form_policy`` written as JSON (``{"short_prefix_max": 0}``: ``FormPolicy``'s
+    fields, forms by value) becomes the ``FormPolicy`` that ``bind`` takes.
+
+    >>> _with_policy("torch", {"form_policy": {"short_prefix_max": 0}})["form_policy"]
+    FormPolicy(no_prefix=<AttnForm.MHA: 'mha'>, ..., short_prefix_max=0, ...)
+    """
+    policy = kw.get("form_policy")
+    if isinstance(policy, Mapping):
+        fields = {f.name for f in dataclasses.fields(FormPolicy)}
+        unknown = sorted(str(k) for k in policy if k not in fields)
+        if unknown:
+            raise InvalidSpecError(
+                f"options[{name!r}]['form_policy']",
+                dict(policy),
+                f"unknown field(s) {unknown!r}; FormPolicy's fields are {sorted(fields)!r}",
+            )
+        kw["form_policy"] = FormPolicy(**policy)
+    return kw
 
 
 #: The keys of a spec that names a saved dispatch table (``tune --save``).

@@ -18,9 +18,11 @@ Three things, all keyed by the backend name ``"attn_dispatch"``:
    unchanged.
 5. The form of an MLA layer on this backend, in SGLang's two registries of backend names:
    DeepSeek's (``deepseek_common.attention_backend_handler.AttentionBackendRegistry``) gets a
-   handler that asks the runner's own binding (absorbed ``MLA``, or decompressed ``MHA``: SGLang's
-   MHA without a prefix, its one-shot MHA with one); Sarvam's gets separate rope (the backend
-   takes either rope form; FlashInfer's is separate too).
+   handler that asks the runner's own binding (absorbed ``MLA``, or decompressed: SGLang's
+   ``MHA`` without a prefix; with one, its chunked-KV MHA when the binding picks
+   ``mha_chunked``, else its one-shot MHA); Sarvam's gets separate rope (the backend takes
+   either rope form; FlashInfer's is separate too). The name joins SGLang's list of backends
+   that serve the chunked prefix cache (else SGLang turns that cache off at model load).
 
 The backend stamps its own names on itself (``backend.AttnDispatchSGLangBackend``), so DeepSeek's
 fallback for an unstamped backend (the process-wide pair) is never taken for it.
@@ -111,10 +113,17 @@ def _deepseek_form(attn: Any, forward_batch: Any) -> Any:
         # Not ours after all: what SGLang does for a name it has no handler for.
         return handlers.handle_attention_triton(attn, forward_batch)
     method = handlers.AttnForwardMethod
-    if backend.form_for(attn) is AttnForm.MLA:
+    form = backend.form_for(attn)
+    if form is AttnForm.MLA:
         return method.MLA
     prefix = sum(forward_batch.extend_prefix_lens_cpu or [0])
-    return method.MHA if prefix == 0 else method.MHA_ONE_SHOT
+    if prefix == 0:
+        return method.MHA
+    if form is AttnForm.MHA_CHUNKED and not getattr(attn, "disable_chunked_prefix_cache", False):
+        # SGLang splits the prefix into chunks of SGLANG_MAX_KV_CHUNK_CAPACITY tokens and
+        # merges the partial states itself; each call is served by the backend.
+        return method.MHA_CHUNKED_KV
+    return method.MHA_ONE_SHOT
 
 
 _DEEPSEEK_FORMS = "sglang.srt.models.deepseek_common.attention_backend_handler"
@@ -124,6 +133,12 @@ _SARVAM = "sglang.srt.models.sarvam_moe"
 def _install_forms() -> None:
     import importlib
 
+    from sglang.srt.arg_groups import choices
+
+    # SGLang turns its chunked prefix cache off at model load for a prefill backend not on
+    # this list; ours serves it (the form is still the binding's choice).
+    if BACKEND_NAME not in choices.CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS:
+        choices.add_chunked_prefix_cache_attention_backend(BACKEND_NAME)
     deepseek = importlib.import_module(_DEEPSEEK_FORMS)
     deepseek.AttentionBackendRegistry.register(BACKEND_NAME, _deepseek_form)
     sarvam = importlib.import_module(_SARVAM)
@@ -133,6 +148,11 @@ def _install_forms() -> None:
 def _uninstall_forms() -> None:
     import sys
 
+    from sglang.srt.arg_groups import choices
+
+    names = choices.CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS
+    while BACKEND_NAME in names:
+        names.remove(BACKEND_NAME)
     for name in (_DEEPSEEK_FORMS, _SARVAM):
         module = sys.modules.get(name)
         if module is not None:

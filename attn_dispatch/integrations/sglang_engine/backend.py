@@ -26,11 +26,13 @@ Query rows and KV per forward mode (SGLang 0.5.23's eager batches):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import tempfile
 import threading
 from typing import Any
+from typing import cast
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -45,6 +47,7 @@ from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._forms import AttnForm
+from attn_dispatch._phase import Phase
 from attn_dispatch._record import record_dispatch
 from attn_dispatch._scope import attention
 from attn_dispatch._scope import attention_form
@@ -88,6 +91,11 @@ def _write_record(path: str, rec: record_dispatch) -> None:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(rows, f)
     os.replace(tmp, path)
+
+
+#: What a layer call returns: the output, or ``(out, lse)`` when SGLang asks for the state
+#: (its chunked-KV prefill sets ``forward_batch.mha_return_lse``).
+_Out = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 # -- MLA layers ------------------------------------------------------------------------------
@@ -195,6 +203,9 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
         self.tree_verify = self.label == TARGET and topk > 1
         self._bindings: dict[AttnConfig, Binding] = {}
         self._batch: AttnBatch | None = None
+        # SGLang's chunked-KV prefill of this forward (``init_mha_chunk_metadata``): the new
+        # tokens' own batch, then one batch per prefix chunk.
+        self._chunked: _ChunkedKV | None = None
         self._recorder = _recording(settings)
         # Bind once now for the model's attention shape, so a spec the kernels cannot serve
         # fails at start-up, not at the first request. Layers bind their own config (scale,
@@ -322,6 +333,7 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         mode = forward_batch.forward_mode
+        self._chunked = None
         if mode.is_idle():
             self._batch = None
             return
@@ -390,12 +402,37 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
                 self._check_form(kw.pop("form", None))
                 out = attention(*args, **kw)
             return out
+        filed_as: AttnForm | None = kw.pop("filed_as", None)
+        first = len(rec._recorder.events)
         with rec, attn_scope(binding, batch):
             self._check_form(kw.pop("form", None))
             out = attention(*args, **kw)
+        if filed_as is not None:
+            # A call of SGLang's chunked-KV prefill runs on an MHA binding of the layer's
+            # decompressed config (no form of its own): filed under the MLA layer's form.
+            events = rec._recorder.events
+            for i in range(first, len(events)):
+                if events[i].label == binding.label and events[i].form is None:
+                    events[i] = dataclasses.replace(events[i], form=filed_as.value)
         assert self.settings.record is not None
         _write_record(self.settings.record, rec)
         return out
+
+    def _attend_lse(
+        self, binding: Binding, batch: AttnBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of ragged ``[rows, H, D]`` K/V (pages of one token)."""
+        got = self._attend(
+            binding,
+            batch,
+            q,
+            k.unsqueeze(1),
+            v.unsqueeze(1),
+            return_lse=True,
+            filed_as=AttnForm.MHA_CHUNKED,
+        )
+        out, lse = cast("tuple[torch.Tensor, torch.Tensor]", got)
+        return out, lse
 
     def _check_form(self, called: AttnForm | None) -> None:
         """An MLA call's form (absorbed, or decompressed) must be the one the binding chose."""
@@ -421,7 +458,7 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
         forward_batch: Any,
         save_kv_cache: bool = True,
         **kwargs: Any,
-    ) -> torch.Tensor:
+    ) -> _Out:
         heads, v_dim = layer.tp_q_head_num, layer.v_head_dim
         if forward_batch.forward_mode.is_idle():
             return q.new_empty(q.shape[0], heads * v_dim)
@@ -455,7 +492,7 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
         q_rope: torch.Tensor | None = None,
         k_rope: torch.Tensor | None = None,
         **kwargs: Any,
-    ) -> torch.Tensor:
+    ) -> _Out:
         """One MLA layer call: SGLang's absorbed call (``attn_mqa``: latent + rope, rope
         separate or concatenated) reads the latent pool in place; its decompressed call
         (``attn_mha``: ``nope + rope`` / ``v`` per head, K/V given whole) attends the rows
@@ -503,6 +540,11 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
         self._check_rows(query, batch, forward_batch)
         keys = k.reshape(-1, heads, dk).contiguous()
         values = v.reshape(-1, heads, dv).contiguous()
+        if getattr(forward_batch, "attn_attend_prefix_cache", None) is not None and getattr(
+            forward_batch, "mha_return_lse", None
+        ):
+            # SGLang's chunked-KV prefill (MHA_CHUNKED_KV): it merges the parts itself.
+            return self._chunked_kv_call(layer, forward_batch, query, keys, values)
         if self.form_for(layer) is AttnForm.MHA_CHUNKED:
             # SGLang decompressed the whole prefix at once (one-shot): hand it over as one
             # chunk, the new tokens apart.
@@ -520,10 +562,85 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
             out = self._attend(binding, batch, query, keys, values, form=AttnForm.MHA)
         return out.reshape(-1, heads * dv)
 
-    def forward_decode(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    # -- SGLang's chunked-KV prefill (MHA_CHUNKED_KV) --------------------------------------
+
+    def init_mha_chunk_metadata(self, forward_batch: Any) -> None:
+        """SGLang calls this once per forward after splitting the cached prefix into chunks
+        (``prepare_chunked_prefix_cache_info``): the batches of its calls are built here,
+        on the host, from the chunk lengths SGLang computed (none for its one-shot MHA)."""
+        self._chunked = None
+        n = int(getattr(forward_batch, "num_prefix_chunks", None) or 0)
+        if n == 0 or not self.is_mla:
+            return
+        batch = self._require_batch(forward_batch)
+        chunk_lens = forward_batch.prefix_chunk_seq_lens_cpu
+        self._chunked = _ChunkedKV.of(
+            batch.q_lens(),
+            [[int(x) for x in chunk_lens[i].tolist()] for i in range(n)],
+            self.device,
+        )
+
+    def _chunk_binding(self, layer: Any, *, causal: bool) -> Binding:
+        """The decompressed MHA config of ``layer`` with the attention state (``lse``);
+        ``causal=False`` for a prefix chunk (every new row sees every chunk key)."""
+        scale = getattr(layer, "scaling", None)
+        cfg = self._mla_config(float(scale) if scale else None).decompressed()
+        return self._binding(cfg.replace(return_lse=True, causal=causal))
+
+    def _chunked_kv_call(
+        self,
+        layer: Any,
+        forward_batch: Any,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One call of SGLang's chunked-KV prefill, ``(out [T, H, dv], lse [T, H])``.
+
+        First the new tokens over themselves (causal; ``attn_attend_prefix_cache`` False),
+        then, per prefix chunk ``prefix_chunk_idx``, the new tokens over the chunk's rows
+        (SGLang decompressed them, request after request): no causal mask. SGLang merges
+        the states (``merge_state``)."""
+        chosen = self.form_for(layer)
+        if chosen is not AttnForm.MHA_CHUNKED:
+            raise InvalidBatchError(
+                "layer",
+                f"SGLang ran its chunked-KV prefill on the {self.label} runner's attn_dispatch "
+                f"backend, whose binding chose {chosen.value!r} for this batch (the backend "
+                "answers SGLang's MHA_CHUNKED_KV only for 'mha_chunked')",
+            )
+        plan = self._chunked
+        if plan is None:
+            raise InvalidBatchError(
+                "forward_batch",
+                f"SGLang's chunked-KV prefill reached the {self.label} runner's attn_dispatch "
+                "backend without its chunk metadata (init_mha_chunk_metadata was not called)",
+            )
+        if not forward_batch.attn_attend_prefix_cache:
+            binding = self._chunk_binding(layer, causal=True)
+            return self._attend_lse(binding, plan.new, query, keys, values)
+        idx = int(forward_batch.prefix_chunk_idx)
+        chunk = plan.chunks[idx]
+        binding = self._chunk_binding(layer, causal=False)
+        # Rows of requests with no key in this chunk attended nothing: out 0, lse -inf
+        # (what merge_state takes as an empty part).
+        heads, dv = query.shape[1], values.shape[-1]
+        out = query.new_zeros(query.shape[0], heads, dv)
+        lse = torch.full(
+            (query.shape[0], heads), -torch.inf, dtype=torch.float32, device=query.device
+        )
+        if chunk.batch is None:  # no request has keys in this chunk
+            return out, lse
+        if chunk.rows is None:
+            return self._attend_lse(binding, chunk.batch, query, keys, values)
+        rows = chunk.rows.to(query.device)
+        out[rows], lse[rows] = self._attend_lse(binding, chunk.batch, query[rows], keys, values)
+        return out, lse
+
+    def forward_decode(self, *args: Any, **kwargs: Any) -> _Out:
         return self.forward(*args, **kwargs)
 
-    def forward_extend(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward_extend(self, *args: Any, **kwargs: Any) -> _Out:
         return self.forward(*args, **kwargs)
 
     def support_triton(self) -> bool:
@@ -542,6 +659,85 @@ def _split_prefix(batch: AttnBatch) -> tuple[torch.Tensor, torch.Tensor, list[in
         indptr.append(indptr[-1] + n - ql)
         at += n
     return torch.cat(new), torch.cat(pre), indptr
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _Chunk:
+    """One prefix chunk's call: ``batch`` over the chunk's K/V rows (None: no request has
+    keys in it), and ``rows``, the new-token rows it attends (None: all of them)."""
+
+    batch: AttnBatch | None
+    rows: torch.Tensor | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _ChunkedKV:
+    """The batches of SGLang's chunked-KV prefill for one forward.
+
+    ``new``: the new tokens over their own rows (K/V of the new tokens only, ragged: one
+    token per page), causal. ``chunks[i]``: the new tokens over prefix chunk ``i``'s rows,
+    for a non-causal config. An ``AttnBatch`` needs ``kv_len >= q_len`` per request, so a
+    request with more new tokens than keys in the chunk is split into pieces of at most
+    ``kv_len`` rows over the same keys (the same pages, listed again): without a causal mask
+    every row's attention is its own, so the pieces compute exactly the request's rows. A
+    request with no key in the chunk leaves its rows out (they attended nothing).
+    """
+
+    new: AttnBatch
+    chunks: tuple[_Chunk, ...]
+
+    @classmethod
+    def of(cls, q_lens: list[int], chunk_lens: list[list[int]], device: Any) -> _ChunkedKV:
+        total = sum(q_lens)
+        pages, at = [], 0
+        for n in q_lens:
+            pages.append(list(range(at, at + n)))
+            at += n
+        new = AttnBatch.build(
+            Phase.PREFILL,
+            q_lens=q_lens,
+            kv_lens=q_lens,
+            page_tables=pages,
+            page_size=1,
+            num_pages=total,
+            device=device,
+        )
+        return cls(new, tuple(_chunk(q_lens, lens, device) for lens in chunk_lens))
+
+
+def _chunk(q_lens: list[int], lens: list[int], device: Any) -> _Chunk:
+    """The call of one chunk: request ``i`` has ``q_lens[i]`` new rows and ``lens[i]`` keys,
+    at chunk rows ``sum(lens[:i]) ..`` (SGLang's order)."""
+    pieces_q: list[int] = []
+    pieces_kv: list[int] = []
+    tables: list[list[int]] = []
+    rows: list[int] = []
+    q_at = kv_at = 0
+    skipped = False
+    for q, c in zip(q_lens, lens, strict=True):
+        if c == 0:
+            skipped = True
+        else:
+            keys = list(range(kv_at, kv_at + c))
+            for start in range(0, q, c):
+                pieces_q.append(min(c, q - start))
+                pieces_kv.append(c)
+                tables.append(keys)
+            rows.extend(range(q_at, q_at + q))
+        q_at += q
+        kv_at += c
+    if not pieces_q:
+        return _Chunk(None, None)
+    batch = AttnBatch.build(
+        Phase.PREFILL,
+        q_lens=pieces_q,
+        kv_lens=pieces_kv,
+        page_tables=tables,
+        page_size=1,
+        num_pages=kv_at,
+        device=device,
+    )
+    return _Chunk(batch, torch.tensor(rows, dtype=torch.int64) if skipped else None)
 
 
 class AttnDispatchMultiStepDraftBackend:

@@ -7,7 +7,8 @@ process whose PYTHONPATH holds the test-only shims (``shims/``), with
     python engine_run.py WORKDIR --gpu      # bench/gpu.sh's SGLang check (a CUDA machine)
 
 Each run: ``{"name", "backend", "env" (ATTN_DISPATCH_SGLANG or null), "spec" (null or
-{"algorithm", "draft": "target" | "draft" | "head", "topk", "steps", "tokens"}), "page"}``.
+{"algorithm", "draft": "target" | "draft" | "head", "topk", "steps", "tokens"}), "page",
+"sglang_env" (SGLang's own environment variables for this run)}``.
 Every engine serves the same two rounds of greedy requests: two prompts, then two that share a
 prefix with the first (SGLang's radix cache turns those into an extend over a cached prefix).
 """
@@ -222,6 +223,21 @@ def one_run(run: dict[str, Any], paths: dict[str, str], work: str) -> dict[str, 
         os.environ["ATTN_DISPATCH_SGLANG"] = json.dumps(env)
     else:
         os.environ.pop("ATTN_DISPATCH_SGLANG", None)
+    # SGLang's own environment variables for this run (its scheduler subprocess inherits
+    # them), put back afterwards.
+    saved = {k: os.environ.get(k) for k in run.get("sglang_env", {})}
+    os.environ.update(run.get("sglang_env", {}))
+    try:
+        return _run_engine(sglang, run, paths, record)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run_engine(sglang: Any, run: dict[str, Any], paths: dict[str, str], record: str) -> Any:
     out: dict[str, Any] = {"name": run["name"]}
     t0 = time.perf_counter()
     try:

@@ -103,6 +103,21 @@ MLA_RUNS: list[dict[str, Any]] = [
         "model": "mla_target",
         "spec": {"algorithm": "STANDALONE", "draft": "mla_draft"},
     },
+    # The target's binding picks mha_chunked for a prefill with a cached prefix, so our
+    # handler answers SGLang's chunked-KV MHA; SGLang's chunk capacity of 4 tokens splits the
+    # second round's 13-token prefix into >= 4 chunks (2 tokens per request when both
+    # requests share a batch).
+    {
+        "name": "mla_chunked_kv",
+        "backend": "attn_dispatch",
+        "env": {
+            "target": TARGET_SPEC,
+            "options": {"sdpa": {"form_policy": {"short_prefix_max": 0}}},
+            "record": "auto",
+        },
+        "model": "mla_target",
+        "sglang_env": {"SGLANG_MAX_KV_CHUNK_CAPACITY": "4"},
+    },
     {
         "name": "sarvam_draft",
         "backend": "attn_dispatch",
@@ -175,8 +190,9 @@ def _table(run: dict[str, Any]) -> dict[tuple[str, str], str]:
     table: dict[tuple[str, str], str] = {}
     for label, phase, backend, calls, _form in run["record"]:
         assert calls > 0
-        assert (label, phase) not in table, f"{label} {phase} ran on two backends: {run['record']}"
-        table[(label, phase)] = backend
+        # One row per form: every form of a phase on the same backend.
+        seen = table.setdefault((label, phase), backend)
+        assert seen == backend, f"{label} {phase} ran on two backends: {run['record']}"
     return table
 
 
@@ -228,7 +244,8 @@ register(); register()
 hooked = DraftBackendFactory._create_backend
 state = [ATTENTION_BACKENDS.get("attn_dispatch") is not None,
          choices.ATTENTION_BACKEND_CHOICES.count("attn_dispatch"),
-         choices.DRAFT_ATTENTION_BACKEND_CHOICES.count("attn_dispatch"), hooked is not kept[0]]
+         choices.DRAFT_ATTENTION_BACKEND_CHOICES.count("attn_dispatch"), hooked is not kept[0],
+         choices.CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS.count("attn_dispatch")]
 # The hook adds our name to the factory's map and nothing else.
 class F: draft_model_runner = None; topk = 1; speculative_num_steps = 3
 m = {"triton": 1}
@@ -247,7 +264,8 @@ state += ["attn_dispatch" in ATTENTION_BACKENDS,
           "attn_dispatch" in choices.ATTENTION_BACKEND_CHOICES,
           DraftBackendFactory._create_backend is kept[0] and held is kept[0],
           ds.AttentionBackendRegistry.get_handler("attn_dispatch") is ds.handle_attention_triton,
-          "attn_dispatch" in sarvam_moe.AttentionBackendRegistry._handlers]
+          "attn_dispatch" in sarvam_moe.AttentionBackendRegistry._handlers,
+          "attn_dispatch" in choices.CHUNKED_PREFIX_CACHE_SUPPORTED_ATTENTION_BACKENDS]
 print(json.dumps(state))
 """
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
@@ -258,8 +276,8 @@ print(json.dumps(state))
     assert out.returncode == 0, out.stderr[-4000:]
     state = json.loads(out.stdout.strip().splitlines()[-1])
     assert state == [
-        *(True, 1, 1, True, ["attn_dispatch", "triton"], True, True),
-        *(False, False, True, True, False),
+        *(True, 1, 1, True, 1, ["attn_dispatch", "triton"], True, True),
+        *(False, False, True, True, False, False),
     ]
 
 
@@ -376,10 +394,11 @@ def _forms(run: dict[str, Any]) -> set[tuple[str, str, str, str]]:
 @needs_sglang
 def test_mla_greedy_tokens_are_sglangs_own(engine_runs: dict[str, Any]) -> None:
     alone = MLA_REFERENCE
-    for name in ("mla_standalone", "sarvam_draft"):
+    for name in ("mla_standalone", "mla_chunked_kv", "sarvam_draft"):
         assert engine_runs[name].get("error") is None, engine_runs[name].get("traceback")
         assert engine_runs[name]["tokens"] == alone, name
-    assert min(engine_runs["mla_standalone"]["cached_tokens"][2:]) >= 12
+    for name in ("mla_standalone", "mla_chunked_kv"):
+        assert min(engine_runs[name]["cached_tokens"][2:]) >= 12, name
 
 
 @needs_sglang
@@ -404,3 +423,20 @@ def test_sarvam_draft_on_its_own_backend_runs(engine_runs: dict[str, Any]) -> No
     # The target alone is on attn_dispatch; the Sarvam draft ran on SGLang's triton backend.
     assert _table(run) == TARGET_TABLE
     assert sum(run["verify_ct"]) > 0
+
+
+@needs_sglang
+def test_mla_chunked_kv_prefill(engine_runs: dict[str, Any]) -> None:
+    """SGLang's chunked-KV MHA over a cached prefix, every call through the target's
+    binding: prefill without a prefix in SGLang's MHA, with one in chunks (filed as
+    ``mha_chunked``: the new tokens' call and one per chunk), decode absorbed."""
+    run = engine_runs["mla_chunked_kv"]
+    assert _table(run) == {("target", "prefill"): "sdpa", ("target", "decode"): "torch"}
+    assert _forms(run) == {
+        ("target", "prefill", "sdpa", "mha"),
+        ("target", "prefill", "sdpa", "mha_chunked"),
+        ("target", "decode", "torch", "mla"),
+    }
+    calls = {form: n for _l, _p, _b, n, form in run["record"]}
+    # 2 layers x (the new tokens' call + >= 4 chunks of <= 4 prefix tokens of 13).
+    assert calls["mha_chunked"] >= 2 * (1 + 4), run["record"]
