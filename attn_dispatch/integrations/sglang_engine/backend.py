@@ -47,6 +47,7 @@ from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import InvalidSpecError
 from attn_dispatch._forms import AttnForm
+from attn_dispatch._forms import FormPolicy
 from attn_dispatch._phase import Phase
 from attn_dispatch._record import record_dispatch
 from attn_dispatch._scope import attention
@@ -215,7 +216,13 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
         heads = int(mc.num_attention_heads) // tp
         if self.is_mla:
             self._mla = _MLAShape.of(model_runner, pool, heads)
-            self._binding(self._mla_config(None))
+            mla = self._binding(self._mla_config(None))
+            if _may_choose_chunked(mla):
+                # SGLang's chunked-KV calls run on two bindings of the decompressed config
+                # (new tokens causal, prefix chunks not): bound now too, so a spec that
+                # cannot serve them (no lse, no non-causal prefill) fails at start-up.
+                for causal in (True, False):
+                    self._binding(self._chunk_config(None, causal=causal))
             return
         kv_heads = int(mc.get_num_kv_heads(tp))
         head_dim = int(mc.head_dim)
@@ -584,8 +591,11 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
         """The decompressed MHA config of ``layer`` with the attention state (``lse``);
         ``causal=False`` for a prefix chunk (every new row sees every chunk key)."""
         scale = getattr(layer, "scaling", None)
-        cfg = self._mla_config(float(scale) if scale else None).decompressed()
-        return self._binding(cfg.replace(return_lse=True, causal=causal))
+        return self._binding(self._chunk_config(float(scale) if scale else None, causal=causal))
+
+    def _chunk_config(self, sm_scale: float | None, *, causal: bool) -> AttnConfig:
+        cfg = self._mla_config(sm_scale).decompressed()
+        return cfg.replace(return_lse=True, causal=causal)
 
     def _chunked_kv_call(
         self,
@@ -645,6 +655,15 @@ class AttnDispatchSGLangBackend(AttentionBackend):  # type: ignore[misc]
 
     def support_triton(self) -> bool:
         return False
+
+
+def _may_choose_chunked(binding: Binding) -> bool:
+    """Whether the prefill form policy of an MLA binding can pick ``mha_chunked``."""
+    chooser = binding.route(Phase.PREFILL).chooser
+    policy = getattr(chooser, "__self__", None)  # FormPolicy.choose, bound to its policy
+    if not isinstance(policy, FormPolicy):
+        return chooser is not None
+    return AttnForm.MHA_CHUNKED in (policy.no_prefix, policy.short_prefix, policy.long_prefix)
 
 
 def _split_prefix(batch: AttnBatch) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
