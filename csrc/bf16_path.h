@@ -1,6 +1,6 @@
 // AVX-512-BF16 path (kern_avx512bf16.cpp only, through kernels_impl.h; compiles alone with
 // -mavx512bf16 and the AVX-512 flags):
-// bf16 q with a bf16 cache, head dims multiples of 32. K and V rows are used straight from
+// bf16 q with a bf16 or FP8 cache, head dims multiples of 32. K and V rows are used straight from
 // the paged cache (no conversion pass): scores with vdpbf16ps on 4 rows x 4 keys tiles
 // reduced 16 at a time, p . V with vdpbf16ps on pairs of keys (p rounded to bf16, as the
 // output will be). On Zen 4 this halves the instruction count of the fp32 path, which is
@@ -40,9 +40,9 @@ static inline bool bf16_path_applies(const NaProblem& P, const NaItem&) {
 // formats fit in bf16; e4m3fn as 2^-8 x its value, like ld_fp8, see kF8Unit):
 // - GQA/MHA: inside the tile loads (ld_bh): each K/V chunk of the block is converted once in
 //   registers, as a 4-row score tile or a p.V chunk reads it; nothing is written back.
-// - MLA: each block's latent rows once into a per-thread buffer (fp8_row_to_bf16), just
-//   which the tiles then read like cache rows: its 16 heads re-read every row 4 times (four
-//   4-row score tiles), so converting once per block is cheaper than per load.
+// - MLA: the block's first 4-row score tiles widen each latent row as they load it, into a
+//   per-thread buffer that the later tiles and p.V read like cache rows (16 heads read
+//   every row 4 times in score tiles and twice in p.V: one conversion instead of six).
 static inline bool fp8_path_applies(const NaProblem& P) {
   return (P.kv_dtype == NA_E4M3 || P.kv_dtype == NA_E5M2) && P.head_dim % 32 == 0 &&
          P.v_head_dim % 32 == 0;
@@ -249,7 +249,8 @@ static inline const float* unpermute_row(float* row, const float* ar, int Dv) {
 template <typename KT, typename RT>
 static int bf16_item_impl(const NaProblem& P, const NaItem& it) {
   constexpr bool widen = !std::is_same<KT, RT>::value;  // FP8 MLA: rows widened per block
-  const Fp8Lut<RT> lut;
+  const Fp8Lut<RT> lut;   // the tiles' loads
+  const Fp8Lut<KT> lut8;  // FP8 MLA: the cache rows' (widened into the buffer)
   const Tile T(P, it);
   const int D = T.D, Dv = T.Dv, R1 = T.R1, nkv = T.nkv, R = T.R;
   const int Rp1 = (R1 + 3) / 4 * 4;  // score tiles are 4 rows high; padded rows have q = 0
@@ -301,6 +302,7 @@ static int bf16_item_impl(const NaProblem& P, const NaItem& it) {
   const RT* kpn[BK];
   const RT* vpn[BK];
   const KT* kraw[BK];  // FP8 MLA: the next block's latent rows in the cache
+  const KT* kcur[BK];  // and this block's
   int nn = 0;          // tokens in the next block
   auto next_block = [&](int k0) {
     nn = std::max(0, std::min(BK, it.k1 - k0));
@@ -318,6 +320,8 @@ static int bf16_item_impl(const NaProblem& P, const NaItem& it) {
   next_block(it.k0);
   const int klines = int((kstride * int64_t(sizeof(KT)) + 63) / 64);
   const int vlines = mla ? 0 : int((vstride * int64_t(sizeof(KT)) + 63) / 64);
+  // FP8 rows are half the bytes, yet 2 blocks ahead measured no faster for them (0.67-0.75x
+  // bf16's time against 0.63-0.71x at 1 block, GQA decode, 1 thread).
   constexpr int pf_ahead = NA_PF_AHEAD;
   // The first blocks, which the in-loop prefetch (pf_ahead blocks ahead) never covers: at
   // once, as nothing else can run before them.
@@ -328,12 +332,14 @@ static int bf16_item_impl(const NaProblem& P, const NaItem& it) {
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
     const int n = std::min(BK, it.k1 - k0);
     if constexpr (widen) {
-      // This block's rows, prefetched during the last block's compute, widened now (widening
-      // a block ahead, before its prefetch, stalled on every line: 1.27x bf16's time).
-      for (int t = 0; t < n; ++t) {
-        uint16_t* row = f8rows + size_t(t) * D;
-        fp8_row_to_bf16(row, kraw[t], D);
-        kpn[t] = vpn[t] = row;
+      // This block's rows, prefetched during the last block's compute, are widened by its
+      // first 4-row score tiles, as they load them, into buffer row t (padded keys: the first
+      // key's row again); the later tiles and p.V read the buffer. (Widened a block ahead,
+      // before its prefetch, every line stalled: 1.27x bf16's time; in a pass of its own at
+      // the block's start, 1.08-1.18x.)
+      for (int t = 0; t < BK; ++t) {
+        kcur[t] = kraw[t < n ? t : 0];
+        kpn[t] = vpn[t] = f8rows + size_t(t) * D;
       }
     }
     for (int t = 0; t < BK; ++t) {
@@ -367,12 +373,22 @@ static int bf16_item_impl(const NaProblem& P, const NaItem& it) {
         for (int t0 = 0; t0 < nt; t0 += 4) {
           __m512 a[16];
           for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+          const bool convert = widen && r0 == 0;
           for (int c = 0; c < D; c += 32) {
             pf.step();
-            const __m512bh k0v = as_bh(ld_bh(kp[t0] + c, lut));
-            const __m512bh k1v = as_bh(ld_bh(kp[t0 + 1] + c, lut));
-            const __m512bh k2v = as_bh(ld_bh(kp[t0 + 2] + c, lut));
-            const __m512bh k3v = as_bh(ld_bh(kp[t0 + 3] + c, lut));
+            __m512i kx[4];
+            if (convert) {  // FP8 MLA, first tiles: widen the rows into the buffer
+              for (int j = 0; j < 4; ++j) {
+                kx[j] = ld_bh(kcur[t0 + j] + c, lut8);
+                _mm512_storeu_si512(f8rows + size_t(t0 + j) * D + c, kx[j]);
+              }
+            } else {
+              for (int j = 0; j < 4; ++j) kx[j] = ld_bh(kp[t0 + j] + c, lut);
+            }
+            const __m512bh k0v = as_bh(kx[0]);
+            const __m512bh k1v = as_bh(kx[1]);
+            const __m512bh k2v = as_bh(kx[2]);
+            const __m512bh k3v = as_bh(kx[3]);
             for (int i = 0; i < 4; ++i) {
               const __m512bh qv = as_bh(_mm512_loadu_si512(qg + size_t(r0 + i) * D + c));
               a[4 * i] = _mm512_dpbf16_ps(a[4 * i], qv, k0v);
