@@ -1,6 +1,6 @@
 // AVX-512-BF16 path (kern_avx512bf16.cpp only, through kernels_impl.h; compiles alone with
 // -mavx512bf16 and the AVX-512 flags):
-// bf16 q with a bf16 cache, head dims multiples of 32. K and V rows are used straight from
+// bf16 q with a bf16 or FP8 cache, head dims multiples of 32. K and V rows are used straight from
 // the paged cache (no conversion pass): scores with vdpbf16ps on 4 rows x 4 keys tiles
 // reduced 16 at a time, p . V with vdpbf16ps on pairs of keys (p rounded to bf16, as the
 // output will be). On Zen 4 this halves the instruction count of the fp32 path, which is
@@ -36,21 +36,111 @@ static inline bool bf16_path_applies(const NaProblem& P, const NaItem&) {
   return P.head_dim % 32 == 0 && P.v_head_dim % 32 == 0;
 }
 
-// FP8 MLA caches also take this path: each block's latent rows are widened once to bf16
-// (exact: both FP8 formats fit in bf16) into a per-thread double buffer, which the
-// vdpbf16ps tiles then read like cache rows. (MLA is compute-bound: the fp32 path would
-// cost twice the bf16 one.)
-static inline bool fp8_mla_path_applies(const NaProblem& P) {
-  return P.kind == NA_MLA && (P.kv_dtype == NA_E4M3 || P.kv_dtype == NA_E5M2) &&
-         P.head_dim % 32 == 0 && P.v_head_dim % 32 == 0;
+// FP8 caches take this path too (bf16 q), the rows widened to bf16 exactly (both FP8
+// formats fit in bf16; e4m3fn as 2^-8 x its value, like ld_fp8, see kF8Unit):
+// - GQA/MHA: inside the tile loads (ld_bh): each K/V chunk of the block is converted once in
+//   registers, as a 4-row score tile or a p.V chunk reads it; nothing is written back.
+// - MLA: the block's first 4-row score tiles widen each latent row as they load it, into a
+//   per-thread buffer that the later tiles and p.V read like cache rows (16 heads read
+//   every row 4 times in score tiles and twice in p.V: one conversion instead of six).
+static inline bool fp8_path_applies(const NaProblem& P) {
+  return (P.kv_dtype == NA_E4M3 || P.kv_dtype == NA_E5M2) && P.head_dim % 32 == 0 &&
+         P.v_head_dim % 32 == 0;
 }
 static thread_local std::vector<uint16_t> tls_fp8_rows;
+
+// FP8 -> bf16 bits of a magnitude (the byte without its sign), computed at compile time:
+// the 128-entry tables of Fp8Lut. Subnormals are normalised (bf16 has fp32's exponent range,
+// so every FP8 value is a normal bf16, never a denormal that vdpbf16ps would flush); e4m3fn
+// S.1111.111 is NaN (0x7fc0, as fp8_to_f32 gives); e5m2 exponent 31 is inf / NaN with its
+// mantissa kept (as fp8_to_f32 gives).
+template <typename F8>
+constexpr uint16_t fp8_mag_to_bf16(unsigned m) {
+  constexpr bool e4 = std::is_same<F8, e4m3>::value;
+  constexpr unsigned mbits = e4 ? 3 : 2, ebias = e4 ? 7 : 15;
+  // e4m3fn loads as 2^-8 x its value on this unit (kF8Unit): the scales undo it.
+  constexpr int unit_log2 = e4 ? 8 : 0;
+  static_assert(!e4 || kF8Unit == 256.0f, "e4m3fn table assumes the 2^8 unit of ld_fp8");
+  const unsigned e = m >> mbits, mant = m & ((1u << mbits) - 1);
+  if (e4 && m == 0x7f) return 0x7fc0;
+  if (!e4 && e == 31) return uint16_t(0x7f80 | (mant << (7 - mbits)));
+  if (m == 0) return 0;
+  int E = 0;          // unbiased exponent of the value
+  unsigned frac = 0;  // its 7 fraction bits in bf16
+  if (e != 0) {
+    E = int(e) - int(ebias);
+    frac = mant << (7 - mbits);
+  } else {  // subnormal: mant x 2^(1 - bias - mbits), normalised
+    int h = 0;
+    while ((mant >> (h + 1)) != 0) ++h;
+    E = h + 1 - int(ebias) - int(mbits);
+    frac = (mant << (7 - h)) & 0x7fu;
+  }
+  E -= unit_log2;
+  return uint16_t(unsigned(E + 127) << 7 | frac);
+}
+template <typename F8>
+struct Fp8Table {
+  alignas(64) uint16_t bits[128];
+  constexpr Fp8Table() : bits() {
+    for (unsigned m = 0; m < 128; ++m) bits[m] = fp8_mag_to_bf16<F8>(m);
+  }
+};
+template <typename F8>
+inline constexpr Fp8Table<F8> kFp8Table{};
+static_assert(fp8_mag_to_bf16<e5m2>(0x3c) == 0x3f80, "e5m2 1.0");
+static_assert(fp8_mag_to_bf16<e5m2>(0x01) == 0x3780, "e5m2 2^-16");
+static_assert(fp8_mag_to_bf16<e5m2>(0x03) == 0x3840, "e5m2 1.5 x 2^-15");
+static_assert(fp8_mag_to_bf16<e5m2>(0x7c) == 0x7f80, "e5m2 inf");
+static_assert(fp8_mag_to_bf16<e4m3>(0x38) == 0x3b80, "e4m3 1.0 x 2^-8");
+static_assert(fp8_mag_to_bf16<e4m3>(0x01) == 0x3700, "e4m3 2^-9 x 2^-8");
+static_assert(fp8_mag_to_bf16<e4m3>(0x7e) == 0x3fe0, "e4m3 448 x 2^-8");
+
+// The 128-entry magnitude table of one FP8 format in four zmm registers (loaded once per
+// item, kept in registers through the tile loops). For bf16 rows: nothing.
+template <typename RT>
+struct Fp8Lut {
+  explicit Fp8Lut() {}
+};
+template <typename F8>
+struct Fp8LutF8 {
+  __m512i t0, t1, t2, t3;
+  Fp8LutF8()
+      : t0(_mm512_load_si512(kFp8Table<F8>.bits)),
+        t1(_mm512_load_si512(kFp8Table<F8>.bits + 32)),
+        t2(_mm512_load_si512(kFp8Table<F8>.bits + 64)),
+        t3(_mm512_load_si512(kFp8Table<F8>.bits + 96)) {}
+};
+template <>
+struct Fp8Lut<e4m3> : Fp8LutF8<e4m3> {};
+template <>
+struct Fp8Lut<e5m2> : Fp8LutF8<e5m2> {};
+
+// 32 cache elements as 32 bf16 lanes. bf16 rows: one load. FP8: the bytes sign-extended to
+// words (the low 6 bits index a 64-entry half, bit 6 picks the half, bit 15 is the sign), two
+// vpermt2w lookups, a blend on bit 6 and the sign ORed back: 6 ops, every code exact
+// (subnormals, NaN, e5m2 inf), no branch.
+static inline __m512i ld_bh(const uint16_t* p, const Fp8Lut<uint16_t>&) {
+  return _mm512_loadu_si512(p);
+}
+template <typename F8>
+static inline __m512i ld_bh(const F8* p, const Fp8LutF8<F8>& L) {
+  const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __mmask32 upper = _mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40));
+  const __m512i lo = _mm512_permutex2var_epi16(L.t0, x, L.t1);
+  const __m512i hi = _mm512_permutex2var_epi16(L.t2, x, L.t3);
+  const __m512i mag = _mm512_mask_blend_epi16(upper, lo, hi);
+  // mag | (x & 0x8000): imm 0xF8 = A | (B & C)
+  return _mm512_ternarylogic_epi32(mag, x, _mm512_set1_epi16(short(0x8000)), 0xF8);
+}
+
+// A whole row (n a multiple of 32) widened to bf16 into dst: the MLA double buffer here and
+// the many-row path's block buffers (rows_path.h).
 template <typename F8>
 static inline void fp8_row_to_bf16(uint16_t* dst, const F8* src, int n) {
-  for (int c = 0; c < n; c += 16) {
-    const __m512 x = (__m512)ld_fp8(src + c);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+  const Fp8Lut<F8> L;
+  for (int c = 0; c < n; c += 32) {
+    _mm512_storeu_si512(dst + c, ld_bh(src + c, L));
   }
 }
 
@@ -93,10 +183,10 @@ static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 // acc[r] (NR rows, permuted lane order, see bf16_item) += p[r] . V over npairs key pairs.
 // Row i's weight pair tp is pb[i * rs + tp * ts] (rs = BK / 2, ts = 1 in bf16_item; the
 // many-row path keeps them transposed: rs = 1, ts = its lane count).
-template <int NR>
+template <int NR, typename RT = uint16_t>
 static inline void pv_rows_bf16(float* acc, int Dv, const uint32_t* pb, size_t rs, size_t ts,
-                                const float* alpha, const uint16_t* const* vp, int npairs,
-                                PfCursor& pf) {
+                                const float* alpha, const RT* const* vp, int npairs,
+                                PfCursor& pf, const Fp8Lut<RT>& lut = Fp8Lut<RT>()) {
   for (int c = 0; c < Dv; c += 32) {
     pf.step();
     __m512 lo[NR], hi[NR];
@@ -106,8 +196,8 @@ static inline void pv_rows_bf16(float* acc, int Dv, const uint32_t* pb, size_t r
       hi[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + size_t(i) * Dv + c + 16), a);
     }
     for (int tp = 0; tp < npairs; ++tp) {
-      const __m512i va = _mm512_loadu_si512(vp[2 * tp] + c);
-      const __m512i vb = _mm512_loadu_si512(vp[2 * tp + 1] + c);
+      const __m512i va = ld_bh(vp[2 * tp] + c, lut);
+      const __m512i vb = ld_bh(vp[2 * tp + 1] + c, lut);
       const __m512bh vlo = as_bh(_mm512_unpacklo_epi16(va, vb));
       const __m512bh vhi = as_bh(_mm512_unpackhi_epi16(va, vb));
       for (int i = 0; i < NR; ++i) {
@@ -123,18 +213,19 @@ static inline void pv_rows_bf16(float* acc, int Dv, const uint32_t* pb, size_t r
   }
 }
 
+template <typename RT = uint16_t>
 static inline void pv_dispatch(int nr, float* acc, int Dv, const uint32_t* pb, size_t rs,
-                               size_t ts, const float* alpha, const uint16_t* const* vp,
-                               int npairs, PfCursor& pf) {
+                               size_t ts, const float* alpha, const RT* const* vp,
+                               int npairs, PfCursor& pf, const Fp8Lut<RT>& lut = Fp8Lut<RT>()) {
   switch (nr) {
-    case 8: pv_rows_bf16<8>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
-    case 7: pv_rows_bf16<7>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
-    case 6: pv_rows_bf16<6>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
-    case 5: pv_rows_bf16<5>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
-    case 4: pv_rows_bf16<4>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
-    case 3: pv_rows_bf16<3>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
-    case 2: pv_rows_bf16<2>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
-    default: pv_rows_bf16<1>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf); break;
+    case 8: pv_rows_bf16<8, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    case 7: pv_rows_bf16<7, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    case 6: pv_rows_bf16<6, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    case 5: pv_rows_bf16<5, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    case 4: pv_rows_bf16<4, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    case 3: pv_rows_bf16<3, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    case 2: pv_rows_bf16<2, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    default: pv_rows_bf16<1, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
   }
 }
 
@@ -153,9 +244,13 @@ static inline const float* unpermute_row(float* row, const float* ar, int Dv) {
   return row;
 }
 
-template <typename KT = uint16_t>
-static int bf16_item(const NaProblem& P, const NaItem& it) {
-  constexpr bool f8 = !std::is_same<KT, uint16_t>::value;
+// KT: the cache's element type; RT: what the tiles read, the cache rows themselves (bf16, or
+// FP8 widened inside the loads) or, when they differ (FP8 MLA), the bf16 double buffer.
+template <typename KT, typename RT>
+static int bf16_item_impl(const NaProblem& P, const NaItem& it) {
+  constexpr bool widen = !std::is_same<KT, RT>::value;  // FP8 MLA: rows widened per block
+  const Fp8Lut<RT> lut;   // the tiles' loads
+  const Fp8Lut<KT> lut8;  // FP8 MLA: the cache rows' (widened into the buffer)
   const Tile T(P, it);
   const int D = T.D, Dv = T.Dv, R1 = T.R1, nkv = T.nkv, R = T.R;
   const int Rp1 = (R1 + 3) / 4 * 4;  // score tiles are 4 rows high; padded rows have q = 0
@@ -166,7 +261,7 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
   try {
     if (B.v.size() < size_t(R) * (BK / 2) + W) B.v.resize(size_t(R) * (BK / 2) + W);
     if (B.k.size() < size_t(Dv)) B.k.resize(size_t(Dv));
-    if (f8 && tls_fp8_rows.size() < size_t(2) * BK * D) tls_fp8_rows.resize(size_t(2) * BK * D);
+    if (widen && tls_fp8_rows.size() < size_t(BK) * D) tls_fp8_rows.resize(size_t(BK) * D);
   } catch (const std::bad_alloc&) {
     return -2;
   }
@@ -198,35 +293,35 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
   const bool mla = T.mla;
   const KT* kbase = static_cast<const KT*>(P.k);
   const KT* vbase = static_cast<const KT*>(mla ? P.k : P.v);
-  uint16_t* f8rows = f8 ? tls_fp8_rows.data() : nullptr;
-  int f8half = 0;  // which half of the double buffer the next block is widened into
+  uint16_t* f8rows = widen ? tls_fp8_rows.data() : nullptr;
   const int64_t kstride = T.kstride(), vstride = T.vstride();  // elements between tokens
-  const uint16_t* kp0[BK];
-  const uint16_t* vp0[BK];
-  const uint16_t* kp[BK];
-  const uint16_t* vp[BK];
-  const uint16_t* kpn[BK];
-  const uint16_t* vpn[BK];
-  int nn = 0;  // tokens in the next block
+  const RT* kp0[BK];
+  const RT* vp0[BK];
+  const RT* kp[BK];
+  const RT* vp[BK];
+  const RT* kpn[BK];
+  const RT* vpn[BK];
+  const KT* kraw[BK];  // FP8 MLA: the next block's latent rows in the cache
+  const KT* kcur[BK];  // and this block's
+  int nn = 0;          // tokens in the next block
   auto next_block = [&](int k0) {
     nn = std::max(0, std::min(BK, it.k1 - k0));
     for (int t = 0; t < nn; ++t) {
       const int pos = k0 + t;
       const int64_t slot = T.slot(pos);
-      if constexpr (f8) {  // MLA only: one latent row serves as K and V
-        uint16_t* row = f8rows + (size_t(f8half) * BK + t) * D;
-        fp8_row_to_bf16(row, kbase + slot * kstride, D);
-        kpn[t] = vpn[t] = row;
+      if constexpr (widen) {  // MLA only: one latent row serves as K and V
+        kraw[t] = kbase + slot * kstride;
       } else {
         kpn[t] = kbase + slot * kstride;
         vpn[t] = vbase + slot * vstride;
       }
     }
-    f8half ^= 1;
   };
   next_block(it.k0);
   const int klines = int((kstride * int64_t(sizeof(KT)) + 63) / 64);
   const int vlines = mla ? 0 : int((vstride * int64_t(sizeof(KT)) + 63) / 64);
+  // FP8 rows are half the bytes, yet 2 blocks ahead measured no faster for them (0.67-0.75x
+  // bf16's time against 0.63-0.71x at 1 block, GQA decode, 1 thread).
   constexpr int pf_ahead = NA_PF_AHEAD;
   // The first blocks, which the in-loop prefetch (pf_ahead blocks ahead) never covers: at
   // once, as nothing else can run before them.
@@ -236,6 +331,17 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
   pf.flush();
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
     const int n = std::min(BK, it.k1 - k0);
+    if constexpr (widen) {
+      // This block's rows, prefetched during the last block's compute, are widened by its
+      // first 4-row score tiles, as they load them, into buffer row t (padded keys: the first
+      // key's row again); the later tiles and p.V read the buffer. (Widened a block ahead,
+      // before its prefetch, every line stalled: 1.27x bf16's time; in a pass of its own at
+      // the block's start, 1.08-1.18x.)
+      for (int t = 0; t < BK; ++t) {
+        kcur[t] = kraw[t < n ? t : 0];
+        kpn[t] = vpn[t] = f8rows + size_t(t) * D;
+      }
+    }
     for (int t = 0; t < BK; ++t) {
       // Keys past the block's end reuse the first key's row (valid memory); their scores
       // are masked below, so their weights are exactly 0.
@@ -267,12 +373,22 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
         for (int t0 = 0; t0 < nt; t0 += 4) {
           __m512 a[16];
           for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+          const bool convert = widen && r0 == 0;
           for (int c = 0; c < D; c += 32) {
             pf.step();
-            const __m512bh k0v = as_bh(_mm512_loadu_si512(kp[t0] + c));
-            const __m512bh k1v = as_bh(_mm512_loadu_si512(kp[t0 + 1] + c));
-            const __m512bh k2v = as_bh(_mm512_loadu_si512(kp[t0 + 2] + c));
-            const __m512bh k3v = as_bh(_mm512_loadu_si512(kp[t0 + 3] + c));
+            __m512i kx[4];
+            if (convert) {  // FP8 MLA, first tiles: widen the rows into the buffer
+              for (int j = 0; j < 4; ++j) {
+                kx[j] = ld_bh(kcur[t0 + j] + c, lut8);
+                _mm512_storeu_si512(f8rows + size_t(t0 + j) * D + c, kx[j]);
+              }
+            } else {
+              for (int j = 0; j < 4; ++j) kx[j] = ld_bh(kp[t0 + j] + c, lut);
+            }
+            const __m512bh k0v = as_bh(kx[0]);
+            const __m512bh k1v = as_bh(kx[1]);
+            const __m512bh k2v = as_bh(kx[2]);
+            const __m512bh k3v = as_bh(kx[3]);
             for (int i = 0; i < 4; ++i) {
               const __m512bh qv = as_bh(_mm512_loadu_si512(qg + size_t(r0 + i) * D + c));
               a[4 * i] = _mm512_dpbf16_ps(a[4 * i], qv, k0v);
@@ -312,15 +428,15 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
         l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(_mm512_add_ps(w0, w1));
         m[r] = mn;
       }
-      guard_values<uint16_t>(P, lim, mrow, bad, gi * R1, (gi + 1) * R1, k0, n, vp, Dv);
+      guard_values<RT>(P, lim, mrow, bad, gi * R1, (gi + 1) * R1, k0, n, vp, Dv);
       // An odd block's last pair reads one key past the block (weight 0): a zero row, so a
       // non-finite value there cannot reach any row.
-      if (n % 2) vp[n] = zero_row<uint16_t>();
+      if (n % 2) vp[n] = zero_row<RT>();
       const int npairs = (n + 1) / 2;
       for (int r0 = gi * R1; r0 < (gi + 1) * R1; r0 += 8) {
         const int nr = std::min(8, (gi + 1) * R1 - r0);
-        pv_dispatch(nr, acc + size_t(r0) * Dv, Dv, pb + size_t(r0) * (BK / 2), BK / 2, 1,
-                    alpha + r0, vp, npairs, pf);
+        pv_dispatch<RT>(nr, acc + size_t(r0) * Dv, Dv, pb + size_t(r0) * (BK / 2), BK / 2, 1,
+                        alpha + r0, vp, npairs, pf, lut);
       }
     }
   }
@@ -328,6 +444,16 @@ static int bf16_item(const NaProblem& P, const NaItem& it) {
     return unpermute_row(B.k.data(), acc + size_t(r) * Dv, Dv);  // B.k: >= Dv floats
   });
   return 0;
+}
+
+// bf16 q with a bf16 or FP8 cache (head dims multiples of 32).
+template <typename KT = uint16_t>
+static int bf16_item(const NaProblem& P, const NaItem& it) {
+  if constexpr (std::is_same<KT, uint16_t>::value) {
+    return bf16_item_impl<KT, KT>(P, it);
+  } else {
+    return P.kind == NA_MLA ? bf16_item_impl<KT, uint16_t>(P, it) : bf16_item_impl<KT, KT>(P, it);
+  }
 }
 
 }  // namespace NA_NS

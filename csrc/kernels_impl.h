@@ -498,7 +498,7 @@ static int item(const NaProblem* p, const NaItem* it) {
   if (p->q_dtype == NA_BF16 && p->kv_dtype == NA_BF16 && bf16_path_applies(*p, *it)) {
     return bf16_item(*p, *it);
   }
-  if (p->q_dtype == NA_BF16 && fp8_mla_path_applies(*p)) {
+  if (p->q_dtype == NA_BF16 && fp8_path_applies(*p)) {
     return p->kv_dtype == NA_E4M3 ? bf16_item<e4m3>(*p, *it) : bf16_item<e5m2>(*p, *it);
   }
 #endif
