@@ -318,15 +318,19 @@ static int bf16_item_impl(const NaProblem& P, const NaItem& it) {
     }
   };
   next_block(it.k0);
-  const int klines = int((kstride * int64_t(sizeof(KT)) + 63) / 64);
-  const int vlines = mla ? 0 : int((vstride * int64_t(sizeof(KT)) + 63) / 64);
+  // Prefetch the tile's kv heads of each token only (a tile of 2 of 8 kv heads used to
+  // queue the whole row: 4x the lines it reads).
+  const KT* kpf = kbase + (mla ? 0 : int64_t(it.kv_head) * D);
+  const KT* vpf = vbase + (mla ? 0 : int64_t(it.kv_head) * Dv);
+  const int klines = int(((mla ? kstride : int64_t(T.nkv) * D) * int64_t(sizeof(KT)) + 63) / 64);
+  const int vlines = mla ? 0 : int((int64_t(T.nkv) * Dv * int64_t(sizeof(KT)) + 63) / 64);
   // FP8 rows are half the bytes, yet 2 blocks ahead measured no faster for them (0.67-0.75x
   // bf16's time against 0.63-0.71x at 1 block, GQA decode, 1 thread).
   constexpr int pf_ahead = NA_PF_AHEAD;
   // The first blocks, which the in-loop prefetch (pf_ahead blocks ahead) never covers: at
   // once, as nothing else can run before them.
   PfCursor pf;
-  pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + pf_ahead * BK), kbase, vbase, kstride,
+  pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + pf_ahead * BK), kpf, vpf, kstride,
                 vstride, klines, vlines);
   pf.flush();
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
@@ -350,11 +354,11 @@ static int bf16_item_impl(const NaProblem& P, const NaItem& it) {
     }
     next_block(k0 + BK);
     const int nt = (n + 3) / 4 * 4;
-    // Rows to prefetch: NA_PF_AHEAD blocks ahead, whole rows (every head) in address order,
+    // Rows to prefetch: NA_PF_AHEAD blocks ahead, the tile's heads of each token in address order,
     // issued a few lines per compute step (score tile, value chunk) over this block.
     {
       const int ka = k0 + pf_ahead * BK;
-      pf.queue_rows(T, ka, std::min(it.k1, ka + BK), kbase, vbase, kstride, vstride, klines,
+      pf.queue_rows(T, ka, std::min(it.k1, ka + BK), kpf, vpf, kstride, vstride, klines,
                     vlines);
       const int calls = nkv * ((Rp1 / 4) * (nt / 4) * (D / 32) + ((R1 + 7) / 8) * (Dv / 32));
       pf.plan(calls);

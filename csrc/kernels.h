@@ -67,11 +67,13 @@ constexpr int kMinSplitKeys = 256;
 constexpr int kMinCascadeKeys = 64;
 // Rows per kv head (q heads of one kv head x query tokens) from which an item takes the
 // many-row tile path (rows_path.h) instead of the decode-shaped kernels. Measured (single
-// thread, bench/native_notes.md "Many-row tile path"): at 16 rows the two are even on
-// avx512bf16 and avx2 and the many-row one 11% slower on avx512; at 32 rows it is 4-18%
-// faster on every path; with an FP8 cache on avx512bf16 (bf16 tiles instead of fp32 ones)
-// it is faster from 16 rows. Decode (GQA: group-size rows) stays on the older kernels.
-constexpr int kRowsMinBf16 = 32;
+// thread CPU time, AMD EPYC Zen 5, bench/native_notes.md "Many-row tile path, round 2"):
+// avx512bf16, GQA 32/8 verify-4 (16 rows per kv head): 7.5 ms on the many-row path against
+// 11.2 ms on the decode kernels (B8 ctx 2048), so bf16 moves from 32 to 16 rows; on the fp32
+// paths 16 rows is even (avx512: 16.4 vs 15.6 ms, avx2: 17-21 vs 21-22 ms), so they stay at
+// 32, where the many-row path is faster on every path. Decode (GQA: group-size rows, 4 for
+// 32/8) stays on the decode kernels.
+constexpr int kRowsMinBf16 = 16;
 constexpr int kRowsMinFp8Bf16 = 16;
 constexpr int kRowsMinF32 = 32;
 // The amx unit (bf16 q with a bf16 or FP8 cache): from one tile's 16 rows (GQA 4 heads x a

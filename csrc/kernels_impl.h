@@ -154,8 +154,13 @@ static int fused_item(const NaProblem& P, const NaItem& it) {
   const KT* kbase = static_cast<const KT*>(P.k);
   const KT* vbase = static_cast<const KT*>(T.mla ? P.k : P.v);
   const int64_t kstride = T.kstride(), vstride = T.vstride();
-  const int klines = int((kstride * int64_t(sizeof(KT)) + 63) / 64);
-  const int vlines = T.mla ? 0 : int((vstride * int64_t(sizeof(KT)) + 63) / 64);
+  // Prefetch the tile's kv heads of each token only (not the whole row: a tile of 2 of 8
+  // kv heads used to queue 4x the lines it reads).
+  const KT* kpf = kbase + (T.mla ? 0 : int64_t(it.kv_head) * Dp);
+  const KT* vpf = vbase + (T.mla ? 0 : int64_t(it.kv_head) * Dvp);
+  const int klines =
+      int(((T.mla ? kstride : int64_t(T.nkv) * Dp) * int64_t(sizeof(KT)) + 63) / 64);
+  const int vlines = T.mla ? 0 : int((int64_t(T.nkv) * Dvp * int64_t(sizeof(KT)) + 63) / 64);
   const KT* kp0[BK];
   const KT* vp0[BK];
   const KT* kp[BK + 1];
@@ -170,7 +175,7 @@ static int fused_item(const NaProblem& P, const NaItem& it) {
   // The first blocks, which the in-loop prefetch (pf_ahead blocks ahead) never covers: at
   // once, as nothing else can run before them.
   PfCursor pf;
-  pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + pf_ahead * BK), kbase, vbase, kstride,
+  pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + pf_ahead * BK), kpf, vpf, kstride,
                 vstride, klines, vlines);
   pf.flush();
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
@@ -185,7 +190,7 @@ static int fused_item(const NaProblem& P, const NaItem& it) {
     // score pair and value chunk over this block (see PfCursor).
     {
       const int ka = k0 + pf_ahead * BK;
-      pf.queue_rows(T, ka, std::min(it.k1, ka + BK), kbase, vbase, kstride, vstride, klines,
+      pf.queue_rows(T, ka, std::min(it.k1, ka + BK), kpf, vpf, kstride, vstride, klines,
                     vlines);
       const int groups = (T.R1 + 3) / 4;
       pf.plan(T.nkv * groups * ((n + 1) / 2 + 1));

@@ -376,15 +376,20 @@ static int rows_item(const NaProblem& P, const NaItem& it) {
   const KT* kbase = static_cast<const KT*>(P.k);
   const KT* vbase = static_cast<const KT*>(P.v);
   const int64_t kstride = T.kstride(), vstride = T.vstride();
-  const int klines = int((kstride * int64_t(sizeof(KT)) + 63) / 64);
-  const int vlines = int((vstride * int64_t(sizeof(KT)) + 63) / 64);
+  // Prefetch only the tile's kv heads of each token (adjacent in the row): a tile of one or
+  // two of 8 kv heads used to queue the whole row, 4-8x the lines it reads, and the cursor's
+  // per-line loop then cost more instructions than the tile's vdpbf16ps (perf, tree-8).
+  const KT* kpf = kbase + int64_t(it.kv_head) * D;
+  const KT* vpf = vbase + int64_t(it.kv_head) * Dv;
+  const int klines = int((int64_t(nkv) * D * int64_t(sizeof(KT)) + 63) / 64);
+  const int vlines = int((int64_t(nkv) * Dv * int64_t(sizeof(KT)) + 63) / 64);
   const KT* kp0[BK];
   const KT* vp0[BK];
   const float* vr[BK];
   for (int t = 0; t < BK; ++t) vr[t] = vb + size_t(t) * Dv;
   const int nvt = Rp / W;
   PfCursor pf;
-  pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + BK), kbase, vbase, kstride, vstride, klines,
+  pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + BK), kpf, vpf, kstride, vstride, klines,
                 vlines);
   pf.flush();
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
@@ -396,7 +401,7 @@ static int rows_item(const NaProblem& P, const NaItem& it) {
     }
     {
       const int ka = k0 + BK;
-      pf.queue_rows(T, ka, std::min(it.k1, ka + BK), kbase, vbase, kstride, vstride, klines,
+      pf.queue_rows(T, ka, std::min(it.k1, ka + BK), kpf, vpf, kstride, vstride, klines,
                     vlines);
       const int nvt_ = Rp / W;
       const int tiles = nvt_ >= kRowsNV ? round_up(n, kRowsNK2) / kRowsNK2 * ((nvt_ + 1) / 2)
@@ -555,15 +560,20 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
   const KT* kbase = static_cast<const KT*>(P.k);
   const KT* vbase = static_cast<const KT*>(P.v);
   const int64_t kstride = T.kstride(), vstride = T.vstride();
-  const int klines = int((kstride * int64_t(sizeof(KT)) + 63) / 64);
-  const int vlines = int((vstride * int64_t(sizeof(KT)) + 63) / 64);
+  // Prefetch only the tile's kv heads of each token (adjacent in the row): a tile of one or
+  // two of 8 kv heads used to queue the whole row, 4-8x the lines it reads, and the cursor's
+  // per-line loop then cost more instructions than the tile's vdpbf16ps (perf, tree-8).
+  const KT* kpf = kbase + int64_t(it.kv_head) * D;
+  const KT* vpf = vbase + int64_t(it.kv_head) * Dv;
+  const int klines = int((int64_t(nkv) * D * int64_t(sizeof(KT)) + 63) / 64);
+  const int vlines = int((int64_t(nkv) * Dv * int64_t(sizeof(KT)) + 63) / 64);
   const KT* kp0[BK];
   const KT* vp0[BK];
   const uint16_t* kr[BK];
   const uint16_t* vr[BK + 1];
   const int nvt = Rp / 16;
   PfCursor pf;
-  pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + BK), kbase, vbase, kstride, vstride, klines,
+  pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + BK), kpf, vpf, kstride, vstride, klines,
                 vlines);
   pf.flush();
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
@@ -581,7 +591,7 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
     const int nt = round_up(n, nk);
     {
       const int ka = k0 + BK;
-      pf.queue_rows(T, ka, std::min(it.k1, ka + BK), kbase, vbase, kstride, vstride, klines,
+      pf.queue_rows(T, ka, std::min(it.k1, ka + BK), kpf, vpf, kstride, vstride, klines,
                     vlines);
 #ifdef NA_HAVE_AMX
       pf.plan(nkv * (4 + (f8 ? 2 * n : 0)));  // the pf.step() calls per kv head below
