@@ -118,6 +118,15 @@ MLA_RUNS: list[dict[str, Any]] = [
         "model": "mla_target",
         "sglang_env": {"SGLANG_MAX_KV_CHUNK_CAPACITY": "4"},
     },
+    # A token tree (topk 2) over the latent pool: the target as its own draft, so every
+    # draft token is accepted and a wrong tree mask in the absorbed verify changes the tokens.
+    {
+        "name": "mla_tree",
+        "backend": "attn_dispatch",
+        "env": ENV,
+        "model": "mla_target",
+        "spec": {"algorithm": "STANDALONE", "draft": "mla_target", "topk": 2, "tokens": 6},
+    },
     {
         "name": "sarvam_draft",
         "backend": "attn_dispatch",
@@ -412,6 +421,23 @@ def test_mla_runners_each_on_their_own_spec_and_form(engine_runs: dict[str, Any]
         ("target", "prefill", "sdpa", "mha"),
         ("target", "verify", "sdpa", "mla"),
         ("draft", "prefill", "torch", "mha"),
+        ("draft", "verify", "torch", "mla"),
+        ("draft", "decode", "sdpa", "mla"),
+    }
+
+
+@needs_sglang
+def test_mla_token_tree_verify(engine_runs: dict[str, Any]) -> None:
+    """A draft token tree (topk 2) verified by an MLA target over SGLang's latent pool: the
+    target's greedy tokens, more than one token accepted per verify, each runner on its own
+    spec with the absorbed form for verify and draft decode."""
+    run = engine_runs["mla_tree"]
+    assert run.get("error") is None, run.get("traceback")
+    assert run["tokens"] == MLA_REFERENCE
+    assert sum(run["verify_ct"]) < sum(run["completion_tokens"]), run
+    assert _table(run) == {**TARGET_TABLE, **DRAFT_TABLE}
+    assert {f for f in _forms(run) if f[1] != "prefill"} == {
+        ("target", "verify", "sdpa", "mla"),
         ("draft", "verify", "torch", "mla"),
         ("draft", "decode", "sdpa", "mla"),
     }
