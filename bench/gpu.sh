@@ -150,11 +150,12 @@ else
 fi
 
 # -- 4b. SGLang's engine through attn_dispatch (when SGLang imports here) -------------------------
-# The target on attn_dispatch's flashinfer, then fa3, with a STANDALONE draft on SGLang's own
-# triton backend; greedy tokens against SGLang's flashinfer alone (tiny random Llama models).
+# The target on attn_dispatch's flashinfer, then fa3, with STANDALONE drafts (GQA, DeepSeek MLA,
+# Sarvam MLA) on SGLang's own triton backend; greedy tokens against SGLang's flashinfer alone
+# (tiny random Llama target, tiny random drafts of the same vocabulary).
 if "$PY" -c "import sglang" >/dev/null 2>&1; then
     SGL_WORK=$(mktemp -d)
-    run_step sglang-engine 240 "$PY" tests/integrations/sglang_engine/engine_run.py "$SGL_WORK" --gpu
+    run_step sglang-engine 600 "$PY" tests/integrations/sglang_engine/engine_run.py "$SGL_WORK" --gpu
     rm -rf "$SGL_WORK"
 else
     record sglang-engine skip 0 "sglang does not import here"

@@ -266,17 +266,20 @@ def _run_engine(sglang: Any, run: dict[str, Any], paths: dict[str, str], record:
 
 
 # On a GPU: SGLang's own FlashInfer target alone, then the target on attn_dispatch's flashinfer
-# (then fa3) with a STANDALONE draft on SGLang's own triton backend; greedy tokens must agree.
+# (then fa3) with a STANDALONE draft on SGLang's own triton backend: the GQA draft, then the
+# DeepSeek and Sarvam MLA drafts (the pattern: an MLA draft on its own backend beside a
+# target on another; the same vocabulary, so the target's greedy tokens must come out).
 GPU_RUNS: list[dict[str, Any]] = [
     {"name": "gpu_alone", "backend": "flashinfer", "env": None},
     *(
         {
-            "name": f"gpu_{name}",
+            "name": f"gpu_{name}_{draft}",
             "backend": "attn_dispatch",
             "env": {"target": name, "record": "auto"},
-            "spec": {"algorithm": "STANDALONE", "draft": "draft", "draft_backend": "triton"},
+            "spec": {"algorithm": "STANDALONE", "draft": draft, "draft_backend": "triton"},
         }
         for name in ("flashinfer", "fa3")
+        for draft in ("draft", "mla_draft", "sarvam_draft")
     ),
 ]
 
