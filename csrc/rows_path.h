@@ -169,15 +169,42 @@ static inline bool block_seen_whole(const NaProblem& P, const RowLanes& L, int k
   return true;
 }
 
+// One score vector of key pos (lanes j*W..) after the logit cap and the masks: -inf where
+// masked or non-finite; a non-finite score a lane sees marks the lane bad.
+__attribute__((always_inline)) static inline vf mask_scores(const NaProblem& P,
+                                                           const RowLanes& L, vf x, int j,
+                                                           int pos, bool whole, float cap2,
+                                                           vu* badv) {
+  if (P.logit_cap > 0.0f) x = vcap(x, cap2);
+  vu vis;
+  if (whole) {
+    std::memcpy(&vis, L.real + j * W, sizeof vis);  // real lanes only
+  } else if (P.causal) {
+    vi lim, lo;
+    std::memcpy(&lim, L.lim + j * W, sizeof lim);
+    std::memcpy(&lo, L.lo + j * W, sizeof lo);
+    vis = (vu)((pos <= lim) & (pos >= lo));
+  } else {
+    vi mk = vi{};
+    for (int i = 0; i < W; ++i) {
+      const int lane = j * W + i;
+      mk[i] = lane < L.R1 ? L.mrow[lane][pos] : 0;
+    }
+    vis = (vu)(mk != 0);
+  }
+  const vu nf = (vu)(!(x - x == 0.0f));
+  badv[j] |= nf & vis;
+  return (vi)(nf | ~vis) != 0 ? splat(kNegInf) : x;
+}
+
 // One block's transposed scores s[t][lane] (t < nt, lanes Rp, log2 units) of one kv head:
 // logit cap, non-finite scores (a seen one marks its row bad), the masks, then the online
 // softmax. On return s holds the weights p (0 for masked keys and keys t >= n), m/l/alpha the
 // lanes' running max, sum and this block's rescale factor; badv collects bad lanes.
-// bf16 = true: the weights are rounded to bf16 (as the vdpbf16ps p.V reads them) before they
-// are summed, so the normaliser sums what the accumulation uses.
+// (The vdpbf16ps kernel's variant, rows_softmax_pairs, rounds the weights to bf16 before they
+// are summed, so the normaliser sums what the accumulation uses.)
 static inline void rows_softmax(const NaProblem& P, const RowLanes& L, float* s, int nt, int n,
-                                int k0, bool whole, float* m, float* l, float* alpha, vu* badv,
-                                bool bf16 = false) {
+                                int k0, bool whole, float* m, float* l, float* alpha, vu* badv) {
   const int Rp = L.Rp;
   const int nvec = Rp / W;
   const float cap2 = P.logit_cap * kLog2e;
@@ -190,28 +217,7 @@ static inline void rows_softmax(const NaProblem& P, const RowLanes& L, float* s,
     }
     const int pos = k0 + t;
     for (int j = 0; j < nvec; ++j) {
-      vf x = ld(st_ + j * W);
-      if (P.logit_cap > 0.0f) x = vcap(x, cap2);
-      vu vis;
-      if (whole) {
-        std::memcpy(&vis, L.real + j * W, sizeof vis);  // real lanes only
-      } else if (P.causal) {
-        vi lim, lo;
-        std::memcpy(&lim, L.lim + j * W, sizeof lim);
-        std::memcpy(&lo, L.lo + j * W, sizeof lo);
-        vis = (vu)((pos <= lim) & (pos >= lo));
-      } else {
-        vi mk = vi{};
-        for (int i = 0; i < W; ++i) {
-          const int lane = j * W + i;
-          mk[i] = lane < L.R1 ? L.mrow[lane][pos] : 0;
-        }
-        vis = (vu)(mk != 0);
-      }
-      const vu nf = (vu)(!(x - x == 0.0f));
-      badv[j] |= nf & vis;
-      x = (vi)(nf | ~vis) != 0 ? ninf : x;
-      st(st_ + j * W, x);
+      st(st_ + j * W, mask_scores(P, L, ld(st_ + j * W), j, pos, whole, cap2, badv));
     }
   }
   for (int j = 0; j < nvec; ++j) {
@@ -227,12 +233,6 @@ static inline void rows_softmax(const NaProblem& P, const RowLanes& L, float* s,
     for (int t = 0; t < nt; ++t) {
       float* p = s + size_t(t) * Rp + j * W;
       vf w = vexp2(ld(p) - base);
-      if (bf16) {  // round to nearest even (weights are finite and >= 0)
-        vu u;
-        std::memcpy(&u, &w, sizeof u);
-        u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-        std::memcpy(&w, &u, sizeof w);
-      }
       sum += w;
       st(p, w);
     }
@@ -241,6 +241,59 @@ static inline void rows_softmax(const NaProblem& P, const RowLanes& L, float* s,
     st(m + j * W, mn);
   }
 }
+
+#ifdef NA_HAVE_BF16_PATH
+// rows_softmax for the vdpbf16ps kernel, in two passes over the block instead of four: per
+// vector of lanes, the masks fused with the block max, then exp2, bf16 rounding and the sum
+// fused with the weight-pair packing: pb[tp][lane] = (bf16 p[2tp + 1] << 16) | bf16 p[2tp]
+// for tp < nt / 2 (nt even; keys t >= n weigh 0). Per lane the same operations in the same
+// order as rows_softmax(..., bf16 = true) followed by the packing, so the same bits; the
+// float weights are not stored.
+static inline void rows_softmax_pairs(const NaProblem& P, const RowLanes& L, float* s, int nt,
+                                      int n, int k0, bool whole, float* m, float* l,
+                                      float* alpha, vu* badv, uint32_t* pb) {
+  const int Rp = L.Rp;
+  const int nvec = Rp / W;
+  const float cap2 = P.logit_cap * kLog2e;
+  const vf ninf = splat(kNegInf);
+  for (int j = 0; j < nvec; ++j) {
+    vf bm = ninf;
+    for (int t = 0; t < nt; ++t) {
+      float* p = s + size_t(t) * Rp + j * W;
+      const vf x = t < n ? mask_scores(P, L, ld(p), j, k0 + t, whole, cap2, badv) : ninf;
+      st(p, x);
+      bm = vmax(bm, x);
+    }
+    const vf mo = ld(m + j * W);
+    const vf mn = vmax(mo, bm);
+    // A lane that has seen no key yet keeps m = -inf: its weights and rescale are 0 and 1.
+    const vi none = mn == ninf;
+    const vf base = none ? splat(0.0f) : mn;
+    const vf a = none ? splat(1.0f) : vexp2(mo - base);
+    vf sum = splat(0.0f);
+    for (int t = 0; t + 1 < nt; t += 2) {
+      const vf w0 = vexp2(ld(s + size_t(t) * Rp + j * W) - base);
+      const vf w1 = vexp2(ld(s + size_t(t + 1) * Rp + j * W) - base);
+      vu u0, u1;
+      std::memcpy(&u0, &w0, sizeof u0);
+      std::memcpy(&u1, &w1, sizeof u1);
+      // round to nearest even (weights are finite and >= 0)
+      u0 = (u0 + 0x7fffu + ((u0 >> 16) & 1u)) & 0xffff0000u;
+      u1 = (u1 + 0x7fffu + ((u1 >> 16) & 1u)) & 0xffff0000u;
+      vf r0, r1;
+      std::memcpy(&r0, &u0, sizeof r0);
+      std::memcpy(&r1, &u1, sizeof r1);
+      sum += r0;
+      sum += r1;
+      const vu pair = (u0 >> 16) | u1;
+      std::memcpy(pb + size_t(t / 2) * Rp + j * W, &pair, sizeof pair);
+    }
+    st(alpha + j * W, a);
+    st(l + j * W, ld(l + j * W) * a + sum);
+    st(m + j * W, mn);
+  }
+}
+#endif
 
 // s[t][lanes j*W..] (keys t0..t0+NK, NV vectors of rows) = sum_c k[t][c] * q^T[c][lanes].
 // K rows fp32, ks floats apart.
@@ -488,6 +541,33 @@ static inline void qk_keys_bf16(const uint32_t* qp, int Rp, int D, const uint16_
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(s + size_t(k) * Rp + j * 16, _mm512_mul_ps(a[k][j], sc));
 }
 
+// qk_keys_bf16 on keys packed DC bf16 apart in one buffer (kp: key t0's row): every
+// broadcast is one moving pointer plus a constant displacement. With 16 separate key
+// pointers (qk_keys_bf16<16, 1>) GCC keeps them in vector registers and moves each one back
+// (vmovq) per broadcast: 16 vector-to-integer moves per 16 vdpbf16ps, a port that issues about
+// one a cycle, so the tile ran at about half the vdpbf16ps rate.
+template <int NK, int NV, int DC>
+static inline void qk_keys_bf16_packed(const uint32_t* qp, int Rp, const uint16_t* kp,
+                                       float qscale, float* s, PfCursor& pf) {
+  __m512 a[NK][NV];
+  for (int k = 0; k < NK; ++k)
+    for (int j = 0; j < NV; ++j) a[k][j] = _mm512_setzero_ps();
+  for (int cp = 0; cp < DC / 2; ++cp) {
+    if (cp % 8 == 0) pf.step();
+    __m512bh qv[NV];
+    for (int j = 0; j < NV; ++j) qv[j] = as_bh(_mm512_loadu_si512(qp + size_t(cp) * Rp + j * 16));
+    for (int k = 0; k < NK; ++k) {
+      int32_t kk;
+      std::memcpy(&kk, kp + k * DC + 2 * cp, sizeof kk);
+      const __m512bh kb = as_bh(_mm512_set1_epi32(kk));
+      for (int j = 0; j < NV; ++j) a[k][j] = _mm512_dpbf16_ps(a[k][j], qv[j], kb);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(qscale);
+  for (int k = 0; k < NK; ++k)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(s + size_t(k) * Rp + j * 16, _mm512_mul_ps(a[k][j], sc));
+}
+
 // The vdpbf16ps many-row kernel: bf16 q, bf16 or FP8 cache, head dims multiples of 32. K and
 // V rows of a bf16 cache are read in place; FP8 rows are widened to bf16 (exact) once per
 // block and kv head.
@@ -502,7 +582,7 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
   if (!B.ensure(T.R, D, Dv)) return -2;
   // st: transposed scores [BK][Rp], then the bf16 weight pairs [BK / 2][Rp] (dwords).
   if (!RB.ensure(size_t(nkv) * (D / 2) * Rp, size_t(BK) * Rp + size_t(BK / 2) * Rp,
-                 f8 ? size_t(BK) * D / 2 : 0, f8 ? size_t(BK) * Dv / 2 : 0,
+                 size_t(BK) * D / 2, f8 ? size_t(BK) * Dv / 2 : 0,
                  size_t(3) * nkv * Rp)) {
     return -2;
   }
@@ -571,7 +651,7 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
   const KT* vp0[BK];
   const uint16_t* kr[BK];
   const uint16_t* vr[BK + 1];
-  const int nvt = Rp / 16;
+  [[maybe_unused]] const int nvt = Rp / 16;  // unused by the AMX unit
   PfCursor pf;
   pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + BK), kpf, vpf, kstride, vstride, klines,
                 vlines);
@@ -618,6 +698,15 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
       }
       // Keys past the block's end read the first key's row (valid memory; masked to weight 0).
       for (int t = n; t < nt; ++t) kr[t] = kr[0];
+#ifndef NA_HAVE_AMX
+      // One row vector of lanes, head dim 128 (GQA verify): the block's K rows copied into
+      // k16 (n rows, each inside its cache row; rows n..nt - 1 of k16 are the buffer's own
+      // memory, masked to weight 0) so that q.K^T addresses them from one pointer.
+      const bool packk = !f8 && nvt == 1 && D == 128;
+      if (packk) {
+        for (int t = 0; t < n; ++t) std::memcpy(k16 + size_t(t) * 128, kr[t], 256);
+      }
+#endif
       const uint32_t* qg = qp + size_t(gi) * (D / 2) * Rp;
 #ifdef NA_HAVE_AMX
       pf.step();
@@ -639,6 +728,9 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
           for (; j < nvt; ++j)
             qk_keys_bf16<8, 1>(qg + j * 16, Rp, D, kr + t0, qscale, sT + size_t(t0) * Rp + j * 16,
                                pf);
+        } else if (packk) {
+          qk_keys_bf16_packed<16, 1, 128>(qg, Rp, k16 + size_t(t0) * 128, qscale,
+                                          sT + size_t(t0) * Rp, pf);
         } else {
           qk_keys_bf16<16, 1>(qg, Rp, D, kr + t0, qscale, sT + size_t(t0) * Rp, pf);
         }
@@ -647,19 +739,10 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
       const RowLanes& LG = L[gi];
       const bool whole = block_seen_whole(P, LG, k0, n);
       float* ag = aL + size_t(gi) * Rp;
-      rows_softmax(P, LG, sT, nt, n, k0, whole, mL + size_t(gi) * Rp, lL + size_t(gi) * Rp, ag,
-                   badv[gi], true);
-      // Weight pairs (keys 2tp, 2tp + 1) per lane as bf16 dwords (exact: already rounded).
+      // Weights as bf16 pairs (keys 2tp, 2tp + 1) per lane, pbT[tp][lane].
+      rows_softmax_pairs(P, LG, sT, nt, n, k0, whole, mL + size_t(gi) * Rp, lL + size_t(gi) * Rp,
+                         ag, badv[gi], pbT);
       const int npairs = (n + 1) / 2;
-      for (int tp = 0; tp < npairs; ++tp) {
-        for (int j = 0; j < nvt; ++j) {
-          const __m512 a = _mm512_loadu_ps(sT + size_t(2 * tp) * Rp + j * 16);
-          const __m512 b = _mm512_loadu_ps(sT + size_t(2 * tp + 1) * Rp + j * 16);
-          const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(a), 16);
-          const __m512i hi = _mm512_and_si512(_mm512_castps_si512(b), _mm512_set1_epi32(int(0xffff0000u)));
-          _mm512_storeu_si512(pbT + size_t(tp) * Rp + j * 16, _mm512_or_si512(lo, hi));
-        }
-      }
       if (!whole) {
         guard_values<uint16_t>(P, S.lim, S.mrow, S.bad, gi * R1, (gi + 1) * R1, k0, n, vr, Dv);
       }

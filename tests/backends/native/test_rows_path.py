@@ -58,6 +58,9 @@ CASES: dict[str, tuple[Any, ...]] = {
         dict(kv_dtype=torch.float8_e5m2, k_scale=1.3, v_scale=0.4, cap=5.0), None,
     ),
     "mha-prefill": (Phase.PREFILL, [20, 33], [20, 100], False, 2, 2, 96, {}, None),
+    # Head dim 128 with at most 16 rows per kv head: the bf16 kernel's packed-K q.K^T.
+    "verify-d128": (Phase.VERIFY, [4, 3], [301, 45], False, 8, 2, 128, {}, None),
+    "tree-d128-cap": (Phase.VERIFY, [4, 2], [150, 33], True, 8, 2, 128, dict(cap=5.0), None),
 }  # fmt: skip
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
