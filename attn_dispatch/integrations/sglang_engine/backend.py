@@ -712,16 +712,24 @@ class _ChunkedKV:
         for n in q_lens:
             pages.append(list(range(at, at + n)))
             at += n
-        new = AttnBatch.build(
-            Phase.PREFILL,
-            q_lens=q_lens,
-            kv_lens=q_lens,
-            page_tables=pages,
-            page_size=1,
-            num_pages=total,
-            device=device,
-        )
+        new = _rows_batch(q_lens, q_lens, pages, total, device)
         return cls(new, tuple(_chunk(q_lens, lens, device) for lens in chunk_lens))
+
+
+def _rows_batch(
+    q_lens: list[int], kv_lens: list[int], tables: list[list[int]], rows: int, device: Any
+) -> AttnBatch:
+    """A prefill batch over K/V rows SGLang decompressed (one row per page, ``rows`` in all):
+    the shape of both chunked-KV calls."""
+    return AttnBatch.build(
+        Phase.PREFILL,
+        q_lens=q_lens,
+        kv_lens=kv_lens,
+        page_tables=tables,
+        page_size=1,
+        num_pages=rows,
+        device=device,
+    )
 
 
 def _chunk(q_lens: list[int], lens: list[int], device: Any) -> _Chunk:
@@ -747,15 +755,7 @@ def _chunk(q_lens: list[int], lens: list[int], device: Any) -> _Chunk:
         kv_at += c
     if not pieces_q:
         return _Chunk(None, None)
-    batch = AttnBatch.build(
-        Phase.PREFILL,
-        q_lens=pieces_q,
-        kv_lens=pieces_kv,
-        page_tables=tables,
-        page_size=1,
-        num_pages=kv_at,
-        device=device,
-    )
+    batch = _rows_batch(pieces_q, pieces_kv, tables, kv_at, device)
     return _Chunk(batch, torch.tensor(rows, dtype=torch.int64) if skipped else None)
 
 
