@@ -30,6 +30,7 @@ from sglang.srt.model_executor.forward_context import ForwardContext
 from sglang.srt.model_executor.forward_context import forward_context
 from sglang.srt.models.deepseek_common import attention_backend_handler as handlers
 
+from attn_dispatch import InvalidBatchError
 from attn_dispatch.integrations.sglang_engine import register
 from attn_dispatch.integrations.sglang_engine.backend import AttnDispatchSGLangBackend
 
@@ -147,6 +148,14 @@ def run_case(
         acc_o, acc_lse = merge_state(o, lse, acc_o, acc_lse, None, None)
     want = reference(q, k_all, v_all, prefix, new, layer.scaling)
     err = float((acc_o.double() - want).abs().max())
+    # A chunk call without SGLang's chunk metadata (init_mha_chunk_metadata saw no chunks).
+    fb.num_prefix_chunks = 0
+    backend.init_mha_chunk_metadata(fb)
+    try:
+        backend.forward(q, k_all[rows], v_all[rows], layer, fb, False)
+        missing = ["none", ""]
+    except InvalidBatchError as exc:
+        missing = [type(exc).__name__, str(exc)]
     return {
         "method": method.name,
         "method_disabled": off.name,
@@ -154,6 +163,7 @@ def run_case(
         "chunk_lens": lens.tolist(),
         "shapes": shapes,
         "max_err": err,
+        "missing_metadata": missing,
     }
 
 

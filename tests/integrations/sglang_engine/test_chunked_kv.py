@@ -81,6 +81,8 @@ def test_chunked_kv_calls_merge_to_full_attention(tmp_path: Path) -> None:
         assert r["chunks"] >= 2, r
         assert r["shapes"] == [[sum(case["new"]), 4, 16], [sum(case["new"]), 4]], r
         assert r["max_err"] < 1e-5, (case, r)
+        assert r["missing_metadata"][0] == "InvalidBatchError", r
+        assert "init_mha_chunk_metadata was not called" in r["missing_metadata"][1], r
     assert results[0]["chunk_lens"] == [[4, 4, 0], [1, 4, 0], [0, 4, 0]]
     # Every call (the new tokens' and one per chunk) is filed under the layer's form, on the
     # runner's prefill backend (the process's one record, written after each call).
