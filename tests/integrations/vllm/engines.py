@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -62,34 +63,49 @@ def start_engine(model: str, attn_dispatch: Any = None, **kwargs: Any) -> Any:
     return vllm.LLM(**args)
 
 
+RESULT_ENV = "ATTN_DISPATCH_TEST_CHILD_RESULT"
+
+
+def child_result(result: Any) -> None:
+    """Hand an engine child's ``result`` to ``run_child``: written as JSON to the file the
+    parent named. Not printed: vLLM's worker processes share the child's stdout and a line of
+    theirs can land inside or after the result's line (seen with DCP workers)."""
+    Path(os.environ[RESULT_ENV]).write_text(json.dumps(result))
+
+
 def run_child(
     script: str | Path,
     payload: Any,
     *,
-    marker: str = "{",
     timeout: float = 900,
     pythonpath: Sequence[Path] = (),
 ) -> tuple[Any, str]:
-    """Run ``script`` (a test file) as a child with ``payload`` as its JSON argument; its last
-    stdout line that starts with ``marker``, parsed, and the child's whole log (vLLM's
+    """Run ``script`` (a test file) as a child with ``payload`` as its JSON argument; the
+    result it handed over with ``child_result``, parsed, and the child's whole log (vLLM's
     workers log to stdout). ``pythonpath``: directories put before the repository (test-only
     patches that every vLLM process imports at start)."""
     paths = [*pythonpath, ROOT]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths))}
-    proc = subprocess.run(
-        [sys.executable, str(script), json.dumps(payload)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
+    with tempfile.TemporaryDirectory(prefix="attn-engine-child-") as tmp:
+        result_file = Path(tmp) / "result.json"
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(map(str, paths)),
+            RESULT_ENV: str(result_file),
+        }
+        proc = subprocess.run(
+            [sys.executable, str(script), json.dumps(payload)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=ROOT,
+        )
+        text = result_file.read_text() if result_file.exists() else None
+    assert proc.returncode == 0 and text is not None, (
+        f"engine child failed (exit {proc.returncode}, result written: {text is not None}):\n"
+        f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(marker)]
-    assert proc.returncode == 0 and lines, (
-        f"engine child failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-        f"{proc.stderr[-6000:]}"
-    )
-    return json.loads(lines[-1]), proc.stdout + proc.stderr
+    return json.loads(text), proc.stdout + proc.stderr
 
 
 class Models:

@@ -19,7 +19,7 @@ from tests.integrations.vllm.engines import BLOCK
 from tests.integrations.vllm.engines import Models
 from tests.integrations.vllm.engines import child_env
 from tests.integrations.vllm.engines import needs_vllm
-from tests.integrations.vllm.engines import run_child
+from tests.integrations.vllm.engines import child_result, run_child
 from tests.integrations.vllm.engines import start_engine
 
 pytestmark = needs_vllm
@@ -86,7 +86,7 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run(engines: list[dict[str, Any]], timeout: float = 1200) -> list[dict[str, Any]]:
-    out, _ = run_child(__file__, {"engines": engines}, marker='{"results"', timeout=timeout)
+    out, _ = run_child(__file__, {"engines": engines}, timeout=timeout)
     results: list[dict[str, Any]] = out["results"]
     return results
 
@@ -347,4 +347,4 @@ def test_each_layer_steps_with_its_runners_phase_rule() -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(json.loads(sys.argv[1]))), flush=True)
+    child_result(_child(json.loads(sys.argv[1])))

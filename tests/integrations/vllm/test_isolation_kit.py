@@ -18,7 +18,7 @@ from tests.integrations.vllm.engines import VOCAB
 from tests.integrations.vllm.engines import Models
 from tests.integrations.vllm.engines import child_env
 from tests.integrations.vllm.engines import needs_vllm
-from tests.integrations.vllm.engines import run_child
+from tests.integrations.vllm.engines import child_result, run_child
 from tests.integrations.vllm.engines import start_engine
 
 pytestmark = needs_vllm
@@ -91,7 +91,7 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
 
 def test_vllm_target_engine_is_isolated_from_its_draft_model(models: Models) -> None:
     job = {"target": models["llama"], "draft": models["draft"]}
-    out, _ = run_child(__file__, job, marker='{"isolated"')
+    out, _ = run_child(__file__, job)
     assert out["isolated"], out.get("message")
     if os.environ.get("KIT_PRINT"):
         print("\n" + out["table"] + "\nledger: " + out["ledger"])
@@ -109,4 +109,4 @@ def test_vllm_target_engine_is_isolated_from_its_draft_model(models: Models) -> 
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(json.loads(sys.argv[1]))), flush=True)
+    child_result(_child(json.loads(sys.argv[1])))

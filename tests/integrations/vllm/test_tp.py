@@ -22,7 +22,7 @@ from tests.integrations.vllm.engines import ROOT
 from tests.integrations.vllm.engines import Models
 from tests.integrations.vllm.engines import child_env
 from tests.integrations.vllm.engines import needs_vllm
-from tests.integrations.vllm.engines import run_child
+from tests.integrations.vllm.engines import child_result, run_child
 from tests.integrations.vllm.engines import start_engine
 
 pytestmark = needs_vllm
@@ -214,4 +214,4 @@ def test_dcp2_tokens_match_the_model_without_context_parallel(mqa: str) -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(json.loads(sys.argv[1]))), flush=True)
+    child_result(_child(json.loads(sys.argv[1])))

@@ -23,7 +23,7 @@ from tests.integrations.vllm.engines import VOCAB
 from tests.integrations.vllm.engines import Models
 from tests.integrations.vllm.engines import child_env
 from tests.integrations.vllm.engines import needs_vllm
-from tests.integrations.vllm.engines import run_child
+from tests.integrations.vllm.engines import child_result, run_child
 from tests.integrations.vllm.engines import start_engine
 
 # Eight requests of different lengths, 5 to 264 tokens: 1 to 9 blocks of 32 before decoding.
@@ -171,7 +171,7 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run(engines: list[dict[str, Any]], timeout: float = 900) -> list[dict[str, Any]]:
-    out, _ = run_child(__file__, {"engines": engines}, marker='{"results"', timeout=timeout)
+    out, _ = run_child(__file__, {"engines": engines}, timeout=timeout)
     results: list[dict[str, Any]] = out["results"]
     return results
 
@@ -440,4 +440,4 @@ def test_start_up_refusals_and_ngram(models: Models, llama_runs: list[dict[str, 
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(json.loads(sys.argv[1]))), flush=True)
+    child_result(_child(json.loads(sys.argv[1])))
