@@ -185,7 +185,9 @@ def engine_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            r = json.loads(line[len("RESULT ") :])
+            # raw_decode: a scheduler subprocess's log line can land right after the result on
+            # the same line (its print and ours share the pipe).
+            r, _ = json.JSONDecoder().raw_decode(line[len("RESULT ") :])
             results[r["name"]] = r
     # The dispatch table of each run, for the log (pytest -s, or on failure).
     for r in results.values():
