@@ -17,8 +17,9 @@ from typing import Any
 from tests.integrations.vllm.engines import VOCAB
 from tests.integrations.vllm.engines import Models
 from tests.integrations.vllm.engines import child_env
+from tests.integrations.vllm.engines import child_result
 from tests.integrations.vllm.engines import needs_vllm
-from tests.integrations.vllm.engines import child_result, run_child
+from tests.integrations.vllm.engines import run_child
 from tests.integrations.vllm.engines import start_engine
 
 pytestmark = needs_vllm

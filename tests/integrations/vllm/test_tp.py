@@ -21,8 +21,9 @@ from tests.integrations.vllm.engines import BLOCK
 from tests.integrations.vllm.engines import ROOT
 from tests.integrations.vllm.engines import Models
 from tests.integrations.vllm.engines import child_env
+from tests.integrations.vllm.engines import child_result
 from tests.integrations.vllm.engines import needs_vllm
-from tests.integrations.vllm.engines import child_result, run_child
+from tests.integrations.vllm.engines import run_child
 from tests.integrations.vllm.engines import start_engine
 
 pytestmark = needs_vllm

@@ -22,8 +22,9 @@ from attn_dispatch.integrations.vllm import settings_of
 from tests.integrations.vllm.engines import VOCAB
 from tests.integrations.vllm.engines import Models
 from tests.integrations.vllm.engines import child_env
+from tests.integrations.vllm.engines import child_result
 from tests.integrations.vllm.engines import needs_vllm
-from tests.integrations.vllm.engines import child_result, run_child
+from tests.integrations.vllm.engines import run_child
 from tests.integrations.vllm.engines import start_engine
 
 # Eight requests of different lengths, 5 to 264 tokens: 1 to 9 blocks of 32 before decoding.
