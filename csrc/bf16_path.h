@@ -183,10 +183,13 @@ static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 // acc[r] (NR rows, permuted lane order, see bf16_item) += p[r] . V over npairs key pairs.
 // Row i's weight pair tp is pb[i * rs + tp * ts] (rs = BK / 2, ts = 1 in bf16_item; the
 // many-row path keeps them transposed: rs = 1, ts = its lane count).
+// pv_rows_bf16 and pv_dispatch always inlined: left to GCC's unit-growth limits, the decode
+// kernel's call went out of line (to a copy for any rs and ts) as soon as the many-row kernel
+// grew (measured with its packed-K and interleaved-V variants, Round 4).
 template <int NR, typename RT = uint16_t>
-static inline void pv_rows_bf16(float* acc, int Dv, const uint32_t* pb, size_t rs, size_t ts,
-                                const float* alpha, const RT* const* vp, int npairs,
-                                PfCursor& pf, const Fp8Lut<RT>& lut = Fp8Lut<RT>()) {
+__attribute__((always_inline)) static inline void pv_rows_bf16(
+    float* acc, int Dv, const uint32_t* pb, size_t rs, size_t ts, const float* alpha,
+    const RT* const* vp, int npairs, PfCursor& pf, const Fp8Lut<RT>& lut = Fp8Lut<RT>()) {
   for (int c = 0; c < Dv; c += 32) {
     pf.step();
     __m512 lo[NR], hi[NR];
@@ -214,9 +217,9 @@ static inline void pv_rows_bf16(float* acc, int Dv, const uint32_t* pb, size_t r
 }
 
 template <typename RT = uint16_t>
-static inline void pv_dispatch(int nr, float* acc, int Dv, const uint32_t* pb, size_t rs,
-                               size_t ts, const float* alpha, const RT* const* vp,
-                               int npairs, PfCursor& pf, const Fp8Lut<RT>& lut = Fp8Lut<RT>()) {
+__attribute__((always_inline)) static inline void pv_dispatch(
+    int nr, float* acc, int Dv, const uint32_t* pb, size_t rs, size_t ts, const float* alpha,
+    const RT* const* vp, int npairs, PfCursor& pf, const Fp8Lut<RT>& lut = Fp8Lut<RT>()) {
   switch (nr) {
     case 8: pv_rows_bf16<8, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
     case 7: pv_rows_bf16<7, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;

@@ -568,11 +568,84 @@ static inline void qk_keys_bf16_packed(const uint32_t* qp, int Rp, const uint16_
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(s + size_t(k) * Rp + j * 16, _mm512_mul_ps(a[k][j], sc));
 }
 
+// The 32-row tile of qk_keys_bf16_packed, out of line: inlined, rows_item_bf16 grew enough
+// that GCC called pv_dispatch and its pv_rows_bf16 (the 16-row verify's p.V) out of line.
+[[maybe_unused]] __attribute__((noinline)) static void qk_packed_8x2(
+    const uint32_t* qp, int Rp, const uint16_t* kp, float qscale, float* s, PfCursor& pf) {
+  qk_keys_bf16_packed<8, 2, 128>(qp, Rp, kp, qscale, s, pf);
+}
+
+// V rows of npairs key pairs interleaved as pv_rows_bf16 unpacks them, once per block:
+// vil[c / 32][tp] = (unpacklo, unpackhi) of rows 2tp, 2tp + 1 at columns c..c + 31, 32 dwords.
+__attribute__((always_inline)) static inline void interleave_pairs(const uint16_t* const* vr,
+                                                                  int npairs, int Dv,
+                                                                  uint32_t* vil) {
+  for (int c = 0; c < Dv; c += 32) {
+    uint32_t* vc = vil + size_t(c / 32) * size_t(npairs) * 32;
+    for (int tp = 0; tp < npairs; ++tp) {
+      const __m512i va = _mm512_loadu_si512(vr[2 * tp] + c);
+      const __m512i vb = _mm512_loadu_si512(vr[2 * tp + 1] + c);
+      _mm512_storeu_si512(vc + size_t(tp) * 32, _mm512_unpacklo_epi16(va, vb));
+      _mm512_storeu_si512(vc + size_t(tp) * 32 + 16, _mm512_unpackhi_epi16(va, vb));
+    }
+  }
+}
+
+// pv_rows_bf16 (rs = 1) on the interleaved pairs of interleave_pairs: per key pair two loads
+// from one moving pointer, no unpacking, no row pointers.
+template <int NR>
+__attribute__((always_inline)) static inline void pv_rows_bf16_il(
+    float* acc, int Dv, const uint32_t* pb, size_t ts, const float* alpha, const uint32_t* vil,
+    int npairs, PfCursor& pf) {
+  for (int c = 0; c < Dv; c += 32) {
+    pf.step();
+    __m512 lo[NR], hi[NR];
+    for (int i = 0; i < NR; ++i) {
+      const __m512 a = _mm512_set1_ps(alpha[i]);
+      lo[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + size_t(i) * Dv + c), a);
+      hi[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + size_t(i) * Dv + c + 16), a);
+    }
+    const uint32_t* vc = vil + size_t(c / 32) * size_t(npairs) * 32;
+    for (int tp = 0; tp < npairs; ++tp) {
+      const __m512bh vlo = as_bh(_mm512_loadu_si512(vc + size_t(tp) * 32));
+      const __m512bh vhi = as_bh(_mm512_loadu_si512(vc + size_t(tp) * 32 + 16));
+      for (int i = 0; i < NR; ++i) {
+        const __m512bh pp = as_bh(_mm512_set1_epi32(int(pb[size_t(i) + size_t(tp) * ts])));
+        lo[i] = _mm512_dpbf16_ps(lo[i], pp, vlo);
+        hi[i] = _mm512_dpbf16_ps(hi[i], pp, vhi);
+      }
+    }
+    for (int i = 0; i < NR; ++i) {
+      _mm512_storeu_ps(acc + size_t(i) * Dv + c, lo[i]);
+      _mm512_storeu_ps(acc + size_t(i) * Dv + c + 16, hi[i]);
+    }
+  }
+}
+// Out of line, as qk_packed_8x2.
+[[maybe_unused]] __attribute__((noinline)) static void pv_il_dispatch(
+    int nr, float* acc, int Dv, const uint32_t* pb, size_t ts, const float* alpha,
+    const uint32_t* vil, int npairs, PfCursor& pf) {
+  switch (nr) {
+    case 8: pv_rows_bf16_il<8>(acc, Dv, pb, ts, alpha, vil, npairs, pf); break;
+    case 7: pv_rows_bf16_il<7>(acc, Dv, pb, ts, alpha, vil, npairs, pf); break;
+    case 6: pv_rows_bf16_il<6>(acc, Dv, pb, ts, alpha, vil, npairs, pf); break;
+    case 5: pv_rows_bf16_il<5>(acc, Dv, pb, ts, alpha, vil, npairs, pf); break;
+    case 4: pv_rows_bf16_il<4>(acc, Dv, pb, ts, alpha, vil, npairs, pf); break;
+    case 3: pv_rows_bf16_il<3>(acc, Dv, pb, ts, alpha, vil, npairs, pf); break;
+    case 2: pv_rows_bf16_il<2>(acc, Dv, pb, ts, alpha, vil, npairs, pf); break;
+    default: pv_rows_bf16_il<1>(acc, Dv, pb, ts, alpha, vil, npairs, pf); break;
+  }
+}
+
 // The vdpbf16ps many-row kernel: bf16 q, bf16 or FP8 cache, head dims multiples of 32. K and
 // V rows of a bf16 cache are read in place; FP8 rows are widened to bf16 (exact) once per
 // block and kv head.
-template <typename KT>
-static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
+// kWide (tiles of 17-32 rows per kv head: two row vectors) adds the 32-row tiles' packed K
+// and interleaved V; without it the kernel is Round 3's, compiled apart (rows_item_bf16
+// below chooses): one body with both made the 16-row verify ~8% slower (GCC's code for the
+// shared loops changed with the additions).
+template <typename KT, bool kWide>
+__attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, const NaItem& it) {
   constexpr bool f8 = !std::is_same<KT, uint16_t>::value;
   const Tile T(P, it);
   const int D = T.D, Dv = T.Dv, R1 = T.R1, nkv = T.nkv;
@@ -582,7 +655,7 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
   if (!B.ensure(T.R, D, Dv)) return -2;
   // st: transposed scores [BK][Rp], then the bf16 weight pairs [BK / 2][Rp] (dwords).
   if (!RB.ensure(size_t(nkv) * (D / 2) * Rp, size_t(BK) * Rp + size_t(BK / 2) * Rp,
-                 size_t(BK) * D / 2, f8 ? size_t(BK) * Dv / 2 : 0,
+                 size_t(BK) * D / 2 + size_t(BK) * Dv / 2 + 16, f8 ? size_t(BK) * Dv / 2 : 0,
                  size_t(3) * nkv * Rp)) {
     return -2;
   }
@@ -592,8 +665,13 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
   uint32_t* qp = reinterpret_cast<uint32_t*>(RB.qt.data());
   float* sT = RB.st.data();
   uint32_t* pbT = reinterpret_cast<uint32_t*>(sT + size_t(BK) * Rp);
-  uint16_t* k16 = reinterpret_cast<uint16_t*>(RB.kb.data());
+  // k16 (the block's K rows, bf16) 64-byte aligned, so each 256-byte row of D = 128 is four
+  // cache lines (the 16 floats of room for it are in the ensure above).
+  uint16_t* k16 = reinterpret_cast<uint16_t*>(
+      RB.kb.data() + (64 - reinterpret_cast<uintptr_t>(RB.kb.data()) % 64) % 64 / sizeof(float));
   uint16_t* v16 = reinterpret_cast<uint16_t*>(RB.vb.data());
+  // The block's V rows interleaved in key pairs (pv_rows_bf16_il), after k16's BK x D bf16.
+  [[maybe_unused]] uint32_t* vil = reinterpret_cast<uint32_t*>(k16 + size_t(BK) * D);
   float* mL = RB.ml.data();
   float* lL = mL + size_t(nkv) * Rp;
   float* aL = lL + size_t(nkv) * Rp;
@@ -699,11 +777,12 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
       // Keys past the block's end read the first key's row (valid memory; masked to weight 0).
       for (int t = n; t < nt; ++t) kr[t] = kr[0];
 #ifndef NA_HAVE_AMX
-      // One row vector of lanes, head dim 128 (GQA verify): the block's K rows copied into
-      // k16 (n rows, each inside its cache row; rows n..nt - 1 of k16 are the buffer's own
-      // memory, masked to weight 0) so that q.K^T addresses them from one pointer.
-      const bool packk = !f8 && nvt == 1 && D == 128;
-      if (packk) {
+      // Head dim 128, one row vector of lanes (GQA verify, bf16 cache) or two (kWide: trees,
+      // prefill; an FP8 cache's rows are in k16 already, widened): the block's K rows copied
+      // into k16 (n rows, each inside its cache row; rows n..nt - 1 of k16 are the buffer's
+      // own memory, masked to weight 0) so that q.K^T addresses them from one pointer.
+      const bool packk = D == 128 && (kWide ? nvt == 2 : !f8 && nvt == 1);
+      if (packk && !f8) {
         for (int t = 0; t < n; ++t) std::memcpy(k16 + size_t(t) * 128, kr[t], 256);
       }
 #endif
@@ -720,7 +799,9 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
       pf.step();
 #else
       for (int t0 = 0; t0 < nt; t0 += nk) {
-        if (nvt >= 2) {
+        if (kWide && packk) {
+          qk_packed_8x2(qg, Rp, k16 + size_t(t0) * 128, qscale, sT + size_t(t0) * Rp, pf);
+        } else if (nvt >= 2) {
           int j = 0;
           for (; j + 2 <= nvt; j += 2)
             qk_keys_bf16<8, 2>(qg + j * 16, Rp, D, kr + t0, qscale, sT + size_t(t0) * Rp + j * 16,
@@ -764,9 +845,19 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
         na_amx::pv_block(ac, Rp, Dv, pbT, npairs, sc);
       }
 #else
-      for (int i0 = 0; i0 < R1; i0 += 8) {
-        pv_dispatch(std::min(8, R1 - i0), acc + size_t(gi * R1 + i0) * Dv, Dv, pbT + i0, 1,
-                    size_t(Rp), ag + i0, vr, npairs, pf);
+      if (kWide) {
+        // Three or four 8-row groups (32-row tiles: trees, prefill): each V pair interleaved
+        // once per block, not once per group. (At 16 rows, verify-4, it did not pay.)
+        interleave_pairs(vr, npairs, Dv, vil);
+        for (int i0 = 0; i0 < R1; i0 += 8) {
+          pv_il_dispatch(std::min(8, R1 - i0), acc + size_t(gi * R1 + i0) * Dv, Dv, pbT + i0,
+                         size_t(Rp), ag + i0, vil, npairs, pf);
+        }
+      } else {
+        for (int i0 = 0; i0 < R1; i0 += 8) {
+          pv_dispatch(std::min(8, R1 - i0), acc + size_t(gi * R1 + i0) * Dv, Dv, pbT + i0, 1,
+                      size_t(Rp), ag + i0, vr, npairs, pf);
+        }
       }
 #endif
     }
@@ -787,6 +878,16 @@ static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
   });
 #endif
   return 0;
+}
+
+template <typename KT>
+static int rows_item_bf16(const NaProblem& P, const NaItem& it) {
+#ifdef NA_HAVE_AMX
+  return rows_item_bf16_impl<KT, false>(P, it);
+#else
+  return Tile(P, it).R1 > 16 ? rows_item_bf16_impl<KT, true>(P, it)
+                             : rows_item_bf16_impl<KT, false>(P, it);
+#endif
 }
 #endif
 

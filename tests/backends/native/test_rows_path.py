@@ -61,6 +61,14 @@ CASES: dict[str, tuple[Any, ...]] = {
     # Head dim 128 with at most 16 rows per kv head: the bf16 kernel's packed-K q.K^T.
     "verify-d128": (Phase.VERIFY, [4, 3], [301, 45], False, 8, 2, 128, {}, None),
     "tree-d128-cap": (Phase.VERIFY, [4, 2], [150, 33], True, 8, 2, 128, dict(cap=5.0), None),
+    # Head dim 128 with 20-32 rows per kv head (32-row tiles: the packed-K 8 x 2 q.K^T and the
+    # V pairs interleaved once per block), FP8 through the same kernels on its widened rows.
+    "tree8-d128": (Phase.VERIFY, [8, 5], [203, 40], True, 8, 2, 128, {}, None),
+    "prefill-d128": (Phase.PREFILL, [40, 9], [301, 9], False, 8, 2, 128, {}, None),
+    "e4m3-tree-d128": (
+        Phase.VERIFY, [8, 4], [150, 77], True, 8, 2, 128,
+        dict(kv_dtype=torch.float8_e4m3fn, k_scale=0.6, v_scale=1.7), None,
+    ),
 }  # fmt: skip
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
