@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from attn_dispatch._protocol import CORE_CHECKED
 from attn_dispatch.backend import AttnConfig
 from attn_dispatch.backend import BackendBase
 from attn_dispatch.backend import BackendUnavailableError
@@ -58,6 +57,9 @@ if TYPE_CHECKING:
     from attn_dispatch import AttnBatch
 
 _NA_MHA, _NA_MLA = 0, 1
+#: ``attn_dispatch.backend.Handler``'s optional attribute: the handler's variant for a call
+#: the core checked (scale, keywords, ``out``) just before.
+_CORE_CHECKED = "attn_dispatch_core_checked"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # csrc/native_attn.h NA_E4M3 / NA_E5M2: FP8 is a cache dtype only.
 _KV_DTYPE_CODES = {**_DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
@@ -438,7 +440,7 @@ class NativeBackend(BackendBase):
         # those checks only.
         phase = Phase(phase)
         run = functools.partial(self._forward, phase)
-        setattr(run, CORE_CHECKED, functools.partial(self._launch, phase))
+        setattr(run, _CORE_CHECKED, functools.partial(self._launch, phase))
         return run
 
     def _forward(
@@ -489,7 +491,7 @@ class NativeBackend(BackendBase):
         return_lse: bool = False,
         out: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The handler's ``CORE_CHECKED`` variant: a call whose scales, keywords and ``out``
+        """The handler's ``_CORE_CHECKED`` variant: a call whose scales, keywords and ``out``
         the core checked just before (``_calls.CheckedHandler``); the plan and the tensors
         are checked here, as on every call."""
         issued = self._checked_plan(phase, q, k_cache, v_cache, plan)

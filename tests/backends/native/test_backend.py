@@ -911,6 +911,7 @@ def test_out_is_checked_once_per_call_and_always(monkeypatch: pytest.MonkeyPatch
     from attn_dispatch import attention
     from attn_dispatch import attn_scope
     from attn_dispatch import bind
+    from attn_dispatch._protocol import CORE_CHECKED
     from attn_dispatch._tensor_checks import TensorChecks
 
     config = AttnConfig("mha", 4, 2, 16, dtype="float32", page_size=8, sm_scale=0.25)
@@ -931,6 +932,7 @@ def test_out_is_checked_once_per_call_and_always(monkeypatch: pytest.MonkeyPatch
         want = attention(q, k, v)
     assert seen == [] and torch.equal(buf, want)
     raw = binding.route(Phase.DECODE).raw
+    assert callable(getattr(raw, CORE_CHECKED))  # the name the core reads
     plan = binding.plan(batch)
     assert raw(q, k, v, plan, 0.25, out=torch.empty(2, 4, 16)) is not None
     assert seen == [1]
