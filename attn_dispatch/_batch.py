@@ -169,6 +169,48 @@ class AttnBatch:
         )
         return batch if str(device) == "cpu" else batch.to(device)
 
+    @classmethod
+    def _of_checked(
+        cls,
+        phase: Phase,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_lens: torch.Tensor,
+        *,
+        page_size: int,
+        num_tokens: int,
+        max_q_len: int,
+        max_kv_len: int,
+    ) -> AttnBatch:
+        """A CPU batch without a mask from int32 index tensors that the caller built from
+        values it checked to this contract itself, with their counts: no second check (an
+        integration's step builder, ``integrations.vllm._steps.batch_from_lists``, which
+        names each problem in its framework's terms first). As for ``_derive``, the caller
+        keeps the contract, and every backend checks its own snapshot again when it plans."""
+        new = AttnBatch.__new__(AttnBatch)
+        put = object.__setattr__
+        for name, value in (
+            ("phase", phase),
+            ("qo_indptr", qo_indptr),
+            ("kv_indptr", kv_indptr),
+            ("kv_indices", kv_indices),
+            ("kv_lens", kv_lens),
+            ("custom_mask", None),
+            ("page_size", page_size),
+            ("num_pages", None),
+            ("mask_indptr", None),
+            ("qo_indptr_host", qo_indptr),
+            ("kv_indptr_host", kv_indptr),
+            ("kv_lens_host", kv_lens),
+            ("num_requests", kv_lens.numel()),
+            ("num_tokens", num_tokens),
+            ("max_q_len", max_q_len),
+            ("max_kv_len", max_kv_len),
+        ):
+            put(new, name, value)
+        return new
+
     def to(self, device: Any) -> AttnBatch:
         """The same batch with its device tensors on ``device`` (host copies stay on CPU)."""
         moved = {}

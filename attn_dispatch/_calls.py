@@ -32,6 +32,7 @@ from typing import Any
 
 from attn_dispatch._config import AttnConfig
 from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch._protocol import CORE_CHECKED
 from attn_dispatch._protocol import Handler
 from attn_dispatch._values import F32_MAX
 from attn_dispatch._values import F32_MIN_NORMAL
@@ -230,7 +231,9 @@ class CheckedHandler:
 
     __wrapped__: Callable[..., Any]
     rule: CallRule
-    # What a call with out= runs (the backend's callable, or CopyOut of it) and out's last dim.
+    # What a call with out= runs, only after ``rule.check_out`` (and the scale and keyword
+    # rules) passed for that call: the backend's callable or its ``CORE_CHECKED`` variant, or
+    # CopyOut of it; and out's last dim.
     out_run: Callable[..., Any]
     out_dim: int
     name: str
@@ -301,7 +304,13 @@ def checked_handler(
     out_dim: int | None = None,
 ) -> Handler:
     """``run`` behind the call rules (see ``CheckedHandler``). ``takes_out``: the backend
-    (``name``) declares ``Capabilities.out_buffer``, so a call with ``out=`` passes it on;
-    otherwise the result is copied into it (``CopyOut``). ``out_dim``: out's last dim
-    (default the config's; an MLA decompressed form's own)."""
-    return CheckedHandler(run, rule, run if takes_out else CopyOut(run), out_dim, name)
+    (``name``) declares ``Capabilities.out_buffer``, so a call with ``out=`` passes it on (to
+    ``run``'s ``CORE_CHECKED`` variant when it has one: every caller of ``out_run`` checked
+    the call first); otherwise the result is copied into it (``CopyOut``). ``out_dim``: out's
+    last dim (default the config's; an MLA decompressed form's own)."""
+    if takes_out:
+        variant = getattr(run, CORE_CHECKED, None)
+        out_run = variant if callable(variant) else run
+    else:
+        out_run = CopyOut(run)
+    return CheckedHandler(run, rule, out_run, out_dim, name)

@@ -40,6 +40,10 @@ from typing import runtime_checkable
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
 
+#: The optional attribute of a handler naming its variant for calls the core checked (see
+#: ``Handler``).
+CORE_CHECKED = "attn_dispatch_core_checked"
+
 
 class Handler(Protocol):
     """One phase's kernel: ``handler(q, k_cache, v_cache, plan, sm_scale) -> out``.
@@ -65,6 +69,13 @@ class Handler(Protocol):
     after its 6th positional ``prefix``, except ``out``, which it never receives): ``bind``
     reads the handler's signature and refuses one without them for a config that needs them
     (``BackendUnavailableError``).
+
+    Optional: a handler of an ``out_buffer`` backend may carry, as its attribute
+    ``attn_dispatch_core_checked``, a callable of the same signature that the core
+    calls instead for a call with ``out=`` it has checked itself just before (the scale, the
+    keywords and the buffer, by the rules above, on the very objects it passes). It may skip
+    those checks of its own (a handler called without a binding still needs them), never any
+    other (the plan, the tensors against the plan).
     """
 
     def __call__(

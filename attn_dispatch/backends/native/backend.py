@@ -57,6 +57,9 @@ if TYPE_CHECKING:
     from attn_dispatch import AttnBatch
 
 _NA_MHA, _NA_MLA = 0, 1
+#: ``attn_dispatch.backend.Handler``'s optional attribute: the handler's variant for a call
+#: the core checked (scale, keywords, ``out``) just before.
+_CORE_CHECKED = "attn_dispatch_core_checked"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # csrc/native_attn.h NA_E4M3 / NA_E5M2: FP8 is a cache dtype only.
 _KV_DTYPE_CODES = {**_DTYPE_CODES, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
@@ -431,8 +434,14 @@ class NativeBackend(BackendBase):
 
     def handler(self, phase: Phase) -> Handler:
         # A partial (called in C) of the one signature below: sinks=, k_scale=, v_scale=,
-        # return_lse= are keywords, as bind checks against the capabilities.
-        return functools.partial(self._forward, Phase(phase))
+        # return_lse= are keywords, as bind checks against the capabilities. Its variant for
+        # calls the core checked (a binding's calls with out=: the scale, the keywords and
+        # the buffer checked on these very objects just before; _protocol.Handler) skips
+        # those checks only.
+        phase = Phase(phase)
+        run = functools.partial(self._forward, phase)
+        setattr(run, _CORE_CHECKED, functools.partial(self._launch, phase))
+        return run
 
     def _forward(
         self,
@@ -450,7 +459,48 @@ class NativeBackend(BackendBase):
         return_lse: bool = False,
         out: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.config
+        issued = self._checked_plan(phase, q, k_cache, v_cache, plan)
+        # The core's rules, which a binding's calls passed already (with out=, they reach
+        # _launch instead): this handler may also be called without one.
+        self._checks.check_keywords(q, sinks=sinks, return_lse=return_lse)  # every backend's
+        k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+        if not self.fp8 and (k_scale, v_scale) != (1.0, 1.0):
+            raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
+        sm_scale = check_scale("sm_scale", sm_scale)
+        # A caller's buffer: the core's rule (shape, dtype, device, contiguous, no memory
+        # shared with q or the caches).
+        if out is not None:
+            self._checks.check_out(out, q, k_cache, v_cache)
+        return self._run_kernel(
+            issued, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale, return_lse, out
+        )
+
+    def _launch(
+        self,
+        phase: Phase,
+        q: Any,
+        k_cache: Any,
+        v_cache: Any,
+        plan: Any,
+        sm_scale: float,
+        /,
+        *,
+        sinks: Any = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        return_lse: bool = False,
+        out: Any = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The handler's ``_CORE_CHECKED`` variant: a call whose scales, keywords and ``out``
+        the core checked just before (``_calls.CheckedHandler``); the plan and the tensors
+        are checked here, as on every call."""
+        issued = self._checked_plan(phase, q, k_cache, v_cache, plan)
+        return self._run_kernel(
+            issued, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale, return_lse, out
+        )
+
+    def _checked_plan(self, phase: Phase, q: Any, k_cache: Any, v_cache: Any, plan: Any) -> _Issued:
+        """This object's record of ``plan`` for ``phase``, once the tensors fit it."""
         check_plan(plan, self, "native")
         # What the kernel trusts comes from this object's own record of the plan, never from
         # the plan's (editable) fields.
@@ -461,26 +511,31 @@ class NativeBackend(BackendBase):
                 f"the plan is for {issued.phase.name}, this handler serves {phase.name}",
             )
         self._checks.check(plan.snapshot, q, k_cache, v_cache)
-        self._checks.check_keywords(q, sinks=sinks, return_lse=return_lse)  # every backend's
+        return issued
+
+    def _run_kernel(
+        self,
+        issued: _Issued,
+        q: Any,
+        k_cache: Any,
+        v_cache: Any,
+        sm_scale: float,
+        sinks: Any,
+        k_scale: float,
+        v_scale: float,
+        return_lse: bool,
+        out: Any,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
         sinks_ptr, sinks_numel = None, 0
         if cfg.sinks:
             sinks = sinks.contiguous()  # kept alive until the kernel returns
             sinks_ptr, sinks_numel = sinks.data_ptr(), sinks.numel()
-        # The core's rules (check_scale): a binding's handlers checked them already;
-        # this handler may also be called without one.
-        ks, vs = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
-        if not self.fp8 and (ks, vs) != (1.0, 1.0):
-            raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
         v_ptr, v_numel = (None, 0) if self.mla else (v_cache.data_ptr(), v_cache.numel())
-        scale = check_scale("sm_scale", sm_scale)
         rows = issued.num_tokens
-        # Every row is written by the kernel (na_run refuses an out of any other size). A
-        # caller's buffer is checked by the core's rule (shape, dtype, device, contiguous, no
-        # memory shared with q or the caches) here too: this handler may run without a binding.
+        # Every row is written by the kernel (na_run refuses an out of any other size).
         if out is None:
             out = torch.empty((rows, cfg.num_q_heads, self.v_head_dim), dtype=self.q_dtype)
-        else:
-            self._checks.check_out(out, q, k_cache, v_cache)
         lse, lse_ptr, lse_numel = None, None, 0
         if return_lse:
             lse = torch.empty((rows, cfg.num_q_heads), dtype=torch.float32)
@@ -489,8 +544,8 @@ class NativeBackend(BackendBase):
         args = NaRunArgs(
             q=q.data_ptr(), k=k_cache.data_ptr(), v=v_ptr, out=out.data_ptr(), sinks=sinks_ptr,
             lse=lse_ptr, q_numel=q.numel(), k_numel=k_cache.numel(), v_numel=v_numel,
-            out_numel=out.numel(), sinks_numel=sinks_numel, lse_numel=lse_numel, sm_scale=scale,
-            k_scale=ks, v_scale=vs, num_threads=self.threads(),
+            out_numel=out.numel(), sinks_numel=sinks_numel, lse_numel=lse_numel,
+            sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, num_threads=self.threads(),
         )  # fmt: skip
         rc = self._run(self._runner, issued.plan_id, ctypes.byref(args))
         if rc != NaStatus.OK:

@@ -4,6 +4,7 @@ made once per step."""
 
 from __future__ import annotations
 
+import array
 import dataclasses
 from typing import Any
 
@@ -64,11 +65,11 @@ class DispatchMetadata:
         """The step's parts under the target's (``draft=False``) or the draft's phase rule."""
         found = self._parts.get(draft)
         if found is None:
-            n = self.seq_lens.shape[0]
+            # The whole table: step_blocks reads the rows of the step's requests only.
             found = self._parts[draft] = step_parts(
                 self.query_start_loc,
                 self.seq_lens,
-                self.block_table[:n],
+                self.block_table,
                 block_size=self.block_size,
                 num_speculative_tokens=self.num_speculative_tokens,
                 mixed=self.mixed,
@@ -118,6 +119,10 @@ class DispatchMetadata:
         return tuple(p.batch.phase for p in self.parts_for(draft))
 
 
+#: Slot mappings of at most this many tokens are turned into rows as Python ints.
+_LIST_SLOTS = 256
+
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class KvRows:
     """Where one forward's new tokens are written: ``rows`` (int64) of the cache seen as
@@ -135,6 +140,22 @@ def kv_rows(slot_mapping: torch.Tensor, page_size: int) -> KvRows:
     ``s % page_size``, so at cache row ``2 * page_size * b + s % page_size``."""
     count = slot_mapping.shape[0]
     slots = slot_mapping.to(torch.int64)
+    if 0 < count <= _LIST_SLOTS and slots.dim() == 1:
+        # A decode step's few slots: one host read, the rows as Python ints, one tensor made
+        # from an int64 array (the tensor ops below cost ~1 us each on a few values, and
+        # torch.tensor on a list twice frombuffer's time).
+        listed: list[int] = slots.tolist()
+        two = 2 * page_size
+        keep = None
+        if min(listed) < 0:  # vLLM pads with slot -1
+            keep = torch.tensor([s >= 0 for s in listed], dtype=torch.bool)
+            listed = [s for s in listed if s >= 0]
+        values = array.array("q", [s // page_size * two + s % page_size for s in listed])
+        return KvRows(
+            torch.frombuffer(values, dtype=torch.int64) if values else slots.new_empty(0),
+            count,
+            keep,
+        )
     valid = slots >= 0  # vLLM pads with slot -1
     keep = None
     if not bool(valid.all()):

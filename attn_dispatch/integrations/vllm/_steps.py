@@ -61,6 +61,10 @@ def step_parts(
         mixed=mixed,
         draft=draft,
     )
+    if q_lens and min(q_lens) == max(q_lens) == 1:
+        # Every request decodes (request_phase of a single query token): one part, either mode.
+        every = list(range(len(q_lens)))
+        return (_part(0, Phase.DECODE, every, starts, q_lens, kv_lens, tables, block_size),)
     phases = [
         request_phase(q, k, num_speculative_tokens, draft=draft) if q > 0 else None
         for q, k in zip(q_lens, kv_lens, strict=True)
@@ -72,18 +76,30 @@ def step_parts(
         groups = {present[-1]: [i for i, p in enumerate(phases) if p is not None]}
     else:
         groups = {ph: [i for i, p in enumerate(phases) if p is ph] for ph in present}
-    out = []
-    for index, (phase, reqs) in enumerate(groups.items()):
-        out.append(
-            StepPart(
-                index,
-                batch_from_lists(phase, reqs, q_lens, kv_lens, tables, block_size)
-                if isinstance(tables, list)
-                else batch_from_table(phase, reqs, q_lens, kv_lens, tables, block_size),
-                _rows(reqs, starts, q_lens),
-            )
-        )
-    return tuple(out)
+    return tuple(
+        _part(index, phase, reqs, starts, q_lens, kv_lens, tables, block_size)
+        for index, (phase, reqs) in enumerate(groups.items())
+    )
+
+
+def _part(
+    index: int,
+    phase: Phase,
+    reqs: list[int],
+    starts: list[int],
+    q_lens: list[int],
+    kv_lens: list[int],
+    tables: list[list[int]] | torch.Tensor | None,
+    block_size: int,
+) -> StepPart:
+    """The ``StepPart`` of requests ``reqs`` (checked, each with a query token) in ``phase``."""
+    return StepPart(
+        index,
+        batch_from_lists(phase, reqs, q_lens, kv_lens, tables, block_size)
+        if isinstance(tables, list)
+        else batch_from_table(phase, reqs, q_lens, kv_lens, tables, block_size),
+        _rows(reqs, starts, q_lens),
+    )
 
 
 def _integer_tensor(name: str, t: object) -> torch.Tensor:
@@ -210,18 +226,20 @@ def step_blocks(
             )
     if not wmax:
         return None
-    rows = block_table[: len(need)]
     if as_lists if as_lists is not None else len(need) * wmax <= _LIST_CELLS:
         # The common step (decodes over short tables): one host read of the blocks read, and
-        # the check and the batch both work on those ints (a torch op costs ~3 us here).
-        listed: list[list[int]] = rows[:, :wmax].tolist()
+        # the check and the batch both work on those ints (a torch op costs ~1-3 us here).
+        listed: list[list[int]] = block_table[: len(need), :wmax].tolist()
         tables = [row[:n] for row, n in zip(listed, need, strict=True)]
-        for i, blocks in enumerate(tables):
-            if blocks and (min(blocks) < 0 or max(blocks) >= _MAX_BLOCK_ID):
-                raise _bad_blocks(i, need[i], blocks)
+        # One pass over every block read (wmax > 0: there is one); the loop names the request.
+        flat = list(itertools.chain.from_iterable(tables))
+        if min(flat) < 0 or max(flat) >= _MAX_BLOCK_ID:
+            for i, blocks in enumerate(tables):
+                if blocks and (min(blocks) < 0 or max(blocks) >= _MAX_BLOCK_ID):
+                    raise _bad_blocks(i, need[i], blocks)
         return tables
     read = torch.arange(wmax).unsqueeze(0) < torch.tensor(need).unsqueeze(1)
-    sub = rows[:, :wmax]
+    sub = block_table[: len(need), :wmax]
     if sub.dtype not in (torch.int32, torch.int64):
         # The list path reads any integer dtype as Python ints; the same values here: int64
         # holds every id the bound below lets through (and an 8-bit id cannot be compared
@@ -282,8 +300,16 @@ def batch_from_lists(
     block_size: int,
 ) -> AttnBatch:
     """One phase's ``AttnBatch`` of requests ``reqs`` from their checked block ids as ints
-    (``tables[i]``: request i's blocks; ``kv_lens[i]`` its tokens): one tensor holds the four index
-    vectors (``AttnBatch`` checks them again, and every plan copies them)."""
+    (``tables[i]``: request i's blocks; ``kv_lens[i]`` its tokens): one tensor holds the four
+    index vectors, every plan copies them and checks its copy.
+
+    The batch is not checked a second time (``AttnBatch._of_checked``): ``step_parts`` checked
+    what it is built from, and these are its values by construction. Each request has a
+    query token (``q_lens[i] >= 1``), no more than its ``kv_lens[i]`` (``step_lengths``), and
+    the ``ceil(kv_lens[i] / block_size)`` blocks it reads (``step_blocks``), ids in
+    ``[0, 2**30)``, so its pages ``2b`` are non-negative int32; the offsets are their running
+    sums from 0; a DECODE phase holds only single-token requests (``request_phase``).
+    """
     sel_q = [q_lens[i] for i in reqs]
     sel_kv = [kv_lens[i] for i in reqs]
     qo = list(itertools.accumulate(sel_q, initial=0))
@@ -294,13 +320,16 @@ def batch_from_lists(
     # ints below 2**31: lengths, offsets and pages 2b + 1 < 2**31).
     buf = torch.frombuffer(array.array("i", qo + kv + sel_kv + pages), dtype=torch.int32)
     qo_t, kv_t, lens_t, idx_t = buf.split_with_sizes((r + 1, r + 1, r, len(pages)))
-    return AttnBatch(
-        phase=phase,
-        qo_indptr=qo_t,
-        kv_indptr=kv_t,
-        kv_indices=idx_t,
-        kv_lens=lens_t,
+    return AttnBatch._of_checked(
+        phase,
+        qo_t,
+        kv_t,
+        idx_t,
+        lens_t,
         page_size=block_size,
+        num_tokens=qo[-1],
+        max_q_len=max(sel_q),
+        max_kv_len=max(sel_kv),
     )
 
 

@@ -323,7 +323,13 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         k_cache, v_cache = self._pages(kv_cache, d)
         extras = self._extras(layer, d) if d.extras else _NO_EXTRAS
         binding = d.binding
-        out = output.view(output.shape[0], d.config.num_q_heads, d.config.head_dim)
+        # vLLM hands the buffer as [tokens, heads, head_dim] already (its attention layer's
+        # view); the core's out= rule checks its shape.
+        out = (
+            output
+            if output.dim() == 3
+            else output.view(output.shape[0], d.config.num_q_heads, d.config.head_dim)
+        )
         if self.dcp_dispatch is not None:
             forward_dcp(
                 attn_metadata.dcp_step(self.dcp_world_size, self.dcp_rank),
@@ -345,15 +351,23 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         # (a contiguous view); scattered rows, or a buffer vLLM made in another dtype, get a
         # result that is then copied in.
         direct = out.dtype == query.dtype
+        tokens = query.shape[0]
         for part in attn_metadata.parts_for(draft):
             rows = part.rows
-            q = query[rows]
+            # A part of every row (a step of one phase): q and out as they are, no views.
+            whole = (
+                type(rows) is slice
+                and rows.start == 0
+                and rows.stop == tokens
+                and out.shape[0] == tokens
+            )
+            q = query if whole else query[rows]
             if not q.is_contiguous():
                 q = q.contiguous()
             # One scope per runner and part per step, entered by each of the runner's layers.
             with attn_metadata.scope(binding, draft, part):
                 if direct and isinstance(rows, slice):
-                    attention(q, k_cache, v_cache, out=out[rows], **extras)
+                    attention(q, k_cache, v_cache, out=out if whole else out[rows], **extras)
                 else:
                     out[rows] = attention(q, k_cache, v_cache, **extras)
         return output

@@ -901,3 +901,45 @@ def test_threads_sharing_a_plan_with_variants_and_fp8(kind: str) -> None:
             results = list(pool.map(carry_scope(layer), range(32)))
     for i, out in enumerate(results):
         assert torch.equal(out, serial[i % 4]), i
+
+
+@needs_lib
+def test_out_is_checked_once_per_call_and_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A binding's call with ``out=`` reaches the handler's core-checked variant: the core
+    checked the buffer, so native does not check it again; its own handler, called without
+    a binding, still does. A bad buffer is refused both ways, and a good one is written."""
+    from attn_dispatch import attention
+    from attn_dispatch import attn_scope
+    from attn_dispatch import bind
+    from attn_dispatch._protocol import CORE_CHECKED
+    from attn_dispatch._tensor_checks import TensorChecks
+
+    config = AttnConfig("mha", 4, 2, 16, dtype="float32", page_size=8, sm_scale=0.25)
+    binding = bind("native", config, label="target")
+    batch = AttnBatch.build(
+        Phase.DECODE, q_lens=[1, 1], kv_lens=[5, 9], page_tables=[[3], [0, 1]], page_size=8
+    )
+    q = torch.randn(2, 4, 16)
+    k, v = torch.randn(4, 8, 2, 16), torch.randn(4, 8, 2, 16)
+    seen: list[int] = []
+    own = TensorChecks.check_out
+    monkeypatch.setattr(
+        TensorChecks, "check_out", lambda self, *a: (seen.append(1), own(self, *a))[1]
+    )
+    buf = torch.full((2, 4, 16), float("nan"))
+    with attn_scope(binding, batch):
+        assert attention(q, k, v, out=buf) is buf
+        want = attention(q, k, v)
+    assert seen == [] and torch.equal(buf, want)
+    raw = binding.route(Phase.DECODE).raw
+    assert callable(getattr(raw, CORE_CHECKED))  # the name the core reads
+    plan = binding.plan(batch)
+    assert raw(q, k, v, plan, 0.25, out=torch.empty(2, 4, 16)) is not None
+    assert seen == [1]
+    for bad in (torch.empty(2, 4, 16, dtype=torch.float16), torch.empty(1, 4, 16), q):
+        with attn_scope(binding, batch), pytest.raises(InvalidBatchError) as err:
+            attention(q, k, v, out=bad)
+        assert err.value.field == "out"
+        with pytest.raises(InvalidBatchError) as err:
+            raw(q, k, v, plan, 0.25, out=bad)
+        assert err.value.field == "out"

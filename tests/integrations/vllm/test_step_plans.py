@@ -195,3 +195,28 @@ def test_sinks_are_converted_once_per_load() -> None:
     impl.sinks.add_(1.0)  # an in-place reload
     second = impl._sinks_f32()
     assert second is not first and second.tolist() == [1.5, 0.0, 3.0, 1.0]
+
+
+@pytest.mark.parametrize("count", [1, 7, 256, 257, 600])
+def test_kv_rows_small_and_large_steps_agree(count: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few slots become rows as Python ints (``_LIST_SLOTS``), many with tensor ops: the
+    same rows, count and padding mask, with and without padding slots."""
+    from attn_dispatch.integrations.vllm import _metadata
+
+    g = torch.Generator().manual_seed(count)
+    slots = torch.randperm(40 * BS, generator=g)[:count]
+    padded = slots.clone()
+    padded[count // 2 :: 3] = -1
+    for s in (slots, padded, slots.to(I32)):
+        monkeypatch.setattr(_metadata, "_LIST_SLOTS", 256)
+        got = _metadata.kv_rows(s, BS)
+        monkeypatch.setattr(_metadata, "_LIST_SLOTS", 0)
+        want = _metadata.kv_rows(s, BS)
+        assert got.rows.dtype == want.rows.dtype == torch.int64
+        assert got.rows.tolist() == want.rows.tolist()
+        assert got.count == want.count == count
+        assert (got.keep is None) == (want.keep is None) == bool((s >= 0).all())
+        if got.keep is not None:
+            assert got.keep.tolist() == want.keep.tolist()
+        kept = s[s >= 0].tolist()
+        assert got.rows.tolist() == [2 * BS * (x // BS) + x % BS for x in kept]

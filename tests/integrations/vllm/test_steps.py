@@ -277,3 +277,88 @@ def test_meta_tensors_are_refused_with_our_error(field: str) -> None:
 def test_device_tensors_are_refused_with_our_error() -> None:
     table = torch.tensor([[3, 5, 8], [1, 2, 0], [4, 0, 0]], dtype=I32, device="cuda")
     _refused("block_table", None, "expected a CPU tensor", block_table=table)
+
+
+_DERIVED = (
+    "phase",
+    "page_size",
+    "num_pages",
+    "num_requests",
+    "num_tokens",
+    "max_q_len",
+    "max_kv_len",
+)
+_TENSORS = (
+    "qo_indptr",
+    "kv_indptr",
+    "kv_indices",
+    "kv_lens",
+    "qo_indptr_host",
+    "kv_indptr_host",
+    "kv_lens_host",
+)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_built_batches_are_what_the_checked_constructor_makes(seed: int) -> None:
+    """The small-step path builds its batches without AttnBatch's second check
+    (``AttnBatch._of_checked``): each equals, field by field, the batch the checking
+    constructor makes from the same index tensors, which accepts it."""
+    from attn_dispatch import AttnBatch
+
+    g = torch.Generator().manual_seed(200 + seed)
+    n = 10
+    q = torch.randint(0, 6, (n,), generator=g)
+    q[0] = 1  # a request with a query token, whatever the draw
+    kv = q + torch.randint(0, 30, (n,), generator=g)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q.cumsum(0)]).to(I32)
+    table = torch.randperm(n * 6, generator=g).view(n, 6).to(I32)
+    for mixed in ("split", "extend"):
+        for k in (0, 3):
+            parts = step_parts(
+                qsl, kv.to(I32), table, block_size=8, num_speculative_tokens=k, mixed=mixed
+            )
+            assert parts
+            for p in parts:
+                b = p.batch
+                checked = AttnBatch(
+                    phase=b.phase,
+                    qo_indptr=b.qo_indptr.clone(),
+                    kv_indptr=b.kv_indptr.clone(),
+                    kv_indices=b.kv_indices.clone(),
+                    kv_lens=b.kv_lens.clone(),
+                    page_size=b.page_size,
+                )
+                for name in _DERIVED:
+                    assert getattr(b, name) == getattr(checked, name), name
+                for name in _TENSORS:
+                    got, want = getattr(b, name), getattr(checked, name)
+                    assert got.dtype == want.dtype == I32, name
+                    assert got.tolist() == want.tolist(), name
+                assert b.custom_mask is None and b.mask_indptr is None
+
+
+@pytest.mark.parametrize("mixed", ["split", "extend"])
+def test_a_decode_step_is_one_part_of_every_row(mixed: str) -> None:
+    """A step whose requests all decode is one DECODE part over every query row (q and
+    vLLM's buffer are then used as they are); a step with one prompt among them is not."""
+    (part,) = step_parts(
+        torch.arange(5, dtype=I32),
+        torch.tensor([9, 1, 4, 12], dtype=I32),
+        torch.tensor([[3, 5, 8], [1, 2, 0], [4, 0, 0], [6, 7, 9]], dtype=I32),
+        block_size=4,
+        num_speculative_tokens=0,
+        mixed=mixed,
+    )
+    assert part.batch.phase is Phase.DECODE and part.rows == slice(0, 4)
+    assert part.batch.kv_indices.tolist() == [6, 10, 16, 2, 8, 12, 14, 18]
+    parts = step_parts(
+        torch.tensor([0, 1, 3, 4], dtype=I32),
+        torch.tensor([9, 2, 4], dtype=I32),
+        torch.tensor([[3, 5, 8], [1, 2, 0], [4, 0, 0]], dtype=I32),
+        block_size=4,
+        num_speculative_tokens=0,
+        mixed=mixed,
+    )
+    want = [Phase.PREFILL] if mixed == "extend" else [Phase.DECODE, Phase.PREFILL]
+    assert [p.batch.phase for p in parts] == want
