@@ -296,12 +296,32 @@ static inline void rows_softmax_pairs(const NaProblem& P, const RowLanes& L, flo
   const vf ninf = splat(kNegInf);
   for (int j = 0; j < nvec; ++j) {
     vf bm = ninf;
-    for (int t = 0; t < nt; ++t) {
-      float* p = s + size_t(t) * Rp + j * W;
-      const vf x = t < n ? mask_scores(P, L, ld(p), j, k0 + t, whole, cap2, badv) : ninf;
-      st(p, x);
-      bm = vmax(bm, x);
+    if (whole && !(P.logit_cap > 0.0f)) {
+      // The common block (every row sees every key, no cap): mask_scores' operations with
+      // the lanes' visibility and bad flags held in registers over the block, not reloaded
+      // and stored per key vector.
+      vu vis, bad = badv[j];
+      std::memcpy(&vis, L.real + j * W, sizeof vis);  // real lanes only
+      for (int t = 0; t < n; ++t) {
+        float* p = s + size_t(t) * Rp + j * W;
+        vf x = ld(p);
+        const vu nf = (vu)(!(x - x == 0.0f));
+        bad |= nf & vis;
+        x = (vi)(nf | ~vis) != 0 ? ninf : x;
+        st(p, x);
+        bm = vmax(bm, x);
+      }
+      badv[j] = bad;
+    } else {
+      for (int t = 0; t < n; ++t) {
+        float* p = s + size_t(t) * Rp + j * W;
+        const vf x = mask_scores(P, L, ld(p), j, k0 + t, whole, cap2, badv);
+        st(p, x);
+        bm = vmax(bm, x);
+      }
     }
+    // keys t >= n weigh 0 (max(bm, -inf) is bm: no score here is NaN)
+    for (int t = n; t < nt; ++t) st(s + size_t(t) * Rp + j * W, ninf);
     const vf mo = ld(m + j * W);
     const vf mn = vmax(mo, bm);
     // A lane that has seen no key yet keeps m = -inf: its weights and rescale are 0 and 1.
