@@ -131,18 +131,20 @@ struct RowLanes {
   int Rp;         // lanes (rows padded to the vector width)
   int R1;         // real rows
   int lo_max, lim_min;  // over the real rows (causal): a block inside [lo_max, lim_min] is seen whole
+  int mseen;            // custom mask: every real row sees every key of [k0 of the item, mseen)
   alignas(64) int32_t lim[na::kMaxRows + 16];
   alignas(64) int32_t lo[na::kMaxRows + 16];
   alignas(64) int32_t real[na::kMaxRows + 16];  // -1: a real row's lane, 0: a pad lane
   const uint8_t* mrow[na::kMaxRows];
 };
 
-static inline void lanes_init(const NaProblem& P, const RowState& S, int r0, int R1, int Rp,
-                              RowLanes& L) {
+static inline void lanes_init(const NaProblem& P, const NaItem& it, const RowState& S, int r0,
+                              int R1, int Rp, RowLanes& L) {
   L.Rp = Rp;
   L.R1 = R1;
   L.lo_max = INT32_MIN;
   L.lim_min = INT32_MAX;
+  L.mseen = it.k1;
   for (int i = 0; i < Rp; ++i) {
     if (i < R1) {
       const int lim = S.lim[r0 + i];
@@ -152,6 +154,10 @@ static inline void lanes_init(const NaProblem& P, const RowState& S, int r0, int
       L.real[i] = -1;
       L.lo_max = std::max(L.lo_max, L.lo[i]);
       L.lim_min = std::min(L.lim_min, L.lim[i]);
+      if (!P.causal && L.mseen > it.k0) {  // the first key of the item's range the row misses
+        const void* z = std::memchr(L.mrow[i] + it.k0, 0, size_t(L.mseen - it.k0));
+        if (z != nullptr) L.mseen = int(static_cast<const uint8_t*>(z) - L.mrow[i]);
+      }
     } else {  // pad lane: no key is visible
       L.lim[i] = -1;
       L.lo[i] = 0;
@@ -160,9 +166,13 @@ static inline void lanes_init(const NaProblem& P, const RowState& S, int r0, int
   }
 }
 
-// Whether every real row sees every key of [k0, k0 + n).
+// Whether every real row sees every key of [k0, k0 + n) (a block of the item's range).
+// Custom masks: the blocks before the first key some row misses (found once per item by
+// lanes_init, one memchr per row) are whole without a look; from there on, one memchr per row
+// and block, as before.
 static inline bool block_seen_whole(const NaProblem& P, const RowLanes& L, int k0, int n) {
   if (P.causal) return k0 >= L.lo_max && k0 + n - 1 <= L.lim_min;
+  if (k0 + n <= L.mseen) return true;
   for (int i = 0; i < L.R1; ++i) {
     if (std::memchr(L.mrow[i] + k0, 0, size_t(n)) != nullptr) return false;
   }
@@ -243,6 +253,34 @@ static inline void rows_softmax(const NaProblem& P, const RowLanes& L, float* s,
 }
 
 #ifdef NA_HAVE_BF16_PATH
+// vexp2 for x in [-inf, 0] (what the softmax feeds it: a score or the running max minus a max
+// at least as large): vexp2's upper clamp is then the identity and is left out; the rest is
+// vexp2's, so the same bits.
+__attribute__((always_inline)) static inline vf vexp2_nonpos(vf x) {
+  vi under = x < -125.0f;
+  x = x < -125.0f ? splat(-125.0f) : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  vf t = x + magic;
+  vf fn = t - magic;
+  vi n;
+  std::memcpy(&n, &t, sizeof n);
+  n -= 0x4B400000;  // bit pattern of magic
+  vf f = x - fn;
+  vf p = splat(1.5252733804059840e-5f);
+  p = p * f + 1.5403530393381610e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  vi pb;
+  std::memcpy(&pb, &p, sizeof pb);
+  pb += n << 23;
+  std::memcpy(&p, &pb, sizeof p);
+  return under ? splat(0.0f) : p;
+}
+
 // rows_softmax for the vdpbf16ps kernel, in two passes over the block instead of four: per
 // vector of lanes, the masks fused with the block max, then exp2, bf16 rounding and the sum
 // fused with the weight-pair packing: pb[tp][lane] = (bf16 p[2tp + 1] << 16) | bf16 p[2tp]
@@ -258,35 +296,59 @@ static inline void rows_softmax_pairs(const NaProblem& P, const RowLanes& L, flo
   const vf ninf = splat(kNegInf);
   for (int j = 0; j < nvec; ++j) {
     vf bm = ninf;
-    for (int t = 0; t < nt; ++t) {
-      float* p = s + size_t(t) * Rp + j * W;
-      const vf x = t < n ? mask_scores(P, L, ld(p), j, k0 + t, whole, cap2, badv) : ninf;
-      st(p, x);
-      bm = vmax(bm, x);
+    if (whole && !(P.logit_cap > 0.0f)) {
+      // The common block (every row sees every key, no cap): mask_scores' operations with
+      // the lanes' visibility and bad flags held in registers over the block, not reloaded
+      // and stored per key vector.
+      vu vis, bad = badv[j];
+      std::memcpy(&vis, L.real + j * W, sizeof vis);  // real lanes only
+      for (int t = 0; t < n; ++t) {
+        float* p = s + size_t(t) * Rp + j * W;
+        vf x = ld(p);
+        const vu nf = (vu)(!(x - x == 0.0f));
+        bad |= nf & vis;
+        x = (vi)(nf | ~vis) != 0 ? ninf : x;
+        st(p, x);
+        bm = vmax(bm, x);
+      }
+      badv[j] = bad;
+    } else {
+      for (int t = 0; t < n; ++t) {
+        float* p = s + size_t(t) * Rp + j * W;
+        const vf x = mask_scores(P, L, ld(p), j, k0 + t, whole, cap2, badv);
+        st(p, x);
+        bm = vmax(bm, x);
+      }
     }
+    // keys t >= n weigh 0 (max(bm, -inf) is bm: no score here is NaN)
+    for (int t = n; t < nt; ++t) st(s + size_t(t) * Rp + j * W, ninf);
     const vf mo = ld(m + j * W);
     const vf mn = vmax(mo, bm);
     // A lane that has seen no key yet keeps m = -inf: its weights and rescale are 0 and 1.
     const vi none = mn == ninf;
     const vf base = none ? splat(0.0f) : mn;
-    const vf a = none ? splat(1.0f) : vexp2(mo - base);
+    const vf a = none ? splat(1.0f) : vexp2_nonpos(mo - base);
     vf sum = splat(0.0f);
+    // Word 2i of a pair vector takes word i of the converted pair (w0's lane i), word 2i + 1
+    // word 16 + i (w1's lane i).
+    const __m512i il = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                        24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                        16, 0);
     for (int t = 0; t + 1 < nt; t += 2) {
-      const vf w0 = vexp2(ld(s + size_t(t) * Rp + j * W) - base);
-      const vf w1 = vexp2(ld(s + size_t(t + 1) * Rp + j * W) - base);
-      vu u0, u1;
-      std::memcpy(&u0, &w0, sizeof u0);
-      std::memcpy(&u1, &w1, sizeof u1);
-      // round to nearest even (weights are finite and >= 0)
-      u0 = (u0 + 0x7fffu + ((u0 >> 16) & 1u)) & 0xffff0000u;
-      u1 = (u1 + 0x7fffu + ((u1 >> 16) & 1u)) & 0xffff0000u;
-      vf r0, r1;
-      std::memcpy(&r0, &u0, sizeof r0);
-      std::memcpy(&r1, &u1, sizeof r1);
-      sum += r0;
-      sum += r1;
-      const vu pair = (u0 >> 16) | u1;
-      std::memcpy(pb + size_t(t / 2) * Rp + j * W, &pair, sizeof pair);
+      const vf w0 = vexp2_nonpos(ld(s + size_t(t) * Rp + j * W) - base);
+      const vf w1 = vexp2_nonpos(ld(s + size_t(t + 1) * Rp + j * W) - base);
+      // Both rounded to bf16, nearest even (vcvtne2ps2bf16: words 0..15 from w0, 16..31 from
+      // w1), then interleaved into the pairs. The weights are 0 or normal floats in
+      // [2^-126, 1] (vexp2 gives 0 below 2^-125), where the instruction's implied
+      // denormal flush never applies: the same bits as rounding the integers by hand.
+      const __m512i cv = (__m512i)_mm512_cvtne2ps_pbh((__m512)w1, (__m512)w0);
+      const __m512i pair = _mm512_permutexvar_epi16(il, cv);
+      const __m512 r0 = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+      const __m512 r1 = _mm512_castsi512_ps(
+          _mm512_and_si512(pair, _mm512_set1_epi32(int(0xffff0000u))));
+      sum += (vf)r0;
+      sum += (vf)r1;
+      _mm512_storeu_si512(pb + size_t(t / 2) * Rp + j * W, pair);
     }
     st(alpha + j * W, a);
     st(l + j * W, ld(l + j * W) * a + sum);
@@ -423,7 +485,7 @@ static int rows_item(const NaProblem& P, const NaItem& it) {
   RowLanes L[na::kMaxRows];
   vu badv[na::kMaxRows][na::kMaxRows / W + 1];
   for (int gi = 0; gi < nkv; ++gi) {
-    lanes_init(P, S, gi * R1, R1, Rp, L[gi]);
+    lanes_init(P, it, S, gi * R1, R1, Rp, L[gi]);
     for (auto& x : badv[gi]) x = vu{};
   }
   const KT* kbase = static_cast<const KT*>(P.k);
@@ -637,6 +699,40 @@ __attribute__((always_inline)) static inline void pv_rows_bf16_il(
   }
 }
 
+// prefetcht0 / prefetcht2 as asm volatile: in this unit GCC 12 (-O3) dropped the loops below
+// when written with __builtin_prefetch or _mm_prefetch (loops whose only effect is the
+// prefetches; objdump showed none issued). The cursor's loops keep theirs (they update state).
+static inline void prefetch_t0(const void* p) { asm volatile("prefetcht0 (%0)" ::"r"(p)); }
+static inline void prefetch_t2(const void* p) { asm volatile("prefetcht2 (%0)" ::"r"(p)); }
+
+// The q rows of an item, prefetched before start_row reads them (its first touch of q stalled
+// row by row: ~6% of prefill's time): this item's rows into L1, and for a query tile that has
+// a next one in its request (prefill: the thread's next item, most likely) that tile's rows
+// into L2. Addresses inside q only (tokens of the item's own request, heads of the tile).
+template <typename QT>
+static inline void prefetch_q_rows(const NaProblem& P, const NaItem& it, const Tile& T) {
+  const int lines = int((int64_t(T.D) * int64_t(sizeof(QT)) + 63) / 64);
+  const QT* q = static_cast<const QT*>(P.q);
+  for (int r = 0; r < T.R; ++r) {
+    const RowSrc src = row_src(P, it, T.query_of(r));
+    const int64_t token = P.qo_indptr[src.req] + src.j;
+    const char* row = reinterpret_cast<const char*>(q + (token * T.Hq + T.head_of(it, r)) * T.D);
+    for (int c = 0; c < lines; ++c) prefetch_t0(row + 64 * c);
+  }
+  if (it.shared) return;
+  const int qs = P.qo_indptr[it.req];
+  const int q_len = P.qo_indptr[it.req + 1] - qs;
+  const int j1 = std::min(q_len, it.q1 + T.nq);
+  for (int j = it.q1; j < j1; ++j) {
+    for (int gi = 0; gi < T.nkv; ++gi) {
+      const int64_t h = int64_t(it.kv_head + gi) * T.G + it.h0;
+      const char* row = reinterpret_cast<const char*>(q + ((qs + j) * int64_t(T.Hq) + h) * T.D);
+      // the tile's heads of this kv head are adjacent: nh rows in one run
+      for (int c = 0; c < lines * T.nh; ++c) prefetch_t2(row + 64 * c);
+    }
+  }
+}
+
 // The vdpbf16ps many-row kernel: bf16 q, bf16 or FP8 cache, head dims multiples of 32. K and
 // V rows of a bf16 cache are read in place; FP8 rows are widened to bf16 (exact) once per
 // block and kv head.
@@ -644,6 +740,20 @@ __attribute__((always_inline)) static inline void pv_rows_bf16_il(
 // and interleaved V; without it the kernel is Round 3's, compiled apart (rows_item_bf16
 // below chooses): one body with both made the 16-row verify ~8% slower (GCC's code for the
 // shared loops changed with the additions).
+// What this thread's last many-row item (vdpbf16ps kernel) read: the K/V rows of key positions
+// [k0, k1) of kv heads [kv_head, kv_head + nkv) of one request's page table. Only a hint for
+// the prefetch (rows_item_bf16_impl): a stale or wrong match can cost time, never a result.
+struct RowsLastRead {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const int32_t* pages = nullptr;
+  int kv_head = -1, nkv = 0, k0 = 0, k1 = 0;
+};
+static thread_local RowsLastRead tls_last_read;
+// Bytes of an item's K/V lines counted as still in L2 for the next item (half of Zen 4/5's
+// 1 MB per core: the next item's own lines, q and the buffers share it).
+constexpr int64_t kRowsL2Bytes = 512 * 1024;
+
 template <typename KT, bool kWide>
 __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, const NaItem& it) {
   constexpr bool f8 = !std::is_same<KT, uint16_t>::value;
@@ -695,6 +805,7 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
   RowState S;
   const float qscale = P.sm_scale * kLog2e * P.k_scale * f8_unit(P);
   // q^T pairs per kv head: dword cp of row r at [cp][lane] (pad lanes 0); q stays bf16.
+  prefetch_q_rows<uint16_t>(P, it, T);
   std::memset(qp, 0, sizeof(uint32_t) * size_t(nkv) * (D / 2) * Rp);
   for (int r = 0; r < T.R; ++r) {
     const uint16_t* q = start_row<uint16_t>(P, it, T, r, S, m, l, acc + size_t(r) * Dv, Dv);
@@ -712,7 +823,7 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
   RowLanes L[na::kMaxRows];
   vu badv[na::kMaxRows][na::kMaxRows / W + 1];
   for (int gi = 0; gi < nkv; ++gi) {
-    lanes_init(P, S, gi * R1, R1, Rp, L[gi]);
+    lanes_init(P, it, S, gi * R1, R1, Rp, L[gi]);
     for (auto& x : badv[gi]) x = vu{};
   }
   const KT* kbase = static_cast<const KT*>(P.k);
@@ -730,17 +841,25 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
   const uint16_t* kr[BK];
   const uint16_t* vr[BK + 1];
   [[maybe_unused]] const int nvt = Rp / 16;  // unused by the AMX unit
+  // Keys before pf_from are not prefetched: this thread's previous item read them (the same
+  // cache, request and kv heads; few enough lines to be in this core's L2 still: prefill's
+  // consecutive query tiles of one kv head), so their prefetches would only cost issue slots.
+  int pf_from = it.k0;
+  {
+    const RowsLastRead& lr = tls_last_read;
+    if (lr.k == P.k && lr.v == P.v && lr.pages == T.pages && lr.kv_head == it.kv_head &&
+        lr.nkv == nkv && lr.k0 <= it.k0 &&
+        int64_t(lr.k1 - lr.k0) * (klines + vlines) * 64 <= kRowsL2Bytes) {
+      pf_from = std::max(it.k0, lr.k1);
+    }
+  }
   PfCursor pf;
-  pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + BK), kpf, vpf, kstride, vstride, klines,
+  pf.queue_rows(T, pf_from, std::min(it.k1, it.k0 + BK), kpf, vpf, kstride, vstride, klines,
                 vlines);
   pf.flush();
   for (int k0 = it.k0; k0 < it.k1; k0 += BK) {
     const int n = std::min(BK, it.k1 - k0);
-    for (int t = 0; t < n; ++t) {
-      const int64_t slot = T.slot(k0 + t);
-      kp0[t] = kbase + slot * kstride;
-      vp0[t] = vbase + slot * vstride;
-    }
+    block_rows(T, k0, n, kbase, vbase, kstride, vstride, kp0, vp0);
 #ifdef NA_HAVE_AMX
     const int nk = 16;  // keys per score tile
 #else
@@ -749,8 +868,8 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
     const int nt = round_up(n, nk);
     {
       const int ka = k0 + BK;
-      pf.queue_rows(T, ka, std::min(it.k1, ka + BK), kpf, vpf, kstride, vstride, klines,
-                    vlines);
+      pf.queue_rows(T, std::max(ka, pf_from), std::min(it.k1, ka + BK), kpf, vpf, kstride,
+                    vstride, klines, vlines);
 #ifdef NA_HAVE_AMX
       pf.plan(nkv * (4 + (f8 ? 2 * n : 0)));  // the pf.step() calls per kv head below
 #else
@@ -862,6 +981,7 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
 #endif
     }
   }
+  tls_last_read = RowsLastRead{P.k, P.v, T.pages, it.kv_head, nkv, it.k0, it.k1};
   for (int gi = 0; gi < nkv; ++gi) lanes_bad(badv[gi], gi * R1, R1, S);
   for (int r = 0; r < T.R; ++r) {
     m[r] = mL[size_t(r / R1) * Rp + r % R1];

@@ -138,13 +138,39 @@ struct PfCursor {
                   int64_t kstride, int64_t vstride, int klines, int vlines) {
     flush();
     reset();
-    for (int pos = pos0; pos < pos1; ++pos) {
-      const int64_t slot = T.slot(pos);
-      add(kbase + slot * kstride, klines);
-      add(vbase + slot * vstride, vlines);
+    // T.slot(pos) per page run: one division per page, not one per key.
+    for (int pos = pos0; pos < pos1;) {
+      const int off = pos % T.ps;
+      const int run = std::min(pos1 - pos, T.ps - off);
+      const int64_t s0 = int64_t(T.pages[pos / T.ps]) * T.ps + off;
+      for (int i = 0; i < run; ++i) {
+        add(kbase + (s0 + i) * kstride, klines);
+        add(vbase + (s0 + i) * vstride, vlines);
+      }
+      pos += run;
     }
   }
 };
+
+// kp[t], vp[t] = the K and V rows of key positions k0 .. k0 + n - 1 (the slots of T.slot),
+// computed per page run: one division per page, not one per key.
+template <typename KT>
+static inline void block_rows(const Tile& T, int k0, int n, const KT* kbase, const KT* vbase,
+                              int64_t kstride, int64_t vstride, const KT** kp, const KT** vp) {
+  for (int t = 0; t < n;) {
+    const int pos = k0 + t;
+    const int off = pos % T.ps;
+    const int run = std::min(n - t, T.ps - off);
+    const int64_t s0 = int64_t(T.pages[pos / T.ps]) * T.ps + off;
+    const KT* kr = kbase + s0 * kstride;
+    const KT* vr = vbase + s0 * vstride;
+    for (int i = 0; i < run; ++i) {
+      kp[t + i] = kr + int64_t(i) * kstride;
+      vp[t + i] = vr + int64_t(i) * vstride;
+    }
+    t += run;
+  }
+}
 
 // Per-row state of a tile besides the buffers: the block's rescale factor, the causal limit,
 // whether the row is NaN already, and its custom-mask row.

@@ -186,3 +186,86 @@ print("ran", n)
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert f"ran {4 * len(ISAS)}" in done.stdout
+
+
+def holey_masks(case: dict[str, Any], holes: dict[int, list[tuple[int, int]]]) -> None:
+    """Replaces a tree case's masks: the prefix all visible but for ``holes`` (request ->
+    (query row, key)), the draft part the case's own tree; rebuilds the batch."""
+    from attn_dispatch import AttnBatch
+
+    masks = []
+    for i, (q, k) in enumerate(zip(case["q_lens"], case["kv_lens"], strict=True)):
+        m = case["masks"][i].clone()
+        m[:, : k - q] = True
+        for row, key in holes.get(i, []):
+            m[row, key] = False
+        masks.append(m)
+    b = case["batch"]
+    case["masks"] = masks
+    case["batch"] = AttnBatch.build(
+        b.phase, q_lens=case["q_lens"], kv_lens=case["kv_lens"], page_tables=case["tables"],
+        page_size=case["config"].page_size, num_pages=case["k_cache"].shape[0], masks=masks,
+    )  # fmt: skip
+
+
+@needs_lib
+@pytest.mark.parametrize("isa", ISAS)
+def test_sparse_mask_holes_between_whole_blocks(isa: str) -> None:
+    """Custom masks whose prefix is visible but for single keys (one row, mid-block, at a
+    block's first and last key, in the first block): the blocks before the first hole are
+    taken as seen whole without a look (a per-item summary, Round 5), the others are looked
+    at. A hole the summary missed would let its row see that key: the oracle disagrees."""
+    assert not isinstance(LIB, str)
+    before = LIB.isa
+    try:
+        LIB.set_isa(isa)
+        for d, dtype in ((128, torch.bfloat16), (64, torch.float32), (128, torch.float8_e4m3fn)):
+            kv = dtype
+            q_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
+            case = make_case(
+                "mha", Phase.VERIFY, q_lens=[8, 8, 8], kv_lens=[300, 260, 97], page_size=16,
+                hq=8, hkv=2, d=d, dv=d, dtype=q_dtype, kv_dtype=kv, tree=True, seed=d,
+            )  # fmt: skip
+            holes = {0: [(3, 100), (5, 64), (5, 127)], 1: [(0, 0), (7, 31), (2, 250)], 2: []}
+            holey_masks(case, holes)
+            for threads in (1, 2):
+                out = run_native(case, num_threads=threads)
+                assert_close(out, reference(dict(case, chunk=None)))
+            # the hole matters: the same case without it gives another result
+            open_case = dict(case)
+            holey_masks(open_case, {})
+            assert not torch.equal(run_native(open_case, num_threads=1), out)
+    finally:
+        LIB.set_isa(before)
+
+
+@needs_lib
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("page_size", [5, 48, 64])
+def test_page_sizes_across_blocks(isa: str, page_size: int) -> None:
+    """Page sizes that divide neither way with the 32-key block (5, 48) and one that holds
+    two blocks (64), with a window (key ranges that start inside a page) and several query
+    tiles of one kv head in a row (prefill: the next tile's keys were just read): the rows of
+    each block are found per page run (Round 5), so a wrong run length or offset reads
+    another key's row and the oracle disagrees."""
+    assert not isinstance(LIB, str)
+    before = LIB.isa
+    try:
+        LIB.set_isa(isa)
+        for dtype in (torch.bfloat16, torch.float32):
+            for ph, q_lens, kv_lens, tree, window in (
+                (Phase.PREFILL, [70, 9], [301, 9], False, None),
+                (Phase.PREFILL, [40, 12], [230, 100], False, 45),
+                (Phase.VERIFY, [8, 5], [203, 131], True, None),
+            ):
+                case = make_case(
+                    "mha", ph, q_lens=q_lens, kv_lens=kv_lens, page_size=page_size, hq=8,
+                    hkv=2, d=128, dv=128, dtype=dtype, kv_dtype=dtype, tree=tree, seed=page_size,
+                    window=window,
+                )  # fmt: skip
+                for threads in (1, 2):
+                    assert_close(
+                        run_native(case, num_threads=threads), reference(dict(case, chunk=None))
+                    )
+    finally:
+        LIB.set_isa(before)
