@@ -468,21 +468,28 @@ class NativeBackend(BackendBase):
         return_lse: bool = False,
         out: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        issued = self._checked_plan(phase, q, k_cache, v_cache, plan)
-        # The core's rules, which a binding's calls passed already (with out=, they reach
-        # _launch instead): this handler may also be called without one.
-        self._checks.check_keywords(q, sinks=sinks, return_lse=return_lse)  # every backend's
-        k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
-        if not self.fp8 and (k_scale, v_scale) != (1.0, 1.0):
-            raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
-        sm_scale = check_scale("sm_scale", sm_scale)
-        # A caller's buffer: the core's rule (shape, dtype, device, contiguous, no memory
-        # shared with q or the caches).
-        if out is not None:
-            self._checks.check_out(out, q, k_cache, v_cache)
+        issued = self._issued_for(phase, q, k_cache, v_cache, plan)
+        try:
+            # The core's rules, which a binding's calls passed already (with out=, they reach
+            # _launch instead): this handler may also be called without one.
+            self._checks.check_keywords(q, sinks=sinks, return_lse=return_lse)  # every backend's
+            k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+            if not self.fp8 and (k_scale, v_scale) != (1.0, 1.0):
+                raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
+            sm_scale = check_scale("sm_scale", sm_scale)
+            # A caller's buffer: the core's rule (shape, dtype, device, contiguous, no memory
+            # shared with q or the caches).
+            if out is not None:
+                self._checks.check_out(out, q, k_cache, v_cache)
+        except Exception:
+            # The tensors are checked in na_run; a call wrong in both is named by its tensors
+            # first, as when they were checked here before the keywords.
+            self._checks.check(plan.snapshot, q, k_cache, v_cache)
+            raise
         return self._run_kernel(
-            issued, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale, return_lse, out
-        )
+            issued, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale, return_lse, out,
+            phase, plan,
+        )  # fmt: skip
 
     def _launch(
         self,
@@ -504,14 +511,20 @@ class NativeBackend(BackendBase):
         the core checked just before (``_calls.CheckedHandler``); the plan and the tensors
         are checked here, as on every call: the plan in Python (issued by this object, for
         this phase), the tensors against it inside ``na_run``, before any load."""
-        check_plan(plan, self, "native")
-        issued = self._issued.get(id(plan))
-        if issued is None or issued.ref() is not plan or issued.phase is not phase:
-            issued = self._checked_plan(phase, q, k_cache, v_cache, plan)  # names the problem
+        issued = self._issued_for(phase, q, k_cache, v_cache, plan)
         return self._run_kernel(
             issued, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale, return_lse, out,
             phase, plan,
         )  # fmt: skip
+
+    def _issued_for(self, phase: Phase, q: Any, k_cache: Any, v_cache: Any, plan: Any) -> _Issued:
+        """This object's record of ``plan`` for ``phase`` (the tensors are checked against it
+        in ``na_run``); our error naming what is wrong otherwise."""
+        check_plan(plan, self, "native")
+        issued = self._issued.get(id(plan))
+        if issued is None or issued.ref() is not plan or issued.phase is not phase:
+            issued = self._checked_plan(phase, q, k_cache, v_cache, plan)  # names the problem
+        return issued
 
     def _checked_plan(self, phase: Phase, q: Any, k_cache: Any, v_cache: Any, plan: Any) -> _Issued:
         """This object's record of ``plan`` for ``phase``, once the tensors fit it."""
@@ -565,6 +578,8 @@ class NativeBackend(BackendBase):
             # The tensors as torch holds them; na_run checks each against the config and the
             # plan. A shape of another rank does not pack (struct.error): refused below.
             if self.mla:
+                if v_cache is not None:  # MLA reads no V: a cache given for it is refused
+                    raise TypeError("v_cache")
                 args = self._pack(
                     q.data_ptr(), k_cache.data_ptr(), 0, out.data_ptr(), sinks_ptr, lse_ptr,
                     *q.shape, *q.stride(), *k_cache.shape, 0, *k_cache.stride(), 0,

@@ -111,6 +111,12 @@ def test_strided_q_rows_mla() -> None:
     k = torch.randn(3, PS, 48, dtype=torch.bfloat16)
     run = be.handler(Phase.DECODE)
     assert torch.equal(run(q, k, None, plan, 0.2), run(q.contiguous(), k, None, plan, 0.2))
+    # A V cache handed to MLA (which reads none) is refused on both paths, naming v_cache.
+    out = torch.empty(2, QH, 32, dtype=torch.bfloat16)
+    for call in (run, run.attn_dispatch_core_checked):
+        with pytest.raises(InvalidBatchError) as info:
+            call(q, k, k, plan, 0.2, out=out)
+        assert info.value.field == "v_cache"
 
 
 def _abi_call(be: object, plan: object, **over: object) -> int:
