@@ -43,15 +43,17 @@ if TYPE_CHECKING:
 
 __all__ = ["Layout", "TensorChecks"]
 
-Layout = Literal["any", "rows", "contiguous"]
+Layout = Literal["any", "rows", "contiguous", "q_rows"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TensorChecks:
     """Per-call checks of ``q``/``k_cache``/``v_cache`` for one backend object.
 
-    ``layout``: "any" (the kernel gathers with torch ops), "rows" (last dim stride 1), or
-    "contiguous" (whole tensors). Costs attribute reads only; no device work.
+    ``layout``: "any" (the kernel gathers with torch ops), "rows" (last dim stride 1),
+    "contiguous" (whole tensors), or "q_rows" (contiguous caches; q's heads dense, each token's
+    ``[heads, head_dim]`` one block, its rows at any stride: a column slice of a fused QKV
+    projection). Costs attribute reads only; no device work.
     """
 
     backend: str
@@ -326,11 +328,28 @@ class TensorChecks:
     def _layout_ok(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> bool:
         if self.layout == "contiguous":
             return q.is_contiguous() and k.is_contiguous() and (v is None or v.is_contiguous())
+        if self.layout == "q_rows":
+            return _heads_dense(q) and k.is_contiguous() and (v is None or v.is_contiguous())
         return q.stride(-1) == 1 and k.stride(-1) == 1 and (v is None or v.stride(-1) == 1)
 
     def _explain_layout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
         for name, t in (("q", q), ("k_cache", k), ("v_cache", v)):
-            if t is not None and not self._layout_ok(t, t, None):
+            if t is None:
+                continue
+            if self.layout == "q_rows":
+                if name == "q" and not _heads_dense(t):
+                    raise InvalidBatchError(
+                        name,
+                        f"{self.backend}: needs each token's [heads, head_dim] dense (strides "
+                        f"({t.shape[-1]}, 1) in its last two dims, got {tuple(t.stride())[1:]}); "
+                        "its rows may be strided (call .contiguous())",
+                    )
+                if name != "q" and not t.is_contiguous():
+                    raise InvalidBatchError(
+                        name, f"{self.backend}: must be contiguous (call .contiguous())"
+                    )
+                continue
+            if not self._layout_ok(t, t, None):
                 need = (
                     "must be contiguous (call .contiguous())"
                     if self.layout == "contiguous"
@@ -407,3 +426,13 @@ class TensorChecks:
 
 # Public through attn_dispatch.backend (loaded lazily there): reprs and pickles name it.
 TensorChecks.__module__ = "attn_dispatch.backend"
+
+
+def _heads_dense(q: torch.Tensor) -> bool:
+    """``q [tokens, heads, dim]``'s last two dims dense (a dim of size 1, or no tokens: any
+    stride), whatever its row stride."""
+    tokens, heads, dim = q.shape
+    if tokens == 0:
+        return True
+    _, s1, s2 = q.stride()
+    return (dim == 1 or s2 == 1) and (heads == 1 or s1 == dim) and q.stride(0) >= 0

@@ -64,6 +64,71 @@ uint64_t new_id_locked() {
 // The calling thread's scratch for split-KV partial results: each call has its own, so
 // threads sharing one plan never share it.
 thread_local std::vector<float> tls_scratch;
+// The calling thread's copy of a q whose rows are strided (a column slice of a fused QKV
+// projection), rows packed: the kernels read q's rows Hq * D apart.
+thread_local std::vector<unsigned char> tls_q;
+
+// q as the kernels read it: itself when its T rows of `row` elements are packed (or there is
+// at most one), else the rows copied into tls_q (a few hundred bytes per token: far cheaper
+// than the copy torch makes). NULL when that buffer cannot be had.
+const void* gathered_q(const void* q, int64_t row_stride, int64_t T, int64_t row, size_t elem) {
+  if (T <= 1 || row_stride == row) return q;
+  const size_t bytes = size_t(row) * elem;
+  try {
+    if (tls_q.size() < size_t(T) * bytes) tls_q.resize(size_t(T) * bytes);
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+  const auto* src = static_cast<const unsigned char*>(q);
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(tls_q.data() + size_t(t) * bytes, src + size_t(t * row_stride) * elem, bytes);
+  }
+  return tls_q.data();
+}
+
+// One dim of a described tensor: its size, and its stride unless the size is 1 (free in torch).
+bool dim_is(int64_t size, int64_t stride, int64_t want_size, int64_t want_stride) {
+  return size == want_size && (size == 1 || stride == want_stride);
+}
+
+// The call's tensors, as described, fit the runner's config and the plan: q [T, Hq, D] with
+// dense heads and rows at a stride >= 0, k (and v) contiguous caches with more pages than the
+// plan's largest page index, out exactly T * Hq * Dv elements, every dtype the config's, all
+// host memory. Every later index of the kernels stays inside what these describe.
+bool tensors_fit(const NaRunArgs& a, const NaConfig& c, const NaPlan& plan) {
+  const bool mla = c.kind == NA_MLA;
+  const int64_t T = plan.num_tokens, Hq = c.num_q_heads, D = c.head_dim, Dv = c.v_head_dim;
+  const int64_t ps = c.page_size, Hkv = mla ? 1 : c.num_kv_heads;
+  if (a.host != 1) return false;
+  if (a.q_dtype != c.q_dtype || a.k_dtype != c.kv_dtype) return false;
+  if (!mla && a.v_dtype != c.kv_dtype) return false;
+  // q: [T, Hq, D], heads and dims dense, rows at any stride >= 0 (an empty q: any strides).
+  if (a.q_shape[0] != T || a.q_shape[1] != Hq || a.q_shape[2] != D) return false;
+  if (T > 0 && (a.q_stride[0] < 0 || !dim_is(Hq, a.q_stride[1], Hq, D) ||
+                !dim_is(D, a.q_stride[2], D, 1))) {
+    return false;
+  }
+  if (a.out_numel != T * Hq * Dv) return false;
+  // A cache: [pages, ps, Hkv, width] (MLA: [pages, ps, width]), contiguous, pages > max_page.
+  auto cache_ok = [&](const int64_t* shape, const int64_t* stride, int64_t width) {
+    const int64_t pages = shape[0];
+    if (pages < 0 || pages <= plan.max_page) return false;
+    if (pages == 0) {  // empty (so contiguous whatever its strides): the plan reads no page
+      return shape[1] == ps && (mla ? shape[2] == width && shape[3] == 0
+                                    : shape[2] == Hkv && shape[3] == width);
+    }
+    if (mla) {
+      return shape[3] == 0 && stride[3] == 0 && dim_is(shape[2], stride[2], width, 1) &&
+             dim_is(shape[1], stride[1], ps, width) && dim_is(pages, stride[0], pages, ps * width);
+    }
+    return dim_is(shape[3], stride[3], width, 1) && dim_is(shape[2], stride[2], Hkv, width) &&
+           dim_is(shape[1], stride[1], ps, Hkv * width) &&
+           dim_is(pages, stride[0], pages, ps * Hkv * width);
+  };
+  if (!cache_ok(a.k_shape, a.k_stride, D)) return false;
+  if (!mla && (!cache_ok(a.v_shape, a.v_stride, Dv) || a.v_shape[0] != a.k_shape[0])) return false;
+  return true;
+}
 
 }  // namespace
 
@@ -192,35 +257,25 @@ int na_run(uint64_t runner, uint64_t plan_id, const NaRunArgs* a) {
   const NaPlan* plan = held.get();
   const NaConfig& c = plan->cfg;
   const bool mla = c.kind == NA_MLA;
+  const int32_t num_threads = a->num_threads;
+  if (num_threads < 1) return NA_BAD_THREADS;
+  // Every tensor as its description says, against the config and the plan, before any load.
+  if (!tensors_fit(*a, c, *plan)) return NA_BAD_ARGS;
   const void *q = a->q, *k = a->k, *v = a->v;
   void* out = a->out;
-  const int64_t q_numel = a->q_numel, k_numel = a->k_numel, v_numel = a->v_numel;
-  const int64_t out_numel = a->out_numel, sinks_numel = a->sinks_numel;
-  const int64_t lse_numel = a->lse_numel;
+  const int64_t sinks_numel = a->sinks_numel, lse_numel = a->lse_numel;
   const float* sinks = a->sinks;
   float* lse = a->lse;
   const float sm_scale = a->sm_scale, k_scale = a->k_scale, v_scale = a->v_scale;
-  const int32_t num_threads = a->num_threads;
-  if (num_threads < 1) return NA_BAD_THREADS;
   // out and lse hold exactly the plan's rows: every one of them is written below.
   const int64_t T = plan->num_tokens, Hq = c.num_q_heads;
-  if (out_numel != T * Hq * c.v_head_dim) return NA_BAD_ARGS;
   if (lse != nullptr && lse_numel != T * Hq) return NA_BAD_ARGS;
+  if (sinks != nullptr && sinks_numel < Hq) return NA_BAD_ARGS;
   if (plan->items.empty()) return NA_OK;
   if (q == nullptr || k == nullptr || out == nullptr || (!mla && v == nullptr)) return NA_BAD_ARGS;
-  // Every row and page the plan names must lie inside the tensors given (64-bit products:
-  // the factors are int32, so no overflow).
-  if (q_numel < 0 || T * Hq * c.head_dim > q_numel) return NA_BAD_ARGS;
-  const int64_t pages = plan->max_page + 1;
-  const int64_t k_page = int64_t(c.page_size) * (mla ? 1 : c.num_kv_heads) * c.head_dim;
-  if (k_numel < 0 || pages * k_page > k_numel) return NA_BAD_ARGS;
-  if (!mla && (v_numel < 0 || pages * int64_t(c.page_size) * c.num_kv_heads * c.v_head_dim >
-                                  v_numel)) {
-    return NA_BAD_ARGS;
-  }
-  if (sinks != nullptr && sinks_numel < Hq) return NA_BAD_ARGS;
   NaProblem p{};
-  p.q = q;
+  p.q = gathered_q(q, a->q_stride[0], T, Hq * c.head_dim, c.q_dtype == NA_F32 ? 4 : 2);
+  if (p.q == nullptr) return NA_NO_MEMORY;
   p.k = k;
   p.v = mla ? nullptr : v;
   p.out = out;

@@ -1,7 +1,8 @@
 // Plain C ABI of the native CPU attention kernels (loaded from Python with ctypes).
 // Every pointer is host memory. na_plan_create validates the batch (every index it will
-// follow) and keeps private copies of it; na_run checks the tensors' page counts against the
-// plan, so the kernels only ever read memory inside the tensors they are given.
+// follow) and keeps private copies of it; na_run checks each call's tensors (shape, strides,
+// dtype, pages) against the config and the plan before any load, so the kernels only ever
+// read memory inside the tensors they are given.
 //
 // The library never trusts a pointer handed back by the caller: runners (one per backend
 // object, holding its config) and plans live in tables owned by the library and are named by
@@ -20,7 +21,7 @@
 // The one definition of the ABI version: na_abi_version() returns it; Python reads it from the
 // library (never a second literal) and checks each struct it mirrors with na_struct_size.
 // Bump it with any change to a struct, an entry point's arguments or their meaning.
-#define NA_ABI_VERSION 8
+#define NA_ABI_VERSION 9
 
 #ifdef __cplusplus
 extern "C" {
@@ -85,11 +86,19 @@ typedef struct {
   int64_t mask_len;
 } NaPlanArgs;
 
-// One layer call. q [T, Hq, D], k [k_pages, ps, Hkv, D] (MLA: [k_pages, ps, D]),
-// v [v_pages, ps, Hkv, Dv] (MLA: NULL), out [T, Hq, Dv], all contiguous, dtypes as the
-// runner's config. *_numel: the number of elements each tensor holds. The kernels never index
-// past them, whatever the plan says: a plan whose tokens, pages or heads do not fit the tensors
-// given is refused before any kernel runs; out (and lse) must hold exactly the plan's rows.
+// One layer call. Each tensor is described as torch holds it: its data, shape and strides (in
+// elements) and its dtype (an NA_* code, -1 for any other), and whether it is host memory.
+// na_run checks every description against the runner's config and the plan before any load,
+// and refuses (NA_BAD_ARGS) a call whose tensors do not fit:
+//   q [T, Hq, D] in the config's q dtype, T the plan's rows; its last two dims dense (stride
+//     D and 1), its rows at any stride >= 0 (a column slice of a fused QKV projection: its
+//     rows are copied into a buffer of the calling thread, packed);
+//   k [k_pages, ps, Hkv, D] (MLA: [k_pages, ps, D], k_shape[3] = k_stride[3] = 0), v
+//     [v_pages, ps, Hkv, Dv] (MLA: unused, NULL), both contiguous in the cache dtype, with
+//     more pages than the plan's largest page index;
+//   out [T, Hq, Dv] contiguous in q's dtype: out_numel its element count, exactly T*Hq*Dv.
+// A stride of a dim of size 1 is not compared (torch leaves it free). The kernels never index
+// past the tensors so described, whatever the plan says.
 // sinks: NULL or float32 [sinks_numel >= Hq] (one logit per q head, joins the softmax
 // denominator only). k_scale / v_scale: FP8 caches' dequantisation factors (1 otherwise; MLA
 // uses k_scale for the latent, V included).
@@ -102,7 +111,12 @@ typedef struct {
   void* out;
   const float* sinks;
   float* lse;
-  int64_t q_numel, k_numel, v_numel, out_numel, sinks_numel, lse_numel;
+  int64_t q_shape[3], q_stride[3];
+  int64_t k_shape[4], k_stride[4];
+  int64_t v_shape[4], v_stride[4];
+  int64_t out_numel, sinks_numel, lse_numel;
+  int32_t q_dtype, k_dtype, v_dtype;  // NA_* codes of the tensors' dtypes; -1: another
+  int32_t host;                       // 1: q, k, v and out are host (CPU) memory
   float sm_scale, k_scale, v_scale;
   int32_t num_threads;
 } NaRunArgs;
@@ -111,7 +125,7 @@ typedef struct {
 // NaStatus is compared with na_codes() at load).
 #define NA_RETURN_CODES(X)                                                                   \
   X(NA_OK, 0)                                                                                \
-  X(NA_BAD_ARGS, -1)       /* a tensor too small for the plan, out/lse not the plan's size */ \
+  X(NA_BAD_ARGS, -1)       /* a tensor that does not fit the config or the plan */        \
   X(NA_NO_MEMORY, -2)      /* a per-thread buffer could not be allocated */                  \
   X(NA_UNKNOWN_PLAN, -3)   /* never issued, or freed */                                      \
   X(NA_FOREIGN_PLAN, -4)   /* a live plan of another runner */                               \

@@ -455,17 +455,11 @@ _NATIVE_BOUNDS = """
     v = torch.randn(1, 4, 2, 32)
     out = torch.empty(2, 4, 32)
     run = be.library.cdll.na_run
-    from attn_dispatch.backends.native._lib import NaRunArgs
+    from attn_dispatch.backends.native.backend import run_args
 
     def call(plan, q, k, v, out, sinks=None, n_sinks=0, lse=None):
-        args = NaRunArgs(
-            q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(),
-            sinks=None if sinks is None else sinks.data_ptr(),
-            lse=None if lse is None else lse.data_ptr(), q_numel=q.numel(), k_numel=k.numel(),
-            v_numel=v.numel(), out_numel=out.numel(), sinks_numel=n_sinks,
-            lse_numel=0 if lse is None else lse.numel(), sm_scale=0.2, k_scale=1.0,
-            v_scale=1.0, num_threads=2,
-        )
+        args = run_args(q, k, v, out, sinks=sinks, sinks_numel=n_sinks, lse=lse, sm_scale=0.2,
+                        num_threads=2)
         return run(be._runner, be._issued[id(plan)].plan_id, ctypes.byref(args))
 
     # the big plan's 80 rows and 30 pages against tensors for 2 rows and 1 page

@@ -20,8 +20,10 @@ import dataclasses
 import enum
 import importlib.machinery
 import os
+import struct as _struct
 import threading
 from pathlib import Path
+from typing import Any
 
 from attn_dispatch._env import NATIVE_LIB
 
@@ -84,15 +86,48 @@ class NaPlanArgs(ctypes.Structure):
 
 
 class NaRunArgs(ctypes.Structure):
+    """One layer call: each tensor described as torch holds it (data, shape, strides, dtype
+    code), checked against the config and the plan inside ``na_run`` (csrc/native_attn.h)."""
+
     _fields_ = [
         *((n, ctypes.c_void_p) for n in ("q", "k", "v", "out", "sinks", "lse")),
-        *(
-            (n, ctypes.c_int64)
-            for n in ("q_numel", "k_numel", "v_numel", "out_numel", "sinks_numel", "lse_numel")
-        ),
+        ("q_shape", ctypes.c_int64 * 3),
+        ("q_stride", ctypes.c_int64 * 3),
+        ("k_shape", ctypes.c_int64 * 4),
+        ("k_stride", ctypes.c_int64 * 4),
+        ("v_shape", ctypes.c_int64 * 4),
+        ("v_stride", ctypes.c_int64 * 4),
+        *((n, ctypes.c_int64) for n in ("out_numel", "sinks_numel", "lse_numel")),
+        *((n, ctypes.c_int32) for n in ("q_dtype", "k_dtype", "v_dtype", "host")),
         *((n, ctypes.c_float) for n in ("sm_scale", "k_scale", "v_scale")),
         ("num_threads", ctypes.c_int32),
     ]
+
+
+def _packed(struct_type: type[ctypes.Structure]) -> _struct.Struct:
+    """A ``struct.Struct`` with ``struct_type``'s C layout (native alignment), one value per
+    scalar field and per array element, in field order: packing the values of one call is a
+    single C call, and ``na_run`` reads the packed bytes as the struct."""
+    codes: dict[Any, str] = {
+        ctypes.c_void_p: "P", ctypes.c_int64: "q", ctypes.c_int32: "i", ctypes.c_float: "f",
+    }  # fmt: skip
+    fmt = "@"
+    for field in struct_type._fields_:
+        ctype: Any = field[1]
+        if issubclass(ctype, ctypes.Array):
+            fmt += f"{ctype._length_}{codes[ctype._type_]}"
+        else:
+            fmt += codes[ctype]
+    packed = _struct.Struct(fmt)
+    if packed.size != ctypes.sizeof(struct_type):  # a field type the table above lacks
+        raise AssertionError(f"{struct_type.__name__}: packed {packed.size} bytes, C layout "
+                             f"{ctypes.sizeof(struct_type)}")  # fmt: skip
+    return packed
+
+
+#: ``NaRunArgs`` as packed bytes (``RUN_ARGS.pack(...)``): what the backend passes per call
+#: (pointers as ints, 0 for NULL). A test holds it equal to the ctypes struct, field by field.
+RUN_ARGS = _packed(NaRunArgs)
 
 
 class NaStatus(enum.IntEnum):
@@ -103,7 +138,7 @@ class NaStatus(enum.IntEnum):
     """
 
     OK = 0
-    BAD_ARGS = -1  # a tensor too small for the plan, out/lse not the plan's size
+    BAD_ARGS = -1  # a tensor that does not fit the config or the plan
     NO_MEMORY = -2  # a per-thread buffer or the plan could not be allocated
     UNKNOWN_PLAN = -3  # never issued, or freed
     FOREIGN_PLAN = -4  # a live plan of another runner
@@ -211,7 +246,8 @@ def _declare(cdll: ctypes.CDLL) -> None:
     cdll.na_plan_free.restype = ctypes.c_int
     cdll.na_plan_free.argtypes = [u64, u64]
     cdll.na_run.restype = ctypes.c_int
-    cdll.na_run.argtypes = [u64, u64, ctypes.POINTER(NaRunArgs)]
+    # The arguments: a NaRunArgs (ctypes.byref) or its packed bytes (RUN_ARGS), read only.
+    cdll.na_run.argtypes = [u64, u64, ctypes.c_void_p]
     cdll.na_codes.restype = ctypes.c_char_p
     cdll.na_codes.argtypes = []
     cdll.na_use_own_pool.restype = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import struct
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -43,6 +44,7 @@ from attn_dispatch.backend import check_plan
 from attn_dispatch.backend import check_scale
 from attn_dispatch.backend import issue_plan
 from attn_dispatch.backends.native import MAX_HEAD_DIM
+from attn_dispatch.backends.native._lib import RUN_ARGS
 from attn_dispatch.backends.native._lib import NaConfig
 from attn_dispatch.backends.native._lib import NaError
 from attn_dispatch.backends.native._lib import NaField
@@ -209,6 +211,9 @@ class NativeBackend(BackendBase):
     """
 
     name = "native"
+    #: q's rows may lie at any stride (each token's ``[heads, head_dim]`` dense): a column
+    #: slice of a fused QKV projection is read in place (integrations skip the copy).
+    reads_strided_q_rows = True
 
     @property
     def abi_version(self) -> int:
@@ -289,7 +294,11 @@ class NativeBackend(BackendBase):
             1 if cascade else 0,
         )
         self.cascade = cascade
-        self._checks = TensorChecks.of(config, backend="native", layout="contiguous")
+        # q's rows may be strided (its heads dense): a column slice of a fused projection.
+        self._checks = TensorChecks.of(config, backend="native", layout="q_rows")
+        self._sinks = bool(config.sinks)
+        self._heads = config.num_q_heads
+        self._pack = RUN_ARGS.pack
         self._run = lib.cdll.na_run
         self._create = lib.cdll.na_plan_create
         self._free = lib.cdll.na_plan_free
@@ -459,21 +468,28 @@ class NativeBackend(BackendBase):
         return_lse: bool = False,
         out: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        issued = self._checked_plan(phase, q, k_cache, v_cache, plan)
-        # The core's rules, which a binding's calls passed already (with out=, they reach
-        # _launch instead): this handler may also be called without one.
-        self._checks.check_keywords(q, sinks=sinks, return_lse=return_lse)  # every backend's
-        k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
-        if not self.fp8 and (k_scale, v_scale) != (1.0, 1.0):
-            raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
-        sm_scale = check_scale("sm_scale", sm_scale)
-        # A caller's buffer: the core's rule (shape, dtype, device, contiguous, no memory
-        # shared with q or the caches).
-        if out is not None:
-            self._checks.check_out(out, q, k_cache, v_cache)
+        issued = self._issued_for(phase, q, k_cache, v_cache, plan)
+        try:
+            # The core's rules, which a binding's calls passed already (with out=, they reach
+            # _launch instead): this handler may also be called without one.
+            self._checks.check_keywords(q, sinks=sinks, return_lse=return_lse)  # every backend's
+            k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+            if not self.fp8 and (k_scale, v_scale) != (1.0, 1.0):
+                raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
+            sm_scale = check_scale("sm_scale", sm_scale)
+            # A caller's buffer: the core's rule (shape, dtype, device, contiguous, no memory
+            # shared with q or the caches).
+            if out is not None:
+                self._checks.check_out(out, q, k_cache, v_cache)
+        except Exception:
+            # The tensors are checked in na_run; a call wrong in both is named by its tensors
+            # first, as when they were checked here before the keywords.
+            self._checks.check(plan.snapshot, q, k_cache, v_cache)
+            raise
         return self._run_kernel(
-            issued, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale, return_lse, out
-        )
+            issued, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale, return_lse, out,
+            phase, plan,
+        )  # fmt: skip
 
     def _launch(
         self,
@@ -493,11 +509,22 @@ class NativeBackend(BackendBase):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The handler's ``_CORE_CHECKED`` variant: a call whose scales, keywords and ``out``
         the core checked just before (``_calls.CheckedHandler``); the plan and the tensors
-        are checked here, as on every call."""
-        issued = self._checked_plan(phase, q, k_cache, v_cache, plan)
+        are checked here, as on every call: the plan in Python (issued by this object, for
+        this phase), the tensors against it inside ``na_run``, before any load."""
+        issued = self._issued_for(phase, q, k_cache, v_cache, plan)
         return self._run_kernel(
-            issued, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale, return_lse, out
-        )
+            issued, q, k_cache, v_cache, sm_scale, sinks, k_scale, v_scale, return_lse, out,
+            phase, plan,
+        )  # fmt: skip
+
+    def _issued_for(self, phase: Phase, q: Any, k_cache: Any, v_cache: Any, plan: Any) -> _Issued:
+        """This object's record of ``plan`` for ``phase`` (the tensors are checked against it
+        in ``na_run``); our error naming what is wrong otherwise."""
+        check_plan(plan, self, "native")
+        issued = self._issued.get(id(plan))
+        if issued is None or issued.ref() is not plan or issued.phase is not phase:
+            issued = self._checked_plan(phase, q, k_cache, v_cache, plan)  # names the problem
+        return issued
 
     def _checked_plan(self, phase: Phase, q: Any, k_cache: Any, v_cache: Any, plan: Any) -> _Issued:
         """This object's record of ``plan`` for ``phase``, once the tensors fit it."""
@@ -525,29 +552,93 @@ class NativeBackend(BackendBase):
         v_scale: float,
         return_lse: bool,
         out: Any,
+        phase: Phase | None = None,
+        plan: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.config
-        sinks_ptr, sinks_numel = None, 0
-        if cfg.sinks:
+        """One ``na_run``, which checks every tensor against the config and the plan before
+        any load. A refusal of the tensors is explained by the Python checks (the same error
+        as before the call reached C: ``_checked_plan``) when ``phase`` and ``plan`` are
+        given, else reported as the library's refusal."""
+        sinks_ptr, sinks_numel = 0, 0
+        if self._sinks:
             sinks = sinks.contiguous()  # kept alive until the kernel returns
             sinks_ptr, sinks_numel = sinks.data_ptr(), sinks.numel()
-        v_ptr, v_numel = (None, 0) if self.mla else (v_cache.data_ptr(), v_cache.numel())
-        rows = issued.num_tokens
         # Every row is written by the kernel (na_run refuses an out of any other size).
         if out is None:
-            out = torch.empty((rows, cfg.num_q_heads, self.v_head_dim), dtype=self.q_dtype)
-        lse, lse_ptr, lse_numel = None, None, 0
+            out = torch.empty((issued.num_tokens, self._heads, self.v_head_dim), dtype=self.q_dtype)
+        lse, lse_ptr, lse_numel = None, 0, 0
         if return_lse:
-            lse = torch.empty((rows, cfg.num_q_heads), dtype=torch.float32)
+            lse = torch.empty((issued.num_tokens, self._heads), dtype=torch.float32)
             lse_ptr, lse_numel = lse.data_ptr(), lse.numel()
-        # The kernel bounds every row and page by these element counts, whatever the plan.
-        args = NaRunArgs(
-            q=q.data_ptr(), k=k_cache.data_ptr(), v=v_ptr, out=out.data_ptr(), sinks=sinks_ptr,
-            lse=lse_ptr, q_numel=q.numel(), k_numel=k_cache.numel(), v_numel=v_numel,
-            out_numel=out.numel(), sinks_numel=sinks_numel, lse_numel=lse_numel,
-            sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, num_threads=self.threads(),
-        )  # fmt: skip
-        rc = self._run(self._runner, issued.plan_id, ctypes.byref(args))
+        threads = self.num_threads
+        if threads is None:
+            threads = min(_INT32_MAX, max(1, torch.get_num_threads()))
+        codes = _KV_DTYPE_CODES
+        try:
+            # The tensors as torch holds them; na_run checks each against the config and the
+            # plan. A shape of another rank does not pack (struct.error): refused below.
+            if self.mla:
+                if v_cache is not None:  # MLA reads no V: a cache given for it is refused
+                    raise TypeError("v_cache")
+                args = self._pack(
+                    q.data_ptr(), k_cache.data_ptr(), 0, out.data_ptr(), sinks_ptr, lse_ptr,
+                    *q.shape, *q.stride(), *k_cache.shape, 0, *k_cache.stride(), 0,
+                    0, 0, 0, 0, 0, 0, 0, 0, out.numel(), sinks_numel, lse_numel,
+                    codes.get(q.dtype, -1), codes.get(k_cache.dtype, -1), -1,
+                    q.is_cpu and k_cache.is_cpu and out.is_cpu,
+                    sm_scale, k_scale, v_scale, threads,
+                )  # fmt: skip
+            else:
+                args = self._pack(
+                    q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                    sinks_ptr, lse_ptr, *q.shape, *q.stride(), *k_cache.shape,
+                    *k_cache.stride(), *v_cache.shape, *v_cache.stride(), out.numel(),
+                    sinks_numel, lse_numel, codes.get(q.dtype, -1),
+                    codes.get(k_cache.dtype, -1), codes.get(v_cache.dtype, -1),
+                    q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and out.is_cpu,
+                    sm_scale, k_scale, v_scale, threads,
+                )  # fmt: skip
+        except (struct.error, AttributeError, TypeError):
+            rc = NaStatus.BAD_ARGS  # not tensors of the ranks the config needs
+        else:
+            rc = self._run(self._runner, issued.plan_id, args)
         if rc != NaStatus.OK:
-            raise status_error(rc, "na_run", config=cfg, threads=args.num_threads)
+            if rc == NaStatus.BAD_ARGS and phase is not None:
+                # The Python checks name what does not fit (the same errors as ever).
+                self._checked_plan(phase, q, k_cache, v_cache, plan)
+            raise status_error(rc, "na_run", config=self.config, threads=threads)
         return out if lse is None else (out, lse)
+
+
+def run_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    sm_scale: float,
+    num_threads: int,
+    sinks: torch.Tensor | None = None,
+    sinks_numel: int | None = None,
+    lse: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> NaRunArgs:
+    """``NaRunArgs`` describing these tensors as torch holds them (a 3-dim MLA cache: its
+    fourth dim 0; ``v`` None: no V): what tests hand ``na_run`` straight through the C ABI."""
+    args = NaRunArgs(
+        q=q.data_ptr(), k=k.data_ptr(), v=None if v is None else v.data_ptr(),
+        out=out.data_ptr(), sinks=None if sinks is None else sinks.data_ptr(),
+        lse=None if lse is None else lse.data_ptr(), out_numel=out.numel(),
+        sinks_numel=(0 if sinks is None else sinks.numel()) if sinks_numel is None else sinks_numel,
+        lse_numel=0 if lse is None else lse.numel(), q_dtype=_KV_DTYPE_CODES.get(q.dtype, -1),
+        k_dtype=_KV_DTYPE_CODES.get(k.dtype, -1),
+        v_dtype=-1 if v is None else _KV_DTYPE_CODES.get(v.dtype, -1),
+        host=int(all(t.is_cpu for t in (q, k, out) + (() if v is None else (v,)))),
+        sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, num_threads=num_threads,
+    )  # fmt: skip
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is not None:
+            getattr(args, f"{name}_shape")[: t.dim()] = tuple(t.shape)
+            getattr(args, f"{name}_stride")[: t.dim()] = tuple(t.stride())
+    return args

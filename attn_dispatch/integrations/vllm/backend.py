@@ -151,6 +151,8 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         )
         #: (vLLM's sinks tensor, its version, its float32 copy): ``_sinks_f32``.
         self._sinks: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        #: (id(binding), phase) -> whether its backend reads q's rows at a stride.
+        self._strided_q: dict[tuple[int, Any], bool] = {}
         # Inactive: vLLM's own CPU attention returns no LSE; DCP is refused for it by vLLM.
         self.can_return_lse_for_decode = False
         self.need_to_return_lse_for_decode = False
@@ -362,7 +364,9 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
                 and out.shape[0] == tokens
             )
             q = query if whole else query[rows]
-            if not q.is_contiguous():
+            # vLLM's q is a column slice of the fused QKV projection: a backend that reads
+            # q's rows at a stride takes it as it is, any other a contiguous copy.
+            if not q.is_contiguous() and not self._reads_strided_q(binding, part.batch.phase):
                 q = q.contiguous()
             # One scope per runner and part per step, entered by each of the runner's layers.
             with attn_metadata.scope(binding, draft, part):
@@ -376,6 +380,20 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         super().process_weights_after_loading(act_dtype)
         if self.dispatch is not None and self.sinks is not None:
             self._sinks_f32()  # converted once, now that vLLM loaded the weights
+
+    def _reads_strided_q(self, binding: Any, phase: Any) -> bool:
+        """Whether the backend serving ``phase`` reads a q whose rows are strided (its heads
+        dense) in place: it declares ``reads_strided_q_rows`` (native). Asked once per
+        binding and phase."""
+        key = (id(binding), phase)
+        found = self._strided_q.get(key)
+        if found is None:
+            try:
+                backend = binding.backend(phase)
+            except Exception:  # a bucketed phase: several backends, copy for all
+                backend = None
+            found = self._strided_q[key] = getattr(backend, "reads_strided_q_rows", False) is True
+        return found
 
     def _sinks_f32(self) -> torch.Tensor:
         """The layer's sinks as float32, converted once per load: kept with the version of

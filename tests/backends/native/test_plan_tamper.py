@@ -38,7 +38,7 @@ _CHILD = textwrap.dedent(
     import torch
     from attn_dispatch import AttnBatch, AttnConfig, InvalidBatchError, Phase
     from attn_dispatch.backends.native import backend as nb
-    from attn_dispatch.backends.native._lib import NaRunArgs
+    from attn_dispatch.backends.native.backend import run_args
 
     case = sys.argv[1]
     cfg = AttnConfig("mha", 4, 2, 32, 32, dtype="float32", page_size=4, device="cpu")
@@ -106,10 +106,7 @@ _CHILD = textwrap.dedent(
     elif case == "c_abi_other_runner":
         theirs = other.plan(batch)
         out = torch.empty(2, 4, 32)
-        args = NaRunArgs(q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(), out=out.data_ptr(),
-                         q_numel=q.numel(), k_numel=k.numel(), v_numel=v.numel(),
-                         out_numel=out.numel(), sm_scale=0.2, k_scale=1.0, v_scale=1.0,
-                         num_threads=1)
+        args = run_args(q, k, v, out, sm_scale=0.2, num_threads=1)
         na_run = be.library.cdll.na_run
         print("RC", na_run(be._runner, record(theirs, other).plan_id, ctypes.byref(args)),
               na_run(be._runner, 0x1234_5678_9ABC_DEF0, ctypes.byref(args)),

@@ -36,11 +36,11 @@ from attn_dispatch._errors import BackendUnavailableError  # noqa: E402
 from attn_dispatch._errors import InvalidBatchError  # noqa: E402
 from attn_dispatch._errors import InvalidSpecError  # noqa: E402
 from attn_dispatch.backends.native._lib import NaField  # noqa: E402
-from attn_dispatch.backends.native._lib import NaRunArgs  # noqa: E402
 from attn_dispatch.backends.native._lib import NaStatus  # noqa: E402
 from attn_dispatch.backends.native._lib import codes_mismatch  # noqa: E402
 from attn_dispatch.backends.native._lib import load  # noqa: E402
 from attn_dispatch.backends.native._lib import mirrored_codes  # noqa: E402
+from attn_dispatch.backends.native.backend import run_args  # noqa: E402
 
 LIB = load()
 ROOT = Path(__file__).resolve().parents[3]
@@ -348,11 +348,7 @@ def test_the_library_refuses_a_thread_count_below_one() -> None:
     q, k = torch.randn(2, 4, 16), torch.randn(4, 4, 2, 16)
     out = torch.empty(2, 4, 16)
     for threads, expect in ((0, NaStatus.BAD_THREADS), (-3, NaStatus.BAD_THREADS), (1, 0)):
-        args = NaRunArgs(
-            q=q.data_ptr(), k=k.data_ptr(), v=k.data_ptr(), out=out.data_ptr(),
-            q_numel=q.numel(), k_numel=k.numel(), v_numel=k.numel(), out_numel=out.numel(),
-            sm_scale=0.25, k_scale=1.0, v_scale=1.0, num_threads=threads,
-        )  # fmt: skip
+        args = run_args(q, k, k, out, sm_scale=0.25, num_threads=threads)
         rc = be._run(be._runner, be._issued[id(plan)].plan_id, ctypes.byref(args))
         assert rc == expect, (threads, rc)
 

@@ -162,6 +162,36 @@ def test_a_runners_layers_enter_one_scope_per_step(spec: str) -> None:
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("spec", SPECS)
+def test_q_rows_of_a_fused_projection_go_as_they_come_where_the_backend_reads_them(
+    spec: str,
+) -> None:
+    """vLLM's q is a column slice of the QKV projection: a backend that declares
+    ``reads_strided_q_rows`` (native) takes it without a copy, any other gets a contiguous
+    one; the answer is the contiguous q's either way."""
+    from attn_dispatch import attention
+    from attn_dispatch.integrations.vllm.backend import AttnDispatchCPUImpl
+
+    binding = bind(spec, _config(), label="target")
+    md = _step(torch.tensor([[3, 4], [7, 0]], dtype=I32), [20, 5])
+    (part,) = md.parts_for(False)
+    impl = object.__new__(AttnDispatchCPUImpl)
+    impl._strided_q = {}
+    reads = impl._reads_strided_q(binding, part.batch.phase)
+    assert reads is (spec == "native")
+    assert impl._reads_strided_q(binding, part.batch.phase) is reads  # asked once
+    assert len(impl._strided_q) == 1
+    q = torch.randn(2, (4 + 2 * 2) * 16)[:, : 4 * 16].view(2, 4, 16)
+    assert not q.is_contiguous()
+    k, v = torch.randn(16, BS, 2, 16), torch.randn(16, BS, 2, 16)
+    scope = md.scope(binding, False, part)
+    want = binding.handler(part.batch.phase)(q.contiguous(), k, v, scope.plan, 0.25)
+    out = torch.empty(2, 4, 16)
+    with scope:
+        attention(q if reads else q.contiguous(), k, v, out=out)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
 def test_kv_rows_once_per_slot_mapping() -> None:
     """The KV write's rows are computed once per forward's slot mapping (every layer of the
     KV group is handed the same tensor) and again for any other tensor, equal or not."""
