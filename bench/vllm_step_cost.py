@@ -1,7 +1,7 @@
 """The vLLM plugin's own per-step work, without an engine (issue 47, item 2).
 
     PYTHONPATH=$PWD .venv-vllm/bin/python bench/vllm_step_cost.py [--reps 15] [--pieces]
-        [--handler] [--contiguous-q] [--kv 150]
+        [--handler] [--contiguous-q] [--kv 150] [--quick]
 
 vLLM's classes as the engine drives them, on hand-made steps: ``AttnDispatchCPUBuilder.build``
 once per step, then for each of 4 layers ``AttnDispatchCPUImpl.do_kv_cache_update`` and
@@ -76,7 +76,10 @@ def main() -> None:
     ap.add_argument("--handler", action="store_true")
     ap.add_argument("--contiguous-q", action="store_true")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="smoke run: one decode round, no prefill")
     args = ap.parse_args()
+    if args.quick:
+        args.reps, args.no_prefill = 1, True
     torch.set_num_threads(1)
     torch.manual_seed(0)
 
@@ -197,7 +200,7 @@ def main() -> None:
         f"x {D}, bf16, block {BS}; q {q_kind}; native ISA {isa}; 1 thread; best of "
         f"{args.reps}; load {load()}"
     )
-    kinds = [("decode", 100)] + ([] if args.no_prefill else [("prefill", 10)])
+    kinds = [("decode", 5 if args.quick else 100)] + ([] if args.no_prefill else [("prefill", 10)])
     for kind, n in kinds:
         inputs = step_inputs(kind)
         step = best(lambda: one_step(*inputs), n, args.reps)  # noqa: B023 (called here)

@@ -64,6 +64,7 @@ NEEDS: dict[str, Callable[[], str | None] | None] = {
     "transformers_out_buffer.py": lambda: _native() or _module("transformers")(),
     "variants_cpu.py": None,
     "vllm_cpu.py": lambda: _native() or _module("vllm")(),
+    "vllm_step_cost.py": lambda: _native() or _module("vllm")(),
 }
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
 
