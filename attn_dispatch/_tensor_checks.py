@@ -146,6 +146,19 @@ class TensorChecks:
         (``attn_dispatch._values.check_sinks``), for a handler called without a binding."""
         check_sinks(sinks, q, self.q_tail[0], self.backend)
 
+    @staticmethod
+    def check_scales(
+        sm_scale: Any, k_scale: Any, v_scale: Any, *, fp8: bool
+    ) -> tuple[float, float, float]:
+        """The per-call scales of a handler called without a binding, as floats
+        ``(sm_scale, k_scale, v_scale)``: each a finite positive number
+        (``attn_dispatch._values.check_scale``), and ``k_scale``/``v_scale`` 1.0 unless the
+        cache is FP8. ``InvalidBatchError`` names the scale."""
+        ks, vs = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
+        if not fp8 and (ks, vs) != (1.0, 1.0):
+            raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
+        return check_scale("sm_scale", sm_scale), ks, vs
+
     def check_keywords(self, q: Any, *, sinks: Any = None, return_lse: Any = False) -> None:
         """The per-call keywords of a handler called without a binding (a binding's calls
         passed the core's same rules): ``sinks`` given exactly when the config has them, and

@@ -41,7 +41,6 @@ from attn_dispatch.backend import Phase
 from attn_dispatch.backend import PlanBase
 from attn_dispatch.backend import TensorChecks
 from attn_dispatch.backend import check_plan
-from attn_dispatch.backend import check_scale
 from attn_dispatch.backend import issue_plan
 from attn_dispatch.backends.native import MAX_HEAD_DIM
 from attn_dispatch.backends.native._lib import RUN_ARGS
@@ -473,10 +472,9 @@ class NativeBackend(BackendBase):
             # The core's rules, which a binding's calls passed already (with out=, they reach
             # _launch instead): this handler may also be called without one.
             self._checks.check_keywords(q, sinks=sinks, return_lse=return_lse)  # every backend's
-            k_scale, v_scale = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
-            if not self.fp8 and (k_scale, v_scale) != (1.0, 1.0):
-                raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
-            sm_scale = check_scale("sm_scale", sm_scale)
+            sm_scale, k_scale, v_scale = self._checks.check_scales(
+                sm_scale, k_scale, v_scale, fp8=self.fp8
+            )
             # A caller's buffer: the core's rule (shape, dtype, device, contiguous, no memory
             # shared with q or the caches).
             if out is not None:

@@ -38,7 +38,6 @@ from attn_dispatch.backend import Phase
 from attn_dispatch.backend import PlanBase
 from attn_dispatch.backend import PrivatePlans
 from attn_dispatch.backend import TensorChecks
-from attn_dispatch.backend import check_scale
 from attn_dispatch.backends.sdpa._chunked import run_chunked
 from attn_dispatch.backends.sdpa._fused import Source
 from attn_dispatch.backends.sdpa._fused import fused
@@ -224,10 +223,7 @@ class SdpaBackend(BackendBase):
             if cache is not None and not cache.is_contiguous():
                 raise InvalidBatchError(name, "sdpa: must be contiguous (call .contiguous())")
         self.checks.check_keywords(q, sinks=sinks, return_lse=return_lse)  # every backend's
-        ks, vs = check_scale("k_scale", k_scale), check_scale("v_scale", v_scale)
-        if not self.fp8 and (ks, vs) != (1.0, 1.0):
-            raise InvalidBatchError("k_scale", "scales apply to FP8 caches only")
-        scale = check_scale("sm_scale", sm_scale)
+        scale, ks, vs = self.checks.check_scales(sm_scale, k_scale, v_scale, fp8=self.fp8)
         if out is not None:
             self.checks.check_out(out, q, k_cache, v_cache)
         if steps.num_tokens == 0:
