@@ -9,7 +9,10 @@ ratios hold on a noisy machine; absolute times mean little. Columns:
 
 - ``isa``: the native path that ran (``--isa`` or ``NATIVE_ATTN_ISA`` forces one). ``--isa
   avx2`` also keeps torch, MKL and oneDNN within AVX2 (the script re-executes itself with
-  ``ATEN_CPU_CAPABILITY=avx2`` and friends), so every contender runs as on an AVX2 machine.
+  ``ATEN_CPU_CAPABILITY=avx2`` and friends), so every contender runs as on an AVX2 machine;
+  ``--isa avx512`` likewise holds oneDNN to AVX-512 without BF16 (``ONEDNN_MAX_CPU_ISA=
+  AVX512_CORE_VNNI``), as on a Skylake-to-Ice-Lake server, so the GEMM peak and SDPA's bf16
+  matmuls do not use ``vdpbf16ps`` either.
 - ``KV GB/s``: bytes of K/V the layer must read once / native time.
 - ``of read bw``: ``KV GB/s`` over the read bandwidth measured in the same run.
 - ``roofline``: max(KV bytes / read bandwidth, multiply-adds / GEMM peak) over native time
@@ -74,7 +77,13 @@ VLLM_VERSION = "0.32.0"
 # What torch, MKL and oneDNN read to stay within an instruction set (set before torch loads).
 _AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
          "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI_2"}  # fmt: skip
-AVX2_ENV = {"avx2": _AVX2, "generic": {**_AVX2, "ATEN_CPU_CAPABILITY": "default"}}
+# An AVX-512 machine without BF16 instructions (Skylake to Ice Lake servers): oneDNN's bf16
+# matmul (the GEMM peak, SDPA's bf16 GEMMs) must not use vdpbf16ps either, or the avx512
+# path's roofline is a peak its own CPU class cannot reach.
+_AVX512 = {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}
+ISA_ENV = {
+    "avx2": _AVX2, "generic": {**_AVX2, "ATEN_CPU_CAPABILITY": "default"}, "avx512": _AVX512,
+}  # fmt: skip
 VLLM_LIB = {
     "avx2": "_C_AVX2", "generic": "_C_AVX2", "avx512": "_C_AVX512", "avx512bf16": "_C", "amx": "_C",
 }  # fmt: skip
@@ -432,10 +441,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:  # checks the script runs; the recorded results file stays untouched
         args.repeats, args.no_torch, args.json = 1, True, os.devnull
         WORKLOADS[:] = [Workload("gqa-decode B2 256", "mha", Phase.DECODE, 4, 2, 64, 64, 2, 256, 1)]
-    if args.isa in AVX2_ENV and argv is None and os.environ.get("ATEN_CPU_CAPABILITY") is None:
-        # Emulating an AVX2-only machine: torch's own kernels (SDPA, matmul, the torch
-        # reference) must not use AVX-512 either, or the ratios compare AVX2 with AVX-512.
-        os.environ.update(AVX2_ENV[args.isa])
+    if args.isa in ISA_ENV and argv is None and os.environ.get("ATEN_CPU_CAPABILITY") is None:
+        # Emulating an AVX2-only (or AVX-512 without BF16) machine: torch's own kernels (SDPA,
+        # matmul, the torch reference) must not use what that machine lacks either, or the
+        # ratios and the roofline compare the path with instructions it cannot have.
+        os.environ.update(ISA_ENV[args.isa])
         os.execv(sys.executable, [sys.executable, *sys.argv])
 
     lib = load()
