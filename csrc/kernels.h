@@ -60,6 +60,13 @@ constexpr int kBlockKeys = 32;
 // Rows (query tokens x heads) per work item: bounds the per-thread accumulator to
 // kMaxRows x Dv floats so it stays in L2.
 constexpr int kMaxRows = 32;
+// Rows per kv head of a cascade tile (a group's shared keys): up to twice kMaxRows, so that a
+// group of 16 decode requests of GQA 4 heads reads each shared key once, not once per 32-row
+// half (bench/native_notes.md, "Cascade"). Only the vdpbf16ps many-row kernel takes such a
+// tile whole; every other kernel runs it as consecutive tiles of at most kMaxRows rows.
+constexpr int kMaxCascadeRows = 64;
+// The most rows any item has (per-item row arrays are sized by it).
+constexpr int kMaxTileRows = kMaxCascadeRows > kMaxRows ? kMaxCascadeRows : kMaxRows;
 // Split-KV never cuts a tile into chunks shorter than this many keys: below it the
 // merge costs more than the parallelism gains.
 constexpr int kMinSplitKeys = 256;

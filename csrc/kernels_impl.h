@@ -489,7 +489,7 @@ static int item_q(const NaProblem* p, const NaItem* it) {
   }
 }
 
-static int item(const NaProblem* p, const NaItem* it) {
+static int item_one(const NaProblem* p, const NaItem* it) {
 #ifdef NA_HAVE_BF16_PATH
   if (p->q_dtype == NA_BF16 && p->head_dim % 32 == 0 && p->v_head_dim % 32 == 0 &&
       rows_path_applies(*p, *it)) {
@@ -512,6 +512,32 @@ static int item(const NaProblem* p, const NaItem* it) {
     case NA_F16: return item_q<f16>(p, it);
     default: return item_q<float>(p, it);
   }
+}
+
+// A cascade tile of more than kMaxRows rows per kv head (up to kMaxCascadeRows, the
+// planner's bound) runs whole on the vdpbf16ps many-row kernel with a bf16 or FP8 cache (four
+// row vectors: each block's K rows packed and V pairs interleaved once for all of them); on
+// every other kernel (and in the amx unit, whose tiles hold 32 rows) as consecutive tiles of
+// at most kMaxRows rows, the tiles the planner made before: a cascade tile's scratch rows are
+// per token and head, so the same rows and the same results.
+static int item(const NaProblem* p, const NaItem* it) {
+  const int nh = it->h1 - it->h0;
+  if (!it->shared || nh * (it->q1 - it->q0) <= na::kMaxRows) return item_one(p, it);
+#if defined(NA_HAVE_BF16_PATH) && !defined(NA_HAVE_AMX)
+  if (p->q_dtype == NA_BF16 && p->head_dim % 32 == 0 && p->v_head_dim % 32 == 0 &&
+      rows_path_applies(*p, *it) &&
+      (p->kv_dtype == NA_BF16 || p->kv_dtype == NA_E4M3 || p->kv_dtype == NA_E5M2)) {
+    return item_one(p, it);
+  }
+#endif
+  const int step = std::max(1, na::kMaxRows / nh);
+  NaItem sub = *it;
+  for (int q0 = it->q0; q0 < it->q1; q0 += step) {
+    sub.q0 = q0;
+    sub.q1 = std::min(it->q1, q0 + step);
+    if (const int rc = item_one(p, &sub)) return rc;
+  }
+  return 0;
 }
 
 static int merge(const NaProblem* p, const NaMerge* m) {

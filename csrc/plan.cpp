@@ -227,6 +227,8 @@ int make_items(NaPlan& P) {
   const int n_hblocks = ceil_div(group, na::kMaxRows);
   const int hb = ceil_div(group, n_hblocks);
   const int qb = std::max(1, na::kMaxRows / hb);
+  // Cascade tiles take up to kMaxCascadeRows rows per kv head (one head block): tokens per tile.
+  const int cqb = n_hblocks == 1 ? std::max(1, na::kMaxCascadeRows / hb) : qb;
   // A tile whose rows of one kv head are few (decode, short verify) takes several kv heads:
   // each block of tokens is then read whole, in address order (a token's heads are adjacent
   // in the cache), instead of one head's 2 KB-strided rows per tile.
@@ -252,6 +254,8 @@ int make_items(NaPlan& P) {
         ++g.ntok;
       }
     }
+    // Counted as tiles of kMaxRows rows (the work of a wide cascade tile, and the split
+    // decision of plans made before such tiles existed).
     const int rows = std::min(g.ntok, qb) * hb;
     tiles += int64_t(ceil_div(c.num_kv_heads, heads_per_rows(rows))) * n_hblocks *
              ceil_div(g.ntok, qb);
@@ -269,8 +273,8 @@ int make_items(NaPlan& P) {
   const int64_t target = std::max(1, P.split_target);
   const int want = tiles > 0 && tiles < target ? ceil_div(target, tiles) : 1;
   // How a span of keys is cut: (splits, keys per split), splits 1 meaning whole.
-  auto cut = [&](int span) {
-    int nsplit = std::max(1, std::min(want, ceil_div(span, na::kMinSplitKeys)));
+  auto cut = [&](int span, int w) {
+    int nsplit = std::max(1, std::min(w, ceil_div(span, na::kMinSplitKeys)));
     int chunk = span;
     if (nsplit > 1) {
       chunk = ceil_div(ceil_div(span, nsplit), na::kBlockKeys) * na::kBlockKeys;
@@ -282,18 +286,21 @@ int make_items(NaPlan& P) {
   P.items.reserve(size_t(tiles) * size_t(want));
   // Cascade tiles first (the largest items: the pool takes items in order).
   for (Group& g : groups) {
-    std::tie(g.nsplit, g.chunk) = cut(g.pages * c.page_size);
+    // A wide cascade tile stands for `wide` tiles of kMaxRows rows: when the keys are split,
+    // it is split that many times more, so the group still makes about as many items.
+    const int wide = ceil_div(ceil_div(g.ntok, qb), ceil_div(g.ntok, cqb));
+    std::tie(g.nsplit, g.chunk) = cut(g.pages * c.page_size, want > 1 ? want * wide : 1);
     g.base = rows_used;
     rows_used += int64_t(g.nsplit) * g.ntok * Hq;
     if (rows_used > INT32_MAX) return NA_E_TOO_LARGE;
     const int span = g.pages * c.page_size;
-    const int hpt = heads_per_rows(std::min(g.ntok, qb) * hb);
+    const int hpt = heads_per_rows(std::min(g.ntok, cqb) * hb);
     for (int kh = 0; kh < c.num_kv_heads; kh += hpt) {
       const int kh1 = std::min(c.num_kv_heads, kh + hpt);
       for (int h0 = 0; h0 < group; h0 += hb) {
         const int h1 = std::min(group, h0 + hb);
-        for (int t0 = 0; t0 < g.ntok; t0 += qb) {
-          const int t1 = std::min(g.ntok, t0 + qb);
+        for (int t0 = 0; t0 < g.ntok; t0 += cqb) {
+          const int t1 = std::min(g.ntok, t0 + cqb);
           for (int s = 0; s < g.nsplit; ++s) {
             const int k0 = s * g.chunk, k1 = std::min(span, k0 + g.chunk);
             const int64_t slot = g.base + int64_t(s) * g.ntok * Hq;
@@ -327,7 +334,7 @@ int make_items(NaPlan& P) {
               std::min(kend, std::max(shared_keys[size_t(i)], first_key(P, i, q0, q1)));
           const int span = kend - kstart;
           int nsplit, chunk;
-          std::tie(nsplit, chunk) = cut(span);
+          std::tie(nsplit, chunk) = cut(span, want);
           if (mg < 0 && nsplit <= 1) {
             P.items.push_back(NaItem{i, g, q0, q1, h0, h1, kstart, kend, -1, g1, 0, 0});
             continue;

@@ -132,10 +132,10 @@ struct RowLanes {
   int R1;         // real rows
   int lo_max, lim_min;  // over the real rows (causal): a block inside [lo_max, lim_min] is seen whole
   int mseen;            // custom mask: every real row sees every key of [k0 of the item, mseen)
-  alignas(64) int32_t lim[na::kMaxRows + 16];
-  alignas(64) int32_t lo[na::kMaxRows + 16];
-  alignas(64) int32_t real[na::kMaxRows + 16];  // -1: a real row's lane, 0: a pad lane
-  const uint8_t* mrow[na::kMaxRows];
+  alignas(64) int32_t lim[na::kMaxTileRows + 16];
+  alignas(64) int32_t lo[na::kMaxTileRows + 16];
+  alignas(64) int32_t real[na::kMaxTileRows + 16];  // -1: a real row's lane, 0: a pad lane
+  const uint8_t* mrow[na::kMaxTileRows];
 };
 
 static inline void lanes_init(const NaProblem& P, const NaItem& it, const RowState& S, int r0,
@@ -483,7 +483,7 @@ static int rows_item(const NaProblem& P, const NaItem& it) {
   }
   // A tile has at most kMaxRows rows (the planner's bound), so at most that many kv heads.
   RowLanes L[na::kMaxRows];
-  vu badv[na::kMaxRows][na::kMaxRows / W + 1];
+  vu badv[na::kMaxRows][na::kMaxTileRows / W + 1];
   for (int gi = 0; gi < nkv; ++gi) {
     lanes_init(P, it, S, gi * R1, R1, Rp, L[gi]);
     for (auto& x : badv[gi]) x = vu{};
@@ -635,6 +635,11 @@ static inline void qk_keys_bf16_packed(const uint32_t* qp, int Rp, const uint16_
 [[maybe_unused]] __attribute__((noinline)) static void qk_packed_8x2(
     const uint32_t* qp, int Rp, const uint16_t* kp, float qscale, float* s, PfCursor& pf) {
   qk_keys_bf16_packed<8, 2, 128>(qp, Rp, kp, qscale, s, pf);
+}
+// A 48-row cascade tile's third row vector (kMaxCascadeRows), out of line as qk_packed_8x2.
+[[maybe_unused]] __attribute__((noinline)) static void qk_packed_8x1(
+    const uint32_t* qp, int Rp, const uint16_t* kp, float qscale, float* s, PfCursor& pf) {
+  qk_keys_bf16_packed<8, 1, 128>(qp, Rp, kp, qscale, s, pf);
 }
 
 // V rows of npairs key pairs interleaved as pv_rows_bf16 unpacks them, once per block:
@@ -821,7 +826,7 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
     lL[i] = 0.0f;
   }
   RowLanes L[na::kMaxRows];
-  vu badv[na::kMaxRows][na::kMaxRows / W + 1];
+  vu badv[na::kMaxRows][na::kMaxTileRows / W + 1];
   for (int gi = 0; gi < nkv; ++gi) {
     lanes_init(P, it, S, gi * R1, R1, Rp, L[gi]);
     for (auto& x : badv[gi]) x = vu{};
@@ -896,11 +901,12 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
       // Keys past the block's end read the first key's row (valid memory; masked to weight 0).
       for (int t = n; t < nt; ++t) kr[t] = kr[0];
 #ifndef NA_HAVE_AMX
-      // Head dim 128, one row vector of lanes (GQA verify, bf16 cache) or two (kWide: trees,
-      // prefill; an FP8 cache's rows are in k16 already, widened): the block's K rows copied
-      // into k16 (n rows, each inside its cache row; rows n..nt - 1 of k16 are the buffer's
-      // own memory, masked to weight 0) so that q.K^T addresses them from one pointer.
-      const bool packk = D == 128 && (kWide ? nvt == 2 : !f8 && nvt == 1);
+      // Head dim 128, one row vector of lanes (GQA verify, bf16 cache) or two to four (kWide:
+      // trees, prefill, cascade tiles; an FP8 cache's rows are in k16 already, widened): the
+      // block's K rows copied into k16 (n rows, each inside its cache row; rows n..nt - 1 of
+      // k16 are the buffer's own memory, masked to weight 0) so that q.K^T addresses them
+      // from one pointer.
+      const bool packk = D == 128 && (kWide ? nvt >= 2 : !f8 && nvt == 1);
       if (packk && !f8) {
         for (int t = 0; t < n; ++t) std::memcpy(k16 + size_t(t) * 128, kr[t], 256);
       }
@@ -919,7 +925,15 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
 #else
       for (int t0 = 0; t0 < nt; t0 += nk) {
         if (kWide && packk) {
-          qk_packed_8x2(qg, Rp, k16 + size_t(t0) * 128, qscale, sT + size_t(t0) * Rp, pf);
+          // Two row vectors at a time; a cascade tile of 48 or 64 rows (up to kMaxCascadeRows)
+          // runs more on the same packed keys, the third of 48 alone.
+          int j = 0;
+          for (; j + 2 <= nvt; j += 2)
+            qk_packed_8x2(qg + j * 16, Rp, k16 + size_t(t0) * 128, qscale,
+                          sT + size_t(t0) * Rp + j * 16, pf);
+          if (j < nvt)
+            qk_packed_8x1(qg + j * 16, Rp, k16 + size_t(t0) * 128, qscale,
+                          sT + size_t(t0) * Rp + j * 16, pf);
         } else if (nvt >= 2) {
           int j = 0;
           for (; j + 2 <= nvt; j += 2)

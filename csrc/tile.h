@@ -175,10 +175,10 @@ static inline void block_rows(const Tile& T, int k0, int n, const KT* kbase, con
 // Per-row state of a tile besides the buffers: the block's rescale factor, the causal limit,
 // whether the row is NaN already, and its custom-mask row.
 struct RowState {
-  float alpha[na::kMaxRows];
-  int lim[na::kMaxRows];
-  bool bad[na::kMaxRows];
-  const uint8_t* mrow[na::kMaxRows];
+  float alpha[na::kMaxTileRows];
+  int lim[na::kMaxTileRows];
+  bool bad[na::kMaxTileRows];
+  const uint8_t* mrow[na::kMaxTileRows];
 };
 
 // The per-row prologue every item kernel runs: where row r's query is, whether it holds a

@@ -401,3 +401,60 @@ def test_cascade_on_every_isa_path(isa: str, head_dim: int, dtype: str) -> None:
     tol = 1e-5 if dtype == "float32" else 1e-2
     torch.testing.assert_close(got[True][0].float(), got[False][0].float(), atol=tol, rtol=tol)
     torch.testing.assert_close(got[True][1], got[False][1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("isa", () if isinstance(LIB, str) else LIB.isa_list)
+@pytest.mark.parametrize(
+    ("n", "shared", "items", "kv_dtype"),
+    [(16, 8, 24, None), (12, 8, 20, None), (12, 64, 44, None), (16, 8, 24, "float8_e4m3fn")],
+)
+def test_wide_cascade_tiles_equal_private_copies(
+    isa: str, n: int, shared: int, items: int, kv_dtype: str | None
+) -> None:
+    # GQA 32/8 x 128 in bf16, n decode requests sharing `shared` pages of 16 keys: the group's
+    # n x 4 rows per kv head (64 or 48) make one cascade tile per kv head and key split (up to
+    # kMaxCascadeRows = 64 rows), not one per 32 rows. Items: 16 requests -> 8 shared tiles +
+    # 16 own (32 tiles of 32 rows counted: no split); 12 -> 28 counted, splits wanted 2: 128
+    # shared keys stay whole (8 + 12), 1024 are cut in 2 x 2 (a wide tile stands for two) =
+    # 4 chunks of 256 (32 + 12, as many items as two 32-row tiles cut in 2 each). Outputs equal
+    # the private copies' on every ISA path (those without the wide kernel run 32-row tiles),
+    # with a bf16 and an FP8 cache.
+    ps, own = 16, 1
+    cfg = AttnConfig("mha", 32, 8, 128, dtype="bfloat16", page_size=ps, kv_dtype=kv_dtype)
+    num_pages = shared + n * own + n * shared
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(num_pages, ps, 8, 128, generator=gen).bfloat16()
+    v = torch.randn(num_pages, ps, 8, 128, generator=gen).bfloat16()
+    copy0 = shared + n * own
+    for i in range(n):
+        k[copy0 + i * shared : copy0 + (i + 1) * shared] = k[:shared]
+        v[copy0 + i * shared : copy0 + (i + 1) * shared] = v[:shared]
+    if kv_dtype is not None:
+        k, v = k.to(getattr(torch, kv_dtype)), v.to(getattr(torch, kv_dtype))
+    own_pages = [[shared + i] for i in range(n)]
+    kv_lens = [(shared + own) * ps - i for i in range(n)]
+
+    def batch(first: list[list[int]]) -> AttnBatch:
+        return AttnBatch.build(
+            Phase.DECODE, q_lens=[1] * n, kv_lens=kv_lens,
+            page_tables=[first[i] + own_pages[i] for i in range(n)], page_size=ps,
+            num_pages=num_pages,
+        )  # fmt: skip
+
+    q = torch.randn(n, 32, 128, generator=gen).bfloat16()
+    copies = [list(range(copy0 + i * shared, copy0 + (i + 1) * shared)) for i in range(n)]
+    before = LIB.isa
+    LIB.set_isa(isa)
+    try:
+        be = NativeBackend(cfg, num_threads=2)
+        plan_s = be.plan(batch([list(range(shared))] * n))
+        plan_p = be.plan(batch(copies))
+        assert (plan_s.cascade_groups, plan_p.cascade_groups) == (1, 0)
+        assert plan_s.num_items == items
+        h = be.handler(Phase.DECODE)
+        a, la = h(q, k, v, plan_s, 128**-0.5, return_lse=True)
+        b, lb = h(q, k, v, plan_p, 128**-0.5, return_lse=True)
+    finally:
+        LIB.set_isa(before)
+    torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
