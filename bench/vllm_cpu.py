@@ -280,7 +280,13 @@ class PhaseClock:
     generate's wall time outside the engine's steps (request set-up and output handling)."""
 
     PARTS: ClassVar[tuple[str, ...]] = (
-        "step", "execute", "sample", "attention", "build", "forward", "gc"
+        "step",
+        "execute",
+        "sample",
+        "attention",
+        "build",
+        "forward",
+        "gc",
     )
 
     #: The clock: wall time, or (``--cpu-time``) the calling thread's CPU time, which a burst
@@ -475,9 +481,12 @@ def phases(model: str, rounds: int, shape: str, args: Any) -> None:
     batch, prompt, new = lengths(shape)
     prompts = prompts_for(batch, prompt)
     params = vllm.SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    native1 = {"target": "native", "options": {"native": {"num_threads": 1}}}
     contenders = {
         "vllm": {},
         "native": {"additional_config": {"attn_dispatch": {"target": "native"}}},
+        # Native's kernels on the calling thread alone (the model's ops keep torch's team).
+        "native 1t": {"additional_config": {"attn_dispatch": native1}},
     }
     best: dict[str, dict[str, float]] = {}
     load_before = load_text()
@@ -501,7 +510,7 @@ def phases(model: str, rounds: int, shape: str, args: Any) -> None:
             mid = sorted(r["step"] for r in rest)[len(rest) // 2]
             row["decode median"] = mid * len(rest)
             print(
-                f"round {r + 1}: {name:<8} generate {wall * 1e3:7.2f} ms, prefill step "
+                f"round {r + 1}: {name:<9} generate {wall * 1e3:7.2f} ms, prefill step "
                 f"{first['step'] * 1e3:6.2f}, decode steps {row['decode step'] * 1e3:7.2f} "
                 f"(median x {len(rest)}: {mid * len(rest) * 1e3:7.2f}), other "
                 f"{row['other'] * 1e3:5.2f}; load {load_text()}",
@@ -512,18 +521,31 @@ def phases(model: str, rounds: int, shape: str, args: Any) -> None:
             del llm
             gc.collect()
     ms = 1e3
-    cols = ["generate", "prefill step", "prefill execute", "prefill attention",
-            "decode step", "decode median", "decode execute", "decode forward", "decode sample",
-            "decode attention", "decode build", "decode gc", "prefill gc", "other"]
+    cols = [
+        "generate",
+        "prefill step",
+        "prefill execute",
+        "prefill attention",
+        "decode step",
+        "decode median",
+        "decode execute",
+        "decode forward",
+        "decode sample",
+        "decode attention",
+        "decode build",
+        "decode gc",
+        "prefill gc",
+        "other",
+    ]
     rows = [
-        [name, f"{r['steps']:.0f}", *(f"{r[c] * ms:.2f}" for c in cols)]
-        for name, r in best.items()
+        [name, f"{r['steps']:.0f}", *(f"{r[c] * ms:.2f}" for c in cols)] for name, r in best.items()
     ]
     if "vllm" in best:
         ref = best["vllm"]
-        rows.append(
-            ["native - vllm", "", *(f"{(best['native'][c] - ref[c]) * ms:+.2f}" for c in cols)]
-        )
+        for name in ("native", "native 1t"):
+            rows.append(
+                [f"{name} - vllm", "", *(f"{(best[name][c] - ref[c]) * ms:+.2f}" for c in cols)]
+            )
     print()
     print(
         f"model {shape_text(shape, args.layers)}; native ISA {isa_names()[1]}; load "
