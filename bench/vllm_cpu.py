@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python bench/vllm_cpu.py [--model bench|tiny|long|both] [--rounds 2]
         [--layers 4] [--mixed] [--spec [--no-eagle]] [--dtype bfloat16|float32] [--breakdown]
+        [--phases [--cpu-time]]
     .venv-vllm/bin/python bench/vllm_cpu.py --quick   # smoke run, writes nothing
 
 One process, random Llama-shaped models (bf16, saved with transformers at start; ``--model``:
@@ -42,7 +43,18 @@ another selection).
 which ``step_parts``, its batch building from vLLM's tensors), the KV writes, and every
 layer's attention call (for the plugin: of which ``Binding.prepare`` and the ``attention()``
 call through the scope; the rest is the scope, slicing and copies). Writes
-``bench/results/vllm_cpu_breakdown_<model>.json``.
+``bench/results/vllm_cpu_breakdown_<model>.json``. Its ``step`` is the timed generate's wall
+time over its steps (the prefill step included): the same quantity as tokens/s.
+
+``--phases``: where the timed generate's time goes (``PhaseClock``), vLLM's own attention
+against ``native`` and ``native`` on one thread (``"options": {"native": {"num_threads":
+1}}``), the order reversed every other round: the prefill step, the decode steps (the model
+runner's ``execute_model``, of which the model's forward, the attention layers and the
+metadata build; ``sample_tokens``; garbage collection) and the rest of the generate. With
+``--cpu-time``, the calling thread's CPU time instead of wall time: run it with
+``OMP_NUM_THREADS=1`` (the whole step then runs on that thread), so that a burst of other
+load on a shared machine does not land in one contender's figure. Writes
+``bench/results/vllm_cpu_phases_<model>.json``.
 """
 
 from __future__ import annotations
@@ -485,9 +497,10 @@ def phases(model: str, rounds: int, shape: str, args: Any) -> None:
     contenders = {
         "vllm": {},
         "native": {"additional_config": {"attn_dispatch": {"target": "native"}}},
-        # Native's kernels on the calling thread alone (the model's ops keep torch's team).
-        "native 1t": {"additional_config": {"attn_dispatch": native1}},
     }
+    if torch.get_num_threads() > 1:
+        # Native's kernels on the calling thread alone (the model's ops keep torch's team).
+        contenders["native 1t"] = {"additional_config": {"attn_dispatch": native1}}
     best: dict[str, dict[str, float]] = {}
     load_before = load_text()
     for r in range(rounds):
@@ -542,7 +555,7 @@ def phases(model: str, rounds: int, shape: str, args: Any) -> None:
     ]
     if "vllm" in best:
         ref = best["vllm"]
-        for name in ("native", "native 1t"):
+        for name in (n for n in contenders if n != "vllm"):
             rows.append(
                 [f"{name} - vllm", "", *(f"{(best[name][c] - ref[c]) * ms:+.2f}" for c in cols)]
             )
