@@ -2,6 +2,7 @@
 
     .venv-vllm/bin/python bench/vllm_cpu.py [--model bench|tiny|long|both] [--rounds 2]
         [--layers 4] [--mixed] [--spec [--no-eagle]] [--dtype bfloat16|float32] [--breakdown]
+        [--phases [--cpu-time]]
     .venv-vllm/bin/python bench/vllm_cpu.py --quick   # smoke run, writes nothing
 
 One process, random Llama-shaped models (bf16, saved with transformers at start; ``--model``:
@@ -42,7 +43,18 @@ another selection).
 which ``step_parts``, its batch building from vLLM's tensors), the KV writes, and every
 layer's attention call (for the plugin: of which ``Binding.prepare`` and the ``attention()``
 call through the scope; the rest is the scope, slicing and copies). Writes
-``bench/results/vllm_cpu_breakdown_<model>.json``.
+``bench/results/vllm_cpu_breakdown_<model>.json``. Its ``step`` is the timed generate's wall
+time over its steps (the prefill step included): the same quantity as tokens/s.
+
+``--phases``: where the timed generate's time goes (``PhaseClock``), vLLM's own attention
+against ``native`` and ``native`` on one thread (``"options": {"native": {"num_threads":
+1}}``), the order reversed every other round: the prefill step, the decode steps (the model
+runner's ``execute_model``, of which the model's forward, the attention layers and the
+metadata build; ``sample_tokens``; garbage collection) and the rest of the generate. With
+``--cpu-time``, the calling thread's CPU time instead of wall time: run it with
+``OMP_NUM_THREADS=1`` (the whole step then runs on that thread), so that a burst of other
+load on a shared machine does not land in one contender's figure. Writes
+``bench/results/vllm_cpu_phases_<model>.json``.
 """
 
 from __future__ import annotations
@@ -271,6 +283,78 @@ class StepClock:
         return timed
 
 
+class PhaseClock:
+    """Where a generate's wall time goes, per engine step (``--phases``): each call of the
+    engine core's ``step`` is timed whole, and inside it the model runner's
+    ``execute_model`` (inputs, metadata build, the model's forward) and ``sample_tokens``,
+    and the attention layers' KV writes and forwards. The first step that runs the model is
+    the prefill step (every prompt fits in one), the others decode; ``other`` is the
+    generate's wall time outside the engine's steps (request set-up and output handling)."""
+
+    PARTS: ClassVar[tuple[str, ...]] = (
+        "step",
+        "execute",
+        "sample",
+        "attention",
+        "build",
+        "forward",
+        "gc",
+    )
+
+    #: The clock: wall time, or (``--cpu-time``) the calling thread's CPU time, which a burst
+    #: of other load on a shared machine does not inflate (meaningful with 1 thread, where
+    #: the whole step runs on the calling thread).
+    now: ClassVar[Any] = time.perf_counter
+
+    def __init__(self) -> None:
+        from vllm.v1.engine.core import EngineCore
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        from attn_dispatch.integrations.vllm.backend import AttnDispatchCPUBuilder
+        from attn_dispatch.integrations.vllm.backend import AttnDispatchCPUImpl
+
+        self.steps: list[dict[str, float]] = []
+        self._open: dict[str, float] | None = None
+        self._wrap(EngineCore, "step", "step", outer=True)
+        self._wrap(GPUModelRunner, "execute_model", "execute")
+        self._wrap(GPUModelRunner, "sample_tokens", "sample")
+        for name in ("forward", "do_kv_cache_update"):
+            self._wrap(AttnDispatchCPUImpl, name, "attention")
+        self._wrap(AttnDispatchCPUBuilder, "build", "build")
+        self._wrap(GPUModelRunner, "_model_forward", "forward")
+        self._gc_t0 = 0.0
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_t0 = PhaseClock.now()
+        elif self._open is not None:
+            self._open["gc"] += PhaseClock.now() - self._gc_t0
+
+    def reset(self) -> None:
+        self.steps = []
+
+    def _wrap(self, owner: type, attr: str, part: str, outer: bool = False) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if outer:
+                self._open = dict.fromkeys(self.PARTS, 0.0)
+            t0 = PhaseClock.now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                row = self._open
+                if row is not None:
+                    row[part] += PhaseClock.now() - t0
+                if outer and row is not None:
+                    if row["execute"] > 0.0:  # a step that ran the model
+                        self.steps.append(row)
+                    self._open = None
+
+        setattr(owner, attr, timed)
+
+
 def prompts_for(batch: int, prompt: int) -> list[Any]:
     """``batch`` prompts of ``prompt`` tokens (vLLM's TokensPrompt shape), the same for all."""
     return [
@@ -391,6 +475,104 @@ def breakdown(model: str, rounds: int, shape: str, args: Any) -> None:
     out = Path(__file__).resolve().parent / "results"
     out.mkdir(exist_ok=True)
     (out / f"vllm_cpu_breakdown_{shape}.json").write_text(json.dumps(best, indent=2))
+
+
+def phases(model: str, rounds: int, shape: str, args: Any) -> None:
+    """Per-phase wall time of the timed generate (``PhaseClock``): the prefill step, the
+    decode steps, and the rest, vLLM's own attention against ``native``, same run."""
+    import torch
+    import vllm
+
+    from attn_dispatch._table import format_table
+    from attn_dispatch.integrations.vllm import register
+
+    register()
+    if args.cpu_time:
+        PhaseClock.now = time.thread_time
+    clock = _once(PhaseClock)
+    batch, prompt, new = lengths(shape)
+    prompts = prompts_for(batch, prompt)
+    params = vllm.SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    native1 = {"target": "native", "options": {"native": {"num_threads": 1}}}
+    contenders = {
+        "vllm": {},
+        "native": {"additional_config": {"attn_dispatch": {"target": "native"}}},
+    }
+    if torch.get_num_threads() > 1:
+        # Native's kernels on the calling thread alone (the model's ops keep torch's team).
+        contenders["native 1t"] = {"additional_config": {"attn_dispatch": native1}}
+    best: dict[str, dict[str, float]] = {}
+    load_before = load_text()
+    for r in range(rounds):
+        # Each contender goes first in every other round: the first engine in a round may
+        # find the machine in another state (the previous engine's memory, threads).
+        order = list(contenders.items())
+        for name, extra in order if r % 2 == 0 else order[::-1]:
+            llm = warm_engine(model, extra, prompts)
+            clock.reset()
+            t0 = PhaseClock.now()
+            llm.generate(prompts, params, use_tqdm=False)
+            wall = PhaseClock.now() - t0
+            first, rest = clock.steps[0], clock.steps[1:]
+            row = {"generate": wall, "steps": float(len(clock.steps))}
+            for part in PhaseClock.PARTS:
+                row[f"prefill {part}"] = first[part]
+                row[f"decode {part}"] = sum(r[part] for r in rest)
+            row["other"] = wall - sum(r["step"] for r in clock.steps)
+            # Robust to a burst of other load: the median decode step, times their count.
+            mid = sorted(r["step"] for r in rest)[len(rest) // 2]
+            row["decode median"] = mid * len(rest)
+            print(
+                f"round {r + 1}: {name:<9} generate {wall * 1e3:7.2f} ms, prefill step "
+                f"{first['step'] * 1e3:6.2f}, decode steps {row['decode step'] * 1e3:7.2f} "
+                f"(median x {len(rest)}: {mid * len(rest) * 1e3:7.2f}), other "
+                f"{row['other'] * 1e3:5.2f}; load {load_text()}",
+                flush=True,
+            )
+            if name not in best or wall < best[name]["generate"]:
+                best[name] = row
+            del llm
+            gc.collect()
+    ms = 1e3
+    cols = [
+        "generate",
+        "prefill step",
+        "prefill execute",
+        "prefill attention",
+        "decode step",
+        "decode median",
+        "decode execute",
+        "decode forward",
+        "decode sample",
+        "decode attention",
+        "decode build",
+        "decode gc",
+        "prefill gc",
+        "other",
+    ]
+    rows = [
+        [name, f"{r['steps']:.0f}", *(f"{r[c] * ms:.2f}" for c in cols)] for name, r in best.items()
+    ]
+    if "vllm" in best:
+        ref = best["vllm"]
+        for name in (n for n in contenders if n != "vllm"):
+            rows.append(
+                [f"{name} - vllm", "", *(f"{(best[name][c] - ref[c]) * ms:+.2f}" for c in cols)]
+            )
+    print()
+    print(
+        f"model {shape_text(shape, args.layers)}; native ISA {isa_names()[1]}; load "
+        f"{load_before} | {load_text()}; ms "
+        f"{'of the calling thread CPU time' if args.cpu_time else 'wall'} per timed generate "
+        f"(best of {rounds}); torch "
+        f"threads {torch.get_num_threads()}; step = the engine core's step, execute = the "
+        "model runner's execute_model, attention = the attention layers' KV writes and "
+        "forwards; other = the generate outside the steps"
+    )
+    print(format_table(["attention", "steps", *cols], rows))
+    out = Path(__file__).resolve().parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / f"vllm_cpu_phases_{shape}.json").write_text(json.dumps(best, indent=2))
 
 
 def run(
@@ -548,6 +730,18 @@ def main() -> None:
         action="store_true",
         help="per-step figures (batch building, planning, kernel calls) instead of tokens/s",
     )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="per-phase wall time of the generate (prefill step, decode steps, the rest), "
+        "vLLM's own attention against native",
+    )
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="--phases in the calling thread's CPU time (with OMP_NUM_THREADS=1: the whole "
+        "step's work, whatever the other load on the machine)",
+    )
     args = parser.parse_args()
     global BATCH, PROMPT, NEW
     if args.quick:  # checks the script runs; the figures are not comparable
@@ -556,6 +750,11 @@ def main() -> None:
     import torch
 
     shapes = ["bench", "tiny"] if args.model == "both" else [args.model]
+    if args.phases:
+        for shape in shapes:
+            with tempfile.TemporaryDirectory() as tmp:
+                phases(make_model(Path(tmp), args.layers, shape), args.rounds, shape, args)
+        return
     if args.breakdown:
         for shape in shapes:
             with tempfile.TemporaryDirectory() as tmp:

@@ -120,6 +120,12 @@ def test_step_parts_split_and_extend() -> None:
 # Engines (each child process runs a list of engines and prints one JSON line)
 
 
+def _reorder_threshold(worker: Any) -> int | None:
+    """The model runner's ``reorder_batch_threshold`` (None: vLLM never reorders the batch)."""
+    found: int | None = worker.model_runner.reorder_batch_threshold
+    return found
+
+
 def _child(job: dict[str, Any]) -> dict[str, Any]:
     child_env()
     import gc
@@ -164,6 +170,8 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
                 "counts": [[*k, n] for k, n in sorted(rec.counts().items())],
                 "notes": sorted({e.note for e in rec.events if e.note is not None}),
                 "summary": rec.summary(),
+                # The model runner sorts each step's batch by phase when a builder asks.
+                "reorder": llm.collective_rpc(_reorder_threshold)[0],
             }
         )
         del llm
@@ -222,6 +230,15 @@ def llama_runs(models: Models) -> list[dict[str, Any]]:
             },
         ]
     )
+
+
+@needs_vllm
+def test_no_step_is_reordered_by_phase(llama_runs: list[dict[str, Any]]) -> None:
+    """Like vLLM's own CPU attention, the plugin does not ask vLLM to sort each step's
+    batch decodes-first (a NumPy pass before every step); split steps gather a part's rows
+    when its requests are not consecutive, and their tokens still match (the tests below)."""
+    assert llama_runs[0]["reorder"] is None  # vLLM's own CPU attention
+    assert [run["reorder"] for run in llama_runs[1:]] == [None] * (len(llama_runs) - 1)
 
 
 @needs_vllm
