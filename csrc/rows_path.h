@@ -703,6 +703,44 @@ static inline void qk_keys_bf16_packed(const uint32_t* qp, int Rp, const uint16_
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(s + size_t(k) * Rp + j * 16, _mm512_mul_ps(a[k][j], sc));
 }
 
+// qk_keys_bf16_packed<16, 1, 128> on 16 key rows read in place, ks elements apart (a block
+// whose keys are consecutive slots): four moving pointers (keys 0, 4, 8, 12) and s, 2s, 3s
+// in three registers address every key as [p], [p + s], [p + 2s], [p + 3s] (GCC 12 keeps
+// exactly that: 16 broadcasts from 7 registers), so the block's K rows need no copy into
+// k16. In L2 the copy held ~9% of verify-4's kernel samples (Round 6).
+template <typename PF>
+__attribute__((always_inline)) static inline void qk16_strided(const uint32_t* qp, int Rp,
+                                                              const uint16_t* kp, int64_t ks,
+                                                              float qscale, float* s, PF& pf) {
+  __m512 a[16];
+  for (int k = 0; k < 16; ++k) a[k] = _mm512_setzero_ps();
+  const int64_t sb = ks * int64_t(sizeof(uint16_t));
+  const int64_t s3 = 3 * sb;
+  const char* m0 = reinterpret_cast<const char*>(kp);
+  const char* m1 = m0 + 4 * sb;
+  const char* m2 = m0 + 8 * sb;
+  const char* m3 = m0 + 12 * sb;
+  for (int cp = 0; cp < 64; ++cp) {
+    if (cp % 8 == 0) pf.step();
+    const __m512bh qv = as_bh(_mm512_loadu_si512(qp + size_t(cp) * Rp));
+    const char* const mg[4] = {m0, m1, m2, m3};
+    for (int g = 0; g < 4; ++g) {
+      const int64_t off[4] = {0, sb, 2 * sb, s3};
+      for (int j = 0; j < 4; ++j) {
+        int32_t kk;
+        std::memcpy(&kk, mg[g] + off[j], sizeof kk);
+        a[4 * g + j] = _mm512_dpbf16_ps(a[4 * g + j], qv, as_bh(_mm512_set1_epi32(kk)));
+      }
+    }
+    m0 += 4;
+    m1 += 4;
+    m2 += 4;
+    m3 += 4;
+  }
+  const __m512 sc = _mm512_set1_ps(qscale);
+  for (int k = 0; k < 16; ++k) _mm512_storeu_ps(s + size_t(k) * Rp, _mm512_mul_ps(a[k], sc));
+}
+
 // The 32-row tile of qk_keys_bf16_packed, out of line: inlined, rows_item_bf16 grew enough
 // that GCC called pv_dispatch and its pv_rows_bf16 (the 16-row verify's p.V) out of line.
 [[maybe_unused]] __attribute__((noinline)) static void qk_packed_8x2(
@@ -969,7 +1007,11 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
       // into k16 (n rows, each inside its cache row; rows n..nt - 1 of k16 are the buffer's
       // own memory, masked to weight 0) so that q.K^T addresses them from one pointer.
       const bool packk = D == 128 && (kWide ? nvt == 2 : !f8 && nvt == 1);
-      if (packk && !f8) {
+      // 16 rows and a whole block of consecutive slots (one page run, or runs that follow
+      // each other): q.K^T reads the rows in place at their stride (qk16_strided), no copy.
+      const bool kstrided = !kWide && packk && n == nt &&
+                            kr[n - 1] == kr[0] + int64_t(n - 1) * kstride;
+      if (packk && !f8 && !kstrided) {
         for (int t = 0; t < n; ++t) std::memcpy(k16 + size_t(t) * 128, kr[t], 256);
       }
 #endif
@@ -996,6 +1038,8 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
           for (; j < nvt; ++j)
             qk_keys_bf16<8, 1>(qg + j * 16, Rp, D, kr + t0, qscale, sT + size_t(t0) * Rp + j * 16,
                                pf);
+        } else if (kstrided) {
+          qk16_strided(qg, Rp, kr[t0], kstride, qscale, sT + size_t(t0) * Rp, pf);
         } else if (packk) {
           qk_keys_bf16_packed<16, 1, 128>(qg, Rp, k16 + size_t(t0) * 128, qscale,
                                           sT + size_t(t0) * Rp, pf);
