@@ -186,10 +186,10 @@ static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 // pv_rows_bf16 and pv_dispatch always inlined: left to GCC's unit-growth limits, the decode
 // kernel's call went out of line (to a copy for any rs and ts) as soon as the many-row kernel
 // grew (measured with its packed-K and interleaved-V variants, Round 4).
-template <int NR, typename RT = uint16_t>
+template <int NR, typename RT = uint16_t, typename PF = PfCursor>
 __attribute__((always_inline)) static inline void pv_rows_bf16(
     float* acc, int Dv, const uint32_t* pb, size_t rs, size_t ts, const float* alpha,
-    const RT* const* vp, int npairs, PfCursor& pf, const Fp8Lut<RT>& lut = Fp8Lut<RT>()) {
+    const RT* const* vp, int npairs, PF& pf, const Fp8Lut<RT>& lut = Fp8Lut<RT>()) {
   for (int c = 0; c < Dv; c += 32) {
     pf.step();
     __m512 lo[NR], hi[NR];
@@ -216,19 +216,19 @@ __attribute__((always_inline)) static inline void pv_rows_bf16(
   }
 }
 
-template <typename RT = uint16_t>
+template <typename RT = uint16_t, typename PF = PfCursor>
 __attribute__((always_inline)) static inline void pv_dispatch(
     int nr, float* acc, int Dv, const uint32_t* pb, size_t rs, size_t ts, const float* alpha,
-    const RT* const* vp, int npairs, PfCursor& pf, const Fp8Lut<RT>& lut = Fp8Lut<RT>()) {
+    const RT* const* vp, int npairs, PF& pf, const Fp8Lut<RT>& lut = Fp8Lut<RT>()) {
   switch (nr) {
-    case 8: pv_rows_bf16<8, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
-    case 7: pv_rows_bf16<7, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
-    case 6: pv_rows_bf16<6, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
-    case 5: pv_rows_bf16<5, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
-    case 4: pv_rows_bf16<4, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
-    case 3: pv_rows_bf16<3, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
-    case 2: pv_rows_bf16<2, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
-    default: pv_rows_bf16<1, RT>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    case 8: pv_rows_bf16<8, RT, PF>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    case 7: pv_rows_bf16<7, RT, PF>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    case 6: pv_rows_bf16<6, RT, PF>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    case 5: pv_rows_bf16<5, RT, PF>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    case 4: pv_rows_bf16<4, RT, PF>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    case 3: pv_rows_bf16<3, RT, PF>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    case 2: pv_rows_bf16<2, RT, PF>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
+    default: pv_rows_bf16<1, RT, PF>(acc, Dv, pb, rs, ts, alpha, vp, npairs, pf, lut); break;
   }
 }
 

@@ -578,11 +578,84 @@ static int rows_item(const NaProblem& P, const NaItem& it) {
 }
 
 #ifdef NA_HAVE_BF16_PATH
+// prefetcht0 / prefetcht2 as asm volatile: in this unit GCC 12 (-O3) dropped the loops below
+// when written with __builtin_prefetch or _mm_prefetch (loops whose only effect is the
+// prefetches; objdump showed none issued). PfCursor's loops keep theirs (they update state).
+static inline void prefetch_t0(const void* p) { asm volatile("prefetcht0 (%0)" ::"r"(p)); }
+static inline void prefetch_t2(const void* p) { asm volatile("prefetcht2 (%0)" ::"r"(p)); }
+
+// PfCursor for the vdpbf16ps many-row kernel: the queued rows' lines as a flat address list,
+// written once per block (queue_rows: eight addresses per store), so that step() is one load
+// and one prefetch per line over a fixed count (5 instructions a line). PfCursor::step's
+// per-line bookkeeping (line and row counters, a compare with the row's length: ~11
+// instructions a line) held ~13% of verify-4's kernel samples with its K/V in L2 (perf,
+// Round 6): 512 lines per 32-key block of a 2-kv-head tile, next to 8192 vdpbf16ps. The same
+// lines in the same order, spread over the same calls.
+struct PfLines {
+  static constexpr int kCap = 1024;  // lines; a block with more issues what is queued first
+  int n = 0, i = 0, quota = 1;
+  const char* a[kCap];
+  void add(const void* r, int lines) {
+    const char* p = static_cast<const char*>(r);
+    if (n + lines > kCap) {  // full: issue what is queued first, then add what fits
+      while (lines > 0) {
+        if (n == kCap) {
+          flush();
+          n = i = 0;
+        }
+        const int take = std::min(lines, kCap - n);
+        for (int l = 0; l < take; ++l) a[n + l] = p + 64 * l;
+        n += take;
+        p += 64 * take;
+        lines -= take;
+      }
+      return;
+    }
+    // Eight addresses per store (a row of D = 128 bf16 is four or eight lines).
+    __m512i v = _mm512_add_epi64(_mm512_set1_epi64(reinterpret_cast<long long>(p)),
+                                 _mm512_setr_epi64(0, 64, 128, 192, 256, 320, 384, 448));
+    int l = 0;
+    for (; l + 8 <= lines; l += 8) {
+      _mm512_storeu_si512(a + n + l, v);
+      v = _mm512_add_epi64(v, _mm512_set1_epi64(512));
+    }
+    if (l < lines) _mm512_mask_storeu_epi64(a + n + l, __mmask8((1u << (lines - l)) - 1), v);
+    n += lines;
+  }
+  // Spread the queued lines over `calls` calls of step().
+  void plan(int calls) { quota = std::max(1, (n - i + calls - 1) / std::max(1, calls)); }
+  void step() {
+    const int e = std::min(n, i + quota);
+    for (; i < e; ++i) prefetch_t2(a[i]);
+  }
+  void flush() {
+    for (; i < n; ++i) prefetch_t2(a[i]);
+  }
+  // PfCursor::queue_rows: what is left of the previous queue issued, then the rows of key
+  // positions pos0 .. pos1 - 1, K then V per token, in address order.
+  template <typename KT>
+  void queue_rows(const Tile& T, int pos0, int pos1, const KT* kbase, const KT* vbase,
+                  int64_t kstride, int64_t vstride, int klines, int vlines) {
+    flush();
+    n = i = 0;
+    for (int pos = pos0; pos < pos1;) {
+      const int off = pos % T.ps;
+      const int run = std::min(pos1 - pos, T.ps - off);
+      const int64_t s0 = int64_t(T.pages[pos / T.ps]) * T.ps + off;
+      for (int r = 0; r < run; ++r) {
+        add(kbase + (s0 + r) * kstride, klines);
+        add(vbase + (s0 + r) * vstride, vlines);
+      }
+      pos += run;
+    }
+  }
+};
+
 // s[t][lanes] (NK keys from t0, NV 16-lane row vectors) = qscale * sum over column pairs cp of
 // q^T pair [cp][lanes] . k[t] pair cp (a broadcast dword of the key row): vdpbf16ps.
-template <int NK, int NV>
+template <int NK, int NV, typename PF>
 static inline void qk_keys_bf16(const uint32_t* qp, int Rp, int D, const uint16_t* const* kr,
-                                float qscale, float* s, PfCursor& pf) {
+                                float qscale, float* s, PF& pf) {
   __m512 a[NK][NV];
   for (int k = 0; k < NK; ++k)
     for (int j = 0; j < NV; ++j) a[k][j] = _mm512_setzero_ps();
@@ -608,9 +681,9 @@ static inline void qk_keys_bf16(const uint32_t* qp, int Rp, int D, const uint16_
 // pointers (qk_keys_bf16<16, 1>) GCC keeps them in vector registers and moves each one back
 // (vmovq) per broadcast: 16 vector-to-integer moves per 16 vdpbf16ps, a port that issues about
 // one a cycle, so the tile ran at about half the vdpbf16ps rate.
-template <int NK, int NV, int DC>
+template <int NK, int NV, int DC, typename PF>
 static inline void qk_keys_bf16_packed(const uint32_t* qp, int Rp, const uint16_t* kp,
-                                       float qscale, float* s, PfCursor& pf) {
+                                       float qscale, float* s, PF& pf) {
   __m512 a[NK][NV];
   for (int k = 0; k < NK; ++k)
     for (int j = 0; j < NV; ++j) a[k][j] = _mm512_setzero_ps();
@@ -630,15 +703,53 @@ static inline void qk_keys_bf16_packed(const uint32_t* qp, int Rp, const uint16_
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(s + size_t(k) * Rp + j * 16, _mm512_mul_ps(a[k][j], sc));
 }
 
+// qk_keys_bf16_packed<16, 1, 128> on 16 key rows read in place, ks elements apart (a block
+// whose keys are consecutive slots): four moving pointers (keys 0, 4, 8, 12) and s, 2s, 3s
+// in three registers address every key as [p], [p + s], [p + 2s], [p + 3s] (GCC 12 keeps
+// exactly that: 16 broadcasts from 7 registers), so the block's K rows need no copy into
+// k16. In L2 the copy held ~9% of verify-4's kernel samples (Round 6).
+template <typename PF>
+__attribute__((always_inline)) static inline void qk16_strided(const uint32_t* qp, int Rp,
+                                                              const uint16_t* kp, int64_t ks,
+                                                              float qscale, float* s, PF& pf) {
+  __m512 a[16];
+  for (int k = 0; k < 16; ++k) a[k] = _mm512_setzero_ps();
+  const int64_t sb = ks * int64_t(sizeof(uint16_t));
+  const int64_t s3 = 3 * sb;
+  const char* m0 = reinterpret_cast<const char*>(kp);
+  const char* m1 = m0 + 4 * sb;
+  const char* m2 = m0 + 8 * sb;
+  const char* m3 = m0 + 12 * sb;
+  for (int cp = 0; cp < 64; ++cp) {
+    if (cp % 8 == 0) pf.step();
+    const __m512bh qv = as_bh(_mm512_loadu_si512(qp + size_t(cp) * Rp));
+    const char* const mg[4] = {m0, m1, m2, m3};
+    for (int g = 0; g < 4; ++g) {
+      const int64_t off[4] = {0, sb, 2 * sb, s3};
+      for (int j = 0; j < 4; ++j) {
+        int32_t kk;
+        std::memcpy(&kk, mg[g] + off[j], sizeof kk);
+        a[4 * g + j] = _mm512_dpbf16_ps(a[4 * g + j], qv, as_bh(_mm512_set1_epi32(kk)));
+      }
+    }
+    m0 += 4;
+    m1 += 4;
+    m2 += 4;
+    m3 += 4;
+  }
+  const __m512 sc = _mm512_set1_ps(qscale);
+  for (int k = 0; k < 16; ++k) _mm512_storeu_ps(s + size_t(k) * Rp, _mm512_mul_ps(a[k], sc));
+}
+
 // The 32-row tile of qk_keys_bf16_packed, out of line: inlined, rows_item_bf16 grew enough
 // that GCC called pv_dispatch and its pv_rows_bf16 (the 16-row verify's p.V) out of line.
 [[maybe_unused]] __attribute__((noinline)) static void qk_packed_8x2(
-    const uint32_t* qp, int Rp, const uint16_t* kp, float qscale, float* s, PfCursor& pf) {
+    const uint32_t* qp, int Rp, const uint16_t* kp, float qscale, float* s, PfLines& pf) {
   qk_keys_bf16_packed<8, 2, 128>(qp, Rp, kp, qscale, s, pf);
 }
 // A 48-row cascade tile's third row vector (kMaxCascadeRows), out of line as qk_packed_8x2.
 [[maybe_unused]] __attribute__((noinline)) static void qk_packed_8x1(
-    const uint32_t* qp, int Rp, const uint16_t* kp, float qscale, float* s, PfCursor& pf) {
+    const uint32_t* qp, int Rp, const uint16_t* kp, float qscale, float* s, PfLines& pf) {
   qk_keys_bf16_packed<8, 1, 128>(qp, Rp, kp, qscale, s, pf);
 }
 
@@ -663,7 +774,7 @@ __attribute__((always_inline)) static inline void interleave_pairs(const uint16_
 template <int NR>
 __attribute__((always_inline)) static inline void pv_rows_bf16_il(
     float* acc, int Dv, const uint32_t* pb, size_t ts, const float* alpha, const uint32_t* vil,
-    int npairs, PfCursor& pf) {
+    int npairs, PfLines& pf) {
   for (int c = 0; c < Dv; c += 32) {
     pf.step();
     __m512 lo[NR], hi[NR];
@@ -691,7 +802,7 @@ __attribute__((always_inline)) static inline void pv_rows_bf16_il(
 // Out of line, as qk_packed_8x2.
 [[maybe_unused]] __attribute__((noinline)) static void pv_il_dispatch(
     int nr, float* acc, int Dv, const uint32_t* pb, size_t ts, const float* alpha,
-    const uint32_t* vil, int npairs, PfCursor& pf) {
+    const uint32_t* vil, int npairs, PfLines& pf) {
   switch (nr) {
     case 8: pv_rows_bf16_il<8>(acc, Dv, pb, ts, alpha, vil, npairs, pf); break;
     case 7: pv_rows_bf16_il<7>(acc, Dv, pb, ts, alpha, vil, npairs, pf); break;
@@ -704,11 +815,6 @@ __attribute__((always_inline)) static inline void pv_rows_bf16_il(
   }
 }
 
-// prefetcht0 / prefetcht2 as asm volatile: in this unit GCC 12 (-O3) dropped the loops below
-// when written with __builtin_prefetch or _mm_prefetch (loops whose only effect is the
-// prefetches; objdump showed none issued). The cursor's loops keep theirs (they update state).
-static inline void prefetch_t0(const void* p) { asm volatile("prefetcht0 (%0)" ::"r"(p)); }
-static inline void prefetch_t2(const void* p) { asm volatile("prefetcht2 (%0)" ::"r"(p)); }
 
 // The q rows of an item, prefetched before start_row reads them (its first touch of q stalled
 // row by row: ~6% of prefill's time): this item's rows into L1, and for a query tile that has
@@ -858,7 +964,7 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
       pf_from = std::max(it.k0, lr.k1);
     }
   }
-  PfCursor pf;
+  PfLines pf;
   pf.queue_rows(T, pf_from, std::min(it.k1, it.k0 + BK), kpf, vpf, kstride, vstride, klines,
                 vlines);
   pf.flush();
@@ -907,7 +1013,11 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
       // k16 are the buffer's own memory, masked to weight 0) so that q.K^T addresses them
       // from one pointer.
       const bool packk = D == 128 && (kWide ? nvt >= 2 : !f8 && nvt == 1);
-      if (packk && !f8) {
+      // 16 rows and a whole block of consecutive slots (one page run, or runs that follow
+      // each other): q.K^T reads the rows in place at their stride (qk16_strided), no copy.
+      const bool kstrided = !kWide && packk && n == nt &&
+                            kr[n - 1] == kr[0] + int64_t(n - 1) * kstride;
+      if (packk && !f8 && !kstrided) {
         for (int t = 0; t < n; ++t) std::memcpy(k16 + size_t(t) * 128, kr[t], 256);
       }
 #endif
@@ -942,6 +1052,8 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
           for (; j < nvt; ++j)
             qk_keys_bf16<8, 1>(qg + j * 16, Rp, D, kr + t0, qscale, sT + size_t(t0) * Rp + j * 16,
                                pf);
+        } else if (kstrided) {
+          qk16_strided(qg, Rp, kr[t0], kstride, qscale, sT + size_t(t0) * Rp, pf);
         } else if (packk) {
           qk_keys_bf16_packed<16, 1, 128>(qg, Rp, k16 + size_t(t0) * 128, qscale,
                                           sT + size_t(t0) * Rp, pf);
