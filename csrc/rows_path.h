@@ -638,16 +638,7 @@ struct PfLines {
                   int64_t kstride, int64_t vstride, int klines, int vlines) {
     flush();
     n = i = 0;
-    for (int pos = pos0; pos < pos1;) {
-      const int off = pos % T.ps;
-      const int run = std::min(pos1 - pos, T.ps - off);
-      const int64_t s0 = int64_t(T.pages[pos / T.ps]) * T.ps + off;
-      for (int r = 0; r < run; ++r) {
-        add(kbase + (s0 + r) * kstride, klines);
-        add(vbase + (s0 + r) * vstride, vlines);
-      }
-      pos += run;
-    }
+    queue_page_rows(*this, T, pos0, pos1, kbase, vbase, kstride, vstride, klines, vlines);
   }
 };
 

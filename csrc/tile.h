@@ -95,6 +95,27 @@ struct Tile {
   int64_t vstride() const { return mla ? D : int64_t(Hkv) * Dv; }
 };
 
+// Queues on q (a prefetch queue: PfCursor, rows_path.h's PfLines) the K then V rows of key
+// positions pos0 .. pos1 - 1 of the tile's request, in address order; T.slot(pos) per page
+// run: one division per page, not one per key.
+template <typename Q, typename KT>
+__attribute__((always_inline)) inline void queue_page_rows(Q& q, const Tile& T, int pos0,
+                                                           int pos1, const KT* kbase,
+                                                           const KT* vbase, int64_t kstride,
+                                                           int64_t vstride, int klines,
+                                                           int vlines) {
+  for (int pos = pos0; pos < pos1;) {
+    const int off = pos % T.ps;
+    const int run = std::min(pos1 - pos, T.ps - off);
+    const int64_t s0 = int64_t(T.pages[pos / T.ps]) * T.ps + off;
+    for (int i = 0; i < run; ++i) {
+      q.add(kbase + (s0 + i) * kstride, klines);
+      q.add(vbase + (s0 + i) * vstride, vlines);
+    }
+    pos += run;
+  }
+}
+
 // The lines of the rows a few blocks ahead, issued a few at a time between the compute
 // steps of the current block. A burst of hundreds of prefetches fills the core's miss
 // buffers and stalls it until memory answers (fetch and compute then add up instead of
@@ -138,17 +159,7 @@ struct PfCursor {
                   int64_t kstride, int64_t vstride, int klines, int vlines) {
     flush();
     reset();
-    // T.slot(pos) per page run: one division per page, not one per key.
-    for (int pos = pos0; pos < pos1;) {
-      const int off = pos % T.ps;
-      const int run = std::min(pos1 - pos, T.ps - off);
-      const int64_t s0 = int64_t(T.pages[pos / T.ps]) * T.ps + off;
-      for (int i = 0; i < run; ++i) {
-        add(kbase + (s0 + i) * kstride, klines);
-        add(vbase + (s0 + i) * vstride, vlines);
-      }
-      pos += run;
-    }
+    queue_page_rows(*this, T, pos0, pos1, kbase, vbase, kstride, vstride, klines, vlines);
   }
 };
 

@@ -264,14 +264,16 @@ def test_tree_mask_hiding_a_shared_key_keeps_that_request_private() -> None:
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-4, rtol=2e-4)
 
 
-def test_cascade_in_bf16_equals_private_copies() -> None:
-    # The benchmark's shape in small (GQA 16/4, bf16 cache): shared pages vs copies of them.
-    ps, n, shared, own = 16, 6, 8, 2
-    cfg = AttnConfig("mha", 16, 4, 64, dtype="bfloat16", page_size=ps)
+def shared_and_copies(
+    n: int, shared: int, own: int, ps: int, kv_heads: int, dim: int, seed: int
+) -> tuple[torch.Generator, torch.Tensor, torch.Tensor, AttnBatch, AttnBatch]:
+    """n decode requests whose tables start with the same `shared` pages, and the same
+    requests over private copies of those pages (same values): (generator, k, v, shared
+    batch, copies batch). bf16 K/V; the generator goes on to draw q."""
     num_pages = shared + n * own + n * shared
-    gen = torch.Generator().manual_seed(3)
-    k = torch.randn(num_pages, ps, 4, 64, generator=gen).bfloat16()
-    v = torch.randn(num_pages, ps, 4, 64, generator=gen).bfloat16()
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_pages, ps, kv_heads, dim, generator=gen).bfloat16()
+    v = torch.randn(num_pages, ps, kv_heads, dim, generator=gen).bfloat16()
     copy0 = shared + n * own
     for i in range(n):
         k[copy0 + i * shared : copy0 + (i + 1) * shared] = k[:shared]
@@ -286,11 +288,19 @@ def test_cascade_in_bf16_equals_private_copies() -> None:
             num_pages=num_pages,
         )  # fmt: skip
 
+    copies = [list(range(copy0 + i * shared, copy0 + (i + 1) * shared)) for i in range(n)]
+    return gen, k, v, batch([list(range(shared))] * n), batch(copies)
+
+
+def test_cascade_in_bf16_equals_private_copies() -> None:
+    # The benchmark's shape in small (GQA 16/4, bf16 cache): shared pages vs copies of them.
+    ps, n, shared, own = 16, 6, 8, 2
+    cfg = AttnConfig("mha", 16, 4, 64, dtype="bfloat16", page_size=ps)
+    gen, k, v, shared_b, copies_b = shared_and_copies(n, shared, own, ps, 4, 64, seed=3)
     be = NativeBackend(cfg, num_threads=2)
     q = torch.randn(n, 16, 64, generator=gen).bfloat16()
-    plan_s = be.plan(batch([list(range(shared))] * n))
-    copies = [list(range(copy0 + i * shared, copy0 + (i + 1) * shared)) for i in range(n)]
-    plan_p = be.plan(batch(copies))
+    plan_s = be.plan(shared_b)
+    plan_p = be.plan(copies_b)
     assert (plan_s.cascade_groups, plan_p.cascade_groups) == (1, 0)
     h = be.handler(Phase.DECODE)
     a, la = h(q, k, v, plan_s, 0.125, return_lse=True)
@@ -421,34 +431,16 @@ def test_wide_cascade_tiles_equal_private_copies(
     # with a bf16 and an FP8 cache.
     ps, own = 16, 1
     cfg = AttnConfig("mha", 32, 8, 128, dtype="bfloat16", page_size=ps, kv_dtype=kv_dtype)
-    num_pages = shared + n * own + n * shared
-    gen = torch.Generator().manual_seed(5)
-    k = torch.randn(num_pages, ps, 8, 128, generator=gen).bfloat16()
-    v = torch.randn(num_pages, ps, 8, 128, generator=gen).bfloat16()
-    copy0 = shared + n * own
-    for i in range(n):
-        k[copy0 + i * shared : copy0 + (i + 1) * shared] = k[:shared]
-        v[copy0 + i * shared : copy0 + (i + 1) * shared] = v[:shared]
+    gen, k, v, shared_b, copies_b = shared_and_copies(n, shared, own, ps, 8, 128, seed=5)
     if kv_dtype is not None:
         k, v = k.to(getattr(torch, kv_dtype)), v.to(getattr(torch, kv_dtype))
-    own_pages = [[shared + i] for i in range(n)]
-    kv_lens = [(shared + own) * ps - i for i in range(n)]
-
-    def batch(first: list[list[int]]) -> AttnBatch:
-        return AttnBatch.build(
-            Phase.DECODE, q_lens=[1] * n, kv_lens=kv_lens,
-            page_tables=[first[i] + own_pages[i] for i in range(n)], page_size=ps,
-            num_pages=num_pages,
-        )  # fmt: skip
-
     q = torch.randn(n, 32, 128, generator=gen).bfloat16()
-    copies = [list(range(copy0 + i * shared, copy0 + (i + 1) * shared)) for i in range(n)]
     before = LIB.isa
     LIB.set_isa(isa)
     try:
         be = NativeBackend(cfg, num_threads=2)
-        plan_s = be.plan(batch([list(range(shared))] * n))
-        plan_p = be.plan(batch(copies))
+        plan_s = be.plan(shared_b)
+        plan_p = be.plan(copies_b)
         assert (plan_s.cascade_groups, plan_p.cascade_groups) == (1, 0)
         assert plan_s.num_items == items
         h = be.handler(Phase.DECODE)
