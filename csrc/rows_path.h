@@ -968,6 +968,14 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
     const int nk = nvt >= 2 ? 8 : 16;
 #endif
     const int nt = round_up(n, nk);
+#ifndef NA_HAVE_AMX
+    // 16 rows at head dim 128 over a bf16 cache, a whole block whose 32 keys are consecutive
+    // slots, every one of them checked (pages of a run can be out of order in the middle of a
+    // block with its two ends 31 slots apart): q.K^T reads the rows in place
+    // (qk16_strided), no copy.
+    bool krun = !kWide && !f8 && D == 128 && nvt == 1 && n == nt;
+    for (int t = 1; krun && t < n; ++t) krun = kp0[t] == kp0[0] + int64_t(t) * kstride;
+#endif
     {
       const int ka = k0 + BK;
       pf.queue_rows(T, std::max(ka, pf_from), std::min(it.k1, ka + BK), kpf, vpf, kstride,
@@ -1004,11 +1012,7 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
       // k16 are the buffer's own memory, masked to weight 0) so that q.K^T addresses them
       // from one pointer.
       const bool packk = D == 128 && (kWide ? nvt >= 2 : !f8 && nvt == 1);
-      // 16 rows and a whole block of consecutive slots (one page run, or runs that follow
-      // each other): q.K^T reads the rows in place at their stride (qk16_strided), no copy.
-      const bool kstrided = !kWide && packk && n == nt &&
-                            kr[n - 1] == kr[0] + int64_t(n - 1) * kstride;
-      if (packk && !f8 && !kstrided) {
+      if (packk && !f8 && !krun) {
         for (int t = 0; t < n; ++t) std::memcpy(k16 + size_t(t) * 128, kr[t], 256);
       }
 #endif
@@ -1043,7 +1047,7 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
           for (; j < nvt; ++j)
             qk_keys_bf16<8, 1>(qg + j * 16, Rp, D, kr + t0, qscale, sT + size_t(t0) * Rp + j * 16,
                                pf);
-        } else if (kstrided) {
+        } else if (krun) {
           qk16_strided(qg, Rp, kr[t0], kstride, qscale, sT + size_t(t0) * Rp, pf);
         } else if (packk) {
           qk_keys_bf16_packed<16, 1, 128>(qg, Rp, k16 + size_t(t0) * 128, qscale,

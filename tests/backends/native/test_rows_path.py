@@ -20,6 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from attn_dispatch import AttnBatch  # noqa: E402
 from attn_dispatch import Phase  # noqa: E402
 from attn_dispatch._env import NATIVE_ROWS_MIN  # noqa: E402
 from attn_dispatch.backends.native._lib import load  # noqa: E402
@@ -267,5 +268,41 @@ def test_page_sizes_across_blocks(isa: str, page_size: int) -> None:
                     assert_close(
                         run_native(case, num_threads=threads), reference(dict(case, chunk=None))
                     )
+    finally:
+        LIB.set_isa(before)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_block_with_swapped_middle_pages_is_not_read_as_one_run(isa: str) -> None:
+    """16-row verify at head dim 128 reads a block's K rows in place when its 32 keys are
+    consecutive cache slots (Round 6). Pages of 4 keys laid out b, b+1, b+3, b+2, b+4 .. b+7:
+    the block's first and last keys are 31 slots apart, as in one run, but keys 8-15 are not
+    where a run would put them, so a block judged by its ends alone reads other keys' rows
+    and the oracle disagrees."""
+    assert not isinstance(LIB, str)
+    ps, kv_lens, q_lens = 4, [96, 70], [4, 4]
+    case = make_case(
+        "mha", Phase.VERIFY, q_lens=q_lens, kv_lens=kv_lens, page_size=ps, hq=8, hkv=2, d=128,
+        dv=128, dtype=torch.bfloat16, kv_dtype=torch.bfloat16, seed=11,
+    )  # fmt: skip
+    tables, at = [], 0
+    for kv in kv_lens:
+        pages = list(range(at, at + -(-kv // ps)))
+        for b in range(0, len(pages) - 3, 8):  # swap the 3rd and 4th page of each block
+            pages[b + 2], pages[b + 3] = pages[b + 3], pages[b + 2]
+        tables.append(pages)
+        at += len(pages)
+    num_pages = case["k_cache"].shape[0]
+    assert at <= num_pages
+    case["tables"] = tables
+    case["batch"] = AttnBatch.build(
+        Phase.VERIFY, q_lens=q_lens, kv_lens=kv_lens, page_tables=tables, page_size=ps,
+        num_pages=num_pages,
+    )  # fmt: skip
+    before = LIB.isa
+    try:
+        LIB.set_isa(isa)
+        for threads in (1, 2):
+            assert_close(run_native(case, num_threads=threads), reference(dict(case, chunk=None)))
     finally:
         LIB.set_isa(before)
