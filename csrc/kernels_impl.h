@@ -489,15 +489,23 @@ static int item_q(const NaProblem* p, const NaItem* it) {
   }
 }
 
+#ifdef NA_HAVE_BF16_PATH
+// The vdpbf16ps many-row kernel (rows_item_bf16): bf16 q over a bf16 or FP8 cache; fp16 /
+// fp32 caches take the fp32 many-row kernel (item_q).
+static inline bool bf16_rows_applies(const NaProblem& P, const NaItem& it) {
+  return P.q_dtype == NA_BF16 && P.head_dim % 32 == 0 && P.v_head_dim % 32 == 0 &&
+         (P.kv_dtype == NA_BF16 || P.kv_dtype == NA_E4M3 || P.kv_dtype == NA_E5M2) &&
+         rows_path_applies(P, it);
+}
+#endif
+
 static int item_one(const NaProblem* p, const NaItem* it) {
 #ifdef NA_HAVE_BF16_PATH
-  if (p->q_dtype == NA_BF16 && p->head_dim % 32 == 0 && p->v_head_dim % 32 == 0 &&
-      rows_path_applies(*p, *it)) {
+  if (bf16_rows_applies(*p, *it)) {
     switch (p->kv_dtype) {
-      case NA_BF16: return rows_item_bf16<uint16_t>(*p, *it);
       case NA_E4M3: return rows_item_bf16<e4m3>(*p, *it);
       case NA_E5M2: return rows_item_bf16<e5m2>(*p, *it);
-      default: break;  // fp16 / fp32 caches: the fp32 many-row kernel (item_q)
+      default: return rows_item_bf16<uint16_t>(*p, *it);
     }
   }
   if (p->q_dtype == NA_BF16 && p->kv_dtype == NA_BF16 && bf16_path_applies(*p, *it)) {
@@ -524,11 +532,7 @@ static int item(const NaProblem* p, const NaItem* it) {
   const int nh = it->h1 - it->h0;
   if (!it->shared || nh * (it->q1 - it->q0) <= na::kMaxRows) return item_one(p, it);
 #if defined(NA_HAVE_BF16_PATH) && !defined(NA_HAVE_AMX)
-  if (p->q_dtype == NA_BF16 && p->head_dim % 32 == 0 && p->v_head_dim % 32 == 0 &&
-      rows_path_applies(*p, *it) &&
-      (p->kv_dtype == NA_BF16 || p->kv_dtype == NA_E4M3 || p->kv_dtype == NA_E5M2)) {
-    return item_one(p, it);
-  }
+  if (bf16_rows_applies(*p, *it)) return item_one(p, it);
 #endif
   const int step = std::max(1, na::kMaxRows / nh);
   NaItem sub = *it;
