@@ -247,6 +247,58 @@ static inline const float* unpermute_row(float* row, const float* ar, int Dv) {
   return row;
 }
 
+// The rows of a decode score tile for R1 rows per kv head (see bf16_item_impl).
+static inline int decode_tile_rows(int R1) {
+  if (R1 == 1) return 1;
+  return R1 % 4 == 2 ? 2 : 4;
+}
+
+// The block's scores of one kv head's rows: TR-row x TK-key tiles, each 16 vdpbf16ps sums
+// reduced at once (reduce16), scaled by qscale into Sg (row r at Sg + r * BK). qg holds Rp1
+// bf16 rows of q (rows past R1 are 0), kp[t] the block's key rows (nt <= BK of them, those
+// past the block's end a real row whose scores are dropped later). FP8 MLA (convert): the
+// first row tile widens each key row into f8rows as it loads it, for the later tiles and p.V.
+template <int TR, typename KT, typename RT, typename PF>
+__attribute__((always_inline)) static inline void score_tiles(
+    const uint16_t* qg, int D, int Rp1, int R1, int nt, const RT* const* kp, bool widen,
+    const KT* const* kcur, uint16_t* f8rows, const Fp8Lut<RT>& lut, const Fp8Lut<KT>& lut8,
+    float qscale, float* Sg, PF& pf) {
+  constexpr int TK = 16 / TR;
+  for (int r0 = 0; r0 < Rp1; r0 += TR) {
+    for (int t0 = 0; t0 < nt; t0 += TK) {
+      __m512 a[16];
+      for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+      const bool convert = widen && r0 == 0;
+      for (int c = 0; c < D; c += 32) {
+        pf.step();
+        __m512bh qv[TR];
+        for (int i = 0; i < TR; ++i) {
+          qv[i] = as_bh(_mm512_loadu_si512(qg + size_t(r0 + i) * D + c));
+        }
+        // One key row at a time, used by every row of the tile (16 accumulators, TR q
+        // vectors and one key vector stay in registers for any TR).
+        for (int j = 0; j < TK; ++j) {
+          __m512i kx;
+          if (convert) {
+            kx = ld_bh(kcur[t0 + j] + c, lut8);
+            _mm512_storeu_si512(f8rows + size_t(t0 + j) * D + c, kx);
+          } else {
+            kx = ld_bh(kp[t0 + j] + c, lut);
+          }
+          for (int i = 0; i < TR; ++i) {
+            a[TK * i + j] = _mm512_dpbf16_ps(a[TK * i + j], qv[i], as_bh(kx));
+          }
+        }
+      }
+      alignas(64) float s16[16];
+      _mm512_store_ps(s16, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(qscale)));
+      for (int i = 0; i < TR && r0 + i < R1; ++i) {
+        std::memcpy(Sg + size_t(r0 + i) * BK + t0, s16 + TK * i, TK * sizeof(float));
+      }
+    }
+  }
+}
+
 // KT: the cache's element type; RT: what the tiles read, the cache rows themselves (bf16, or
 // FP8 widened inside the loads) or, when they differ (FP8 MLA), the bf16 double buffer.
 template <typename KT, typename RT>
@@ -256,7 +308,11 @@ static int bf16_item_impl(const NaProblem& P, const NaItem& it) {
   const Fp8Lut<KT> lut8;  // FP8 MLA: the cache rows' (widened into the buffer)
   const Tile T(P, it);
   const int D = T.D, Dv = T.Dv, R1 = T.R1, nkv = T.nkv, R = T.R;
-  const int Rp1 = (R1 + 3) / 4 * 4;  // score tiles are 4 rows high; padded rows have q = 0
+  // Score tiles are TR rows x 16 / TR keys (16 sums, one reduce16): 4 x 4 where the rows
+  // per kv head are a multiple of 4; 2 x 8 (GQA groups of 2, 6, ...) and 1 x 16 (MHA decode),
+  // where 4-row tiles were half or three quarters padding. Padded rows have q = 0.
+  const int TR = decode_tile_rows(R1);
+  const int Rp1 = (R1 + TR - 1) / TR * TR;
   const int Rp = nkv * Rp1;
   Buffers& B = tls_buffers;
   // q as bf16 (Rp x D / 2 floats of room), scores, bf16 weights (R x BK / 2 floats).
@@ -356,14 +412,15 @@ static int bf16_item_impl(const NaProblem& P, const NaItem& it) {
       vp0[t] = vpn[t < n ? t : 0];
     }
     next_block(k0 + BK);
-    const int nt = (n + 3) / 4 * 4;
+    const int TK = 16 / TR;
+    const int nt = (n + TK - 1) / TK * TK;  // <= BK: keys past n reuse the first key's row
     // Rows to prefetch: NA_PF_AHEAD blocks ahead, the tile's heads of each token in address order,
     // issued a few lines per compute step (score tile, value chunk) over this block.
     {
       const int ka = k0 + pf_ahead * BK;
       pf.queue_rows(T, ka, std::min(it.k1, ka + BK), kpf, vpf, kstride, vstride, klines,
                     vlines);
-      const int calls = nkv * ((Rp1 / 4) * (nt / 4) * (D / 32) + ((R1 + 7) / 8) * (Dv / 32));
+      const int calls = nkv * ((Rp1 / TR) * (nt / TK) * (D / 32) + ((R1 + 7) / 8) * (Dv / 32));
       pf.plan(calls);
     }
     // kv heads innermost: the block's tokens are read whole (every head), in address order.
@@ -376,40 +433,16 @@ static int bf16_item_impl(const NaProblem& P, const NaItem& it) {
       }
       const uint16_t* qg = qb + size_t(gi * Rp1) * D;
       float* Sg = Sc + size_t(gi * R1) * BK;
-      for (int r0 = 0; r0 < Rp1; r0 += 4) {
-        for (int t0 = 0; t0 < nt; t0 += 4) {
-          __m512 a[16];
-          for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
-          const bool convert = widen && r0 == 0;
-          for (int c = 0; c < D; c += 32) {
-            pf.step();
-            __m512i kx[4];
-            if (convert) {  // FP8 MLA, first tiles: widen the rows into the buffer
-              for (int j = 0; j < 4; ++j) {
-                kx[j] = ld_bh(kcur[t0 + j] + c, lut8);
-                _mm512_storeu_si512(f8rows + size_t(t0 + j) * D + c, kx[j]);
-              }
-            } else {
-              for (int j = 0; j < 4; ++j) kx[j] = ld_bh(kp[t0 + j] + c, lut);
-            }
-            const __m512bh k0v = as_bh(kx[0]);
-            const __m512bh k1v = as_bh(kx[1]);
-            const __m512bh k2v = as_bh(kx[2]);
-            const __m512bh k3v = as_bh(kx[3]);
-            for (int i = 0; i < 4; ++i) {
-              const __m512bh qv = as_bh(_mm512_loadu_si512(qg + size_t(r0 + i) * D + c));
-              a[4 * i] = _mm512_dpbf16_ps(a[4 * i], qv, k0v);
-              a[4 * i + 1] = _mm512_dpbf16_ps(a[4 * i + 1], qv, k1v);
-              a[4 * i + 2] = _mm512_dpbf16_ps(a[4 * i + 2], qv, k2v);
-              a[4 * i + 3] = _mm512_dpbf16_ps(a[4 * i + 3], qv, k3v);
-            }
-          }
-          alignas(64) float s16[16];
-          _mm512_store_ps(s16, _mm512_mul_ps(reduce16(a), _mm512_set1_ps(qscale)));
-          for (int i = 0; i < 4 && r0 + i < R1; ++i) {
-            std::memcpy(Sg + size_t(r0 + i) * BK + t0, s16 + 4 * i, 4 * sizeof(float));
-          }
-        }
+      switch (TR) {
+        case 1:
+          score_tiles<1>(qg, D, Rp1, R1, nt, kp, widen, kcur, f8rows, lut, lut8, qscale, Sg, pf);
+          break;
+        case 2:
+          score_tiles<2>(qg, D, Rp1, R1, nt, kp, widen, kcur, f8rows, lut, lut8, qscale, Sg, pf);
+          break;
+        default:
+          score_tiles<4>(qg, D, Rp1, R1, nt, kp, widen, kcur, f8rows, lut, lut8, qscale, Sg, pf);
+          break;
       }
       for (int r = gi * R1; r < (gi + 1) * R1; ++r) {
         float* sr = Sc + size_t(r) * BK;

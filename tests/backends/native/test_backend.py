@@ -221,6 +221,49 @@ def test_every_instruction_set_path(isa: str, kind: str) -> None:
         LIB.set_isa("sse9")
 
 
+# Rows per kv head -> the decode kernel's score tile on the vdpbf16ps path: 1 row x 16 keys
+# (MHA), 2 x 8 (groups of 2 and 6), 4 x 4 (the rest, padded to 4 rows). MLA with few heads
+# (tensor-parallel shards) takes the same tiles, FP8 MLA widening its rows in the first one.
+DECODE_TILE_SHAPES = {
+    "mha": ("mha", 4, 4, 64, 64),
+    "gqa2": ("mha", 4, 2, 64, 64),
+    "gqa6": ("mha", 12, 2, 96, 64),
+    "gqa3": ("mha", 6, 2, 64, 32),
+    "gqa4": ("mha", 8, 2, 128, 128),
+    "mla1": ("mla", 1, 1, 160, 128),
+    "mla2": ("mla", 2, 1, 160, 128),
+}
+
+
+@needs_lib
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", DECODE_TILE_SHAPES)
+def test_decode_tiles_for_every_group_size(isa: str, shape: str) -> None:
+    """Decode (and a 2-token verify, 2x the rows) for 1, 2, 3, 4 and 6 rows per kv head, with
+    bf16, e4m3 and e5m2 caches and blocks cut at every length mod 16: each ISA path gives the
+    oracle's numbers (a tile that mixed up its rows' or keys' lanes, or read a padded key's
+    score, fails here)."""
+    assert not isinstance(LIB, str)
+    kind, hq, hkv, d, dv = DECODE_TILE_SHAPES[shape]
+    before = LIB.isa
+    LIB.set_isa(isa)
+    try:
+        for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+            for ph, q_lens, kv_lens in (
+                (Phase.DECODE, [1] * 6, [1, 9, 16, 31, 47, 300]),
+                (Phase.VERIFY, [2, 2], [18, 77]),
+            ):
+                case = make_case(
+                    kind, ph, q_lens=q_lens, kv_lens=kv_lens, page_size=16, hq=hq, hkv=hkv,
+                    d=d, dv=dv, dtype=torch.bfloat16, kv_dtype=kv_dtype, k_scale=0.8,
+                    v_scale=1.3, seed=hq + d,
+                )  # fmt: skip
+                for threads in (1, 2):
+                    assert_close(run_native(case, num_threads=threads), naive(case))
+    finally:
+        LIB.set_isa(before)
+
+
 @needs_lib
 @pytest.mark.parametrize("page_size", [1, 3, 64])
 def test_page_sizes(page_size: int) -> None:
