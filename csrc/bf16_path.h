@@ -365,15 +365,10 @@ static int bf16_item_impl(const NaProblem& P, const NaItem& it) {
   int nn = 0;          // tokens in the next block
   auto next_block = [&](int k0) {
     nn = std::max(0, std::min(BK, it.k1 - k0));
-    for (int t = 0; t < nn; ++t) {
-      const int pos = k0 + t;
-      const int64_t slot = T.slot(pos);
-      if constexpr (widen) {  // MLA only: one latent row serves as K and V
-        kraw[t] = kbase + slot * kstride;
-      } else {
-        kpn[t] = kbase + slot * kstride;
-        vpn[t] = vbase + slot * vstride;
-      }
+    if constexpr (widen) {  // MLA only: one latent row serves as K and V
+      block_rows(T, k0, nn, kbase, kbase, kstride, kstride, kraw, kraw);
+    } else {
+      block_rows(T, k0, nn, kbase, vbase, kstride, vstride, kpn, vpn);
     }
   };
   next_block(it.k0);

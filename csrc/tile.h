@@ -131,7 +131,14 @@ struct PfCursor {
       flush();
       reset();
     }
-    rows[nrows] = static_cast<const char*>(r);
+    const char* c = static_cast<const char*>(r);
+    // A row that starts where the last one ends (a page run of rows holding every head)
+    // extends it: one entry instead of one per key.
+    if (nrows > 0 && rows[nrows - 1] + 64 * int64_t(len[nrows - 1]) == c) {
+      len[nrows - 1] += lines;
+      return;
+    }
+    rows[nrows] = c;
     len[nrows++] = lines;
   }
   // Spread the queued lines over `calls` calls of step().
@@ -140,7 +147,8 @@ struct PfCursor {
     for (int i = 0; i < nrows; ++i) total += len[i];
     quota = std::max(1, (total + calls - 1) / std::max(1, calls));
   }
-  void step() {
+  // Inlined into the tile loops (out of line it was a call per score tile and value chunk).
+  __attribute__((always_inline)) void step() {
     for (int q = quota; q > 0 && row < nrows; --q) {
       __builtin_prefetch(rows[row] + 64 * line, 0, 1);  // prefetcht2: into L2
       if (++line == len[row]) {
@@ -159,7 +167,16 @@ struct PfCursor {
                   int64_t kstride, int64_t vstride, int klines, int vlines) {
     flush();
     reset();
-    queue_page_rows(*this, T, pos0, pos1, kbase, vbase, kstride, vstride, klines, vlines);
+    // Per page run, its K rows then its V rows (each tensor in address order), so that
+    // adjacent rows merge into one entry (add).
+    for (int pos = pos0; pos < pos1;) {
+      const int off = pos % T.ps;
+      const int run = std::min(pos1 - pos, T.ps - off);
+      const int64_t s0 = int64_t(T.pages[pos / T.ps]) * T.ps + off;
+      for (int i = 0; i < run; ++i) add(kbase + (s0 + i) * kstride, klines);
+      for (int i = 0; i < run; ++i) add(vbase + (s0 + i) * vstride, vlines);
+      pos += run;
+    }
   }
 };
 
