@@ -112,6 +112,10 @@ TREE16 = (-1, 0, 0, 0, 1, 1, 2, 2, 3, 4, 4, 5, 6, 7, 8, 9)
 WORKLOADS = [
     Workload("gqa-decode B16 4k", "mha", Phase.DECODE, 32, 8, 128, 128, 16, 4096, 1),
     Workload("gqa-decode B8 2k", "mha", Phase.DECODE, 32, 8, 128, 128, 8, 2048, 1),
+    # Few rows per kv head: GQA groups of 2 at head dim 64 (the vLLM tiny model's layers,
+    # pages of 128, a context that stays in cache) and MHA (one row per kv head).
+    Workload("gqa2-decode 4/2x64 B8 512", "mha", Phase.DECODE, 4, 2, 64, 64, 8, 512, 1, 128),
+    Workload("mha-decode 16x128 B8 2k", "mha", Phase.DECODE, 16, 16, 128, 128, 8, 2048, 1),
     Workload("mla-decode B16 4k", "mla", Phase.DECODE, 16, 1, 576, 512, 16, 4096, 1),
     Workload("mla-decode B8 2k", "mla", Phase.DECODE, 16, 1, 576, 512, 8, 2048, 1),
     # Short verify: 4 draft tokens per request, causal among themselves (a chain).
