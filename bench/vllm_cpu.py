@@ -18,6 +18,11 @@ prefix caching is off). ``attention s``: the time spent in the attention layers 
 and forwards) during that generate, measured the same way for every contender. ``tokens as
 vllm's``: tokens equal to vLLM's up to each request's first difference (in bf16 a near-tie
 may flip and greedy decoding diverges from there; ``--dtype float32`` compares exactly).
+``x vllm, attention free``: the row's ``x vllm`` if its attention layers took no time (vLLM's
+own generate over the row's time outside attention): the most any attention kernel can give
+that row. ``attention x for 1.3x``: how many times faster than vLLM's own attention layers
+the row's must be for 1.3x vLLM's tokens/s, its time outside attention as measured
+("unreachable" where that time alone is longer).
 
 Rows (each ``x vllm`` is against vLLM's own attention in the same set-up: ``native, eagle``
 against ``vllm, eagle``):
@@ -679,6 +684,24 @@ def contenders_for(args: Any, root: Path, shape: str) -> dict[str, dict[str, Any
     return out
 
 
+# The speed-up over vLLM's own engine the long-context rows aim at (issue 47).
+GOAL = 1.3
+
+
+def attention_bounds(
+    ref_s: float, ref_attn: float, own_s: float, own_attn: float
+) -> tuple[float, str]:
+    """What attention alone can give a row (Amdahl, from the row's own measured time outside
+    attention): its ``x vllm`` if its attention took no time at all, and how many times
+    faster than vLLM's own attention (``ref_attn``) it must be for ``GOAL`` x vLLM's
+    tokens/s ("unreachable" where the rest alone is already slower than that)."""
+    rest = own_s - own_attn
+    ceiling = ref_s / rest if rest > 0 else float("inf")
+    allowed = ref_s / GOAL - rest
+    needed = f"{ref_attn / allowed:.1f}" if allowed > 0 else "unreachable"
+    return ceiling, needed
+
+
 def _same(a: list[list[int]], b: list[list[int]]) -> str:
     """Tokens equal to the reference's, counted up to each request's first difference (bf16
     sums in another order can flip a near-tie, and greedy decoding diverges from there)."""
@@ -781,8 +804,9 @@ def main() -> None:
             isa = vllm_isa if name.startswith("vllm") else native_isa
             failed = res["errors"].get(name) or res["errors"].get(ref)
             if failed:
-                rows.append([shape, name, isa, "failed", "-", "-", "-", failed[:160]])
+                rows.append([shape, name, isa, "failed", "-", "-", "-", "-", "-", failed[:160]])
                 continue
+            ceiling, needed = attention_bounds(secs[ref], attn[ref], secs[name], attn[name])
             rows.append(
                 [
                     shape,
@@ -792,6 +816,8 @@ def main() -> None:
                     f"{secs[ref] / secs[name]:.2f}",
                     f"{attn[name]:.2f}",
                     f"{attn[ref] / attn[name]:.2f}",
+                    f"{ceiling:.2f}",
+                    needed,
                     _same(toks[name], toks[ref]),
                 ]
             )
@@ -814,6 +840,8 @@ def main() -> None:
                 "x vllm",
                 "attention s",
                 "x vllm (attention)",
+                "x vllm, attention free",
+                f"attention x for {GOAL}x",
                 "tokens as vllm's",
             ],
             rows,
