@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from attn_dispatch._errors import InvalidBatchError
+from attn_dispatch.backend import InvalidBatchError
 from attn_dispatch.backends.native._lib import KV_WRITE_ARGS
 from attn_dispatch.backends.native._lib import NaStatus
 from attn_dispatch.backends.native._lib import load
