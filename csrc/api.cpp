@@ -130,6 +130,63 @@ bool tensors_fit(const NaRunArgs& a, const NaConfig& c, const NaPlan& plan) {
   return true;
 }
 
+// A KV write's tensors, as described, fit one another (see NaKvWriteArgs): key and value
+// [>= num_slots, H, D] with strides >= 0, both caches contiguous [pages, ps, H, D] of one
+// shape, one 16- or 32-bit float dtype everywhere, host memory, page_step >= 1. Every row the
+// write then reads or writes lies inside what these describe.
+bool kv_write_fits(const NaKvWriteArgs& a) {
+  if (a.host != 1 || a.cache_host != 1 || a.num_slots < 0 || a.slots_stride < 0 || a.page_step < 1) return false;
+  const int32_t dt = a.k_dtype;
+  if (dt != NA_F32 && dt != NA_BF16 && dt != NA_F16) return false;
+  if (a.key_dtype != dt || a.value_dtype != dt || a.v_dtype != dt) return false;
+  for (int i = 0; i < 4; ++i) {
+    if (a.k_shape[i] < 0 || a.v_shape[i] != a.k_shape[i]) return false;
+  }
+  const int64_t pages = a.k_shape[0], ps = a.k_shape[1], H = a.k_shape[2], D = a.k_shape[3];
+  if (ps < 1) return false;  // a slot's block is s / ps
+  for (const int64_t* st : {a.k_stride, a.v_stride}) {
+    if (!dim_is(D, st[3], D, 1) || !dim_is(H, st[2], H, D) || !dim_is(ps, st[1], ps, H * D) ||
+        !dim_is(pages, st[0], pages, ps * H * D)) {
+      return false;
+    }
+  }
+  const int64_t* shapes[2] = {a.key_shape, a.value_shape};
+  const int64_t* strides[2] = {a.key_stride, a.value_stride};
+  for (int t = 0; t < 2; ++t) {
+    if (shapes[t][0] < a.num_slots || shapes[t][1] != H || shapes[t][2] != D) return false;
+    for (int i = 0; i < 3; ++i) {
+      if (strides[t][i] < 0) return false;
+    }
+  }
+  if (a.num_slots > 0 && (a.slots == nullptr || a.key == nullptr || a.value == nullptr)) {
+    return false;
+  }
+  if (pages > 0 && (a.k_cache == nullptr || a.v_cache == nullptr)) return false;
+  return true;
+}
+
+// One token's [H, D] rows from a tensor at the given strides into a contiguous row.
+void copy_token_row(unsigned char* dst, const unsigned char* src, const int64_t* stride,
+                    int64_t H, int64_t D, size_t elem) {
+  if (stride[2] == 1 || D == 1) {
+    if (stride[1] == D || H == 1) {
+      std::memmove(dst, src, size_t(H * D) * elem);
+      return;
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      std::memmove(dst + size_t(h * D) * elem, src + size_t(h * stride[1]) * elem,
+                   size_t(D) * elem);
+    }
+    return;
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    for (int64_t d = 0; d < D; ++d) {
+      std::memmove(dst + size_t(h * D + d) * elem,
+                   src + size_t(h * stride[1] + d * stride[2]) * elem, elem);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -143,6 +200,7 @@ int64_t na_struct_size(const char* name) {
   if (std::strcmp(name, "NaPlanInfo") == 0) return int64_t(sizeof(NaPlanInfo));
   if (std::strcmp(name, "NaPlanArgs") == 0) return int64_t(sizeof(NaPlanArgs));
   if (std::strcmp(name, "NaRunArgs") == 0) return int64_t(sizeof(NaRunArgs));
+  if (std::strcmp(name, "NaKvWriteArgs") == 0) return int64_t(sizeof(NaKvWriteArgs));
   return -1;
 }
 
@@ -321,6 +379,40 @@ int na_run(uint64_t runner, uint64_t plan_id, const NaRunArgs* a) {
   if (items != 0) return items;
   return na::parallel_items(num_threads, int(plan->merges.size()),
                             [&](int i) { return kern->merge(&p, &plan->merges[i]); });
+}
+
+int na_kv_write(const NaKvWriteArgs* a, int64_t* bad_slot) {
+  if (bad_slot != nullptr) *bad_slot = -1;
+  if (a == nullptr || !kv_write_fits(*a)) return NA_BAD_ARGS;
+  const int64_t n = a->num_slots, pages = a->k_shape[0], ps = a->k_shape[1];
+  const int64_t H = a->k_shape[2], D = a->k_shape[3], step = a->page_step;
+  // Every slot first: nothing is written unless every page index is inside both caches.
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = a->slots[i * a->slots_stride];
+    if (s < 0) continue;  // padding
+    const int64_t block = s / ps;
+    // block < pages first, so block * step cannot overflow (pages is a tensor's size).
+    if (block >= pages || block * step >= pages) {
+      if (bad_slot != nullptr) *bad_slot = i;
+      return NA_BAD_ARGS;
+    }
+  }
+  const size_t elem = a->k_dtype == NA_F32 ? 4 : 2;
+  const size_t row_bytes = size_t(H * D) * elem;
+  auto* kc = static_cast<unsigned char*>(a->k_cache);
+  auto* vc = static_cast<unsigned char*>(a->v_cache);
+  const auto* key = static_cast<const unsigned char*>(a->key);
+  const auto* value = static_cast<const unsigned char*>(a->value);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = a->slots[i * a->slots_stride];
+    if (s < 0) continue;
+    const size_t row = size_t((s / ps) * step * ps + s % ps);
+    copy_token_row(kc + row * row_bytes, key + size_t(i * a->key_stride[0]) * elem,
+                   a->key_stride, H, D, elem);
+    copy_token_row(vc + row * row_bytes, value + size_t(i * a->value_stride[0]) * elem,
+                   a->value_stride, H, D, elem);
+  }
+  return NA_OK;
 }
 
 }  // extern "C"

@@ -21,7 +21,7 @@
 // The one definition of the ABI version: na_abi_version() returns it; Python reads it from the
 // library (never a second literal) and checks each struct it mirrors with na_struct_size.
 // Bump it with any change to a struct, an entry point's arguments or their meaning.
-#define NA_ABI_VERSION 9
+#define NA_ABI_VERSION 10
 
 #ifdef __cplusplus
 extern "C" {
@@ -121,6 +121,40 @@ typedef struct {
   int32_t num_threads;
 } NaRunArgs;
 
+// One KV cache write (na_kv_write): the rows of key and value for each slot of a slot
+// mapping, into a K and a V cache of contract pages. Each tensor is described as torch holds
+// it (data, shape and strides in elements, dtype code), like NaRunArgs:
+//   key, value [T, H, D] with T >= num_slots (the first num_slots rows are written), any
+//     strides >= 0 (a column slice of a fused QKV projection: rows far apart);
+//   k_cache, v_cache [pages, ps, H, D], contiguous, of the same shape;
+//   all four of one dtype: NA_F32, NA_BF16 or NA_F16 (FP8 caches are written by the caller);
+//   slots [num_slots] int64 at stride slots_stride >= 0: slot s >= 0 is token row s % ps of
+//     block s / ps, whose K row is page (s / ps) * page_step of k_cache, row s % ps (its V
+//     row the same of v_cache); a negative slot is padding (that token is not written).
+// page_step >= 1: 1 for caches of one page per block; 2 for K and V pages interleaved in one
+// layer's memory (vLLM's CPU layout seen as pages: v_cache is k_cache shifted by one page).
+typedef struct {
+  // What changes per call: the tokens' rows and their slots.
+  const void* key;
+  const void* value;
+  const int64_t* slots;
+  int64_t key_shape[3], key_stride[3];
+  int64_t value_shape[3], value_stride[3];
+  int64_t num_slots, slots_stride;
+  int32_t key_dtype, value_dtype;  // NA_* codes; -1: another dtype
+  int32_t host;                    // 1: key, value and slots are host (CPU) memory
+  int32_t reserved;
+  // The caches (a caller may pack this half once per cache and reuse it).
+  void* k_cache;
+  void* v_cache;
+  int64_t k_shape[4], k_stride[4];
+  int64_t v_shape[4], v_stride[4];
+  int64_t page_step;
+  int32_t k_dtype, v_dtype;  // NA_* codes; -1: another dtype
+  int32_t cache_host;        // 1: both caches are host (CPU) memory
+  int32_t reserved2;
+} NaKvWriteArgs;
+
 // Return codes of the entry points below (listed once, like NA_ERROR_FIELDS; Python's
 // NaStatus is compared with na_codes() at load).
 #define NA_RETURN_CODES(X)                                                                   \
@@ -151,6 +185,13 @@ NA_API int na_plan_free(uint64_t runner, uint64_t plan);
 // read under a shared lock, and each caller gets worker threads of its own.
 NA_API int na_run(uint64_t runner, uint64_t plan, const NaRunArgs* args);
 
+// Writes key and value rows at their slots (NaKvWriteArgs). Every description and every slot
+// is checked before the first byte is written: NA_OK, or NA_BAD_ARGS with nothing written and
+// *bad_slot (when not NULL) the index of the first slot outside the caches (its page index
+// past the last page), or -1 when the tensors themselves do not fit (shape, strides, dtype,
+// host, page_step).
+NA_API int na_kv_write(const NaKvWriteArgs* args, int64_t* bad_slot);
+
 // Instruction-set path: name of the one in use, and forcing one ("generic", "avx2",
 // "avx512", "avx512bf16"); returns 0 when set, -1 when this CPU/build lacks it.
 NA_API const char* na_isa(void);
@@ -158,7 +199,7 @@ NA_API int na_set_isa(const char* name);
 NA_API const char* na_isa_list(void);  // comma-separated paths this CPU and build can run
 NA_API int32_t na_abi_version(void);  // NA_ABI_VERSION
 // sizeof the named struct of this header ("NaConfig", "NaError", "NaPlanInfo", "NaPlanArgs",
-// "NaRunArgs"); -1 for a name
+// "NaRunArgs", "NaKvWriteArgs"); -1 for a name
 // this library does not have. The Python mirror refuses a library whose sizes differ from its.
 NA_API int64_t na_struct_size(const char* name);
 // Every code of NA_RETURN_CODES and NA_ERROR_FIELDS as "NAME=value" pairs joined by commas,

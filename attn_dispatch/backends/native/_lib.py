@@ -104,6 +104,31 @@ class NaRunArgs(ctypes.Structure):
     ]
 
 
+class NaKvWriteArgs(ctypes.Structure):
+    """One KV cache write (``na_kv_write``): key and value rows at their slots, each tensor
+    described as torch holds it, checked inside the call before any write
+    (csrc/native_attn.h)."""
+
+    _fields_ = [
+        # Per call: the tokens' rows and their slots.
+        *((n, ctypes.c_void_p) for n in ("key", "value", "slots")),
+        ("key_shape", ctypes.c_int64 * 3),
+        ("key_stride", ctypes.c_int64 * 3),
+        ("value_shape", ctypes.c_int64 * 3),
+        ("value_stride", ctypes.c_int64 * 3),
+        *((n, ctypes.c_int64) for n in ("num_slots", "slots_stride")),
+        *((n, ctypes.c_int32) for n in ("key_dtype", "value_dtype", "host", "reserved")),
+        # The caches (packed once per cache by ``kv_write.KvCaches``).
+        *((n, ctypes.c_void_p) for n in ("k_cache", "v_cache")),
+        ("k_shape", ctypes.c_int64 * 4),
+        ("k_stride", ctypes.c_int64 * 4),
+        ("v_shape", ctypes.c_int64 * 4),
+        ("v_stride", ctypes.c_int64 * 4),
+        ("page_step", ctypes.c_int64),
+        *((n, ctypes.c_int32) for n in ("k_dtype", "v_dtype", "cache_host", "reserved2")),
+    ]
+
+
 def _packed(struct_type: type[ctypes.Structure]) -> _struct.Struct:
     """A ``struct.Struct`` with ``struct_type``'s C layout (native alignment), one value per
     scalar field and per array element, in field order: packing the values of one call is a
@@ -128,6 +153,8 @@ def _packed(struct_type: type[ctypes.Structure]) -> _struct.Struct:
 #: ``NaRunArgs`` as packed bytes (``RUN_ARGS.pack(...)``): what the backend passes per call
 #: (pointers as ints, 0 for NULL). A test holds it equal to the ctypes struct, field by field.
 RUN_ARGS = _packed(NaRunArgs)
+#: ``NaKvWriteArgs`` as packed bytes (``KV_WRITE_ARGS.pack(...)``), what ``na_kv_write`` reads.
+KV_WRITE_ARGS = _packed(NaKvWriteArgs)
 
 
 class NaStatus(enum.IntEnum):
@@ -173,7 +200,7 @@ def mirrored_codes() -> dict[str, int]:
 
 #: The structs mirrored from csrc/native_attn.h, checked by size against the library at load.
 MIRRORED_STRUCTS: tuple[type[ctypes.Structure], ...] = (
-    NaConfig, NaError, NaPlanInfo, NaPlanArgs, NaRunArgs,
+    NaConfig, NaError, NaPlanInfo, NaPlanArgs, NaRunArgs, NaKvWriteArgs,
 )  # fmt: skip
 
 
@@ -248,6 +275,10 @@ def _declare(cdll: ctypes.CDLL) -> None:
     cdll.na_run.restype = ctypes.c_int
     # The arguments: a NaRunArgs (ctypes.byref) or its packed bytes (RUN_ARGS), read only.
     cdll.na_run.argtypes = [u64, u64, ctypes.c_void_p]
+    cdll.na_kv_write.restype = ctypes.c_int
+    # The arguments: a NaKvWriteArgs (ctypes.byref) or its packed bytes (KV_WRITE_ARGS), read
+    # only; then NULL or an int64 that receives the first slot outside the caches.
+    cdll.na_kv_write.argtypes = [ctypes.c_void_p, ctypes.POINTER(c_i64)]
     cdll.na_codes.restype = ctypes.c_char_p
     cdll.na_codes.argtypes = []
     cdll.na_use_own_pool.restype = None

@@ -44,6 +44,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._errors import UnsupportedModelError
 from attn_dispatch._scope import attention
+from attn_dispatch.backends.native.kv_write import KvCaches
+from attn_dispatch.backends.native.kv_write import KvWrite
+from attn_dispatch.backends.native.kv_write import kv_writer
 from attn_dispatch.integrations.vllm._dcp import forward_dcp
 from attn_dispatch.integrations.vllm._layers import FP8_MAX
 from attn_dispatch.integrations.vllm._layers import EngineState
@@ -62,6 +65,17 @@ from attn_dispatch.integrations.vllm._settings import DRAFT
 from attn_dispatch.integrations.vllm._settings import TARGET
 from attn_dispatch.integrations.vllm._settings import Settings
 from attn_dispatch.integrations.vllm._settings import settings_of
+
+#: The native KV write (``kv_writer``), once looked up: empty until the first write.
+_KV_WRITE: list[KvWrite | None] = []
+
+
+def _kv_write() -> KvWrite | None:
+    """The native library's KV write, or None when it is not built (the torch path then)."""
+    if not _KV_WRITE:
+        _KV_WRITE.append(kv_writer())
+    return _KV_WRITE[0]
+
 
 #: The keywords of a layer without sinks or FP8 scales (never written).
 _NO_EXTRAS: dict[str, Any] = {}
@@ -145,10 +159,11 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         self.dispatch: LayerDispatch | None = None
         #: Decode context parallel's decode binding (``_bind_dcp``); None without DCP.
         self.dcp_dispatch: LayerDispatch | None = None
-        #: (the cache's data pointer, k pages, v pages, k rows, v rows): ``_pages``.
-        self._views: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = (
-            None
-        )
+        #: (the cache's data pointer, k pages, v pages, k rows, v rows, the pages as the
+        #: native KV write's ``KvCaches``): ``_pages``.
+        self._views: (
+            tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, KvCaches] | None
+        ) = None
         #: (vLLM's sinks tensor, its version, its float32 copy): ``_sinks_f32``.
         self._sinks: tuple[torch.Tensor, int, torch.Tensor] | None = None
         #: (id(binding), phase) -> whether its backend reads q's rows at a stride.
@@ -242,7 +257,8 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         # The same memory as token rows, what the KV writes index.
         rows_k = k.view(-1, heads, cfg.head_dim)
         rows_v = v.view(-1, heads, cfg.head_dim)
-        self._views = (kv_cache.data_ptr(), k, v, rows_k, rows_v)
+        # The native KV write's description of the pages: K of block b at page 2b.
+        self._views = (kv_cache.data_ptr(), k, v, rows_k, rows_v, KvCaches.of(k, v, 2))
         return k, v
 
     def do_kv_cache_update(
@@ -259,12 +275,31 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         self._pages(kv_cache, d)
         views = self._views
         assert views is not None
+        if not d.fp8:
+            write = _KV_WRITE[0] if _KV_WRITE else _kv_write()
+            if write is not None:
+                # One C call: every slot checked against the cache, then the rows written
+                # (padding slots skipped), K at page 2b and V at page 2b + 1 of block b.
+                kv_dtype = d.kv_torch_dtype
+                if key.dtype != kv_dtype:
+                    key, value = key.to(kv_dtype), value.to(kv_dtype)
+                write(key, value, slot_mapping, views[5])
+                return
         rows_k, rows_v = views[3], views[4]
         md = _step_metadata(layer)
         bs = d.config.page_size
         # Once per forward (the first layer's write), not per layer.
         where = md.kv_rows(slot_mapping, bs) if md is not None else kv_rows(slot_mapping, bs)
         rows, n, keep = where.rows, where.count, where.keep
+        if rows.numel() and int(rows.max()) >= rows_k.shape[0]:
+            # The native write's refusal, before index_copy_ writes any row.
+            flat = slot_mapping.reshape(-1).to(torch.int64)
+            i = int((flat // bs >= kv_cache.shape[0]).nonzero()[0])
+            raise InvalidBatchError(
+                "slot_mapping",
+                f"token {i}'s slot {int(flat[i])} is past the KV cache's "
+                f"{kv_cache.shape[0]} blocks of {bs} slots; nothing was written",
+            )
         if key.shape[0] != n:
             key, value = key[:n], value[:n]
         if keep is not None:

@@ -250,3 +250,78 @@ def test_kv_rows_small_and_large_steps_agree(count: int, monkeypatch: pytest.Mon
             assert got.keep.tolist() == want.keep.tolist()
         kept = s[s >= 0].tolist()
         assert got.rows.tolist() == [2 * BS * (x // BS) + x % BS for x in kept]
+
+
+def _kv_impl(kv_dtype: str) -> Any:
+    """An ``AttnDispatchCPUImpl`` as far as its KV write reads it (GQA 4/2 x 16, page BS)."""
+    from attn_dispatch.integrations.vllm._layers import LayerDispatch
+    from attn_dispatch.integrations.vllm.backend import AttnDispatchCPUImpl
+
+    cfg = _config(dtype="bfloat16", kv_dtype=kv_dtype)
+    impl = object.__new__(AttnDispatchCPUImpl)
+    impl._views = None
+    impl.dispatch = LayerDispatch(
+        label="target",
+        binding=bind("torch", cfg, label="target"),
+        config=cfg,
+        kv_torch_dtype=getattr(torch, kv_dtype),
+        fp8=False,
+    )
+    return impl
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_native_kv_write_matches_the_torch_path(
+    kv_dtype: str, padded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plugin's KV write through ``na_kv_write`` leaves the cache byte for byte as the
+    torch path (``kv_rows`` + ``index_copy_``) does: K at page 2b, V at 2b + 1, padding slots
+    (and the token rows past the slot mapping) not written, a bf16 key into a float32 cache
+    converted."""
+    if isinstance(LIB, str):
+        pytest.skip(f"native library: {LIB}")
+    from attn_dispatch.integrations.vllm import backend as be
+
+    blocks = 6
+    cache = torch.randn(blocks, 2, BS, 2 * 16).to(getattr(torch, kv_dtype))
+    qkv = torch.randn(7, 8 * 16, dtype=torch.bfloat16)
+    _, key, value = qkv.split([64, 32, 32], dim=-1)
+    key, value = key.view(7, 2, 16), value.view(7, 2, 16)
+    slots = torch.tensor([0, 3 * BS + 5, blocks * BS - 1, 2 * BS, 4 * BS + 9, 7], dtype=torch.int64)
+    if padded:
+        slots[1::2] = -1
+    layer = type("Layer", (), {"layer_name": "l0"})()
+    got = cache.clone()
+    assert be._kv_write() is not None
+    _kv_impl(kv_dtype).do_kv_cache_update(layer, key, value, got, slots)
+    monkeypatch.setattr(be, "_KV_WRITE", [None])  # the torch path
+    want = cache.clone()
+    _kv_impl(kv_dtype).do_kv_cache_update(layer, key, value, want, slots)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert not torch.equal(got, cache)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_kv_write_refuses_a_slot_past_the_cache(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot past the layer's blocks is our ``InvalidBatchError`` naming ``slot_mapping``, on
+    the native write and on the torch path alike, and no row of the step is written."""
+    from attn_dispatch import InvalidBatchError
+    from attn_dispatch.integrations.vllm import backend as be
+
+    if native and isinstance(LIB, str):
+        pytest.skip(f"native library: {LIB}")
+    if not native:
+        monkeypatch.setattr(be, "_KV_WRITE", [None])
+    blocks = 3
+    cache = torch.randn(blocks, 2, BS, 32, dtype=torch.bfloat16)
+    before = cache.clone()
+    key = value = torch.randn(3, 2, 16, dtype=torch.bfloat16)
+    layer = type("Layer", (), {"layer_name": "l0"})()
+    slots = torch.tensor([1, blocks * BS, -1], dtype=torch.int64)
+    with pytest.raises(InvalidBatchError, match="slot_mapping") as info:
+        _kv_impl("bfloat16").do_kv_cache_update(layer, key, value, cache, slots)
+    assert f"token 1's slot {blocks * BS}" in str(info.value)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
