@@ -159,10 +159,18 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         self.dispatch: LayerDispatch | None = None
         #: Decode context parallel's decode binding (``_bind_dcp``); None without DCP.
         self.dcp_dispatch: LayerDispatch | None = None
-        #: (the cache's data pointer, k pages, v pages, k rows, v rows, the pages as the
-        #: native KV write's ``KvCaches``): ``_pages``.
+        #: (the cache's data pointer, shape, strides and dtype; k pages, v pages, k rows,
+        #: v rows, the pages as the native KV write's ``KvCaches``): ``_pages``.
         self._views: (
-            tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, KvCaches] | None
+            tuple[
+                tuple[int, torch.Size, tuple[int, ...], torch.dtype],
+                torch.Tensor,
+                torch.Tensor,
+                torch.Tensor,
+                torch.Tensor,
+                KvCaches,
+            ]
+            | None
         ) = None
         #: (vLLM's sinks tensor, its version, its float32 copy): ``_sinks_f32``.
         self._sinks: tuple[torch.Tensor, int, torch.Tensor] | None = None
@@ -236,7 +244,11 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
     def _pages(self, kv_cache: torch.Tensor, d: LayerDispatch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_cache, v_cache)``: this layer's memory as contract pages (see the module doc)."""
         views = self._views
-        if views is not None and views[0] == kv_cache.data_ptr():
+        # The views (and the native write's page description) are reused only for the same
+        # memory with the same shape, strides and dtype: a tensor over the same storage with
+        # fewer blocks must not be written or read through the old, larger views.
+        key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
+        if views is not None and views[0] == key:
             return views[1], views[2]
         cfg = d.config
         blocks, heads, block, width = kv_cache.shape
@@ -258,7 +270,7 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         rows_k = k.view(-1, heads, cfg.head_dim)
         rows_v = v.view(-1, heads, cfg.head_dim)
         # The native KV write's description of the pages: K of block b at page 2b.
-        self._views = (kv_cache.data_ptr(), k, v, rows_k, rows_v, KvCaches.of(k, v, 2))
+        self._views = (key, k, v, rows_k, rows_v, KvCaches.of(k, v, 2))
         return k, v
 
     def do_kv_cache_update(

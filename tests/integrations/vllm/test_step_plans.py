@@ -325,3 +325,35 @@ def test_kv_write_refuses_a_slot_past_the_cache(
         _kv_impl("bfloat16").do_kv_cache_update(layer, key, value, cache, slots)
     assert f"token 1's slot {blocks * BS}" in str(info.value)
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_kv_write_rederives_views_for_a_smaller_cache_over_the_same_memory(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layer's page views are kept per cache tensor's memory, shape, strides and dtype: a
+    cache over the same storage with fewer blocks gets its own views, so a slot in the blocks
+    it no longer holds is refused (``slot_mapping``) and nothing is written, as for any cache
+    that small; before, the first cache's larger views were reused for the same pointer."""
+    from attn_dispatch import InvalidBatchError
+    from attn_dispatch.integrations.vllm import backend as be
+
+    if native and isinstance(LIB, str):
+        pytest.skip(f"native library: {LIB}")
+    if not native:
+        monkeypatch.setattr(be, "_KV_WRITE", [None])
+    big = torch.zeros(4, 2, BS, 32, dtype=torch.bfloat16)
+    impl = _kv_impl("bfloat16")
+    layer = type("Layer", (), {"layer_name": "l0"})()
+    key = value = torch.ones(1, 2, 16, dtype=torch.bfloat16)
+    slot = torch.tensor([3 * BS], dtype=torch.int64)  # block 3: in the 4-block cache only
+    impl.do_kv_cache_update(layer, key, value, big, slot)
+    assert int(big[3, :, 0].ne(0).sum()) > 0
+    small = big[:2]  # the same data pointer, 2 blocks
+    assert small.data_ptr() == big.data_ptr()
+    before = big.clone()
+    with pytest.raises(InvalidBatchError, match="slot_mapping"):
+        impl.do_kv_cache_update(layer, key * 2, value * 2, small, slot)
+    assert torch.equal(big.view(torch.uint8), before.view(torch.uint8))
+    k, _ = impl._pages(small, impl.dispatch)
+    assert k.shape[0] == 2 * 2 - 1  # the small cache's pages, not the big one's
