@@ -85,18 +85,21 @@ class NaPlanArgs(ctypes.Structure):
     ]
 
 
+def _described(name: str, rank: int) -> list[tuple[str, Any]]:
+    """The ``<name>_shape`` and ``<name>_stride`` fields of a tensor of ``rank`` dims, as the
+    C argument structs describe every tensor (torch's sizes and strides, in elements)."""
+    return [(f"{name}_shape", ctypes.c_int64 * rank), (f"{name}_stride", ctypes.c_int64 * rank)]
+
+
 class NaRunArgs(ctypes.Structure):
     """One layer call: each tensor described as torch holds it (data, shape, strides, dtype
     code), checked against the config and the plan inside ``na_run`` (csrc/native_attn.h)."""
 
     _fields_ = [
         *((n, ctypes.c_void_p) for n in ("q", "k", "v", "out", "sinks", "lse")),
-        ("q_shape", ctypes.c_int64 * 3),
-        ("q_stride", ctypes.c_int64 * 3),
-        ("k_shape", ctypes.c_int64 * 4),
-        ("k_stride", ctypes.c_int64 * 4),
-        ("v_shape", ctypes.c_int64 * 4),
-        ("v_stride", ctypes.c_int64 * 4),
+        *_described("q", 3),
+        *_described("k", 4),
+        *_described("v", 4),
         *((n, ctypes.c_int64) for n in ("out_numel", "sinks_numel", "lse_numel")),
         *((n, ctypes.c_int32) for n in ("q_dtype", "k_dtype", "v_dtype", "host")),
         *((n, ctypes.c_float) for n in ("sm_scale", "k_scale", "v_scale")),
@@ -112,18 +115,14 @@ class NaKvWriteArgs(ctypes.Structure):
     _fields_ = [
         # Per call: the tokens' rows and their slots.
         *((n, ctypes.c_void_p) for n in ("key", "value", "slots")),
-        ("key_shape", ctypes.c_int64 * 3),
-        ("key_stride", ctypes.c_int64 * 3),
-        ("value_shape", ctypes.c_int64 * 3),
-        ("value_stride", ctypes.c_int64 * 3),
+        *_described("key", 3),
+        *_described("value", 3),
         *((n, ctypes.c_int64) for n in ("num_slots", "slots_stride")),
         *((n, ctypes.c_int32) for n in ("key_dtype", "value_dtype", "host", "reserved")),
         # The caches (packed once per cache by ``kv_write.KvCaches``).
         *((n, ctypes.c_void_p) for n in ("k_cache", "v_cache")),
-        ("k_shape", ctypes.c_int64 * 4),
-        ("k_stride", ctypes.c_int64 * 4),
-        ("v_shape", ctypes.c_int64 * 4),
-        ("v_stride", ctypes.c_int64 * 4),
+        *_described("k", 4),
+        *_described("v", 4),
         ("page_step", ctypes.c_int64),
         *((n, ctypes.c_int32) for n in ("k_dtype", "v_dtype", "cache_host", "reserved2")),
     ]
