@@ -1,7 +1,7 @@
 // AVX-512-BF16 path (kern_avx512bf16.cpp only, through kernels_impl.h; compiles alone with
 // -mavx512bf16 and the AVX-512 flags):
 // bf16 q with a bf16 or FP8 cache, head dims multiples of 32. K and V rows are used straight from
-// the paged cache (no conversion pass): scores with vdpbf16ps on 4 rows x 4 keys tiles
+// the paged cache (no conversion pass): scores with vdpbf16ps on TR rows x 16 / TR keys tiles
 // reduced 16 at a time, p . V with vdpbf16ps on pairs of keys (p rounded to bf16, as the
 // output will be). On Zen 4 this halves the instruction count of the fp32 path, which is
 // what bounds MLA decode (16 heads share every latent row).
@@ -39,8 +39,8 @@ static inline bool bf16_path_applies(const NaProblem& P, const NaItem&) {
 // FP8 caches take this path too (bf16 q), the rows widened to bf16 exactly (both FP8
 // formats fit in bf16; e4m3fn as 2^-8 x its value, like ld_fp8, see kF8Unit):
 // - GQA/MHA: inside the tile loads (ld_bh): each K/V chunk of the block is converted once in
-//   registers, as a 4-row score tile or a p.V chunk reads it; nothing is written back.
-// - MLA: the block's first 4-row score tiles widen each latent row as they load it, into a
+//   registers, as a score tile or a p.V chunk reads it; nothing is written back.
+// - MLA: the block's first row of score tiles widens each latent row as it loads it, into a
 //   per-thread buffer that the later tiles and p.V read like cache rows (16 heads read
 //   every row 4 times in score tiles and twice in p.V: one conversion instead of six).
 static inline bool fp8_path_applies(const NaProblem& P) {
@@ -391,7 +391,7 @@ static int bf16_item_impl(const NaProblem& P, const NaItem& it) {
     const int n = std::min(BK, it.k1 - k0);
     if constexpr (widen) {
       // This block's rows, prefetched during the last block's compute, are widened by its
-      // first 4-row score tiles, as they load them, into buffer row t (padded keys: the first
+      // first row of score tiles, as it loads them, into buffer row t (padded keys: the first
       // key's row again); the later tiles and p.V read the buffer. (Widened a block ahead,
       // before its prefetch, every line stalled: 1.27x bf16's time; in a pass of its own at
       // the block's start, 1.08-1.18x.)
