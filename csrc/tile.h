@@ -95,25 +95,35 @@ struct Tile {
   int64_t vstride() const { return mla ? D : int64_t(Hkv) * Dv; }
 };
 
+// Calls f(pos, s0, run) for each run of consecutive cache slots among key positions pos0 ..
+// pos1 - 1 of the tile's request: positions pos .. pos + run - 1 are slots s0 .. s0 + run - 1
+// (one page, or its part in range). T.slot per run: one division per page, not one per key.
+template <typename F>
+__attribute__((always_inline)) inline void for_page_runs(const Tile& T, int pos0, int pos1,
+                                                         F&& f) {
+  for (int pos = pos0; pos < pos1;) {
+    const int off = pos % T.ps;
+    const int run = std::min(pos1 - pos, T.ps - off);
+    f(pos, int64_t(T.pages[pos / T.ps]) * T.ps + off, run);
+    pos += run;
+  }
+}
+
 // Queues on q (a prefetch queue: PfCursor, rows_path.h's PfLines) the K then V rows of key
-// positions pos0 .. pos1 - 1 of the tile's request, in address order; T.slot(pos) per page
-// run: one division per page, not one per key.
+// positions pos0 .. pos1 - 1 of the tile's request, in address order (K and V of each key
+// in turn).
 template <typename Q, typename KT>
 __attribute__((always_inline)) inline void queue_page_rows(Q& q, const Tile& T, int pos0,
                                                            int pos1, const KT* kbase,
                                                            const KT* vbase, int64_t kstride,
                                                            int64_t vstride, int klines,
                                                            int vlines) {
-  for (int pos = pos0; pos < pos1;) {
-    const int off = pos % T.ps;
-    const int run = std::min(pos1 - pos, T.ps - off);
-    const int64_t s0 = int64_t(T.pages[pos / T.ps]) * T.ps + off;
+  for_page_runs(T, pos0, pos1, [&](int, int64_t s0, int run) {
     for (int i = 0; i < run; ++i) {
       q.add(kbase + (s0 + i) * kstride, klines);
       q.add(vbase + (s0 + i) * vstride, vlines);
     }
-    pos += run;
-  }
+  });
 }
 
 // The lines of the rows a few blocks ahead, issued a few at a time between the compute
@@ -169,35 +179,27 @@ struct PfCursor {
     reset();
     // Per page run, its K rows then its V rows (each tensor in address order), so that
     // adjacent rows merge into one entry (add).
-    for (int pos = pos0; pos < pos1;) {
-      const int off = pos % T.ps;
-      const int run = std::min(pos1 - pos, T.ps - off);
-      const int64_t s0 = int64_t(T.pages[pos / T.ps]) * T.ps + off;
+    for_page_runs(T, pos0, pos1, [&](int, int64_t s0, int run) {
       for (int i = 0; i < run; ++i) add(kbase + (s0 + i) * kstride, klines);
       for (int i = 0; i < run; ++i) add(vbase + (s0 + i) * vstride, vlines);
-      pos += run;
-    }
+    });
   }
 };
 
 // kp[t], vp[t] = the K and V rows of key positions k0 .. k0 + n - 1 (the slots of T.slot),
-// computed per page run: one division per page, not one per key.
+// computed per page run (for_page_runs).
 template <typename KT>
 static inline void block_rows(const Tile& T, int k0, int n, const KT* kbase, const KT* vbase,
                               int64_t kstride, int64_t vstride, const KT** kp, const KT** vp) {
-  for (int t = 0; t < n;) {
-    const int pos = k0 + t;
-    const int off = pos % T.ps;
-    const int run = std::min(n - t, T.ps - off);
-    const int64_t s0 = int64_t(T.pages[pos / T.ps]) * T.ps + off;
+  for_page_runs(T, k0, k0 + n, [&](int pos, int64_t s0, int run) {
+    const int t = pos - k0;
     const KT* kr = kbase + s0 * kstride;
     const KT* vr = vbase + s0 * vstride;
     for (int i = 0; i < run; ++i) {
       kp[t + i] = kr + int64_t(i) * kstride;
       vp[t + i] = vr + int64_t(i) * vstride;
     }
-    t += run;
-  }
+  });
 }
 
 // Per-row state of a tile besides the buffers: the block's rescale factor, the causal limit,

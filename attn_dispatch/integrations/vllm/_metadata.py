@@ -127,11 +127,13 @@ _LIST_SLOTS = 256
 class KvRows:
     """Where one forward's new tokens are written: ``rows`` (int64) of the cache seen as
     ``[2 * blocks * page_size, kv_heads, head_dim]`` rows, for the first ``count`` tokens of
-    ``key``/``value`` after ``keep`` (a bool mask, or None when every slot is a real one)."""
+    ``key``/``value`` after ``keep`` (a bool mask, or None when every slot is a real one);
+    ``end``, the largest row + 1 (0 without rows), for the per-layer bounds check."""
 
     rows: torch.Tensor
     count: int
     keep: torch.Tensor | None
+    end: int
 
 
 def kv_rows(slot_mapping: torch.Tensor, page_size: int) -> KvRows:
@@ -155,13 +157,14 @@ def kv_rows(slot_mapping: torch.Tensor, page_size: int) -> KvRows:
             torch.frombuffer(values, dtype=torch.int64) if values else slots.new_empty(0),
             count,
             keep,
+            max(values) + 1 if values else 0,
         )
     valid = slots >= 0  # vLLM pads with slot -1
     keep = None
     if not bool(valid.all()):
         slots, keep = slots[valid], valid
     rows = (slots // page_size) * (2 * page_size) + slots % page_size
-    return KvRows(rows, count, keep)
+    return KvRows(rows, count, keep, int(rows.max()) + 1 if rows.numel() else 0)
 
 
 __all__ = ["DispatchMetadata", "KvRows", "kv_rows"]

@@ -288,7 +288,7 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         views = self._views
         assert views is not None
         if not d.fp8:
-            write = _KV_WRITE[0] if _KV_WRITE else _kv_write()
+            write = _kv_write()
             if write is not None:
                 # One C call: every slot checked against the cache, then the rows written
                 # (padding slots skipped), K at page 2b and V at page 2b + 1 of block b.
@@ -303,7 +303,7 @@ class AttnDispatchCPUImpl(CPUAttentionBackendImpl):  # type: ignore[misc]
         # Once per forward (the first layer's write), not per layer.
         where = md.kv_rows(slot_mapping, bs) if md is not None else kv_rows(slot_mapping, bs)
         rows, n, keep = where.rows, where.count, where.keep
-        if rows.numel() and int(rows.max()) >= rows_k.shape[0]:
+        if where.end > rows_k.shape[0]:
             # The native write's refusal, before index_copy_ writes any row.
             flat = slot_mapping.reshape(-1).to(torch.int64)
             i = int((flat // bs >= kv_cache.shape[0]).nonzero()[0])
