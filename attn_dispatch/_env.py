@@ -2,7 +2,7 @@
 
 Every read in the package goes through these constants: ``tests/core/test_env.py`` fails on a
 read whose name is a literal or is missing here, on a name here that nothing reads, and on a
-name the docs page does not list. Three names are read by the C++ kernels (``csrc/``) and one by
+name the docs page does not list. Four names are read by the C++ kernels (``csrc/``) and one by
 the build (``setup.py``, which runs before the package can be imported); they are listed here
 too, so that one module holds them all, and the test checks those sources against it.
 """
@@ -13,6 +13,7 @@ __all__ = [
     "HYPOTHESIS_PROFILE",
     "NATIVE_ISA",
     "NATIVE_LIB",
+    "NATIVE_NO_VBMI",
     "NATIVE_OWN_POOL",
     "NATIVE_ROWS_MIN",
     "PLUGINS",
@@ -43,6 +44,11 @@ NATIVE_ISA = "NATIVE_ATTN_ISA"
 #: Set (to anything): the native kernels use their own thread pool even where torch's OpenMP
 #: runtime is loaded. Read once by the C++ kernels.
 NATIVE_OWN_POOL = "NATIVE_ATTN_OWN_POOL"
+
+#: Set (to anything): the avx512bf16 kernels widen FP8 cache rows without AVX-512 VBMI's byte
+#: lookups even where the CPU has them (tests of the fallback, comparisons). Read once by the
+#: C++ kernels.
+NATIVE_NO_VBMI = "NATIVE_ATTN_NO_VBMI"
 
 #: A positive integer: the rows per kv head from which a native work item takes the many-row
 #: tile kernel (``csrc/rows_path.h``) instead of the measured default (tests force it on every

@@ -447,14 +447,16 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
   return 0;
 }
 
-// The many-row path (rows_path.h) for GQA/MHA items with at least rows_min rows per kv head
-// (kernels.h: 32, 16 for FP8 caches on avx512bf16, measured in bench/native_notes.md);
+// The many-row path (rows_path.h) for items with at least rows_min rows per kv head
+// (kernels.h: 16 on avx512bf16, 32 on the fp32 kernels, measured in bench/native_notes.md);
 // decode-shaped items (few rows per kv head: one query token) keep the kernels below,
-// whose score tiles are fed by several kv heads at once. MLA keeps its own (its 16 heads x
-// 576-wide latent rows are compute-bound already in the bf16 path).
+// whose score tiles are fed by several kv heads at once. MLA: rows_min_mla (its 16 heads
+// share each latent row, so even decode is many rows).
 static inline bool rows_path_applies(const NaProblem& P, const NaItem& it) {
-  return P.kind != NA_MLA && P.head_dim % W == 0 && P.v_head_dim % W == 0 &&
-         (it.h1 - it.h0) * (it.q1 - it.q0) >= rows_min(P.kv_dtype, P.q_dtype);
+  if (P.head_dim % W != 0 || P.v_head_dim % W != 0) return false;
+  const int rows = (it.h1 - it.h0) * (it.q1 - it.q0);
+  return rows >= (P.kind == NA_MLA ? rows_min_mla(P.kv_dtype, P.q_dtype)
+                                   : rows_min(P.kv_dtype, P.q_dtype));
 }
 
 template <typename QT>
@@ -493,9 +495,11 @@ static int item_q(const NaProblem* p, const NaItem* it) {
 // The vdpbf16ps many-row kernel (rows_item_bf16): bf16 q over a bf16 or FP8 cache; fp16 /
 // fp32 caches take the fp32 many-row kernel (item_q).
 static inline bool bf16_rows_applies(const NaProblem& P, const NaItem& it) {
-  return P.q_dtype == NA_BF16 && P.head_dim % 32 == 0 && P.v_head_dim % 32 == 0 &&
-         (P.kv_dtype == NA_BF16 || P.kv_dtype == NA_E4M3 || P.kv_dtype == NA_E5M2) &&
-         rows_path_applies(P, it);
+  if (P.q_dtype != NA_BF16 || P.head_dim % 32 != 0 || P.v_head_dim % 32 != 0 ||
+      !(P.kv_dtype == NA_BF16 || P.kv_dtype == NA_E4M3 || P.kv_dtype == NA_E5M2)) {
+    return false;
+  }
+  return rows_path_applies(P, it);
 }
 #endif
 

@@ -76,6 +76,28 @@ static inline int rows_min(int kv_dtype, int q_dtype) {
 #endif
 }
 
+// MLA items (one latent row per token read by every q head) from this many rows (q heads x
+// query tokens): na::kRowsMinMla* (kernels.h, measured). The amx unit keeps MLA on its
+// decode kernel (its tiles were never run with 576-wide rows): no item qualifies there.
+static inline int rows_min_mla(int kv_dtype, int q_dtype) {
+#ifdef NA_HAVE_AMX
+  (void)kv_dtype;
+  (void)q_dtype;
+  return 1 << 30;
+#else
+  if (const int v = rows_min_env()) return v;
+#ifdef NA_HAVE_BF16_PATH
+  if (q_dtype == NA_BF16 && (kv_dtype == NA_BF16 || kv_dtype == NA_E4M3 || kv_dtype == NA_E5M2))
+    return na::kRowsMinMlaBf16;
+#endif
+  (void)kv_dtype;
+  (void)q_dtype;
+  // fp32 accumulation: only the 16-lane (AVX-512) kernel gains; on AVX2 verify-4 ran 1.0-1.13x
+  // the decode kernel's time (bench/native_notes.md, "MLA on the many-row path").
+  return W >= 16 ? na::kRowsMinMlaF32 : 1 << 30;
+#endif
+}
+
 // Per-thread buffers of the many-row path (besides tls_buffers).
 struct RowsBuffers {
   std::vector<float> qt, st, kb, vb, ml;
@@ -488,8 +510,10 @@ static int rows_item(const NaProblem& P, const NaItem& it) {
     lanes_init(P, it, S, gi * R1, R1, Rp, L[gi]);
     for (auto& x : badv[gi]) x = vu{};
   }
+  // MLA (one latent row per token, its first Dv elements the value): V rows are the K rows.
+  const bool mla = T.mla;
   const KT* kbase = static_cast<const KT*>(P.k);
-  const KT* vbase = static_cast<const KT*>(P.v);
+  const KT* vbase = static_cast<const KT*>(mla ? P.k : P.v);
   const int64_t kstride = T.kstride(), vstride = T.vstride();
   // Prefetch only the tile's kv heads of each token (adjacent in the row): a tile of one or
   // two of 8 kv heads used to queue the whole row, 4-8x the lines it reads, and the cursor's
@@ -497,7 +521,7 @@ static int rows_item(const NaProblem& P, const NaItem& it) {
   const KT* kpf = kbase + int64_t(it.kv_head) * D;
   const KT* vpf = vbase + int64_t(it.kv_head) * Dv;
   const int klines = int((int64_t(nkv) * D * int64_t(sizeof(KT)) + 63) / 64);
-  const int vlines = int((int64_t(nkv) * Dv * int64_t(sizeof(KT)) + 63) / 64);
+  const int vlines = mla ? 0 : int((int64_t(nkv) * Dv * int64_t(sizeof(KT)) + 63) / 64);
   const KT* kp0[BK];
   const KT* vp0[BK];
   const float* vr[BK];
@@ -928,8 +952,10 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
     lanes_init(P, it, S, gi * R1, R1, Rp, L[gi]);
     for (auto& x : badv[gi]) x = vu{};
   }
+  // MLA (one latent row per token, its first Dv elements the value): V rows are the K rows.
+  const bool mla = T.mla;
   const KT* kbase = static_cast<const KT*>(P.k);
-  const KT* vbase = static_cast<const KT*>(P.v);
+  const KT* vbase = static_cast<const KT*>(mla ? P.k : P.v);
   const int64_t kstride = T.kstride(), vstride = T.vstride();
   // Prefetch only the tile's kv heads of each token (adjacent in the row): a tile of one or
   // two of 8 kv heads used to queue the whole row, 4-8x the lines it reads, and the cursor's
@@ -937,7 +963,7 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
   const KT* kpf = kbase + int64_t(it.kv_head) * D;
   const KT* vpf = vbase + int64_t(it.kv_head) * Dv;
   const int klines = int((int64_t(nkv) * D * int64_t(sizeof(KT)) + 63) / 64);
-  const int vlines = int((int64_t(nkv) * Dv * int64_t(sizeof(KT)) + 63) / 64);
+  const int vlines = mla ? 0 : int((int64_t(nkv) * Dv * int64_t(sizeof(KT)) + 63) / 64);
   const KT* kp0[BK];
   const KT* vp0[BK];
   const uint16_t* kr[BK];
@@ -984,7 +1010,7 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
       pf.plan(nkv * (4 + (f8 ? 2 * n : 0)));  // the pf.step() calls per kv head below
 #else
       const int tiles = nt / nk * (nvt >= 2 ? (nvt + 1) / 2 : 1);
-      pf.plan(nkv * (tiles * (D / 16) + ((R1 + 7) / 8) * (Dv / 32) + (f8 ? 2 * n : 0)));
+      pf.plan(nkv * (tiles * (D / 16) + ((R1 + 7) / 8) * (Dv / 32) + (f8 ? (mla ? 1 : 2) * n : 0)));
 #endif
     }
     for (int gi = 0; gi < nkv; ++gi) {
@@ -994,9 +1020,13 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
         if constexpr (f8) {
           pf.step();
           fp8_row_to_bf16(k16 + size_t(t) * D, kp0[t] + koff, D);
+          kr[t] = k16 + size_t(t) * D;
+          if (mla) {  // the widened latent row is the value row too
+            vr[t] = kr[t];
+            continue;
+          }
           pf.step();
           fp8_row_to_bf16(v16 + size_t(t) * Dv, vp0[t] + voff, Dv);
-          kr[t] = k16 + size_t(t) * D;
           vr[t] = v16 + size_t(t) * Dv;
         } else {
           kr[t] = reinterpret_cast<const uint16_t*>(kp0[t] + koff);

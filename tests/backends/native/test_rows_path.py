@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 
 from attn_dispatch import AttnBatch  # noqa: E402
 from attn_dispatch import Phase  # noqa: E402
+from attn_dispatch._env import NATIVE_NO_VBMI  # noqa: E402
 from attn_dispatch._env import NATIVE_ROWS_MIN  # noqa: E402
 from attn_dispatch.backends.native._lib import load  # noqa: E402
 from tests import oracle  # noqa: E402
@@ -70,6 +71,28 @@ CASES: dict[str, tuple[Any, ...]] = {
         Phase.VERIFY, [8, 4], [150, 77], True, 8, 2, 128,
         dict(kv_dtype=torch.float8_e4m3fn, k_scale=0.6, v_scale=1.7), None,
     ),
+    # MLA (one latent row per token, its first dv elements the value): 16 heads of one token
+    # are already 16 rows, so decode takes the many-row path too; a stand-in 160/128 and the
+    # real 576/512, FP8 latent rows widened once per block for both q.K^T and p.V.
+    "mla-decode": (
+        Phase.DECODE, [1, 1, 1], [300, 37, 129], False, 16, 1, 160, dict(kind="mla", dv=128),
+        None,
+    ),
+    "mla-verify-576": (
+        Phase.VERIFY, [4, 2], [301, 50], False, 16, 1, 576, dict(kind="mla", dv=512), None
+    ),
+    "mla-tree-e4m3": (
+        Phase.VERIFY, [8, 5], [150, 77], True, 16, 1, 160,
+        dict(kind="mla", dv=128, kv_dtype=torch.float8_e4m3fn, k_scale=0.6), None,
+    ),
+    "mla-prefill-e5m2-cap": (
+        Phase.PREFILL, [20, 3], [100, 3], False, 16, 1, 160,
+        dict(kind="mla", dv=128, kv_dtype=torch.float8_e5m2, k_scale=1.3, cap=5.0), None,
+    ),
+    "mla-8-heads-window": (
+        Phase.VERIFY, [4, 3], [200, 64], False, 8, 1, 96, dict(kind="mla", dv=64, window=40),
+        None,
+    ),
 }  # fmt: skip
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -78,8 +101,10 @@ def build(name: str, dtype: Any) -> dict[str, Any]:
     ph, q_lens, kv_lens, tree, hq, hkv, d, extra, chunk = CASES[name]
     opts = dict(extra)
     kv_dtype = opts.pop("kv_dtype", dtype)
+    kind = opts.pop("kind", "mha")
+    dv = opts.pop("dv", d)
     case = make_case(
-        "mha", ph, q_lens=q_lens, kv_lens=kv_lens, page_size=16, hq=hq, hkv=hkv, d=d, dv=d,
+        kind, ph, q_lens=q_lens, kv_lens=kv_lens, page_size=16, hq=hq, hkv=hkv, d=d, dv=dv,
         dtype=dtype, kv_dtype=kv_dtype, tree=tree, seed=len(name), **opts,
     )  # fmt: skip
     if chunk is not None:
@@ -306,3 +331,57 @@ def test_block_with_swapped_middle_pages_is_not_read_as_one_run(isa: str) -> Non
             assert_close(run_native(case, num_threads=threads), reference(dict(case, chunk=None)))
     finally:
         LIB.set_isa(before)
+
+
+_EVERY_CODE = """
+import torch
+from tests.backends.native.test_rows_path import LIB, every_fp8_code_through_the_value_rows
+ran = 0
+for isa in LIB.isa_list:
+    LIB.set_isa(isa)
+    ran += every_fp8_code_through_the_value_rows()
+print("ran", ran)
+"""
+
+
+def every_fp8_code_through_the_value_rows() -> int:
+    """One key (weight exactly 1) whose value row holds every finite FP8 code (subnormals,
+    both zeros, the largest): each output row must be the codes' values exactly, for both
+    formats. (A value row with NaN or inf makes its output rows NaN as a whole: tested with the
+    guards.) 16 heads of one kv head: a decode item on the many-row path, whose value rows are
+    widened to bf16 (fp8_row_to_bf16) before p.V; dv 288 = 4 x 64 codes + a 32-wide tail."""
+    ran = 0
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        codes = torch.arange(256, dtype=torch.uint8)
+        codes = codes[torch.isfinite(codes.view(fmt).float())]  # 254 (e4m3fn), 248 (e5m2)
+        row = codes.repeat(2)[:288].view(fmt)
+        case = make_case(
+            "mha", Phase.DECODE, q_lens=[1], kv_lens=[1], page_size=16, hq=16, hkv=1, d=32,
+            dv=288, dtype=torch.bfloat16, kv_dtype=fmt, k_scale=1.0, v_scale=1.0,
+        )  # fmt: skip
+        case["k_cache"].zero_()
+        page = case["tables"][0][0]
+        case["v_cache"][page, 0, 0] = row
+        out = run_native(case, num_threads=1)
+        want = row.float().expand(16, -1)
+        got = out.reshape(16, 288).float()
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        ran += 1
+    return ran
+
+
+@needs_lib
+@pytest.mark.parametrize("vbmi", ["on", "off"])
+def test_fp8_value_rows_widen_every_code_exactly(vbmi: str) -> None:
+    """Every e4m3fn and e5m2 code, widened by the many-row kernel's row conversion, on every
+    ISA path; with AVX-512 VBMI's byte lookups (where the CPU has them) and without
+    (NATIVE_ATTN_NO_VBMI), in a child process each (the switch is read once)."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env.pop(NATIVE_NO_VBMI, None)
+    if vbmi == "off":
+        env[NATIVE_NO_VBMI] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", _EVERY_CODE], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert f"ran {2 * len(ISAS)}" in done.stdout
