@@ -86,8 +86,8 @@ constexpr int kRowsMinF32 = 32;
 // MLA (one latent row of 576 for 16 q heads) takes the many-row path from one token's 16
 // heads, decode included: on AVX-512 BF16 (bf16 q, bf16 or FP8 cache) and on AVX-512's fp32
 // kernel (16 lanes); AVX2 and generic keep the decode kernel (rows_min_mla). Measured in
-// bench/native_notes.md, "MLA on the many-row path": avx512bf16 verify-4 0.70-0.86 of the
-// roofline against 0.42-0.63, decode 0.81-0.93x the time; avx512 0.67-0.84x the time.
+// bench/native_notes.md, "MLA on the many-row path": avx512bf16 verify-4 0.66-0.76 of the
+// roofline against 0.51-0.62, decode 0.78-0.92x the time; avx512 0.67-0.84x the time.
 constexpr int kRowsMinMlaBf16 = 16;
 constexpr int kRowsMinMlaF32 = 16;
 // The amx unit (bf16 q with a bf16 or FP8 cache): from one tile's 16 rows (GQA 4 heads x a

@@ -450,3 +450,36 @@ def test_wide_cascade_tiles_equal_private_copies(
         LIB.set_isa(before)
     torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("isa", () if isinstance(LIB, str) else LIB.isa_list)
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+def test_mla_cascade_on_the_many_row_kernel_equals_private_copies(
+    isa: str, kv_dtype: str | None
+) -> None:
+    # MLA 16 heads x 160/128 in bf16, 4 decode requests sharing 8 pages: the group's 64 rows
+    # (4 x 16 heads of the one latent head) make one cascade tile, run whole by the vdpbf16ps
+    # many-row kernel (MLA takes it from 16 rows), as 32-row tiles by the fp32 kernels. Outputs
+    # and lse equal the private copies' on every ISA path, with a bf16 and an FP8 cache.
+    ps, n, shared, own = 16, 4, 8, 2
+    cfg = AttnConfig("mla", 16, 1, 160, 128, dtype="bfloat16", page_size=ps, kv_dtype=kv_dtype)
+    gen, k, _, shared_b, copies_b = shared_and_copies(n, shared, own, ps, 1, 160, seed=9)
+    k = k.squeeze(2)
+    if kv_dtype is not None:
+        k = k.to(getattr(torch, kv_dtype))
+    q = torch.randn(n, 16, 160, generator=gen).bfloat16()
+    extras = {} if kv_dtype is None else {"k_scale": 0.75}
+    before = LIB.isa
+    LIB.set_isa(isa)
+    try:
+        be = NativeBackend(cfg, num_threads=2)
+        plan_s = be.plan(shared_b)
+        plan_p = be.plan(copies_b)
+        assert (plan_s.cascade_groups, plan_p.cascade_groups) == (1, 0)
+        h = be.handler(Phase.DECODE)
+        a, la = h(q, k, None, plan_s, 160**-0.5, return_lse=True, **extras)
+        b, lb = h(q, k, None, plan_p, 160**-0.5, return_lse=True, **extras)
+    finally:
+        LIB.set_isa(before)
+    torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
