@@ -495,11 +495,8 @@ static int item_q(const NaProblem* p, const NaItem* it) {
 // The vdpbf16ps many-row kernel (rows_item_bf16): bf16 q over a bf16 or FP8 cache; fp16 /
 // fp32 caches take the fp32 many-row kernel (item_q).
 static inline bool bf16_rows_applies(const NaProblem& P, const NaItem& it) {
-  if (P.q_dtype != NA_BF16 || P.head_dim % 32 != 0 || P.v_head_dim % 32 != 0 ||
-      !(P.kv_dtype == NA_BF16 || P.kv_dtype == NA_E4M3 || P.kv_dtype == NA_E5M2)) {
-    return false;
-  }
-  return rows_path_applies(P, it);
+  return bf16_tile_dtypes(P.kv_dtype, P.q_dtype) && P.head_dim % 32 == 0 &&
+         P.v_head_dim % 32 == 0 && rows_path_applies(P, it);
 }
 #endif
 

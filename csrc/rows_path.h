@@ -1,5 +1,6 @@
 // Many-row tile path: items whose rows per kv head (q heads of one kv head x query tokens:
-// GQA verify chains and trees, prefill/extend, a cascade's shared part) are many. GEMM-shaped
+// GQA verify chains and trees, prefill/extend, a cascade's shared part; MLA, whose 16 heads
+// share each latent row, from decode on) are many. GEMM-shaped
 // instead of dot-product-shaped: the scores of a block are computed TRANSPOSED, s[key][row],
 // one vector lane per row, so
 //   - q.K^T is an outer product: q packed once per item as q^T[c][row] (rows along the
@@ -60,12 +61,16 @@ static inline int rows_min_env() {
   }();
   return v;
 }
+// bf16 q over a bf16 or FP8 cache: the dtypes the vdpbf16ps (and AMX) tiles take.
+static inline bool bf16_tile_dtypes(int kv_dtype, int q_dtype) {
+  return q_dtype == NA_BF16 &&
+         (kv_dtype == NA_BF16 || kv_dtype == NA_E4M3 || kv_dtype == NA_E5M2);
+}
 static inline int rows_min(int kv_dtype, int q_dtype) {
   if (const int v = rows_min_env()) return v;
 #ifdef NA_HAVE_AMX
   // The AMX tiles (bf16 q, bf16 or FP8 cache): from one tile's 16 rows.
-  if (q_dtype == NA_BF16 && (kv_dtype == NA_BF16 || kv_dtype == NA_E4M3 || kv_dtype == NA_E5M2))
-    return na::kRowsMinAmx;
+  if (bf16_tile_dtypes(kv_dtype, q_dtype)) return na::kRowsMinAmx;
 #endif
   (void)q_dtype;
 #ifdef NA_HAVE_BF16_PATH
@@ -87,8 +92,7 @@ static inline int rows_min_mla(int kv_dtype, int q_dtype) {
 #else
   if (const int v = rows_min_env()) return v;
 #ifdef NA_HAVE_BF16_PATH
-  if (q_dtype == NA_BF16 && (kv_dtype == NA_BF16 || kv_dtype == NA_E4M3 || kv_dtype == NA_E5M2))
-    return na::kRowsMinMlaBf16;
+  if (bf16_tile_dtypes(kv_dtype, q_dtype)) return na::kRowsMinMlaBf16;
 #endif
   (void)kv_dtype;
   (void)q_dtype;
@@ -1010,7 +1014,8 @@ __attribute__((noinline)) static int rows_item_bf16_impl(const NaProblem& P, con
       pf.plan(nkv * (4 + (f8 ? 2 * n : 0)));  // the pf.step() calls per kv head below
 #else
       const int tiles = nt / nk * (nvt >= 2 ? (nvt + 1) / 2 : 1);
-      pf.plan(nkv * (tiles * (D / 16) + ((R1 + 7) / 8) * (Dv / 32) + (f8 ? (mla ? 1 : 2) * n : 0)));
+      const int widen = f8 ? (mla ? 1 : 2) * n : 0;  // FP8: K (and V) rows widened per key
+      pf.plan(nkv * (tiles * (D / 16) + ((R1 + 7) / 8) * (Dv / 32) + widen));
 #endif
     }
     for (int gi = 0; gi < nkv; ++gi) {

@@ -435,6 +435,21 @@ def test_wide_cascade_tiles_equal_private_copies(
     if kv_dtype is not None:
         k, v = k.to(getattr(torch, kv_dtype)), v.to(getattr(torch, kv_dtype))
     q = torch.randn(n, 32, 128, generator=gen).bfloat16()
+    assert shared_equals_copies(isa, cfg, q, k, v, shared_b, copies_b, {}) == items
+
+
+def shared_equals_copies(
+    isa: str,
+    cfg: AttnConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    shared_b: AttnBatch,
+    copies_b: AttnBatch,
+    extras: dict[str, Any],
+) -> int:
+    """Decode over the shared pages (one cascade group) and over the private copies on ISA
+    path `isa`: outputs and lse must agree. Returns the shared plan's item count."""
     before = LIB.isa
     LIB.set_isa(isa)
     try:
@@ -442,14 +457,15 @@ def test_wide_cascade_tiles_equal_private_copies(
         plan_s = be.plan(shared_b)
         plan_p = be.plan(copies_b)
         assert (plan_s.cascade_groups, plan_p.cascade_groups) == (1, 0)
-        assert plan_s.num_items == items
         h = be.handler(Phase.DECODE)
-        a, la = h(q, k, v, plan_s, 128**-0.5, return_lse=True)
-        b, lb = h(q, k, v, plan_p, 128**-0.5, return_lse=True)
+        scale = cfg.head_dim**-0.5
+        a, la = h(q, k, v, plan_s, scale, return_lse=True, **extras)
+        b, lb = h(q, k, v, plan_p, scale, return_lse=True, **extras)
     finally:
         LIB.set_isa(before)
     torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
+    return int(plan_s.num_items)
 
 
 @pytest.mark.parametrize("isa", () if isinstance(LIB, str) else LIB.isa_list)
@@ -469,17 +485,4 @@ def test_mla_cascade_on_the_many_row_kernel_equals_private_copies(
         k = k.to(getattr(torch, kv_dtype))
     q = torch.randn(n, 16, 160, generator=gen).bfloat16()
     extras = {} if kv_dtype is None else {"k_scale": 0.75}
-    before = LIB.isa
-    LIB.set_isa(isa)
-    try:
-        be = NativeBackend(cfg, num_threads=2)
-        plan_s = be.plan(shared_b)
-        plan_p = be.plan(copies_b)
-        assert (plan_s.cascade_groups, plan_p.cascade_groups) == (1, 0)
-        h = be.handler(Phase.DECODE)
-        a, la = h(q, k, None, plan_s, 160**-0.5, return_lse=True, **extras)
-        b, lb = h(q, k, None, plan_p, 160**-0.5, return_lse=True, **extras)
-    finally:
-        LIB.set_isa(before)
-    torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(la, lb, atol=1e-4, rtol=1e-4)
+    shared_equals_copies(isa, cfg, q, k, None, shared_b, copies_b, extras)
