@@ -156,7 +156,21 @@ class PagedCache(Cache):
     def batch_size(self) -> int:
         return self._batch_size if self.dense_len else -1
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+        """Keep what a later ``crop`` may need (assisted generation calls this before its
+        candidates). ``recurrent_states_to_keep`` (transformers >= 5.25 passes it) counts the
+        steps of recurrent state a linear-attention layer keeps; this cache holds attention
+        layers only, which keep every key until ``crop``, so there is nothing to count."""
+        if recurrent_states_to_keep is not None and (
+            isinstance(recurrent_states_to_keep, bool)
+            or not isinstance(recurrent_states_to_keep, int)
+            or recurrent_states_to_keep < 0
+        ):
+            raise InvalidBatchError(
+                "recurrent_states_to_keep",
+                f"activate_past_recording: must be None or an int >= 0, got "
+                f"{recurrent_states_to_keep!r}",
+            )
         self.record_past = True
 
     def is_recording_past(self, layer_idx: int) -> bool:

@@ -163,6 +163,21 @@ def test_select_and_repeat_rows(dtype: str, kv_dtype: str | None) -> None:
         assert sorted(held + group.free) == list(range(group.fresh))
 
 
+def test_past_recording_takes_the_recurrent_state_count_of_newer_transformers() -> None:
+    # transformers >= 5.25 passes recurrent_states_to_keep (for linear-attention layers; this
+    # cache holds none): taken as a count, refused when it is not one, with nothing changed.
+    _, cache, _, _ = prefilled("float32", None, [3])
+    for bad in (-1, "3", True, 2.0):
+        with pytest.raises(InvalidBatchError, match="recurrent_states_to_keep") as info:
+            cache.activate_past_recording(recurrent_states_to_keep=bad)
+        assert info.value.field == "recurrent_states_to_keep"
+        assert not cache.record_past and not cache.is_recording_past(0)
+    cache.activate_past_recording(recurrent_states_to_keep=3)
+    assert cache.is_recording_past(0)
+    if hasattr(cache, "get_recurrent_states_to_keep"):  # transformers >= 5.25's Cache
+        assert cache.get_recurrent_states_to_keep() == 0  # no recurrent layers
+
+
 @pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES)
 def test_crop_rolls_back_a_verify_step_exactly(dtype: str, kv_dtype: str | None) -> None:
     model, cache, _, mask = prefilled(dtype, kv_dtype, [7, 4])
