@@ -161,6 +161,21 @@ static inline bool use_vbmi() {
 // two vpermi2b lookups (7-bit magnitude index into 128-byte tables) give each bf16's low and
 // high byte, the sign is ORed into the high byte, and the unpacks interleave them into 2 x 32
 // words: 7 ops per 64 values, against 2 x 6 for ld_bh's word lookups. Same tables: exact.
+// unpacklo of 128-bit lane L takes bytes 16L..16L+7, unpackhi bytes 16L+8..16L+15: the vpermb
+// index that puts codes 8L..8L+7 at the former and 32+8L..32+8L+7 at the latter.
+struct VbmiOrder {
+  alignas(64) uint8_t idx[64];
+  constexpr VbmiOrder() : idx() {
+    for (int L = 0; L < 4; ++L) {
+      for (int j = 0; j < 8; ++j) {
+        idx[16 * L + j] = uint8_t(8 * L + j);
+        idx[16 * L + 8 + j] = uint8_t(32 + 8 * L + j);
+      }
+    }
+  }
+};
+inline constexpr VbmiOrder kVbmiOrder{};
+
 template <typename F8>
 __attribute__((target("avx512vbmi"), noinline)) static void fp8_row_to_bf16_vbmi(uint16_t* dst,
                                                                                    const F8* src,
@@ -169,16 +184,7 @@ __attribute__((target("avx512vbmi"), noinline)) static void fp8_row_to_bf16_vbmi
   const __m512i lo1 = _mm512_load_si512(kFp8Bytes<F8>.lo + 64);
   const __m512i hi0 = _mm512_load_si512(kFp8Bytes<F8>.hi);
   const __m512i hi1 = _mm512_load_si512(kFp8Bytes<F8>.hi + 64);
-  // unpacklo of 128-bit lane L takes bytes 16L..16L+7, unpackhi bytes 16L+8..16L+15: put
-  // codes 8L..8L+7 at the former and 32+8L..32+8L+7 at the latter.
-  alignas(64) uint8_t order[64];
-  for (int L = 0; L < 4; ++L) {
-    for (int j = 0; j < 8; ++j) {
-      order[16 * L + j] = uint8_t(8 * L + j);
-      order[16 * L + 8 + j] = uint8_t(32 + 8 * L + j);
-    }
-  }
-  const __m512i perm = _mm512_load_si512(order);
+  const __m512i perm = _mm512_load_si512(kVbmiOrder.idx);
   const __m512i sign = _mm512_set1_epi8(char(0x80));
   int c = 0;
   for (; c + 64 <= n; c += 64) {

@@ -161,16 +161,13 @@ class PagedCache(Cache):
         candidates). ``recurrent_states_to_keep`` (transformers >= 5.25 passes it) counts the
         steps of recurrent state a linear-attention layer keeps; this cache holds attention
         layers only, which keep every key until ``crop``, so there is nothing to count."""
-        if recurrent_states_to_keep is not None and (
-            isinstance(recurrent_states_to_keep, bool)
-            or not isinstance(recurrent_states_to_keep, int)
-            or recurrent_states_to_keep < 0
-        ):
-            raise InvalidBatchError(
-                "recurrent_states_to_keep",
-                f"activate_past_recording: must be None or an int >= 0, got "
-                f"{recurrent_states_to_keep!r}",
-            )
+        if recurrent_states_to_keep is not None:
+            n = _index(recurrent_states_to_keep, "recurrent_states_to_keep")
+            if n < 0:
+                raise InvalidBatchError(
+                    "recurrent_states_to_keep",
+                    f"activate_past_recording: must be None or an int >= 0, got {n!r}",
+                )
         self.record_past = True
 
     def is_recording_past(self, layer_idx: int) -> bool:
