@@ -156,11 +156,22 @@ class PagedCache(Cache):
     def batch_size(self) -> int:
         return self._batch_size if self.dense_len else -1
 
-    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+    def activate_past_recording(
+        self, recurrent_states_to_keep: int | None = None, **kwargs: Any
+    ) -> None:
         """Keep what a later ``crop`` may need (assisted generation calls this before its
         candidates). ``recurrent_states_to_keep`` (transformers >= 5.25 passes it) counts the
         steps of recurrent state a linear-attention layer keeps; this cache holds attention
-        layers only, which keep every key until ``crop``, so there is nothing to count."""
+        layers only, which keep every key until ``crop``, so there is nothing to count. Any
+        other keyword (transformers' ``Cache`` takes ``**kwargs`` and passes them on to its
+        layers) is refused: this cache would not know what it asks for."""
+        if kwargs:
+            raise UnsupportedModelError(
+                f"activate_past_recording: this cache takes recurrent_states_to_keep only, "
+                f"got {sorted(kwargs)!r} as well: a transformers newer than this release asks "
+                "for something the paged cache does not record; pin transformers to a release "
+                "this version of attn_dispatch was tested with, or upgrade attn_dispatch"
+            )
         if recurrent_states_to_keep is not None:
             n = _index(recurrent_states_to_keep, "recurrent_states_to_keep")
             if n < 0:

@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from attn_dispatch import InvalidBatchError  # noqa: E402
+from attn_dispatch import UnsupportedModelError  # noqa: E402
 from attn_dispatch.integrations.transformers import FP8_MAX  # noqa: E402
 from attn_dispatch.integrations.transformers import PagedCache  # noqa: E402
 from attn_dispatch.integrations.transformers import layer_groups  # noqa: E402
@@ -176,6 +177,16 @@ def test_past_recording_takes_the_recurrent_state_count_of_newer_transformers() 
     assert cache.is_recording_past(0)
     if hasattr(cache, "get_recurrent_states_to_keep"):  # transformers >= 5.25's Cache
         assert cache.get_recurrent_states_to_keep() == 0  # no recurrent layers
+
+
+def test_past_recording_refuses_keywords_it_does_not_know() -> None:
+    # transformers' Cache.activate_past_recording takes **kwargs and passes them on to its
+    # layers: a keyword this cache does not record is refused, naming it, with nothing changed.
+    _, cache, _, _ = prefilled("float32", None, [3])
+    with pytest.raises(UnsupportedModelError, match="'conv_states_to_keep'") as info:
+        cache.activate_past_recording(recurrent_states_to_keep=1, conv_states_to_keep=2)
+    assert isinstance(info.value, ValueError)
+    assert not cache.record_past and not cache.is_recording_past(0)
 
 
 @pytest.mark.parametrize(("dtype", "kv_dtype"), DTYPES)
