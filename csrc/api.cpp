@@ -364,6 +364,13 @@ int na_run(uint64_t runner, uint64_t plan_id, const NaRunArgs* a) {
   p.scratch_rows = plan->scratch_rows;
   p.lse = lse;
   p.ctoks = plan->ctoks.data();
+  {
+    const int64_t elem = c.kv_dtype == NA_F32 ? 4 : (fp8 ? 1 : 2);
+    const int64_t row = mla ? int64_t(c.head_dim) * elem
+                            : int64_t(c.num_kv_heads) * (c.head_dim + c.v_head_dim) * elem;
+    // kv_keys <= 2^31 * requests, row < 2^31: compared by division, no product to overflow
+    p.lean_prefetch = plan->kv_keys <= na::kLeanPrefetchBytes / row ? 1 : 0;
+  }
   if (!plan->merges.empty()) {
     try {
       const size_t need = size_t(plan->scratch_rows) * (size_t(c.v_head_dim) + 1);

@@ -27,6 +27,7 @@ struct NaPlan {
   std::vector<NaMerge> merges;
   std::vector<int32_t> ctoks;  // cascade tokens: (request, query index) pairs, by group
   int64_t cascade_groups = 0, cascade_requests = 0, cascade_keys = 0;
+  int64_t kv_keys = 0;  // the requests' keys (sum of lens): a call's K/V bytes per key row
 };
 
 namespace na {

@@ -51,10 +51,19 @@ typedef struct {
   int64_t scratch_rows;
   float* lse;            // NULL, or [T, Hq] natural-log sums of the rows (sinks included)
   const int32_t* ctoks;  // cascade tokens: (request, query index) pairs
+  // 1: the call's K/V is small enough to be in cache (na::kLeanPrefetchBytes): the prefetch
+  // cursor takes its lean step (tile.h, PfCursor).
+  int32_t lean_prefetch;
 } NaProblem;
 
 namespace na {
 
+// A call whose K/V (every request's keys, K and V rows of every kv head) is at most this many
+// bytes may be served from cache, where the prefetch cursor's per-line bookkeeping is what
+// costs (PfCursor's lean step: the vLLM tiny model's decode, 655 KB a layer, 0.80-0.91x the
+// time); a larger one streams from DRAM, where the paced step measured faster (2 threads:
+// lean was 1.02-1.07x the time of GQA decode at 67-268 MB). Half a 16 MB L3 slice.
+constexpr int64_t kLeanPrefetchBytes = int64_t(8) << 20;
 // Keys per block: the softmax statistics are updated once per block.
 constexpr int kBlockKeys = 32;
 // Rows (query tokens x heads) per work item: bounds the per-thread accumulator to

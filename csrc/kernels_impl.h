@@ -175,6 +175,7 @@ static int fused_item(const NaProblem& P, const NaItem& it) {
   // The first blocks, which the in-loop prefetch (pf_ahead blocks ahead) never covers: at
   // once, as nothing else can run before them.
   PfCursor pf;
+  pf.set_lean(P.lean_prefetch != 0);
   pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + pf_ahead * BK), kpf, vpf, kstride,
                 vstride, klines, vlines);
   pf.flush();

@@ -38,6 +38,7 @@ int validate(NaPlan& P, const int32_t* qo, const int32_t* kvp, const int32_t* id
     if ((kv_len + ps - 1) / ps > n_pages) return fail(err, NA_E_KV_LENS, i, kv_len, n_pages);
     if (decode && q_len != 1) return fail(err, NA_E_DECODE_QLEN, i, q_len);
     mask_total += q_len * kv_len;
+    P.kv_keys += kv_len;
   }
   if (mask != nullptr && mask_total != mask_len) {
     return fail(err, NA_E_MASK, -1, mask_len, mask_total);

@@ -532,6 +532,7 @@ static int rows_item(const NaProblem& P, const NaItem& it) {
   for (int t = 0; t < BK; ++t) vr[t] = vb + size_t(t) * Dv;
   const int nvt = Rp / W;
   PfCursor pf;
+  pf.set_lean(P.lean_prefetch != 0);
   pf.queue_rows(T, it.k0, std::min(it.k1, it.k0 + BK), kpf, vpf, kstride, vstride, klines,
                 vlines);
   pf.flush();

@@ -136,7 +136,7 @@ struct PfCursor {
   const char* rows[2 * BK];
   int len[2 * BK];
   int nrows = 0, row = 0, line = 0, quota = 1;
-  bool paced = false;
+  bool lean = false, paced = true;
   // The next line to issue (of entry row) and the end of that entry, kept by add and step.
   const char* cur = nullptr;
   const char* end = nullptr;
@@ -167,17 +167,24 @@ struct PfCursor {
     int total = 0;
     for (int i = 0; i < nrows; ++i) total += len[i];
     quota = std::max(1, (total + calls - 1) / std::max(1, calls));
-    paced = quota > kPfBurst;
+    paced = !lean || quota > kPfBurst;
+  }
+  // Before the first queue_rows: whether this call may take the lean step (NaProblem's
+  // lean_prefetch: its K/V small enough to be in cache).
+  void set_lean(bool l) {
+    lean = l;
+    paced = !l;
   }
   // Inlined into the tile loops (out of line it was a call per score tile and value chunk).
   // The same lines in the same order either way:
-  // - lean (quota <= kPfBurst): one pointer walks the current entry, a prefetch, an add and a
-  //   compare per line. The per-line counters below cost ~11 instructions a line, and the
+  // - lean (a call whose K/V may be in cache, na::kLeanPrefetchBytes, and quota <=
+  //   kPfBurst): one pointer walks the current entry, a prefetch, an add and a compare per
+  //   line. The per-line counters below cost ~11 instructions a line, and the
   //   decode kernel with its K/V in L2 or L3 spent ~20% of its samples there (perf, the vLLM
   //   tiny model's shape: quota 13); lean, that shape's decode takes 0.80-0.91x the time.
-  // - paced (quota > kPfBurst: MHA decode, one row per kv head, 22 lines a step): the
-  //   counters' instructions space the prefetches out. Issued back to back, 22 lines that
-  //   miss L2 made MHA decode from DRAM 1.15-1.25x slower on one thread (AMD EPYC Zen 5).
+  // - paced (the rest): the counters' instructions space the prefetches out. Issued back to
+  //   back, lines that miss L2 made decode from DRAM slower: MHA (22 lines a step) 1.15-1.25x
+  //   on one thread, GQA 32/8 (8 lines a step) 1.02-1.07x on two (AMD EPYC Zen 5).
   // plan() picks the mode right after queue_rows (nothing issued yet), so the two positions
   // (row and line, cur and end) agree whenever the mode changes.
   __attribute__((always_inline)) void step() {

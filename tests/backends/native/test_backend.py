@@ -264,6 +264,44 @@ def test_decode_tiles_for_every_group_size(isa: str, shape: str) -> None:
         LIB.set_isa(before)
 
 
+# The prefetch cursor's modes (csrc/tile.h, PfCursor): lean for a call whose K/V fit in
+# na::kLeanPrefetchBytes (8 MiB) and whose steps issue few lines, paced for the rest (more
+# than 16 lines a step: MHA at head dim 128; or K/V past the bound).
+LEAN_PREFETCH_BYTES = 8 << 20
+PREFETCH_MODE_CASES = {
+    "lean": ("mha", 8, 2, 64, [1] * 4, [33, 70, 300, 5]),
+    "paced-by-lines": ("mha", 8, 8, 128, [1] * 4, [33, 70, 300, 5]),
+    "paced-by-bytes": ("mha", 16, 8, 128, [1, 1], [1100, 1000]),
+    "verify-paced-by-bytes": ("mha", 16, 8, 128, [3, 3], [1100, 1000]),
+}
+
+
+@needs_lib
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("mode", PREFETCH_MODE_CASES)
+def test_prefetch_cursor_modes_give_the_oracles_numbers(isa: str, mode: str) -> None:
+    """Both prefetch cursor modes, on every ISA path, 1 and 2 threads: the oracle's numbers.
+    The cursor only issues prefetches, so a wrong mode costs time, never a result; a step that
+    walked its queue wrongly would show here as a crash or a call that never returns."""
+    assert not isinstance(LIB, str)
+    kind, hq, hkv, d, q_lens, kv_lens = PREFETCH_MODE_CASES[mode]
+    kv_bytes = sum(kv_lens) * hkv * 2 * d * 2  # bf16 K and V rows
+    assert (kv_bytes > LEAN_PREFETCH_BYTES) == mode.endswith("by-bytes")
+    phase = Phase.VERIFY if mode.startswith("verify") else Phase.DECODE
+    case = make_case(
+        kind, phase, q_lens=q_lens, kv_lens=kv_lens, page_size=16, hq=hq, hkv=hkv, d=d, dv=d,
+        dtype=torch.bfloat16, kv_dtype=torch.bfloat16, seed=hkv + d,
+    )  # fmt: skip
+    before = LIB.isa
+    LIB.set_isa(isa)
+    try:
+        want = naive(case)
+        for threads in (1, 2):
+            assert_close(run_native(case, num_threads=threads), want)
+    finally:
+        LIB.set_isa(before)
+
+
 @needs_lib
 @pytest.mark.parametrize("page_size", [1, 3, 64])
 def test_page_sizes(page_size: int) -> None:
