@@ -213,37 +213,48 @@ static inline void fp8_row_to_bf16(uint16_t* dst, const F8* src, int n) {
   }
 }
 
-struct Reduce16Index {
-  __m512i a[4], b[4];
-  Reduce16Index() {
-    // Level i merges vectors holding 16/w groups of w lanes into ones holding 32/w groups
-    // of w/2 lanes: lane j takes (first half + second half) of its source group.
-    for (int level = 0, w = 16; level < 4; ++level, w /= 2) {
-      alignas(64) int32_t ia[16], ib[16];
-      const int k = 16 / w, half = w / 2;
-      for (int j = 0; j < 16; ++j) {
-        const int g = j / half, within = j % half;
-        const int src = g < k ? 0 : 16;
-        ia[j] = src + (g % k) * w + within;
-        ib[j] = ia[j] + half;
-      }
-      a[level] = _mm512_load_si512(ia);
-      b[level] = _mm512_load_si512(ib);
-    }
-  }
+// reduce16's lane indices: level L merges vectors holding 16/w groups of w lanes (w = 16 >> L)
+// into ones holding 32/w groups of w/2 lanes; lane j takes (first half + second half, the
+// latter at +half: hi = 1) of its source group, from x (< 16) or y (>= 16).
+constexpr int reduce16_lane(int level, int j, int hi) {
+  const int w = 16 >> level, k = 16 / w, half = w / 2, g = j / half;
+  return (g < k ? 0 : 16) + (g % k) * w + j % half + hi * half;
+}
+struct Reduce16Lanes {
+  int32_t a[4][16], b[4][16];
 };
-
-// Lane i of the result is the sum of the lanes of v[i].
-static inline __m512 reduce16(__m512* v) {
-  static const Reduce16Index idx;
-  int n = 16;
-  for (int level = 0; level < 4; ++level, n /= 2) {
-    for (int i = 0; i < n / 2; ++i) {
-      const __m512 x = v[2 * i], y = v[2 * i + 1];
-      v[i] = _mm512_add_ps(_mm512_permutex2var_ps(x, idx.a[level], y),
-                           _mm512_permutex2var_ps(x, idx.b[level], y));
+constexpr Reduce16Lanes reduce16_lanes() {
+  Reduce16Lanes t{};
+  for (int level = 0; level < 4; ++level) {
+    for (int j = 0; j < 16; ++j) {
+      t.a[level][j] = reduce16_lane(level, j, 0);
+      t.b[level][j] = reduce16_lane(level, j, 1);
     }
   }
+  return t;
+}
+alignas(64) static constexpr Reduce16Lanes kReduce16 = reduce16_lanes();
+static_assert(kReduce16.a[0][8] == 16 && kReduce16.b[3][15] == 31, "reduce16 lanes");
+template <int L>
+__attribute__((always_inline)) static inline void reduce16_level(__m512* v) {
+  const __m512i ia = _mm512_load_si512(kReduce16.a[L]);
+  const __m512i ib = _mm512_load_si512(kReduce16.b[L]);
+  for (int i = 0; i < (8 >> L); ++i) {
+    const __m512 x = v[2 * i], y = v[2 * i + 1];
+    v[i] = _mm512_add_ps(_mm512_permutex2var_ps(x, ia, y), _mm512_permutex2var_ps(x, ib, y));
+  }
+}
+
+// Lane i of the result is the sum of the lanes of v[i]. Indices are compile-time constants
+// and every loop has a constant count, so a caller's v[16] stays in registers. (Built once
+// into a function-local static, the indices cost a guard check per call, and the score
+// tiles' 16 accumulators went through the stack: a reload after the tile loop held ~9% of
+// the tiny-shape decode's samples.)
+__attribute__((always_inline)) static inline __m512 reduce16(__m512* v) {
+  reduce16_level<0>(v);
+  reduce16_level<1>(v);
+  reduce16_level<2>(v);
+  reduce16_level<3>(v);
   return v[0];
 }
 
