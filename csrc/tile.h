@@ -221,9 +221,8 @@ struct PfCursor {
     flush();
     reset();
     // Per page run, its K rows then its V rows (each tensor in address order), so that
-    // adjacent rows merge into one entry (add).
-    // Rows that follow each other in memory (the tile holds every head of the token) are
-    // one entry of the run's lines: what add's merging makes of them, without a call per row.
+    // adjacent rows merge into one entry (add). Where they follow each other in memory (the
+    // tile holds every head of the token) the run is added as that one entry at once.
     const bool kdense = kstride * int64_t(sizeof(KT)) == 64 * int64_t(klines);
     const bool vdense = vstride * int64_t(sizeof(KT)) == 64 * int64_t(vlines);
     for_page_runs(T, pos0, pos1, [&](int, int64_t s0, int run) {
