@@ -1,7 +1,7 @@
 """The vLLM plugin's own per-step work, without an engine (issue 47, item 2).
 
     PYTHONPATH=$PWD .venv-vllm/bin/python bench/vllm_step_cost.py [--reps 15] [--pieces]
-        [--handler] [--contiguous-q] [--kv 150] [--quick]
+        [--sections] [--handler] [--contiguous-q] [--kv 150] [--quick]
 
 vLLM's classes as the engine drives them, on hand-made steps: ``AttnDispatchCPUBuilder.build``
 once per step, then for each of 4 layers ``AttnDispatchCPUImpl.do_kv_cache_update`` and
@@ -16,6 +16,11 @@ prebuilt arguments for the same plans (one call per layer), subtracted from the 
 ``plugin`` is the plugin's own work (Python and torch ops around the kernels).
 
 ``--pieces``: per-piece figures (one layer's forward, KV write, build, plan, the kernel).
+``--sections``: the decode step split by section, each timed inside the step (the build;
+the 4 KV writes; the 4 output buffers; the first layer's forward, which plans and makes
+the scope; the other 3 forwards): a piece costs more there than in a tight loop, as the
+kernels between the pieces evict the interpreter's working set. Each section's clock reads
+add ~0.3 us to it.
 ``--handler``: the native handler called alone outside vLLM, the way a binding's call
 reaches it (its core-checked variant, ``out=``), minus ``na_run`` alone, per call.
 The load (``/proc/loadavg``) is printed with the figures: compare old and new code in
@@ -73,6 +78,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--kv", type=int, default=150)
     ap.add_argument("--pieces", action="store_true")
+    ap.add_argument("--sections", action="store_true")
     ap.add_argument("--handler", action="store_true")
     ap.add_argument("--contiguous-q", action="store_true")
     ap.add_argument("--no-prefill", action="store_true")
@@ -235,6 +241,43 @@ def main() -> None:
         print(f"plan                   {plan_us:7.2f} us")
         print(f"kv_rows                {rows_us:7.2f} us")
         fc._forward_context = None
+    if args.sections:
+        tt = time.thread_time_ns
+        acc = dict.fromkeys(("build", "kv writes", "buffers", "forward 1", "forwards 2-4"), 0)
+
+        def step_sections() -> None:
+            t0 = tt()
+            md = builder.build(0, cm)
+            acc["build"] += tt() - t0
+            fc._forward_context = SimpleNamespace(attn_metadata={x.layer_name: md for x in layers})
+            for i, (impl, layer, cache) in enumerate(zip(impls, layers, caches, strict=True)):
+                a = tt()
+                impl.do_kv_cache_update(layer, k, v, cache, cm.slot_mapping)
+                b = tt()
+                out = torch.empty(q.shape[0], QH, D, dtype=torch.bfloat16)
+                c = tt()
+                impl.forward(layer, q, k, v, cache, md, out)
+                e = tt()
+                acc["kv writes"] += b - a
+                acc["buffers"] += c - b
+                acc["forward 1" if i == 0 else "forwards 2-4"] += e - c
+            fc._forward_context = None
+
+        n = 5 if args.quick else 300
+        for _ in range(n):
+            step_sections()
+        rounds = []
+        for _ in range(args.reps):
+            acc.update(dict.fromkeys(acc, 0))
+            t0 = tt()
+            for _ in range(n):
+                step_sections()
+            rounds.append(((tt() - t0) / n / 1e3, {key: t / n / 1e3 for key, t in acc.items()}))
+        total, parts = min(rounds, key=lambda r: r[0])
+        print(f"decode step by section (best of {args.reps} x {n} steps), us:")
+        print(f"step (clock reads included)  {total:7.1f}")
+        for key, t in parts.items():
+            print(f"{key:28s} {t:7.1f}")
     if args.handler:
         # The native handler alone, as a binding's call with out= reaches it.
         d = impls[0].dispatch

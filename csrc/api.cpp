@@ -165,6 +165,15 @@ bool kv_write_fits(const NaKvWriteArgs& a) {
   return true;
 }
 
+// Element i of a 1-D integer tensor (int32 or int64, checked by the caller) at a stride.
+inline int64_t step_value(const void* data, int32_t dtype, int64_t offset) {
+  return dtype == 0 ? int64_t(static_cast<const int32_t*>(data)[offset])
+                    : static_cast<const int64_t*>(data)[offset];
+}
+
+constexpr int64_t kStepInt32Max = 2147483647;
+constexpr int64_t kStepMaxBlockId = int64_t(1) << 30;  // pages 2b and 2b + 1 stay int32
+
 // One token's [H, D] rows from a tensor at the given strides into a contiguous row.
 void copy_token_row(unsigned char* dst, const unsigned char* src, const int64_t* stride,
                     int64_t H, int64_t D, size_t elem) {
@@ -201,6 +210,8 @@ int64_t na_struct_size(const char* name) {
   if (std::strcmp(name, "NaPlanArgs") == 0) return int64_t(sizeof(NaPlanArgs));
   if (std::strcmp(name, "NaRunArgs") == 0) return int64_t(sizeof(NaRunArgs));
   if (std::strcmp(name, "NaKvWriteArgs") == 0) return int64_t(sizeof(NaKvWriteArgs));
+  if (std::strcmp(name, "NaStepArgs") == 0) return int64_t(sizeof(NaStepArgs));
+  if (std::strcmp(name, "NaStepInfo") == 0) return int64_t(sizeof(NaStepInfo));
   return -1;
 }
 
@@ -386,6 +397,71 @@ int na_run(uint64_t runner, uint64_t plan_id, const NaRunArgs* a) {
   if (items != 0) return items;
   return na::parallel_items(num_threads, int(plan->merges.size()),
                             [&](int i) { return kern->merge(&p, &plan->merges[i]); });
+}
+
+int na_step_index(const NaStepArgs* a, NaStepInfo* info) {
+  if (a == nullptr || info == nullptr || a->host != 1) return NA_BAD_ARGS;
+  for (const int32_t dt : {a->qsl_dtype, a->seq_dtype, a->bt_dtype}) {
+    if (dt != 0 && dt != 1) return NA_BAD_ARGS;
+  }
+  const int64_t R = a->qsl_numel - 1, bs = a->block_size;
+  const int64_t rows = a->bt_shape[0], cols = a->bt_shape[1];
+  // R < 2^30: the offsets and out_used below cannot overflow.
+  if (R < 0 || R >= kStepMaxBlockId || a->seq_numel != R || bs < 1 || rows < R || cols < 0 ||
+      a->qsl_stride < 0 || a->seq_stride < 0 || a->bt_stride[0] < 0 || a->bt_stride[1] < 0 ||
+      a->query_start_loc == nullptr || (R > 0 && a->seq_lens == nullptr) ||
+      a->out_capacity < 0 || (a->out_capacity > 0 && a->out == nullptr)) {
+    return NA_BAD_ARGS;
+  }
+  // Pass 1: the lengths, each read once and checked; written into out when it holds them
+  // (a short buffer still learns out_used). Pass 2 reads the blocks from those values.
+  const bool write = a->out_capacity >= 3 * R + 2;
+  int32_t* qo = a->out;
+  int32_t* kvp = write ? qo + (R + 1) : nullptr;
+  int32_t* lens = write ? kvp + (R + 1) : nullptr;
+  const int64_t first = step_value(a->query_start_loc, a->qsl_dtype, 0);
+  if (first < 0) return NA_BAD_ARGS;
+  int64_t prev = first, min_q = R > 0 ? kStepInt32Max : 0, max_q = 0, max_kv = 0;
+  int64_t min_cached = R > 0 ? kStepInt32Max : 0, pages = 0;
+  if (write) qo[0] = kvp[0] = 0;
+  for (int64_t i = 0; i < R; ++i) {
+    const int64_t next = step_value(a->query_start_loc, a->qsl_dtype, (i + 1) * a->qsl_stride);
+    const int64_t kv = step_value(a->seq_lens, a->seq_dtype, i * a->seq_stride);
+    // Both offsets >= 0, so next - prev cannot overflow; kv >= q >= 0 follows.
+    if (next < prev || next - first > kStepInt32Max) return NA_BAD_ARGS;
+    const int64_t q = next - prev;
+    if (kv < q || kv > kStepInt32Max) return NA_BAD_ARGS;
+    const int64_t need = q > 0 ? kv / bs + (kv % bs != 0 ? 1 : 0) : 0;
+    if (need > cols) return NA_BAD_ARGS;
+    pages += need;  // need <= kv < 2^31 and pages < 2^31 before: no overflow
+    if (pages > kStepInt32Max) return NA_BAD_ARGS;
+    if (q < min_q) min_q = q;
+    if (q > max_q) max_q = q;
+    if (kv > max_kv) max_kv = kv;
+    if (kv - q < min_cached) min_cached = kv - q;
+    if (write) {
+      qo[i + 1] = int32_t(next - first);
+      kvp[i + 1] = int32_t(pages);
+      lens[i] = int32_t(kv);
+    }
+    prev = next;
+  }
+  if (pages > 0 && a->block_table == nullptr) return NA_BAD_ARGS;
+  *info = NaStepInfo{R, first, prev - first, min_q, max_q, max_kv, min_cached, pages,
+                     3 * R + 2 + pages};
+  if (a->out_capacity < info->out_used) return NA_SHORT_BUFFER;
+  // Pass 2: each request's blocks (kvp, written above from checked values), ids checked.
+  int32_t* idx = lens + R;
+  const int64_t esize = a->bt_dtype == 0 ? 4 : 8;
+  for (int64_t i = 0; i < R; ++i) {
+    const char* row = static_cast<const char*>(a->block_table) + esize * (i * a->bt_stride[0]);
+    for (int64_t c = kvp[i]; c < kvp[i + 1]; ++c) {
+      const int64_t b = step_value(row, a->bt_dtype, (c - kvp[i]) * a->bt_stride[1]);
+      if (b < 0 || b >= kStepMaxBlockId) return NA_BAD_ARGS;
+      idx[c] = int32_t(2 * b);
+    }
+  }
+  return NA_OK;
 }
 
 int na_kv_write(const NaKvWriteArgs* a, int64_t* bad_slot) {

@@ -21,7 +21,7 @@
 // The one definition of the ABI version: na_abi_version() returns it; Python reads it from the
 // library (never a second literal) and checks each struct it mirrors with na_struct_size.
 // Bump it with any change to a struct, an entry point's arguments or their meaning.
-#define NA_ABI_VERSION 10
+#define NA_ABI_VERSION 11
 
 #ifdef __cplusplus
 extern "C" {
@@ -155,6 +155,44 @@ typedef struct {
   int32_t reserved2;
 } NaKvWriteArgs;
 
+// One serving step's batch index arrays (na_step_index), from the engine's own tensors as
+// vLLM hands them: request i's query rows are query_start_loc[i] .. query_start_loc[i+1],
+// it holds seq_lens[i] tokens (cached and new), in blocks block_table[i][0 ..] of block_size
+// tokens. Each tensor is described as torch holds it (data, shape and strides in elements,
+// dtype code: 0 int32, 1 int64; any other is refused):
+//   query_start_loc [R + 1] (R >= 0), seq_lens [R], block_table [rows >= R, cols].
+// A step is taken only when every rule holds (else NA_BAD_ARGS and nothing is said about
+// why: the caller's own checks name the problem):
+//   query_start_loc[0] >= 0 and never decreasing; seq_lens[i] >= its query length;
+//   a request with a query token reads need = ceil(seq_lens[i] / block_size) <= cols blocks,
+//   each id in [0, 2^30) (its pages 2b and 2b + 1 stay int32); one without reads none;
+//   every value of the arrays below fits int32.
+// out (int32, out_capacity elements) receives, for all R requests, qo_indptr [R + 1] (query
+// offsets from 0) | kv_indptr [R + 1] (running sum of the blocks read) | kv_lens [R] |
+// kv_indices [num_pages] (2 * block id: the K page of each block read, V the next page);
+// out_used = 3R + 2 + num_pages. A buffer shorter than that gets NA_SHORT_BUFFER with
+// out_used filled and nothing else promised: call again with that many.
+typedef struct {
+  const void* query_start_loc;
+  const void* seq_lens;
+  const void* block_table;
+  int32_t* out;
+  int64_t qsl_numel, qsl_stride;
+  int64_t seq_numel, seq_stride;
+  int64_t bt_shape[2], bt_stride[2];
+  int64_t block_size, out_capacity;
+  int32_t qsl_dtype, seq_dtype, bt_dtype;  // 0: int32, 1: int64; -1: another
+  int32_t host;                            // 1: the three tensors are host (CPU) memory
+} NaStepArgs;
+
+// What na_step_index found: the first query row (query_start_loc[0]), the query rows in all
+// (query_start_loc[R] - query_start_loc[0]), the shortest and longest query, the longest
+// sequence, the smallest seq_lens[i] - query length (0 without requests), the blocks read.
+typedef struct {
+  int64_t num_requests, first_token, num_tokens, min_q, max_q, max_kv, min_cached;
+  int64_t num_pages, out_used;
+} NaStepInfo;
+
 // Return codes of the entry points below (listed once, like NA_ERROR_FIELDS; Python's
 // NaStatus is compared with na_codes() at load).
 #define NA_RETURN_CODES(X)                                                                   \
@@ -165,7 +203,8 @@ typedef struct {
   X(NA_FOREIGN_PLAN, -4)   /* a live plan of another runner */                               \
   X(NA_UNKNOWN_RUNNER, -5) /* never created, or freed */                                     \
   X(NA_BAD_CONFIG, -6)     /* na_runner_create: the config is refused */                     \
-  X(NA_BAD_THREADS, -7)    /* na_run: num_threads < 1 */
+  X(NA_BAD_THREADS, -7)    /* na_run: num_threads < 1 */                                    \
+  X(NA_SHORT_BUFFER, -8)   /* na_step_index: out holds fewer than out_used elements */
 enum { NA_RETURN_CODES(NA_ENUM_ITEM_) };
 
 // A runner: one backend object's config, kept by the library. *runner receives its id.
@@ -192,6 +231,11 @@ NA_API int na_run(uint64_t runner, uint64_t plan, const NaRunArgs* args);
 // host, page_step).
 NA_API int na_kv_write(const NaKvWriteArgs* args, int64_t* bad_slot);
 
+// One step's batch index arrays (NaStepArgs): NA_OK with out and *info filled,
+// NA_SHORT_BUFFER (info->out_used says how many elements out needs), or NA_BAD_ARGS (a rule
+// above broken; nothing promised about out or *info).
+NA_API int na_step_index(const NaStepArgs* args, NaStepInfo* info);
+
 // Instruction-set path: name of the one in use, and forcing one ("generic", "avx2",
 // "avx512", "avx512bf16"); returns 0 when set, -1 when this CPU/build lacks it.
 NA_API const char* na_isa(void);
@@ -199,7 +243,7 @@ NA_API int na_set_isa(const char* name);
 NA_API const char* na_isa_list(void);  // comma-separated paths this CPU and build can run
 NA_API int32_t na_abi_version(void);  // NA_ABI_VERSION
 // sizeof the named struct of this header ("NaConfig", "NaError", "NaPlanInfo", "NaPlanArgs",
-// "NaRunArgs", "NaKvWriteArgs"); -1 for a name
+// "NaRunArgs", "NaKvWriteArgs", "NaStepArgs", "NaStepInfo"); -1 for a name
 // this library does not have. The Python mirror refuses a library whose sizes differ from its.
 NA_API int64_t na_struct_size(const char* name);
 // Every code of NA_RETURN_CODES and NA_ERROR_FIELDS as "NAME=value" pairs joined by commas,

@@ -128,6 +128,31 @@ class NaKvWriteArgs(ctypes.Structure):
     ]
 
 
+class NaStepArgs(ctypes.Structure):
+    """One serving step's tensors for ``na_step_index`` (csrc/native_attn.h): vLLM's query
+    offsets, sequence lengths and block table, each described as torch holds it."""
+
+    _fields_ = [
+        *((n, ctypes.c_void_p) for n in ("query_start_loc", "seq_lens", "block_table", "out")),
+        *((n, ctypes.c_int64) for n in ("qsl_numel", "qsl_stride", "seq_numel", "seq_stride")),
+        *_described("bt", 2),
+        *((n, ctypes.c_int64) for n in ("block_size", "out_capacity")),
+        *((n, ctypes.c_int32) for n in ("qsl_dtype", "seq_dtype", "bt_dtype", "host")),
+    ]
+
+
+class NaStepInfo(ctypes.Structure):
+    """What ``na_step_index`` found in a step (csrc/native_attn.h)."""
+
+    _fields_ = [
+        (n, ctypes.c_int64)
+        for n in (
+            "num_requests", "first_token", "num_tokens", "min_q", "max_q", "max_kv",
+            "min_cached", "num_pages", "out_used",
+        )
+    ]  # fmt: skip
+
+
 def _packed(struct_type: type[ctypes.Structure]) -> _struct.Struct:
     """A ``struct.Struct`` with ``struct_type``'s C layout (native alignment), one value per
     scalar field and per array element, in field order: packing the values of one call is a
@@ -154,6 +179,8 @@ def _packed(struct_type: type[ctypes.Structure]) -> _struct.Struct:
 RUN_ARGS = _packed(NaRunArgs)
 #: ``NaKvWriteArgs`` as packed bytes (``KV_WRITE_ARGS.pack(...)``), what ``na_kv_write`` reads.
 KV_WRITE_ARGS = _packed(NaKvWriteArgs)
+#: ``NaStepArgs`` as packed bytes (``STEP_ARGS.pack(...)``), what ``na_step_index`` reads.
+STEP_ARGS = _packed(NaStepArgs)
 
 
 class NaStatus(enum.IntEnum):
@@ -171,6 +198,7 @@ class NaStatus(enum.IntEnum):
     UNKNOWN_RUNNER = -5  # never created, or freed
     BAD_CONFIG = -6  # na_runner_create refused the config
     BAD_THREADS = -7  # na_run: num_threads < 1
+    SHORT_BUFFER = -8  # na_step_index: the out buffer holds fewer than info.out_used
 
 
 class NaField(enum.IntEnum):
@@ -199,7 +227,8 @@ def mirrored_codes() -> dict[str, int]:
 
 #: The structs mirrored from csrc/native_attn.h, checked by size against the library at load.
 MIRRORED_STRUCTS: tuple[type[ctypes.Structure], ...] = (
-    NaConfig, NaError, NaPlanInfo, NaPlanArgs, NaRunArgs, NaKvWriteArgs,
+    NaConfig, NaError, NaPlanInfo, NaPlanArgs, NaRunArgs, NaKvWriteArgs, NaStepArgs,
+    NaStepInfo,
 )  # fmt: skip
 
 
@@ -278,6 +307,10 @@ def _declare(cdll: ctypes.CDLL) -> None:
     # The arguments: a NaKvWriteArgs (ctypes.byref) or its packed bytes (KV_WRITE_ARGS), read
     # only; then NULL or an int64 that receives the first slot outside the caches.
     cdll.na_kv_write.argtypes = [ctypes.c_void_p, ctypes.POINTER(c_i64)]
+    cdll.na_step_index.restype = ctypes.c_int
+    # The arguments: a NaStepArgs (ctypes.byref) or its packed bytes (STEP_ARGS), read only;
+    # then the NaStepInfo it fills.
+    cdll.na_step_index.argtypes = [ctypes.c_void_p, ctypes.POINTER(NaStepInfo)]
     cdll.na_codes.restype = ctypes.c_char_p
     cdll.na_codes.argtypes = []
     cdll.na_use_own_pool.restype = None

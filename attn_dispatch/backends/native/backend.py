@@ -92,6 +92,10 @@ STATUS_MESSAGES: dict[NaStatus, str] = {
     ),
     NaStatus.BAD_CONFIG: "the native library refused the config",
     NaStatus.BAD_THREADS: "the native library refused the thread count (at least 1)",
+    NaStatus.SHORT_BUFFER: (
+        "the native library was handed a buffer shorter than the size it reports (a caller's "
+        "bug: na_step_index's caller allocates that size and calls again)"
+    ),
 }
 # One message per NaField that is not a batch field's own problem (a test holds it complete
 # together with _E_FIELDS).
@@ -142,6 +146,8 @@ def status_error(
         return InvalidSpecError("config", config, message)
     if status is NaStatus.BAD_THREADS:
         return InvalidSpecError("num_threads", threads, message)
+    if status is NaStatus.SHORT_BUFFER:
+        return RuntimeError(f"native attention: {entry}: {message}")
     return InvalidBatchError("plan", message)
 
 

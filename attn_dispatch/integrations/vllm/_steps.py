@@ -12,8 +12,22 @@ import torch
 from attn_dispatch._batch import AttnBatch
 from attn_dispatch._errors import InvalidBatchError
 from attn_dispatch._phase import Phase
+from attn_dispatch.backends.native.step_index import StepIndex
+from attn_dispatch.backends.native.step_index import StepIndexer
+from attn_dispatch.backends.native.step_index import step_indexer
 from attn_dispatch.integrations.vllm._settings import MIXED_MODES
 from attn_dispatch.integrations.vllm._settings import request_phase
+
+#: The native step index (``step_indexer``), once looked up: empty until the first step; None
+#: inside when the native library is not built (every step then built here, in Python).
+_NATIVE_INDEX: list[StepIndexer | None] = []
+
+
+def _native_index() -> StepIndexer | None:
+    if not _NATIVE_INDEX:
+        _NATIVE_INDEX.append(step_indexer())
+    return _NATIVE_INDEX[0]
+
 
 _PHASE_ORDER = (Phase.DECODE, Phase.VERIFY, Phase.PREFILL)
 _MAX_BLOCK_ID = 2**30  # pages 2b and 2b + 1 stay within int32
@@ -51,7 +65,20 @@ def step_parts(
     Every input is checked first: a wrong one raises ``InvalidBatchError`` naming the field
     (and the request), before anything is built, so that no request is dropped or read out of
     another's pages.
+
+    A step of one phase whose requests all have the same query length (every decode step, a
+    speculative target's verify steps) is read, checked and built by one call into the native
+    library when it is built (``step_indexer``): the same checks and the same batch. Any
+    other step, and any step that call refuses, is read here, and a wrong one is named here.
     """
+    index = _native_index()
+    if index is not None:
+        _check_scalars(block_size, num_speculative_tokens, mixed, draft)
+        found = index(query_start_loc, seq_lens, block_table, block_size)
+        if found is not None and found.min_q == found.max_q >= 1:
+            part = _uniform_part(found, block_size, num_speculative_tokens, draft)
+            if part is not None:
+                return (part,)
     starts, q_lens, kv_lens, tables = _checked(
         query_start_loc,
         seq_lens,
@@ -80,6 +107,31 @@ def step_parts(
         _part(index, phase, reqs, starts, q_lens, kv_lens, tables, block_size)
         for index, (phase, reqs) in enumerate(groups.items())
     )
+
+
+def _uniform_part(
+    found: StepIndex, block_size: int, num_speculative_tokens: int, draft: bool
+) -> StepPart | None:
+    """The one part of a step whose requests all have ``found.max_q`` query tokens, when they
+    are all of one phase (``request_phase`` depends on the cached length only through
+    whether there is one, so its shortest and longest decide); else None."""
+    q = found.max_q
+    phase = request_phase(q, q + found.min_cached, num_speculative_tokens, draft=draft)
+    if request_phase(q, found.max_kv, num_speculative_tokens, draft=draft) is not phase:
+        return None
+    first = found.first_token
+    batch = AttnBatch._of_checked(
+        phase,
+        found.qo_indptr,
+        found.kv_indptr,
+        found.kv_indices,
+        found.kv_lens,
+        page_size=block_size,
+        num_tokens=found.num_tokens,
+        max_q_len=q,
+        max_kv_len=found.max_kv,
+    )
+    return StepPart(0, batch, slice(first, first + found.num_tokens))
 
 
 def _part(
@@ -154,6 +206,16 @@ def _checked(
     is small enough to read as Python ints (``_LIST_CELLS``); else the checked rows as an
     int32 or int64 tensor ``[R, widest]`` (``batch_from_table`` reads it); None when no
     request reads a block (no query token in the step)."""
+    _check_scalars(block_size, num_speculative_tokens, mixed, draft)
+    starts, q_lens, kv_lens = step_lengths(query_start_loc, seq_lens)
+    # The blocks each request reads (none for a request left out: its row is never read).
+    need = [-(-kv // block_size) if q else 0 for q, kv in zip(q_lens, kv_lens, strict=True)]
+    return starts, q_lens, kv_lens, step_blocks(block_table, need, kv_lens, block_size)
+
+
+def _check_scalars(
+    block_size: object, num_speculative_tokens: object, mixed: object, draft: object
+) -> None:
     for name, value, low in (
         ("block_size", block_size, 1),
         ("num_speculative_tokens", num_speculative_tokens, 0),
@@ -164,10 +226,6 @@ def _checked(
         raise InvalidBatchError("mixed", f"expected one of {MIXED_MODES!r}, got {mixed!r}")
     if not isinstance(draft, bool):
         raise InvalidBatchError("draft", f"expected a bool, got {draft!r}")
-    starts, q_lens, kv_lens = step_lengths(query_start_loc, seq_lens)
-    # The blocks each request reads (none for a request left out: its row is never read).
-    need = [-(-kv // block_size) if q else 0 for q, kv in zip(q_lens, kv_lens, strict=True)]
-    return starts, q_lens, kv_lens, step_blocks(block_table, need, kv_lens, block_size)
 
 
 def step_lengths(

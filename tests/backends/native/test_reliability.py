@@ -302,6 +302,7 @@ def test_every_code_has_its_own_message_and_error() -> None:
         NaStatus.UNKNOWN_RUNNER: BackendUnavailableError,
         NaStatus.BAD_CONFIG: InvalidSpecError,
         NaStatus.BAD_THREADS: InvalidSpecError,
+        NaStatus.SHORT_BUFFER: RuntimeError,
     }
     assert set(expected) == failures
     for code, kind in expected.items():

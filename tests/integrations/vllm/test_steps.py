@@ -14,16 +14,26 @@ torch = pytest.importorskip("torch")
 
 from attn_dispatch import InvalidBatchError  # noqa: E402
 from attn_dispatch import Phase  # noqa: E402
+from attn_dispatch.backends.native.step_index import step_indexer  # noqa: E402
 from attn_dispatch.integrations.vllm import _steps  # noqa: E402
 from attn_dispatch.integrations.vllm._steps import step_parts  # noqa: E402
 
 I32 = torch.int32
 
 
-@pytest.fixture(autouse=True, params=["lists", "tensors"])
+@pytest.fixture(autouse=True, params=["lists", "tensors", "native"])
 def path(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs on both ways a step is built: small steps as Python ints (one host
-    read), large ones with tensor ops (``_LIST_CELLS`` 0 sends every step there)."""
+    """Every test runs on each way a step is built: small steps as Python ints (one host
+    read), large ones with tensor ops (``_LIST_CELLS`` 0 sends every step there), and steps
+    of one query length by the native library's one call (``step_indexer``; the others then
+    as Python ints)."""
+    if request.param == "native":
+        index = step_indexer()
+        if index is None:
+            pytest.skip("the native library is not built")
+        monkeypatch.setattr(_steps, "_NATIVE_INDEX", [index])
+    else:
+        monkeypatch.setattr(_steps, "_NATIVE_INDEX", [None])
     if request.param == "tensors":
         monkeypatch.setattr(_steps, "_LIST_CELLS", 0)
     return str(request.param)
@@ -362,3 +372,119 @@ def test_a_decode_step_is_one_part_of_every_row(mixed: str) -> None:
     )
     want = [Phase.PREFILL] if mixed == "extend" else [Phase.DECODE, Phase.PREFILL]
     assert [p.batch.phase for p in parts] == want
+
+
+def _built(parts: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    """Everything a step's parts hold, as plain values."""
+    return [
+        (
+            p.index,
+            p.batch.phase,
+            p.batch.qo_indptr.tolist(),
+            p.batch.kv_indptr.tolist(),
+            p.batch.kv_indices.tolist(),
+            p.batch.kv_lens.tolist(),
+            p.batch.kv_indices.dtype,
+            p.batch.page_size,
+            p.batch.num_tokens,
+            p.batch.max_q_len,
+            p.batch.max_kv_len,
+            p.rows if isinstance(p.rows, slice) else p.rows.tolist(),
+        )
+        for p in parts
+    ]
+
+
+def _native_or_skip() -> Any:
+    index = step_indexer()
+    if index is None:
+        pytest.skip("the native library is not built")
+    return index
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_native_index_builds_what_python_builds(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of one query length (decode, verify, prefill; int32 and int64; strided views; a
+    first offset past 0; one request with nothing cached): the native call's parts equal the
+    Python path's, and it builds exactly the steps whose requests share one phase."""
+    index = _native_or_skip()
+    g = torch.Generator().manual_seed(300 + seed)
+    n = int(torch.randint(1, 10, (1,), generator=g))
+    q = [1, 2, 4, 5, 7, 1, 4, 3][seed]
+    cached = torch.randint(0, 40, (n,), generator=g)
+    if seed % 3 == 2:
+        cached[n // 2] = 0  # a request all new: a prompt among verifies
+    kv = (q + cached).to(I32 if seed % 2 else torch.int64)
+    first = int(torch.randint(0, 5, (1,), generator=g))
+    qsl = (first + q * torch.arange(n + 1)).to(I32)
+    table = torch.randperm((n + 2) * 16, generator=g).view(n + 2, 16)
+    table = (table[:, ::2] if seed % 4 == 3 else table[:, :8]).to(I32 if seed < 4 else torch.int64)
+    calls = []
+    checked = _steps._checked
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return checked(*args, **kwargs)
+
+    monkeypatch.setattr(_steps, "_checked", spy)
+    for mixed in ("split", "extend"):
+        for k in (0, 3):
+            for draft in (False, True):
+                built = []
+                for found in (None, index):
+                    monkeypatch.setattr(_steps, "_NATIVE_INDEX", [found])
+                    calls.clear()
+                    parts = step_parts(
+                        qsl, kv, table, block_size=8, num_speculative_tokens=k, mixed=mixed,
+                        draft=draft,
+                    )  # fmt: skip
+                    built.append(_built(parts))
+                assert built[1] == built[0]
+                phases = {_steps.request_phase(q, int(x), k, draft=draft) for x in kv.tolist()}
+                # The native call built the step exactly when it is one phase.
+                assert calls == ([] if len(phases) == 1 else [1]), (phases, calls)
+
+
+NATIVE_BROKEN: dict[str, dict[str, Any]] = {
+    "decreasing offsets": {"query_start_loc": torch.tensor([0, 1, 0, 3], dtype=I32)},
+    "negative first offset": {"query_start_loc": torch.tensor([-1, 0, 1, 2], dtype=I32)},
+    "seq_lens shorter than the query": {"seq_lens": torch.tensor([9, 0, 3], dtype=I32)},
+    "a seq_lens too few": {"seq_lens": torch.tensor([9, 5], dtype=I32)},
+    "a table too narrow": {"block_table": torch.tensor([[3, 5], [1, 2], [4, 0]], dtype=I32)},
+    "a table too short": {"block_table": torch.tensor([[3, 5, 8], [1, 2, 0]], dtype=I32)},
+    "a negative block id": {
+        "block_table": torch.tensor([[3, 5, 8], [1, -2, 0], [4, 0, 0]], dtype=I32)
+    },
+    "a block id of 2**30": {
+        "block_table": torch.tensor([[3, 5, 8], [2**30, 2, 0], [4, 0, 0]], dtype=torch.int64)
+    },
+    "a float seq_lens": {"seq_lens": torch.tensor([9.0, 5.0, 3.0])},
+    "a meta table": {"block_table": torch.zeros(3, 3, dtype=I32, device="meta")},
+    "2-D offsets": {"query_start_loc": torch.tensor([[0, 1, 2, 3]], dtype=I32)},
+    "offsets as a list": {"query_start_loc": [0, 1, 2, 3]},
+}
+
+
+@pytest.mark.parametrize("broken", list(NATIVE_BROKEN), ids=list(NATIVE_BROKEN))
+def test_native_index_refuses_what_python_refuses(
+    broken: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step with one rule broken: the native call refuses it, and the error is the
+    Python path's, naming the same field and request with the same words."""
+    index = _native_or_skip()
+    args: dict[str, Any] = {
+        "query_start_loc": torch.tensor([0, 1, 2, 3], dtype=I32),
+        "seq_lens": torch.tensor([9, 5, 3], dtype=I32),
+        "block_table": torch.tensor([[3, 5, 8], [1, 2, 0], [4, 0, 0]], dtype=I32),
+    }
+    args.update(NATIVE_BROKEN[broken])
+    errors = []
+    for found in (None, index):
+        monkeypatch.setattr(_steps, "_NATIVE_INDEX", [found])
+        with pytest.raises(InvalidBatchError) as err:
+            step_parts(
+                args["query_start_loc"], args["seq_lens"], args["block_table"], block_size=4,
+                num_speculative_tokens=0, mixed="split",
+            )  # fmt: skip
+        errors.append((err.value.field, err.value.request, str(err.value)))
+    assert errors[0] == errors[1]
