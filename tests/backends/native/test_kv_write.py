@@ -19,6 +19,7 @@ from attn_dispatch.backends.native._lib import KV_WRITE_ARGS  # noqa: E402
 from attn_dispatch.backends.native._lib import NaKvWriteArgs  # noqa: E402
 from attn_dispatch.backends.native._lib import NaStatus  # noqa: E402
 from attn_dispatch.backends.native._lib import load  # noqa: E402
+from tests.backends.native.packing import assert_packs_as_struct  # noqa: E402
 
 LIB = load()
 pytestmark = pytest.mark.skipif(isinstance(LIB, str), reason=f"native library: {LIB}")
@@ -194,19 +195,7 @@ def test_tensors_that_do_not_fit_are_refused(over: dict[str, object]) -> None:
 
 def test_the_packed_bytes_are_the_ctypes_struct() -> None:
     """KV_WRITE_ARGS packs the fields of NaKvWriteArgs in order, at the library's layout."""
-    values: list[int] = []
-    for i, (_, ctype) in enumerate(NaKvWriteArgs._fields_):
-        n = ctype._length_ if issubclass(ctype, ctypes.Array) else 1
-        values.extend(range(100 * i, 100 * i + n))
-    args = NaKvWriteArgs.from_buffer_copy(KV_WRITE_ARGS.pack(*values))
-    it = iter(values)
-    for name, ctype in NaKvWriteArgs._fields_:
-        got = getattr(args, name)
-        if issubclass(ctype, ctypes.Array):
-            assert list(got) == [next(it) for _ in range(ctype._length_)], name
-        else:
-            assert (got or 0) == next(it), name  # a NULL c_void_p reads as None
-    assert KV_WRITE_ARGS.size == ctypes.sizeof(NaKvWriteArgs)
+    assert_packs_as_struct(KV_WRITE_ARGS, NaKvWriteArgs)
     assert not isinstance(LIB, str)
     assert LIB.cdll.na_struct_size(b"NaKvWriteArgs") == ctypes.sizeof(NaKvWriteArgs)
 

@@ -22,6 +22,7 @@ from attn_dispatch.backends.native._lib import NaStatus  # noqa: E402
 from attn_dispatch.backends.native._lib import NaStepArgs  # noqa: E402
 from attn_dispatch.backends.native._lib import NaStepInfo  # noqa: E402
 from attn_dispatch.backends.native._lib import load  # noqa: E402
+from tests.backends.native.packing import assert_packs_as_struct  # noqa: E402
 
 LIB = load()
 pytestmark = pytest.mark.skipif(isinstance(LIB, str), reason=f"native library: {LIB}")
@@ -180,18 +181,7 @@ def test_a_short_buffer_is_told_its_size_and_a_null_one_refused() -> None:
 
 def test_the_packed_bytes_are_the_ctypes_struct() -> None:
     """STEP_ARGS packs the fields of NaStepArgs in order, at the library's layout."""
-    values: list[int] = []
-    for i, (_, ctype) in enumerate(NaStepArgs._fields_):
-        n = ctype._length_ if issubclass(ctype, ctypes.Array) else 1
-        values.extend(range(100 * i, 100 * i + n))
-    args = NaStepArgs.from_buffer_copy(STEP_ARGS.pack(*values))
-    it = iter(values)
-    for name, ctype in NaStepArgs._fields_:
-        got = getattr(args, name)
-        if issubclass(ctype, ctypes.Array):
-            assert list(got) == [next(it) for _ in range(ctype._length_)], name
-        else:
-            assert (got or 0) == next(it), name  # a NULL c_void_p reads as None
+    assert_packs_as_struct(STEP_ARGS, NaStepArgs)
     assert not isinstance(LIB, str)
     for struct in (NaStepArgs, NaStepInfo):
         assert LIB.cdll.na_struct_size(struct.__name__.encode()) == ctypes.sizeof(struct)
