@@ -375,20 +375,14 @@ def test_a_decode_step_is_one_part_of_every_row(mixed: str) -> None:
 
 
 def _built(parts: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-    """Everything a step's parts hold, as plain values."""
+    """Everything a step's parts hold, as plain values (every derived count and index tensor
+    of each batch, as ``test_built_batches_are_what_the_checked_constructor_makes`` reads)."""
     return [
         (
             p.index,
-            p.batch.phase,
-            p.batch.qo_indptr.tolist(),
-            p.batch.kv_indptr.tolist(),
-            p.batch.kv_indices.tolist(),
-            p.batch.kv_lens.tolist(),
-            p.batch.kv_indices.dtype,
-            p.batch.page_size,
-            p.batch.num_tokens,
-            p.batch.max_q_len,
-            p.batch.max_kv_len,
+            *(getattr(p.batch, name) for name in _DERIVED),
+            *((getattr(p.batch, name).dtype, getattr(p.batch, name).tolist()) for name in _TENSORS),
+            p.batch.custom_mask,
             p.rows if isinstance(p.rows, slice) else p.rows.tolist(),
         )
         for p in parts
