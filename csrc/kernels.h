@@ -62,7 +62,8 @@ namespace na {
 // bytes may be served from cache, where the prefetch cursor's per-line bookkeeping is what
 // costs (PfCursor's lean step: the vLLM tiny model's decode, 655 KB a layer, 0.80-0.91x the
 // time); a larger one streams from DRAM, where the paced step measured faster (2 threads:
-// lean was 1.02-1.07x the time of GQA decode at 67-268 MB). Half a 16 MB L3 slice.
+// lean was 1.02-1.07x the time of GQA decode at 67-268 MB). A quarter of the 32 MB L3 of
+// the AMD EPYC it was measured on.
 constexpr int64_t kLeanPrefetchBytes = int64_t(8) << 20;
 // Keys per block: the softmax statistics are updated once per block.
 constexpr int kBlockKeys = 32;

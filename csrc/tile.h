@@ -184,7 +184,7 @@ struct PfCursor {
   //   tiny model's shape: quota 13); lean, that shape's decode takes 0.80-0.91x the time.
   // - paced (the rest): the counters' instructions space the prefetches out. Issued back to
   //   back, lines that miss L2 made decode from DRAM slower: MHA (22 lines a step) 1.15-1.25x
-  //   on one thread, GQA 32/8 (8 lines a step) 1.02-1.07x on two (AMD EPYC Zen 5).
+  //   on one thread, GQA 32/8 (8 lines a step) 1.02-1.07x on two (AMD EPYC, avx512bf16).
   // plan() picks the mode right after queue_rows (nothing issued yet), so the two positions
   // (row and line, cur and end) agree whenever the mode changes.
   __attribute__((always_inline)) void step() {

@@ -71,22 +71,16 @@ def step_parts(
     library when it is built (``step_indexer``): the same checks and the same batch. Any
     other step, and any step that call refuses, is read here, and a wrong one is named here.
     """
+    _check_scalars(block_size, num_speculative_tokens, mixed, draft)
     index = _native_index()
     if index is not None:
-        _check_scalars(block_size, num_speculative_tokens, mixed, draft)
         found = index(query_start_loc, seq_lens, block_table, block_size)
         if found is not None and found.min_q == found.max_q >= 1:
             part = _uniform_part(found, block_size, num_speculative_tokens, draft)
             if part is not None:
                 return (part,)
     starts, q_lens, kv_lens, tables = _checked(
-        query_start_loc,
-        seq_lens,
-        block_table,
-        block_size=block_size,
-        num_speculative_tokens=num_speculative_tokens,
-        mixed=mixed,
-        draft=draft,
+        query_start_loc, seq_lens, block_table, block_size=block_size
     )
     if q_lens and min(q_lens) == max(q_lens) == 1:
         # Every request decodes (request_phase of a single query token): one part, either mode.
@@ -190,23 +184,16 @@ def _int_vector(name: str, t: object, length: int | None) -> list[int]:
 
 
 def _checked(
-    query_start_loc: object,
-    seq_lens: object,
-    block_table: object,
-    *,
-    block_size: int,
-    num_speculative_tokens: int,
-    mixed: str,
-    draft: bool,
+    query_start_loc: object, seq_lens: object, block_table: object, *, block_size: int
 ) -> tuple[list[int], list[int], list[int], list[list[int]] | torch.Tensor | None]:
     """``(starts, q_lens, kv_lens, tables)`` of a valid step, or the first problem as an
     ``InvalidBatchError`` (fields are the ``step_parts`` argument names; the annotations say
-    what is expected, the checks hold whatever a caller passes). ``tables``: the block ids
+    what is expected, the checks hold whatever a caller passes; ``block_size`` was checked by
+    ``_check_scalars``). ``tables``: the block ids
     each request reads (the first ``need`` of its row, as read here, checked), when the step
     is small enough to read as Python ints (``_LIST_CELLS``); else the checked rows as an
     int32 or int64 tensor ``[R, widest]`` (``batch_from_table`` reads it); None when no
     request reads a block (no query token in the step)."""
-    _check_scalars(block_size, num_speculative_tokens, mixed, draft)
     starts, q_lens, kv_lens = step_lengths(query_start_loc, seq_lens)
     # The blocks each request reads (none for a request left out: its row is never read).
     need = [-(-kv // block_size) if q else 0 for q, kv in zip(q_lens, kv_lens, strict=True)]
@@ -216,6 +203,7 @@ def _checked(
 def _check_scalars(
     block_size: object, num_speculative_tokens: object, mixed: object, draft: object
 ) -> None:
+    """``step_parts``' scalar arguments, checked once per step before any tensor is read."""
     for name, value, low in (
         ("block_size", block_size, 1),
         ("num_speculative_tokens", num_speculative_tokens, 0),
