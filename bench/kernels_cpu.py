@@ -1,7 +1,7 @@
 """CPU attention kernels side by side: native vs its roofline, SDPA, vLLM's CPU kernel, torch.
 
     python bench/kernels_cpu.py [--isa avx2] [--vs-isa avx512] [--peer vllm] [--repeats 7]
-                                 [--only gqa]
+                                 [--only gqa] [--in-cache]
 
 Every row is measured in one process, the contenders alternating call by call (median of
 ``--repeats``), next to a read bandwidth and a GEMM peak measured in the same run, so the
@@ -29,6 +29,13 @@ ratios hold on a noisy machine; absolute times mean little. Columns:
   faster).
 - ``x decode``: native time over the time of native decode (one query row per request) on the
   same batch and context, timed alongside: what a verify or prefill step costs in decode steps.
+- ``x cached`` and ``cached roof`` (``--in-cache``): native on the same work with its K/V in
+  cache (every request's page table names pages 0 and 1 in turn: the same items and key
+  blocks over 2 pages, which stay in each core's L2), timed alongside. ``x cached`` is native
+  time over that time: what reading the K/V from memory adds to the same instructions (1.00:
+  the fetch is hidden behind the compute). ``cached roof`` is the row's roofline over that
+  time: the share the kernel's own instructions reach when nothing waits for memory. Together
+  they say which of the two limits a row.
 
 Rows ``gqa-tree8`` / ``gqa-tree16`` verify an 8- and a 16-node draft tree (a custom mask per
 request; the ``roofline`` counts the multiply-adds of the keys each node sees).
@@ -215,6 +222,22 @@ def make_case(w: Workload) -> Case:
         k = torch.randn(total, w.page_size, w.kv_heads, w.head_dim, generator=g).bfloat16()
         v = torch.randn(total, w.page_size, w.kv_heads, w.v_head_dim, generator=g).bfloat16()
     return Case(w, config, batch, tables, q, k, v)
+
+
+def cached_batch(c: Case) -> AttnBatch:
+    """``c``'s batch with every request's pages replaced by pages 0 and 1 in turn: the same
+    work (lengths, masks, items, key blocks) over K/V that stays in cache (``--in-cache``)."""
+    w = c.w
+    pages_per = math.ceil(w.context / w.page_size)
+    return AttnBatch.build(
+        w.phase,
+        q_lens=[w.q_len] * w.batch,
+        kv_lens=[w.context] * w.batch,
+        page_tables=[[j % 2 for j in range(pages_per)] for _ in range(w.batch)],
+        page_size=w.page_size,
+        num_pages=len(c.tables) * pages_per,
+        masks=None if w.parents is None else [full_mask(w)] * w.batch,
+    )
 
 
 def gathered(c: Case, cache: Tensor, i: int) -> Tensor:
@@ -435,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-sdpa", action="store_true", help="skip SDPA (slow on MLA decode)")
     p.add_argument("--no-torch", action="store_true", help="skip the (slow) torch reference")
+    p.add_argument(
+        "--in-cache",
+        action="store_true",
+        help="also time each row with its K/V in cache (x cached, cached roof)",
+    )
     p.add_argument("--variants", action="store_true", help="also the FP8 and window table")
     p.add_argument("--variants-only", action="store_true", help="only the FP8 and window table")
     p.add_argument(
@@ -443,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: one tiny workload")
     args = p.parse_args(argv)
     if args.quick:  # checks the script runs; the recorded results file stays untouched
-        args.repeats, args.no_torch, args.json = 1, True, os.devnull
+        args.repeats, args.no_torch, args.json, args.in_cache = 1, True, os.devnull, True
         WORKLOADS[:] = [Workload("gqa-decode B2 256", "mha", Phase.DECODE, 4, 2, 64, 64, 2, 256, 1)]
     if args.isa in ISA_ENV and argv is None and os.environ.get("ATEN_CPU_CAPABILITY") is None:
         # Emulating an AVX2-only (or AVX-512 without BF16) machine: torch's own kernels (SDPA,
@@ -512,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         if vs is not None:
             fns[vs] = on_isa(fns["native"], vs)
+        if args.in_cache:
+            cplan = native.plan(cached_batch(c))
+            fns["cached"] = partial(nh, c.q, c.k, c.v, cplan, scale)
         if w.phase is not Phase.DECODE:
             # The decode step over the same batch and context, timed alongside ("x decode").
             dc = make_case(decode_of(w))
@@ -546,11 +577,12 @@ def main(argv: list[str] | None = None) -> int:
             return f"{t[name] / tn:.2f}" if name in t else "-"
 
         xdec = f"{tn / t['decode']:.2f}" if "decode" in t else "-"
+        cached = (f"{tn / t['cached']:.2f}", f"{roof / t['cached']:.2f}") if args.in_cache else ()
         rows.append(
             (
                 w.name, isa, f"{tn * 1e3:.2f}", f"{gbs:.1f}", f"{gbs / bw:.2f}", f"{roof / tn:.2f}",
                 xdec, ratio("sdpa"), ratio("vllm") if why_peer is None else "n/a", ratio("torch"),
-                *((ratio(vs),) if vs is not None else ()),
+                *((ratio(vs),) if vs is not None else ()), *cached,
             )
         )  # fmt: skip
         records.append(
@@ -579,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
                 "x vllm",
                 "x torch",
                 *((f"x {vs}",) if vs is not None else ()),
+                *(("x cached", "cached roof") if args.in_cache else ()),
             ),
             rows,
         )
@@ -587,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nattn_scope enter + plan + exit, {WORKLOADS[0].name}: {scope_us:.1f} us (median)")
     print("\nx <peer>: peer time / native time (> 1: native is faster)")
     print("x decode: native time / native decode time over the same batch and context")
+    if args.in_cache:
+        print("x cached: native time / its time on the same work with the K/V in cache")
+        print("cached roof: roofline / native time on the same work with the K/V in cache")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(

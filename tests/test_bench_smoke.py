@@ -129,3 +129,34 @@ def test_quick_run(script: str) -> None:
     )  # fmt: skip
     assert child.returncode == 0, (child.stdout[-2000:], child.stderr[-3000:])
     assert child.stdout.strip(), f"bench/{script} --quick printed nothing"
+
+
+def test_kernels_quick_run_times_the_cached_work() -> None:
+    """bench/kernels_cpu.py's quick run includes ``--in-cache`` (its columns are printed),
+    and the cached batch describes the same work as the row's: the same lengths, over pages
+    0 and 1 only."""
+    why = _native()
+    if why is not None:
+        pytest.skip(f"bench/kernels_cpu.py: {why}")
+    spec = importlib.util.spec_from_file_location("bench_kernels_cpu", BENCH / "kernels_cpu.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    tree = next(w for w in module.WORKLOADS if w.parents is not None and w.batch == 8)
+    small = module.Workload(
+        "tree", "mha", tree.phase, 4, 2, 16, 16, 3, 200, 8, parents=tree.parents
+    )
+    case = module.make_case(small)
+    cached = module.cached_batch(case)
+    for name in ("qo_indptr", "kv_indptr", "kv_lens", "custom_mask", "mask_indptr"):
+        assert getattr(cached, name).tolist() == getattr(case.batch, name).tolist(), name
+    assert set(cached.kv_indices.tolist()) == {0, 1}
+    assert case.batch.kv_indices.unique().numel() == case.batch.kv_indices.numel() > 2
+    child = subprocess.run(
+        [sys.executable, str(BENCH / "kernels_cpu.py"), "--quick"], cwd=ROOT, env=_env(),
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-3000:]
+    header = next(line for line in child.stdout.splitlines() if line.startswith("workload"))
+    assert header.split()[-3:] == ["cached", "cached", "roof"], header
