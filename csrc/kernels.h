@@ -87,12 +87,19 @@ constexpr int kMinCascadeKeys = 64;
 // thread CPU time, AMD EPYC Zen 5, bench/native_notes.md "Many-row tile path, round 2"):
 // avx512bf16, GQA 32/8 verify-4 (16 rows per kv head): 7.5 ms on the many-row path against
 // 11.2 ms on the decode kernels (B8 ctx 2048), so bf16 moves from 32 to 16 rows; on the fp32
-// paths 16 rows is even (avx512: 16.4 vs 15.6 ms, avx2: 17-21 vs 21-22 ms), so they stay at
-// 32, where the many-row path is faster on every path. Decode (GQA: group-size rows, 4 for
-// 32/8) stays on the decode kernels.
+// paths 16 rows was even then (avx512: 16.4 vs 15.6 ms, avx2: 17-21 vs 21-22 ms), so they
+// stayed at 32 until the measurement below. Decode (GQA: group-size rows, 4 for 32/8) stays
+// on the decode kernels.
+// The fp32 paths measured again with the kernels of 2026-12-04 (AMD EPYC, CPU family 25 model
+// 17, single thread, GQA B8 ctx 2048, shuffled pages; bench/native_notes.md "The fp32 paths
+// from 16 rows"): 16-28 rows per kv head now run faster on the many-row kernel on avx512
+// (0.67-0.91x the decode kernels' time: bf16 and e4m3 caches, bf16 and fp32 q) and about as
+// fast on avx2 (0.89-1.02x), so both take it from 16 rows; generic is even at 16 (43.5 vs
+// 44.4 ms) and keeps 32.
 constexpr int kRowsMinBf16 = 16;
 constexpr int kRowsMinFp8Bf16 = 16;
-constexpr int kRowsMinF32 = 32;
+constexpr int kRowsMinF32 = 16;
+constexpr int kRowsMinGeneric = 32;
 // MLA (one latent row of 576 for 16 q heads) takes the many-row path from one token's 16
 // heads, decode included: on AVX-512 BF16 (bf16 q, bf16 or FP8 cache) and on AVX-512's fp32
 // kernel (16 lanes); AVX2 and generic keep the decode kernel (rows_min_mla). Measured in

@@ -449,7 +449,8 @@ static int merge_impl(const NaProblem& P, const NaMerge& mg) {
 }
 
 // The many-row path (rows_path.h) for items with at least rows_min rows per kv head
-// (kernels.h: 16 on avx512bf16, 32 on the fp32 kernels, measured in bench/native_notes.md);
+// (kernels.h: 16 on avx512bf16, avx512 and avx2, 32 on generic, measured in
+// bench/native_notes.md);
 // decode-shaped items (few rows per kv head: one query token) keep the kernels below,
 // whose score tiles are fed by several kv heads at once. MLA: rows_min_mla (its 16 heads
 // share each latent row, so even decode is many rows).

@@ -77,7 +77,7 @@ static inline int rows_min(int kv_dtype, int q_dtype) {
   return kv_dtype == NA_E4M3 || kv_dtype == NA_E5M2 ? na::kRowsMinFp8Bf16 : na::kRowsMinBf16;
 #else
   (void)kv_dtype;
-  return na::kRowsMinF32;
+  return W >= 8 ? na::kRowsMinF32 : na::kRowsMinGeneric;  // avx512 and avx2 : generic
 #endif
 }
 

@@ -385,3 +385,51 @@ def test_fp8_value_rows_widen_every_code_exactly(vbmi: str) -> None:
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert f"ran {2 * len(ISAS)}" in done.stdout
+
+
+_THRESHOLD_CHILD = """
+import sys, torch
+from attn_dispatch import Phase
+from tests.backends.native.test_backend import make_case, run_native
+from tests.backends.native.test_rows_path import ISAS, LIB
+outs = {}
+for isa in ISAS:
+    LIB.set_isa(isa)
+    for kv in (torch.bfloat16, torch.float8_e4m3fn):
+        extra = dict(k_scale=0.5, v_scale=2.0) if kv != torch.bfloat16 else {}
+        # GQA 8/2, a 4-token verify chain: 16 rows per kv head (one kv head per tile at d 64).
+        # fp32 q (the fp32 kernels on every path; an fp32 output keeps their rounding apart).
+        case = make_case("mha", Phase.VERIFY, q_lens=[4, 4], kv_lens=[300, 517], page_size=16,
+                         hq=8, hkv=2, d=64, dv=64, dtype=torch.float32, kv_dtype=kv, **extra)
+        outs[f"{isa}/{kv}"] = run_native(case, num_threads=1)
+torch.save(outs, sys.argv[1])
+"""
+
+
+@needs_lib
+def test_default_threshold_is_16_rows_except_on_generic(tmp_path: Any) -> None:
+    """A GQA 4-token verify chain (16 rows per kv head, fp32 q over a bf16 or e4m3 cache)
+    takes the many-row kernel by default on every vector path (avx2, avx512, avx512bf16, amx)
+    and the decode kernel on generic (32 rows there): its default output is bit for bit the
+    forced-on or forced-off one. The two kernels round differently, so the case tells them
+    apart (asserted too)."""
+    outs = {}
+    for name, rows_min in (("default", None), ("on", "1"), ("off", "1000000")):
+        env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        env.pop(NATIVE_ROWS_MIN, None)
+        if rows_min is not None:
+            env[NATIVE_ROWS_MIN] = rows_min
+        path = tmp_path / f"{name}.pt"
+        done = subprocess.run(
+            [sys.executable, "-c", _THRESHOLD_CHILD, str(path)], capture_output=True, text=True,
+            env=env, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+        outs[name] = torch.load(path)
+    assert set(outs["default"]) == {f"{isa}/{kv}" for isa in ISAS
+                                    for kv in (torch.bfloat16, torch.float8_e4m3fn)}  # fmt: skip
+    for key, out in outs["default"].items():
+        on, off = outs["on"][key], outs["off"][key]
+        assert not torch.equal(on, off), f"{key}: the two kernels agree bit for bit here"
+        want = off if key.startswith("generic/") else on
+        assert torch.equal(out, want), f"{key}: the default took the other kernel"
