@@ -75,8 +75,18 @@ constexpr int kMaxRows = 32;
 // half (bench/native_notes.md, "Cascade"). Only the vdpbf16ps many-row kernel takes such a
 // tile whole; every other kernel runs it as consecutive tiles of at most kMaxRows rows.
 constexpr int kMaxCascadeRows = 64;
+// A tile of exactly 16 rows per kv head (a 4-token verify chain of GQA groups of 4, groups
+// of 8 verifying 2 tokens, ...) takes up to kMaxWideRows rows: every kv head of a token, up to
+// 8 at 16 rows, so that each key block is read as whole token rows, as decode reads them (a
+// tile of 2 of 8 kv heads read a quarter of each row, which one core fetched at 7 GB/s against
+// decode's 16.5: bench/native_notes.md, "Verify tiles over every kv head"). The many-row
+// kernels (vdpbf16ps and fp32) take such a tile whole; the decode kernels and the amx unit run
+// it as tiles of at most kMaxRows rows, a few kv heads each (kernels_impl.h, item).
+constexpr int kMaxWideRows = 128;
 // The most rows any item has (per-item row arrays are sized by it).
-constexpr int kMaxTileRows = kMaxCascadeRows > kMaxRows ? kMaxCascadeRows : kMaxRows;
+constexpr int kMaxTileRows = kMaxWideRows > kMaxCascadeRows
+                                 ? kMaxWideRows
+                                 : (kMaxCascadeRows > kMaxRows ? kMaxCascadeRows : kMaxRows);
 // Split-KV never cuts a tile into chunks shorter than this many keys: below it the
 // merge costs more than the parallelism gains.
 constexpr int kMinSplitKeys = 256;
@@ -100,6 +110,9 @@ constexpr int kRowsMinBf16 = 16;
 constexpr int kRowsMinFp8Bf16 = 16;
 constexpr int kRowsMinF32 = 16;
 constexpr int kRowsMinGeneric = 32;
+// The planner's wide tiles (kMaxWideRows rows of kRowsMinBf16 per kv head) hold at most
+// kMaxRows kv heads, the bound of the kernels' per-head arrays (rows_path.h).
+static_assert(kMaxWideRows / kRowsMinBf16 <= kMaxRows, "a wide tile's kv heads");
 // MLA (one latent row of 576 for 16 q heads) takes the many-row path from one token's 16
 // heads, decode included: on AVX-512 BF16 (bf16 q, bf16 or FP8 cache) and on AVX-512's fp32
 // kernel (16 lanes); AVX2 and generic keep the decode kernel (rows_min_mla). Measured in

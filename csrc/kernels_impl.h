@@ -531,9 +531,29 @@ static int item_one(const NaProblem* p, const NaItem* it) {
 // every other kernel (and in the amx unit, whose tiles hold 32 rows) as consecutive tiles of
 // at most kMaxRows rows, the tiles the planner made before: a cascade tile's scratch rows are
 // per token and head, so the same rows and the same results.
+// A wide verify tile (kv heads x 16 rows, up to kMaxWideRows) runs whole on the many-row
+// kernels (vdpbf16ps and fp32) and, on the decode kernels and in the amx unit, as tiles of at
+// most kMaxRows rows, a few kv heads each: a split's partial rows are the tile's row r at
+// slot + r, so the tile of its kv heads a.. writes from slot + a x its rows per kv head.
 static int item(const NaProblem* p, const NaItem* it) {
   const int nh = it->h1 - it->h0;
-  if (!it->shared || nh * (it->q1 - it->q0) <= na::kMaxRows) return item_one(p, it);
+  const int r1 = nh * (it->q1 - it->q0);
+  const int nkv = it->kv_head_end - it->kv_head;
+  if (!it->shared && nkv * r1 > na::kMaxRows) {
+#ifndef NA_HAVE_AMX
+    if (rows_path_applies(*p, *it)) return item_one(p, it);
+#endif
+    const int per = std::max(1, na::kMaxRows / r1);
+    NaItem sub = *it;
+    for (int a = 0; a < nkv; a += per) {
+      sub.kv_head = it->kv_head + a;
+      sub.kv_head_end = it->kv_head + std::min(nkv, a + per);
+      if (it->slot >= 0) sub.slot = it->slot + a * r1;
+      if (const int rc = item_one(p, &sub)) return rc;
+    }
+    return 0;
+  }
+  if (!it->shared || r1 <= na::kMaxRows) return item_one(p, it);
 #if defined(NA_HAVE_BF16_PATH) && !defined(NA_HAVE_AMX)
   if (bf16_rows_applies(*p, *it)) return item_one(p, it);
 #endif

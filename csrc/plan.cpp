@@ -233,11 +233,15 @@ int make_items(NaPlan& P) {
   // A tile whose rows of one kv head are few (decode, short verify) takes several kv heads:
   // each block of tokens is then read whole, in address order (a token's heads are adjacent
   // in the cache), instead of one head's 2 KB-strided rows per tile.
-  auto heads_per_rows = [&](int rows) {
+  // A request's tile of exactly 16 rows per kv head (the many-row kernels' threshold) takes
+  // every kv head of its tokens, up to kMaxWideRows rows (kernels.h): each block is then read
+  // as whole token rows. Cascade tiles (wide) keep kMaxRows.
+  auto heads_per_rows = [&](int rows, bool wide = false) {
     if (n_hblocks != 1 || rows > na::kMaxRows / 2) return 1;
-    return std::max(1, std::min(c.num_kv_heads, na::kMaxRows / rows));
+    const int most = wide && rows == na::kRowsMinBf16 ? na::kMaxWideRows : na::kMaxRows;
+    return std::max(1, std::min(c.num_kv_heads, most / rows));
   };
-  auto heads_per_tile = [&](int q_len) { return heads_per_rows(group * q_len); };
+  auto heads_per_tile = [&](int q_len) { return heads_per_rows(group * q_len, true); };
   std::vector<Group> groups = find_groups(P, group);
   std::vector<int> shared_keys(size_t(B), 0), member_group(size_t(B), -1);
   std::vector<int> member_tok(size_t(B), 0);

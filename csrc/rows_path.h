@@ -507,7 +507,8 @@ static int rows_item(const NaProblem& P, const NaItem& it) {
     mL[i] = kNegInf;
     lL[i] = 0.0f;
   }
-  // A tile has at most kMaxRows rows (the planner's bound), so at most that many kv heads.
+  // A tile has at most kMaxRows kv heads: kMaxRows rows of at least one per kv head, or a wide
+  // verify tile's kMaxWideRows / 16 (kernels.h).
   RowLanes L[na::kMaxRows];
   vu badv[na::kMaxRows][na::kMaxTileRows / W + 1];
   for (int gi = 0; gi < nkv; ++gi) {
@@ -621,7 +622,10 @@ static inline void prefetch_t2(const void* p) { asm volatile("prefetcht2 (%0)" :
 // Round 6): 512 lines per 32-key block of a 2-kv-head tile, next to 8192 vdpbf16ps. The same
 // lines in the same order, spread over the same calls.
 struct PfLines {
-  static constexpr int kCap = 1024;  // lines; a block with more issues what is queued first
+  // Lines; a block with more issues what is queued first. 2048: a 128-row verify tile's block
+  // (32 keys x 8 kv heads x 4 + 4 lines of K and V at D = 128). At 1024 such a block issued
+  // its first half in one burst (the burst PfCursor avoids), which hid the wide tile's gain.
+  static constexpr int kCap = 2048;
   int n = 0, i = 0, quota = 1;
   const char* a[kCap];
   void add(const void* r, int lines) {

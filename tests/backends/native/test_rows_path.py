@@ -71,6 +71,15 @@ CASES: dict[str, tuple[Any, ...]] = {
         Phase.VERIFY, [8, 4], [150, 77], True, 8, 2, 128,
         dict(kv_dtype=torch.float8_e4m3fn, k_scale=0.6, v_scale=1.7), None,
     ),
+    # 16 rows per kv head over 8 kv heads: one 128-row tile per request (whole token rows) on
+    # the vdpbf16ps kernel, tiles of 2 kv heads elsewhere; long enough to be split (partial
+    # rows at slot + row), and a 3-token request beside it (12 rows: the decode kernels).
+    "verify-8-kv-heads": (Phase.VERIFY, [4, 4, 3], [700, 90, 520], False, 32, 8, 64, {}, None),
+    "verify-8-kv-heads-d128": (Phase.VERIFY, [4, 4], [600, 77], False, 32, 8, 128, {}, None),
+    "verify-8-kv-heads-e5m2": (
+        Phase.VERIFY, [4, 4], [530, 40], False, 32, 8, 64,
+        dict(kv_dtype=torch.float8_e5m2, k_scale=1.1, v_scale=0.6), None,
+    ),
     # MLA (one latent row per token, its first dv elements the value): 16 heads of one token
     # are already 16 rows, so decode takes the many-row path too; a stand-in 160/128 and the
     # real 576/512, FP8 latent rows widened once per block for both q.K^T and p.V.
