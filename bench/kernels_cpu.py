@@ -189,6 +189,19 @@ class Case:
     v: Tensor | None
 
 
+def batch_of(w: Workload, tables: list[list[int]], num_pages: int) -> AttnBatch:
+    """``w``'s batch over these page tables (every request ``w.q_len`` new of ``w.context``)."""
+    return AttnBatch.build(
+        w.phase,
+        q_lens=[w.q_len] * w.batch,
+        kv_lens=[w.context] * w.batch,
+        page_tables=tables,
+        page_size=w.page_size,
+        num_pages=num_pages,
+        masks=None if w.parents is None else [full_mask(w)] * w.batch,
+    )
+
+
 def make_case(w: Workload) -> Case:
     g = torch.Generator().manual_seed(0)
     pages_per = math.ceil(w.context / w.page_size)
@@ -205,15 +218,7 @@ def make_case(w: Workload) -> Case:
         page_size=w.page_size,
         tree_verify=w.parents is not None,
     )
-    batch = AttnBatch.build(
-        w.phase,
-        q_lens=[w.q_len] * w.batch,
-        kv_lens=[w.context] * w.batch,
-        page_tables=tables,
-        page_size=w.page_size,
-        num_pages=total,
-        masks=None if w.parents is None else [full_mask(w)] * w.batch,
-    )
+    batch = batch_of(w, tables, total)
     q = torch.randn(w.batch * w.q_len, w.heads, w.head_dim, generator=g).bfloat16()
     if w.kind == "mla":
         k = torch.randn(total, w.page_size, w.head_dim, generator=g).bfloat16()
@@ -227,17 +232,8 @@ def make_case(w: Workload) -> Case:
 def cached_batch(c: Case) -> AttnBatch:
     """``c``'s batch with every request's pages replaced by pages 0 and 1 in turn: the same
     work (lengths, masks, items, key blocks) over K/V that stays in cache (``--in-cache``)."""
-    w = c.w
-    pages_per = math.ceil(w.context / w.page_size)
-    return AttnBatch.build(
-        w.phase,
-        q_lens=[w.q_len] * w.batch,
-        kv_lens=[w.context] * w.batch,
-        page_tables=[[j % 2 for j in range(pages_per)] for _ in range(w.batch)],
-        page_size=w.page_size,
-        num_pages=len(c.tables) * pages_per,
-        masks=None if w.parents is None else [full_mask(w)] * w.batch,
-    )
+    pages_per = len(c.tables[0])
+    return batch_of(c.w, [[j % 2 for j in range(pages_per)] for _ in c.tables], c.k.shape[0])
 
 
 def gathered(c: Case, cache: Tensor, i: int) -> Tensor:

@@ -2,6 +2,8 @@
 // planner (plan.cpp) and the kernels (kernels_impl.h, compiled once per ISA).
 #ifndef NATIVE_ATTN_KERNELS_H
 #define NATIVE_ATTN_KERNELS_H
+#include <algorithm>
+
 #include "native_attn.h"
 
 // One work item: a tile of rows (query tokens x heads of one kv head) against a key range.
@@ -84,9 +86,7 @@ constexpr int kMaxCascadeRows = 64;
 // it as tiles of at most kMaxRows rows, a few kv heads each (kernels_impl.h, item).
 constexpr int kMaxWideRows = 128;
 // The most rows any item has (per-item row arrays are sized by it).
-constexpr int kMaxTileRows = kMaxWideRows > kMaxCascadeRows
-                                 ? kMaxWideRows
-                                 : (kMaxCascadeRows > kMaxRows ? kMaxCascadeRows : kMaxRows);
+constexpr int kMaxTileRows = std::max({kMaxWideRows, kMaxCascadeRows, kMaxRows});
 // Split-KV never cuts a tile into chunks shorter than this many keys: below it the
 // merge costs more than the parallelism gains.
 constexpr int kMinSplitKeys = 256;
