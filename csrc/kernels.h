@@ -84,7 +84,13 @@ constexpr int kMaxCascadeRows = 64;
 // decode's 16.5: bench/native_notes.md, "Verify tiles over every kv head"). The many-row
 // kernels (vdpbf16ps and fp32) take such a tile whole; the decode kernels and the amx unit run
 // it as tiles of at most kMaxRows rows, a few kv heads each (kernels_impl.h, item).
+// A request of at most kWideTokens query tokens whose tiles hold kMaxRows rows per kv head (a
+// tree of 8 over GQA groups of 4) takes kMaxWideRows / kMaxRows kv heads per tile the same way:
+// 0.96-0.99x the time of one kv head per tile in 16 of 18 rows, even in the other two (GQA
+// 32/8 trees of 8 and 16 on the avx512bf16, avx512 and avx2 paths, 1 and 2 threads, both plans
+// in one process; bench/native_notes.md, "Tree tiles over 4 kv heads").
 constexpr int kMaxWideRows = 128;
+constexpr int kWideTokens = 16;
 // The most rows any item has (per-item row arrays are sized by it).
 constexpr int kMaxTileRows = std::max({kMaxWideRows, kMaxCascadeRows, kMaxRows});
 // Split-KV never cuts a tile into chunks shorter than this many keys: below it the

@@ -531,7 +531,7 @@ static int item_one(const NaProblem* p, const NaItem* it) {
 // every other kernel (and in the amx unit, whose tiles hold 32 rows) as consecutive tiles of
 // at most kMaxRows rows, the tiles the planner made before: a cascade tile's scratch rows are
 // per token and head, so the same rows and the same results.
-// A wide verify tile (kv heads x 16 rows, up to kMaxWideRows) runs whole on the many-row
+// A wide verify tile (kv heads x 16 or 32 rows, up to kMaxWideRows) runs whole on the many-row
 // kernels (vdpbf16ps and fp32) and, on the decode kernels and in the amx unit, as tiles of at
 // most kMaxRows rows, a few kv heads each: a split's partial rows are the tile's row r at
 // slot + r, so the tile of its kv heads a.. writes from slot + a x its rows per kv head.

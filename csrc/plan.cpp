@@ -241,7 +241,19 @@ int make_items(NaPlan& P) {
     const int most = wide && rows == na::kRowsMinBf16 ? na::kMaxWideRows : na::kMaxRows;
     return std::max(1, std::min(c.num_kv_heads, most / rows));
   };
-  auto heads_per_tile = [&](int q_len) { return heads_per_rows(group * q_len, true); };
+  // A short request (at most kWideTokens query tokens: a speculative chain or tree, never a
+  // prompt) whose tiles hold kMaxRows rows per kv head (a tree of 8 over GQA groups of 4, a
+  // 4-token chain over groups of 8) takes kMaxWideRows / kMaxRows kv heads per tile, so each
+  // block reads a wider part of each token row (kernels.h, kMaxWideRows). `count`: the tiles
+  // the split decision counts, the kMaxRows tiles such a tile stands for, so a plan splits
+  // its keys as it did before these tiles.
+  auto heads_per_tile = [&](int q_len, bool count = false) {
+    if (!count && n_hblocks == 1 && q_len <= na::kWideTokens &&
+        std::min(q_len, qb) * hb == na::kMaxRows) {
+      return std::max(1, std::min(c.num_kv_heads, na::kMaxWideRows / na::kMaxRows));
+    }
+    return heads_per_rows(group * q_len, true);
+  };
   std::vector<Group> groups = find_groups(P, group);
   std::vector<int> shared_keys(size_t(B), 0), member_group(size_t(B), -1);
   std::vector<int> member_tok(size_t(B), 0);
@@ -270,7 +282,7 @@ int make_items(NaPlan& P) {
   P.cascade_groups = int64_t(groups.size());
   for (int i = 0; i < B; ++i) {
     const int q_len = P.qo[i + 1] - P.qo[i];
-    tiles += int64_t(ceil_div(c.num_kv_heads, heads_per_tile(q_len))) * n_hblocks *
+    tiles += int64_t(ceil_div(c.num_kv_heads, heads_per_tile(q_len, true))) * n_hblocks *
              ceil_div(q_len, qb);
   }
   // Split the keys only when the tiles alone cannot keep every thread busy. The target is

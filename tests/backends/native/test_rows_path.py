@@ -80,6 +80,17 @@ CASES: dict[str, tuple[Any, ...]] = {
         Phase.VERIFY, [4, 4], [530, 40], False, 32, 8, 64,
         dict(kv_dtype=torch.float8_e5m2, k_scale=1.1, v_scale=0.6), None,
     ),
+    # 32 rows per kv head in a request of at most 16 tokens (a tree of 8 or 16 over groups of
+    # 4, a 4- or 6-token chain over groups of 8): tiles of 4 kv heads (128 rows) on the
+    # many-row kernels, one kv head elsewhere; split keys (partial rows at slot + a x 32), a
+    # 20-row request beside (one kv head per tile).
+    "tree-8-kv-heads": (Phase.VERIFY, [8, 8, 5], [700, 90, 520], True, 32, 8, 64, {}, None),
+    "tree16-8-kv-heads-d128": (Phase.VERIFY, [16, 8], [600, 77], True, 32, 8, 128, {}, None),
+    "verify-group8-8-kv-heads": (Phase.VERIFY, [4, 6], [650, 61], False, 64, 8, 64, {}, None),
+    "tree-8-kv-heads-e4m3": (
+        Phase.VERIFY, [8, 8], [530, 40], True, 32, 8, 64,
+        dict(kv_dtype=torch.float8_e4m3fn, k_scale=0.8, v_scale=1.4), None,
+    ),
     # MLA (one latent row per token, its first dv elements the value): 16 heads of one token
     # are already 16 rows, so decode takes the many-row path too; a stand-in 160/128 and the
     # real 576/512, FP8 latent rows widened once per block for both q.K^T and p.V.
@@ -442,3 +453,32 @@ def test_default_threshold_is_16_rows_except_on_generic(tmp_path: Any) -> None:
         assert not torch.equal(on, off), f"{key}: the two kernels agree bit for bit here"
         want = off if key.startswith("generic/") else on
         assert torch.equal(out, want), f"{key}: the default took the other kernel"
+
+
+@needs_lib
+def test_short_requests_of_32_rows_per_kv_head_take_four_kv_heads_per_tile() -> None:
+    """The planner's item counts (split keys kept off: 200 keys, under the split floor): a
+    request of at most 16 tokens with 32 rows per kv head makes tiles of 4 kv heads (2 for
+    GQA 32/8), a prompt (or a tree of 16 over groups of 8: 64 rows, two head blocks' worth)
+    and a 5-token chain of 20 rows one kv head per tile; the outputs match the oracle."""
+    from attn_dispatch.backends.native.backend import NativeBackend
+
+    def items(q_len: int, hq: int, phase: Phase = Phase.VERIFY) -> int:
+        case = make_case(
+            "mha", phase, q_lens=[q_len], kv_lens=[200], page_size=16, hq=hq, hkv=8, d=64,
+            dv=64, dtype=torch.bfloat16, kv_dtype=torch.bfloat16, tree=phase is Phase.VERIFY,
+        )  # fmt: skip
+        backend = NativeBackend(case["config"], num_threads=1)
+        plan = backend.plan(case["batch"])
+        out = backend.handler(phase)(
+            case["q"], case["k_cache"], case["v_cache"], plan, case["scale"]
+        )
+        assert_close(out, reference({**case, "chunk": None}))
+        return int(plan.num_items)
+
+    assert items(8, 32) == 2  # a tree of 8, groups of 4: 32 rows, 4 kv heads per tile
+    assert items(16, 32) == 4  # a tree of 16: two 8-token blocks of 32 rows
+    assert items(4, 64) == 2  # a 4-token chain, groups of 8
+    assert items(5, 32) == 8  # 20 rows: one kv head per tile
+    assert items(17, 32) == 24  # 17 tokens: 3 blocks x 8 kv heads, as before
+    assert items(32, 32, Phase.PREFILL) == 32  # a prompt keeps one kv head per tile
