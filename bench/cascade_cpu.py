@@ -13,8 +13,21 @@ repeats, so machine noise hits every column alike):
 
 Also the plan cost at this batch (cascade found vs nothing to find; the whole ``plan`` and
 the C++ planner alone, which the cascade search is part of), the roofline of the same
-run (read bandwidth of one large tensor; fp32 GEMM throughput of torch.matmul), and the ISA
-path the native kernels ran. Outputs of all layouts are compared (bf16 tolerance).
+run (read bandwidth of one large tensor; the GEMM peak: the faster of torch's fp32 and bf16
+matmul, as in ``kernels_cpu.py``), and the ISA path the native kernels ran. Outputs of all
+layouts are compared (bf16 tolerance).
+
+Columns: ``GFMA/s`` multiply-adds of the layer (q.K^T and p.V) per second; ``of peak`` that
+over the GEMM peak; ``roofline`` max(K/V bytes read once / read bandwidth, multiply-adds /
+GEMM peak) over the time (shared pages count once where the table shares them).
+
+The cascade floor below the table: a cascade call runs its shared part (every member's rows
+over the shared keys: a many-query, compute-bound tile) and its own part (decode over each
+member's own keys: bandwidth-bound) as items of one list, so its time is about the sum of the
+two, each at best at its own roof: shared multiply-adds / GEMM peak + own K/V bytes / read
+bandwidth. ``private / floor`` is the most any kernel could make the cascade faster than the
+private copies as measured; ``for Nx`` is the share of that floor the call must reach for
+``--target``x (3 by default, issue 42's target).
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from kernels_cpu import gemm_peak
 from kernels_cpu import read_bandwidth
 from kernels_cpu import time_side_by_side as median_times
 
@@ -41,12 +55,25 @@ from attn_dispatch.backends.native._lib import NaPlanInfo
 from attn_dispatch.backends.native.backend import NativeBackend
 
 
-def roofline() -> tuple[float, float]:
-    """(read GB/s of a 1 GiB tensor, fp32 GEMM GFMA/s of a 1024^3 matmul) on this run's threads:
-    the kernels are fp32 arithmetic on AVX2, so fp32 GEMM is their compute roof."""
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    t = median_times({"gemm": lambda: a @ b}, 7)
-    return read_bandwidth(5), 1024**3 / t["gemm"] / 1e9
+def roofline() -> tuple[float, float, str]:
+    """(read GB/s of a 1 GiB tensor, GEMM peak GFMA/s, the dtype that reached it) on this
+    run's threads: the faster of torch's fp32 and bf16 1024^3 matmul (the many-row kernels
+    multiply in bf16 where the CPU has vdpbf16ps, the decode kernels in fp32)."""
+    peak, dtype = gemm_peak(7)
+    return read_bandwidth(5), peak / 1e9, dtype
+
+
+def cascade_floor(
+    batch: int, shared: int, own: int, heads: tuple[int, int], head_dim: int, bw: float, peak: float
+) -> tuple[float, float]:
+    """Seconds of a bf16 cascade call's two parts at their roofs: the shared part's
+    multiply-adds (``batch`` members x ``shared`` keys x q heads x head_dim, q.K^T and p.V)
+    at ``peak`` GFMA/s, and the own part's K/V bytes (``batch`` x ``own`` token rows of K and
+    V over the kv heads) at ``bw`` GB/s."""
+    hq, hkv = heads
+    shared_s = batch * shared * hq * head_dim * 2 / (peak * 1e9)
+    own_s = batch * own * hkv * head_dim * 2 * 2 / (bw * 1e9)
+    return shared_s, own_s
 
 
 def main() -> None:
@@ -59,6 +86,9 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument(
+        "--target", type=float, default=3.0, help="the speed-up over private copies to judge"
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, no roofline")
     args = ap.parse_args()
     if args.quick:  # figures from a quick run are not comparable: it only checks the script
@@ -156,18 +186,45 @@ def main() -> None:
 
         c_plan[label] = create_free
     plan_t.update(median_times(c_plan, 3 if args.quick else 201))
-    bw, gemm = (math.nan, math.nan) if args.quick else roofline()
+    bw, gemm, gemm_dtype = (math.nan, math.nan, "n/a") if args.quick else roofline()
     flops = B * kv_len * Hq * D * 2  # multiply-adds: q.k and p.v
+    row_bytes = Hkv * D * 2 * 2  # one token's K and V rows, bf16
+    unique = (args.shared + B * args.own) * row_bytes  # shared pages read once
+    kv_bytes = {
+        "shared, cascade": unique,
+        "private copies": B * kv_len * row_bytes,
+        "shared, cascade=False": unique,
+        "nothing shared, cascade=False": B * kv_len * row_bytes,
+    }
     base = times["private copies"]
     print(
         f"native cascade decode: ISA path {on.library.isa}, {args.threads} threads, batch {B}, "
         f"GQA {Hq}/{Hkv} x {D} bf16, page {ps}, {args.shared} shared + {args.own} own tokens"
     )
-    print(f"roofline (same run): read {bw:.1f} GB/s, fp32 GEMM {gemm:.1f} GFMA/s")
-    print(f"{'layout':32} {'ms':>8} {'vs private':>11} {'GFMA/s':>8} {'of GEMM':>8}")
+    print(
+        f"roofline (same run): read {bw:.1f} GB/s, GEMM peak {gemm:.1f} GFMA/s ({gemm_dtype}); "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'layout':32} {'ms':>8} {'vs private':>11} {'GFMA/s':>8} {'of peak':>8} {'roofline':>9}"
+    )
     for name, t in times.items():
         rate = flops / t / 1e9
-        print(f"{name:32} {t * 1e3:8.2f} {base / t:10.2f}x {rate:8.1f} {rate / gemm:7.0%}")
+        roof = max(kv_bytes[name] / (bw * 1e9), flops / (gemm * 1e9))
+        print(
+            f"{name:32} {t * 1e3:8.2f} {base / t:10.2f}x {rate:8.1f} {rate / gemm:7.0%} "
+            f"{roof / t:8.0%}"
+        )
+    shared_s, own_s = cascade_floor(B, args.shared, args.own, (Hq, Hkv), D, bw, gemm)
+    floor = shared_s + own_s
+    cascade = times["shared, cascade"]
+    need = base / args.target
+    print(
+        f"cascade floor: shared part {shared_s * 1e3:.2f} ms at the GEMM peak + own part "
+        f"{own_s * 1e3:.2f} ms at the read bandwidth = {floor * 1e3:.2f} ms; the call reaches "
+        f"{floor / cascade:.0%} of it; private / floor = {base / floor:.2f}x; for "
+        f"{args.target:g}x: {need * 1e3:.2f} ms, {floor / need:.0%} of the floor"
+    )
     print(
         f"nothing shared: cascade on / off time = "
         f"{times['private copies'] / times['nothing shared, cascade=False']:.3f}"

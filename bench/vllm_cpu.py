@@ -22,7 +22,13 @@ may flip and greedy decoding diverges from there; ``--dtype float32`` compares e
 own generate over the row's time outside attention): the most any attention kernel can give
 that row. ``attention x for 1.3x``: how many times faster than vLLM's own attention layers
 the row's must be for 1.3x vLLM's tokens/s, its time outside attention as measured
-("unreachable" where that time alone is longer).
+("unreachable" where that time alone is longer); ``attention s for 1.3x``: the attention
+time that allows. ``prefill floor s``: the causal multiply-adds of the prompts' prefill in
+every attention layer the row runs (target and draft; q.K^T and p.V over each prompt's
+L(L+1)/2 query-key pairs) at the GEMM peak measured after the engines in the same process
+(the faster of torch's fp32 and bf16 1024^3 matmul): no attention kernel on this machine
+takes less, so a row whose ``attention s for 1.3x`` is below it cannot reach 1.3x whatever
+kernel serves it.
 
 Rows (each ``x vllm`` is against vLLM's own attention in the same set-up: ``native, eagle``
 against ``vllm, eagle``):
@@ -67,6 +73,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import sys
 import tempfile
@@ -702,6 +709,15 @@ def attention_bounds(
     return ceiling, needed
 
 
+def prefill_macs(shape: str, layers: int) -> int:
+    """Multiply-adds of the causal prefill of ``shape``'s prompts in ``layers`` attention
+    layers: each of a prompt's L tokens attends to itself and the tokens before it (L(L+1)/2
+    pairs), q.K^T and p.V over every query head's head size."""
+    _, _, qh, _, hd = SHAPES[shape]
+    batch, prompt, _ = lengths(shape)
+    return batch * prompt * (prompt + 1) // 2 * qh * hd * 2 * layers
+
+
 def _same(a: list[list[int]], b: list[list[int]]) -> str:
     """Tokens equal to the reference's, counted up to each request's first difference (bf16
     sums in another order can flip a near-tie, and greedy decoding diverges from there)."""
@@ -804,9 +820,12 @@ def main() -> None:
             isa = vllm_isa if name.startswith("vllm") else native_isa
             failed = res["errors"].get(name) or res["errors"].get(ref)
             if failed:
-                rows.append([shape, name, isa, "failed", "-", "-", "-", "-", "-", failed[:160]])
+                rows.append(
+                    [shape, name, isa, "failed", "-", "-", "-", "-", "-", "-", failed[:160]]
+                )
                 continue
             ceiling, needed = attention_bounds(secs[ref], attn[ref], secs[name], attn[name])
+            allowed = secs[ref] / GOAL - (secs[name] - attn[name])
             rows.append(
                 [
                     shape,
@@ -818,17 +837,32 @@ def main() -> None:
                     f"{attn[ref] / attn[name]:.2f}",
                     f"{ceiling:.2f}",
                     needed,
+                    f"{allowed:.2f}" if allowed > 0 else "-",
                     _same(toks[name], toks[ref]),
                 ]
             )
+    # The compute roof of the floor column, measured after the engines (they are gone).
+    if not args.quick:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from kernels_cpu import gemm_peak
+
+        peak, peak_dtype = gemm_peak(7)
+        peak_text = f"; GEMM peak {peak / 1e9:.0f} GMAC/s ({peak_dtype})"
+    else:
+        peak, peak_text = math.nan, ""
+    for row in rows:
+        shape, name = row[0], row[1]
+        # The speculative rows' drafts are one layer of the target's shape (both methods).
+        layers = args.layers + (1 if ", " in name and not name.endswith("mixed") else 0)
+        row.insert(-1, f"{prefill_macs(shape, layers) / peak:.2f}" if not math.isnan(peak) else "-")
     print()
     print(
         f"vLLM {__import__('vllm').__version__} CPU engine, {args.dtype} Llama "
         f"({'; '.join(shape_text(s, args.layers) for s in shapes)}), greedy"
         + (f", speculative rows {SPEC_TOKENS} tokens" if args.spec else "")
         + f"; torch threads {torch.get_num_threads()}; best of {args.rounds} rounds; native "
-        f"ISA {native_isa}, vLLM's {vllm_isa}; load (1/5/15 min) before and after each model: "
-        + " | ".join(loads)
+        f"ISA {native_isa}, vLLM's {vllm_isa}{peak_text}; load (1/5/15 min) before and after "
+        "each model: " + " | ".join(loads)
     )
     print(
         format_table(
@@ -842,6 +876,8 @@ def main() -> None:
                 "x vllm (attention)",
                 "x vllm, attention free",
                 f"attention x for {GOAL}x",
+                f"attention s for {GOAL}x",
+                "prefill floor s",
                 "tokens as vllm's",
             ],
             rows,

@@ -160,3 +160,38 @@ def test_kernels_quick_run_times_the_cached_work() -> None:
     assert child.returncode == 0, child.stderr[-3000:]
     header = next(line for line in child.stdout.splitlines() if line.startswith("workload"))
     assert header.split()[-3:] == ["cached", "cached", "roof"], header
+
+
+def test_cascade_floor_counts_each_part_at_its_roof() -> None:
+    """bench/cascade_cpu.py's floor: the shared part's multiply-adds at the GEMM peak plus the
+    own part's K/V bytes at the read bandwidth (issue 42's 3x judged against it)."""
+    spec = importlib.util.spec_from_file_location("bench_cascade_cpu", BENCH / "cascade_cpu.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # it puts bench/ on sys.path for kernels_cpu itself
+    # B16, 3584 shared + 512 own, GQA 32/8 x 128 at 200 GFMA/s and 32 GB/s: the shared
+    # part is 16 x 3584 x 32 x 128 x 2 = 469.8 M multiply-adds (2.349 ms), the own part
+    # 16 x 512 x 8 x 128 x 2 bytes x 2 (K, V) = 33.55 MB (1.049 ms).
+    shared_s, own_s = module.cascade_floor(16, 3584, 512, (32, 8), 128, 32.0, 200.0)
+    assert shared_s == pytest.approx(16 * 3584 * 32 * 128 * 2 / 200e9)
+    assert own_s == pytest.approx(16 * 512 * 8 * 128 * 4 / 32e9)
+    assert (round(shared_s * 1e3, 3), round(own_s * 1e3, 3)) == (2.349, 1.049)
+
+
+def test_prefill_floor_counts_the_causal_pairs() -> None:
+    """bench/vllm_cpu.py's prefill floor: each prompt's L(L+1)/2 query-key pairs, q.K^T and
+    p.V over every query head, in every layer the row runs (the long model: 4 x 2048-token
+    prompts, GQA 8/2 x 128)."""
+    spec = importlib.util.spec_from_file_location("bench_vllm_cpu", BENCH / "vllm_cpu.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    saved = dict(os.environ)  # the script sets vLLM's environment as it loads
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    pairs = 2048 * 2049 // 2
+    assert module.prefill_macs("long", 4) == 4 * pairs * 8 * 128 * 2 * 4
+    assert module.prefill_macs("long", 5) == module.prefill_macs("long", 4) * 5 // 4
+    assert module.prefill_macs("tiny", 1) == 8 * (128 * 129 // 2) * 4 * 64 * 2
