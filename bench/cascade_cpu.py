@@ -91,6 +91,8 @@ def main() -> None:
     )
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, no roofline")
     args = ap.parse_args()
+    if not args.target > 0:
+        raise SystemExit(f"--target must be a speed-up above 0, got {args.target!r}")
     if args.quick:  # figures from a quick run are not comparable: it only checks the script
         args.batch, args.shared, args.own, args.page_size, args.repeats = 2, 64, 16, 16, 1
         args.heads, args.head_dim = (4, 2), 32
