@@ -697,16 +697,17 @@ GOAL = 1.3
 
 def attention_bounds(
     ref_s: float, ref_attn: float, own_s: float, own_attn: float
-) -> tuple[float, str]:
+) -> tuple[float, str, float]:
     """What attention alone can give a row (Amdahl, from the row's own measured time outside
-    attention): its ``x vllm`` if its attention took no time at all, and how many times
-    faster than vLLM's own attention (``ref_attn``) it must be for ``GOAL`` x vLLM's
-    tokens/s ("unreachable" where the rest alone is already slower than that)."""
+    attention): its ``x vllm`` if its attention took no time at all, how many times faster
+    than vLLM's own attention (``ref_attn``) it must be for ``GOAL`` x vLLM's tokens/s
+    ("unreachable" where the rest alone is already slower than that), and the attention
+    seconds that allows (<= 0 when unreachable)."""
     rest = own_s - own_attn
     ceiling = ref_s / rest if rest > 0 else float("inf")
     allowed = ref_s / GOAL - rest
     needed = f"{ref_attn / allowed:.1f}" if allowed > 0 else "unreachable"
-    return ceiling, needed
+    return ceiling, needed, allowed
 
 
 def prefill_macs(shape: str, layers: int) -> int:
@@ -804,6 +805,9 @@ def main() -> None:
 
     vllm_isa, native_isa = isa_names()
     rows = []
+    # Per row: (shape, attention layers it runs): the target's, and a speculative row's
+    # one-layer draft (both methods), for the prefill floor below.
+    row_layers: list[tuple[str, int]] = []
     results: dict[str, Any] = {}
     loads = [load_text()]
     for shape in shapes:
@@ -816,6 +820,9 @@ def main() -> None:
         results[shape] = res
         secs, attn, toks = res["seconds"], res["attention"], res["tokens"]
         for name in contenders:
+            row_layers.append(
+                (shape, args.layers + (1 if "speculative_config" in contenders[name] else 0))
+            )
             ref = reference(name)
             isa = vllm_isa if name.startswith("vllm") else native_isa
             failed = res["errors"].get(name) or res["errors"].get(ref)
@@ -824,8 +831,9 @@ def main() -> None:
                     [shape, name, isa, "failed", "-", "-", "-", "-", "-", "-", failed[:160]]
                 )
                 continue
-            ceiling, needed = attention_bounds(secs[ref], attn[ref], secs[name], attn[name])
-            allowed = secs[ref] / GOAL - (secs[name] - attn[name])
+            ceiling, needed, allowed = attention_bounds(
+                secs[ref], attn[ref], secs[name], attn[name]
+            )
             rows.append(
                 [
                     shape,
@@ -850,10 +858,7 @@ def main() -> None:
         peak_text = f"; GEMM peak {peak / 1e9:.0f} GMAC/s ({peak_dtype})"
     else:
         peak, peak_text = math.nan, ""
-    for row in rows:
-        shape, name = row[0], row[1]
-        # The speculative rows' drafts are one layer of the target's shape (both methods).
-        layers = args.layers + (1 if ", " in name and not name.endswith("mixed") else 0)
+    for row, (shape, layers) in zip(rows, row_layers, strict=True):
         row.insert(-1, f"{prefill_macs(shape, layers) / peak:.2f}" if not math.isnan(peak) else "-")
     print()
     print(

@@ -233,26 +233,29 @@ int make_items(NaPlan& P) {
   // A tile whose rows of one kv head are few (decode, short verify) takes several kv heads:
   // each block of tokens is then read whole, in address order (a token's heads are adjacent
   // in the cache), instead of one head's 2 KB-strided rows per tile.
-  // A request's tile of exactly 16 rows per kv head (the many-row kernels' threshold) takes
-  // every kv head of its tokens, up to kMaxWideRows rows (kernels.h): each block is then read
-  // as whole token rows. Cascade tiles (wide) keep kMaxRows.
-  auto heads_per_rows = [&](int rows, bool wide = false) {
+  auto heads_per_rows = [&](int rows) {
     if (n_hblocks != 1 || rows > na::kMaxRows / 2) return 1;
-    const int most = wide && rows == na::kRowsMinBf16 ? na::kMaxWideRows : na::kMaxRows;
-    return std::max(1, std::min(c.num_kv_heads, most / rows));
+    return std::max(1, std::min(c.num_kv_heads, na::kMaxRows / rows));
   };
-  // A short request (at most kWideTokens query tokens: a speculative chain or tree, never a
-  // prompt) whose tiles hold kMaxRows rows per kv head (a tree of 8 over GQA groups of 4, a
-  // 4-token chain over groups of 8) takes kMaxWideRows / kMaxRows kv heads per tile, so each
-  // block reads a wider part of each token row (kernels.h, kMaxWideRows). `count`: the tiles
-  // the split decision counts, the kMaxRows tiles such a tile stands for, so a plan splits
-  // its keys as it did before these tiles.
+  // Wide tiles (kernels.h, kMaxWideRows): a request's tile of exactly 16 rows per kv head (the
+  // many-row kernels' threshold) takes every kv head of its tokens, up to kMaxWideRows rows,
+  // so each block is read as whole token rows; a short request (at most kWideTokens query
+  // tokens: a speculative chain or tree, never a prompt) whose tiles hold kMaxRows rows per kv
+  // head (a tree of 8 over GQA groups of 4, a 4-token chain over groups of 8) takes
+  // kMaxWideRows / kMaxRows kv heads. `count`: the tiles the split decision counts; a 32-row
+  // wide tile counts as the kMaxRows tiles it stands for, so such plans split their keys as
+  // before those tiles. Cascade tiles keep heads_per_rows.
   auto heads_per_tile = [&](int q_len, bool count = false) {
-    if (!count && n_hblocks == 1 && q_len <= na::kWideTokens &&
-        std::min(q_len, qb) * hb == na::kMaxRows) {
-      return std::max(1, std::min(c.num_kv_heads, na::kMaxWideRows / na::kMaxRows));
+    if (n_hblocks == 1) {
+      const int rows = std::min(q_len, qb) * hb;
+      if (rows == na::kRowsMinBf16 && q_len <= qb) {
+        return std::max(1, std::min(c.num_kv_heads, na::kMaxWideRows / rows));
+      }
+      if (!count && rows == na::kMaxRows && q_len <= na::kWideTokens) {
+        return std::max(1, std::min(c.num_kv_heads, na::kMaxWideRows / rows));
+      }
     }
-    return heads_per_rows(group * q_len, true);
+    return heads_per_rows(group * q_len);
   };
   std::vector<Group> groups = find_groups(P, group);
   std::vector<int> shared_keys(size_t(B), 0), member_group(size_t(B), -1);
