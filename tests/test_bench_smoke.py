@@ -195,3 +195,14 @@ def test_prefill_floor_counts_the_causal_pairs() -> None:
     assert module.prefill_macs("long", 4) == 4 * pairs * 8 * 128 * 2 * 4
     assert module.prefill_macs("long", 5) == module.prefill_macs("long", 4) * 5 // 4
     assert module.prefill_macs("tiny", 1) == 8 * (128 * 129 // 2) * 4 * 64 * 2
+
+
+def test_cascade_refuses_a_target_at_or_below_zero() -> None:
+    """bench/cascade_cpu.py's floor line divides by --target: 0 is refused by name, before any
+    work."""
+    child = subprocess.run(
+        [sys.executable, str(BENCH / "cascade_cpu.py"), "--quick", "--target", "0"], cwd=ROOT,
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert child.returncode == 1
+    assert "--target must be a speed-up above 0, got 0.0" in child.stderr
