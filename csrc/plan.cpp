@@ -242,16 +242,19 @@ int make_items(NaPlan& P) {
   // so each block is read as whole token rows; a short request (at most kWideTokens query
   // tokens: a speculative chain or tree, never a prompt) whose tiles hold kMaxRows rows per kv
   // head (a tree of 8 over GQA groups of 4, a 4-token chain over groups of 8) takes
-  // kMaxWideRows / kMaxRows kv heads. `count`: the tiles the split decision counts; a 32-row
-  // wide tile counts as the kMaxRows tiles it stands for, so such plans split their keys as
-  // before those tiles. Cascade tiles keep heads_per_rows.
+  // kMaxWideRows / kMaxRows kv heads. `count`: the tiles the split decision counts; a wide
+  // tile counts as the tiles of at most kMaxRows rows it stands for (heads_per_rows), so the
+  // keys of a batch of GQA 32/8 verify-4 requests are split only below 8 requests. Counted as
+  // one tile, a 128-row tile made 4 splits of 512 keys at B8 ctx 2048: each item's start and
+  // merge cost ~30 us, and the unsplit plan took 0.88-0.98x the time on 2 threads (every ISA
+  // path, 1-8 requests; bench/native_notes.md).
   auto heads_per_tile = [&](int q_len, bool count = false) {
-    if (n_hblocks == 1) {
+    if (n_hblocks == 1 && !count) {
       const int rows = std::min(q_len, qb) * hb;
       if (rows == na::kRowsMinBf16 && q_len <= qb) {
         return std::max(1, std::min(c.num_kv_heads, na::kMaxWideRows / rows));
       }
-      if (!count && rows == na::kMaxRows && q_len <= na::kWideTokens) {
+      if (rows == na::kMaxRows && q_len <= na::kWideTokens) {
         return std::max(1, std::min(c.num_kv_heads, na::kMaxWideRows / rows));
       }
     }

@@ -482,3 +482,30 @@ def test_short_requests_of_32_rows_per_kv_head_take_four_kv_heads_per_tile() -> 
     assert items(5, 32) == 8  # 20 rows: one kv head per tile
     assert items(17, 32) == 24  # 17 tokens: 3 blocks x 8 kv heads, as before
     assert items(32, 32, Phase.PREFILL) == 32  # a prompt keeps one kv head per tile
+
+
+@needs_lib
+def test_wide_verify_tiles_count_as_their_32_row_tiles_in_the_split_decision() -> None:
+    """The planner's item counts for GQA 32/8 verify-4 chains (16 rows per kv head: one tile of
+    all 8 kv heads per request) at 2048 keys: the split decision counts each such tile as the 4
+    tiles of 32 rows it stands for, so 8 requests keep their keys whole (counted as one tile
+    each, they made 32 items of 512 keys), 3 requests split theirs in 3, and one request in 8
+    (the 256-key floor); every output matches the oracle."""
+    from attn_dispatch.backends.native.backend import NativeBackend
+
+    def items(batch: int) -> int:
+        case = make_case(
+            "mha", Phase.VERIFY, q_lens=[4] * batch, kv_lens=[2048] * batch, page_size=16,
+            hq=32, hkv=8, d=64, dv=64, dtype=torch.bfloat16, kv_dtype=torch.bfloat16, seed=batch,
+        )  # fmt: skip
+        backend = NativeBackend(case["config"], num_threads=1)
+        plan = backend.plan(case["batch"])
+        out = backend.handler(Phase.VERIFY)(
+            case["q"], case["k_cache"], case["v_cache"], plan, case["scale"]
+        )
+        assert_close(out, reference({**case, "chunk": None}))
+        return int(plan.num_items)
+
+    assert items(8) == 8  # 8 requests x 4 counted tiles: 32, the split target; keys whole
+    assert items(3) == 9  # 12 counted tiles: 3 splits of 704 keys (22 blocks of 32)
+    assert items(1) == 8  # 4 counted tiles: 8 splits, held at the 256-key floor
