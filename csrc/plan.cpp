@@ -246,8 +246,8 @@ int make_items(NaPlan& P) {
   // tile counts as the tiles of at most kMaxRows rows it stands for (heads_per_rows), so the
   // keys of a batch of GQA 32/8 verify-4 requests are split only below 8 requests. Counted as
   // one tile, a 128-row tile made 4 splits of 512 keys at B8 ctx 2048: each item's start and
-  // merge cost ~30 us, and the unsplit plan took 0.88-0.98x the time on 2 threads (every ISA
-  // path, 1-8 requests; bench/native_notes.md).
+  // merge cost ~30 us, and the new plans took 0.84-0.99x the time on 2 threads with
+  // vdpbf16ps, 0.94-1.01x on the fp32 paths (1-8 requests; bench/native_notes.md).
   auto heads_per_tile = [&](int q_len, bool count = false) {
     if (n_hblocks == 1 && !count) {
       const int rows = std::min(q_len, qb) * hb;
