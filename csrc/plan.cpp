@@ -251,12 +251,9 @@ int make_items(NaPlan& P) {
   auto heads_per_tile = [&](int q_len, bool count = false) {
     if (n_hblocks == 1 && !count) {
       const int rows = std::min(q_len, qb) * hb;
-      if (rows == na::kRowsMinBf16 && q_len <= qb) {
-        return std::max(1, std::min(c.num_kv_heads, na::kMaxWideRows / rows));
-      }
-      if (rows == na::kMaxRows && q_len <= na::kWideTokens) {
-        return std::max(1, std::min(c.num_kv_heads, na::kMaxWideRows / rows));
-      }
+      const bool wide16 = rows == na::kRowsMinBf16 && q_len <= qb;
+      const bool wide32 = rows == na::kMaxRows && q_len <= na::kWideTokens;
+      if (wide16 || wide32) return std::max(1, std::min(c.num_kv_heads, na::kMaxWideRows / rows));
     }
     return heads_per_rows(group * q_len);
   };
