@@ -10,8 +10,11 @@ One process, random Llama-shaped models (bf16, saved with transformers at start;
 default, one after the other; ``long``, hidden 1024, MLP 2816, GQA 8/2 x 128), the same
 prompts for every contender: batch 8 x 128-token prompts, 64 new tokens each, greedy (for
 ``long``: 4 x 2048-token prompts, 64 new).
-The contenders take turns (round 1: each once, round 2: each again, ...) and the best round of
-each is reported, so a burst of other load lands on all of them alike. tokens/s = new tokens
+The contenders take turns (round 1: each once, round 2: each again in the reverse order, ...)
+and the best round of each is reported, so a burst of other load lands on all of them alike.
+``x vllm per round``: the ratio of the two engines' times within each round, its median and
+range over the rounds; the steadier figure where the machine's speed drifts between rounds
+(best-of compares each side's luckiest round). tokens/s = new tokens
 / wall time of ``llm.generate`` (start-up excluded; each engine first generates 4 tokens
 for the same prompts: the first run of each batch shape builds vLLM's oneDNN kernels, and
 prefix caching is off). ``attention s``: the time spent in the attention layers (KV writes
@@ -75,6 +78,7 @@ import gc
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -590,9 +594,12 @@ def phases(model: str, rounds: int, shape: str, args: Any) -> None:
 def run(
     contenders: dict[str, dict[str, Any]], model: str, rounds: int, shape: str, dtype: str
 ) -> dict[str, Any]:
-    """Every contender's best generate time over ``rounds`` alternating rounds. A contender's
-    ``extra`` is its ``vllm.LLM`` arguments; a ``speculative_config`` whose ``model`` is a
-    callable gets the draft's path from it (made once, beside the target)."""
+    """Every contender's best generate time over ``rounds`` rounds, and its time in each
+    round (``per_round``, for the paired ratios: a contender and its reference timed minutes
+    apart in the same round). The contenders' order is reversed every other round, so that
+    neither side always runs first after an engine's start-up. A contender's ``extra`` is its
+    ``vllm.LLM`` arguments; a ``speculative_config`` whose ``model`` is a callable gets the
+    draft's path from it (made once, beside the target)."""
     import vllm
 
     from attn_dispatch.integrations.vllm import register
@@ -607,8 +614,10 @@ def run(
     attn: dict[str, float] = {}
     tokens: dict[str, list[list[int]]] = {}
     errors: dict[str, str] = {}
+    per_round: dict[str, list[float]] = {name: [] for name in contenders}
     for r in range(rounds):
-        for name, extra in contenders.items():
+        order = list(contenders.items())
+        for name, extra in order if r % 2 == 0 else order[::-1]:
             if name in errors:
                 continue
             try:
@@ -629,6 +638,7 @@ def run(
             assert all(len(t) == new for t in got), name
             tokens.setdefault(name, got)
             best[name] = min(best.get(name, dt), dt)
+            per_round[name].append(dt)
             print(
                 f"round {r + 1}: {shape} {name:<28} {batch * new / dt:8.1f} tokens/s, "
                 f"attention {clock.seconds:.2f} s of {dt:.2f} s",
@@ -636,7 +646,22 @@ def run(
             )
             del llm
             gc.collect()
-    return {"seconds": best, "attention": attn, "tokens": tokens, "errors": errors}
+    return {
+        "seconds": best,
+        "per_round": per_round,
+        "attention": attn,
+        "tokens": tokens,
+        "errors": errors,
+    }
+
+
+def paired_ratios(ref: list[float], mine: list[float]) -> tuple[float, float, float]:
+    """(median, lowest, highest) over the rounds of the reference's time / the contender's
+    time in the same round (> 1: the contender is faster). Best-of figures compare each
+    side's luckiest round; on a shared machine whose speed drifts between rounds, the
+    paired ratio is the steadier figure."""
+    ratios = sorted(a / b for a, b in zip(ref, mine, strict=True))
+    return statistics.median(ratios), ratios[0], ratios[-1]
 
 
 def reference(name: str) -> str:
@@ -828,12 +853,13 @@ def main() -> None:
             failed = res["errors"].get(name) or res["errors"].get(ref)
             if failed:
                 rows.append(
-                    [shape, name, isa, "failed", "-", "-", "-", "-", "-", "-", failed[:160]]
+                    [shape, name, isa, "failed", "-", "-", "-", "-", "-", "-", "-", failed[:160]]
                 )
                 continue
             ceiling, needed, allowed = attention_bounds(
                 secs[ref], attn[ref], secs[name], attn[name]
             )
+            mid, low, high = paired_ratios(res["per_round"][ref], res["per_round"][name])
             rows.append(
                 [
                     shape,
@@ -841,6 +867,7 @@ def main() -> None:
                     isa,
                     f"{batch * new / secs[name]:.1f}",
                     f"{secs[ref] / secs[name]:.2f}",
+                    f"{mid:.2f} ({low:.2f}-{high:.2f})",
                     f"{attn[name]:.2f}",
                     f"{attn[ref] / attn[name]:.2f}",
                     f"{ceiling:.2f}",
@@ -865,7 +892,8 @@ def main() -> None:
         f"vLLM {__import__('vllm').__version__} CPU engine, {args.dtype} Llama "
         f"({'; '.join(shape_text(s, args.layers) for s in shapes)}), greedy"
         + (f", speculative rows {SPEC_TOKENS} tokens" if args.spec else "")
-        + f"; torch threads {torch.get_num_threads()}; best of {args.rounds} rounds; native "
+        + f"; torch threads {torch.get_num_threads()}; best of {args.rounds} rounds (per round: "
+        "the median and range over the rounds of the two engines' ratio in one round); native "
         f"ISA {native_isa}, vLLM's {vllm_isa}{peak_text}; load (1/5/15 min) before and after "
         "each model: " + " | ".join(loads)
     )
@@ -877,6 +905,7 @@ def main() -> None:
                 "isa",
                 "tokens/s",
                 "x vllm",
+                "x vllm per round",
                 "attention s",
                 "x vllm (attention)",
                 "x vllm, attention free",

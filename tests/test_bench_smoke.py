@@ -197,6 +197,27 @@ def test_prefill_floor_counts_the_causal_pairs() -> None:
     assert module.prefill_macs("tiny", 1) == 8 * (128 * 129 // 2) * 4 * 64 * 2
 
 
+def test_paired_ratios_compare_the_engines_within_each_round() -> None:
+    """bench/vllm_cpu.py's per-round column: the reference's time over the contender's in the
+    same round, its median and range; a slow round slows both sides and leaves the ratio."""
+    spec = importlib.util.spec_from_file_location("bench_vllm_cpu", BENCH / "vllm_cpu.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    saved = dict(os.environ)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    # Round 2 runs 1.5x slower for both: best-of would give 2.0 / 2.0 = 1.0, per round 1.0, 1.0,
+    # 0.8 (the third round's contender slower).
+    mid, low, high = module.paired_ratios([2.0, 3.0, 2.4], [2.0, 3.0, 3.0])
+    assert (mid, low, high) == pytest.approx((1.0, 0.8, 1.0))
+    assert module.paired_ratios([1.0, 4.0], [2.0, 2.0]) == pytest.approx((1.25, 0.5, 2.0))
+    with pytest.raises(ValueError):  # rounds that do not pair up are a bug, not a figure
+        module.paired_ratios([1.0, 2.0], [1.0])
+
+
 def test_cascade_refuses_a_target_at_or_below_zero() -> None:
     """bench/cascade_cpu.py's floor line divides by --target: 0 is refused by name, before any
     work."""
