@@ -595,7 +595,7 @@ def run(
     contenders: dict[str, dict[str, Any]], model: str, rounds: int, shape: str, dtype: str
 ) -> dict[str, Any]:
     """Every contender's best generate time over ``rounds`` rounds, and its time in each
-    round (``per_round``, for the paired ratios: a contender and its reference timed minutes
+    round (``per_round``, for the paired ratios: a contender and its reference timed moments
     apart in the same round). The contenders' order is reversed every other round, so that
     neither side always runs first after an engine's start-up. A contender's ``extra`` is its
     ``vllm.LLM`` arguments; a ``speculative_config`` whose ``model`` is a callable gets the

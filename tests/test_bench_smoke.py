@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -178,28 +179,8 @@ def test_cascade_floor_counts_each_part_at_its_roof() -> None:
     assert (round(shared_s * 1e3, 3), round(own_s * 1e3, 3)) == (2.349, 1.049)
 
 
-def test_prefill_floor_counts_the_causal_pairs() -> None:
-    """bench/vllm_cpu.py's prefill floor: each prompt's L(L+1)/2 query-key pairs, q.K^T and
-    p.V over every query head, in every layer the row runs (the long model: 4 x 2048-token
-    prompts, GQA 8/2 x 128)."""
-    spec = importlib.util.spec_from_file_location("bench_vllm_cpu", BENCH / "vllm_cpu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    saved = dict(os.environ)  # the script sets vLLM's environment as it loads
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    pairs = 2048 * 2049 // 2
-    assert module.prefill_macs("long", 4) == 4 * pairs * 8 * 128 * 2 * 4
-    assert module.prefill_macs("long", 5) == module.prefill_macs("long", 4) * 5 // 4
-    assert module.prefill_macs("tiny", 1) == 8 * (128 * 129 // 2) * 4 * 64 * 2
-
-
-def test_paired_ratios_compare_the_engines_within_each_round() -> None:
-    """bench/vllm_cpu.py's per-round column: the reference's time over the contender's in the
-    same round, its median and range; a slow round slows both sides and leaves the ratio."""
+def _vllm_cpu_module() -> Any:
+    """bench/vllm_cpu.py as a module, the environment it sets for vLLM as it loads undone."""
     spec = importlib.util.spec_from_file_location("bench_vllm_cpu", BENCH / "vllm_cpu.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -209,6 +190,24 @@ def test_paired_ratios_compare_the_engines_within_each_round() -> None:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+    return module
+
+
+def test_prefill_floor_counts_the_causal_pairs() -> None:
+    """bench/vllm_cpu.py's prefill floor: each prompt's L(L+1)/2 query-key pairs, q.K^T and
+    p.V over every query head, in every layer the row runs (the long model: 4 x 2048-token
+    prompts, GQA 8/2 x 128)."""
+    module = _vllm_cpu_module()
+    pairs = 2048 * 2049 // 2
+    assert module.prefill_macs("long", 4) == 4 * pairs * 8 * 128 * 2 * 4
+    assert module.prefill_macs("long", 5) == module.prefill_macs("long", 4) * 5 // 4
+    assert module.prefill_macs("tiny", 1) == 8 * (128 * 129 // 2) * 4 * 64 * 2
+
+
+def test_paired_ratios_compare_the_engines_within_each_round() -> None:
+    """bench/vllm_cpu.py's per-round column: the reference's time over the contender's in the
+    same round, its median and range; a slow round slows both sides and leaves the ratio."""
+    module = _vllm_cpu_module()
     # Round 2 runs 1.5x slower for both: best-of would give 2.0 / 2.0 = 1.0, per round 1.0, 1.0,
     # 0.8 (the third round's contender slower).
     mid, low, high = module.paired_ratios([2.0, 3.0, 2.4], [2.0, 3.0, 3.0])
