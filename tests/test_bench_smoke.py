@@ -70,6 +70,23 @@ NEEDS: dict[str, Callable[[], str | None] | None] = {
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py"))
 
 
+def _bench_module(file: str) -> Any:
+    """``bench/<file>`` as a module (registered in sys.modules, where dataclasses look their
+    module up), the environment it sets as it loads (vllm_cpu.py: vLLM's) undone."""
+    name = "bench_" + file.removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(name, BENCH / file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    saved = dict(os.environ)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return module
+
+
 def _env() -> dict[str, str]:
     # The worktree first (pytest's pythonpath "." does the same for this process).
     return {
@@ -139,11 +156,7 @@ def test_kernels_quick_run_times_the_cached_work() -> None:
     why = _native()
     if why is not None:
         pytest.skip(f"bench/kernels_cpu.py: {why}")
-    spec = importlib.util.spec_from_file_location("bench_kernels_cpu", BENCH / "kernels_cpu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
+    module = _bench_module("kernels_cpu.py")
     tree = next(w for w in module.WORKLOADS if w.parents is not None and w.batch == 8)
     small = module.Workload(
         "tree", "mha", tree.phase, 4, 2, 16, 16, 3, 200, 8, parents=tree.parents
@@ -166,10 +179,7 @@ def test_kernels_quick_run_times_the_cached_work() -> None:
 def test_cascade_floor_counts_each_part_at_its_roof() -> None:
     """bench/cascade_cpu.py's floor: the shared part's multiply-adds at the GEMM peak plus the
     own part's K/V bytes at the read bandwidth (issue 42's 3x judged against it)."""
-    spec = importlib.util.spec_from_file_location("bench_cascade_cpu", BENCH / "cascade_cpu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # it puts bench/ on sys.path for kernels_cpu itself
+    module = _bench_module("cascade_cpu.py")  # it puts bench/ on sys.path for kernels_cpu
     # B16, 3584 shared + 512 own, GQA 32/8 x 128 at 200 GFMA/s and 32 GB/s: the shared
     # part is 16 x 3584 x 32 x 128 x 2 = 469.8 M multiply-adds (2.349 ms), the own part
     # 16 x 512 x 8 x 128 x 2 bytes x 2 (K, V) = 33.55 MB (1.049 ms).
@@ -179,25 +189,11 @@ def test_cascade_floor_counts_each_part_at_its_roof() -> None:
     assert (round(shared_s * 1e3, 3), round(own_s * 1e3, 3)) == (2.349, 1.049)
 
 
-def _vllm_cpu_module() -> Any:
-    """bench/vllm_cpu.py as a module, the environment it sets for vLLM as it loads undone."""
-    spec = importlib.util.spec_from_file_location("bench_vllm_cpu", BENCH / "vllm_cpu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    saved = dict(os.environ)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return module
-
-
 def test_prefill_floor_counts_the_causal_pairs() -> None:
     """bench/vllm_cpu.py's prefill floor: each prompt's L(L+1)/2 query-key pairs, q.K^T and
     p.V over every query head, in every layer the row runs (the long model: 4 x 2048-token
     prompts, GQA 8/2 x 128)."""
-    module = _vllm_cpu_module()
+    module = _bench_module("vllm_cpu.py")
     pairs = 2048 * 2049 // 2
     assert module.prefill_macs("long", 4) == 4 * pairs * 8 * 128 * 2 * 4
     assert module.prefill_macs("long", 5) == module.prefill_macs("long", 4) * 5 // 4
@@ -207,7 +203,7 @@ def test_prefill_floor_counts_the_causal_pairs() -> None:
 def test_paired_ratios_compare_the_engines_within_each_round() -> None:
     """bench/vllm_cpu.py's per-round column: the reference's time over the contender's in the
     same round, its median and range; a slow round slows both sides and leaves the ratio."""
-    module = _vllm_cpu_module()
+    module = _bench_module("vllm_cpu.py")
     # Round 2 runs 1.5x slower for both: best-of would give 2.0 / 2.0 = 1.0, per round 1.0, 1.0,
     # 0.8 (the third round's contender slower).
     mid, low, high = module.paired_ratios([2.0, 3.0, 2.4], [2.0, 3.0, 3.0])

@@ -455,26 +455,31 @@ def test_default_threshold_is_16_rows_except_on_generic(tmp_path: Any) -> None:
         assert torch.equal(out, want), f"{key}: the default took the other kernel"
 
 
+def _planned_items(case: dict[str, Any], phase: Phase) -> int:
+    """How many work items native's planner makes for the case's batch (1 thread), after
+    checking that plan's output against the oracle."""
+    from attn_dispatch.backends.native.backend import NativeBackend
+
+    backend = NativeBackend(case["config"], num_threads=1)
+    plan = backend.plan(case["batch"])
+    out = backend.handler(phase)(case["q"], case["k_cache"], case["v_cache"], plan, case["scale"])
+    assert_close(out, reference({**case, "chunk": None}))
+    return int(plan.num_items)
+
+
 @needs_lib
 def test_short_requests_of_32_rows_per_kv_head_take_four_kv_heads_per_tile() -> None:
     """The planner's item counts (split keys kept off: 200 keys, under the split floor): a
     request of at most 16 tokens with 32 rows per kv head makes tiles of 4 kv heads (2 for
     GQA 32/8), a prompt (or a tree of 16 over groups of 8: 64 rows, two head blocks' worth)
     and a 5-token chain of 20 rows one kv head per tile; the outputs match the oracle."""
-    from attn_dispatch.backends.native.backend import NativeBackend
 
     def items(q_len: int, hq: int, phase: Phase = Phase.VERIFY) -> int:
         case = make_case(
             "mha", phase, q_lens=[q_len], kv_lens=[200], page_size=16, hq=hq, hkv=8, d=64,
             dv=64, dtype=torch.bfloat16, kv_dtype=torch.bfloat16, tree=phase is Phase.VERIFY,
         )  # fmt: skip
-        backend = NativeBackend(case["config"], num_threads=1)
-        plan = backend.plan(case["batch"])
-        out = backend.handler(phase)(
-            case["q"], case["k_cache"], case["v_cache"], plan, case["scale"]
-        )
-        assert_close(out, reference({**case, "chunk": None}))
-        return int(plan.num_items)
+        return _planned_items(case, phase)
 
     assert items(8, 32) == 2  # a tree of 8, groups of 4: 32 rows, 4 kv heads per tile
     assert items(16, 32) == 4  # a tree of 16: two 8-token blocks of 32 rows
@@ -491,20 +496,13 @@ def test_wide_verify_tiles_count_as_their_32_row_tiles_in_the_split_decision() -
     tiles of 32 rows it stands for, so 8 requests keep their keys whole (counted as one tile
     each, they made 32 items of 512 keys), 3 requests split theirs in 3, and one request in 8
     (the 256-key floor); every output matches the oracle."""
-    from attn_dispatch.backends.native.backend import NativeBackend
 
     def items(batch: int) -> int:
         case = make_case(
             "mha", Phase.VERIFY, q_lens=[4] * batch, kv_lens=[2048] * batch, page_size=16,
             hq=32, hkv=8, d=64, dv=64, dtype=torch.bfloat16, kv_dtype=torch.bfloat16, seed=batch,
         )  # fmt: skip
-        backend = NativeBackend(case["config"], num_threads=1)
-        plan = backend.plan(case["batch"])
-        out = backend.handler(Phase.VERIFY)(
-            case["q"], case["k_cache"], case["v_cache"], plan, case["scale"]
-        )
-        assert_close(out, reference({**case, "chunk": None}))
-        return int(plan.num_items)
+        return _planned_items(case, Phase.VERIFY)
 
     assert items(8) == 8  # 8 requests x 4 counted tiles: 32, the split target; keys whole
     assert items(3) == 9  # 12 counted tiles: 3 splits of 704 keys (22 blocks of 32)
